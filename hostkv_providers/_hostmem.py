@@ -1,0 +1,108 @@
+"""Host memory allocation seam.
+
+The pinned provider asks a :class:`HostAllocator` for its arena, chunk by chunk.  The ordinary
+implementation here maps anonymous memory (page-aligned, so it can be registered with the GPU
+driver later); the copy engine's CUDA allocator pre-faults and page-locks it.  Keeping the seam
+here means the provider never imports CUDA.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import threading
+from typing import Protocol, runtime_checkable
+
+from ._errors import InvalidArgumentError
+
+__all__ = ["HostAllocation", "HostAllocator", "OrdinaryAllocation", "OrdinaryAllocator", "buffer_address"]
+
+
+def buffer_address(view: memoryview) -> int:
+    """Virtual address of a writable buffer's first byte."""
+    if view.readonly:
+        # ctypes can only take the address of writable buffers; read-only callers pass a view
+        # of the same writable memory.
+        raise InvalidArgumentError("buffer_address needs a writable buffer")
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
+
+
+@runtime_checkable
+class HostAllocation(Protocol):
+    """A block of host memory owned by the caller until :meth:`close`."""
+
+    @property
+    def view(self) -> memoryview:
+        """Writable bytes of the allocation."""
+
+    @property
+    def address(self) -> int:
+        """Virtual address of ``view[0]``."""
+
+    @property
+    def pinned(self) -> bool:
+        """Whether the memory is page-locked and registered with the GPU driver."""
+
+    def close(self) -> None:
+        """Free (and unregister) the memory.  Views into it must no longer be used."""
+
+
+@runtime_checkable
+class HostAllocator(Protocol):
+    """Makes :class:`HostAllocation` objects."""
+
+    @property
+    def pinned(self) -> bool:
+        """Whether allocations are page-locked."""
+
+    def allocate(self, nbytes: int) -> HostAllocation:
+        """Allocate ``nbytes`` (the implementation may round up to its page size)."""
+
+
+class OrdinaryAllocation:
+    """Anonymous, page-aligned, pageable memory (``mmap``)."""
+
+    def __init__(self, nbytes: int) -> None:
+        if nbytes <= 0:
+            raise InvalidArgumentError(f"allocation size must be > 0, got {nbytes}")
+        self._map: mmap.mmap | None = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self._view: memoryview | None = memoryview(self._map)
+        self._address = buffer_address(self._view)
+        self._lock = threading.Lock()
+
+    @property
+    def view(self) -> memoryview:
+        if self._view is None:
+            raise InvalidArgumentError("allocation is closed")
+        return self._view
+
+    @property
+    def address(self) -> int:
+        return self._address
+
+    @property
+    def pinned(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        with self._lock:
+            if self._map is None:
+                return
+            assert self._view is not None
+            self._view.release()
+            self._view = None
+            try:
+                self._map.close()
+            except BufferError:
+                # a caller still holds an exported view; the map is freed when it goes away
+                pass
+            self._map = None
+
+
+class OrdinaryAllocator:
+    """Allocator of ordinary (pageable) memory; used without CUDA and in tests."""
+
+    pinned = False
+
+    def allocate(self, nbytes: int) -> HostAllocation:
+        return OrdinaryAllocation(nbytes)

@@ -1,0 +1,331 @@
+"""An in-memory tree index with LRU-leaf eviction, leases and a budget guard.
+
+Shared by the providers that keep their index in process memory (pinned, mmap).  It only does
+bookkeeping: which keys exist, who their parents are, what each costs, what is pinned, and which
+leaf to evict next.  The provider owns the bytes and frees them for the nodes this index hands
+back as evicted.  Not thread-safe by itself: callers hold their provider lock.
+
+Pinning ("hold") propagates to ancestors: a node is *held* while it is leased, while a child
+reservation is in flight under it, or while any child is held.  ``held_cost`` therefore is the
+exact cost that no eviction may touch, which makes the satisfiability guard O(1):
+``used + cost - (sealed_cost - held_cost) <= budget``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+from ._errors import CapacityError, InFlightError, UnknownKeyError
+from ._keys import Key
+
+__all__ = ["Node", "TreeIndex"]
+
+
+class Node:
+    """One sealed entry in the index."""
+
+    __slots__ = (
+        "anchors",
+        "checksum",
+        "children",
+        "cost",
+        "created",
+        "dead",
+        "hold",
+        "key",
+        "last_used",
+        "loc",
+        "nbytes",
+        "parent",
+        "salt_tag",
+        "tick",
+    )
+
+    def __init__(
+        self,
+        key: Key,
+        parent: Key | None,
+        nbytes: int,
+        cost: int,
+        salt_tag: str,
+        checksum: int | None,
+        loc: Any,
+        created: float,
+    ) -> None:
+        self.key = key
+        self.parent = parent
+        self.nbytes = nbytes
+        self.cost = cost
+        self.salt_tag = salt_tag
+        self.checksum = checksum
+        self.loc = loc  # provider-private location of the bytes
+        self.created = created
+        self.last_used = created
+        self.children = 0
+        self.hold = 0
+        self.tick = 0
+        self.dead = False
+        self.anchors: dict[str, Any] | None = None  # name -> provider-private anchor record
+
+
+class _Flight:
+    __slots__ = ("cost", "parent")
+
+    def __init__(self, parent: Key | None, cost: int) -> None:
+        self.parent = parent
+        self.cost = cost
+
+
+class TreeIndex:
+    """Bookkeeping of a budget-bounded, prefix-closed tree of entries."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.nodes: dict[Key, Node] = {}
+        self.flights: dict[Key, _Flight] = {}
+        self.used = 0  # sealed cost + in-flight cost
+        self.sealed_cost = 0
+        self.held_cost = 0
+        self.evictions = 0
+        self.evicted_cost = 0
+        self._tick = 0
+        self._heap: list[tuple[int, Key]] = []
+        self._leaves = 0
+
+    # -- lookups -----------------------------------------------------------------------------
+    def get(self, key: Key) -> Node | None:
+        return self.nodes.get(key)
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    def __iter__(self) -> Iterator[Node]:
+        return iter(list(self.nodes.values()))
+
+    def touch(self, node: Node) -> None:
+        self._tick += 1
+        node.tick = self._tick
+        node.last_used = time.time()
+        if node.children == 0 and node.hold == 0:
+            self._push(node)
+
+    # -- reservations ------------------------------------------------------------------------
+    def begin(self, key: Key, parent: Key | None, cost: int) -> tuple[bool, list[Node]]:
+        """Start a reservation.  Returns ``(False, [])`` for a sealed key (dedup), else
+        ``(True, evicted_nodes)``; raises ``InFlightError``/``UnknownKeyError``/``CapacityError``."""
+        if key in self.nodes:
+            return False, []
+        if key in self.flights:
+            raise InFlightError(f"key {key.hex()[:16]} is being written by another writer", key=key)
+        pnode = None
+        if parent is not None:
+            pnode = self.nodes.get(parent)
+            if pnode is None:
+                raise UnknownKeyError(f"parent {parent.hex()[:16]} is not stored")
+        evicted = self.make_room(cost, protect=pnode)
+        self.flights[key] = _Flight(parent, cost)
+        self.used += cost
+        if pnode is not None:
+            self._hold(pnode)
+        return True, evicted
+
+    def commit(self, key: Key, node: Node) -> None:
+        """Turn the in-flight reservation ``key`` into the sealed ``node``."""
+        flight = self.flights.pop(key)
+        pnode = self.nodes.get(flight.parent) if flight.parent is not None else None
+        if flight.parent is not None and (pnode is None or pnode.dead):
+            self.used -= flight.cost
+            raise UnknownKeyError(
+                f"parent {flight.parent.hex()[:16]} was dropped (corrupt) before the seal",
+                hint="save the chain again from its first missing page",
+            )
+        node.cost = flight.cost
+        self.nodes[key] = node
+        self.sealed_cost += node.cost
+        if pnode is not None:
+            pnode.children += 1
+            self._unhold(pnode)
+        self.touch(node)
+
+    def cancel(self, key: Key) -> None:
+        flight = self.flights.pop(key, None)
+        if flight is None:
+            return
+        self.used -= flight.cost
+        if flight.parent is not None:
+            pnode = self.nodes.get(flight.parent)
+            if pnode is not None and not pnode.dead:
+                self._unhold(pnode)
+
+    # -- budget ------------------------------------------------------------------------------
+    def evictable_cost(self) -> int:
+        return self.sealed_cost - self.held_cost
+
+    def make_room(self, cost: int, protect: Node | None = None) -> list[Node]:
+        """Evict LRU leaves until ``cost`` more fits; raise ``CapacityError`` before evicting
+        anything if even evicting every evictable entry would not be enough."""
+        if self.used + cost <= self.budget:
+            return []
+        evictable = self.evictable_cost()
+        if protect is not None and protect.hold == 0:
+            # the parent of the new entry must survive: it and its ancestors are not evictable
+            evictable -= self._unheld_ancestry_cost(protect)
+        if cost > self.budget or self.used + cost - evictable > self.budget:
+            raise CapacityError(
+                f"{cost} bytes do not fit: budget {self.budget}, used {self.used}, "
+                f"evictable {max(evictable, 0)}"
+            )
+        if protect is not None:
+            self._hold(protect)
+        try:
+            return self.evict_cost(self.used + cost - self.budget)
+        finally:
+            if protect is not None:
+                self._unhold(protect)
+
+    def _unheld_ancestry_cost(self, node: Node | None) -> int:
+        total = 0
+        while node is not None and node.hold == 0:
+            total += node.cost
+            node = self.nodes.get(node.parent) if node.parent is not None else None
+        return total
+
+    def evict_cost(self, need: int) -> list[Node]:
+        """Evict least-recently-used unheld leaves until ``need`` cost is freed (or none left)."""
+        out: list[Node] = []
+        freed = 0
+        while freed < need and self._heap:
+            tick, key = heapq.heappop(self._heap)
+            node = self.nodes.get(key)
+            if node is None or node.tick != tick or node.children or node.hold:
+                continue  # stale heap entry; a held leaf is re-pushed when released
+            self._remove(node)
+            self.evictions += 1
+            self.evicted_cost += node.cost
+            freed += node.cost
+            out.append(node)
+        return out
+
+    def add_cost(self, node: Node, delta: int) -> list[Node]:
+        """Grow (or shrink) a sealed node's cost, e.g. for anchors; evicts to make room."""
+        evicted: list[Node] = []
+        if delta > 0:
+            self._hold(node)
+            try:
+                evicted = self.make_room(delta)
+            finally:
+                self._unhold(node)
+        node.cost += delta
+        self.used += delta
+        self.sealed_cost += delta
+        if node.hold:
+            self.held_cost += delta
+        return evicted
+
+    # -- holds (leases) ----------------------------------------------------------------------
+    def hold_keys(self, keys: Sequence[Key]) -> list[Node | None]:
+        out: list[Node | None] = []
+        for key in keys:
+            node = self.nodes.get(key)
+            if node is not None:
+                self._hold(node)
+                self.touch(node)
+            out.append(node)
+        return out
+
+    def release_nodes(self, nodes: Iterable[Node | None]) -> None:
+        for node in nodes:
+            if node is not None and not node.dead:
+                self._unhold(node)
+
+    def _hold(self, node: Node | None) -> None:
+        while node is not None:
+            node.hold += 1
+            if node.hold != 1:
+                return
+            self.held_cost += node.cost
+            node = self.nodes.get(node.parent) if node.parent is not None else None
+
+    def _unhold(self, node: Node | None) -> None:
+        while node is not None:
+            node.hold -= 1
+            if node.hold != 0:
+                return
+            self.held_cost -= node.cost
+            if node.children == 0:
+                self._push(node)
+            node = self.nodes.get(node.parent) if node.parent is not None else None
+
+    # -- removal -----------------------------------------------------------------------------
+    def _remove(self, node: Node) -> None:
+        del self.nodes[node.key]
+        node.dead = True
+        self.used -= node.cost
+        self.sealed_cost -= node.cost
+        if node.parent is not None:
+            pnode = self.nodes.get(node.parent)
+            if pnode is not None:
+                pnode.children -= 1
+                if pnode.children == 0 and pnode.hold == 0:
+                    self._push(pnode)
+
+    def subtree(self, roots: Iterable[Key]) -> list[Node]:
+        """Nodes of the subtrees under ``roots`` (present ones), deepest first."""
+        wanted = [self.nodes[k] for k in roots if k in self.nodes]
+        if not wanted:
+            return []
+        children: dict[Key, list[Node]] = {}
+        if any(n.children for n in wanted):
+            for n in self.nodes.values():
+                if n.parent is not None:
+                    children.setdefault(n.parent, []).append(n)
+        order: list[Node] = []
+        seen: set[Key] = set()
+        stack = list(wanted)
+        while stack:
+            n = stack.pop()
+            if n.key in seen:
+                continue
+            seen.add(n.key)
+            order.append(n)
+            stack.extend(children.get(n.key, ()))
+        order.reverse()  # a node always comes after all of its descendants
+        return order
+
+    def evict_keys(self, keys: Iterable[Key]) -> tuple[list[Node], int]:
+        """Remove ``keys`` with their subtrees, skipping held nodes (and so their ancestors)."""
+        removed: list[Node] = []
+        skipped = 0
+        for node in self.subtree(keys):
+            if node.hold or node.children or node.key in self.flights:
+                skipped += 1
+                continue
+            self._remove(node)
+            self.evictions += 1
+            self.evicted_cost += node.cost
+            removed.append(node)
+        return removed, skipped
+
+    def drop(self, key: Key) -> list[Node]:
+        """Force-remove ``key`` and its subtree (a checksum failure), held or not."""
+        removed: list[Node] = []
+        for node in self.subtree([key]):
+            if node.hold:
+                self.held_cost -= node.cost
+                if node.parent is not None and node.parent in self.nodes:
+                    self._unhold(self.nodes[node.parent])
+                node.hold = 0
+            if node.children:  # children already removed (deepest first); keep counts exact
+                node.children = 0
+            self._remove(node)
+            removed.append(node)
+        return removed
+
+    def _push(self, node: Node) -> None:
+        heapq.heappush(self._heap, (node.tick, node.key))
+        if len(self._heap) > 4 * len(self.nodes) + 1024:
+            self._heap = [(n.tick, n.key) for n in self.nodes.values() if n.children == 0 and n.hold == 0]
+            heapq.heapify(self._heap)

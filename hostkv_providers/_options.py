@@ -1,0 +1,106 @@
+"""URL option parsing shared by the providers: sizes, booleans, choices, unknown-option errors."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+from ._errors import InvalidArgumentError
+
+__all__ = ["Options", "format_size", "parse_size"]
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
+    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(text: str | int) -> int:
+    """``"8GiB"`` → 8589934592; ``"1.5MB"`` → 1500000; plain ints are bytes."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        if text < 0:
+            raise InvalidArgumentError(f"size must be >= 0, got {text}")
+        return text
+    if not isinstance(text, str):
+        raise InvalidArgumentError(f"size must be a str or int, got {type(text).__name__}")
+    m = _SIZE.match(text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise InvalidArgumentError(f"not a size: {text!r}", hint="write sizes like 512MiB, 8GiB, 1.5GB or 4096")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def format_size(nbytes: int) -> str:
+    """Human-readable binary size (``1.5 GiB``)."""
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{int(value)} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{nbytes} B"
+
+
+class Options:
+    """Typed access to a provider URL's query options; ``finish()`` rejects unknown ones."""
+
+    def __init__(self, provider: str, options: Mapping[str, str]) -> None:
+        self._provider = provider
+        self._left = dict(options)
+        self._known: list[str] = []
+
+    def _take(self, name: str) -> str | None:
+        self._known.append(name)
+        return self._left.pop(name, None)
+
+    def size(self, name: str, default: int) -> int:
+        raw = self._take(name)
+        return default if raw is None else parse_size(raw)
+
+    def integer(self, name: str, default: int) -> int:
+        raw = self._take(name)
+        if raw is None:
+            return default
+        try:
+            return int(raw)
+        except ValueError:
+            raise InvalidArgumentError(f"{self._provider}: option {name} must be an integer, got {raw!r}") from None
+
+    def number(self, name: str, default: float) -> float:
+        raw = self._take(name)
+        if raw is None:
+            return default
+        try:
+            return float(raw)
+        except ValueError:
+            raise InvalidArgumentError(f"{self._provider}: option {name} must be a number, got {raw!r}") from None
+
+    def boolean(self, name: str, default: bool) -> bool:
+        raw = self._take(name)
+        if raw is None:
+            return default
+        low = raw.lower()
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("0", "false", "no", "off"):
+            return False
+        raise InvalidArgumentError(f"{self._provider}: option {name} must be true/false, got {raw!r}")
+
+    def choice(self, name: str, default: str, choices: tuple[str, ...]) -> str:
+        raw = self._take(name)
+        if raw is None:
+            return default
+        if raw not in choices:
+            raise InvalidArgumentError(f"{self._provider}: option {name} must be one of {', '.join(choices)}, got {raw!r}")
+        return raw
+
+    def text(self, name: str, default: str | None = None) -> str | None:
+        raw = self._take(name)
+        return default if raw is None else raw
+
+    def finish(self) -> None:
+        if self._left:
+            raise InvalidArgumentError(
+                f"{self._provider}: unknown option(s) {', '.join(sorted(self._left))}",
+                hint=f"accepted options: {', '.join(self._known)}",
+            )

@@ -1,0 +1,619 @@
+"""``pinned://`` — a budget-bounded arena of (page-locked, when CUDA is present) host memory.
+
+The arena is cut into fixed-size *blocks*; an entry takes ``ceil(nbytes / block)`` blocks, a
+contiguous run when one is free, else any free blocks (a scatter list).  So fragmentation can
+never make a request that fits the budget unsatisfiable: any ``k`` free blocks will do.  Set
+``block`` to the page size of the layout you store and every page is one contiguous region.
+
+The arena is allocated in chunks; with ``background=true`` only the first chunk is allocated
+before the constructor returns and the rest are pinned by a background thread, so start-up is not
+blocked by pinning a large budget.  A reservation that needs memory not yet ready waits for the
+next chunk before it evicts anything.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+from ._checksum import checksum_parts
+from ._errors import CapacityError, InvalidArgumentError, ReservationError, UnknownKeyError
+from ._hostmem import HostAllocation, HostAllocator, OrdinaryAllocator
+from ._index import Node, TreeIndex
+from ._keys import Key
+from ._options import Options, parse_size
+from ._provider import (
+    EntryInfo,
+    EvictReport,
+    HostRegion,
+    Lease,
+    Provider,
+    ProviderStats,
+    Reservation,
+    VerifyReport,
+    check_anchor_name,
+    readable_bytes,
+    writable_buffer,
+)
+from ._span import ByteSpan
+
+__all__ = ["PinnedProvider"]
+
+_DEFAULT_BLOCK = 64 * 1024
+_DEFAULT_CHUNK = 256 * 1024 * 1024
+
+
+class _Arena:
+    """Blocks in chunks of host memory, with a coalescing free-run list."""
+
+    def __init__(self, block: int, blocks_per_chunk: int) -> None:
+        self.block = block
+        self.bpc = blocks_per_chunk
+        self.chunks: list[HostAllocation] = []
+        self.total = 0  # blocks in ready chunks
+        self.free = 0
+        self._runs: dict[int, int] = {}  # start block -> length
+        self._ends: dict[int, int] = {}  # end block (exclusive) -> start
+
+    def add_chunk(self, alloc: HostAllocation, nblocks: int) -> None:
+        start = len(self.chunks) * self.bpc
+        self.chunks.append(alloc)
+        self.total += nblocks
+        self._release_run(start, nblocks)
+
+    def _release_run(self, start: int, length: int) -> None:
+        self.free += length
+        end = start + length
+        # coalesce with neighbours, but never across a chunk boundary (not contiguous memory)
+        if start % self.bpc and start in self._ends:
+            prev = self._ends.pop(start)
+            length += self._runs.pop(prev)
+            start = prev
+        if end % self.bpc and end in self._runs:
+            nxt_len = self._runs.pop(end)
+            del self._ends[end + nxt_len]
+            length += nxt_len
+        self._runs[start] = length
+        self._ends[start + length] = start
+
+    def _take(self, start: int, length: int, want: int) -> tuple[int, int]:
+        del self._runs[start]
+        del self._ends[start + length]
+        take = min(length, want)
+        if take < length:
+            self._runs[start + take] = length - take
+            self._ends[start + length] = start + take
+        self.free -= take
+        return start, take
+
+    def allocate(self, nblocks: int) -> list[tuple[int, int]]:
+        """``nblocks`` blocks as ``[(start, length)]`` runs; caller checked ``free >= nblocks``."""
+        best = None
+        for start, length in self._runs.items():
+            if length >= nblocks and (best is None or length < best[1]):
+                best = (start, length)
+                if length == nblocks:
+                    break
+        if best is not None:
+            return [self._take(best[0], best[1], nblocks)]
+        out: list[tuple[int, int]] = []
+        need = nblocks
+        for start, length in sorted(self._runs.items(), key=lambda r: -r[1]):
+            out.append(self._take(start, length, need))
+            need -= out[-1][1]
+            if need == 0:
+                break
+        return out
+
+    def release(self, runs: Sequence[tuple[int, int]]) -> None:
+        for start, length in runs:
+            self._release_run(start, length)
+
+    def regions(self, runs: Sequence[tuple[int, int]], nbytes: int, pinned: bool) -> list[HostRegion]:
+        out: list[HostRegion] = []
+        offset = 0
+        for start, length in runs:
+            chunk = self.chunks[start // self.bpc]
+            lo = (start % self.bpc) * self.block
+            size = min(length * self.block, nbytes - offset)
+            if size <= 0:
+                break
+            out.append(HostRegion(offset, chunk.view[lo : lo + size], chunk.address + lo, pinned))
+            offset += size
+        return out
+
+    def close(self) -> None:
+        for chunk in self.chunks:
+            chunk.close()
+        self.chunks.clear()
+
+
+class _PinnedReservation(Reservation):
+    __slots__ = ("runs", "_regions")
+
+    def __init__(self, provider: PinnedProvider, key: Key, parent: Key | None, nbytes: int, salt_tag: str,
+                 runs: list[tuple[int, int]], regions: list[HostRegion]) -> None:
+        super().__init__(provider, key, parent, nbytes, salt_tag)
+        self.runs = runs
+        self._regions = regions
+
+    def regions(self) -> Sequence[HostRegion]:
+        self.check_open(self._provider)
+        return self._regions
+
+
+class PinnedProvider(Provider):
+    """Budget-bounded host-memory provider (see the module docstring).
+
+    Parameters
+    ----------
+    budget_bytes:
+        The byte budget; the arena holds ``budget_bytes // block`` blocks.
+    block:
+        Block size in bytes (a multiple of 4 KiB).
+    chunk:
+        Allocation granularity of the arena (a multiple of ``block``).
+    allocator:
+        Where the memory comes from; default: page-locked CUDA memory when a GPU is usable,
+        ordinary memory otherwise.
+    background:
+        Allocate all but the first chunk in a background thread.
+    verify_reads:
+        Check the seal-time checksum on every ``read`` (views are never checked).
+    """
+
+    name = "pinned"
+
+    def __init__(
+        self,
+        budget_bytes: int,
+        *,
+        block: int = _DEFAULT_BLOCK,
+        chunk: int = _DEFAULT_CHUNK,
+        allocator: HostAllocator | None = None,
+        background: bool = False,
+        verify_reads: bool = False,
+    ) -> None:
+        super().__init__()
+        if type(budget_bytes) is not int or budget_bytes <= 0:
+            raise InvalidArgumentError(f"budget must be a positive int, got {budget_bytes!r}")
+        if type(block) is not int or block <= 0 or block % 4096:
+            raise InvalidArgumentError(f"block must be a positive multiple of 4096, got {block!r}")
+        if budget_bytes < block:
+            raise InvalidArgumentError(f"budget {budget_bytes} is smaller than one block ({block})")
+        chunk = max(block, min(chunk, budget_bytes) // block * block)
+        self._budget = budget_bytes
+        self._block = block
+        self._verify_reads = verify_reads
+        if allocator is None:
+            allocator = _default_allocator()
+        self._allocator = allocator
+        self._lock = threading.RLock()
+        self._ready = threading.Condition(self._lock)
+        self._arena = _Arena(block, chunk // block)
+        self._index = TreeIndex(0)
+        self._counters: dict[str, int] = dict.fromkeys(
+            ("hits", "misses", "seals", "aborts", "dedup", "checksum_failures", "bytes_written", "bytes_read"), 0
+        )
+        total_blocks = budget_bytes // block
+        self._plan = [min(chunk // block, total_blocks - i) for i in range(0, total_blocks, chunk // block)]
+        self._pinning_error: BaseException | None = None
+        self._add_chunk(self._plan[0])
+        self._pending = len(self._plan) - 1
+        self._filler: threading.Thread | None = None
+        if self._pending:
+            if background:
+                self._filler = threading.Thread(target=self._fill, name="hostkv-pinned-fill", daemon=True)
+                self._filler.start()
+            else:
+                self._fill()
+        self._finalizer = weakref.finalize(self, _Arena.close, self._arena)
+
+    # -- construction ------------------------------------------------------------------------
+    @classmethod
+    def from_url(cls, location: str, options: Mapping[str, str]) -> PinnedProvider:
+        opts = Options("pinned", options)
+        budget = opts.size("budget", 1 << 30)
+        block = opts.size("block", _DEFAULT_BLOCK)
+        chunk = opts.size("chunk", _DEFAULT_CHUNK)
+        background = opts.boolean("background", True)
+        verify = opts.choice("verify", "never", ("never", "read"))
+        pin = opts.choice("pin", "auto", ("auto", "yes", "no"))
+        opts.finish()
+        if location not in ("", "/"):
+            raise InvalidArgumentError(f"pinned:// takes no path, got {location!r}", hint="use pinned://?budget=8GiB")
+        allocator: HostAllocator | None = OrdinaryAllocator() if pin == "no" else None
+        if pin == "yes":
+            allocator = _default_allocator(require_pinned=True)
+        return cls(budget, block=block, chunk=chunk, allocator=allocator, background=background,
+                   verify_reads=verify == "read")
+
+    def _add_chunk(self, nblocks: int) -> None:
+        alloc = self._allocator.allocate(nblocks * self._block)
+        with self._lock:
+            if self._closed:
+                alloc.close()
+                return
+            self._arena.add_chunk(alloc, nblocks)
+            self._index.budget = self._arena.total * self._block
+            self._ready.notify_all()
+
+    def _fill(self) -> None:
+        try:
+            for nblocks in self._plan[1:]:
+                if self._closed:
+                    return
+                self._add_chunk(nblocks)
+                with self._lock:
+                    self._pending -= 1
+        except BaseException as exc:  # surfaced by reserve(); the ready part keeps serving
+            with self._lock:
+                self._pinning_error = exc
+                self._pending = 0
+                self._ready.notify_all()
+
+    @property
+    def budget_bytes(self) -> int:
+        return self._budget
+
+    @property
+    def block_nbytes(self) -> int:
+        return self._block
+
+    @property
+    def ready_bytes(self) -> int:
+        """Bytes of the arena allocated (and pinned) so far."""
+        return self._arena.total * self._block
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Wait until the whole arena is allocated; ``True`` when it is."""
+        with self._lock:
+            return self._ready.wait_for(lambda: self._pending == 0 or self._closed, timeout)
+
+    # -- lookups -----------------------------------------------------------------------------
+    def present(self, keys: Sequence[bytes]) -> list[bool]:
+        ks = self._keys(keys)
+        with self._lock:
+            self._check_usable()
+            nodes = self._index.nodes
+            return [k in nodes for k in ks]
+
+    def longest_prefix(self, keys: Sequence[bytes]) -> int:
+        ks = self._keys(keys)
+        with self._lock:
+            self._check_usable()
+            nodes = self._index.nodes
+            n = 0
+            for k in ks:
+                if k not in nodes:
+                    break
+                n += 1
+            return n
+
+    def in_flight(self, key: bytes) -> bool:
+        k = self._key(key)
+        with self._lock:
+            self._check_usable()
+            return k in self._index.flights
+
+    def entry(self, key: bytes) -> EntryInfo | None:
+        k = self._key(key)
+        with self._lock:
+            self._check_usable()
+            node = self._index.get(k)
+            return None if node is None else _info(node)
+
+    def iter_entries(self) -> Iterator[EntryInfo]:
+        with self._lock:
+            self._check_usable()
+            infos = [_info(n) for n in self._index]
+        return iter(infos)
+
+    # -- writes ------------------------------------------------------------------------------
+    def reserve(self, key: bytes, parent: bytes | None, nbytes: int, *, salt_tag: str = "") -> Reservation | None:
+        k = self._key(key)
+        p = None if parent is None else self._key(parent, "parent")
+        if type(nbytes) is not int or nbytes <= 0:
+            raise InvalidArgumentError(f"nbytes must be a positive int, got {nbytes!r}")
+        if not isinstance(salt_tag, str):
+            raise InvalidArgumentError("salt_tag must be a str")
+        if p == k:
+            raise InvalidArgumentError("an entry cannot be its own parent")
+        nblocks = -(-nbytes // self._block)
+        cost = nblocks * self._block
+        with self._lock:
+            self._check_usable()
+            if cost > self._budget:
+                raise CapacityError(f"{nbytes} bytes exceed the whole budget of {self._budget}")
+            # Prefer memory still being pinned over evicting entries that could be hits.
+            while (self._pending and self._index.used + cost > self._index.budget
+                   and k not in self._index.nodes):
+                self._ready.wait(0.5)
+                self._check_usable()
+            ok, evicted = self._index.begin(k, p, cost)
+            if not ok:
+                self._counters["dedup"] += 1
+                return None
+            self._free_nodes(evicted)
+            runs = self._arena.allocate(nblocks)
+            regions = self._arena.regions(runs, nbytes, self._allocator.pinned)
+            return _PinnedReservation(self, k, p, nbytes, salt_tag, runs, regions)
+
+    def _own(self, reservation: Reservation) -> _PinnedReservation:
+        if not isinstance(reservation, _PinnedReservation):
+            raise ReservationError("not a reservation of this provider")
+        reservation.check_open(self)
+        return reservation
+
+    def write(self, reservation: Reservation, offset: int, data: object) -> None:
+        view = readable_bytes(data)
+        self._check_usable()
+        res = self._own(reservation)
+        span = res.check_write(offset, view.nbytes)
+        # No provider lock: the reservation's blocks are private to its writer until seal.
+        _scatter(res._regions, span, view)
+        res.mark_written(span)
+        with self._lock:
+            self._counters["bytes_written"] += span.nbytes
+
+    def seal(self, reservation: Reservation) -> None:
+        self._check_usable()
+        res = self._own(reservation)
+        res.check_complete()
+        digest = checksum_parts(r.view for r in res._regions)
+        with self._lock:
+            self._check_usable()
+            res.check_open(self)
+            node = Node(res.key, res.parent, res.nbytes, 0, res.salt_tag, digest, res.runs, time.time())
+            try:
+                self._index.commit(res.key, node)
+            except UnknownKeyError:
+                self._arena.release(res.runs)
+                res._finish("aborted")
+                raise
+            res._finish("sealed")
+            self._counters["seals"] += 1
+
+    def abort(self, reservation: Reservation) -> None:
+        if not isinstance(reservation, _PinnedReservation) or reservation.provider is not self:
+            raise ReservationError("not a reservation of this provider")
+        with self._lock:
+            if reservation.state != "open":
+                return  # aborting twice (or after seal) is a no-op
+            if self._closed:
+                reservation._finish("aborted")
+                return
+            self._index.cancel(reservation.key)
+            self._arena.release(reservation.runs)
+            reservation._finish("aborted")
+            self._counters["aborts"] += 1
+
+    # -- reads -------------------------------------------------------------------------------
+    def read(self, key: bytes, out: object, span: ByteSpan | None = None) -> bool:
+        k = self._key(key)
+        if span is not None and not isinstance(span, ByteSpan):
+            raise InvalidArgumentError("span must be a ByteSpan")
+        with self._lock:
+            self._check_usable()
+            node = self._index.get(k)
+            if node is None:
+                self._counters["misses"] += 1
+                return False
+            span = ByteSpan.whole(node.nbytes) if span is None else span.validate(node.nbytes)
+            dst = writable_buffer(out, span.nbytes)
+            held = self._index.hold_keys([k])
+        try:
+            regions = self._arena.regions(node.loc, node.nbytes, False)
+            if self._verify_reads and checksum_parts(r.view for r in regions) != node.checksum:
+                with self._lock:
+                    self._counters["checksum_failures"] += 1
+                    self._counters["misses"] += 1
+                    self._free_nodes(self._index.drop(k))
+                return False
+            _gather(regions, span, dst)
+        finally:
+            with self._lock:
+                self._index.release_nodes(held)
+        with self._lock:
+            self._counters["hits"] += 1
+            self._counters["bytes_read"] += span.nbytes
+        return True
+
+    def view(self, lease: Lease, key: bytes) -> Sequence[HostRegion] | None:
+        """Read-only host regions of a leased entry (valid while the lease is held)."""
+        k = self._key(key)
+        if lease.released or lease.token is None or lease._provider is not self:
+            raise InvalidArgumentError("view() needs an unreleased lease of this provider")
+        with self._lock:
+            self._check_usable()
+            node = self._index.get(k)
+            if node is None or k not in lease.keys:
+                return None
+            regions = self._arena.regions(node.loc, node.nbytes, self._allocator.pinned)
+        return [HostRegion(r.offset, r.view.toreadonly(), r.address, r.pinned) for r in regions]
+
+    # -- eviction ----------------------------------------------------------------------------
+    def evict(self, keys: Sequence[bytes] | None = None, *, nbytes: int = 0) -> EvictReport:
+        if (keys is None) == (not nbytes):
+            raise InvalidArgumentError("give exactly one of keys or nbytes")
+        if type(nbytes) is not int or nbytes < 0:
+            raise InvalidArgumentError(f"nbytes must be a non-negative int, got {nbytes!r}")
+        ks = self._keys(keys) if keys is not None else None
+        with self._lock:
+            self._check_usable()
+            if ks is not None:
+                removed, skipped = self._index.evict_keys(ks)
+            else:
+                removed, skipped = self._index.evict_cost(nbytes), 0
+            self._free_nodes(removed)
+            return EvictReport(len(removed), sum(n.nbytes for n in removed), skipped)
+
+    def _free_nodes(self, nodes: Sequence[Node]) -> None:
+        for node in nodes:
+            self._arena.release(node.loc)
+
+    # -- anchors -----------------------------------------------------------------------------
+    def put_anchor(self, key: bytes, name: str, data: object) -> None:
+        k = self._key(key)
+        check_anchor_name(name)
+        blob = bytes(readable_bytes(data))
+        with self._lock:
+            self._check_usable()
+            node = self._index.get(k)
+            if node is None:
+                raise UnknownKeyError(f"entry {k.hex()[:16]} is not stored", hint="seal the page before its anchors")
+            old = node.anchors.get(name) if node.anchors else None
+            delta = len(blob) - (len(old) if old is not None else 0)
+            self._free_nodes(self._index.add_cost(node, delta))
+            if node.anchors is None:
+                node.anchors = {}
+            node.anchors[name] = blob
+
+    def get_anchor(self, key: bytes, name: str) -> bytes | None:
+        k = self._key(key)
+        check_anchor_name(name)
+        with self._lock:
+            self._check_usable()
+            node = self._index.get(k)
+            if node is None or not node.anchors:
+                return None
+            blob = node.anchors.get(name)
+            return None if blob is None else bytes(blob)
+
+    def list_anchors(self, key: bytes) -> dict[str, int]:
+        k = self._key(key)
+        with self._lock:
+            self._check_usable()
+            node = self._index.get(k)
+            if node is None or not node.anchors:
+                return {}
+            return {n: len(b) for n, b in node.anchors.items()}
+
+    def deepest_anchor(self, keys: Sequence[bytes], name: str) -> int:
+        ks = self._keys(keys)
+        check_anchor_name(name)
+        with self._lock:
+            self._check_usable()
+            best = 0
+            for i, k in enumerate(ks):
+                node = self._index.get(k)
+                if node is None:
+                    break
+                if node.anchors and name in node.anchors:
+                    best = i + 1
+            return best
+
+    # -- leases ------------------------------------------------------------------------------
+    def lease(self, keys: Sequence[bytes]) -> Lease:
+        ks = self._keys(keys)
+        with self._lock:
+            self._check_usable()
+            held = self._index.hold_keys(ks)
+            return Lease(self, ks, [n is not None for n in held], token=held)
+
+    def _release_lease(self, lease: Lease) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._index.release_nodes(lease.token)  # type: ignore[arg-type]
+
+    # -- verification ------------------------------------------------------------------------
+    def verify(self, *, repair: bool = False, progress: Any = None) -> VerifyReport:
+        """Recompute every entry's checksum; ``repair`` drops corrupt ones with their subtrees."""
+        report = VerifyReport()
+        with self._lock:
+            self._check_usable()
+            nodes = list(self._index)
+        for i, node in enumerate(nodes):
+            with self._lock:
+                if node.dead:
+                    continue
+                regions = self._arena.regions(node.loc, node.nbytes, False)
+                ok = checksum_parts(r.view for r in regions) == node.checksum
+                report.checked += 1
+                if not ok:
+                    report.corrupt.append(node.key)
+                    if repair:
+                        dropped = self._index.drop(node.key)
+                        report.dropped += len(dropped)
+                        self._free_nodes(dropped)
+            if progress is not None:
+                progress(i + 1, len(nodes))
+        return report
+
+    # -- the rest ----------------------------------------------------------------------------
+    def stats(self) -> ProviderStats:
+        with self._lock:
+            self._check_usable()
+            idx = self._index
+            return ProviderStats(
+                name=self.name,
+                entries=len(idx.nodes),
+                used_bytes=idx.used,
+                budget_bytes=self._budget,
+                anchors=sum(len(n.anchors) for n in idx.nodes.values() if n.anchors),
+                leased=sum(1 for n in idx.nodes.values() if n.hold),
+                in_flight=len(idx.flights),
+                evictions=idx.evictions,
+                evicted_bytes=idx.evicted_cost,
+                extra={"ready_bytes": self.ready_bytes, "block_nbytes": self._block,
+                       "pinned": self._allocator.pinned, "free_blocks": self._arena.free},
+                **self._counters,
+            )
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "block_nbytes": self._block, "pinned": self._allocator.pinned,
+                "verify_reads": self._verify_reads}
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._ready.notify_all()
+        if self._filler is not None and self._filler is not threading.current_thread():
+            self._filler.join()
+        with self._lock:
+            self._finalizer()
+
+
+def _info(node: Node) -> EntryInfo:
+    anchors = {n: len(b) for n, b in node.anchors.items()} if node.anchors else {}
+    return EntryInfo(node.key, node.parent, node.nbytes, node.salt_tag, node.checksum,
+                     node.created, node.last_used, anchors)
+
+
+def _scatter(regions: Sequence[HostRegion], span: ByteSpan, src: memoryview) -> None:
+    """Copy ``src`` into bytes ``span`` of an entry laid out over ``regions``."""
+    for r in regions:
+        lo = max(span.offset, r.offset)
+        hi = min(span.end, r.offset + len(r.view))
+        if lo < hi:
+            r.view[lo - r.offset : hi - r.offset] = src[lo - span.offset : hi - span.offset]
+
+
+def _gather(regions: Sequence[HostRegion], span: ByteSpan, dst: memoryview) -> None:
+    """Copy bytes ``span`` of an entry laid out over ``regions`` into ``dst``."""
+    for r in regions:
+        lo = max(span.offset, r.offset)
+        hi = min(span.end, r.offset + len(r.view))
+        if lo < hi:
+            dst[lo - span.offset : hi - span.offset] = r.view[lo - r.offset : hi - r.offset]
+
+
+def _default_allocator(require_pinned: bool = False) -> HostAllocator:
+    """Page-locked CUDA memory when a GPU is usable, else ordinary memory."""
+    try:
+        from ._copy import pinned_allocator  # type: ignore[attr-defined]
+    except ImportError:
+        pinned_allocator = None
+    if pinned_allocator is not None:
+        alloc = pinned_allocator()
+        if alloc is not None:
+            return alloc  # type: ignore[no-any-return]
+    if require_pinned:
+        raise InvalidArgumentError("pin=yes but no CUDA device is usable", hint="use pin=auto or pin=no")
+    return OrdinaryAllocator()

@@ -1,0 +1,703 @@
+"""The provider contract: the seam every storage medium implements.
+
+Read this module top to bottom if you write a provider.  The conformance suite
+(:mod:`hostkv_providers.testing`) checks every rule stated here.
+"""
+
+from __future__ import annotations
+
+import abc
+import os
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+from ._errors import (
+    ClosedError,
+    IncompleteWriteError,
+    InvalidArgumentError,
+    ReservationError,
+    UsedAfterForkError,
+)
+from ._keys import KEY_NBYTES, Key, as_key
+from ._span import ByteSpan
+
+__all__ = [
+    "ANCHOR_NAME_MAX",
+    "CAPABILITY_NAMES",
+    "CompactReport",
+    "EntryInfo",
+    "EvictReport",
+    "HostRegion",
+    "Lease",
+    "Provider",
+    "ProviderStats",
+    "Reservation",
+    "SupportsCompact",
+    "SupportsIterate",
+    "SupportsVerify",
+    "SupportsViews",
+    "VerifyReport",
+    "check_anchor_name",
+    "writable_buffer",
+]
+
+ANCHOR_NAME_MAX = 64
+
+#: Every capability a provider may declare, in display order.
+CAPABILITY_NAMES = (
+    "persistent",
+    "multiprocess",
+    "pinned_views",
+    "device_mapped",
+    "compact",
+    "verify",
+    "iterate",
+)
+
+Progress = Callable[[int, int], None]
+"""``progress(done, total)`` callback used by long operations (verify, compact, copy)."""
+
+
+# --------------------------------------------------------------------------------------------
+# Value types
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class HostRegion:
+    """A piece of host memory holding bytes ``[offset, offset + len(view))`` of one entry.
+
+    ``address`` is the virtual address of ``view[0]`` (for DMA); ``pinned`` says whether the
+    memory is page-locked and registered with the GPU driver, so a copy engine may DMA to/from it
+    without staging.
+    """
+
+    offset: int
+    view: memoryview
+    address: int
+    pinned: bool
+
+
+@dataclass(frozen=True, slots=True)
+class EntryInfo:
+    """Metadata of one sealed entry."""
+
+    key: Key
+    parent: Key | None
+    nbytes: int
+    salt_tag: str
+    checksum: int | None
+    created: float  # seconds since the epoch, at seal
+    last_used: float  # seconds since the epoch, last lease/read/seal (approximate)
+    anchors: Mapping[str, int] = field(default_factory=dict)  # name -> nbytes
+
+
+@dataclass(slots=True)
+class EvictReport:
+    """What an ``evict`` call removed, and what it had to leave (leased or in flight)."""
+
+    entries: int = 0
+    nbytes: int = 0
+    skipped: int = 0
+
+
+@dataclass(slots=True)
+class VerifyReport:
+    """Outcome of a full verification pass (``SupportsVerify.verify``)."""
+
+    checked: int = 0
+    corrupt: list[Key] = field(default_factory=list)
+    dropped: int = 0  # entries removed by repair (corrupt ones plus their subtrees)
+    problems: list[str] = field(default_factory=list)  # store-level findings (orphans, accounting)
+
+    @property
+    def ok(self) -> bool:
+        return not self.corrupt and not self.problems
+
+
+@dataclass(slots=True)
+class CompactReport:
+    """Outcome of a compaction."""
+
+    entries: int = 0
+    bytes_before: int = 0
+    bytes_after: int = 0
+
+
+@dataclass(slots=True)
+class ProviderStats:
+    """Counters and gauges of one provider instance (gauges are store-wide where possible)."""
+
+    name: str
+    entries: int
+    used_bytes: int
+    budget_bytes: int
+    anchors: int = 0
+    leased: int = 0
+    in_flight: int = 0
+    hits: int = 0
+    misses: int = 0
+    seals: int = 0
+    aborts: int = 0
+    dedup: int = 0
+    evictions: int = 0
+    evicted_bytes: int = 0
+    checksum_failures: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {k: getattr(self, k) for k in self.__slots__ if k != "extra"}  # type: ignore[attr-defined]
+        out.update(self.extra)
+        return out
+
+
+def check_anchor_name(name: object) -> str:
+    """Validate an anchor name: 1..64 printable ASCII characters."""
+    if not isinstance(name, str) or not 1 <= len(name) <= ANCHOR_NAME_MAX:
+        raise InvalidArgumentError(f"anchor name must be a str of 1..{ANCHOR_NAME_MAX} chars, got {name!r}")
+    if not name.isascii() or not name.isprintable():
+        raise InvalidArgumentError(f"anchor name must be printable ASCII, got {name!r}")
+    return name
+
+
+def writable_buffer(out: object, nbytes: int) -> memoryview:
+    """A flat, writable byte view of ``out`` with at least ``nbytes`` bytes."""
+    try:
+        view = memoryview(out)  # type: ignore[arg-type]
+    except TypeError:
+        raise InvalidArgumentError(
+            f"out must support the buffer protocol, got {type(out).__name__}"
+        ) from None
+    if view.readonly:
+        raise InvalidArgumentError("out must be a writable buffer")
+    if not view.c_contiguous:
+        raise InvalidArgumentError("out must be C-contiguous")
+    view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+    if view.nbytes < nbytes:
+        raise InvalidArgumentError(f"out holds {view.nbytes} bytes, {nbytes} needed")
+    return view[:nbytes]
+
+
+def readable_bytes(data: object) -> memoryview:
+    """A flat, read-only byte view of ``data`` (any buffer)."""
+    try:
+        view = memoryview(data)  # type: ignore[arg-type]
+    except TypeError:
+        raise InvalidArgumentError(
+            f"data must support the buffer protocol, got {type(data).__name__}"
+        ) from None
+    if not view.c_contiguous:
+        raise InvalidArgumentError("data must be C-contiguous")
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+# --------------------------------------------------------------------------------------------
+# Reservation and Lease
+# --------------------------------------------------------------------------------------------
+
+
+class Reservation:
+    """Space for one entry, obtained before its bytes exist.
+
+    Lifecycle: ``reserve`` → ``write``\\* → ``seal`` | ``abort``, each of ``seal``/``abort`` at most
+    once.  Used as a context manager it seals on a clean exit and aborts on an exception.
+
+    The base class tracks which bytes were written so that ``seal`` can refuse to publish an entry
+    with unwritten holes (:class:`IncompleteWriteError`).  A copy engine that DMAs straight into
+    :meth:`regions` calls :meth:`mark_written` afterwards.
+    """
+
+    __slots__ = ("_covered", "_provider", "_state", "key", "nbytes", "parent", "salt_tag", "__weakref__")
+
+    def __init__(self, provider: Provider, key: Key, parent: Key | None, nbytes: int, salt_tag: str) -> None:
+        self._provider = provider
+        self.key = key
+        self.parent = parent
+        self.nbytes = nbytes
+        self.salt_tag = salt_tag
+        self._state = "open"
+        self._covered: list[list[int]] = []  # sorted, merged [start, end) intervals
+
+    # -- state ---------------------------------------------------------------------------
+    @property
+    def state(self) -> str:
+        """``"open"``, ``"sealed"`` or ``"aborted"``."""
+        return self._state
+
+    @property
+    def provider(self) -> Provider:
+        return self._provider
+
+    def check_open(self, provider: Provider) -> None:
+        """Raise unless this reservation belongs to ``provider`` and is still open."""
+        if self._provider is not provider:
+            raise ReservationError("the reservation belongs to another provider")
+        if self._state != "open":
+            raise ReservationError(f"the reservation for {self.key.hex()[:16]} is already {self._state}")
+
+    def check_write(self, offset: int, nbytes: int) -> ByteSpan:
+        """Validate a write of ``nbytes`` at ``offset`` against the reservation's size."""
+        if type(offset) is not int:
+            raise InvalidArgumentError(f"offset must be an int, got {type(offset).__name__}")
+        return ByteSpan(offset, nbytes).validate(self.nbytes)
+
+    def mark_written(self, span: ByteSpan | None = None) -> None:
+        """Record that ``span`` (default: everything) now holds the caller's bytes."""
+        span = ByteSpan.whole(self.nbytes) if span is None else span.validate(self.nbytes)
+        if span.nbytes == 0:
+            return
+        start, end = span.offset, span.end
+        merged: list[list[int]] = []
+        placed = False
+        for iv in self._covered:
+            if iv[1] < start:
+                merged.append(iv)
+            elif end < iv[0]:
+                if not placed:
+                    merged.append([start, end])
+                    placed = True
+                merged.append(iv)
+            else:
+                start, end = min(start, iv[0]), max(end, iv[1])
+        if not placed:
+            merged.append([start, end])
+        self._covered = merged
+
+    @property
+    def complete(self) -> bool:
+        """Whether every byte has been written."""
+        if self.nbytes == 0:
+            return True
+        return len(self._covered) == 1 and self._covered[0] == [0, self.nbytes]
+
+    def check_complete(self) -> None:
+        if not self.complete:
+            written = sum(e - s for s, e in self._covered)
+            raise IncompleteWriteError(
+                f"entry {self.key.hex()[:16]} has {written} of {self.nbytes} bytes written"
+            )
+
+    def _finish(self, state: str) -> None:
+        self._state = state
+
+    # -- convenience ---------------------------------------------------------------------
+    def write(self, offset: int, data: object) -> None:
+        """Same as ``provider.write(self, offset, data)``."""
+        self._provider.write(self, offset, data)
+
+    def seal(self) -> None:
+        """Same as ``provider.seal(self)``."""
+        self._provider.seal(self)
+
+    def abort(self) -> None:
+        """Same as ``provider.abort(self)``."""
+        self._provider.abort(self)
+
+    def regions(self) -> Sequence[HostRegion]:
+        """Writable host memory of the entry, for providers with the ``pinned_views`` power.
+
+        After filling them, call :meth:`mark_written`.  The default raises: the provider has no
+        directly writable buffers, use :meth:`write`.
+        """
+        raise ReservationError(
+            f"provider {self._provider.name!r} exposes no writable regions",
+            hint="use Reservation.write(offset, data)",
+        )
+
+    def __enter__(self) -> Reservation:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._state != "open":
+            return
+        if exc_type is None:
+            self.seal()
+        else:
+            try:
+                self.abort()
+            except Exception as cleanup:  # cleanup must not mask the original error
+                warnings.warn(f"abort during exception cleanup failed: {cleanup!r}", stacklevel=2)
+
+    def __repr__(self) -> str:
+        return f"<Reservation {self.key.hex()[:16]} {self.nbytes}B {self._state}>"
+
+
+class Lease:
+    """A pin on entries: while held, none of ``keys`` can be evicted.
+
+    ``present[i]`` tells whether the i-th requested key was stored (and is now pinned);
+    ``prefix_len`` is how many leading requested keys are pinned, i.e. the usable prefix of a
+    chain.  Release with :meth:`release` or by leaving the ``with`` block; releasing twice is a
+    no-op.  A lease that is garbage-collected unreleased is released with a ``ResourceWarning``.
+    """
+
+    __slots__ = ("_provider", "_released", "keys", "present", "prefix_len", "token", "__weakref__")
+
+    def __init__(self, provider: Provider, requested: Sequence[Key], present: Sequence[bool], token: object = None) -> None:
+        self._provider = provider
+        self.present: tuple[bool, ...] = tuple(present)
+        self.keys: tuple[Key, ...] = tuple(k for k, p in zip(requested, self.present) if p)
+        n = 0
+        for p in self.present:
+            if not p:
+                break
+            n += 1
+        self.prefix_len = n
+        self.token = token  # provider-private lease handle
+        self._released = False
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    def release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        self._provider._release_lease(self)
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_released", True):
+            try:
+                warnings.warn("Lease garbage-collected without release()", ResourceWarning, stacklevel=1)
+                self.release()
+            except Exception:
+                pass
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
+# --------------------------------------------------------------------------------------------
+# Capability protocols (optional powers)
+# --------------------------------------------------------------------------------------------
+
+
+@runtime_checkable
+class SupportsViews(Protocol):
+    """Zero-copy access: the entry's bytes as host regions, valid while ``lease`` is held."""
+
+    def view(self, lease: Lease, key: Key) -> Sequence[HostRegion] | None: ...
+
+
+@runtime_checkable
+class SupportsIterate(Protocol):
+    """Enumerate every sealed entry (order unspecified)."""
+
+    def iter_entries(self) -> Iterator[EntryInfo]: ...
+
+
+@runtime_checkable
+class SupportsVerify(Protocol):
+    """Check every checksum; with ``repair`` drop corrupt entries with their subtrees."""
+
+    def verify(self, *, repair: bool = False, progress: Progress | None = None) -> VerifyReport: ...
+
+
+@runtime_checkable
+class SupportsCompact(Protocol):
+    """Rewrite the store densely (crash-safe, copy-then-swap)."""
+
+    def compact(self, *, progress: Progress | None = None) -> CompactReport: ...
+
+
+# --------------------------------------------------------------------------------------------
+# The ABC
+# --------------------------------------------------------------------------------------------
+
+
+class Provider(abc.ABC):
+    """A host-side store of KV pages, addressed by content key.
+
+    Entries form a tree: every entry but a root names a ``parent`` that was stored before it.
+    Every implementation keeps these invariants (the conformance suite checks each):
+
+    1. **Prefix-closed tree.**  If an entry is present, its parent is present.  ``reserve``
+       refuses a parent that is not sealed (``UnknownKeyError``).  Eviction removes leaves only,
+       least-recently-used first; removing a key removes its whole subtree.
+    2. **Never wrong bytes.**  ``read`` returns exactly the bytes sealed under that key, or a miss.
+       A checksum recorded at seal that fails on read drops the entry with its subtree, is counted
+       in ``stats().checksum_failures`` and reported as a miss.
+    3. **Budget.**  ``stats().used_bytes <= budget_bytes`` at every moment.  A reservation that
+       cannot be satisfied even by evicting every evictable entry raises ``CapacityError``
+       *without evicting anything*.
+    4. **Leases win.**  Leased entries, in-flight reservations and the ancestors of either are
+       never evicted (by policy or by ``evict(keys)``).
+    5. **Thread-safe.**  Every method may be called from any thread.  Persistent providers state
+       their multi-process rules and enforce them with locks.
+    6. **Typed errors**, rooted at ``HostKVError``.  A miss is a return value.  After ``close``
+       every method raises ``ClosedError``; in a forked child, ``UsedAfterForkError``.
+
+    Two-phase writes: ``reserve`` → ``write``\\* → ``seal`` publishes atomically (before it nothing
+    of the entry is visible; after it ``present``/``read`` see exactly the written bytes);
+    ``abort`` leaves no trace.
+
+    Subclasses set ``name`` (equal to their entry-point name) and implement the abstract methods.
+    They build instances from URLs through :meth:`from_url`.
+    """
+
+    #: The URL scheme and entry-point name.
+    name: ClassVar[str] = ""
+    #: Entries survive ``close`` and a process restart.
+    persistent: ClassVar[bool] = False
+    #: Several processes may open the same store at once.
+    multiprocess: ClassVar[bool] = False
+
+    def __init__(self) -> None:
+        self._pid = os.getpid()
+        self._closed = False
+
+    # -- construction --------------------------------------------------------------------
+    @classmethod
+    @abc.abstractmethod
+    def from_url(cls, location: str, options: Mapping[str, str]) -> Provider:
+        """Build an instance from a parsed URL.
+
+        ``location`` is the URL without scheme and query (``/var/cache/kv`` for
+        ``mmap:///var/cache/kv?budget=8GiB``); ``options`` the query parameters.  Unknown options
+        raise ``InvalidArgumentError`` naming the accepted ones.
+        """
+
+    @classmethod
+    def capability_names(cls) -> frozenset[str]:
+        """The optional powers this provider class has (see ``CAPABILITY_NAMES``)."""
+        caps = set()
+        if cls.persistent:
+            caps.add("persistent")
+        if cls.multiprocess:
+            caps.add("multiprocess")
+        if _has_method(cls, "view"):
+            caps.add("pinned_views")
+        if _has_method(cls, "iter_entries"):
+            caps.add("iterate")
+        if _has_method(cls, "verify"):
+            caps.add("verify")
+        if _has_method(cls, "compact"):
+            caps.add("compact")
+        if _has_method(cls, "device_pointer"):
+            caps.add("device_mapped")
+        return frozenset(caps)
+
+    # -- lifecycle checks ----------------------------------------------------------------
+    def _check_usable(self) -> None:
+        """Raise ``ClosedError``/``UsedAfterForkError`` as the contract demands."""
+        if self._closed:
+            raise ClosedError(f"{type(self).__name__} is closed")
+        if os.getpid() != self._pid:
+            raise UsedAfterForkError(f"{type(self).__name__} was opened in process {self._pid}")
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # -- lookups -------------------------------------------------------------------------
+    @abc.abstractmethod
+    def present(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether each key is sealed.  In-flight reservations are not present."""
+
+    def longest_prefix(self, keys: Sequence[bytes]) -> int:
+        """How many leading keys of a chain are stored (0 when the first is missing)."""
+        n = 0
+        for hit in self.present(keys):
+            if not hit:
+                break
+            n += 1
+        return n
+
+    @abc.abstractmethod
+    def entry(self, key: bytes) -> EntryInfo | None:
+        """Metadata of a sealed entry, or ``None``."""
+
+    # -- writes --------------------------------------------------------------------------
+    @abc.abstractmethod
+    def reserve(self, key: bytes, parent: bytes | None, nbytes: int, *, salt_tag: str = "") -> Reservation | None:
+        """Reserve space for a new entry, evicting least-recently-used leaves if needed.
+
+        Parameters
+        ----------
+        key:
+            The entry's 32-byte key.
+        parent:
+            The key of the previous page of the chain (must be sealed), or ``None`` for a root.
+        nbytes:
+            The entry size in bytes (> 0).
+        salt_tag:
+            The configuration tag (``Salt.tag``) recorded with the entry.
+
+        Returns
+        -------
+        Reservation or None
+            ``None`` when ``key`` is already sealed (dedup: nothing to write).
+
+        Raises
+        ------
+        InFlightError
+            Another writer holds a reservation for ``key``; wait with :meth:`wait_sealed`.
+        UnknownKeyError
+            ``parent`` is not sealed.
+        CapacityError
+            Even evicting every evictable entry would not make room; nothing was evicted.
+        """
+
+    @abc.abstractmethod
+    def write(self, reservation: Reservation, offset: int, data: object) -> None:
+        """Copy ``data`` (any C-contiguous buffer) to bytes ``[offset, offset+len)`` of the entry.
+
+        Raises ``SpanError`` past the reservation's end and ``ReservationError`` after seal/abort.
+        """
+
+    @abc.abstractmethod
+    def seal(self, reservation: Reservation) -> None:
+        """Publish the entry atomically and durably (per the store's durability mode).
+
+        Raises ``IncompleteWriteError`` (reservation left open) if bytes are missing.
+        """
+
+    @abc.abstractmethod
+    def abort(self, reservation: Reservation) -> None:
+        """Release the reservation; nothing of it stays visible or accounted."""
+
+    # -- reads ---------------------------------------------------------------------------
+    @abc.abstractmethod
+    def read(self, key: bytes, out: object, span: ByteSpan | None = None) -> bool:
+        """Copy the entry (or ``span`` of it) into ``out``; return ``False`` on a miss.
+
+        ``out`` is a writable C-contiguous buffer of at least ``span.nbytes`` bytes.  A checksum
+        failure drops the entry and its subtree and returns ``False``.  Raises ``SpanError`` for a
+        span outside the entry.
+        """
+
+    def read_bytes(self, key: bytes, span: ByteSpan | None = None) -> bytes | None:
+        """Convenience: the entry's bytes (or ``span`` of them), or ``None`` on a miss."""
+        info = self.entry(key)
+        if info is None:
+            return None
+        span = ByteSpan.whole(info.nbytes) if span is None else span.validate(info.nbytes)
+        buf = bytearray(span.nbytes)
+        return bytes(buf) if self.read(key, buf, span) else None
+
+    def put(self, key: bytes, parent: bytes | None, data: object, *, salt_tag: str = "") -> bool:
+        """Convenience: reserve, write and seal ``data``; ``False`` if the key was already stored."""
+        view = readable_bytes(data)
+        res = self.reserve(key, parent, view.nbytes, salt_tag=salt_tag)
+        if res is None:
+            return False
+        with res:
+            self.write(res, 0, view)
+        return True
+
+    def wait_sealed(self, key: bytes, timeout: float) -> bool:
+        """Wait until ``key`` is sealed or no longer in flight; ``True`` if it is present.
+
+        The default polls :meth:`present`; providers with a notification path override it.
+        """
+        deadline = time.monotonic() + timeout
+        delay = 0.0005
+        while True:
+            if self.present([key])[0]:
+                return True
+            if not self.in_flight(key) or time.monotonic() >= deadline:
+                return self.present([key])[0]
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+
+    @abc.abstractmethod
+    def in_flight(self, key: bytes) -> bool:
+        """Whether ``key`` is reserved by some writer and not yet sealed or aborted."""
+
+    # -- eviction ------------------------------------------------------------------------
+    @abc.abstractmethod
+    def evict(self, keys: Sequence[bytes] | None = None, *, nbytes: int = 0) -> EvictReport:
+        """Remove entries: ``keys`` with their subtrees, or at least ``nbytes`` by LRU-leaf policy.
+
+        Exactly one of ``keys`` / ``nbytes`` is given.  Leased and in-flight entries and their
+        ancestors are skipped (counted in ``EvictReport.skipped``); the tree stays prefix-closed.
+        """
+
+    # -- anchors -------------------------------------------------------------------------
+    @abc.abstractmethod
+    def put_anchor(self, key: bytes, name: str, data: object) -> None:
+        """Attach (or replace) the named blob on a sealed entry; ``UnknownKeyError`` if absent.
+
+        Anchor bytes count against the budget and are evicted with their entry.
+        """
+
+    @abc.abstractmethod
+    def get_anchor(self, key: bytes, name: str) -> bytes | None:
+        """The named anchor's bytes, or ``None`` (entry or anchor missing)."""
+
+    @abc.abstractmethod
+    def list_anchors(self, key: bytes) -> dict[str, int]:
+        """``{name: nbytes}`` of the entry's anchors (empty if the entry is missing)."""
+
+    def deepest_anchor(self, keys: Sequence[bytes], name: str) -> int:
+        """``i + 1`` for the deepest stored page ``keys[i]`` of the chain's stored prefix that
+        carries anchor ``name``; 0 if none does.  A hybrid model's hit is usable up to there."""
+        check_anchor_name(name)
+        for i in range(self.longest_prefix(keys) - 1, -1, -1):
+            if name in self.list_anchors(keys[i]):
+                return i + 1
+        return 0
+
+    # -- leases --------------------------------------------------------------------------
+    @abc.abstractmethod
+    def lease(self, keys: Sequence[bytes]) -> Lease:
+        """Atomically pin every stored key among ``keys``; see :class:`Lease`."""
+
+    @abc.abstractmethod
+    def _release_lease(self, lease: Lease) -> None:
+        """Undo :meth:`lease` (called once, by ``Lease.release``)."""
+
+    # -- the rest ------------------------------------------------------------------------
+    @property
+    @abc.abstractmethod
+    def budget_bytes(self) -> int:
+        """The configured byte budget."""
+
+    @abc.abstractmethod
+    def stats(self) -> ProviderStats:
+        """Counters and gauges."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release resources; idempotent.  Persistent providers flush pending seals first."""
+
+    def describe(self) -> dict[str, Any]:
+        """Configuration and identity for operators (``hostkv info``)."""
+        return {"provider": self.name, "budget_bytes": self.budget_bytes, "persistent": self.persistent}
+
+    def __enter__(self) -> Provider:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @staticmethod
+    def _key(value: object, what: str = "key") -> Key:
+        return as_key(value, what)
+
+    @staticmethod
+    def _keys(values: Sequence[bytes]) -> list[Key]:
+        if isinstance(values, (bytes, bytearray, memoryview, str)):
+            raise InvalidArgumentError("keys must be a sequence of keys, not one key")
+        return [as_key(v) for v in values]
+
+
+def _has_method(cls: type, name: str) -> bool:
+    return callable(getattr(cls, name, None))
+
