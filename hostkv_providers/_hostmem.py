@@ -8,6 +8,7 @@ here means the provider never imports CUDA.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
 import threading
@@ -91,11 +92,9 @@ class OrdinaryAllocation:
             assert self._view is not None
             self._view.release()
             self._view = None
-            try:
+            # a caller may still hold an exported view; the map is then freed when it goes away
+            with contextlib.suppress(BufferError):
                 self._map.close()
-            except BufferError:
-                # a caller still holds an exported view; the map is freed when it goes away
-                pass
             self._map = None
 
 

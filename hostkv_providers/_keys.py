@@ -252,7 +252,7 @@ def chain_keys(
     payload = np.ascontiguousarray(np.concatenate(parts, axis=1)) if len(parts) > 1 else parts[0]
     media_rows = _media_rows(media, n_pages, page, start_token)
     row_bytes = payload.shape[1]
-    flat = memoryview(payload.reshape(-1)).cast("B")
+    flat = memoryview(payload.reshape(-1).tobytes())
     base = hashlib.blake2b(digest_size=32, key=salt.digest, person=_PAGE_PERSON)
     keys: list[Key] = []
     append = keys.append

@@ -91,7 +91,9 @@ class Options:
         if raw is None:
             return default
         if raw not in choices:
-            raise InvalidArgumentError(f"{self._provider}: option {name} must be one of {', '.join(choices)}, got {raw!r}")
+            raise InvalidArgumentError(
+                f"{self._provider}: option {name} must be one of {', '.join(choices)}, got {raw!r}"
+            )
         return raw
 
     def text(self, name: str, default: str | None = None) -> str | None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import abc
 import os
-import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -23,7 +22,7 @@ from ._errors import (
     ReservationError,
     UsedAfterForkError,
 )
-from ._keys import KEY_NBYTES, Key, as_key
+from ._keys import Key, as_key
 from ._span import ByteSpan
 
 __all__ = [
@@ -153,7 +152,7 @@ class ProviderStats:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
-        out = {k: getattr(self, k) for k in self.__slots__ if k != "extra"}  # type: ignore[attr-defined]
+        out = {k: getattr(self, k) for k in self.__slots__ if k != "extra"}
         out.update(self.extra)
         return out
 
@@ -214,7 +213,7 @@ class Reservation:
     :meth:`regions` calls :meth:`mark_written` afterwards.
     """
 
-    __slots__ = ("_covered", "_provider", "_state", "key", "nbytes", "parent", "salt_tag", "__weakref__")
+    __slots__ = ("__weakref__", "_covered", "_provider", "_state", "key", "nbytes", "parent", "salt_tag")
 
     def __init__(self, provider: Provider, key: Key, parent: Key | None, nbytes: int, salt_tag: str) -> None:
         self._provider = provider
@@ -340,12 +339,14 @@ class Lease:
     no-op.  A lease that is garbage-collected unreleased is released with a ``ResourceWarning``.
     """
 
-    __slots__ = ("_provider", "_released", "keys", "present", "prefix_len", "token", "__weakref__")
+    __slots__ = ("__weakref__", "_provider", "_released", "keys", "prefix_len", "present", "token")
 
-    def __init__(self, provider: Provider, requested: Sequence[Key], present: Sequence[bool], token: object = None) -> None:
+    def __init__(
+        self, provider: Provider, requested: Sequence[Key], present: Sequence[bool], token: object = None
+    ) -> None:
         self._provider = provider
         self.present: tuple[bool, ...] = tuple(present)
-        self.keys: tuple[Key, ...] = tuple(k for k, p in zip(requested, self.present) if p)
+        self.keys: tuple[Key, ...] = tuple(k for k, p in zip(requested, self.present, strict=False) if p)
         n = 0
         for p in self.present:
             if not p:
