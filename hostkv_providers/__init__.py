@@ -27,9 +27,10 @@ from ._errors import (
     UsedAfterForkError,
 )
 from ._hostmem import HostAllocation, HostAllocator, OrdinaryAllocator
+from ._index import Node, TreeIndex
 from ._keys import FORMAT_VERSION, KEY_ALGORITHM, KEY_NBYTES, ZERO_KEY, Key, MediaItem, Salt, as_key, chain_keys
 from ._layout import DTYPE_ITEMSIZE, KVLayout, PlaneSpec
-from ._options import format_size, parse_size
+from ._options import Options, format_size, parse_size
 from ._pinned import PinnedProvider
 from ._provider import (
     CAPABILITY_NAMES,
@@ -46,6 +47,9 @@ from ._provider import (
     SupportsVerify,
     SupportsViews,
     VerifyReport,
+    check_anchor_name,
+    readable_bytes,
+    writable_buffer,
 )
 from ._registry import (
     DISABLE_PLUGINS_ENV,
@@ -95,6 +99,8 @@ __all__ = [
     "LockedError",
     "MediaItem",
     "NoSpaceError",
+    "Node",
+    "Options",
     "OrdinaryAllocator",
     "PinnedProvider",
     "PlaneSpec",
@@ -110,6 +116,7 @@ __all__ = [
     "SupportsIterate",
     "SupportsVerify",
     "SupportsViews",
+    "TreeIndex",
     "UnknownKeyError",
     "UnknownProviderError",
     "UnsafeStoreError",
@@ -119,6 +126,7 @@ __all__ = [
     "as_key",
     "available_providers",
     "chain_keys",
+    "check_anchor_name",
     "checksum",
     "format_size",
     "open",
@@ -126,4 +134,6 @@ __all__ = [
     "parse_size",
     "parse_url",
     "provider_class",
+    "readable_bytes",
+    "writable_buffer",
 ]

@@ -42,6 +42,7 @@ __all__ = [
     "SupportsViews",
     "VerifyReport",
     "check_anchor_name",
+    "readable_bytes",
     "writable_buffer",
 ]
 

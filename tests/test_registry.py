@@ -72,7 +72,7 @@ def test_env_var_disables_third_party_plugins(fake_plugin: Path, monkeypatch: py
 
 
 def test_unknown_scheme_names_installed_providers() -> None:
-    with pytest.raises(hk.UnknownProviderError, match="installed: .*pinned") as err:
+    with pytest.raises(hk.UnknownProviderError, match=r"installed: .*pinned") as err:
         hk.open("nosuch:///x")
     assert err.value.hint
     assert isinstance(err.value, LookupError)

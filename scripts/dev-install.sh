@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Installs everything the demo, the tests and the benchmarks need, on a fresh machine that has
+# only Python and pip (and, for the Redis plugin's tests, apt as root).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+pip_install() { python3 -m pip install --quiet --disable-pip-version-check "$@"; }
+
+# torch stays optional in the library's metadata; the dev/CI path pins the CPU build that these
+# machines install from local disk (an unpinned torch would pull a multi-GB CUDA build).
+pip_install "torch==2.13.0"
+pip_install -e ".[dev,prometheus]" -e ./cli -e ./plugins/hostkv-redis -e ./examples/custom_provider
+
+# Servers and tools the tests use: redis-server (the Redis plugin's tests start their own on
+# loopback) and mdb_stat (the LMDB store is checked with LMDB's own tool).
+if ! command -v redis-server >/dev/null || ! command -v mdb_stat >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq redis-server lmdb-utils >/dev/null
+  else
+    echo "warning: redis-server/mdb_stat missing and apt-get unavailable; their tests will skip" >&2
+  fi
+fi
