@@ -22,7 +22,7 @@ from ._errors import (
     ReservationError,
     UsedAfterForkError,
 )
-from ._keys import Key, as_key
+from ._keys import KEY_NBYTES, Key, as_key
 from ._span import ByteSpan
 
 __all__ = [
@@ -694,10 +694,36 @@ class Provider(abc.ABC):
         return as_key(value, what)
 
     @staticmethod
+    def _membership(keys: Sequence[bytes], contains: Callable[[Any], bool]) -> list[bool]:
+        """``[contains(k) for k in keys]`` at C speed, validating only the keys that miss.
+
+        A key that hits equals a stored (hence valid) key; misses are checked so a malformed key
+        still raises ``InvalidArgumentError`` instead of reading as a miss.
+        """
+        if isinstance(keys, (bytes, bytearray, memoryview, str)):
+            raise InvalidArgumentError("keys must be a sequence of keys, not one key")
+        try:
+            hits = list(map(contains, keys))
+        except TypeError:  # unhashable items (bytearray ...) or not iterable
+            return list(map(contains, Provider._keys(keys)))
+        if not all(hits):
+            for key, hit in zip(keys, hits, strict=True):
+                if not hit:
+                    as_key(key)
+        return hits
+
+    @staticmethod
     def _keys(values: Sequence[bytes]) -> list[Key]:
+        """Validate a batch of keys; the common case (all 32-byte ``bytes``) runs at C speed."""
         if isinstance(values, (bytes, bytearray, memoryview, str)):
             raise InvalidArgumentError("keys must be a sequence of keys, not one key")
-        return [as_key(v) for v in values]
+        try:
+            keys = list(values)
+        except TypeError:
+            raise InvalidArgumentError(f"keys must be a sequence, got {type(values).__name__}") from None
+        if keys and set(map(type, keys)) == {bytes} and set(map(len, keys)) == {KEY_NBYTES}:
+            return keys  # type: ignore[return-value]  # validated above: every item is a Key
+        return [as_key(v) for v in keys]
 
 
 def _has_method(cls: type, name: str) -> bool:
