@@ -1,0 +1,5 @@
+"""``python -m hostkv_cli`` is the same as the ``hostkv`` command."""
+
+from ._main import main
+
+main()

@@ -1,0 +1,551 @@
+"""The ``hostkv`` command: inspect, verify, evict, compact, copy and benchmark stores.
+
+Each command opens its store through ``hostkv_providers.open(url)`` and uses only the public
+provider API and capability protocols, so it works for every installed provider.  Exit codes
+are documented in docs/cli.md and :mod:`hostkv_cli._exits`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
+
+import click
+
+import hostkv_providers as hk
+
+from . import __version__
+from ._exits import CLIError, ExitCode, exit_code_for
+from ._format import (
+    emit_json,
+    flat_describe,
+    fmt_age,
+    fmt_size,
+    json_option,
+    kv_lines,
+    parse_duration,
+    table,
+)
+from ._store import Forest, open_store, progress_bar, require_iterate, short
+
+__all__ = ["cli", "main"]
+
+DEBUG_ENV = "HOSTKV_DEBUG"
+
+
+
+class _Group(click.Group):
+    """Turns every exception into a message, a hint and a documented exit code."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
+            raise
+        except KeyboardInterrupt:
+            click.echo("interrupted", err=True)
+            ctx.exit(130)
+        except BrokenPipeError:
+            # `hostkv ls ... | head`: the reader went away; not an error of ours.
+            sys.stderr.close()
+            ctx.exit(0)
+        except Exception as exc:  # the one place every failure is turned into an exit status
+            code = exit_code_for(exc)
+            _report(exc, code)
+            ctx.exit(int(code))
+
+
+def _report(exc: BaseException, code: ExitCode) -> None:
+    if isinstance(exc, (CLIError, hk.HostKVError)):
+        click.echo(f"error: {exc.message}", err=True)
+        if exc.hint:
+            click.echo(f"hint: {exc.hint}", err=True)
+    elif code == ExitCode.INTERNAL:
+        click.echo(f"internal error: {type(exc).__name__}: {exc}", err=True)
+        click.echo(f"hint: this is a bug or an I/O fault; rerun with {DEBUG_ENV}=1 for a traceback",
+                   err=True)
+    if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
+        traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="hostkv")
+def cli() -> None:
+    """Inspect and maintain hostkv-providers stores.
+
+    Stores are named by URL, e.g. lmdb:///var/cache/kv, mmap:///nvme/kv?budget=64GiB or
+    pinned://?budget=1GiB.  Exit codes: 0 ok, 1 integrity problems found, 2 usage, 3 busy or
+    locked, 4 refused as unsafe or foreign, 5 internal.
+    """
+
+
+def main() -> NoReturn:
+    """Console-script entry point."""
+    cli.main(prog_name="hostkv")
+    raise SystemExit(0)  # pragma: no cover - click exits itself
+
+
+# ----------------------------------------------------------------------------------------------
+# providers
+# ----------------------------------------------------------------------------------------------
+
+
+@cli.command()
+@json_option
+def providers(as_json: bool) -> None:
+    """List installed providers, their capabilities and distributions."""
+    infos = hk.available_providers()
+    if as_json:
+        emit_json([
+            {"name": p.name, "distribution": p.distribution, "version": p.version,
+             "builtin": p.builtin, "target": p.target,
+             "capabilities": sorted(p.capabilities, key=hk.CAPABILITY_NAMES.index),
+             "error": p.error}
+            for p in infos
+        ])
+        return
+    rows = []
+    for p in infos:
+        caps = ",".join(sorted(p.capabilities, key=hk.CAPABILITY_NAMES.index)) or "-"
+        dist = f"{p.distribution} {p.version}" + ("" if p.builtin else " (plugin)")
+        rows.append((p.name, "broken" if p.error else "ok", dist, caps if not p.error else "-"))
+    table(("NAME", "STATUS", "DISTRIBUTION", "CAPABILITIES"), rows)
+    broken = [p for p in infos if p.error]
+    for p in broken:
+        line = f"  {p.name}: {p.error}"
+        click.echo(line if len(line) <= 80 else line[:79] + "…")
+    if not infos:
+        click.echo("no providers installed")
+
+
+# ----------------------------------------------------------------------------------------------
+# info / stats / ls
+# ----------------------------------------------------------------------------------------------
+
+
+def _tag_summary(entries: Sequence[hk.EntryInfo]) -> list[dict[str, Any]]:
+    pages: Counter[str] = Counter()
+    nbytes: Counter[str] = Counter()
+    for e in entries:
+        pages[e.salt_tag] += 1
+        nbytes[e.salt_tag] += e.nbytes
+    return [{"tag": t, "pages": pages[t], "nbytes": nbytes[t]} for t in sorted(pages, key=lambda t: -nbytes[t])]
+
+
+@cli.command()
+@click.argument("url")
+@json_option
+def info(url: str, as_json: bool) -> None:
+    """Identity, budget and use, tree shape and salt tags of a store (read-only)."""
+    with open_store(url, readonly=True) as p:
+        desc = p.describe()
+        st = p.stats()
+        doc: dict[str, Any] = {
+            "url": url,
+            "provider": p.name,
+            "persistent": p.persistent,
+            "multiprocess": p.multiprocess,
+            "capabilities": sorted(type(p).capability_names(), key=hk.CAPABILITY_NAMES.index),
+            "describe": desc,
+            "budget_bytes": p.budget_bytes,
+            "used_bytes": st.used_bytes,
+            "entries": st.entries,
+            "anchors": st.anchors,
+        }
+        if isinstance(p, hk.SupportsIterate):
+            entries = list(p.iter_entries())
+            forest = Forest(entries)
+            doc.update(
+                roots=len(forest.roots),
+                leaves=forest.leaves,
+                branch_points=forest.branch_points,
+                max_depth=forest.max_depth,
+                orphans=len(forest.orphans),
+                anchor_bytes=sum(sum(e.anchors.values()) for e in entries),
+                salt_tags=_tag_summary(entries),
+            )
+    if as_json:
+        emit_json(doc)
+        return
+    used_pct = 100.0 * doc["used_bytes"] / doc["budget_bytes"] if doc["budget_bytes"] else 0.0
+    pairs: list[tuple[str, Any]] = [
+        ("provider", f"{doc['provider']} ({', '.join(doc['capabilities']) or 'no extra capabilities'})"),
+        ("url", url),
+    ]
+    pairs += [(k, v) for k, v in flat_describe(desc) if k not in ("provider", "budget_bytes", "persistent")]
+    pairs += [
+        ("budget", fmt_size(doc["budget_bytes"])),
+        ("used", f"{fmt_size(doc['used_bytes'])} ({used_pct:.1f}%)"),
+        ("entries", doc["entries"]),
+        ("anchors", doc["anchors"] if "anchor_bytes" not in doc
+         else f"{doc['anchors']} ({fmt_size(doc['anchor_bytes'])})"),
+    ]
+    if "roots" in doc:
+        pairs += [
+            ("roots / leaves", f"{doc['roots']} / {doc['leaves']}"),
+            ("branch points", doc["branch_points"]),
+            ("deepest page", "-" if doc["max_depth"] < 0 else f"depth {doc['max_depth']}"),
+        ]
+        if doc["orphans"]:
+            pairs.append(("orphans", f"{doc['orphans']} (entries whose parent is missing)"))
+    kv_lines(pairs)
+    if doc.get("salt_tags"):
+        click.echo("")
+        table(("SALT TAG", "PAGES", "BYTES"),
+              [(t["tag"] or "(none)", t["pages"], fmt_size(t["nbytes"])) for t in doc["salt_tags"]],
+              right=(1, 2))
+    elif "salt_tags" not in doc:
+        click.echo(f"(provider {doc['provider']!r} cannot enumerate entries: no tree or salt-tag summary)")
+
+
+@cli.command()
+@click.argument("url")
+@json_option
+def stats(url: str, as_json: bool) -> None:
+    """Counters and gauges of a store (read-only)."""
+    with open_store(url, readonly=True) as p:
+        d = p.stats().as_dict()
+    if as_json:
+        emit_json(d)
+        return
+    kv_lines((k, fmt_size(v) if k.endswith("_bytes") and isinstance(v, int) and not isinstance(v, bool)
+              else v) for k, v in d.items())
+
+
+def _anchor_text(entries: dict[bytes, hk.EntryInfo], keys: Sequence[bytes], depth0: int) -> str:
+    by_name: dict[str, list[int]] = {}
+    for i, k in enumerate(keys):
+        for name in entries[k].anchors:
+            by_name.setdefault(name, []).append(depth0 + i)
+    parts = []
+    for name, depths in sorted(by_name.items()):
+        if len(depths) <= 2:
+            parts.append(f"{name}@" + ",".join(f"d{d}" for d in depths))
+        else:
+            parts.append(f"{name}x{len(depths)}@d{depths[0]}..d{depths[-1]}")
+    return " ".join(parts)
+
+
+@cli.command(name="ls")
+@click.argument("url")
+@click.option("--tree", is_flag=True, help="Draw chains as a tree (linear runs collapsed).")
+@click.option("--salt", "salt_tag", metavar="TAG", help="Only entries of this salt tag.")
+@click.option("--limit", type=click.IntRange(min=1), metavar="N",
+              help="Show at most N entries (N runs with --tree).")
+@json_option
+def ls_cmd(url: str, tree: bool, salt_tag: str | None, limit: int | None, as_json: bool) -> None:
+    """List entries, or draw the chains as a tree (read-only).
+
+    With --tree each line is a run of pages where the chain does not branch: its first key,
+    depth range, page count, bytes and anchors (name@dDEPTH).  Branch points start new lines.
+    """
+    with open_store(url, readonly=True) as p:
+        it = require_iterate(p, "ls")
+        entries = [e for e in it.iter_entries() if salt_tag is None or e.salt_tag == salt_tag]
+    forest = Forest(entries)
+    if tree:
+        _print_tree(forest, limit, as_json)
+        return
+    keys = forest.order[:limit] if limit else forest.order
+    if as_json:
+        emit_json({
+            "entries": [
+                {"key": k.hex(), "parent": None if (e := forest.entries[k]).parent is None
+                 else bytes(e.parent).hex(), "depth": forest.depth[k], "nbytes": e.nbytes,
+                 "salt_tag": e.salt_tag, "checksum": e.checksum, "created": e.created,
+                 "last_used": e.last_used, "anchors": dict(e.anchors)}
+                for k in keys
+            ],
+            "total": len(forest.entries),
+            "shown": len(keys),
+        })
+        return
+    now = time.time()
+    rows = []
+    for k in keys:
+        e = forest.entries[k]
+        anchors = ",".join(sorted(e.anchors))
+        rows.append((short(k), forest.depth[k], fmt_size(e.nbytes), e.salt_tag or "-",
+                     fmt_age(e.last_used, now), anchors[:14]))
+    table(("KEY", "DEPTH", "SIZE", "SALT TAG", "USED", "ANCHORS"), rows, right=(1, 2))
+    if len(keys) < len(forest.entries):
+        click.echo(f"... {len(forest.entries) - len(keys)} more (of {len(forest.entries)}); "
+                   "raise --limit or use --json")
+
+
+def _print_tree(forest: Forest, limit: int | None, as_json: bool) -> None:
+    runs = forest.runs()
+    shown = runs[:limit] if limit else runs
+    if as_json:
+        emit_json({
+            "roots": len(forest.roots), "leaves": forest.leaves, "entries": len(forest.entries),
+            "branch_points": forest.branch_points,
+            "runs": [
+                {"id": r.index, "parent_run": r.parent_run, "first": r.keys[0].hex(),
+                 "last": r.keys[-1].hex(), "depth_start": r.depth_start, "depth_end": r.depth_end,
+                 "pages": len(r.keys), "nbytes": r.nbytes,
+                 "salt_tags": sorted({forest.entries[k].salt_tag for k in r.keys}),
+                 "anchors": [{"key": k.hex(), "depth": r.depth_start + i, "name": n, "nbytes": nb}
+                             for i, k in enumerate(r.keys) for n, nb in forest.entries[k].anchors.items()],
+                 "children": r.children}
+                for r in shown
+            ],
+            "shown_runs": len(shown), "total_runs": len(runs),
+        })
+        return
+    click.echo(f"{len(forest.entries)} pages in {len(forest.roots)} tree(s), {forest.leaves} leaves, "
+               f"{forest.branch_points} branch points")
+    # prefix per run: built from the parent's prefix + whether the run is its parent's last child
+    prefix: dict[int, str] = {}
+    for r in shown:
+        if r.parent_run is None:
+            lead, prefix[r.index] = "", ""
+        else:
+            siblings = runs[r.parent_run].children
+            last = siblings[-1] == r.index
+            base = prefix.get(r.parent_run, "")
+            lead = base + ("└─ " if last else "├─ ")
+            prefix[r.index] = base + ("   " if last else "│  ")
+        tags = sorted({forest.entries[k].salt_tag for k in r.keys})
+        depth = f"d{r.depth_start}" if len(r.keys) == 1 else f"d{r.depth_start}-{r.depth_end}"
+        text = (f"{lead}{short(r.keys[0], 12)} {depth} {len(r.keys)}p {fmt_size(r.nbytes)}"
+                f" {','.join(t[:8] for t in tags if t)}")
+        anchors = _anchor_text(forest.entries, r.keys, r.depth_start)
+        if r.children:
+            text += f" ({len(r.children)} branches)"
+        if anchors:
+            text += f" [{anchors}]"
+        click.echo(text if len(text) <= 80 else text[:79] + "…")
+    if len(shown) < len(runs):
+        click.echo(f"... {len(runs) - len(shown)} more runs; raise --limit or use --json")
+
+
+# ----------------------------------------------------------------------------------------------
+# verify / evict / compact
+# ----------------------------------------------------------------------------------------------
+
+
+def _require_verify(p: hk.Provider) -> hk.SupportsVerify:
+    if not isinstance(p, hk.SupportsVerify):
+        raise CLIError(f"provider {p.name!r} has no verify capability",
+                       hint="run `hostkv providers` to see each provider's capabilities")
+    return p
+
+
+def _verify_doc(rep: hk.VerifyReport) -> dict[str, Any]:
+    return {"checked": rep.checked, "corrupt": [bytes(k).hex() for k in rep.corrupt],
+            "dropped": rep.dropped, "problems": list(rep.problems), "ok": rep.ok}
+
+
+@cli.command()
+@click.argument("url")
+@click.option("--repair", is_flag=True,
+              help="After reporting, drop corrupt entries with their subtrees (opens for writing).")
+@json_option
+def verify(url: str, repair: bool, as_json: bool) -> None:
+    """Check every stored checksum; report, and with --repair fix.
+
+    Exits 1 when problems were found (also when --repair fixed them; a second run exits 0).
+    Without --repair the store is opened read-only and never modified.
+    """
+    with open_store(url, readonly=not repair) as p:
+        v = _require_verify(p)
+        with progress_bar("verifying", enabled=not as_json or sys.stderr.isatty()) as bar:
+            found = v.verify(repair=False, progress=bar)
+        doc: dict[str, Any] = {"url": url, "found": _verify_doc(found)}
+        if not as_json:
+            _print_verify(found)
+        if repair and not found.ok:
+            if not as_json:
+                click.echo(f"repairing: dropping {len(found.corrupt)} corrupt entries with their subtrees")
+            with progress_bar("repairing", enabled=not as_json or sys.stderr.isatty()) as bar:
+                fixed = v.verify(repair=True, progress=bar)
+            doc["repair"] = _verify_doc(fixed)
+            if not as_json:
+                click.echo(f"repaired: dropped {fixed.dropped} entries "
+                           f"({len(fixed.corrupt)} corrupt + their descendants)")
+                for problem in fixed.problems:
+                    click.echo(f"  still: {problem}")
+    if as_json:
+        emit_json(doc)
+    if not found.ok:
+        click.get_current_context().exit(int(ExitCode.INTEGRITY))
+
+
+def _print_verify(rep: hk.VerifyReport) -> None:
+    click.echo(f"checked {rep.checked} entries: "
+               + ("ok" if rep.ok else f"{len(rep.corrupt)} corrupt, {len(rep.problems)} other problems"))
+    for k in rep.corrupt[:20]:
+        click.echo(f"  corrupt  {bytes(k).hex()}")
+    if len(rep.corrupt) > 20:
+        click.echo(f"  ... {len(rep.corrupt) - 20} more (use --json for all)")
+    for problem in rep.problems:
+        click.echo(f"  problem  {problem}")
+
+
+def _resolve_keys(p: hk.Provider, texts: Sequence[str]) -> list[bytes]:
+    """Full 64-hex keys, or unique prefixes (>= 8 hex digits) resolved through iter_entries."""
+    out: list[bytes] = []
+    all_keys: list[bytes] | None = None
+    for text in texts:
+        t = text.strip().lower()
+        if len(t) < 8 or len(t) > 64 or any(c not in "0123456789abcdef" for c in t):
+            raise CLIError(f"not a key: {text!r}",
+                           hint="give the 64 hex digits of a key, or a unique prefix of at least 8")
+        if len(t) == 64:
+            out.append(bytes.fromhex(t))
+            continue
+        if all_keys is None:
+            all_keys = [bytes(e.key) for e in require_iterate(p, "a key prefix").iter_entries()]
+        matches = [k for k in all_keys if k.hex().startswith(t)]
+        if len(matches) != 1:
+            raise CLIError(f"key prefix {text!r} matches {len(matches)} entries",
+                           hint="give more hex digits (see `hostkv ls`)")
+        out.append(matches[0])
+    return out
+
+
+@cli.command()
+@click.argument("url")
+@click.option("--to", "to_size", metavar="SIZE", help="Evict LRU leaves until at most SIZE is used.")
+@click.option("--salt", "salt_tag", metavar="TAG", help="Evict every entry of this salt tag.")
+@click.option("--older-than", metavar="DURATION",
+              help="Evict subtrees not used for DURATION (e.g. 7d, 12h, 30m).")
+@click.option("--key", "key_hex", multiple=True, metavar="HEX",
+              help="Evict this key (64 hex digits or a unique prefix) with its subtree; repeatable.")
+@click.option("--dry-run", is_flag=True, help="Only report what would be evicted.")
+@json_option
+def evict(url: str, to_size: str | None, salt_tag: str | None, older_than: str | None,
+          key_hex: tuple[str, ...], dry_run: bool, as_json: bool) -> None:
+    """Evict entries by size, salt tag, age or key.  Subtrees go with their roots, so
+    chains stay prefix-closed; leased and in-flight entries are skipped."""
+    given = [x for x in (to_size, salt_tag, older_than, key_hex or None) if x is not None]
+    if len(given) != 1:
+        raise click.UsageError("give exactly one of --to, --salt, --older-than, --key")
+    with open_store(url, readonly=dry_run) as p:
+        doc: dict[str, Any] = {"url": url, "dry_run": dry_run}
+        if to_size is not None:
+            target = hk.parse_size(to_size)
+            used = p.stats().used_bytes
+            need = max(0, used - target)
+            doc.update(policy="to", target_bytes=target, used_before=used, requested_bytes=need)
+            if need and not dry_run:
+                rep = p.evict(nbytes=need)
+                doc.update(entries=rep.entries, nbytes=rep.nbytes, skipped=rep.skipped)
+            else:
+                doc.update(entries=0, nbytes=0, skipped=0)
+            doc["used_after"] = p.stats().used_bytes
+        else:
+            if key_hex:
+                roots = _resolve_keys(p, key_hex)
+                doc["policy"] = "key"
+                present = p.present(roots)
+                missing = [k.hex() for k, ok in zip(roots, present) if not ok]
+                if missing:
+                    doc["not_stored"] = missing
+                roots = [k for k, ok in zip(roots, present) if ok]
+                forest = Forest(list(require_iterate(p, "evict").iter_entries())) \
+                    if isinstance(p, hk.SupportsIterate) else None
+            else:
+                forest = Forest(list(require_iterate(p, "evict --salt/--older-than").iter_entries()))
+                roots = _select(forest, salt_tag, older_than)
+                doc["policy"] = "salt" if salt_tag is not None else "older_than"
+            selected = ({k for r in roots for k in forest.subtree_keys(r)} if forest is not None
+                        else set(roots))
+            doc.update(selected_roots=len(roots), selected_entries=len(selected),
+                       selected_bytes=(sum(forest.entries[k].nbytes for k in selected)
+                                       if forest is not None else None))
+            if roots and not dry_run:
+                rep = p.evict(roots)
+                doc.update(entries=rep.entries, nbytes=rep.nbytes, skipped=rep.skipped)
+            else:
+                doc.update(entries=0, nbytes=0, skipped=0)
+    if as_json:
+        emit_json(doc)
+        return
+    if dry_run:
+        if doc["policy"] == "to":
+            click.echo(f"would evict at least {fmt_size(doc['requested_bytes'])} of LRU leaves "
+                       f"(used {fmt_size(doc['used_before'])}, target {fmt_size(doc['target_bytes'])})")
+        else:
+            nbytes = doc["selected_bytes"]
+            click.echo(f"would evict {doc['selected_entries']} entries in {doc['selected_roots']} "
+                       f"subtree(s)" + (f", {fmt_size(nbytes)}" if nbytes is not None else ""))
+        return
+    click.echo(f"evicted {doc['entries']} entries, {fmt_size(doc['nbytes'])}"
+               + (f"; skipped {doc['skipped']} (leased or in flight)" if doc["skipped"] else ""))
+    for k in doc.get("not_stored", []):
+        click.echo(f"not stored: {k}")
+    if "used_after" in doc:
+        click.echo(f"used now {fmt_size(doc['used_after'])}")
+
+
+def _select(forest: Forest, salt_tag: str | None, older_than: str | None) -> list[bytes]:
+    """Topmost keys whose whole subtree matches the selection (so evicting them removes only
+    matching entries: a chain's newer continuation is never dropped with its old prefix)."""
+    if salt_tag is not None:
+        ok = {k for k, e in forest.entries.items() if e.salt_tag == salt_tag}
+        # a subtree qualifies if every entry in it has the tag: compute bottom-up
+        full: dict[bytes, bool] = {}
+        for k in reversed(forest.order):
+            full[k] = k in ok and all(full[c] for c in forest.children.get(k, ()))
+    else:
+        assert older_than is not None
+        cutoff = time.time() - parse_duration(older_than)
+        newest = forest.subtree_newest()
+        full = {k: newest[k] < cutoff for k in forest.entries}
+    roots = []
+    for k in forest.order:
+        e = forest.entries[k]
+        parent = None if e.parent is None else bytes(e.parent)
+        if full[k] and not (parent is not None and parent in forest.entries and full[parent]):
+            roots.append(k)
+    return roots
+
+
+@cli.command()
+@click.argument("url")
+@json_option
+def compact(url: str, as_json: bool) -> None:
+    """Rewrite the store densely (the provider's crash-safe copy-then-swap).
+
+    Refuses with exit 3 while another process holds the store's writer lock.
+    """
+    with open_store(url, readonly=False) as p:
+        if not isinstance(p, hk.SupportsCompact):
+            raise CLIError(f"provider {p.name!r} has no compact capability",
+                           hint="run `hostkv providers` to see each provider's capabilities")
+        t0 = time.perf_counter()
+        with progress_bar("compacting", enabled=not as_json or sys.stderr.isatty()) as bar:
+            rep = p.compact(progress=bar)
+        seconds = time.perf_counter() - t0
+    doc = {"url": url, "entries": rep.entries, "bytes_before": rep.bytes_before,
+           "bytes_after": rep.bytes_after, "seconds": round(seconds, 3)}
+    if as_json:
+        emit_json(doc)
+        return
+    click.echo(f"compacted {rep.entries} entries: {fmt_size(rep.bytes_before)} -> "
+               f"{fmt_size(rep.bytes_after)} in {seconds:.2f} s")
+
+
+# ----------------------------------------------------------------------------------------------
+# copy / bench / demo live in their own modules
+# ----------------------------------------------------------------------------------------------
+
+
+def _register(fn: Callable[[click.Group], None]) -> None:
+    fn(cli)
+
+
+from ._bench import register as _register_bench  # noqa: E402
+from ._copy import register as _register_copy  # noqa: E402
+from ._demo import register as _register_demo  # noqa: E402
+
+_register(_register_copy)
+_register(_register_bench)
+_register(_register_demo)

@@ -1,0 +1,233 @@
+"""Opening stores for the CLI, progress bars, and whole-store views built from ``iter_entries``.
+
+Everything here goes through the library's public API only (``hostkv_providers`` top-level
+names), so the CLI works for any provider, third-party plugins included.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import click
+
+import hostkv_providers as hk
+
+from ._exits import CLIError, ExitCode
+
+__all__ = [
+    "READONLY_OPTION",
+    "Forest",
+    "Progress",
+    "open_store",
+    "progress_bar",
+    "require_iterate",
+    "short",
+]
+
+#: The URL option the CLI adds when a command must not modify the store (``info``, ``ls``,
+#: ``stats``, ``verify`` without ``--repair``, the source of ``copy``).  Providers that do not
+#: know it are opened normally when they are not persistent (nothing on a medium to modify).
+READONLY_OPTION = "readonly"
+
+Progress = Callable[[int, int], None]
+
+
+def short(key: bytes, n: int = 16) -> str:
+    """The first ``n`` hex digits of a key (what listings show)."""
+    return key.hex()[:n]
+
+
+def _looks_like_path(location: str) -> bool:
+    return location.startswith(("/", "./", "../", "~")) or location in (".", "..")
+
+
+def open_store(url: str, *, readonly: bool, must_exist: bool = True) -> hk.Provider:
+    """Open ``url`` through ``hk.open``.
+
+    ``readonly`` asks the provider not to modify the store (the ``readonly=true`` URL option);
+    a persistent provider that cannot promise that is refused rather than risk a write.
+    ``must_exist`` refuses a filesystem location that does not exist yet, so that ``info`` on a
+    typo'd path reports the typo instead of creating an empty store there.
+    """
+    scheme, location, options = hk.parse_url(url)
+    cls = hk.provider_class(scheme)
+    if must_exist and _looks_like_path(location):
+        path = os.path.expanduser(location)
+        if not os.path.lexists(path):
+            raise CLIError(
+                f"no store at {path}",
+                ExitCode.USAGE,
+                hint="check the path; only `hostkv copy`, `bench` and `demo` create stores",
+            )
+    if not readonly or not cls.persistent:
+        return hk.open(url)
+    if READONLY_OPTION in options and options[READONLY_OPTION].lower() in ("0", "false", "no", "off"):
+        raise CLIError(f"this command opens stores read-only; drop {READONLY_OPTION}= from the URL")
+    try:
+        return hk.open(url, **{READONLY_OPTION: "true"})
+    except hk.InvalidArgumentError as exc:
+        if READONLY_OPTION not in str(exc) and READONLY_OPTION not in exc.hint:
+            raise
+        raise CLIError(
+            f"provider {scheme!r} cannot open a store read-only, and this command must not modify it",
+            ExitCode.REFUSED,
+            hint=f"ask the provider's authors to support the {READONLY_OPTION}=true URL option",
+        ) from None
+
+
+def require_iterate(provider: hk.Provider, what: str) -> hk.SupportsIterate:
+    """The provider as ``SupportsIterate``, or a usage error naming the command."""
+    if not isinstance(provider, hk.SupportsIterate):
+        raise CLIError(
+            f"provider {provider.name!r} cannot enumerate its entries, which {what} needs",
+            ExitCode.USAGE,
+            hint="run `hostkv providers` to see which providers have the iterate capability",
+        )
+    return provider
+
+
+@contextmanager
+def progress_bar(label: str, *, enabled: bool = True) -> Iterator[Progress]:
+    """A ``progress(done, total)`` callback drawing a click progress bar on stderr.
+
+    The bar is created on the first call, when the total is known.  When stderr is not a
+    terminal click prints only the label, so logs stay clean.
+    """
+    state: dict[str, Any] = {"bar": None, "done": 0}
+
+    def update(done: int, total: int) -> None:
+        if not enabled:
+            return
+        bar = state["bar"]
+        if bar is None:
+            bar = click.progressbar(length=max(total, 1), label=label, file=sys.stderr, width=30)
+            bar.__enter__()
+            state["bar"] = bar
+        step = done - state["done"]
+        if step > 0:
+            bar.update(step)
+            state["done"] = done
+
+    try:
+        yield update
+    finally:
+        if state["bar"] is not None:
+            state["bar"].__exit__(None, None, None)
+
+
+@dataclass
+class Run:
+    """A maximal linear stretch of a chain: ``keys[0]`` is a root or a branch's first page and
+    every key but the last has exactly one child."""
+
+    index: int
+    parent_run: int | None
+    keys: list[bytes] = field(default_factory=list)
+    depth_start: int = 0
+    nbytes: int = 0
+    children: list[int] = field(default_factory=list)
+
+    @property
+    def depth_end(self) -> int:
+        return self.depth_start + len(self.keys) - 1
+
+
+class Forest:
+    """The stored tree (or a salt tag's part of it), computed from ``iter_entries``.
+
+    Iterative throughout: a chain of a million pages must not hit Python's recursion limit.
+    """
+
+    def __init__(self, entries: Sequence[hk.EntryInfo]) -> None:
+        self.entries: dict[bytes, hk.EntryInfo] = {bytes(e.key): e for e in entries}
+        self.children: dict[bytes, list[bytes]] = {}
+        self.roots: list[bytes] = []
+        #: entries whose parent is not among ``entries`` although they name one (filtered views,
+        #: or a broken prefix-closure in the store).
+        self.orphans: list[bytes] = []
+        for key, e in self.entries.items():
+            parent = None if e.parent is None else bytes(e.parent)
+            if parent is None or parent == bytes(hk.ZERO_KEY):
+                self.roots.append(key)
+            elif parent in self.entries:
+                self.children.setdefault(parent, []).append(key)
+            else:
+                self.roots.append(key)
+                self.orphans.append(key)
+        # Stable, readable order: oldest first, then by key.
+        def order(k: bytes) -> tuple[float, bytes]:
+            return (self.entries[k].created, k)
+
+        self.roots.sort(key=order)
+        for kids in self.children.values():
+            kids.sort(key=order)
+        self.depth: dict[bytes, int] = {}
+        self.order: list[bytes] = []  # parents before children (depth-first, pre-order)
+        stack = list(reversed(self.roots))
+        for r in self.roots:
+            self.depth[r] = 0
+        while stack:
+            k = stack.pop()
+            self.order.append(k)
+            kids = self.children.get(k, ())
+            for c in kids:
+                self.depth[c] = self.depth[k] + 1
+            stack.extend(reversed(kids))
+
+    @property
+    def leaves(self) -> int:
+        return sum(1 for k in self.entries if k not in self.children)
+
+    @property
+    def branch_points(self) -> int:
+        return sum(1 for kids in self.children.values() if len(kids) > 1)
+
+    @property
+    def max_depth(self) -> int:
+        return max(self.depth.values(), default=-1)
+
+    def runs(self) -> list[Run]:
+        """The tree with linear stretches collapsed, in display (pre-)order."""
+        out: list[Run] = []
+        stack: list[tuple[bytes, int | None]] = [(r, None) for r in reversed(self.roots)]
+        while stack:
+            start, parent_run = stack.pop()
+            run = Run(len(out), parent_run, depth_start=self.depth[start])
+            out.append(run)
+            if parent_run is not None:
+                out[parent_run].children.append(run.index)
+            k = start
+            while True:
+                run.keys.append(k)
+                run.nbytes += self.entries[k].nbytes
+                kids = self.children.get(k, [])
+                if len(kids) == 1:
+                    k = kids[0]
+                    continue
+                stack.extend((c, run.index) for c in reversed(kids))
+                break
+        return out
+
+    def subtree_newest(self) -> dict[bytes, float]:
+        """For each key, the newest ``last_used`` in its subtree (itself included)."""
+        newest = {k: e.last_used for k, e in self.entries.items()}
+        for k in reversed(self.order):  # children before parents
+            e = self.entries[k]
+            parent = None if e.parent is None else bytes(e.parent)
+            if parent is not None and parent in newest and k not in self.orphans:
+                newest[parent] = max(newest[parent], newest[k])
+        return newest
+
+    def subtree_keys(self, key: bytes) -> list[bytes]:
+        out: list[bytes] = []
+        stack = [key]
+        while stack:
+            k = stack.pop()
+            out.append(k)
+            stack.extend(self.children.get(k, ()))
+        return out
