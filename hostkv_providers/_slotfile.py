@@ -1,0 +1,527 @@
+"""Slot files: preallocated, mmapped data files of fixed-size slots (shared by mmap and lmdb).
+
+A slot file holds ``slot_count`` slots of ``slot_nbytes`` bytes each.  An *entry* (a page or an
+anchor blob) occupies a *run* of ``ceil(nbytes / slot_nbytes)`` consecutive slots; the run's
+first slot carries the entry's header in the header table.  The index (a journal, an LMDB
+database) records ``(file_id, slot, generation, key, nbytes, checksum)`` per entry; a read is
+accepted only when the slot header echoes the same key, generation, size and checksum, so a slot
+reused for another entry can never satisfy a stale index record (R1).
+
+On-disk layout (all integers little-endian)::
+
+    [0, 4096)                 file header (128 bytes used, see FILE_HEADER_DTYPE), xxh3-checked
+    [4096, data_offset)       header table: slot_count x 128-byte slot headers (SLOT_HEADER_DTYPE)
+    [data_offset, end)        slot i at data_offset + i * slot_nbytes   (data_offset 4 KiB aligned)
+
+Slot header (128 bytes): ``magic u64 | key 32B | parent 32B | generation u64 | nbytes u64 |
+checksum u64 (XXH3-64 of the entry's bytes) | flags u32 | aux u32 | user u64 | reserved u64 |
+header_checksum u64 (XXH3-64 of bytes 0..120)``.  A zero or damaged header is "no entry".
+
+Protocol (the order is what crash safety depends on):
+
+1. :meth:`SlotFile.begin_write` zeroes the headers of every slot in the run, *before* any data
+   byte changes, so neither a stale index record nor a concurrent reader can accept the run while
+   it holds a mix of old and new bytes.
+2. :meth:`SlotFile.write` copies data (or a caller fills :meth:`SlotFile.data`, e.g. by DMA).
+3. :meth:`SlotFile.write_header` publishes the header (data first, then header).
+4. :meth:`SlotFile.sync` makes data and header durable (``durability=sync``) — then, and only
+   then, the caller's index may point at the run.
+
+Reads (:meth:`SlotFile.read_into`) are a seqlock: check header, copy, verify, check header again;
+a reader in another process racing a writer that reuses the slot sees ``STALE`` (a miss), never a
+mix.  With ``verify=True`` the XXH3-64 of the bytes handed out is compared with the header's.
+
+Hygiene (R6): files are created complete with ``posix_fallocate`` (ENOSPC → ``NoSpaceError``
+before anything is mapped) and are never truncated or grown while mapped; a file shorter than
+its header declares is refused instead of mapped (touching a mapping past EOF is SIGBUS).  Files
+are 0600, opened with ``O_NOFOLLOW``, and created through a temp name + rename so a crash never
+leaves a half-initialised slot file under its final name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import mmap
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import xxhash
+
+from . import _fsutil
+from ._errors import CorruptStoreError, IncompatibleStoreError, InvalidArgumentError, SpanError, StorageIOError
+from ._keys import KEY_NBYTES
+
+__all__ = [
+    "FILE_HEADER_DTYPE",
+    "FILE_HEADER_NBYTES",
+    "FLAG_ANCHOR",
+    "FLAG_HAS_PARENT",
+    "SLOT_HEADER_DTYPE",
+    "SLOT_HEADER_NBYTES",
+    "SLOT_MAGIC",
+    "ReadResult",
+    "SlotFile",
+    "SlotHeader",
+    "header_checksums_ok",
+    "run_nslots",
+]
+
+FILE_MAGIC = b"HKVSLOTS"
+FILE_LAYOUT_VERSION = 1
+FILE_HEADER_NBYTES = 4096
+SLOT_HEADER_NBYTES = 128
+#: ``magic`` field of a live slot header (``b"HKVSLOT1"`` little-endian).
+SLOT_MAGIC = int.from_bytes(b"HKVSLOT1", "little")
+#: ``flags`` bits of a slot header.
+FLAG_HAS_PARENT = 1
+FLAG_ANCHOR = 2
+
+_ALIGN = 4096
+_MAX_SLOT_NBYTES = 1 << 34  # 16 GiB: a sanity bound for parsing hostile headers
+_MAX_SLOTS = 1 << 40
+
+FILE_HEADER_DTYPE = np.dtype(
+    [
+        ("magic", "S8"),
+        ("layout_version", "<u4"),
+        ("slot_header_nbytes", "<u4"),
+        ("slot_nbytes", "<u8"),
+        ("slot_count", "<u8"),
+        ("file_id", "<u8"),
+        ("data_offset", "<u8"),
+        ("store_id", "V16"),
+        ("created", "<u8"),
+        ("reserved", "V48"),
+        ("header_checksum", "<u8"),
+    ]
+)
+assert FILE_HEADER_DTYPE.itemsize == 128
+
+SLOT_HEADER_DTYPE = np.dtype(
+    [
+        ("magic", "<u8"),
+        ("key", "V32"),
+        ("parent", "V32"),
+        ("generation", "<u8"),
+        ("nbytes", "<u8"),
+        ("checksum", "<u8"),
+        ("flags", "<u4"),
+        ("aux", "<u4"),
+        ("user", "<u8"),
+        ("reserved", "<u8"),
+        ("header_checksum", "<u8"),
+    ]
+)
+assert SLOT_HEADER_DTYPE.itemsize == SLOT_HEADER_NBYTES
+
+_HSUM_AT = SLOT_HEADER_NBYTES - 8
+_ZERO_HEADER = bytes(SLOT_HEADER_NBYTES)
+
+
+class ReadResult(enum.IntEnum):
+    """Outcome of :meth:`SlotFile.read_into` / :meth:`SlotFile.check`."""
+
+    OK = 0
+    #: The header does not describe this record (slot reused, never written, torn): a miss.
+    STALE = 1
+    #: The header matches but the bytes do not hash to its checksum: corruption.
+    CORRUPT = 2
+
+
+@dataclass(frozen=True, slots=True)
+class SlotHeader:
+    """A decoded, checksum-verified slot header."""
+
+    key: bytes
+    parent: bytes | None
+    generation: int
+    nbytes: int
+    checksum: int
+    flags: int
+    aux: int
+    user: int
+
+
+def run_nslots(nbytes: int, slot_nbytes: int) -> int:
+    """Slots needed by an entry of ``nbytes`` bytes (at least 1)."""
+    return max(1, -(-nbytes // slot_nbytes))
+
+
+def _round_up(n: int, align: int) -> int:
+    return -(-n // align) * align
+
+
+def _encode_header(key: bytes, parent: bytes | None, generation: int, nbytes: int, checksum: int,
+                   flags: int, aux: int, user: int) -> bytes:
+    rec = np.zeros(1, SLOT_HEADER_DTYPE)
+    rec["magic"] = SLOT_MAGIC
+    rec["key"] = np.frombuffer(key, "V32")
+    if parent is not None:
+        rec["parent"] = np.frombuffer(parent, "V32")
+        flags |= FLAG_HAS_PARENT
+    else:
+        flags &= ~FLAG_HAS_PARENT
+    rec["generation"] = generation
+    rec["nbytes"] = nbytes
+    rec["checksum"] = checksum
+    rec["flags"] = flags
+    rec["aux"] = aux
+    rec["user"] = user
+    raw = bytearray(rec.tobytes())
+    raw[_HSUM_AT:] = xxhash.xxh3_64_intdigest(bytes(raw[:_HSUM_AT])).to_bytes(8, "little")
+    return bytes(raw)
+
+
+def _decode_header(raw: bytes | memoryview) -> SlotHeader | None:
+    b = bytes(raw)
+    if len(b) != SLOT_HEADER_NBYTES or int.from_bytes(b[:8], "little") != SLOT_MAGIC:
+        return None
+    if xxhash.xxh3_64_intdigest(b[:_HSUM_AT]) != int.from_bytes(b[_HSUM_AT:], "little"):
+        return None
+    flags = int.from_bytes(b[104:108], "little")
+    return SlotHeader(
+        key=b[8:40],
+        parent=b[40:72] if flags & FLAG_HAS_PARENT else None,
+        generation=int.from_bytes(b[72:80], "little"),
+        nbytes=int.from_bytes(b[80:88], "little"),
+        checksum=int.from_bytes(b[88:96], "little"),
+        flags=flags,
+        aux=int.from_bytes(b[108:112], "little"),
+        user=int.from_bytes(b[112:120], "little"),
+    )
+
+
+def header_checksums_ok(headers: npt.NDArray[Any]) -> npt.NDArray[np.bool_]:
+    """Vectorised validity of a header-table slice: magic right and header checksum matching.
+
+    Used by bulk scans (open-time validation, verify); one XXH3 call per *live* header only.
+    """
+    ok: npt.NDArray[np.bool_] = np.asarray(headers["magic"] == SLOT_MAGIC, dtype=np.bool_)
+    raw = headers.view(np.uint8).reshape(len(headers), SLOT_HEADER_NBYTES)
+    for i in np.flatnonzero(ok):
+        row = raw[i]
+        if xxhash.xxh3_64_intdigest(row[:_HSUM_AT].tobytes()) != int(headers["header_checksum"][i]):
+            ok[i] = False
+    return ok
+
+
+class SlotFile:
+    """One slot file, mapped read-write (the writer) or read-only (readers).
+
+    Build with :meth:`create` or :meth:`open`.  Thread-safe for disjoint runs: the object keeps
+    no per-run state, callers own the slot allocation (which runs are free) and make sure one run
+    is written by one thread at a time.  All slot numbers and byte ranges are bounds-checked and
+    raise ``InvalidArgumentError``/``SpanError``.
+
+    Attributes
+    ----------
+    path, file_id, slot_nbytes, slot_count, store_id, writable, data_offset
+    """
+
+    def __init__(self, path: str, fd: int, header: npt.NDArray[Any], writable: bool) -> None:
+        self.path = path
+        self.writable = writable
+        self.file_id = int(header["file_id"][0])
+        self.slot_nbytes = int(header["slot_nbytes"][0])
+        self.slot_count = int(header["slot_count"][0])
+        self.data_offset = int(header["data_offset"][0])
+        self.store_id = bytes(header["store_id"][0].tobytes())
+        self._fd: int | None = fd
+        self._lock = threading.Lock()
+        size = self.data_offset + self.slot_count * self.slot_nbytes
+        try:
+            self._map: mmap.mmap | None = mmap.mmap(
+                fd, size, flags=mmap.MAP_SHARED,
+                prot=mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0),
+            )
+        except OSError as exc:
+            os.close(fd)
+            raise _fsutil.io_error(exc, f"mapping {path}") from exc
+        self._view: memoryview | None = memoryview(self._map)
+        htab = self._view[FILE_HEADER_NBYTES : FILE_HEADER_NBYTES + self.slot_count * SLOT_HEADER_NBYTES]
+        self._headers: npt.NDArray[Any] | None = np.frombuffer(htab, SLOT_HEADER_DTYPE)
+
+    # -- construction --------------------------------------------------------------------------
+    @staticmethod
+    def layout(slot_nbytes: int, slot_count: int) -> tuple[int, int]:
+        """``(data_offset, file_nbytes)`` of a file with this geometry."""
+        data_offset = _round_up(FILE_HEADER_NBYTES + slot_count * SLOT_HEADER_NBYTES, _ALIGN)
+        return data_offset, data_offset + slot_count * slot_nbytes
+
+    @classmethod
+    def create(cls, path: str, *, slot_nbytes: int, slot_count: int, file_id: int, store_id: bytes,
+               durable: bool = True) -> SlotFile:
+        """Create a new slot file at ``path`` (which must not exist) and open it writable.
+
+        The file is built under a temp name — ``posix_fallocate`` of its whole size, header,
+        fsync — and renamed into place, so ``path`` either does not exist or is complete.
+        ``NoSpaceError`` if the filesystem cannot hold it (nothing is left behind).
+        """
+        if type(slot_nbytes) is not int or slot_nbytes <= 0 or slot_nbytes % _ALIGN or slot_nbytes > _MAX_SLOT_NBYTES:
+            raise InvalidArgumentError(f"slot size must be a positive multiple of 4096, got {slot_nbytes!r}")
+        if type(slot_count) is not int or not 0 < slot_count <= _MAX_SLOTS:
+            raise InvalidArgumentError(f"slot count must be a positive int, got {slot_count!r}")
+        if len(store_id) != 16:
+            raise InvalidArgumentError("store_id must be 16 bytes")
+        if os.path.lexists(path):
+            raise InvalidArgumentError(f"{path} already exists")
+        data_offset, total = cls.layout(slot_nbytes, slot_count)
+        hdr = np.zeros(1, FILE_HEADER_DTYPE)
+        hdr["magic"] = FILE_MAGIC
+        hdr["layout_version"] = FILE_LAYOUT_VERSION
+        hdr["slot_header_nbytes"] = SLOT_HEADER_NBYTES
+        hdr["slot_nbytes"] = slot_nbytes
+        hdr["slot_count"] = slot_count
+        hdr["file_id"] = file_id
+        hdr["data_offset"] = data_offset
+        hdr["store_id"] = np.frombuffer(store_id, "V16")
+        hdr["created"] = int(time.time())
+        raw = bytearray(hdr.tobytes())
+        raw[120:128] = xxhash.xxh3_64_intdigest(bytes(raw[:120])).to_bytes(8, "little")
+        tmp = _fsutil.temp_name(path)
+        fd = _fsutil.open_private(tmp, os.O_RDWR, create=True, exclusive=True)
+        try:
+            _fsutil.fallocate(fd, 0, total, f"preallocating {total} bytes for {path}")
+            _fsutil.write_all(fd, bytes(raw), 0, f"writing the header of {path}")
+            if durable:
+                _fsutil.sync_fd(fd, f"syncing {tmp}")
+            try:
+                os.rename(tmp, path)
+            except OSError as exc:
+                raise _fsutil.io_error(exc, f"renaming {tmp}") from exc
+            if durable:
+                _fsutil.fsync_dir(os.path.dirname(path) or ".")
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        return cls(path, fd, np.frombuffer(bytes(raw), FILE_HEADER_DTYPE), True)
+
+    @classmethod
+    def open(cls, path: str, *, writable: bool, store_id: bytes | None = None,
+             slot_nbytes: int | None = None) -> SlotFile:
+        """Open an existing slot file, validating its header with explicit bounds.
+
+        Raises ``CorruptStoreError`` for a damaged/short file, ``IncompatibleStoreError`` for
+        another layout version, store or slot size, ``UnsafeStoreError`` for a symlink or loose
+        permissions.
+        """
+        fd = _fsutil.open_private(path, os.O_RDWR if writable else os.O_RDONLY)
+        try:
+            try:
+                raw = os.pread(fd, 128, 0)
+                size = os.fstat(fd).st_size
+            except OSError as exc:
+                raise _fsutil.io_error(exc, f"reading {path}") from exc
+            if len(raw) < 128:
+                raise CorruptStoreError(f"{path}: slot file header is truncated ({len(raw)} bytes)")
+            hdr = np.frombuffer(raw, FILE_HEADER_DTYPE)
+            if bytes(hdr["magic"][0]) != FILE_MAGIC:
+                raise CorruptStoreError(f"{path} is not a hostkv slot file (bad magic)")
+            if xxhash.xxh3_64_intdigest(raw[:120]) != int(hdr["header_checksum"][0]):
+                raise CorruptStoreError(f"{path}: slot file header checksum mismatch")
+            if int(hdr["layout_version"][0]) != FILE_LAYOUT_VERSION:
+                raise IncompatibleStoreError(
+                    f"{path}: slot file layout version {int(hdr['layout_version'][0])}, "
+                    f"this build reads version {FILE_LAYOUT_VERSION}")
+            sn, sc = int(hdr["slot_nbytes"][0]), int(hdr["slot_count"][0])
+            if (int(hdr["slot_header_nbytes"][0]) != SLOT_HEADER_NBYTES or sn <= 0 or sn % _ALIGN
+                    or sn > _MAX_SLOT_NBYTES or not 0 < sc <= _MAX_SLOTS):
+                raise CorruptStoreError(f"{path}: implausible geometry (slot {sn} B x {sc})")
+            data_offset, total = cls.layout(sn, sc)
+            if int(hdr["data_offset"][0]) != data_offset:
+                raise CorruptStoreError(f"{path}: data offset {int(hdr['data_offset'][0])} != {data_offset}")
+            if size < total:
+                # Mapping past EOF would turn the first touch of the missing part into SIGBUS.
+                raise CorruptStoreError(f"{path} is {size} bytes but its header declares {total}")
+            if store_id is not None and bytes(hdr["store_id"][0].tobytes()) != store_id:
+                raise IncompatibleStoreError(f"{path} belongs to another store")
+            if slot_nbytes is not None and sn != slot_nbytes:
+                raise IncompatibleStoreError(f"{path} has {sn}-byte slots, expected {slot_nbytes}")
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(path, fd, hdr, writable)
+
+    # -- accessors -----------------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return self._map is None
+
+    @property
+    def fd(self) -> int:
+        if self._fd is None:
+            raise StorageIOError(f"{self.path} is closed")
+        return self._fd
+
+    def _v(self) -> memoryview:
+        if self._view is None:
+            raise StorageIOError(f"slot file {self.path} is closed")
+        return self._view
+
+    def headers(self) -> npt.NDArray[Any]:
+        """The live header table as a structured array *view* of the mapping (read-only use)."""
+        if self._headers is None:
+            raise StorageIOError(f"slot file {self.path} is closed")
+        return self._headers
+
+    def _check_run(self, slot: int, nslots: int) -> None:
+        if type(slot) is not int or type(nslots) is not int or slot < 0 or nslots <= 0 \
+                or slot + nslots > self.slot_count:
+            raise InvalidArgumentError(f"slot run [{slot}, {slot}+{nslots}) outside {self.path} "
+                                       f"({self.slot_count} slots)")
+
+    def _data_range(self, slot: int, nbytes: int) -> tuple[int, int]:
+        nslots = run_nslots(nbytes, self.slot_nbytes)
+        self._check_run(slot, nslots)
+        lo = self.data_offset + slot * self.slot_nbytes
+        return lo, lo + nbytes
+
+    def data(self, slot: int, nbytes: int) -> memoryview:
+        """The mapped bytes of an entry of ``nbytes`` starting at ``slot`` (writable if the file
+        is).  Valid until :meth:`close`; the caller keeps the run's header protocol."""
+        lo, hi = self._data_range(slot, nbytes)
+        return self._v()[lo:hi]
+
+    def data_offset_of(self, slot: int) -> int:
+        """File offset of ``slot``'s first byte (for ``pread``/``pwrite`` callers and benchmarks)."""
+        self._check_run(slot, 1)
+        return self.data_offset + slot * self.slot_nbytes
+
+    # -- writing -------------------------------------------------------------------------------
+    def _need_writable(self) -> None:
+        if not self.writable:
+            raise InvalidArgumentError(f"{self.path} is open read-only")
+
+    def begin_write(self, slot: int, nslots: int) -> None:
+        """Invalidate the headers of a run before any of its data changes (protocol step 1)."""
+        self._need_writable()
+        self._check_run(slot, nslots)
+        lo = FILE_HEADER_NBYTES + slot * SLOT_HEADER_NBYTES
+        self._v()[lo : lo + nslots * SLOT_HEADER_NBYTES] = bytes(nslots * SLOT_HEADER_NBYTES)
+
+    def write(self, slot: int, nbytes: int, offset: int, data: object) -> None:
+        """Copy ``data`` to bytes ``[offset, offset+len)`` of the entry (``nbytes``) at ``slot``."""
+        self._need_writable()
+        src = memoryview(data).cast("B")  # type: ignore[arg-type]
+        if offset < 0 or offset + src.nbytes > nbytes:
+            raise SpanError(f"write [{offset}, {offset + src.nbytes}) exceeds the entry size {nbytes}")
+        lo, _ = self._data_range(slot, nbytes)
+        self._v()[lo + offset : lo + offset + src.nbytes] = src
+
+    def checksum(self, slot: int, nbytes: int) -> int:
+        """XXH3-64 of the entry's mapped bytes."""
+        return int(xxhash.xxh3_64_intdigest(self.data(slot, nbytes)))
+
+    def write_header(self, slot: int, *, key: bytes, parent: bytes | None, generation: int, nbytes: int,
+                     checksum: int, flags: int = 0, aux: int = 0, user: int = 0) -> None:
+        """Publish the header of the entry at ``slot`` (protocol step 3: after its data)."""
+        self._need_writable()
+        if len(key) != KEY_NBYTES or (parent is not None and len(parent) != KEY_NBYTES):
+            raise InvalidArgumentError("key and parent must be 32 bytes")
+        self._data_range(slot, nbytes)
+        lo = FILE_HEADER_NBYTES + slot * SLOT_HEADER_NBYTES
+        self._v()[lo : lo + SLOT_HEADER_NBYTES] = _encode_header(key, parent, generation, nbytes, checksum,
+                                                                 flags, aux, user)
+
+    def clear(self, slot: int, nslots: int = 1) -> None:
+        """Zero the headers of a run (free it on the medium; same as :meth:`begin_write`)."""
+        self.begin_write(slot, nslots)
+
+    # -- reading -------------------------------------------------------------------------------
+    def header(self, slot: int) -> SlotHeader | None:
+        """The verified header at ``slot``, or ``None`` if empty or damaged."""
+        self._check_run(slot, 1)
+        lo = FILE_HEADER_NBYTES + slot * SLOT_HEADER_NBYTES
+        return _decode_header(self._v()[lo : lo + SLOT_HEADER_NBYTES])
+
+    def _header_is(self, slot: int, key: bytes, generation: int, nbytes: int, checksum: int) -> bool:
+        h = self.header(slot)
+        return (h is not None and h.key == key and h.generation == generation and h.nbytes == nbytes
+                and h.checksum == checksum)
+
+    def check(self, slot: int, *, key: bytes, generation: int, nbytes: int, checksum: int,
+              verify: bool = True) -> ReadResult:
+        """Whether the run at ``slot`` holds exactly this record (header, and with ``verify`` the
+        data checksum)."""
+        if not self._header_is(slot, key, generation, nbytes, checksum):
+            return ReadResult.STALE
+        if verify and self.checksum(slot, nbytes) != checksum:
+            # a writer in another process may have reused the slot meanwhile: that is a miss
+            return ReadResult.CORRUPT if self._header_is(slot, key, generation, nbytes, checksum) \
+                else ReadResult.STALE
+        return ReadResult.OK
+
+    def read_into(self, slot: int, out: memoryview, *, key: bytes, generation: int, nbytes: int,
+                  checksum: int, offset: int = 0, verify: bool = True) -> ReadResult:
+        """Copy bytes ``[offset, offset+len(out))`` of the entry at ``slot`` into ``out``.
+
+        The seqlock protocol of the module docstring: ``OK`` means ``out`` holds exactly the bytes
+        sealed under this record (checksum-verified when ``verify``; for a whole-entry read the
+        checksum is computed over ``out`` itself, so even a racing writer cannot slip bytes in).
+        ``STALE``/``CORRUPT``: ``out`` content is unspecified and must not be used.
+        """
+        n = out.nbytes
+        if offset < 0 or offset + n > nbytes:
+            raise SpanError(f"read [{offset}, {offset + n}) exceeds the entry size {nbytes}")
+        if not self._header_is(slot, key, generation, nbytes, checksum):
+            return ReadResult.STALE
+        src = self.data(slot, nbytes)
+        out[:] = src[offset : offset + n]
+        if verify:
+            whole = offset == 0 and n == nbytes
+            got = xxhash.xxh3_64_intdigest(out if whole else src)
+            if got != checksum:
+                return ReadResult.CORRUPT if self._header_is(slot, key, generation, nbytes, checksum) \
+                    else ReadResult.STALE
+        if not self._header_is(slot, key, generation, nbytes, checksum):
+            return ReadResult.STALE
+        return ReadResult.OK
+
+    # -- durability ----------------------------------------------------------------------------
+    def sync(self) -> None:
+        """Make every byte written through the mapping durable (``fdatasync`` of the file, which
+        on Linux writes back dirty shared-mapping pages too).  Raises ``StorageIOError``; never
+        retry a failed sync expecting success (R7)."""
+        _fsutil.sync_fd(self.fd, f"syncing {self.path}")
+
+    def drop_cache(self) -> None:
+        """Ask the kernel to drop this file's clean cached pages (benchmarks: cold reads)."""
+        with contextlib.suppress(OSError):
+            os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        if self._map is not None:
+            with contextlib.suppress(OSError, ValueError):
+                self._map.madvise(mmap.MADV_DONTNEED)
+
+    def close(self) -> None:
+        """Unmap and close; idempotent.  Views handed out keep the mapping alive until released."""
+        with self._lock:
+            if self._map is None:
+                return
+            self._headers = None
+            if self._view is not None:
+                with contextlib.suppress(BufferError):
+                    self._view.release()
+                self._view = None
+            with contextlib.suppress(BufferError):
+                self._map.close()  # exported views still alive: freed when they go away
+            self._map = None
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+
+    def __enter__(self) -> SlotFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<SlotFile {self.path} id={self.file_id} {self.slot_count}x{self.slot_nbytes}B>"
