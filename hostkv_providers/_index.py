@@ -292,7 +292,16 @@ class TreeIndex:
             seen.add(n.key)
             order.append(n)
             stack.extend(children.get(n.key, ()))
-        order.reverse()  # a node always comes after all of its descendants
+        # Deepest first, so every node comes after all of its descendants — also when ``roots``
+        # name both a node and one of its descendants (a reversed pre-order would not).
+        depth: dict[Key, int] = {}
+        for n in order:
+            d, cur = 0, n
+            while cur.parent is not None and cur.parent in seen and cur.parent not in depth:
+                d += 1
+                cur = self.nodes[cur.parent]
+            depth[n.key] = d + (depth[cur.parent] + 1 if cur.parent is not None and cur.parent in depth else 0)
+        order.sort(key=lambda n: depth[n.key], reverse=True)
         return order
 
     def evict_keys(self, keys: Iterable[Key]) -> tuple[list[Node], int]:

@@ -109,6 +109,8 @@ class DictProvider(Provider):
             raise hk.InvalidArgumentError(f"nbytes must be a positive int, got {nbytes!r}")
         if p == k:
             raise hk.InvalidArgumentError("an entry cannot be its own parent")
+        if not isinstance(salt_tag, str):
+            raise hk.InvalidArgumentError(f"salt_tag must be a str, got {type(salt_tag).__name__}")
         with self._lock:
             self._check_usable()
             fresh, evicted = self._index.begin(k, p, nbytes)  # may raise the contract's errors
@@ -153,11 +155,11 @@ class DictProvider(Provider):
         if not isinstance(reservation, _DictReservation) or reservation.provider is not self:
             raise hk.ReservationError("not a reservation of this provider")
         with self._lock:
+            self._check_usable()
             if reservation.state != "open":
-                return
-            if not self._closed:
-                self._index.cancel(reservation.key)
-                self._n["aborts"] += 1
+                return  # aborting twice, or after seal, is a no-op
+            self._index.cancel(reservation.key)
+            self._n["aborts"] += 1
             reservation._finish("aborted")
 
     # -- reads -------------------------------------------------------------------------------
