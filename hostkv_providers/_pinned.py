@@ -24,7 +24,7 @@ from ._errors import CapacityError, InvalidArgumentError, ReservationError, Unkn
 from ._hostmem import HostAllocation, HostAllocator, OrdinaryAllocator
 from ._index import Node, TreeIndex
 from ._keys import Key
-from ._options import Options, parse_size
+from ._options import Options
 from ._provider import (
     EntryInfo,
     EvictReport,
@@ -132,7 +132,7 @@ class _Arena:
 
 
 class _PinnedReservation(Reservation):
-    __slots__ = ("runs", "_regions")
+    __slots__ = ("_regions", "runs")
 
     def __init__(self, provider: PinnedProvider, key: Key, parent: Key | None, nbytes: int, salt_tag: str,
                  runs: list[tuple[int, int]], regions: list[HostRegion]) -> None:
@@ -380,12 +380,13 @@ class PinnedProvider(Provider):
     def abort(self, reservation: Reservation) -> None:
         if not isinstance(reservation, _PinnedReservation) or reservation.provider is not self:
             raise ReservationError("not a reservation of this provider")
+        # After close or in a forked child the arena is gone or not ours: refuse with a typed
+        # error (Reservation.__exit__ turns that into a warning during exception cleanup).
+        self._check_usable()
         with self._lock:
+            self._check_usable()
             if reservation.state != "open":
                 return  # aborting twice (or after seal) is a no-op
-            if self._closed:
-                reservation._finish("aborted")
-                return
             self._index.cancel(reservation.key)
             self._arena.release(reservation.runs)
             reservation._finish("aborted")
@@ -607,13 +608,13 @@ def _gather(regions: Sequence[HostRegion], span: ByteSpan, dst: memoryview) -> N
 def _default_allocator(require_pinned: bool = False) -> HostAllocator:
     """Page-locked CUDA memory when a GPU is usable, else ordinary memory."""
     try:
-        from ._copy import pinned_allocator  # type: ignore[attr-defined]
-    except ImportError:
-        pinned_allocator = None
-    if pinned_allocator is not None:
+        from ._copy import pinned_allocator
+    except ImportError:  # the copy engine is optional at import time; ordinary memory still works
+        pass
+    else:
         alloc = pinned_allocator()
         if alloc is not None:
-            return alloc  # type: ignore[no-any-return]
+            return alloc
     if require_pinned:
         raise InvalidArgumentError("pin=yes but no CUDA device is usable", hint="use pin=auto or pin=no")
     return OrdinaryAllocator()

@@ -1,1 +1,56 @@
-"""pytest plugin."""
+"""pytest plugin (entry point ``pytest11``): markers and helpers for provider test suites.
+
+Installed with the package, so a third-party provider distribution that subclasses
+:class:`hostkv_providers.testing.ProviderTests` gets the same markers and fixtures:
+
+* ``@pytest.mark.gpu`` — needs a CUDA device; skipped cleanly when none is usable.
+* ``@pytest.mark.slow`` — long-running reliability tests; they run by default (CI runs
+  everything), deselect them locally with ``-m "not slow"``.
+* fixture ``hostkv_page`` — ``page(key, nbytes) -> bytes``, the deterministic page content.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from ._pages import page_bytes
+
+_GPU_REASON: list[str | None] = []
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one)")
+    config.addinivalue_line("markers", "slow: long-running reliability tests (deselect with -m \"not slow\")")
+
+
+def cuda_unavailable_reason() -> str | None:
+    """``None`` when a CUDA device is usable, else why not (probed once, without importing torch)."""
+    if _GPU_REASON:
+        return _GPU_REASON[0]
+    reason: str | None
+    try:
+        from cuda.bindings import runtime  # type: ignore[import-not-found,unused-ignore]
+
+        err, count = runtime.cudaGetDeviceCount()
+        ok = int(err) == 0 and count > 0
+        reason = None if ok else f"no CUDA device (cudaGetDeviceCount: {err}, {count})"
+    except Exception as exc:  # ImportError, a missing driver library, ...
+        reason = f"CUDA is not usable: {exc!r}"
+    _GPU_REASON.append(reason)
+    return reason
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            reason = cuda_unavailable_reason()
+            if reason is not None:
+                item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.fixture
+def hostkv_page() -> Callable[[bytes, int], bytes]:
+    """``page(key, nbytes)``: the bytes the conformance suite stores under ``key``."""
+    return page_bytes
