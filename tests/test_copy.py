@@ -6,6 +6,7 @@ bytes in ``layout.planes`` order with numpy.
 
 from __future__ import annotations
 
+import itertools
 import mmap
 import threading
 from typing import Any
@@ -21,8 +22,8 @@ from hostkv_providers import (
     KVLayout,
     OrdinaryAllocator,
     PinnedProvider,
+    _copy,
 )
-from hostkv_providers import _copy
 from hostkv_providers._copy import (
     CopyArgumentError,
     CpuCopyEngine,
@@ -62,7 +63,7 @@ class Buffers:
         self.pages: list[list[HostRegion]] = []
         for _ in range(count):
             parts, regions = [], []
-            for lo, hi in zip(bounds, bounds[1:], strict=False):
+            for lo, hi in itertools.pairwise(bounds):
                 a = np.full(hi - lo, 0xAB, dtype=np.uint8)
                 parts.append(a)
                 regions.append(HostRegion(lo, memoryview(a), int(a.ctypes.data), False))
