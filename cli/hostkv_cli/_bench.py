@@ -14,9 +14,8 @@ import uuid
 from typing import Any
 
 import click
-import numpy as np
-
 import hostkv_providers as hk
+import numpy as np
 
 from ._exits import CLIError
 from ._format import emit_json, fmt_size, json_option, table
@@ -125,9 +124,11 @@ def register(group: click.Group) -> None:
         nbytes = hk.parse_size(page_size)
         if nbytes <= 0:
             raise CLIError("--page-size must be positive")
-        with open_store(url, readonly=False, must_exist=False) as p:
-            with progress_bar("benchmarking", enabled=not as_json or sys.stderr.isatty()) as bar:
-                doc = run_bench(p, pages, nbytes, lookups, bar)
+        with (
+            open_store(url, readonly=False, must_exist=False) as p,
+            progress_bar("benchmarking", enabled=not as_json or sys.stderr.isatty()) as bar,
+        ):
+            doc = run_bench(p, pages, nbytes, lookups, bar)
         doc["url"] = url
         if as_json:
             emit_json(doc)

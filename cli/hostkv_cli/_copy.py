@@ -13,7 +13,6 @@ import time
 from typing import Any
 
 import click
-
 import hostkv_providers as hk
 
 from ._exits import CLIError, ExitCode
@@ -31,7 +30,7 @@ def copy_store(src: hk.Provider, dst: hk.Provider, progress: Any = None) -> dict
     total = len(forest.order)
     # Pages the destination already has cost nothing (dedup); the rest must fit its budget.
     have = dst.present(forest.order) if forest.order else []
-    need = sum(forest.entries[k].nbytes for k, ok in zip(forest.order, have) if not ok)
+    need = sum(forest.entries[k].nbytes for k, ok in zip(forest.order, have, strict=False) if not ok)
     if need > dst.budget_bytes:
         raise CLIError(
             f"the source holds {fmt_size(need)} the destination lacks, more than its whole "
@@ -84,9 +83,9 @@ def copy_store(src: hk.Provider, dst: hk.Provider, progress: Any = None) -> dict
                     res.write(0, buf)
                 copied += 1
                 copied_bytes += e.nbytes
-            have = dst.list_anchors(k)
+            dst_anchors = dst.list_anchors(k)
             for name, nbytes in e.anchors.items():
-                if have.get(name) == nbytes:
+                if dst_anchors.get(name) == nbytes:
                     continue
                 blob = src.get_anchor(k, name)
                 if blob is not None:
@@ -112,10 +111,12 @@ def register(group: click.Group) -> None:
         if src_url == dst_url:
             raise CLIError("source and destination are the same store")
         t0 = time.perf_counter()
-        with open_store(src_url, readonly=True) as src, \
-                open_store(dst_url, readonly=False, must_exist=False) as dst:
-            with progress_bar("copying", enabled=not as_json or sys.stderr.isatty()) as bar:
-                doc = copy_store(src, dst, bar)
+        with (
+            open_store(src_url, readonly=True) as src,
+            open_store(dst_url, readonly=False, must_exist=False) as dst,
+            progress_bar("copying", enabled=not as_json or sys.stderr.isatty()) as bar,
+        ):
+            doc = copy_store(src, dst, bar)
         seconds = time.perf_counter() - t0
         doc.update(src=src_url, dst=dst_url, seconds=round(seconds, 3))
         if as_json:

@@ -9,7 +9,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import click
-
 import hostkv_providers as hk
 
 from ._exits import CLIError
@@ -29,7 +28,7 @@ WIDTH = 80
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout.")
 
-_DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*(w|d|h|m|s|ms)")
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*(ms|w|d|h|m|s)")
 _UNIT_S = {"w": 604800.0, "d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001}
 
 

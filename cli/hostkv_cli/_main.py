@@ -16,7 +16,6 @@ from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 import click
-
 import hostkv_providers as hk
 
 from . import __version__
@@ -445,10 +444,10 @@ def evict(url: str, to_size: str | None, salt_tag: str | None, older_than: str |
                 roots = _resolve_keys(p, key_hex)
                 doc["policy"] = "key"
                 present = p.present(roots)
-                missing = [k.hex() for k, ok in zip(roots, present) if not ok]
+                missing = [k.hex() for k, ok in zip(roots, present, strict=False) if not ok]
                 if missing:
                     doc["not_stored"] = missing
-                roots = [k for k, ok in zip(roots, present) if ok]
+                roots = [k for k, ok in zip(roots, present, strict=False) if ok]
                 forest = Forest(list(require_iterate(p, "evict").iter_entries())) \
                     if isinstance(p, hk.SupportsIterate) else None
             else:

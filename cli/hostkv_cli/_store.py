@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import click
-
 import hostkv_providers as hk
 
 from ._exits import CLIError, ExitCode
@@ -55,7 +54,16 @@ def open_store(url: str, *, readonly: bool, must_exist: bool = True) -> hk.Provi
     typo'd path reports the typo instead of creating an empty store there.
     """
     scheme, location, options = hk.parse_url(url)
-    cls = hk.provider_class(scheme)
+    try:
+        cls = hk.provider_class(scheme)
+    except hk.HostKVError:
+        raise
+    except Exception as exc:  # a broken plugin: say which, never a traceback
+        raise CLIError(
+            f"provider {scheme!r} failed to load: {type(exc).__name__}: {exc}",
+            ExitCode.USAGE,
+            hint="run `hostkv providers`; reinstall the distribution that provides it",
+        ) from None
     if must_exist and _looks_like_path(location):
         path = os.path.expanduser(location)
         if not os.path.lexists(path):
@@ -174,7 +182,7 @@ class Forest:
         while stack:
             k = stack.pop()
             self.order.append(k)
-            kids = self.children.get(k, ())
+            kids = self.children.get(k, [])
             for c in kids:
                 self.depth[c] = self.depth[k] + 1
             stack.extend(reversed(kids))
