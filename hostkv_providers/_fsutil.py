@@ -31,7 +31,11 @@ from collections.abc import Callable
 from ._errors import HostKVError, LockedError, NoSpaceError, StorageIOError, UnsafeStoreError
 
 __all__ = [
+    "CRASH_ENV",
+    "CRASH_POINTS",
     "DIR_MODE",
+    "crash_point",
+    "register_crash_points",
     "FILE_MODE",
     "LockFile",
     "atomic_write",
@@ -368,3 +372,33 @@ def _read_holder(path: str) -> str:
         return f" (pid {text})" if text.isdigit() else ""
     except OSError:
         return ""
+
+
+# -- crash points (tests) ------------------------------------------------------------------------
+
+#: Every crash point a provider module has registered (``register_crash_points``).
+CRASH_POINTS: dict[str, str] = {}
+CRASH_ENV = "HOSTKV_CRASH_AT"
+_crash_hits: dict[str, int] = {}
+
+
+def register_crash_points(points: dict[str, str]) -> None:
+    """Declare named crash points (``name -> what has happened when it fires``) so the crash
+    tests can enumerate them and check that each one is reached."""
+    CRASH_POINTS.update(points)
+
+
+def crash_point(name: str) -> None:
+    """SIGKILL this process at the ``n``-th time ``name`` is reached, when the environment says
+    ``HOSTKV_CRASH_AT=name:n`` (or the short ``CRASH_AT=name:n``).  A no-op otherwise (one dict
+    lookup), so the points stay compiled into production code and test the real protocol."""
+    spec = os.environ.get(CRASH_ENV) or os.environ.get("CRASH_AT")
+    if not spec:
+        return
+    point, _, count = spec.rpartition(":")
+    if point != name:
+        return
+    hits = _crash_hits.get(name, 0) + 1
+    _crash_hits[name] = hits
+    if hits >= max(1, int(count) if count.isdigit() else 1):
+        os.kill(os.getpid(), 9)
