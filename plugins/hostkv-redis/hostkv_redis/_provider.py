@@ -1,0 +1,1045 @@
+"""``redis://`` — a store on a Redis (or Valkey) server, shared by every engine node that opens it.
+
+The client is thin: page bytes are written with plain ``SET`` and read with plain ``GET``
+(pipelined, so a batch is one round trip), and every decision that involves more than one key
+runs server-side in a Lua script (:mod:`hostkv_redis._scripts`), atomically.  See
+``docs/providers/redis.md`` for the URL options, the key schema and the Redis Cluster trade-off.
+
+Why the bytes do not go through Lua: a script argument is copied into the Lua heap and back into a
+Redis object, which costs two extra memcpys of every page.  Instead ``seal`` pipelines a ``SET`` of
+a private staging key with the seal script, which ``RENAME``s it into place (O(1), no copy) only
+if the reservation is still live.  Every page carries a 56-byte trailer (key echo, XXH3-64,
+nbytes, magic), so one ``GET`` is self-verifying: a read can never pair bytes with the wrong
+checksum, and a value renamed under the wrong name is caught by the key echo.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import os
+import re
+import struct
+import threading
+import warnings
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, ClassVar, TypeVar
+
+import redis
+from redis.backoff import ExponentialBackoff
+from redis.cluster import RedisCluster
+from redis.retry import Retry
+
+from hostkv_providers._checksum import CHECKSUM_ALGORITHM, checksum
+from hostkv_providers._errors import (
+    CapacityError,
+    HostKVError,
+    IncompatibleStoreError,
+    InFlightError,
+    InvalidArgumentError,
+    ReservationError,
+    StorageIOError,
+    UnknownKeyError,
+)
+from hostkv_providers._keys import FORMAT_VERSION, KEY_ALGORITHM, Key
+from hostkv_providers._options import Options, parse_size
+from hostkv_providers._provider import (
+    EntryInfo,
+    EvictReport,
+    HostRegion,
+    Lease,
+    Progress,
+    Provider,
+    ProviderStats,
+    Reservation,
+    VerifyReport,
+    check_anchor_name,
+    readable_bytes,
+    writable_buffer,
+)
+from hostkv_providers._span import ByteSpan
+
+from ._errors import ReservationLostError, ServerOutOfMemoryError, ServerUnavailableError
+from ._scripts import SCRIPTS, TRAILER_NBYTES
+
+__all__ = [
+    "DEFAULT_BUDGET",
+    "RedisClusterProvider",
+    "RedisProvider",
+    "RedissClusterProvider",
+    "RedissProvider",
+    "parse_trailer",
+]
+
+T = TypeVar("T")
+
+DEFAULT_BUDGET = 1 << 30
+_TRAILER = struct.Struct("<32sQQ8s")
+_MAGIC = b"HKVPAGE1"
+_NAMESPACE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+_SALT_TAG_MAX = 128
+_ANCHOR_MAX = 64 << 20
+
+
+def parse_trailer(value: bytes, key: bytes) -> tuple[int, int] | None:
+    """``(nbytes, checksum)`` from a stored value's trailer, or ``None`` when it is not a valid
+    page of ``key`` (wrong magic, wrong key echo, or a length that disagrees with the value)."""
+    if len(value) < TRAILER_NBYTES:
+        return None
+    echo, digest, nbytes, magic = _TRAILER.unpack_from(value, len(value) - TRAILER_NBYTES)
+    if magic != _MAGIC or echo != key or nbytes != len(value) - TRAILER_NBYTES:
+        return None
+    return nbytes, digest
+
+
+# --------------------------------------------------------------------------------------------
+# The connection: one redis.Redis for the store's slot, scripts loaded, errors made typed
+# --------------------------------------------------------------------------------------------
+
+
+class _Link:
+    """The connection to the server holding one store.
+
+    Standalone: a ``redis.Redis``.  Cluster: a ``RedisCluster`` used only to find the master that
+    owns the store's slot; all traffic then goes to that master's plain ``redis.Redis``, so
+    pipelines (and ``MULTI``) work unchanged.  On ``MOVED``/failover the topology is refreshed and
+    the call retried; every script is idempotent by its client-generated id, so a retry after a
+    lost reply cannot double-apply.
+    """
+
+    def __init__(self, url: str, cluster: bool, meta_key: str, timeout: float, retries: int) -> None:
+        self.url = url
+        self.cluster = cluster
+        self.meta_key = meta_key
+        self.retries = retries
+        kwargs: dict[str, Any] = {
+            "socket_timeout": timeout,
+            "socket_connect_timeout": timeout,
+            "retry": Retry(ExponentialBackoff(cap=0.5, base=0.02), retries),
+        }
+        self._lock = threading.Lock()
+        self._shas: dict[str, str] = {}
+        self._cluster: RedisCluster | None = None
+        self._client: redis.Redis | None = None
+        try:
+            if cluster:
+                self._cluster = RedisCluster.from_url(url, **kwargs)
+            else:
+                self._client = redis.Redis.from_url(url, **kwargs)
+        except (redis.exceptions.RedisError, OSError) as exc:
+            raise ServerUnavailableError(f"cannot connect to {_redact(url)}: {exc}") from exc
+        except ValueError as exc:
+            raise InvalidArgumentError(f"bad redis URL {_redact(url)}: {exc}") from exc
+
+    def client(self) -> redis.Redis:
+        if self._client is not None and not self.cluster:
+            return self._client
+        with self._lock:
+            if self._client is None:
+                assert self._cluster is not None
+                node = self._cluster.get_node_from_key(self.meta_key)
+                self._client = self._cluster.get_redis_connection(node)
+            return self._client
+
+    def refresh(self) -> None:
+        """Forget the slot's master (cluster) so the next call asks the cluster again."""
+        if self._cluster is None:
+            return
+        with self._lock:
+            self._client = None
+            try:
+                self._cluster.nodes_manager.initialize()
+            except (redis.exceptions.RedisError, OSError):
+                pass  # the next call reports the outage as a typed error
+
+    def load_scripts(self, client: redis.Redis) -> None:
+        shas = {name: str(client.script_load(src)) for name, src in SCRIPTS.items()}
+        self._shas = shas
+
+    def sha(self, name: str) -> str:
+        sha = self._shas.get(name)
+        if sha is None:  # computed locally; NOSCRIPT on first use loads them all
+            import hashlib
+
+            sha = hashlib.sha1(SCRIPTS[name].encode()).hexdigest()
+            self._shas[name] = sha
+        return sha
+
+    def run(self, fn: Callable[[redis.Redis], T], on_nostore: Callable[[redis.Redis], None]) -> T:
+        """Call ``fn(client)``, mapping redis-py's exceptions to the core's typed errors.
+
+        NOSCRIPT → load the scripts and retry; HKV_NOSTORE (the server came back empty) →
+        ``on_nostore`` re-creates the store metadata and retries; MOVED/ASK/TRYAGAIN/CLUSTERDOWN/
+        READONLY in a cluster → refresh the topology and retry.
+        """
+        attempts = max(2, self.retries + 2)
+        last: BaseException | None = None
+        for attempt in range(attempts):
+            try:
+                client = self.client()
+                return fn(client)
+            except redis.exceptions.NoScriptError:
+                self.load_scripts(self.client())
+                continue
+            except redis.exceptions.OutOfMemoryError as exc:
+                raise ServerOutOfMemoryError(f"redis refused a write: {exc}") from exc
+            except (
+                redis.exceptions.AskError,
+                redis.exceptions.TryAgainError,
+                redis.exceptions.ClusterDownError,
+                redis.exceptions.ReadOnlyError,
+            ) as exc:
+                last = exc
+                if not self.cluster:
+                    raise StorageIOError(f"redis: {exc}", hint="the server is a replica or in cluster mode; "
+                                         "use a redis+cluster:// URL or the master") from exc
+                self.refresh()
+                _sleep_backoff(attempt)
+                continue
+            except redis.exceptions.ResponseError as exc:
+                msg = str(exc)
+                if msg.startswith("HKV_NOSTORE"):
+                    on_nostore(self.client())
+                    last = exc
+                    continue
+                raise StorageIOError(f"redis: {msg}") from exc
+            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as exc:
+                last = exc
+                if self.cluster and attempt + 1 < attempts:
+                    self.refresh()
+                    _sleep_backoff(attempt)
+                    continue
+                raise ServerUnavailableError(f"redis server {_redact(self.url)} unavailable: {exc}") from exc
+            except redis.exceptions.RedisClusterException as exc:
+                last = exc
+                if attempt + 1 < attempts:
+                    self.refresh()
+                    _sleep_backoff(attempt)
+                    continue
+                raise ServerUnavailableError(f"redis cluster {_redact(self.url)}: {exc}") from exc
+            except redis.exceptions.RedisError as exc:
+                raise StorageIOError(f"redis: {exc}") from exc
+        raise ServerUnavailableError(f"redis server {_redact(self.url)}: gave up after {attempts} attempts: {last}")
+
+    def close(self) -> None:
+        try:
+            if self._cluster is not None:
+                self._cluster.close()
+            elif self._client is not None:
+                self._client.close()
+        except Exception as exc:  # cleanup warns, never raises
+            warnings.warn(f"closing the redis connection failed: {exc!r}", stacklevel=2)
+
+
+def _sleep_backoff(attempt: int) -> None:
+    threading.Event().wait(min(0.5, 0.02 * (2**attempt)))
+
+
+def _redact(url: str) -> str:
+    """The URL without its password (operators paste these into tickets)."""
+    return re.sub(r"(://[^:/@]*:)[^@/]*@", r"\1***@", url)
+
+
+# --------------------------------------------------------------------------------------------
+# Reservations
+# --------------------------------------------------------------------------------------------
+
+
+class _RedisReservation(Reservation):
+    """A reservation whose bytes are buffered client-side until ``seal`` ships them in one SET.
+
+    The buffer has room for the 56-byte trailer after the page, so sealing needs no copy.
+    """
+
+    __slots__ = ("buf", "hex", "rid")
+
+    def __init__(self, provider: RedisProvider, key: Key, parent: Key | None, nbytes: int, salt_tag: str,
+                 rid: str) -> None:
+        super().__init__(provider, key, parent, nbytes, salt_tag)
+        self.rid = rid
+        self.hex = key.hex()
+        self.buf = bytearray(nbytes + TRAILER_NBYTES)
+
+    def regions(self) -> Sequence[HostRegion]:
+        """The client-side buffer (ordinary memory), for a copy engine that fills it directly."""
+        self.check_open(self._provider)
+        address = ctypes.addressof(ctypes.c_char.from_buffer(self.buf))
+        return [HostRegion(0, memoryview(self.buf)[: self.nbytes], address, False)]
+
+
+# --------------------------------------------------------------------------------------------
+# The provider
+# --------------------------------------------------------------------------------------------
+
+
+class RedisProvider(Provider):
+    """A store of KV pages on a Redis/Valkey server, shared by every client that opens it.
+
+    Parameters
+    ----------
+    url:
+        A redis-py URL: ``redis://[user:password@]host:port[/db]`` (``rediss://`` for TLS).  For a
+        cluster (``cluster=True``), any node's address.
+    budget_bytes:
+        The store-wide byte budget (page bytes plus anchor bytes).  ``None`` uses the store's
+        recorded budget (or ``DEFAULT_BUDGET`` when the store is created).  A value different
+        from the recorded one raises ``IncompatibleStoreError`` unless ``resize=True``.
+    namespace:
+        The store's name on the server (``[A-Za-z0-9_.-]{1,64}``); it is the Redis Cluster hash
+        tag, so one store lives in one slot (one master).  Shard across masters with several
+        namespaces.
+    cluster:
+        Connect to a Redis Cluster.
+    lease_ttl, reservation_ttl:
+        Seconds after which a lease / an in-flight reservation of a client that stopped renewing
+        (crashed, partitioned, frozen) expires server-side.  Live clients renew every third of it
+        from a background thread (``keepalive``).
+    timeout, retries:
+        Socket timeout in seconds; connection retries (with backoff) before a typed
+        ``ServerUnavailableError``.
+    verify_reads:
+        Check the XXH3-64 checksum on every read (default).  The trailer (key echo, length,
+        magic) is always checked.
+    resize:
+        Allow ``budget_bytes`` to change the recorded budget (shrinking evicts LRU leaves, or
+        raises ``CapacityError`` when leased/in-flight entries do not allow it).
+    keepalive:
+        Run the renewal thread.  Off only for tests that simulate a stalled client.
+    """
+
+    name: ClassVar[str] = "redis"
+    persistent: ClassVar[bool] = True
+    multiprocess: ClassVar[bool] = True
+    _url_scheme: ClassVar[str] = "redis"
+    _cluster_mode: ClassVar[bool] = False
+
+    def __init__(
+        self,
+        url: str = "redis://127.0.0.1:6379/0",
+        *,
+        budget_bytes: int | None = None,
+        namespace: str = "default",
+        cluster: bool = False,
+        lease_ttl: float = 30.0,
+        reservation_ttl: float = 60.0,
+        timeout: float = 5.0,
+        retries: int = 3,
+        verify_reads: bool = True,
+        resize: bool = False,
+        keepalive: bool = True,
+    ) -> None:
+        super().__init__()
+        if not isinstance(url, str) or "://" not in url:
+            raise InvalidArgumentError(f"url must be a redis:// URL, got {url!r}")
+        if not isinstance(namespace, str) or not _NAMESPACE.match(namespace):
+            raise InvalidArgumentError(f"namespace must match [A-Za-z0-9_.-]{{1,64}}, got {namespace!r}")
+        if budget_bytes is not None and (type(budget_bytes) is not int or budget_bytes <= 0):
+            raise InvalidArgumentError(f"budget must be a positive int, got {budget_bytes!r}")
+        for what, value in (("lease_ttl", lease_ttl), ("reservation_ttl", reservation_ttl), ("timeout", timeout)):
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= 86400:
+                raise InvalidArgumentError(f"{what} must be seconds in (0, 86400], got {value!r}")
+        if type(retries) is not int or not 0 <= retries <= 100:
+            raise InvalidArgumentError(f"retries must be an int in [0, 100], got {retries!r}")
+        self._namespace = namespace
+        self._prefix = f"hkv:{{{namespace}}}:"
+        self._meta = self._prefix + "m"
+        self._lease_ms = int(lease_ttl * 1000)
+        self._flight_ms = int(reservation_ttl * 1000)
+        self._verify_reads = verify_reads
+        self._url = url
+        self._client_id = os.urandom(6).hex()
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._counters: dict[str, int] = dict.fromkeys(
+            ("hits", "misses", "seals", "aborts", "dedup", "checksum_failures", "bytes_written", "bytes_read",
+             "store_resets"), 0)
+        self._live_leases: weakref.WeakValueDictionary[str, Lease] = weakref.WeakValueDictionary()
+        self._live_flights: weakref.WeakValueDictionary[str, _RedisReservation] = weakref.WeakValueDictionary()
+        self._want_budget = budget_bytes
+        self._resize = resize
+        self._budget = budget_bytes or DEFAULT_BUDGET
+        self._link = _Link(url, cluster, self._meta, float(timeout), retries)
+        self._keepalive = keepalive
+        self._renew_every = min(lease_ttl, reservation_ttl) / 3
+        self._stop = threading.Event()
+        self._keeper: threading.Thread | None = None
+        try:
+            self._link.run(lambda c: self._link.load_scripts(c), self._init_store)
+            self._link.run(self._init_store, self._init_store)
+        except BaseException:
+            self._link.close()
+            raise
+
+    # -- construction ------------------------------------------------------------------------
+    @classmethod
+    def from_url(cls, location: str, options: Mapping[str, str]) -> RedisProvider:
+        opts = Options(cls.name, options)
+        budget_raw = opts.text("budget")
+        budget = None if budget_raw is None else parse_size(budget_raw)
+        namespace = opts.text("namespace", "default") or "default"
+        lease_ttl = opts.number("lease_ttl", 30.0)
+        reservation_ttl = opts.number("reservation_ttl", 60.0)
+        timeout = opts.number("timeout", 5.0)
+        retries = opts.integer("retries", 3)
+        verify = opts.choice("verify", "read", ("read", "never"))
+        resize = opts.boolean("resize", False)
+        opts.finish()
+        if not location or location.startswith("/"):
+            raise InvalidArgumentError(
+                f"{cls.name}:// needs a host, got {location!r}",
+                hint=f"write {cls.name}://host:6379/0?budget=8GiB&namespace=kv",
+            )
+        return cls(f"{cls._url_scheme}://{location}", budget_bytes=budget, namespace=namespace,
+                   cluster=cls._cluster_mode, lease_ttl=lease_ttl, reservation_ttl=reservation_ttl,
+                   timeout=timeout, retries=retries, verify_reads=verify == "read", resize=resize)
+
+    def _init_store(self, client: redis.Redis) -> None:
+        """Create the store's metadata, or check that it matches this build (R4)."""
+        budget = "" if self._want_budget is None else str(self._want_budget)
+        out = client.evalsha(self._link.sha("init"), 1, self._meta, str(FORMAT_VERSION), KEY_ALGORITHM,
+                             CHECKSUM_ALGORITHM, budget, "1" if self._resize else "0", str(DEFAULT_BUDGET))
+        status = out[0].decode()
+        if status == "incompatible":
+            found = [x.decode() for x in out[1:]]
+            raise IncompatibleStoreError(
+                f"store {self._namespace!r} has format/key/checksum {found}, this build writes "
+                f"{[str(FORMAT_VERSION), KEY_ALGORITHM, CHECKSUM_ALGORITHM]}",
+                hint="use another namespace, or evict the old store",
+            )
+        if status == "budget":
+            raise IncompatibleStoreError(
+                f"store {self._namespace!r} has budget {out[1].decode()}, not {budget}",
+                hint="omit budget= to use the store's budget, or add resize=true to change it",
+            )
+        if status == "shrink":
+            raise CapacityError(
+                f"cannot shrink store {self._namespace!r} to {budget}: {out[2].decode()} bytes are leased or in flight"
+            )
+        if status == "created" and self._counters["seals"] + self._counters["hits"] > 0:
+            self._counters["store_resets"] += 1
+        self._budget = int(out[1])
+        # once the budget is applied, re-creating the store after a server restart reuses it
+        self._want_budget = self._budget
+
+    # -- plumbing ----------------------------------------------------------------------------
+    def _run(self, fn: Callable[[redis.Redis], T]) -> T:
+        return self._link.run(fn, self._init_store)
+
+    def _eval(self, script: str, *args: Any) -> Any:
+        sha = self._link.sha(script)
+        return self._run(lambda c: c.evalsha(sha, 1, self._meta, *args))
+
+    def _next_id(self, kind: str) -> str:
+        return f"{self._client_id}.{kind}{next(self._ids):x}"
+
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            for name, d in deltas.items():
+                self._counters[name] += d
+
+    def _start_keeper(self) -> None:
+        if not self._keepalive or self._keeper is not None:
+            return
+        with self._lock:
+            if self._keeper is not None:
+                return
+            self._keeper = threading.Thread(target=self._keep, name="hostkv-redis-renew", daemon=True)
+            self._keeper.start()
+
+    def _keep(self) -> None:
+        """Renew this client's leases and reservations so that only a dead client's expire."""
+        while not self._stop.wait(self._renew_every):
+            with self._lock:
+                lids = list(self._live_leases.keys())
+                flights = [(r.hex, rid) for rid, r in list(self._live_flights.items())]
+            if not lids and not flights:
+                continue
+            args: list[str] = [str(self._lease_ms), str(self._flight_ms), str(len(lids)), *lids]
+            for h, rid in flights:
+                args += [h, rid]
+            try:
+                self._eval("renew", *args)
+            except HostKVError:
+                continue  # unreachable now; expiry takes over if it lasts
+
+    # -- lookups -----------------------------------------------------------------------------
+    def present(self, keys: Sequence[bytes]) -> list[bool]:
+        ks = self._keys(keys)
+        self._check_usable()
+        if not ks:
+            return []
+        bits = self._eval("present", *[k.hex() for k in ks])
+        return [b == 0x31 for b in bits]
+
+    def longest_prefix(self, keys: Sequence[bytes]) -> int:
+        ks = self._keys(keys)
+        self._check_usable()
+        if not ks:
+            return 0
+        return int(self._eval("prefix", *[k.hex() for k in ks]))
+
+    def in_flight(self, key: bytes) -> bool:
+        k = self._key(key)
+        self._check_usable()
+        return bool(self._eval("in_flight", k.hex()))
+
+    def entry(self, key: bytes) -> EntryInfo | None:
+        k = self._key(key)
+        self._check_usable()
+        return self._infos([k])[0]
+
+    def _infos(self, keys: Sequence[Key]) -> list[EntryInfo | None]:
+        rows = self._eval("info", *[k.hex() for k in keys])
+        out: list[EntryInfo | None] = []
+        for k, row in zip(keys, rows):
+            if not row:
+                out.append(None)
+                continue
+            p, n, g, ck, ct, lu, _gen = row[:7]
+            anchors = {row[i].decode(): int(row[i + 1]) for i in range(7, len(row), 2)}
+            out.append(EntryInfo(k, Key(bytes.fromhex(p.decode())) if p else None, int(n), g.decode(), int(ck),
+                                 int(ct) / 1000, int(lu) / 1000, anchors))
+        return out
+
+    def iter_entries(self) -> Iterator[EntryInfo]:
+        """Every sealed entry (SCAN in batches; entries sealed or evicted meanwhile may or may not
+        appear, as with any SCAN)."""
+        self._check_usable()
+        for batch in self._scan_entries():
+            for info in self._infos(batch):
+                if info is not None:
+                    yield info
+
+    def _scan_entries(self, count: int = 512) -> Iterator[list[Key]]:
+        pattern = self._prefix + "e:*"
+        plen = len(self._prefix) + 2
+        cursor = 0
+        while True:
+            cursor, names = self._run(lambda c, cur=cursor: c.scan(cur, match=pattern, count=count))
+            batch = [Key(bytes.fromhex(n[plen:].decode())) for n in names]
+            if batch:
+                yield batch
+            if int(cursor) == 0:
+                return
+
+    # -- writes ------------------------------------------------------------------------------
+    def reserve(self, key: bytes, parent: bytes | None, nbytes: int, *, salt_tag: str = "") -> Reservation | None:
+        item = self._check_item(key, parent, nbytes, salt_tag)
+        self._check_usable()
+        res = self._reserve_batch([item], salt_tag, allow_inflight_parent=False)[0]
+        if isinstance(res, BaseException):
+            raise res
+        return res
+
+    def _check_item(self, key: object, parent: object, nbytes: object, salt_tag: object) -> tuple[Key, Key | None, int]:
+        k = self._key(key)
+        p = None if parent is None else self._key(parent, "parent")
+        if type(nbytes) is not int or nbytes <= 0:
+            raise InvalidArgumentError(f"nbytes must be a positive int, got {nbytes!r}")
+        if not isinstance(salt_tag, str) or len(salt_tag) > _SALT_TAG_MAX:
+            raise InvalidArgumentError(f"salt_tag must be a str of at most {_SALT_TAG_MAX} chars")
+        if p == k:
+            raise InvalidArgumentError("an entry cannot be its own parent")
+        return k, p, nbytes
+
+    def _reserve_batch(self, items: Sequence[tuple[Key, Key | None, int]], salt_tag: str,
+                       allow_inflight_parent: bool) -> list[_RedisReservation | None | HostKVError]:
+        """Reserve many entries in one script call; per item a reservation, ``None`` (already
+        stored) or the error for that item."""
+        rids = [self._next_id("r") for _ in items]
+        args: list[Any] = [self._client_id, str(self._flight_ms), "1" if allow_inflight_parent else "0", str(len(items))]
+        for (k, p, n), rid in zip(items, rids):
+            args += [k.hex(), "" if p is None else p.hex(), str(n), str(n), salt_tag, rid]
+        statuses = self._eval("reserve", *args)
+        out: list[_RedisReservation | None | HostKVError] = []
+        for (k, p, n), rid, raw in zip(items, rids, statuses):
+            st = raw.decode()
+            if st == "ok":
+                res = _RedisReservation(self, k, p, n, salt_tag, rid)
+                with self._lock:
+                    self._live_flights[rid] = res
+                out.append(res)
+            elif st == "dup":
+                self._count(dedup=1)
+                out.append(None)
+            elif st == "busy":
+                out.append(InFlightError(f"key {k.hex()[:16]} is being written by another writer", key=k))
+            elif st == "noparent":
+                assert p is not None
+                out.append(UnknownKeyError(f"parent {p.hex()[:16]} is not stored"))
+            elif st.startswith("cap"):
+                _, budget, used, sealed = st.split()
+                out.append(CapacityError(
+                    f"{n} bytes do not fit: budget {budget}, used {used}, sealed {sealed} "
+                    "(leased/in-flight entries and their ancestors cannot be evicted); nothing was evicted"))
+            else:  # pragma: no cover - a script/client version mismatch
+                out.append(StorageIOError(f"unexpected reserve status {st!r}"))
+        if any(isinstance(r, _RedisReservation) for r in out):
+            self._start_keeper()
+        return out
+
+    def _own(self, reservation: Reservation) -> _RedisReservation:
+        if not isinstance(reservation, _RedisReservation):
+            raise ReservationError("not a reservation of this provider")
+        reservation.check_open(self)
+        return reservation
+
+    def write(self, reservation: Reservation, offset: int, data: object) -> None:
+        view = readable_bytes(data)
+        self._check_usable()
+        res = self._own(reservation)
+        span = res.check_write(offset, view.nbytes)
+        res.buf[span.offset : span.end] = view  # private to its writer until seal: no lock
+        res.mark_written(span)
+        self._count(bytes_written=span.nbytes)
+
+    def seal(self, reservation: Reservation) -> None:
+        self._check_usable()
+        res = self._own(reservation)
+        res.check_complete()
+        err = self._seal_batch([res])[0]
+        if err is not None:
+            raise err
+
+    def _seal_batch(self, batch: Sequence[_RedisReservation]) -> list[HostKVError | None]:
+        """Ship and publish many reservations in one pipeline: a SET of each staging key, then one
+        seal script that renames them into place in order (parents before children)."""
+        args: list[str] = [str(len(batch))]
+        for res in batch:
+            n = res.nbytes
+            digest = checksum(memoryview(res.buf)[:n])
+            _TRAILER.pack_into(res.buf, n, res.key, digest, n, _MAGIC)
+            args += [res.hex, res.rid, str(digest)]
+        sha = self._link.sha("seal")
+        px = self._flight_ms
+
+        def go(client: redis.Redis) -> list[Any]:
+            pipe = client.pipeline(transaction=False)
+            for res in batch:
+                pipe.set(self._prefix + f"w:{res.hex}:{res.rid}", memoryview(res.buf), px=px)
+            pipe.evalsha(sha, 1, self._meta, *args)
+            results: list[Any] = pipe.execute(raise_on_error=False)
+            if isinstance(results[-1], BaseException):
+                raise results[-1]
+            return results
+
+        results = self._run(go)
+        statuses = results[-1]
+        out: list[HostKVError | None] = []
+        sealed = 0
+        for i, (res, raw) in enumerate(zip(batch, statuses)):
+            st = raw.decode()
+            with self._lock:
+                self._live_flights.pop(res.rid, None)
+            if st == "ok":
+                res._finish("sealed")
+                sealed += 1
+                out.append(None)
+                continue
+            res._finish("aborted")
+            if st == "noparent":
+                out.append(UnknownKeyError(
+                    f"parent {res.parent.hex()[:16] if res.parent else '?'} was dropped before the seal",
+                    hint="save the chain again from its first missing page"))
+            elif st == "nodata":
+                err = results[i]
+                if isinstance(err, redis.exceptions.OutOfMemoryError):
+                    out.append(ServerOutOfMemoryError(f"redis refused the page: {err}"))
+                else:
+                    out.append(StorageIOError(f"the page's bytes did not reach the server ({err!r})"))
+            else:
+                out.append(ReservationLostError(
+                    f"the reservation for {res.hex[:16]} expired or was lost (server restart?)"))
+        self._count(seals=sealed)
+        return out
+
+    def abort(self, reservation: Reservation) -> None:
+        if not isinstance(reservation, _RedisReservation) or reservation.provider is not self:
+            raise ReservationError("not a reservation of this provider")
+        if reservation.state != "open":
+            return  # aborting twice (or after seal) is a no-op
+        reservation._finish("aborted")
+        with self._lock:
+            self._live_flights.pop(reservation.rid, None)
+        if self._closed:
+            return
+        self._count(aborts=1)
+        try:
+            self._eval("abort", "1", reservation.hex, reservation.rid)
+        except HostKVError as exc:  # cleanup warns; the reservation expires server-side
+            warnings.warn(f"abort of {reservation.hex[:16]} failed ({exc}); it expires after reservation_ttl",
+                          stacklevel=2)
+
+    def put_many(self, items: Sequence[tuple[bytes, bytes | None, object]], *,
+                 salt_tag: str = "") -> list[bool | HostKVError]:
+        """Store many pages in two round trips: one reserve script, one pipeline of SETs + seal.
+
+        ``items`` are ``(key, parent, data)``; a parent may be an earlier item of the same call
+        (a chain is stored root first).  Returns per item ``True`` (stored now), ``False``
+        (already stored: dedup) or the error for that item (``InFlightError``, ``CapacityError``,
+        ``UnknownKeyError`` when its parent failed ...); items after a failed parent fail too.
+        Raises only for whole-call failures (bad arguments, server unavailable).
+        """
+        self._check_usable()
+        checked = []
+        views = []
+        for it in items:
+            if not isinstance(it, tuple) or len(it) != 3:
+                raise InvalidArgumentError("put_many items are (key, parent, data) tuples")
+            view = readable_bytes(it[2])
+            checked.append(self._check_item(it[0], it[1], view.nbytes, salt_tag))
+            views.append(view)
+        if not checked:
+            return []
+        reserved = self._reserve_batch(checked, salt_tag, allow_inflight_parent=True)
+        out: list[bool | HostKVError] = []
+        to_seal: list[_RedisReservation] = []
+        slots: list[int] = []
+        for i, (res, view) in enumerate(zip(reserved, views)):
+            if isinstance(res, _RedisReservation):
+                res.buf[: res.nbytes] = view
+                res.mark_written()
+                to_seal.append(res)
+                slots.append(i)
+                out.append(True)
+            elif res is None:
+                out.append(False)
+            else:
+                out.append(res)
+        if to_seal:
+            try:
+                errors = self._seal_batch(to_seal)
+            except BaseException:
+                for res in to_seal:
+                    if res.state == "open":
+                        self.abort(res)
+                raise
+            for i, err in zip(slots, errors):
+                if err is not None:
+                    out[i] = err
+            self._count(bytes_written=sum(r.nbytes for r in to_seal))
+        return out
+
+    # -- reads -------------------------------------------------------------------------------
+    def read(self, key: bytes, out: object, span: ByteSpan | None = None) -> bool:
+        if span is not None and not isinstance(span, ByteSpan):
+            raise InvalidArgumentError("span must be a ByteSpan")
+        k = self._key(key)
+        self._check_usable()
+        values = self._fetch([k])
+        return self._deliver(k, values[0], out, span)
+
+    def read_bytes(self, key: bytes, span: ByteSpan | None = None) -> bytes | None:
+        if span is not None and not isinstance(span, ByteSpan):
+            raise InvalidArgumentError("span must be a ByteSpan")
+        k = self._key(key)
+        self._check_usable()
+        value = self._fetch([k])[0]
+        page = self._verified(k, value)
+        if page is None:
+            return None
+        span = ByteSpan.whole(len(page)) if span is None else span.validate(len(page))
+        self._count(hits=1, bytes_read=span.nbytes)
+        return bytes(page[span.offset : span.end])
+
+    def read_many(self, keys: Sequence[bytes], outs: Sequence[object]) -> list[bool]:
+        """Read whole entries into ``outs[i]`` in one round trip; ``False`` per miss."""
+        ks = self._keys(keys)
+        if len(outs) != len(ks):
+            raise InvalidArgumentError(f"{len(ks)} keys but {len(outs)} output buffers")
+        self._check_usable()
+        values = self._fetch(ks)
+        return [self._deliver(k, v, o, None) for k, v, o in zip(ks, values, outs)]
+
+    def read_many_bytes(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        """The verified bytes of each entry (``None`` per miss), in one round trip."""
+        ks = self._keys(keys)
+        self._check_usable()
+        out: list[bytes | None] = []
+        for k, v in zip(ks, self._fetch(ks)):
+            page = self._verified(k, v)
+            if page is None:
+                out.append(None)
+            else:
+                self._count(hits=1, bytes_read=len(page))
+                out.append(bytes(page))
+        return out
+
+    def _fetch(self, keys: Sequence[Key]) -> list[bytes | None]:
+        """One pipeline: GET each page, then one script that refreshes their LRU ticks."""
+        hexes = [k.hex() for k in keys]
+        sha = self._link.sha("touch")
+
+        def go(client: redis.Redis) -> list[Any]:
+            pipe = client.pipeline(transaction=False)
+            for h in hexes:
+                pipe.get(self._prefix + "d:" + h)
+            pipe.evalsha(sha, 1, self._meta, *hexes)
+            res: list[Any] = pipe.execute()
+            return res
+
+        values = self._run(go)[:-1]
+        return values
+
+    def _verified(self, k: Key, value: bytes | None) -> memoryview | None:
+        """The page bytes of ``value`` if they are exactly what was sealed under ``k``, else None
+        (and a corrupt or orphaned entry is dropped with its subtree)."""
+        if value is None:
+            # Normally a plain miss.  If the entry's metadata exists without its bytes, something
+            # outside this library deleted them (server-side eviction, an operator's DEL).
+            if self._eval("present", k.hex()) == b"1":
+                self._drop_corrupt(k, "its bytes are missing on the server")
+            self._count(misses=1)
+            return None
+        parsed = parse_trailer(value, k)
+        ok = parsed is not None
+        view = memoryview(value)
+        if parsed is not None and self._verify_reads:
+            ok = checksum(view[: parsed[0]]) == parsed[1]
+        if not ok:
+            self._drop_corrupt(k, "its checksum/trailer does not match")
+            self._count(misses=1)
+            return None
+        assert parsed is not None
+        return view[: parsed[0]]
+
+    def _deliver(self, k: Key, value: bytes | None, out: object, span: ByteSpan | None) -> bool:
+        page = self._verified(k, value)
+        if page is None:
+            return False
+        span = ByteSpan.whole(len(page)) if span is None else span.validate(len(page))
+        dst = writable_buffer(out, span.nbytes)
+        dst[:] = page[span.offset : span.end]
+        self._count(hits=1, bytes_read=span.nbytes)
+        return True
+
+    def _drop_corrupt(self, k: Key, why: str) -> None:
+        self._count(checksum_failures=1)
+        warnings.warn(f"hostkv-redis: dropping {k.hex()[:16]} and its subtree: {why}", RuntimeWarning, stacklevel=3)
+        self._eval("drop", k.hex(), "")
+
+    # -- eviction ----------------------------------------------------------------------------
+    def evict(self, keys: Sequence[bytes] | None = None, *, nbytes: int = 0) -> EvictReport:
+        if (keys is None) == (not nbytes):
+            raise InvalidArgumentError("give exactly one of keys or nbytes")
+        if type(nbytes) is not int or nbytes < 0:
+            raise InvalidArgumentError(f"nbytes must be a non-negative int, got {nbytes!r}")
+        ks = self._keys(keys) if keys is not None else None
+        self._check_usable()
+        if ks is not None:
+            if not ks:
+                return EvictReport()
+            n, b, skipped = self._eval("evict_keys", *[k.hex() for k in ks])
+        else:
+            n, b, skipped = self._eval("evict_bytes", str(nbytes))
+        return EvictReport(int(n), int(b), int(skipped))
+
+    # -- anchors -----------------------------------------------------------------------------
+    def put_anchor(self, key: bytes, name: str, data: object) -> None:
+        k = self._key(key)
+        check_anchor_name(name)
+        blob = bytes(readable_bytes(data))
+        if len(blob) > _ANCHOR_MAX:
+            raise InvalidArgumentError(f"anchor of {len(blob)} bytes exceeds the {_ANCHOR_MAX}-byte limit")
+        self._check_usable()
+        st = self._eval("put_anchor", k.hex(), name, blob).decode()
+        if st == "noentry":
+            raise UnknownKeyError(f"entry {k.hex()[:16]} is not stored", hint="seal the page before its anchors")
+        if st.startswith("cap"):
+            _, budget, used, sealed = st.split()
+            raise CapacityError(f"anchor of {len(blob)} bytes does not fit: budget {budget}, used {used}, "
+                                f"sealed {sealed}; nothing was evicted")
+
+    def get_anchor(self, key: bytes, name: str) -> bytes | None:
+        k = self._key(key)
+        check_anchor_name(name)
+        self._check_usable()
+        value: bytes | None = self._run(lambda c: c.hget(self._prefix + "a:" + k.hex(), name))
+        return value
+
+    def list_anchors(self, key: bytes) -> dict[str, int]:
+        k = self._key(key)
+        self._check_usable()
+        flat = self._eval("list_anchors", k.hex())
+        return {flat[i].decode(): int(flat[i + 1]) for i in range(0, len(flat), 2)}
+
+    def deepest_anchor(self, keys: Sequence[bytes], name: str) -> int:
+        ks = self._keys(keys)
+        check_anchor_name(name)
+        self._check_usable()
+        if not ks:
+            return 0
+        return int(self._eval("deepest_anchor", name, *[k.hex() for k in ks]))
+
+    # -- leases ------------------------------------------------------------------------------
+    def lease(self, keys: Sequence[bytes]) -> Lease:
+        ks = self._keys(keys)
+        self._check_usable()
+        lid = self._next_id("l")
+        bits = self._eval("lease", lid, str(self._lease_ms), *[k.hex() for k in ks]) if ks else b""
+        present = [b == 0x31 for b in bits]
+        lease = Lease(self, ks, present, token=lid if any(present) else None)
+        if lease.token is not None:
+            with self._lock:
+                self._live_leases[lid] = lease
+            self._start_keeper()
+        return lease
+
+    def _release_lease(self, lease: Lease) -> None:
+        lid = lease.token
+        if not isinstance(lid, str):
+            return
+        with self._lock:
+            self._live_leases.pop(lid, None)
+        if self._closed or os.getpid() != self._pid:
+            return
+        try:
+            self._eval("release", lid)
+        except HostKVError as exc:  # cleanup warns; the lease expires after lease_ttl
+            warnings.warn(f"lease release failed ({exc}); it expires after lease_ttl", stacklevel=3)
+
+    # -- verification ------------------------------------------------------------------------
+    def verify(self, *, repair: bool = False, progress: Progress | None = None) -> VerifyReport:
+        """Fetch every page and check its trailer and checksum; ``repair`` drops corrupt ones
+        with their subtrees.  Reads run in pipelined batches; the store stays online."""
+        self._check_usable()
+        report = VerifyReport()
+        total = int(self._run(lambda c: c.hget(self._meta, "entries")) or 0)
+        for batch in self._scan_entries(256):
+            hexes = [k.hex() for k in batch]
+
+            def go(client: redis.Redis, hexes: list[str] = hexes) -> list[Any]:
+                pipe = client.pipeline(transaction=False)
+                for h in hexes:
+                    pipe.get(self._prefix + "d:" + h)
+                    pipe.hmget(self._prefix + "e:" + h, "k", "r")
+                res: list[Any] = pipe.execute()
+                return res
+
+            res = self._run(go)
+            for j, k in enumerate(batch):
+                value, (ck, gen) = res[2 * j], res[2 * j + 1]
+                if gen is None:
+                    continue  # evicted between SCAN and GET
+                report.checked += 1
+                parsed = None if value is None else parse_trailer(value, k)
+                good = (parsed is not None and ck is not None and int(ck) == parsed[1]
+                        and checksum(memoryview(value)[: parsed[0]]) == parsed[1])
+                if not good:
+                    report.corrupt.append(k)
+                    if repair:
+                        report.dropped += int(self._eval("drop", k.hex(), gen.decode()))
+            if progress is not None:
+                progress(report.checked, max(total, report.checked))
+        return report
+
+    # -- the rest ----------------------------------------------------------------------------
+    @property
+    def budget_bytes(self) -> int:
+        return self._budget
+
+    @property
+    def namespace(self) -> str:
+        return self._namespace
+
+    def stats(self) -> ProviderStats:
+        self._check_usable()
+
+        def go(client: redis.Redis) -> list[Any]:
+            pipe = client.pipeline(transaction=False)
+            pipe.hgetall(self._meta)
+            pipe.zcard(self._prefix + "fz")
+            res: list[Any] = pipe.execute()
+            return res
+
+        meta_raw, flights = self._run(go)
+        meta = {k.decode(): v.decode() for k, v in meta_raw.items()}
+        if not meta:  # emptied under us: the next mutating call re-creates it
+            meta = {}
+
+        def g(name: str) -> int:
+            return int(meta.get(name, 0))
+
+        if meta.get("budget"):
+            self._budget = int(meta["budget"])
+        with self._lock:
+            counters = dict(self._counters)
+        resets = counters.pop("store_resets")
+        return ProviderStats(
+            name=self.name,
+            entries=g("entries"),
+            used_bytes=g("used"),
+            budget_bytes=self._budget,
+            anchors=g("anchors"),
+            leased=g("leased"),
+            in_flight=int(flights),
+            evictions=g("evictions"),
+            evicted_bytes=g("evicted_bytes"),
+            extra={
+                "namespace": self._namespace,
+                "store_seals": g("seals"),
+                "store_checksum_failures": g("checksum_failures"),
+                "expired_leases": g("expired_leases"),
+                "expired_reservations": g("expired_reservations"),
+                "store_resets": resets,
+            },
+            **counters,
+        )
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "url": _redact(self._url), "namespace": self._namespace,
+                "cluster": self._link.cluster, "lease_ttl_s": self._lease_ms / 1000,
+                "reservation_ttl_s": self._flight_ms / 1000, "verify_reads": self._verify_reads,
+                "checksum": CHECKSUM_ALGORITHM, "format_version": FORMAT_VERSION}
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        if os.getpid() != self._pid:  # a forked child must not touch the parent's sockets
+            self._closed = True
+            return
+        self._stop.set()
+        with self._lock:
+            lids = list(self._live_leases.keys())
+            flights = list(self._live_flights.values())
+            self._live_leases.clear()
+            self._live_flights.clear()
+        try:
+            if lids:
+                self._eval("release", *lids)
+            if flights:
+                args = [str(len(flights))]
+                for r in flights:
+                    args += [r.hex, r.rid]
+                    r._finish("aborted")
+                self._eval("abort", *args)
+        except HostKVError as exc:
+            warnings.warn(f"releasing leases/reservations at close failed ({exc}); they expire", stacklevel=2)
+        self._closed = True
+        if self._keeper is not None and self._keeper is not threading.current_thread():
+            self._keeper.join(timeout=5)
+        self._link.close()
+
+
+class RedissProvider(RedisProvider):
+    """``rediss://`` — the same store over TLS (redis-py's ``ssl_*`` URL options apply)."""
+
+    name: ClassVar[str] = "rediss"
+    _url_scheme: ClassVar[str] = "rediss"
+
+
+class RedisClusterProvider(RedisProvider):
+    """``redis+cluster://host:port`` — a store on a Redis Cluster (one slot per namespace)."""
+
+    name: ClassVar[str] = "redis+cluster"
+    _url_scheme: ClassVar[str] = "redis"
+    _cluster_mode: ClassVar[bool] = True
+
+
+class RedissClusterProvider(RedisProvider):
+    """``rediss+cluster://host:port`` — a Redis Cluster over TLS."""
+
+    name: ClassVar[str] = "rediss+cluster"
+    _url_scheme: ClassVar[str] = "rediss"
+    _cluster_mode: ClassVar[bool] = True

@@ -1,0 +1,659 @@
+"""The server-side half of the provider: Lua scripts run with ``EVALSHA``.
+
+Every multi-key invariant (prefix-closed tree, LRU-leaf eviction, the budget guard, leases,
+in-flight reservations, their expiry) is kept *inside* one script call, so it is atomic on the
+server: two engine nodes racing can interleave only between whole scripts, never inside one.
+
+Key schema (all keys of a store share the hash tag ``{ns}``, so they live in one Redis Cluster
+slot, which scripts need; ``h`` is a page key in lowercase hex, ``rid``/``lid`` are
+client-generated reservation/lease ids)::
+
+    hkv:{ns}:m            hash    store metadata and store-wide counters (KEYS[1] of every script)
+    hkv:{ns}:e:<h>        hash    sealed entry: p parent-hex, n nbytes, c cost, g salt tag,
+                                  k checksum, ct created ms, lu last-used ms, t LRU tick,
+                                  r generation (the rid that sealed it), ch children,
+                                  lc lease count, fc in-flight children, na anchors
+    hkv:{ns}:d:<h>        string  page bytes + 56-byte trailer (key echo, checksum, nbytes, magic)
+    hkv:{ns}:c:<h>        set     children hexes (subtree removal)
+    hkv:{ns}:a:<h>        hash    anchors: name -> blob
+    hkv:{ns}:f:<h>        hash    in-flight reservation: r rid, cl client, p parent, pg parent
+                                  generation, c cost, n nbytes, g tag, fk in-flight children
+    hkv:{ns}:w:<h>:<rid>  string  staged page bytes, written by SET just before the seal script
+    hkv:{ns}:l:<lid>      list    lease record: [bitmap, h1, gen1, h2, gen2, ...]
+    hkv:{ns}:lru          zset    evictable leaves (ch = lc = fc = 0), scored by LRU tick
+    hkv:{ns}:fz           zset    in-flight reservations by expiry (ms, server clock)
+    hkv:{ns}:lz           zset    leases by expiry (ms, server clock)
+
+A script never raises after it has written (Redis has no rollback): every check comes first.
+Per-item outcomes of batch scripts are returned as status strings the client maps to errors.
+"""
+
+from __future__ import annotations
+
+__all__ = ["SCRIPTS", "TRAILER_NBYTES"]
+
+#: Bytes appended to every stored page: key (32) + checksum (8) + nbytes (8) + magic (8).
+TRAILER_NBYTES = 56
+
+_PRELUDE = r"""
+local M = KEYS[1]
+local P = string.sub(M, 1, -2)
+local LRU = P .. 'lru'
+local FZ = P .. 'fz'
+local LZ = P .. 'lz'
+local TRAILER = 56
+
+local function E(h) return P .. 'e:' .. h end
+local function D(h) return P .. 'd:' .. h end
+local function C(h) return P .. 'c:' .. h end
+local function A(h) return P .. 'a:' .. h end
+local function F(h) return P .. 'f:' .. h end
+local function W(h, rid) return P .. 'w:' .. h .. ':' .. rid end
+local function L(lid) return P .. 'l:' .. lid end
+
+local function need_store()
+  if redis.call('EXISTS', M) == 0 then
+    error({err = 'HKV_NOSTORE store metadata is missing (server restarted empty or flushed)'})
+  end
+end
+
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+local function mget(field) return tonumber(redis.call('HGET', M, field) or '0') end
+local function mincr(field, d) if d ~= 0 then redis.call('HINCRBY', M, field, d) end end
+
+-- Keep LRU = exactly the sealed entries with no children, no leases, no in-flight children.
+local function maybe_leaf(h)
+  local v = redis.call('HMGET', E(h), 'ch', 'lc', 'fc', 't')
+  if not v[4] then return end
+  if tonumber(v[1]) == 0 and tonumber(v[2]) == 0 and tonumber(v[3]) == 0 then
+    redis.call('ZADD', LRU, v[4], h)
+  else
+    redis.call('ZREM', LRU, h)
+  end
+end
+
+-- Remove one sealed entry (a leaf, or forced by a subtree drop that goes deepest first).
+local function remove_entry(h)
+  local v = redis.call('HMGET', E(h), 'p', 'c', 'na', 'lc')
+  if not v[2] then return 0 end
+  local c = tonumber(v[2])
+  redis.call('DEL', E(h), D(h), A(h), C(h))
+  redis.call('ZREM', LRU, h)
+  mincr('used', -c)
+  mincr('sealed', -c)
+  mincr('entries', -1)
+  mincr('anchors', -tonumber(v[3] or '0'))
+  if tonumber(v[4] or '0') > 0 then mincr('leased', -1) end
+  local p = v[1]
+  if p and p ~= '' and redis.call('EXISTS', E(p)) == 1 then
+    redis.call('SREM', C(p), h)
+    redis.call('HINCRBY', E(p), 'ch', -1)
+    maybe_leaf(p)
+  end
+  return c
+end
+
+-- Release an in-flight reservation: its cost, and the hold on its parent (matched by generation
+-- so a stale reservation can never unpin a parent that was dropped and sealed again).
+local function cancel_flight(h)
+  local f = redis.call('HMGET', F(h), 'r', 'p', 'pg', 'c')
+  if not f[1] then
+    redis.call('ZREM', FZ, h)
+    return
+  end
+  mincr('used', -tonumber(f[4]))
+  local p = f[2]
+  if p ~= '' then
+    if redis.call('HGET', E(p), 'r') == f[3] then
+      redis.call('HINCRBY', E(p), 'fc', -1)
+      maybe_leaf(p)
+    elseif redis.call('HGET', F(p), 'r') == f[3] then
+      redis.call('HINCRBY', F(p), 'fk', -1)
+    end
+  end
+  redis.call('DEL', F(h), W(h, f[1]))
+  redis.call('ZREM', FZ, h)
+end
+
+local function release_lease(lid)
+  local items = redis.call('LRANGE', L(lid), 1, -1)
+  for i = 1, #items, 2 do
+    local h, g = items[i], items[i + 1]
+    if redis.call('HGET', E(h), 'r') == g then
+      local lc = redis.call('HINCRBY', E(h), 'lc', -1)
+      if lc == 0 then
+        mincr('leased', -1)
+        maybe_leaf(h)
+      end
+    end
+  end
+  redis.call('DEL', L(lid))
+  redis.call('ZREM', LZ, lid)
+end
+
+-- Expire leases and reservations of crashed (or stalled, unrenewed) clients.  Bounded per call;
+-- every mutating script reaps, so a backlog drains over a few calls.
+local function reap(now)
+  local ex = redis.call('ZRANGEBYSCORE', LZ, '-inf', now, 'LIMIT', 0, 256)
+  for _, lid in ipairs(ex) do release_lease(lid) end
+  if #ex > 0 then mincr('expired_leases', #ex) end
+  ex = redis.call('ZRANGEBYSCORE', FZ, '-inf', now, 'LIMIT', 0, 256)
+  for _, h in ipairs(ex) do cancel_flight(h) end
+  if #ex > 0 then mincr('expired_reservations', #ex) end
+end
+
+local function heap_push(H, s, h)
+  local n = #H + 1
+  H[n] = {s, h}
+  while n > 1 do
+    local q = math.floor(n / 2)
+    if H[q][1] <= H[n][1] then break end
+    H[q], H[n] = H[n], H[q]
+    n = q
+  end
+end
+
+local function heap_pop(H)
+  local top = H[1]
+  local n = #H
+  H[1] = H[n]
+  H[n] = nil
+  n = n - 1
+  local i = 1
+  while true do
+    local l, r, m = 2 * i, 2 * i + 1, i
+    if l <= n and H[l][1] < H[m][1] then m = l end
+    if r <= n and H[r][1] < H[m][1] then m = r end
+    if m == i then break end
+    H[i], H[m] = H[m], H[i]
+    i = m
+  end
+  return top
+end
+
+-- Plan LRU-leaf evictions that free at least `need`, never touching `protect` (so not its
+-- ancestors either).  Removing a leaf may expose its parent as a new leaf: it joins a local heap
+-- merged with the LRU zset by tick, so the plan is the exact peeling order.  Returns the keys in
+-- removal order, or nil (partial=false) when even every evictable entry would not be enough:
+-- the caller then raises CapacityError having evicted nothing.
+local function plan(need, protect, partial)
+  local out, freed, gone, H = {}, 0, {}, {}
+  local off, zs, zi, exhausted = 0, {}, 1, false
+  while freed < need do
+    if zi > #zs and not exhausted then
+      zs = redis.call('ZRANGE', LRU, off, off + 255, 'WITHSCORES')
+      off = off + 256
+      zi = 1
+      if #zs == 0 then exhausted = true end
+    end
+    local h
+    if zi <= #zs and (#H == 0 or tonumber(zs[zi + 1]) <= H[1][1]) then
+      h = zs[zi]
+      zi = zi + 2
+    elseif #H > 0 then
+      h = heap_pop(H)[2]
+    else
+      if partial then return out end
+      return nil
+    end
+    if h ~= protect then
+      local v = redis.call('HMGET', E(h), 'c', 'p')
+      if v[1] then
+        freed = freed + tonumber(v[1])
+        out[#out + 1] = h
+        local p = v[2]
+        if p ~= '' and p ~= protect then
+          gone[p] = (gone[p] or 0) + 1
+          local pv = redis.call('HMGET', E(p), 'ch', 'lc', 'fc', 't')
+          if pv[4] and tonumber(pv[1]) == gone[p] and tonumber(pv[2]) == 0 and tonumber(pv[3]) == 0 then
+            heap_push(H, tonumber(pv[4]), p)
+          end
+        end
+      end
+    end
+  end
+  return out
+end
+
+local function evict_all(victims)
+  local n, b = 0, 0
+  for _, h in ipairs(victims) do
+    b = b + remove_entry(h)
+    n = n + 1
+  end
+  mincr('evictions', n)
+  mincr('evicted_bytes', b)
+  return n, b
+end
+
+-- The budget guard: make room for `cost` more, or return nil having evicted nothing.
+local function make_room(cost, protect)
+  local budget, used = mget('budget'), mget('used')
+  if used + cost <= budget then return 0 end
+  if cost > budget or used + cost - mget('sealed') > budget then return nil end
+  local victims = plan(used + cost - budget, protect, false)
+  if not victims then return nil end
+  local n = evict_all(victims)
+  return n
+end
+
+local function subtree(roots)
+  local order, q, qi, seen = {}, {}, 1, {}
+  for _, h in ipairs(roots) do
+    if not seen[h] and redis.call('EXISTS', E(h)) == 1 then
+      seen[h] = true
+      q[#q + 1] = h
+    end
+  end
+  while qi <= #q do
+    local x = q[qi]
+    qi = qi + 1
+    order[#order + 1] = x
+    for _, c in ipairs(redis.call('SMEMBERS', C(x))) do
+      if not seen[c] then
+        seen[c] = true
+        q[#q + 1] = c
+      end
+    end
+  end
+  return order
+end
+"""
+
+# KEYS[1] meta; ARGV: format, key algorithm, checksum algorithm, budget ('' = keep), resize 0/1
+_INIT = r"""
+local fv, ka, ca, budget, resize = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5] == '1'
+if redis.call('EXISTS', M) == 0 then
+  if budget == '' then budget = ARGV[6] end
+  redis.call('HSET', M, 'format', fv, 'key_algorithm', ka, 'checksum', ca, 'budget', budget,
+             'used', 0, 'sealed', 0, 'entries', 0, 'tick', 0, 'anchors', 0, 'leased', 0,
+             'evictions', 0, 'evicted_bytes', 0, 'checksum_failures', 0, 'seals', 0,
+             'created', now_ms())
+  return {'created', budget}
+end
+local cur = redis.call('HMGET', M, 'format', 'key_algorithm', 'checksum', 'budget')
+if cur[1] ~= fv or cur[2] ~= ka or cur[3] ~= ca then
+  return {'incompatible', tostring(cur[1]), tostring(cur[2]), tostring(cur[3])}
+end
+if budget ~= '' and budget ~= cur[4] then
+  if not resize then return {'budget', cur[4]} end
+  local nb = tonumber(budget)
+  local used = mget('used')
+  if used > nb then
+    reap(now_ms())
+    used = mget('used')
+    if used > nb then
+      local victims = plan(used - nb, nil, false)
+      if not victims then return {'shrink', cur[4], tostring(used)} end
+      evict_all(victims)
+    end
+  end
+  redis.call('HSET', M, 'budget', budget)
+  return {'resized', budget}
+end
+return {'opened', cur[4]}
+"""
+
+# ARGV: client, ttl_ms, allow_inflight_parent, count, then count x (h, parent|'', cost, nbytes, tag, rid)
+_RESERVE = r"""
+need_store()
+local now = now_ms()
+reap(now)
+local cl, ttl, allow, n = ARGV[1], tonumber(ARGV[2]), ARGV[3] == '1', tonumber(ARGV[4])
+local out = {}
+local i = 5
+for k = 1, n do
+  local h, p, cost, nb, tag, rid = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2]), ARGV[i + 3], ARGV[i + 4], ARGV[i + 5]
+  i = i + 6
+  local st
+  if redis.call('EXISTS', E(h)) == 1 then
+    st = 'dup'
+  else
+    local fr = redis.call('HGET', F(h), 'r')
+    if fr then
+      if fr == rid then st = 'ok' else st = 'busy' end  -- same rid: a retried call, already done
+    else
+      local pg, pflight = '', false
+      if p ~= '' then
+        pg = redis.call('HGET', E(p), 'r')
+        if not pg then
+          local pf = redis.call('HMGET', F(p), 'r', 'cl')
+          if allow and pf[1] and pf[2] == cl then
+            pg, pflight = pf[1], true
+          end
+        end
+      end
+      if not pg then
+        st = 'noparent'
+      else
+        local protect = nil
+        if p ~= '' and not pflight then protect = p end
+        if not make_room(cost, protect) then
+          st = 'cap ' .. mget('budget') .. ' ' .. mget('used') .. ' ' .. mget('sealed')
+        else
+          redis.call('HSET', F(h), 'r', rid, 'cl', cl, 'p', p, 'pg', pg, 'c', cost, 'n', nb, 'g', tag, 'fk', 0)
+          redis.call('ZADD', FZ, now + ttl, h)
+          mincr('used', cost)
+          if pflight then
+            redis.call('HINCRBY', F(p), 'fk', 1)
+          elseif p ~= '' then
+            redis.call('HINCRBY', E(p), 'fc', 1)
+            redis.call('ZREM', LRU, p)
+          end
+          st = 'ok'
+        end
+      end
+    end
+  end
+  out[k] = st
+end
+return out
+"""
+
+# ARGV: count, then count x (h, rid, checksum).  Items are sealed in order (parents first).
+_SEAL = r"""
+need_store()
+local now = now_ms()
+reap(now)
+local n = tonumber(ARGV[1])
+local out = {}
+local i = 2
+for k = 1, n do
+  local h, rid, ck = ARGV[i], ARGV[i + 1], ARGV[i + 2]
+  i = i + 3
+  local st
+  local f = redis.call('HMGET', F(h), 'r', 'p', 'pg', 'c', 'n', 'g', 'fk')
+  if f[1] ~= rid then
+    if redis.call('HGET', E(h), 'r') == rid then st = 'ok' else st = 'lost' end
+  else
+    local w = W(h, rid)
+    if redis.call('STRLEN', w) ~= tonumber(f[5]) + TRAILER then
+      cancel_flight(h)
+      st = 'nodata'
+    elseif f[2] ~= '' and redis.call('HGET', E(f[2]), 'r') ~= f[3] then
+      cancel_flight(h)
+      st = 'noparent'
+    else
+      redis.call('RENAME', w, D(h))
+      local t = redis.call('HINCRBY', M, 'tick', 1)
+      local fk = tonumber(f[7])
+      redis.call('HSET', E(h), 'p', f[2], 'n', f[5], 'c', f[4], 'g', f[6], 'k', ck, 'ct', now, 'lu', now,
+                 't', t, 'r', rid, 'ch', 0, 'lc', 0, 'fc', fk, 'na', 0)
+      if fk == 0 then redis.call('ZADD', LRU, t, h) end
+      if f[2] ~= '' then
+        redis.call('SADD', C(f[2]), h)
+        redis.call('HINCRBY', E(f[2]), 'ch', 1)
+        redis.call('HINCRBY', E(f[2]), 'fc', -1)
+        redis.call('ZREM', LRU, f[2])
+      end
+      mincr('sealed', tonumber(f[4]))
+      mincr('entries', 1)
+      mincr('seals', 1)
+      redis.call('DEL', F(h))
+      redis.call('ZREM', FZ, h)
+      st = 'ok'
+    end
+  end
+  out[k] = st
+end
+return out
+"""
+
+# ARGV: count, then count x (h, rid).  Idempotent.
+_ABORT = r"""
+local n = tonumber(ARGV[1])
+local done = 0
+for k = 0, n - 1 do
+  local h, rid = ARGV[2 + 2 * k], ARGV[3 + 2 * k]
+  if redis.call('HGET', F(h), 'r') == rid then
+    cancel_flight(h)
+    done = done + 1
+  end
+end
+return done
+"""
+
+# ARGV: lid, ttl_ms, hexes...  Returns the presence bitmap ('1'/'0' per key).
+_LEASE = r"""
+need_store()
+local now = now_ms()
+reap(now)
+local lid, ttl = ARGV[1], tonumber(ARGV[2])
+if redis.call('EXISTS', L(lid)) == 1 then return redis.call('LINDEX', L(lid), 0) end
+local bits, items = {}, {}
+local n = #ARGV - 2
+local t0 = redis.call('HINCRBY', M, 'tick', n) - n
+for i = 3, #ARGV do
+  local h = ARGV[i]
+  local v = redis.call('HMGET', E(h), 'r', 'lc')
+  if v[1] then
+    if tonumber(v[2]) == 0 then
+      mincr('leased', 1)
+      redis.call('ZREM', LRU, h)
+    end
+    redis.call('HINCRBY', E(h), 'lc', 1)
+    redis.call('HSET', E(h), 't', t0 + i - 2, 'lu', now)
+    bits[#bits + 1] = '1'
+    items[#items + 1] = h
+    items[#items + 1] = v[1]
+  else
+    bits[#bits + 1] = '0'
+  end
+end
+local b = table.concat(bits)
+if #items > 0 then
+  redis.call('RPUSH', L(lid), b)
+  for j = 1, #items, 2000 do
+    redis.call('RPUSH', L(lid), unpack(items, j, math.min(j + 1999, #items)))
+  end
+  redis.call('ZADD', LZ, now + ttl, lid)
+end
+return b
+"""
+
+# ARGV: lids...
+_RELEASE = r"""
+for i = 1, #ARGV do release_lease(ARGV[i]) end
+return #ARGV
+"""
+
+# ARGV: lease_ttl_ms, reservation_ttl_ms, nleases, lids..., then pairs (h, rid) of reservations.
+# Returns the ids that were already gone (expired or lost in a restart).
+_RENEW = r"""
+need_store()
+local now = now_ms()
+reap(now)
+local lttl, fttl, nl = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local lost = {}
+for i = 4, 3 + nl do
+  if redis.call('ZSCORE', LZ, ARGV[i]) then
+    redis.call('ZADD', LZ, 'XX', now + lttl, ARGV[i])
+  else
+    lost[#lost + 1] = ARGV[i]
+  end
+end
+for i = 4 + nl, #ARGV, 2 do
+  local h, rid = ARGV[i], ARGV[i + 1]
+  if redis.call('HGET', F(h), 'r') == rid then
+    redis.call('ZADD', FZ, 'XX', now + fttl, h)
+  else
+    lost[#lost + 1] = rid
+  end
+end
+return lost
+"""
+
+# ARGV: hexes... -> bitmap
+_PRESENT = r"""
+local bits = {}
+for i = 1, #ARGV do
+  bits[i] = redis.call('EXISTS', E(ARGV[i])) == 1 and '1' or '0'
+end
+return table.concat(bits)
+"""
+
+# ARGV: hexes... -> count of leading stored keys
+_PREFIX = r"""
+local n = 0
+for i = 1, #ARGV do
+  if redis.call('EXISTS', E(ARGV[i])) == 0 then break end
+  n = i
+end
+return n
+"""
+
+# ARGV: hexes... (the keys just read): refresh their LRU position.
+_TOUCH = r"""
+local now = now_ms()
+local n = #ARGV
+local t0 = redis.call('HINCRBY', M, 'tick', n) - n
+for i = 1, n do
+  local h = ARGV[i]
+  if redis.call('EXISTS', E(h)) == 1 then
+    redis.call('HSET', E(h), 't', t0 + i, 'lu', now)
+    redis.call('ZADD', LRU, 'XX', t0 + i, h)
+  end
+end
+return n
+"""
+
+# ARGV: h [, gen].  Force-removes the subtree of a page whose bytes failed verification.  With a
+# generation, only if the entry is still the one that failed (not dropped and sealed again).
+_DROP = r"""
+local h, gen = ARGV[1], ARGV[2]
+if gen and gen ~= '' and redis.call('HGET', E(h), 'r') ~= gen then return 0 end
+local order = subtree({h})
+for i = #order, 1, -1 do remove_entry(order[i]) end
+if #order > 0 then mincr('checksum_failures', 1) end
+return #order
+"""
+
+# ARGV: hexes...  Removes each subtree deepest first, skipping held nodes (and so their ancestors).
+_EVICT_KEYS = r"""
+need_store()
+reap(now_ms())
+local roots = {}
+for i = 1, #ARGV do roots[i] = ARGV[i] end
+local order = subtree(roots)
+local n, b, skipped = 0, 0, 0
+for i = #order, 1, -1 do
+  local h = order[i]
+  local v = redis.call('HMGET', E(h), 'ch', 'lc', 'fc')
+  if v[1] then
+    if tonumber(v[1]) > 0 or tonumber(v[2]) > 0 or tonumber(v[3]) > 0 then
+      skipped = skipped + 1
+    else
+      b = b + remove_entry(h)
+      n = n + 1
+    end
+  end
+end
+mincr('evictions', n)
+mincr('evicted_bytes', b)
+return {n, b, skipped}
+"""
+
+# ARGV: nbytes.  Evicts LRU leaves until nbytes are freed or nothing evictable is left.
+_EVICT_BYTES = r"""
+need_store()
+reap(now_ms())
+local victims = plan(tonumber(ARGV[1]), nil, true)
+local n, b = evict_all(victims)
+return {n, b, 0}
+"""
+
+# ARGV: h, name, blob
+_PUT_ANCHOR = r"""
+need_store()
+reap(now_ms())
+local h, name, blob = ARGV[1], ARGV[2], ARGV[3]
+if redis.call('EXISTS', E(h)) == 0 then return 'noentry' end
+local had = redis.call('HEXISTS', A(h), name) == 1
+local delta = #blob - redis.call('HSTRLEN', A(h), name)
+if delta > 0 and not make_room(delta, h) then
+  return 'cap ' .. mget('budget') .. ' ' .. mget('used') .. ' ' .. mget('sealed')
+end
+redis.call('HSET', A(h), name, blob)
+redis.call('HINCRBY', E(h), 'c', delta)
+mincr('used', delta)
+mincr('sealed', delta)
+if not had then
+  redis.call('HINCRBY', E(h), 'na', 1)
+  mincr('anchors', 1)
+end
+return 'ok'
+"""
+
+# ARGV: h -> {name1, len1, ...}
+_LIST_ANCHORS = r"""
+local out = {}
+for _, name in ipairs(redis.call('HKEYS', A(ARGV[1]))) do
+  out[#out + 1] = name
+  out[#out + 1] = redis.call('HSTRLEN', A(ARGV[1]), name)
+end
+return out
+"""
+
+# ARGV: name, hexes... -> i+1 of the deepest stored-prefix page carrying the anchor
+_DEEPEST_ANCHOR = r"""
+local name, best = ARGV[1], 0
+for i = 2, #ARGV do
+  if redis.call('EXISTS', E(ARGV[i])) == 0 then break end
+  if redis.call('HEXISTS', A(ARGV[i]), name) == 1 then best = i - 1 end
+end
+return best
+"""
+
+# ARGV: hexes... -> per key {p, n, g, k, ct, lu, r, names-and-lengths...} or {} when absent
+_INFO = r"""
+local out = {}
+for i = 1, #ARGV do
+  local h = ARGV[i]
+  local v = redis.call('HMGET', E(h), 'p', 'n', 'g', 'k', 'ct', 'lu', 'r')
+  if v[2] then
+    for _, name in ipairs(redis.call('HKEYS', A(h))) do
+      v[#v + 1] = name
+      v[#v + 1] = redis.call('HSTRLEN', A(h), name)
+    end
+    out[i] = v
+  else
+    out[i] = {}
+  end
+end
+return out
+"""
+
+# ARGV: h -> 1 if a live (unexpired) reservation holds it
+_IN_FLIGHT = r"""
+need_store()
+reap(now_ms())
+return redis.call('EXISTS', F(ARGV[1]))
+"""
+
+_BODIES = {
+    "init": _INIT,
+    "reserve": _RESERVE,
+    "seal": _SEAL,
+    "abort": _ABORT,
+    "lease": _LEASE,
+    "release": _RELEASE,
+    "renew": _RENEW,
+    "present": _PRESENT,
+    "prefix": _PREFIX,
+    "touch": _TOUCH,
+    "drop": _DROP,
+    "evict_keys": _EVICT_KEYS,
+    "evict_bytes": _EVICT_BYTES,
+    "put_anchor": _PUT_ANCHOR,
+    "list_anchors": _LIST_ANCHORS,
+    "deepest_anchor": _DEEPEST_ANCHOR,
+    "info": _INFO,
+    "in_flight": _IN_FLIGHT,
+}
+
+#: name -> full Lua source (prelude + body); loaded with SCRIPT LOAD, called with EVALSHA.
+SCRIPTS: dict[str, str] = {name: _PRELUDE + body for name, body in _BODIES.items()}

@@ -1,0 +1,186 @@
+"""Throw-away ``redis-server`` processes on loopback, for tests and benchmarks.
+
+Every server binds 127.0.0.1 only, persists nothing (``--save "" --appendonly no``), keeps its
+files in a directory the caller owns, and is killed by :meth:`stop` (or the ``with`` block).
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+from types import TracebackType
+
+import redis
+
+from hostkv_providers._errors import StorageIOError
+
+__all__ = ["RedisClusterServers", "RedisServer", "free_port", "server_binary", "server_version"]
+
+
+def server_binary() -> str | None:
+    """The path of ``redis-server`` (or ``valkey-server``), or ``None`` when neither is installed."""
+    return shutil.which("redis-server") or shutil.which("valkey-server")
+
+
+def server_version() -> str:
+    """``redis-server --version`` of the binary the helpers start (``"none"`` if missing)."""
+    binary = server_binary()
+    if binary is None:
+        return "none"
+    return subprocess.run([binary, "--version"], capture_output=True, text=True, check=False).stdout.strip()
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(cluster_bus: bool = False) -> int:
+    """A loopback port that is free now (and port + 10000 too, for a cluster bus)."""
+    for _ in range(200):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port > 55000 and cluster_bus:
+            continue
+        if not cluster_bus or _port_free(port + 10000):
+            return port
+    raise StorageIOError("no free loopback port found")
+
+
+class RedisServer:
+    """One ``redis-server`` on 127.0.0.1 in ``workdir``; ``restart()`` keeps its port."""
+
+    def __init__(self, workdir: Path | str, *, port: int | None = None, extra_args: tuple[str, ...] = ()) -> None:
+        binary = server_binary()
+        if binary is None:
+            raise FileNotFoundError("redis-server is not installed (apt-get install redis-server)")
+        self.binary = binary
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.port = port if port is not None else free_port()
+        self.extra_args = extra_args
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout: float = 20.0) -> RedisServer:
+        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                "--dir", str(self.workdir), "--daemonize", "no", "--protected-mode", "yes",
+                "--logfile", str(self.workdir / f"redis-{self.port}.log"), *self.extra_args]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with redis.Redis(host="127.0.0.1", port=self.port, socket_connect_timeout=0.5) as c:
+                    c.ping()
+                return self
+            except redis.exceptions.RedisError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    log = self.workdir / f"redis-{self.port}.log"
+                    tail = log.read_text()[-2000:] if log.exists() else ""
+                    self.stop()
+                    raise StorageIOError(f"redis-server on port {self.port} did not start: {tail}") from None
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        """Kill the server (SIGKILL: a crash, not a clean shutdown) and reap it."""
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                self.proc.kill()
+            self.proc.wait(timeout=10)
+            self.proc = None
+
+    def restart(self) -> None:
+        """Kill and start again on the same port; with ``--save ""`` it comes back empty."""
+        self.stop()
+        self.start()
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(host="127.0.0.1", port=self.port)
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+
+class RedisClusterServers:
+    """A Redis Cluster of ``masters`` masters (no replicas) on loopback ports."""
+
+    def __init__(self, workdir: Path | str, masters: int = 3) -> None:
+        self.workdir = Path(workdir)
+        self.servers: list[RedisServer] = []
+        for i in range(masters):
+            port = free_port(cluster_bus=True)
+            while any(s.port == port for s in self.servers):
+                port = free_port(cluster_bus=True)
+            d = self.workdir / f"node{i}"
+            self.servers.append(RedisServer(d, port=port, extra_args=(
+                "--cluster-enabled", "yes", "--cluster-config-file", str(d / "nodes.conf"),
+                "--cluster-node-timeout", "2000")))
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.servers[0].port}"
+
+    def start(self, timeout: float = 30.0) -> RedisClusterServers:
+        try:
+            for s in self.servers:
+                s.start()
+            self._create()
+            deadline = time.monotonic() + timeout
+            while not self._ok():
+                if time.monotonic() > deadline:
+                    raise StorageIOError("the redis cluster did not reach cluster_state:ok")
+                time.sleep(0.1)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _create(self) -> None:
+        # Assign slots directly (CLUSTER ADDSLOTSRANGE + MEET): no redis-cli needed, and it is
+        # deterministic; redis-cli --cluster create does the same plus interactive checks.
+        n = len(self.servers)
+        per = 16384 // n
+        for i, s in enumerate(self.servers):
+            lo = i * per
+            hi = 16383 if i == n - 1 else (i + 1) * per - 1
+            with s.client() as c:
+                c.execute_command("CLUSTER", "ADDSLOTSRANGE", lo, hi)
+        with self.servers[0].client() as c:
+            for s in self.servers[1:]:
+                c.execute_command("CLUSTER", "MEET", "127.0.0.1", s.port)
+
+    def _ok(self) -> bool:
+        for s in self.servers:
+            with s.client() as c:
+                info = c.execute_command("CLUSTER", "INFO")
+                text = info.decode() if isinstance(info, bytes) else str(info)
+                if "cluster_state:ok" not in text or f"cluster_known_nodes:{len(self.servers)}" not in text:
+                    return False
+        return True
+
+    def stop(self) -> None:
+        for s in self.servers:
+            s.stop()
+
+    def __enter__(self) -> RedisClusterServers:
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
