@@ -48,8 +48,8 @@ def _looks_like_path(location: str) -> bool:
 def open_store(url: str, *, readonly: bool, must_exist: bool = True) -> hk.Provider:
     """Open ``url`` through ``hk.open``.
 
-    ``readonly`` asks the provider not to modify the store (the ``readonly=true`` URL option);
-    a persistent provider that cannot promise that is refused rather than risk a write.
+    ``readonly`` asks a persistent provider not to modify the store (the ``readonly=true`` URL
+    option); one that does not know the option is opened normally, with a note on stderr.
     ``must_exist`` refuses a filesystem location that does not exist yet, so that ``info`` on a
     typo'd path reports the typo instead of creating an empty store there.
     """
@@ -81,11 +81,11 @@ def open_store(url: str, *, readonly: bool, must_exist: bool = True) -> hk.Provi
     except hk.InvalidArgumentError as exc:
         if READONLY_OPTION not in str(exc) and READONLY_OPTION not in exc.hint:
             raise
-        raise CLIError(
-            f"provider {scheme!r} cannot open a store read-only, and this command must not modify it",
-            ExitCode.REFUSED,
-            hint=f"ask the provider's authors to support the {READONLY_OPTION}=true URL option",
-        ) from None
+    # The provider has no read-only mode (e.g. a network store whose opening writes nothing).
+    # Say so rather than refuse: the operator decides whether that matters for this store.
+    click.echo(f"note: provider {scheme!r} has no {READONLY_OPTION}=true option; opened normally",
+               err=True)
+    return hk.open(url)
 
 
 def require_iterate(provider: hk.Provider, what: str) -> hk.SupportsIterate:
