@@ -72,10 +72,14 @@ class Node:
 
 
 class _Flight:
-    __slots__ = ("cost", "parent")
+    # ``pnode`` is the parent *node* the reservation holds, not just its key: if that node is
+    # dropped (checksum failure) and the key sealed again, the new node never received this
+    # reservation's hold, so commit/cancel must not release a hold on it.
+    __slots__ = ("cost", "parent", "pnode")
 
-    def __init__(self, parent: Key | None, cost: int) -> None:
+    def __init__(self, parent: Key | None, pnode: Node | None, cost: int) -> None:
         self.parent = parent
+        self.pnode = pnode
         self.cost = cost
 
 
@@ -126,7 +130,7 @@ class TreeIndex:
             if pnode is None:
                 raise UnknownKeyError(f"parent {parent.hex()[:16]} is not stored")
         evicted = self.make_room(cost, protect=pnode)
-        self.flights[key] = _Flight(parent, cost)
+        self.flights[key] = _Flight(parent, pnode, cost)
         self.used += cost
         if pnode is not None:
             self._hold(pnode)
@@ -135,11 +139,11 @@ class TreeIndex:
     def commit(self, key: Key, node: Node) -> None:
         """Turn the in-flight reservation ``key`` into the sealed ``node``."""
         flight = self.flights.pop(key)
-        pnode = self.nodes.get(flight.parent) if flight.parent is not None else None
-        if flight.parent is not None and (pnode is None or pnode.dead):
+        pnode = flight.pnode
+        if pnode is not None and pnode.dead:
             self.used -= flight.cost
             raise UnknownKeyError(
-                f"parent {flight.parent.hex()[:16]} was dropped (corrupt) before the seal",
+                f"parent {pnode.key.hex()[:16]} was dropped (corrupt) before the seal",
                 hint="save the chain again from its first missing page",
             )
         node.cost = flight.cost
@@ -155,10 +159,8 @@ class TreeIndex:
         if flight is None:
             return
         self.used -= flight.cost
-        if flight.parent is not None:
-            pnode = self.nodes.get(flight.parent)
-            if pnode is not None and not pnode.dead:
-                self._unhold(pnode)
+        if flight.pnode is not None and not flight.pnode.dead:
+            self._unhold(flight.pnode)
 
     # -- budget ------------------------------------------------------------------------------
     def evictable_cost(self) -> int:

@@ -13,6 +13,7 @@ next chunk before it evicts anything.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import weakref
@@ -182,6 +183,8 @@ class PinnedProvider(Provider):
             raise InvalidArgumentError(f"budget must be a positive int, got {budget_bytes!r}")
         if type(block) is not int or block <= 0 or block % 4096:
             raise InvalidArgumentError(f"block must be a positive multiple of 4096, got {block!r}")
+        if type(chunk) is not int or chunk <= 0:
+            raise InvalidArgumentError(f"chunk must be a positive int, got {chunk!r}")
         if budget_bytes < block:
             raise InvalidArgumentError(f"budget {budget_bytes} is smaller than one block ({block})")
         chunk = max(block, min(chunk, budget_bytes) // block * block)
@@ -273,18 +276,28 @@ class PinnedProvider(Provider):
         with self._lock:
             return self._ready.wait_for(lambda: self._pending == 0 or self._closed, timeout)
 
+    @contextlib.contextmanager
+    def _usable(self) -> Iterator[None]:
+        """Hold the provider lock after checking the provider is open and not inherited by fork.
+
+        The check runs *before* taking the lock as well: in a forked child the lock may have been
+        copied while another thread of the parent held it, and waiting on it would hang forever.
+        """
+        self._check_usable()
+        with self._lock:
+            self._check_usable()
+            yield
+
     # -- lookups -----------------------------------------------------------------------------
     def present(self, keys: Sequence[bytes]) -> list[bool]:
         ks = self._keys(keys)
-        with self._lock:
-            self._check_usable()
+        with self._usable():
             nodes = self._index.nodes
             return [k in nodes for k in ks]
 
     def longest_prefix(self, keys: Sequence[bytes]) -> int:
         ks = self._keys(keys)
-        with self._lock:
-            self._check_usable()
+        with self._usable():
             nodes = self._index.nodes
             n = 0
             for k in ks:
@@ -295,20 +308,17 @@ class PinnedProvider(Provider):
 
     def in_flight(self, key: bytes) -> bool:
         k = self._key(key)
-        with self._lock:
-            self._check_usable()
+        with self._usable():
             return k in self._index.flights
 
     def entry(self, key: bytes) -> EntryInfo | None:
         k = self._key(key)
-        with self._lock:
-            self._check_usable()
+        with self._usable():
             node = self._index.get(k)
             return None if node is None else _info(node)
 
     def iter_entries(self) -> Iterator[EntryInfo]:
-        with self._lock:
-            self._check_usable()
+        with self._usable():
             infos = [_info(n) for n in self._index]
         return iter(infos)
 
@@ -324,8 +334,7 @@ class PinnedProvider(Provider):
             raise InvalidArgumentError("an entry cannot be its own parent")
         nblocks = -(-nbytes // self._block)
         cost = nblocks * self._block
-        with self._lock:
-            self._check_usable()
+        with self._usable():
             if cost > self._budget:
                 raise CapacityError(f"{nbytes} bytes exceed the whole budget of {self._budget}")
             # Prefer memory still being pinned over evicting entries that could be hits.
@@ -333,7 +342,17 @@ class PinnedProvider(Provider):
                    and k not in self._index.nodes):
                 self._ready.wait(0.5)
                 self._check_usable()
-            ok, evicted = self._index.begin(k, p, cost)
+            try:
+                ok, evicted = self._index.begin(k, p, cost)
+            except CapacityError as exc:
+                if self._pinning_error is None:
+                    raise
+                # part of the arena could not be allocated: say so instead of a bare budget error
+                raise CapacityError(
+                    f"{exc.message}; only {self.ready_bytes} of {self._budget} bytes could be allocated "
+                    f"({self._pinning_error!r})",
+                    hint="lower the budget or free host memory (pinned memory is limited by ulimit -l)",
+                ) from self._pinning_error
             if not ok:
                 self._counters["dedup"] += 1
                 return None
@@ -364,8 +383,7 @@ class PinnedProvider(Provider):
         res = self._own(reservation)
         res.check_complete()
         digest = checksum_parts(r.view for r in res._regions)
-        with self._lock:
-            self._check_usable()
+        with self._usable():
             res.check_open(self)
             node = Node(res.key, res.parent, res.nbytes, 0, res.salt_tag, digest, res.runs, time.time())
             try:
@@ -383,8 +401,7 @@ class PinnedProvider(Provider):
         # After close or in a forked child the arena is gone or not ours: refuse with a typed
         # error (Reservation.__exit__ turns that into a warning during exception cleanup).
         self._check_usable()
-        with self._lock:
-            self._check_usable()
+        with self._usable():
             if reservation.state != "open":
                 return  # aborting twice (or after seal) is a no-op
             self._index.cancel(reservation.key)
@@ -397,8 +414,8 @@ class PinnedProvider(Provider):
         k = self._key(key)
         if span is not None and not isinstance(span, ByteSpan):
             raise InvalidArgumentError("span must be a ByteSpan")
-        with self._lock:
-            self._check_usable()
+        writable_buffer(out, 0)  # a bad buffer is misuse even when the key is a miss
+        with self._usable():
             node = self._index.get(k)
             if node is None:
                 self._counters["misses"] += 1
@@ -406,30 +423,36 @@ class PinnedProvider(Provider):
             span = ByteSpan.whole(node.nbytes) if span is None else span.validate(node.nbytes)
             dst = writable_buffer(out, span.nbytes)
             held = self._index.hold_keys([k])
+        # The copy runs without the lock (the hold stops eviction).  Only a checksum drop — by
+        # another reader or verify(repair=True) — can free a held node's blocks meanwhile, and it
+        # marks the node dead first; so a node still alive after the copy had its bytes all along.
         try:
             regions = self._arena.regions(node.loc, node.nbytes, False)
-            if self._verify_reads and checksum_parts(r.view for r in regions) != node.checksum:
-                with self._lock:
-                    self._counters["checksum_failures"] += 1
-                    self._counters["misses"] += 1
-                    self._free_nodes(self._index.drop(k))
-                return False
-            _gather(regions, span, dst)
-        finally:
+            ok = not self._verify_reads or checksum_parts(r.view for r in regions) == node.checksum
+            if ok:
+                _gather(regions, span, dst)
+        except BaseException:
             with self._lock:
                 self._index.release_nodes(held)
+            raise
         with self._lock:
-            self._counters["hits"] += 1
-            self._counters["bytes_read"] += span.nbytes
-        return True
+            self._index.release_nodes(held)
+            if ok and not node.dead:
+                self._counters["hits"] += 1
+                self._counters["bytes_read"] += span.nbytes
+                return True
+            if not node.dead:  # first to see the corruption: drop the entry with its subtree
+                self._counters["checksum_failures"] += 1
+                self._free_nodes(self._index.drop(k))
+            self._counters["misses"] += 1
+            return False
 
     def view(self, lease: Lease, key: bytes) -> Sequence[HostRegion] | None:
         """Read-only host regions of a leased entry (valid while the lease is held)."""
         k = self._key(key)
         if lease.released or lease.token is None or lease._provider is not self:
             raise InvalidArgumentError("view() needs an unreleased lease of this provider")
-        with self._lock:
-            self._check_usable()
+        with self._usable():
             node = self._index.get(k)
             if node is None or k not in lease.keys:
                 return None
@@ -443,8 +466,7 @@ class PinnedProvider(Provider):
         if type(nbytes) is not int or nbytes < 0:
             raise InvalidArgumentError(f"nbytes must be a non-negative int, got {nbytes!r}")
         ks = self._keys(keys) if keys is not None else None
-        with self._lock:
-            self._check_usable()
+        with self._usable():
             if ks is not None:
                 removed, skipped = self._index.evict_keys(ks)
             else:
@@ -461,8 +483,7 @@ class PinnedProvider(Provider):
         k = self._key(key)
         check_anchor_name(name)
         blob = bytes(readable_bytes(data))
-        with self._lock:
-            self._check_usable()
+        with self._usable():
             node = self._index.get(k)
             if node is None:
                 raise UnknownKeyError(f"entry {k.hex()[:16]} is not stored", hint="seal the page before its anchors")
@@ -476,8 +497,7 @@ class PinnedProvider(Provider):
     def get_anchor(self, key: bytes, name: str) -> bytes | None:
         k = self._key(key)
         check_anchor_name(name)
-        with self._lock:
-            self._check_usable()
+        with self._usable():
             node = self._index.get(k)
             if node is None or not node.anchors:
                 return None
@@ -486,8 +506,7 @@ class PinnedProvider(Provider):
 
     def list_anchors(self, key: bytes) -> dict[str, int]:
         k = self._key(key)
-        with self._lock:
-            self._check_usable()
+        with self._usable():
             node = self._index.get(k)
             if node is None or not node.anchors:
                 return {}
@@ -496,8 +515,7 @@ class PinnedProvider(Provider):
     def deepest_anchor(self, keys: Sequence[bytes], name: str) -> int:
         ks = self._keys(keys)
         check_anchor_name(name)
-        with self._lock:
-            self._check_usable()
+        with self._usable():
             best = 0
             for i, k in enumerate(ks):
                 node = self._index.get(k)
@@ -510,8 +528,7 @@ class PinnedProvider(Provider):
     # -- leases ------------------------------------------------------------------------------
     def lease(self, keys: Sequence[bytes]) -> Lease:
         ks = self._keys(keys)
-        with self._lock:
-            self._check_usable()
+        with self._usable():
             held = self._index.hold_keys(ks)
             return Lease(self, ks, [n is not None for n in held], token=held)
 
@@ -525,8 +542,7 @@ class PinnedProvider(Provider):
     def verify(self, *, repair: bool = False, progress: Any = None) -> VerifyReport:
         """Recompute every entry's checksum; ``repair`` drops corrupt ones with their subtrees."""
         report = VerifyReport()
-        with self._lock:
-            self._check_usable()
+        with self._usable():
             nodes = list(self._index)
         for i, node in enumerate(nodes):
             with self._lock:
@@ -547,8 +563,7 @@ class PinnedProvider(Provider):
 
     # -- the rest ----------------------------------------------------------------------------
     def stats(self) -> ProviderStats:
-        with self._lock:
-            self._check_usable()
+        with self._usable():
             idx = self._index
             return ProviderStats(
                 name=self.name,
