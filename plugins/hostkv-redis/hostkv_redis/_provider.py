@@ -15,8 +15,10 @@ checksum, and a value renamed under the wrong name is caught by the key echo.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import itertools
+import logging
 import os
 import re
 import struct
@@ -27,10 +29,6 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar, TypeVar
 
 import redis
-from redis.backoff import ExponentialBackoff
-from redis.cluster import RedisCluster
-from redis.retry import Retry
-
 from hostkv_providers._checksum import CHECKSUM_ALGORITHM, checksum
 from hostkv_providers._errors import (
     CapacityError,
@@ -59,6 +57,9 @@ from hostkv_providers._provider import (
     writable_buffer,
 )
 from hostkv_providers._span import ByteSpan
+from redis.backoff import ExponentialBackoff
+from redis.cluster import RedisCluster
+from redis.retry import Retry
 
 from ._errors import ReservationLostError, ServerOutOfMemoryError, ServerUnavailableError
 from ._scripts import SCRIPTS, TRAILER_NBYTES
@@ -73,6 +74,7 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+_log = logging.getLogger("hostkv_redis")
 
 DEFAULT_BUDGET = 1 << 30
 _TRAILER = struct.Struct("<32sQQ8s")
@@ -138,7 +140,7 @@ class _Link:
         with self._lock:
             if self._client is None:
                 assert self._cluster is not None
-                node = self._cluster.get_node_from_key(self.meta_key)
+                node = self._cluster.get_node_from_key(self.meta_key)  # type: ignore[no-untyped-call]
                 self._client = self._cluster.get_redis_connection(node)
             return self._client
 
@@ -148,10 +150,9 @@ class _Link:
             return
         with self._lock:
             self._client = None
-            try:
+            # a failure here is reported by the next call, as a typed error
+            with contextlib.suppress(redis.exceptions.RedisError, OSError):
                 self._cluster.nodes_manager.initialize()
-            except (redis.exceptions.RedisError, OSError):
-                pass  # the next call reports the outage as a typed error
 
     def load_scripts(self, client: redis.Redis) -> None:
         shas = {name: str(client.script_load(src)) for name, src in SCRIPTS.items()}
@@ -492,7 +493,7 @@ class RedisProvider(Provider):
     def _infos(self, keys: Sequence[Key]) -> list[EntryInfo | None]:
         rows = self._eval("info", *[k.hex() for k in keys])
         out: list[EntryInfo | None] = []
-        for k, row in zip(keys, rows):
+        for k, row in zip(keys, rows, strict=True):
             if not row:
                 out.append(None)
                 continue
@@ -505,8 +506,12 @@ class RedisProvider(Provider):
     def iter_entries(self) -> Iterator[EntryInfo]:
         """Every sealed entry (SCAN in batches; entries sealed or evicted meanwhile may or may not
         appear, as with any SCAN)."""
-        self._check_usable()
+        self._check_usable()  # here, not in the generator: a closed provider raises at the call
+        return self._iter_entries()
+
+    def _iter_entries(self) -> Iterator[EntryInfo]:
         for batch in self._scan_entries():
+            self._check_usable()
             for info in self._infos(batch):
                 if info is not None:
                     yield info
@@ -516,7 +521,11 @@ class RedisProvider(Provider):
         plen = len(self._prefix) + 2
         cursor = 0
         while True:
-            cursor, names = self._run(lambda c, cur=cursor: c.scan(cur, match=pattern, count=count))
+            def scan(c: redis.Redis, cur: int = cursor) -> tuple[int, list[bytes]]:
+                nxt, found = c.scan(cur, match=pattern, count=count)
+                return int(nxt), [n if isinstance(n, bytes) else n.encode() for n in found]
+
+            cursor, names = self._run(scan)
             batch = [Key(bytes.fromhex(n[plen:].decode())) for n in names]
             if batch:
                 yield batch
@@ -544,16 +553,17 @@ class RedisProvider(Provider):
         return k, p, nbytes
 
     def _reserve_batch(self, items: Sequence[tuple[Key, Key | None, int]], salt_tag: str,
-                       allow_inflight_parent: bool) -> list[_RedisReservation | None | HostKVError]:
+                       allow_inflight_parent: bool) -> list[_RedisReservation | HostKVError | None]:
         """Reserve many entries in one script call; per item a reservation, ``None`` (already
         stored) or the error for that item."""
         rids = [self._next_id("r") for _ in items]
-        args: list[Any] = [self._client_id, str(self._flight_ms), "1" if allow_inflight_parent else "0", str(len(items))]
-        for (k, p, n), rid in zip(items, rids):
+        allow = "1" if allow_inflight_parent else "0"
+        args: list[Any] = [self._client_id, str(self._flight_ms), allow, str(len(items))]
+        for (k, p, n), rid in zip(items, rids, strict=True):
             args += [k.hex(), "" if p is None else p.hex(), str(n), str(n), salt_tag, rid]
         statuses = self._eval("reserve", *args)
-        out: list[_RedisReservation | None | HostKVError] = []
-        for (k, p, n), rid, raw in zip(items, rids, statuses):
+        out: list[_RedisReservation | HostKVError | None] = []
+        for (k, p, n), rid, raw in zip(items, rids, statuses, strict=True):
             st = raw.decode()
             if st == "ok":
                 res = _RedisReservation(self, k, p, n, salt_tag, rid)
@@ -628,7 +638,7 @@ class RedisProvider(Provider):
         statuses = results[-1]
         out: list[HostKVError | None] = []
         sealed = 0
-        for i, (res, raw) in enumerate(zip(batch, statuses)):
+        for i, (res, raw) in enumerate(zip(batch, statuses, strict=True)):
             st = raw.decode()
             with self._lock:
                 self._live_flights.pop(res.rid, None)
@@ -657,13 +667,14 @@ class RedisProvider(Provider):
     def abort(self, reservation: Reservation) -> None:
         if not isinstance(reservation, _RedisReservation) or reservation.provider is not self:
             raise ReservationError("not a reservation of this provider")
+        # After close or in a forked child the connection is gone or not ours: refuse with a
+        # typed error (Reservation.__exit__ turns that into a warning during exception cleanup).
+        self._check_usable()
         if reservation.state != "open":
             return  # aborting twice (or after seal) is a no-op
         reservation._finish("aborted")
         with self._lock:
             self._live_flights.pop(reservation.rid, None)
-        if self._closed:
-            return
         self._count(aborts=1)
         try:
             self._eval("abort", "1", reservation.hex, reservation.rid)
@@ -696,7 +707,7 @@ class RedisProvider(Provider):
         out: list[bool | HostKVError] = []
         to_seal: list[_RedisReservation] = []
         slots: list[int] = []
-        for i, (res, view) in enumerate(zip(reserved, views)):
+        for i, (res, view) in enumerate(zip(reserved, views, strict=True)):
             if isinstance(res, _RedisReservation):
                 res.buf[: res.nbytes] = view
                 res.mark_written()
@@ -715,7 +726,7 @@ class RedisProvider(Provider):
                     if res.state == "open":
                         self.abort(res)
                 raise
-            for i, err in zip(slots, errors):
+            for i, err in zip(slots, errors, strict=True):
                 if err is not None:
                     out[i] = err
             self._count(bytes_written=sum(r.nbytes for r in to_seal))
@@ -750,14 +761,14 @@ class RedisProvider(Provider):
             raise InvalidArgumentError(f"{len(ks)} keys but {len(outs)} output buffers")
         self._check_usable()
         values = self._fetch(ks)
-        return [self._deliver(k, v, o, None) for k, v, o in zip(ks, values, outs)]
+        return [self._deliver(k, v, o, None) for k, v, o in zip(ks, values, outs, strict=True)]
 
     def read_many_bytes(self, keys: Sequence[bytes]) -> list[bytes | None]:
         """The verified bytes of each entry (``None`` per miss), in one round trip."""
         ks = self._keys(keys)
         self._check_usable()
         out: list[bytes | None] = []
-        for k, v in zip(ks, self._fetch(ks)):
+        for k, v in zip(ks, self._fetch(ks), strict=True):
             page = self._verified(k, v)
             if page is None:
                 out.append(None)
@@ -816,7 +827,7 @@ class RedisProvider(Provider):
 
     def _drop_corrupt(self, k: Key, why: str) -> None:
         self._count(checksum_failures=1)
-        warnings.warn(f"hostkv-redis: dropping {k.hex()[:16]} and its subtree: {why}", RuntimeWarning, stacklevel=3)
+        _log.warning("dropping %s and its subtree: %s", k.hex()[:16], why)
         self._eval("drop", k.hex(), "")
 
     # -- eviction ----------------------------------------------------------------------------
@@ -855,7 +866,9 @@ class RedisProvider(Provider):
         k = self._key(key)
         check_anchor_name(name)
         self._check_usable()
-        value: bytes | None = self._run(lambda c: c.hget(self._prefix + "a:" + k.hex(), name))
+        value = self._run(lambda c: c.hget(self._prefix + "a:" + k.hex(), name))
+        if isinstance(value, str):  # only with decode_responses, which this provider never sets
+            return value.encode()
         return value
 
     def list_anchors(self, key: bytes) -> dict[str, int]:

@@ -14,7 +14,6 @@ from pathlib import Path
 from types import TracebackType
 
 import redis
-
 from hostkv_providers._errors import StorageIOError
 
 __all__ = ["RedisClusterServers", "RedisServer", "free_port", "server_binary", "server_version"]

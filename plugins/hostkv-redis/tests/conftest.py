@@ -1,0 +1,69 @@
+"""Fixtures: real redis-server processes on loopback, started per session and killed at teardown.
+
+Tests skip (with the reason) only when no ``redis-server`` binary is installed; CI installs it
+(``apt-get install redis-server``).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from hostkv_redis import RedisProvider
+from hostkv_redis.servers import RedisClusterServers, RedisServer, server_binary
+
+_NEED_SERVER = pytest.mark.skipif(
+    server_binary() is None,
+    reason="redis-server is not installed (apt-get install redis-server); CI installs it",
+)
+_names = itertools.count()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        item.add_marker(_NEED_SERVER)
+
+
+def unique_namespace(label: str = "t") -> str:
+    """A namespace no other test in this session uses (so each test gets a fresh, empty store)."""
+    return f"{label}{next(_names)}"
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """One loopback redis-server for the session; tests isolate themselves by namespace."""
+    with RedisServer(tmp_path_factory.mktemp("redis")) as server:
+        yield server
+
+
+@pytest.fixture
+def own_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A redis-server for one test (for tests that kill or restart it)."""
+    with RedisServer(tmp_path / "redis") as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClusterServers]:
+    """A 3-master Redis Cluster on loopback ports (no replicas)."""
+    with RedisClusterServers(tmp_path_factory.mktemp("cluster"), masters=3) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def make_redis(redis_server: RedisServer) -> Iterator[object]:
+    """``make(budget_bytes=..., namespace=None, **kw) -> RedisProvider``; closed at teardown."""
+    made: list[RedisProvider] = []
+
+    def make(budget_bytes: int | None = 1 << 20, namespace: str | None = None, **kw: object) -> RedisProvider:
+        p = RedisProvider(redis_server.url, budget_bytes=budget_bytes,
+                          namespace=namespace or unique_namespace(), **kw)  # type: ignore[arg-type]
+        made.append(p)
+        return p
+
+    yield make
+    for p in made:
+        p.close()
