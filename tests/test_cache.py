@@ -1,0 +1,493 @@
+"""HostKVCache on the CPU copy engine: lookup/restore/save, dedup, coalescing, admission,
+anchors, stats, typed errors."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+
+from hostkv_providers import (
+    ClosedError,
+    InvalidArgumentError,
+    KVLayout,
+    PinnedProvider,
+    Provider,
+    Salt,
+)
+from hostkv_providers._cache import (
+    AdmitAll,
+    AllOf,
+    AnchorsOnly,
+    CacheHit,
+    HostKVCache,
+    MinDepth,
+    SeenAtLeast,
+)
+from hostkv_providers._copy import CpuCopyEngine, KVPlanes
+from hostkv_providers._hostmem import OrdinaryAllocator
+from hostkv_providers._keys import Key
+
+# page = 2 layers x (k, v) x 4 tokens x 2 heads x 32 dims x 4 bytes = 4096 bytes
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, page_tokens=4, dtype="float32")
+SALT = Salt("test/model", LAYOUT)
+PAGE = LAYOUT.page_nbytes
+NBLOCKS = 64
+
+
+def make_planes(seed: int | None = None) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    shape = (NBLOCKS, LAYOUT.page_tokens, LAYOUT.num_kv_heads, LAYOUT.head_dim)
+    if seed is None:
+        return [np.zeros(shape, np.float32) for _ in LAYOUT.planes]
+    return [rng.standard_normal(shape, dtype=np.float32) for _ in LAYOUT.planes]
+
+
+def page_of(planes: Sequence[np.ndarray], block: int) -> bytes:
+    return b"".join(p[block].tobytes() for p in planes)
+
+
+class NoViews(Provider):
+    """Delegates to a pinned provider but offers no zero-copy views (forces the staged path).
+    ``fail_reads`` makes reads of chosen keys report a miss, like a checksum failure would."""
+
+    name = "noviews"
+
+    def __init__(self, inner: PinnedProvider) -> None:
+        super().__init__()
+        self.inner = inner
+        self.fail_reads: set[bytes] = set()
+
+    @classmethod
+    def from_url(cls, location: str, options: Any) -> Provider:
+        raise NotImplementedError
+
+    def present(self, keys: Sequence[bytes]) -> list[bool]:
+        return self.inner.present(keys)
+
+    def entry(self, key: bytes) -> Any:
+        return self.inner.entry(key)
+
+    def reserve(self, key: bytes, parent: bytes | None, nbytes: int, *, salt_tag: str = "") -> Any:
+        return self.inner.reserve(key, parent, nbytes, salt_tag=salt_tag)
+
+    def write(self, reservation: Any, offset: int, data: object) -> None:
+        self.inner.write(reservation, offset, data)
+
+    def seal(self, reservation: Any) -> None:
+        self.inner.seal(reservation)
+
+    def abort(self, reservation: Any) -> None:
+        self.inner.abort(reservation)
+
+    def read(self, key: bytes, out: object, span: Any = None) -> bool:
+        if bytes(key) in self.fail_reads:
+            return False
+        return self.inner.read(key, out, span)
+
+    def in_flight(self, key: bytes) -> bool:
+        return self.inner.in_flight(key)
+
+    def evict(self, keys: Sequence[bytes] | None = None, *, nbytes: int = 0) -> Any:
+        return self.inner.evict(keys, nbytes=nbytes)
+
+    def put_anchor(self, key: bytes, name: str, data: object) -> None:
+        self.inner.put_anchor(key, name, data)
+
+    def get_anchor(self, key: bytes, name: str) -> bytes | None:
+        return self.inner.get_anchor(key, name)
+
+    def list_anchors(self, key: bytes) -> dict[str, int]:
+        return self.inner.list_anchors(key)
+
+    def lease(self, keys: Sequence[bytes]) -> Any:
+        return self.inner.lease(keys)
+
+    def _release_lease(self, lease: Any) -> None:
+        self.inner._release_lease(lease)
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.inner.budget_bytes
+
+    def stats(self) -> Any:
+        return self.inner.stats()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+@pytest.fixture
+def engine() -> Iterator[CpuCopyEngine]:
+    e = CpuCopyEngine()
+    yield e
+    e.close()
+
+
+def _pinned(pages: int = 256) -> PinnedProvider:
+    return PinnedProvider(pages * PAGE, block=PAGE, allocator=OrdinaryAllocator())
+
+
+@pytest.fixture(params=["views", "staged"])
+def provider(request: pytest.FixtureRequest) -> Iterator[Provider]:
+    p: Provider = _pinned() if request.param == "views" else NoViews(_pinned())
+    yield p
+    p.close()
+
+
+@pytest.fixture
+def cache(provider: Provider, engine: CpuCopyEngine) -> Iterator[HostKVCache]:
+    # small chunks so multi-chunk pipelining and double buffering are exercised
+    c = HostKVCache(provider, SALT, engine, chunk_pages=3, staging_allocator=OrdinaryAllocator())
+    yield c
+    c.close()
+
+
+def tokens(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 32000, size=n)
+
+
+# ------------------------------------------------------------------------------------------
+# round trips
+# ------------------------------------------------------------------------------------------
+
+
+def test_save_lookup_restore_roundtrip(cache: HostKVCache, provider: Provider) -> None:
+    src = make_planes(1)
+    ks = cache.keys(tokens(4 * 10 + 3))  # a trailing partial page is not keyed
+    assert len(ks) == 10
+    blocks = [7, 3, 9, 1, 0, 12, 30, 31, 2, 5]
+    res = cache.save(ks, src, blocks).wait(30)
+    assert (res.stored, res.dedup, res.admitted, res.stopped) == (10, 0, 10, None)
+    assert res.nbytes == 10 * PAGE
+    # the store holds exactly the packed pages, in layout order
+    for k, b in zip(ks, blocks, strict=True):
+        assert provider.read_bytes(k) == page_of(src, b)
+    dst = make_planes(None)
+    hit = cache.lookup(ks)
+    assert hit.num_pages == 10 and hit.num_tokens == 40
+    into = [40, 41, 42, 43, 44, 45, 46, 47, 48, 49]
+    out = cache.restore(hit, dst, into).wait(30)
+    assert out.pages == 10 and out.nbytes == 10 * PAGE and out.stopped is None
+    assert (out.viewed if isinstance(provider, PinnedProvider) else out.staged) == 10
+    assert hit.released  # release=True by default
+    for b_src, b_dst in zip(blocks, into, strict=True):
+        assert page_of(dst, b_dst) == page_of(src, b_src)
+
+
+def test_partial_hit_restores_prefix_into_fewer_blocks(cache: HostKVCache) -> None:
+    src = make_planes(2)
+    ks = cache.keys(tokens(4 * 8))
+    cache.save(ks[:5], src, list(range(5))).wait(30)
+    hit = cache.lookup(ks)
+    assert hit.num_pages == 5 and hit.requested == 8
+    dst = make_planes(None)
+    res = cache.restore(hit, KVPlanes.from_arrays(LAYOUT, dst), [10, 11, 12]).wait(30)
+    assert res.pages == 3
+    assert [page_of(dst, 10 + i) == page_of(src, i) for i in range(3)] == [True] * 3
+    assert page_of(dst, 13) == bytes(PAGE)  # nothing written past the blocks given
+
+
+def test_miss_is_an_empty_falsy_hit(cache: HostKVCache) -> None:
+    hit = cache.lookup(cache.keys(tokens(12, seed=5)))
+    assert not hit and hit.num_pages == 0 and hit.released
+    st = cache.stats()
+    assert (st.lookups, st.hits, st.misses, st.lookup_pages) == (1, 0, 1, 3)
+
+
+def test_lookup_lease_protects_hit_from_eviction(engine: CpuCopyEngine) -> None:
+    prov = _pinned(pages=6)
+    cache = HostKVCache(prov, SALT, engine, staging_allocator=OrdinaryAllocator())
+    try:
+        src = make_planes(3)
+        a = cache.keys(tokens(16, seed=1))
+        cache.save(a, src, [0, 1, 2, 3]).wait(30)
+        hit = cache.lookup(a)
+        # a second chain needs the whole budget: the leased chain must survive
+        b = cache.keys(tokens(16, seed=2))
+        res = cache.save(b, src, [4, 5, 6, 7]).wait(30)
+        assert res.stored == 2 and res.stopped is not None and "capacity" in res.stopped
+        assert prov.longest_prefix(a) == 4
+        hit.release()
+        res = cache.save(b, src, [4, 5, 6, 7]).wait(30)
+        assert res.stored == 2 and res.dedup == 2 and res.stopped is None
+        assert prov.longest_prefix(b) == 4 and cache.stats().evictions >= 2
+    finally:
+        cache.close()
+        prov.close()
+
+
+# ------------------------------------------------------------------------------------------
+# dedup, forks, coalescing
+# ------------------------------------------------------------------------------------------
+
+
+def test_fork_stores_only_new_pages(cache: HostKVCache, provider: Provider) -> None:
+    src = make_planes(4)
+    base = tokens(4 * 6, seed=9)
+    a = cache.keys(np.concatenate([base, tokens(8, seed=10)]))
+    b = cache.keys(np.concatenate([base, tokens(12, seed=11)]))
+    assert a[:6] == b[:6] and a[6] != b[6]
+    assert cache.save(a, src, list(range(8))).wait(30).stored == 8
+    before = provider.stats().seals
+    res = cache.save(b, src, list(range(20, 29))).wait(30)
+    assert (res.stored, res.dedup) == (3, 6)
+    assert provider.stats().seals - before == 3
+    assert res.nbytes == 3 * PAGE  # only the new pages left the device
+
+
+def test_continuation_with_parent(cache: HostKVCache, provider: Provider) -> None:
+    src = make_planes(5)
+    toks = tokens(4 * 6, seed=12)
+    ks = cache.keys(toks)
+    cache.save(ks[:2], src, [0, 1]).wait(30)
+    tail = cache.keys(toks[8:], parent=ks[1], start_token=8)
+    assert tail == ks[2:]
+    res = cache.save(tail, src, [2, 3, 4, 5], parent=ks[1], start_page=2).wait(30)
+    assert res.stored == 4 and provider.longest_prefix(ks) == 6
+    with pytest.raises(InvalidArgumentError):
+        cache.save(tail, src, [2, 3, 4, 5], parent=ks[1])  # start_page missing
+
+
+def test_identical_concurrent_saves_copy_each_page_once(provider: Provider, engine: CpuCopyEngine) -> None:
+    cache = HostKVCache(provider, SALT, engine, chunk_pages=2, staging_allocator=OrdinaryAllocator())
+    try:
+        src = make_planes(6)
+        ks = cache.keys(tokens(4 * 12, seed=13))
+        start = threading.Barrier(4)
+        handles: list[Any] = []
+        lock = threading.Lock()
+
+        def go() -> None:
+            start.wait()
+            h = cache.save(ks, src, list(range(12)))
+            with lock:
+                handles.append(h)
+
+        threads = [threading.Thread(target=go) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        results = [h.wait(30) for h in handles]
+        assert sum(r.stored for r in results) == 12
+        assert sum(r.nbytes for r in results) == 12 * PAGE  # no page copied twice
+        for r in results:
+            assert r.stored + r.dedup + r.coalesced == 12
+        assert provider.stats().seals == 12
+        st = cache.stats()
+        assert st.saved_pages == 12 and st.coalesced_pages + st.dedup_pages == 36
+    finally:
+        cache.close()
+
+
+def test_lookup_waits_for_in_flight_save(cache: HostKVCache) -> None:
+    src = make_planes(7)
+    ks = cache.keys(tokens(4 * 30, seed=14))
+    h = cache.save(ks, src, list(range(30)))
+    hit = cache.lookup(ks)  # waits for the save rather than reporting a shorter prefix
+    assert hit.num_pages == 30
+    hit.release()
+    h.wait(30)
+    assert cache.lookup(ks, wait=False).num_pages == 30
+
+
+def test_identical_restores_are_coalesced(provider: Provider, engine: CpuCopyEngine) -> None:
+    cache = HostKVCache(provider, SALT, engine, staging_allocator=OrdinaryAllocator())
+    try:
+        src = make_planes(8)
+        ks = cache.keys(tokens(4 * 20, seed=15))
+        cache.save(ks, src, list(range(20))).wait(30)
+        dst = KVPlanes.from_arrays(LAYOUT, make_planes(None))
+        # Hold the restore thread pool busy so the first restore is still queued when the
+        # second, identical one arrives.
+        gate = threading.Event()
+        cache._restore_pool.submit(gate.wait)
+        cache._restore_pool.submit(gate.wait)
+        hit1, hit2 = cache.lookup(ks), cache.lookup(ks)
+        h1 = cache.restore(hit1, dst, list(range(20, 40)))
+        h2 = cache.restore(hit2, dst, list(range(20, 40)))
+        assert h1 is h2
+        gate.set()
+        assert h1.wait(30).pages == 20
+        assert hit1.released and hit2.released
+        assert cache.stats().coalesced_restores == 1
+    finally:
+        cache.close()
+
+
+def test_staged_restore_stops_at_a_failed_page(engine: CpuCopyEngine) -> None:
+    prov = NoViews(_pinned())
+    cache = HostKVCache(prov, SALT, engine, chunk_pages=4, staging_allocator=OrdinaryAllocator())
+    try:
+        src = make_planes(9)
+        ks = cache.keys(tokens(4 * 10, seed=16))
+        cache.save(ks, src, list(range(10))).wait(30)
+        prov.fail_reads.add(ks[6])
+        dst = make_planes(None)
+        res = cache.restore(cache.lookup(ks), dst, list(range(10))).wait(30)
+        assert res.pages == 6 and res.stopped is not None
+        assert all(page_of(dst, i) == page_of(src, i) for i in range(6))
+        assert page_of(dst, 6) == bytes(PAGE)
+    finally:
+        cache.close()
+        prov.close()
+
+
+# ------------------------------------------------------------------------------------------
+# admission
+# ------------------------------------------------------------------------------------------
+
+
+def test_admission_min_depth(provider: Provider, engine: CpuCopyEngine) -> None:
+    with HostKVCache(provider, SALT, engine, admission=MinDepth(5), staging_allocator=OrdinaryAllocator()) as c:
+        src = make_planes(10)
+        short = c.keys(tokens(16, seed=17))
+        r = c.save(short, src, [0, 1, 2, 3]).wait(30)
+        assert (r.admitted, r.stored) == (0, 0) and c.stats().rejected_pages == 4
+        long = c.keys(tokens(24, seed=18))
+        assert c.save(long, src, list(range(6))).wait(30).stored == 6
+
+
+def test_admission_seen_at_least(provider: Provider, engine: CpuCopyEngine) -> None:
+    with HostKVCache(provider, SALT, engine, admission=SeenAtLeast(2), staging_allocator=OrdinaryAllocator()) as c:
+        src = make_planes(11)
+        shared = tokens(4 * 3, seed=19)
+        a = c.keys(np.concatenate([shared, tokens(8, seed=20)]))
+        b = c.keys(np.concatenate([shared, tokens(8, seed=21)]))
+        c.lookup(a)
+        assert c.save(a, src, list(range(5))).wait(30).stored == 0  # seen once: not admitted
+        c.lookup(b)  # the shared root pages have now been seen twice
+        r = c.save(b, src, list(range(5))).wait(30)
+        assert (r.admitted, r.stored) == (3, 3)
+        assert c.seen(a[0]) == 2 and c.seen(b[4]) == 1
+
+
+def test_admission_anchors_only_and_all_of(provider: Provider, engine: CpuCopyEngine) -> None:
+    with HostKVCache(provider, SALT, engine, admission=AllOf(AnchorsOnly(), MinDepth(2)),
+                     staging_allocator=OrdinaryAllocator()) as c:
+        src = make_planes(12)
+        ks = c.keys(tokens(4 * 8, seed=22))
+        assert c.save(ks, src, list(range(8))).wait(30).admitted == 0  # no anchors at all
+        r = c.save(ks, src, list(range(8)), anchors={4: {"ssm": b"state@4"}}).wait(30)
+        assert (r.admitted, r.stored, r.anchors) == (5, 5, 1)
+    assert AdmitAll().admit(type("R", (), {"keys": [b"x"] * 3})()) == 3  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------------------------------
+# anchors (hybrid models)
+# ------------------------------------------------------------------------------------------
+
+
+def test_anchor_positions(provider: Provider, engine: CpuCopyEngine) -> None:
+    with HostKVCache(provider, SALT, engine, anchor_interval=4, staging_allocator=OrdinaryAllocator()) as c:
+        assert c.anchor_positions(10) == [3, 7, 9]
+        assert c.anchor_positions(10, checkpoints=[5]) == [3, 5, 7, 9]
+        assert c.anchor_positions(6, start_page=2) == [1, 5]  # depths 4 and 8 are multiples
+        assert c.anchor_positions(0) == []
+        with pytest.raises(InvalidArgumentError):
+            c.anchor_positions(4, checkpoints=[4])
+
+
+def test_need_anchor_cuts_hit_to_deepest_anchored_page(provider: Provider, engine: CpuCopyEngine) -> None:
+    with HostKVCache(provider, SALT, engine, anchor_interval=3, staging_allocator=OrdinaryAllocator()) as c:
+        src = make_planes(13)
+        ks = c.keys(tokens(4 * 8, seed=23))
+        calls: list[int] = []
+
+        def state(i: int) -> dict[str, bytes] | None:
+            calls.append(i)
+            return {"ssm": f"state@{i}".encode()} if i != 7 else None  # no state at the terminal page
+
+        r = c.save(ks[:8], src, list(range(8)), anchors=state).wait(30)
+        assert calls == [2, 5, 7] and r.anchors == 2
+        hit = c.lookup(ks, need_anchor="ssm")
+        assert hit.num_pages == 6 and hit.stored == 8 and hit.anchor == b"state@5"
+        hit.release()
+        assert c.stats().anchor_cut_pages == 2
+        assert not c.lookup(ks, need_anchor="other")
+        # anchors may be attached to pages that are already stored (a later checkpoint)
+        r = c.save(ks, src, list(range(8)), anchors={7: {"ssm": b"state@7"}}).wait(30)
+        assert (r.stored, r.dedup, r.anchors) == (0, 8, 1)
+        with c.lookup(ks, need_anchor="ssm") as hit:
+            assert hit.num_pages == 8 and hit.anchor == b"state@7"
+
+
+# ------------------------------------------------------------------------------------------
+# stats, prometheus, lifecycle, bad input
+# ------------------------------------------------------------------------------------------
+
+
+def test_stats_and_prometheus(cache: HostKVCache) -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    src = make_planes(14)
+    ks = cache.keys(tokens(4 * 5, seed=24))
+    cache.save(ks, src, list(range(5))).wait(30)
+    cache.restore(cache.lookup(ks), make_planes(None), list(range(5))).wait(30)
+    st = cache.stats()
+    assert (st.saves, st.saved_pages, st.bytes_out) == (1, 5, 5 * PAGE)
+    assert (st.hits, st.hit_pages, st.hit_tokens) == (1, 5, 20)
+    assert (st.restores, st.restored_pages, st.bytes_in) == (1, 5, 5 * PAGE)
+    assert st.save_seconds_count == 1 and st.restore_seconds_count == 1 and st.save_seconds_sum > 0
+    assert st.as_dict()["in_flight_save_pages"] == 0
+    reg = CollectorRegistry()
+    cache.register_prometheus(reg, labels={"model": "m"})
+    text = generate_latest(reg).decode()
+    assert 'hostkv_cache_hit_tokens_total{model="m"} 20.0' in text
+    assert 'hostkv_cache_bytes_in_total{model="m"} 20480.0' in text
+    assert "hostkv_cache_restore_seconds_count" in text
+
+
+def test_bad_inputs_raise_typed_errors(cache: HostKVCache, provider: Provider, engine: CpuCopyEngine) -> None:
+    src = make_planes(15)
+    ks = cache.keys(tokens(8))
+    with pytest.raises(InvalidArgumentError):
+        cache.save(ks[0], src, [0])  # one key, not a chain
+    with pytest.raises(InvalidArgumentError):
+        cache.save(ks, src, [0])  # one block id per page
+    with pytest.raises(InvalidArgumentError):
+        cache.save(ks, src, [0, NBLOCKS])  # outside the planes
+    with pytest.raises(InvalidArgumentError):
+        cache.save(ks, src[:-1], [0, 1])  # a plane missing
+    with pytest.raises(InvalidArgumentError):
+        cache.save([b"short"], src, [0])
+    with pytest.raises(InvalidArgumentError):
+        cache.save(ks, src, [0, 1], anchors={5: {"a": b"x"}})
+    with pytest.raises(InvalidArgumentError):
+        cache.save(ks, src, [0, 1], anchors={0: {"": b"x"}})
+    with pytest.raises(InvalidArgumentError):
+        cache.lookup(ks, need_anchor="")
+    with pytest.raises(InvalidArgumentError):
+        cache.restore(object(), src, [0])  # type: ignore[arg-type]
+    cache.save(ks, src, [0, 1]).wait(30)
+    hit = cache.lookup(ks)
+    with pytest.raises(InvalidArgumentError):
+        cache.restore(hit, src, [0, 1, 2])  # more blocks than pages
+    hit.release()
+    with pytest.raises(InvalidArgumentError):
+        cache.restore(hit, src, [0, 1])  # released
+    with pytest.raises(InvalidArgumentError):
+        HostKVCache(provider, LAYOUT, engine)  # a bare layout needs model_id
+    with pytest.raises(InvalidArgumentError):
+        HostKVCache(provider, SALT, engine, chunk_pages=0)
+    with pytest.raises(InvalidArgumentError):
+        MinDepth(-1)
+    with pytest.raises(InvalidArgumentError):
+        SeenAtLeast(0)
+    other = KVLayout(num_layers=1, num_kv_heads=2, head_dim=32, page_tokens=4, dtype="float32")
+    with pytest.raises(InvalidArgumentError):
+        cache.save(ks, KVPlanes.from_arrays(other, make_planes(1)[:2]), [0, 1])
+
+
+def test_bare_layout_with_model_id_and_close(provider: Provider, engine: CpuCopyEngine) -> None:
+    c = HostKVCache(provider, LAYOUT, engine, model_id="test/model")
+    assert c.salt == SALT
+    c.close()
+    c.close()
+    with pytest.raises(ClosedError):
+        c.lookup([Key(bytes(32))])
+    assert isinstance(CacheHit, type)
