@@ -150,6 +150,7 @@ class CudaPinnedAllocation:
         if type(nbytes) is not int or nbytes <= 0:
             raise InvalidArgumentError(f"allocation size must be a positive int, got {nbytes!r}")
         dev.activate()
+        self._dev = dev
         size = -(-nbytes // _PAGE) * _PAGE
         self._lock = threading.Lock()
         self._map: mmap.mmap | None = None
@@ -198,6 +199,7 @@ class CudaPinnedAllocation:
             self._whole.release()
             self._view = None
             try:
+                self._dev.activate()  # close may run on any thread (a finalizer, a provider's filler)
                 if self._host_alloc:
                     _cuda.host_free(self._address)
                 else:
