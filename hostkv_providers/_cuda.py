@@ -161,14 +161,14 @@ class Device:
         """A new non-blocking stream (never synchronises with the legacy default stream)."""
         d = driver()
         self.activate()
-        flags = d.CUstream_flags.CU_STREAM_NON_BLOCKING
+        flags = int(d.CUstream_flags.CU_STREAM_NON_BLOCKING)
         prio = self.lowest_priority if low_priority else 0
         return check(d.cuStreamCreateWithPriority(flags, prio), "cuStreamCreateWithPriority")
 
     def event(self, *, timing: bool = False) -> Any:
         d = driver()
         self.activate()
-        flags = 0 if timing else d.CUevent_flags.CU_EVENT_DISABLE_TIMING
+        flags = 0 if timing else int(d.CUevent_flags.CU_EVENT_DISABLE_TIMING)
         return check(d.cuEventCreate(flags), "cuEventCreate")
 
     # -- memory ------------------------------------------------------------------------------
@@ -256,7 +256,7 @@ def compile_module(source: str, name: str, capability: tuple[int, int], options:
     target = arch if use_cubin else max(a for a in supported if a <= arch) if any(a <= arch for a in supported) \
         else min(supported)
     prefix = "sm" if use_cubin else "compute"
-    opts = [f"--gpu-architecture={prefix}_{target}".encode(), b"-O3", b"--std=c++17",
+    opts = [f"--gpu-architecture={prefix}_{target}".encode(), b"--std=c++17",
             *(o.encode() for o in options)]
     prog = check(nv.nvrtcCreateProgram(source.encode(), name.encode(), 0, [], []), "nvrtcCreateProgram")
     try:
