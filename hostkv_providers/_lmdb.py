@@ -1100,15 +1100,22 @@ class _Tx:
         """Keys of the subtrees under ``roots`` (present ones), every node after its descendants."""
         order: list[Key] = []
         seen: set[Key] = set()
-        stack = [k for k in roots if self.t.get(k, db=self.db["entries"]) is not None]
-        while stack:
-            k = stack.pop()
-            if k in seen:
+        for root in roots:
+            if root in seen or self.t.get(root, db=self.db["entries"]) is None:
                 continue
-            seen.add(k)
-            order.append(k)
-            stack.extend(self.children_of(k))
-        order.reverse()
+            # iterative post-order: a node is emitted after all of its descendants, also when
+            # one root lies inside another root's subtree
+            stack: list[tuple[Key, bool]] = [(root, False)]
+            while stack:
+                k, expanded = stack.pop()
+                if expanded:
+                    order.append(k)
+                    continue
+                if k in seen:
+                    continue
+                seen.add(k)
+                stack.append((k, True))
+                stack.extend((c, False) for c in self.children_of(k) if c not in seen)
         return order
 
     def evict_keys(self, keys: Sequence[Key]) -> tuple[int, int, int]:
