@@ -449,20 +449,29 @@ class RedisProvider(Provider):
             self._keeper.start()
 
     def _keep(self) -> None:
-        """Renew this client's leases and reservations so that only a dead client's expire."""
         while not self._stop.wait(self._renew_every):
-            with self._lock:
-                lids = list(self._live_leases.keys())
-                flights = [(r.hex, rid) for rid, r in list(self._live_flights.items())]
-            if not lids and not flights:
-                continue
-            args: list[str] = [str(self._lease_ms), str(self._flight_ms), str(len(lids)), *lids]
-            for h, rid in flights:
-                args += [h, rid]
             try:
-                self._eval("renew", *args)
+                self.renew()
             except HostKVError:
-                continue  # unreachable now; expiry takes over if it lasts
+                continue  # unreachable now (or closed); expiry takes over if it lasts
+
+    def renew(self) -> list[str]:
+        """Extend this client's live leases and reservations by their TTLs, now.
+
+        The keepalive thread calls this every third of the shorter TTL, so only the leases and
+        reservations of a client that stopped (crashed, partitioned, frozen) expire.  Returns the
+        ids the server no longer had (already expired, or lost in a server restart).
+        """
+        self._check_usable()
+        with self._lock:
+            lids = list(self._live_leases.keys())
+            flights = [(r.hex, rid) for rid, r in list(self._live_flights.items())]
+        if not lids and not flights:
+            return []
+        args: list[str] = [str(self._lease_ms), str(self._flight_ms), str(len(lids)), *lids]
+        for h, rid in flights:
+            args += [h, rid]
+        return [x.decode() for x in self._eval("renew", *args)]
 
     # -- lookups -----------------------------------------------------------------------------
     def present(self, keys: Sequence[bytes]) -> list[bool]:
@@ -738,16 +747,21 @@ class RedisProvider(Provider):
             raise InvalidArgumentError("span must be a ByteSpan")
         k = self._key(key)
         self._check_usable()
-        values = self._fetch([k])
-        return self._deliver(k, values[0], out, span)
+        page = self._pages([k])[0]
+        if page is None:
+            return False
+        span = ByteSpan.whole(len(page)) if span is None else span.validate(len(page))
+        dst = writable_buffer(out, span.nbytes)
+        dst[:] = page[span.offset : span.end]
+        self._count(hits=1, bytes_read=span.nbytes)
+        return True
 
     def read_bytes(self, key: bytes, span: ByteSpan | None = None) -> bytes | None:
         if span is not None and not isinstance(span, ByteSpan):
             raise InvalidArgumentError("span must be a ByteSpan")
         k = self._key(key)
         self._check_usable()
-        value = self._fetch([k])[0]
-        page = self._verified(k, value)
+        page = self._pages([k])[0]
         if page is None:
             return None
         span = ByteSpan.whole(len(page)) if span is None else span.validate(len(page))
@@ -755,30 +769,42 @@ class RedisProvider(Provider):
         return bytes(page[span.offset : span.end])
 
     def read_many(self, keys: Sequence[bytes], outs: Sequence[object]) -> list[bool]:
-        """Read whole entries into ``outs[i]`` in one round trip; ``False`` per miss."""
+        """Read whole entries into ``outs[i]`` in one round trip; ``False`` per miss.
+
+        Each ``outs[i]`` must be a writable buffer of at least the entry's size (checked before
+        anything is copied, so a bad buffer leaves every output untouched).
+        """
         ks = self._keys(keys)
         if len(outs) != len(ks):
             raise InvalidArgumentError(f"{len(ks)} keys but {len(outs)} output buffers")
         self._check_usable()
-        values = self._fetch(ks)
-        return [self._deliver(k, v, o, None) for k, v, o in zip(ks, values, outs, strict=True)]
+        pages = self._pages(ks)
+        dsts = [None if page is None else writable_buffer(o, len(page)) for page, o in zip(pages, outs, strict=True)]
+        hits = 0
+        for page, dst in zip(pages, dsts, strict=True):
+            if page is not None and dst is not None:
+                dst[:] = page
+                hits += len(page)
+        self._count(hits=sum(p is not None for p in pages), bytes_read=hits)
+        return [p is not None for p in pages]
 
     def read_many_bytes(self, keys: Sequence[bytes]) -> list[bytes | None]:
         """The verified bytes of each entry (``None`` per miss), in one round trip."""
         ks = self._keys(keys)
         self._check_usable()
-        out: list[bytes | None] = []
-        for k, v in zip(ks, self._fetch(ks), strict=True):
-            page = self._verified(k, v)
-            if page is None:
-                out.append(None)
-            else:
-                self._count(hits=1, bytes_read=len(page))
-                out.append(bytes(page))
+        pages = self._pages(ks)
+        out = [None if p is None else bytes(p) for p in pages]
+        self._count(hits=sum(p is not None for p in pages), bytes_read=sum(len(p) for p in pages if p is not None))
         return out
 
-    def _fetch(self, keys: Sequence[Key]) -> list[bytes | None]:
-        """One pipeline: GET each page, then one script that refreshes their LRU ticks."""
+    def _pages(self, keys: Sequence[Key]) -> list[memoryview | None]:
+        """The verified page bytes of each key, or ``None`` per miss.
+
+        One pipeline GETs every page and refreshes their LRU ticks.  Misses then take one more
+        script call, which drops entries whose metadata outlived their bytes (atomically, see
+        ``drop_orphan``); a page whose trailer or checksum is wrong is dropped with its subtree.
+        Either way the caller sees a miss, never the bytes.
+        """
         hexes = [k.hex() for k in keys]
         sha = self._link.sha("touch")
 
@@ -790,40 +816,28 @@ class RedisProvider(Provider):
             res: list[Any] = pipe.execute()
             return res
 
-        values = self._run(go)[:-1]
-        return values
-
-    def _verified(self, k: Key, value: bytes | None) -> memoryview | None:
-        """The page bytes of ``value`` if they are exactly what was sealed under ``k``, else None
-        (and a corrupt or orphaned entry is dropped with its subtree)."""
-        if value is None:
-            # Normally a plain miss.  If the entry's metadata exists without its bytes, something
-            # outside this library deleted them (server-side eviction, an operator's DEL).
-            if self._eval("present", k.hex()) == b"1":
-                self._drop_corrupt(k, "its bytes are missing on the server")
-            self._count(misses=1)
-            return None
-        parsed = parse_trailer(value, k)
-        ok = parsed is not None
-        view = memoryview(value)
-        if parsed is not None and self._verify_reads:
-            ok = checksum(view[: parsed[0]]) == parsed[1]
-        if not ok:
-            self._drop_corrupt(k, "its checksum/trailer does not match")
-            self._count(misses=1)
-            return None
-        assert parsed is not None
-        return view[: parsed[0]]
-
-    def _deliver(self, k: Key, value: bytes | None, out: object, span: ByteSpan | None) -> bool:
-        page = self._verified(k, value)
-        if page is None:
-            return False
-        span = ByteSpan.whole(len(page)) if span is None else span.validate(len(page))
-        dst = writable_buffer(out, span.nbytes)
-        dst[:] = page[span.offset : span.end]
-        self._count(hits=1, bytes_read=span.nbytes)
-        return True
+        values: list[bytes | None] = self._run(go)[:-1] if hexes else []
+        pages: list[memoryview | None] = []
+        for k, value in zip(keys, values, strict=True):
+            if value is None:
+                pages.append(None)
+                continue
+            parsed = parse_trailer(value, k)
+            view = memoryview(value)
+            ok = parsed is not None and (not self._verify_reads or checksum(view[: parsed[0]]) == parsed[1])
+            if not ok or parsed is None:
+                self._drop_corrupt(k, "its checksum/trailer does not match")
+                pages.append(None)
+                continue
+            pages.append(view[: parsed[0]])
+        missing = [h for h, v in zip(hexes, values, strict=True) if v is None]
+        if missing:
+            orphans = int(self._eval("drop_orphan", *missing))
+            if orphans:
+                self._count(checksum_failures=orphans)
+                _log.warning("dropped %d entries (with subtrees) whose bytes were missing on the server", orphans)
+        self._count(misses=sum(p is None for p in pages))
+        return pages
 
     def _drop_corrupt(self, k: Key, why: str) -> None:
         self._count(checksum_failures=1)

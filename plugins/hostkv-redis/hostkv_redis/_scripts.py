@@ -532,6 +532,24 @@ if #order > 0 then mincr('checksum_failures', 1) end
 return #order
 """
 
+# ARGV: hexes... (keys whose GET missed).  Atomically, per key: if the entry's metadata exists but
+# its bytes do not (deleted outside this library: server-side maxmemory eviction, an operator's
+# DEL), drop its subtree.  Checked here, not by the client after its GET missed, because a seal
+# may land in between.  Returns how many of the keys were orphans.
+_DROP_ORPHAN = r"""
+local n = 0
+for i = 1, #ARGV do
+  local h = ARGV[i]
+  if redis.call('EXISTS', E(h)) == 1 and redis.call('EXISTS', D(h)) == 0 then
+    local order = subtree({h})
+    for j = #order, 1, -1 do remove_entry(order[j]) end
+    mincr('checksum_failures', 1)
+    n = n + 1
+  end
+end
+return n
+"""
+
 # ARGV: hexes...  Removes each subtree deepest first, skipping held nodes (and so their ancestors).
 _EVICT_KEYS = r"""
 need_store()
@@ -646,6 +664,7 @@ _BODIES = {
     "prefix": _PREFIX,
     "touch": _TOUCH,
     "drop": _DROP,
+    "drop_orphan": _DROP_ORPHAN,
     "evict_keys": _EVICT_KEYS,
     "evict_bytes": _EVICT_BYTES,
     "put_anchor": _PUT_ANCHOR,
