@@ -1,0 +1,2330 @@
+"""``mmap://`` — a crash-safe file store on NVMe that survives restarts.
+
+URL: ``mmap:///path/to/store?budget=64GiB&durability=process`` (options in :meth:`MmapProvider.
+from_url`; the full reference with the on-disk format is ``docs/providers/mmap.md``).
+
+Store directory (0700, every file 0600, symlinks refused)::
+
+    manifest.json                 identity and geometry, written atomically (temp, fsync, rename)
+    writer.lock                   flock held by the one writer process
+    data.<gen>.<nnnn>.slots       preallocated slot files (:mod:`._slotfile`), mmapped
+    index.<gen>.snap              snapshot of the index (fixed 160-byte records), atomic
+    index.<gen>.journal           append-only journal of 160-byte records since the snapshot
+
+Every index record carries its own 64-bit fold checksum; a snapshot covers every journal record
+with ``seq <= snapshot.seq``; the journal holds the records after it.  Opening loads both with
+numpy (no per-record Python work for pages), computes the last record per key, drops entries
+whose slot header does not echo the record (key, generation, size, checksum), whose run overlaps
+a newer one, or whose parent is gone, and rebuilds the accounting.  ``<gen>`` changes only with
+:meth:`MmapProvider.compact`, which writes a complete new generation and switches to it by
+rewriting the manifest (the commit point); leftovers of the other generation are deleted on the
+next writer open.
+
+Write protocol of one page: reserve a free run (its slot headers are zeroed first) → write data
+into the mapping → seal: checksum, slot header, then the journal record (``process``: ``pwrite``
+to the page cache, survives kill -9; ``sync``: data files and journal ``fdatasync``-ed by a group
+commit shared by every concurrent seal; ``none``: records buffered, flushed in batches).
+
+Processes: one writer (``writer.lock``, a second writer gets ``LockedError`` at once) and any
+number of readers (``readonly=true``).  A reader sees the store as of its open or its last
+:meth:`MmapProvider.refresh`; a page the writer evicted or rewrote since then reads as a miss
+(the slot header no longer echoes the reader's record — a seqlock read), never as wrong bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import json
+import os
+import re
+import secrets
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import xxhash
+
+from . import _fsutil
+from ._checksum import CHECKSUM_ALGORITHM
+from ._errors import (
+    CapacityError,
+    CorruptStoreError,
+    HostKVError,
+    IncompatibleStoreError,
+    InFlightError,
+    InvalidArgumentError,
+    ReservationError,
+    StorageIOError,
+    UnknownKeyError,
+)
+from ._keys import FORMAT_VERSION, KEY_ALGORITHM, KEY_NBYTES, Key
+from ._options import Options
+from ._provider import (
+    CompactReport,
+    EntryInfo,
+    EvictReport,
+    HostRegion,
+    Lease,
+    Progress,
+    Provider,
+    ProviderStats,
+    Reservation,
+    VerifyReport,
+    check_anchor_name,
+    readable_bytes,
+    writable_buffer,
+)
+from ._slotfile import FLAG_ANCHOR, ReadResult, SlotFile, run_nslots
+from ._span import ByteSpan
+
+__all__ = ["MMAP_FORMAT", "MMAP_FORMAT_VERSION", "RECORD_DTYPE", "MmapProvider"]
+
+MMAP_FORMAT = "hostkv-mmap"
+#: On-disk format of this provider (manifest ``format_version``); another version is refused.
+MMAP_FORMAT_VERSION = 1
+RECORD_FOLD = "fold64-v1"
+
+_DEFAULT_BUDGET = 1 << 30
+_DEFAULT_SLOT = 256 * 1024
+_MAX_FILE = 1 << 30
+_SNAPSHOT_MIN = 65536
+_NONE_BATCH = 256
+_NONE_INTERVAL = 1.0
+_JOURNAL_CHUNK = 1 << 20
+_MANIFEST_LIMIT = 64 * 1024
+_TAG_MAX = 16
+
+OP_SEAL = 1
+OP_DROP = 2
+OP_ANCHOR = 3
+_REC_DELETE = 2  # record flag: the anchor named by an OP_ANCHOR record is removed
+
+RECORD_DTYPE = np.dtype(
+    [
+        ("op", "u1"),
+        ("flags", "u1"),  # bit0: has parent
+        ("tag_len", "u1"),
+        ("name_len", "u1"),
+        ("nslots", "<u4"),
+        ("key", "V32"),
+        ("parent", "V32"),  # OP_ANCHOR: bytes [40, 104) of the record hold the anchor name
+        ("tag", "V16"),
+        ("name_tail", "V16"),
+        ("file", "<u4"),
+        ("slot", "<u4"),
+        ("nbytes", "<u8"),
+        ("gen", "<u8"),
+        ("checksum", "<u8"),
+        ("created", "<f8"),
+        ("seq", "<u8"),  # journal order; in a snapshot, the entry's LRU tick
+        ("fold", "<u8"),
+    ]
+)
+REC_NBYTES = RECORD_DTYPE.itemsize
+assert REC_NBYTES == 160
+_WORDS = REC_NBYTES // 8
+_FOLD_SEED = np.uint64(0x9E3779B97F4A7C15)
+_FOLD_MUL = np.uint64(0x9FB21C651E98DF25)  # odd: multiplication is a bijection mod 2**64
+
+_JOURNAL_MAGIC = b"HKVJRNL1"
+_SNAP_MAGIC = b"HKVSNAP1"
+_SNAP_HEADER = 4096
+_DATA_NAME = re.compile(r"^data\.(\d{1,9})\.(\d{4,9})\.slots$")
+_KNOWN_NAME = re.compile(
+    r"^(manifest\.json|writer\.lock|(data\.\d{1,9}\.\d{4,9}\.slots)|index\.\d{1,9}\.(snap|journal))$")
+
+_fsutil.register_crash_points({
+    "mmap.reserve.after_clear": "a run's slot headers were zeroed, no data yet",
+    "mmap.write.partial": "part of a reservation's data is in the mapping",
+    "mmap.seal.after_header": "data and slot header written, no journal record",
+    "mmap.seal.after_journal": "journal record written (process/none: in the page cache)",
+    "mmap.commit.after_data_sync": "group commit: data files synced, journal not yet",
+    "mmap.evict.after_drop": "drop records journaled, slot headers not yet cleared",
+    "mmap.anchor.after_header": "anchor blob and header written, no journal record",
+    "mmap.snapshot.after_snap": "new snapshot renamed into place, journal not yet rotated",
+    "mmap.snapshot.after_rotate": "journal rotated after a snapshot",
+    "mmap.compact.after_copy": "compaction: new generation's data written, manifest not switched",
+    "mmap.compact.after_manifest": "compaction: manifest switched, old generation not deleted",
+})
+
+
+# ------------------------------------------------------------------------------------------------
+# Records
+# ------------------------------------------------------------------------------------------------
+
+
+def fold64(words: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
+    """Vectorised 64-bit record checksum over the first ``_WORDS - 1`` words of each row.
+
+    ``h = (h ^ w) * M`` per word (odd ``M``: a bijection), so any change confined to one word
+    always changes the result and torn records (zero tails) are caught; it is not cryptographic,
+    it only has to catch torn writes and bit rot, and it runs at numpy speed on a million rows.
+    """
+    h = np.full(words.shape[0], _FOLD_SEED, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        for i in range(_WORDS - 1):
+            h ^= words[:, i]
+            h *= _FOLD_MUL
+        h ^= h >> np.uint64(31)
+    return h
+
+
+def _seal_folds(recs: npt.NDArray[Any]) -> None:
+    if len(recs):
+        recs["fold"] = fold64(recs.view(np.uint64).reshape(len(recs), _WORDS))
+
+
+def _folds_ok(recs: npt.NDArray[Any]) -> npt.NDArray[np.bool_]:
+    if not len(recs):
+        return np.zeros(0, dtype=np.bool_)
+    ok: npt.NDArray[np.bool_] = fold64(recs.view(np.uint64).reshape(len(recs), _WORDS)) == recs["fold"]
+    return ok
+
+
+def _k64(keys: npt.NDArray[Any]) -> npt.NDArray[np.uint64]:
+    """First 8 bytes of each 32-byte key as a little-endian u64 (sort/hash key)."""
+    out: npt.NDArray[np.uint64] = np.ascontiguousarray(keys).view(np.uint64).reshape(len(keys), 4)[:, 0].copy()
+    return out
+
+
+def _key_u64(key: bytes) -> int:
+    return int.from_bytes(key[:8], "little")
+
+
+@dataclass(slots=True)
+class _Anchor:
+    file: int
+    slot: int
+    nslots: int
+    nbytes: int
+    gen: int
+    checksum: int
+    cost: int
+
+
+class _Flight:
+    __slots__ = ("cost", "parent")
+
+    def __init__(self, parent: int, cost: int) -> None:
+        self.parent = parent
+        self.cost = cost
+
+
+# ------------------------------------------------------------------------------------------------
+# The in-memory index: numpy columns, so a million entries load without a million Python objects
+# ------------------------------------------------------------------------------------------------
+
+
+class _Index:
+    """A prefix-closed tree with LRU-leaf eviction, holds and an O(1) budget guard (the same
+    semantics as :class:`._index.TreeIndex`) over numpy columns.
+
+    Why not ``TreeIndex``: creating one ``Node`` object per entry costs ~1-3 s per million
+    entries on a loaded machine, and reopening a million-entry store must take under a second.
+    Rows are indices into the columns; the key map is a Python dict for rows added after open
+    plus a sorted numpy array (binary search) for rows bulk-loaded at open.
+    """
+
+    COLS: tuple[tuple[str, Any, Any], ...] = (
+        ("key", "V32", None), ("parent", np.int64, -1), ("nbytes", np.int64, 0), ("cost", np.int64, 0),
+        ("file", np.int64, 0), ("slot", np.int64, 0), ("nslots", np.int64, 0), ("gen", np.uint64, 0),
+        ("csum", np.uint64, 0), ("created", np.float64, 0.0), ("used", np.float64, 0.0),
+        ("tick", np.int64, 0), ("children", np.int32, 0), ("hold", np.int32, 0),
+        ("alive", np.bool_, False), ("tag", "V16", None), ("tag_len", np.uint8, 0),
+    )
+
+    def __init__(self, budget: int, capacity: int = 1024) -> None:
+        self.budget = budget
+        self.cap = 0
+        self.n = 0  # rows ever used (high-water mark)
+        self.key: npt.NDArray[Any] = np.zeros(0, "V32")
+        self.parent: npt.NDArray[np.int64] = np.zeros(0, np.int64)
+        self.nbytes: npt.NDArray[np.int64] = np.zeros(0, np.int64)
+        self.cost: npt.NDArray[np.int64] = np.zeros(0, np.int64)
+        self.file: npt.NDArray[np.int64] = np.zeros(0, np.int64)
+        self.slot: npt.NDArray[np.int64] = np.zeros(0, np.int64)
+        self.nslots: npt.NDArray[np.int64] = np.zeros(0, np.int64)
+        self.gen: npt.NDArray[np.uint64] = np.zeros(0, np.uint64)
+        self.csum: npt.NDArray[np.uint64] = np.zeros(0, np.uint64)
+        self.created: npt.NDArray[np.float64] = np.zeros(0, np.float64)
+        self.used: npt.NDArray[np.float64] = np.zeros(0, np.float64)
+        self.tick: npt.NDArray[np.int64] = np.zeros(0, np.int64)
+        self.children: npt.NDArray[np.int32] = np.zeros(0, np.int32)
+        self.hold: npt.NDArray[np.int32] = np.zeros(0, np.int32)
+        self.alive: npt.NDArray[np.bool_] = np.zeros(0, np.bool_)
+        self.tag: npt.NDArray[Any] = np.zeros(0, "V16")
+        self.tag_len: npt.NDArray[np.uint8] = np.zeros(0, np.uint8)
+        self._grow(capacity)
+        self.anchors: dict[int, dict[str, _Anchor]] = {}
+        self.flights: dict[Key, _Flight] = {}
+        self.count = 0
+        self.used_cost = 0  # sealed cost + in-flight cost
+        self.sealed_cost = 0
+        self.held_cost = 0
+        self.evictions = 0
+        self.evicted_cost = 0
+        self.clock = 1
+        self._free_rows: list[int] = []
+        self._dict: dict[bytes, int] = {}
+        self._base_k64: npt.NDArray[np.uint64] = np.zeros(0, np.uint64)
+        self._base_row: npt.NDArray[np.int64] = np.zeros(0, np.int64)
+        self._heap: list[tuple[int, int]] = []
+        self._heap_bound = -1  # every unheld leaf with tick <= bound is in the heap
+
+    def _grow(self, capacity: int) -> None:
+        if capacity <= self.cap:
+            return
+        for name, dtype, fill in self.COLS:
+            old = getattr(self, name)
+            new = np.zeros(capacity, dtype=dtype)
+            if fill is not None and fill != 0:
+                new[:] = fill
+            new[: len(old)] = old
+            setattr(self, name, new)
+        self.cap = capacity
+
+    # -- key map ---------------------------------------------------------------------------------
+    def row_of(self, key: bytes) -> int:
+        row = self._dict.get(key)
+        if row is not None:
+            return row
+        if len(self._base_k64):
+            h = _key_u64(key)
+            i = int(np.searchsorted(self._base_k64, h))
+            while i < len(self._base_k64) and int(self._base_k64[i]) == h:
+                r = int(self._base_row[i])
+                if r >= 0 and self.key[r].tobytes() == key:
+                    return r
+                i += 1
+        return -1
+
+    def _unmap(self, row: int) -> None:
+        key = self.key[row].tobytes()
+        if self._dict.pop(key, None) is not None:
+            return
+        h = _key_u64(key)
+        i = int(np.searchsorted(self._base_k64, h))
+        while i < len(self._base_k64) and int(self._base_k64[i]) == h:
+            if int(self._base_row[i]) == row:
+                self._base_row[i] = -1
+                return
+            i += 1
+
+    def key_of(self, row: int) -> Key:
+        return Key(self.key[row].tobytes())
+
+    def tag_of(self, row: int) -> str:
+        n = int(self.tag_len[row])
+        raw: bytes = self.tag[row].tobytes()
+        return raw[:n].decode("utf-8", "replace")
+
+    def parent_key(self, row: int) -> Key | None:
+        p = int(self.parent[row])
+        return None if p < 0 else self.key_of(p)
+
+    # -- bulk load -------------------------------------------------------------------------------
+    def load(self, recs: npt.NDArray[Any], parent_rows: npt.NDArray[np.int64], ticks: npt.NDArray[np.int64],
+             costs: npt.NDArray[np.int64]) -> None:
+        """Replace the contents by ``recs`` (live SEAL records, keys unique, parents resolved to
+        row numbers of this same array, prefix-closed)."""
+        n = len(recs)
+        self.cap = 0
+        self.key = np.zeros(0, "V32")
+        for name, dtype, _ in self.COLS:
+            setattr(self, name, np.zeros(0, dtype=dtype))
+        self._grow(max(1024, n + n // 4))
+        self.n = n
+        self.key[:n] = recs["key"]
+        self.parent[:n] = parent_rows
+        self.nbytes[:n] = recs["nbytes"]
+        self.cost[:n] = costs
+        self.file[:n] = recs["file"]
+        self.slot[:n] = recs["slot"]
+        self.nslots[:n] = recs["nslots"]
+        self.gen[:n] = recs["gen"]
+        self.csum[:n] = recs["checksum"]
+        self.created[:n] = recs["created"]
+        self.used[:n] = recs["created"]
+        self.tick[:n] = ticks
+        self.tag[:n] = recs["tag"]
+        self.tag_len[:n] = np.minimum(recs["tag_len"], _TAG_MAX)
+        self.alive[:n] = True
+        if n:
+            has_parent = parent_rows >= 0
+            self.children[:n] = np.bincount(parent_rows[has_parent], minlength=n)[:n].astype(np.int32)
+        k64 = _k64(recs["key"])
+        order = np.argsort(k64, kind="stable")
+        self._base_k64 = k64[order]
+        self._base_row = order.astype(np.int64)
+        self._dict = {}
+        self._free_rows = []
+        self.count = n
+        self.sealed_cost = int(costs.sum()) if n else 0
+        self.used_cost = self.sealed_cost
+        self.held_cost = 0
+        self.clock = max(self.clock, int(ticks.max()) + 1 if n else 1)
+        self._heap = []
+        self._heap_bound = -1
+
+    # -- lookups ---------------------------------------------------------------------------------
+    def rows_of(self, keys: Sequence[bytes]) -> list[int]:
+        return [self.row_of(k) for k in keys]
+
+    def touch(self, row: int) -> None:
+        self.clock += 1
+        self.tick[row] = self.clock
+        self.used[row] = time.time()
+        if self.children[row] == 0 and self.hold[row] == 0:
+            heapq.heappush(self._heap, (self.clock, row))
+
+    def live_rows(self) -> npt.NDArray[np.intp]:
+        return np.flatnonzero(self.alive[: self.n])
+
+    # -- reservations ----------------------------------------------------------------------------
+    def begin(self, key: Key, parent: Key | None, cost: int) -> tuple[bool, list[int], int]:
+        """Start a reservation: ``(False, [], -1)`` for a sealed key (dedup), else
+        ``(True, evicted_rows, parent_row)``."""
+        if self.row_of(key) >= 0:
+            return False, [], -1
+        if key in self.flights:
+            raise InFlightError(f"key {key.hex()[:16]} is being written by another writer", key=key)
+        prow = -1
+        if parent is not None:
+            prow = self.row_of(parent)
+            if prow < 0:
+                raise UnknownKeyError(f"parent {parent.hex()[:16]} is not stored")
+        evicted = self.make_room(cost, protect=prow)
+        self.flights[key] = _Flight(prow, cost)
+        self.used_cost += cost
+        if prow >= 0:
+            self._hold(prow)
+        return True, evicted, prow
+
+    def commit(self, key: Key, *, nbytes: int, file: int, slot: int, nslots: int, gen: int, csum: int,
+               tag: bytes, created: float) -> int:
+        flight = self.flights.pop(key)
+        prow = flight.parent
+        if prow >= 0 and not self.alive[prow]:
+            self.used_cost -= flight.cost
+            raise UnknownKeyError(
+                "the parent was dropped (corrupt) before the seal",
+                hint="save the chain again from its first missing page",
+            )
+        row = self._free_rows.pop() if self._free_rows else self._new_row()
+        self.key[row] = np.frombuffer(key, "V32")[0]
+        self.parent[row] = prow
+        self.nbytes[row] = nbytes
+        self.cost[row] = flight.cost
+        self.file[row] = file
+        self.slot[row] = slot
+        self.nslots[row] = nslots
+        self.gen[row] = gen
+        self.csum[row] = csum
+        self.created[row] = created
+        self.used[row] = created
+        self.children[row] = 0
+        self.hold[row] = 0
+        self.tag[row] = np.frombuffer(tag.ljust(_TAG_MAX, b"\0"), "V16")[0]
+        self.tag_len[row] = len(tag)
+        self.alive[row] = True
+        self._dict[key] = row
+        self.count += 1
+        self.sealed_cost += flight.cost
+        if prow >= 0:
+            self.children[prow] += 1
+            self._unhold(prow)
+        self.touch(row)
+        return row
+
+    def _new_row(self) -> int:
+        if self.n >= self.cap:
+            self._grow(self.cap * 2)
+        self.n += 1
+        return self.n - 1
+
+    def cancel(self, key: Key) -> None:
+        flight = self.flights.pop(key, None)
+        if flight is None:
+            return
+        self.used_cost -= flight.cost
+        if flight.parent >= 0 and self.alive[flight.parent]:
+            self._unhold(flight.parent)
+
+    # -- budget ----------------------------------------------------------------------------------
+    def make_room(self, cost: int, protect: int = -1) -> list[int]:
+        if self.used_cost + cost <= self.budget:
+            return []
+        evictable = self.sealed_cost - self.held_cost
+        if protect >= 0 and self.hold[protect] == 0:
+            evictable -= self._unheld_ancestry_cost(protect)
+        if cost > self.budget or self.used_cost + cost - evictable > self.budget:
+            raise CapacityError(
+                f"{cost} bytes do not fit: budget {self.budget}, used {self.used_cost}, "
+                f"evictable {max(evictable, 0)}"
+            )
+        if protect >= 0:
+            self._hold(protect)
+        try:
+            return self.evict_cost(self.used_cost + cost - self.budget)
+        finally:
+            if protect >= 0:
+                self._unhold(protect)
+
+    def _unheld_ancestry_cost(self, row: int) -> int:
+        total = 0
+        while row >= 0 and self.hold[row] == 0:
+            total += int(self.cost[row])
+            row = int(self.parent[row])
+        return total
+
+    def _refill_heap(self) -> None:
+        """Rebuild the LRU candidate heap from the columns: the K oldest unheld leaves."""
+        n = self.n
+        cand = np.flatnonzero(self.alive[:n] & (self.children[:n] == 0) & (self.hold[:n] == 0))
+        if not len(cand):
+            self._heap = []
+            self._heap_bound = -1
+            return
+        k = min(len(cand), 4096)
+        ticks = self.tick[cand]
+        if k < len(cand):
+            part = np.argpartition(ticks, k - 1)[:k]
+            cand, ticks = cand[part], ticks[part]
+            self._heap_bound = int(ticks.max())
+        else:
+            self._heap_bound = 1 << 62
+        self._heap = list(zip(ticks.tolist(), cand.tolist(), strict=True))
+        heapq.heapify(self._heap)
+
+    def pop_lru_leaf(self) -> int:
+        """The least-recently-used unheld leaf (not removed), or -1."""
+        for _ in range(2):
+            while self._heap:
+                tick, row = self._heap[0]
+                if (not self.alive[row] or int(self.tick[row]) != tick or self.children[row]
+                        or self.hold[row]):
+                    heapq.heappop(self._heap)
+                    continue
+                if tick > self._heap_bound:
+                    break  # an unheld leaf older than this may be missing from the heap
+                return row
+            self._refill_heap()
+        return -1
+
+    def evict_cost(self, need: int) -> list[int]:
+        out: list[int] = []
+        freed = 0
+        while freed < need:
+            row = self.pop_lru_leaf()
+            if row < 0:
+                break
+            freed += int(self.cost[row])
+            self._remove(row)
+            self.evictions += 1
+            self.evicted_cost += int(self.cost[row])
+            out.append(row)
+        return out
+
+    def add_cost(self, row: int, delta: int) -> list[int]:
+        evicted: list[int] = []
+        if delta > 0:
+            self._hold(row)
+            try:
+                evicted = self.make_room(delta)
+            finally:
+                self._unhold(row)
+        self.cost[row] += delta
+        self.used_cost += delta
+        self.sealed_cost += delta
+        if self.hold[row]:
+            self.held_cost += delta
+        return evicted
+
+    # -- holds -----------------------------------------------------------------------------------
+    def hold_rows(self, rows: Sequence[int]) -> None:
+        for row in rows:
+            if row >= 0:
+                self._hold(row)
+                self.touch(row)
+
+    def release_rows(self, rows: Sequence[int], gens: Sequence[int]) -> None:
+        for row, g in zip(rows, gens, strict=True):
+            if row >= 0 and self.alive[row] and int(self.gen[row]) == g:
+                self._unhold(row)
+
+    def _hold(self, row: int) -> None:
+        while row >= 0:
+            self.hold[row] += 1
+            if self.hold[row] != 1:
+                return
+            self.held_cost += int(self.cost[row])
+            row = int(self.parent[row])
+
+    def _unhold(self, row: int) -> None:
+        while row >= 0:
+            self.hold[row] -= 1
+            if self.hold[row] != 0:
+                return
+            self.held_cost -= int(self.cost[row])
+            if self.children[row] == 0:
+                heapq.heappush(self._heap, (int(self.tick[row]), row))
+            row = int(self.parent[row])
+
+    # -- removal ---------------------------------------------------------------------------------
+    def _remove(self, row: int) -> None:
+        self._unmap(row)
+        self.alive[row] = False
+        self.count -= 1
+        c = int(self.cost[row])
+        self.used_cost -= c
+        self.sealed_cost -= c
+        p = int(self.parent[row])
+        if p >= 0 and self.alive[p]:
+            self.children[p] -= 1
+            if self.children[p] == 0 and self.hold[p] == 0:
+                heapq.heappush(self._heap, (int(self.tick[p]), p))
+
+    def recycle(self, rows: Sequence[int]) -> None:
+        """Make removed rows reusable (after the caller freed their slots)."""
+        self._free_rows.extend(rows)
+
+    def subtree(self, roots: Sequence[int]) -> list[int]:
+        """Rows of the subtrees under ``roots``, deepest first (pointer jumping, vectorised)."""
+        roots = [r for r in roots if r >= 0 and self.alive[r]]
+        if not roots:
+            return []
+        if all(self.children[r] == 0 for r in roots):
+            return list(dict.fromkeys(roots))
+        n = self.n
+        alive = self.alive[:n]
+        mark = np.zeros(n, np.bool_)
+        mark[roots] = True
+        anc = np.where(alive, self.parent[:n], -1)
+        depth = (anc >= 0).astype(np.int64)
+        while True:
+            idx = np.flatnonzero(anc >= 0)
+            if not len(idx):
+                break
+            up = anc[idx]
+            mark[idx] |= mark[up]
+            depth[idx] += depth[up]
+            anc[idx] = anc[up]
+        rows = np.flatnonzero(mark & alive)
+        order = np.argsort(-depth[rows], kind="stable")
+        return [int(r) for r in rows[order]]
+
+    def evict_rows(self, rows: Sequence[int]) -> tuple[list[int], int]:
+        removed: list[int] = []
+        skipped = 0
+        for row in self.subtree(rows):
+            if self.hold[row] or self.children[row] or self.key_of(row) in self.flights:
+                skipped += 1
+                continue
+            self._remove(row)
+            self.evictions += 1
+            self.evicted_cost += int(self.cost[row])
+            removed.append(row)
+        return removed, skipped
+
+    def drop(self, row: int) -> list[int]:
+        """Force-remove ``row`` and its subtree (corruption), held or not."""
+        removed: list[int] = []
+        for r in self.subtree([row]):
+            if self.hold[r]:
+                self.held_cost -= int(self.cost[r])
+                p = int(self.parent[r])
+                if p >= 0 and self.alive[p]:
+                    self._unhold(p)
+                self.hold[r] = 0
+            self.children[r] = 0
+            self._remove(r)
+            removed.append(r)
+        return removed
+
+
+# ------------------------------------------------------------------------------------------------
+# Reservation
+# ------------------------------------------------------------------------------------------------
+
+
+class _MmapReservation(Reservation):
+    __slots__ = ("file", "gen", "nslots", "slot")
+
+    def __init__(self, provider: MmapProvider, key: Key, parent: Key | None, nbytes: int, salt_tag: str,
+                 file: int, slot: int, nslots: int, gen: int) -> None:
+        super().__init__(provider, key, parent, nbytes, salt_tag)
+        self.file = file
+        self.slot = slot
+        self.nslots = nslots
+        self.gen = gen
+
+    def regions(self) -> Sequence[HostRegion]:
+        """The reservation's bytes in the file mapping (pageable memory, not pinned)."""
+        self.check_open(self._provider)
+        prov: MmapProvider = self._provider  # type: ignore[assignment]
+        view = prov._files[self.file].data(self.slot, self.nbytes)
+        from ._hostmem import buffer_address
+
+        return [HostRegion(0, view, buffer_address(view), False)]
+
+
+class _Pending:
+    """One seal waiting for the group commit."""
+
+    __slots__ = ("error", "record")
+
+    def __init__(self, record: bytes) -> None:
+        self.record = record
+        self.error: BaseException | None = None
+
+
+# ------------------------------------------------------------------------------------------------
+# The provider
+# ------------------------------------------------------------------------------------------------
+
+
+class MmapProvider(Provider):
+    """File store of fixed-size slots with a checksummed journal (see the module docstring).
+
+    Parameters
+    ----------
+    path:
+        The store directory (created 0700 when missing; an existing empty directory is adopted
+        and tightened to 0700).
+    budget_bytes:
+        The byte budget; ``None``: the budget recorded by the last writer (1 GiB for a new store).
+    durability:
+        ``"sync"`` (seal returns after data and index are on stable storage; concurrent seals
+        share one sync), ``"process"`` (survives kill -9; default), ``"none"`` (a crash may lose
+        the last ~second of seals, never corrupts older ones).
+    slot_nbytes:
+        Slot size of a new store (multiple of 4096; default 256 KiB; an entry takes
+        ``ceil(nbytes / slot)`` consecutive slots).  Must match an existing store if given.
+    file_nbytes:
+        Size of each preallocated data file (default ``min(budget, 1 GiB)``).
+    verify:
+        ``"read"``: check the page checksum on every read (default); ``"never"``: trust the medium
+        (slot headers are still checked, so a reused slot never satisfies a stale record).
+    readonly:
+        Open as a reader process: no lock, no writes; see :meth:`refresh`.
+    snapshot_every:
+        Journal records after which the writer writes a snapshot (at least the live entry count).
+    commit_window:
+        Seconds the group-commit leader waits for more seals before syncing (``sync`` only).
+    """
+
+    name = "mmap"
+    persistent = True
+    multiprocess = True
+
+    def __init__(
+        self,
+        path: str,
+        *,
+        budget_bytes: int | None = None,
+        durability: str = "process",
+        slot_nbytes: int | None = None,
+        file_nbytes: int | None = None,
+        verify: str = "read",
+        readonly: bool = False,
+        snapshot_every: int = _SNAPSHOT_MIN,
+        commit_window: float = 0.0,
+        create: bool = True,
+    ) -> None:
+        super().__init__()
+        t0 = time.perf_counter()
+        if not isinstance(path, str) or not path:
+            raise InvalidArgumentError(f"store path must be a non-empty str, got {path!r}")
+        if durability not in ("sync", "process", "none"):
+            raise InvalidArgumentError(f"durability must be sync, process or none, got {durability!r}")
+        if verify not in ("read", "never"):
+            raise InvalidArgumentError(f"verify must be read or never, got {verify!r}")
+        if budget_bytes is not None and (type(budget_bytes) is not int or budget_bytes <= 0):
+            raise InvalidArgumentError(f"budget must be a positive int, got {budget_bytes!r}")
+        if type(snapshot_every) is not int or snapshot_every < 1:
+            raise InvalidArgumentError(f"snapshot_every must be a positive int, got {snapshot_every!r}")
+        self.path = os.path.abspath(path)
+        self._durability = durability
+        self._verify_reads = verify == "read"
+        self._readonly = readonly
+        self._snapshot_every = snapshot_every
+        self._commit_window = float(commit_window)
+        self._lock = threading.RLock()
+        self._commit_cv = threading.Condition(threading.Lock())
+        self._counters: dict[str, int] = dict.fromkeys(
+            ("hits", "misses", "seals", "aborts", "dedup", "checksum_failures", "bytes_written", "bytes_read",
+             "stale_reads", "syncs", "group_commits"), 0)
+        self._files: dict[int, SlotFile] = {}
+        self._free: dict[int, npt.NDArray[np.bool_]] = {}
+        self._lockfile: _fsutil.LockFile | None = None
+        self._jfd: int | None = None
+        self._jend = 0
+        self._jalloc = 0
+        self._jrecords = 0  # records in the journal (since the snapshot)
+        self._nbuf: list[bytes] = []  # durability=none: records not yet written
+        self._nbuf_t = time.monotonic()
+        self._queue: list[_Pending] = []
+        self._leader = False
+        self._failed: str | None = None  # set after a failed sync: no more acknowledgements
+        self._problems: list[str] = []
+        self._dirty_files: set[int] = set()
+        self._next_gen = 1
+        self._idx = _Index(0)
+        self._state_sig: tuple[Any, ...] = ()
+        self._load_needs_snapshot = False
+        self._jvalid_end = REC_NBYTES
+        self._torn_tail = False
+        self._stale_at_open = 0
+        self._orphans_at_open = 0
+        try:
+            self._open(budget_bytes, slot_nbytes, file_nbytes, create)
+        except BaseException:
+            self._release_all()
+            raise
+        self.open_seconds = time.perf_counter() - t0
+
+    # -- construction ----------------------------------------------------------------------------
+    @classmethod
+    def from_url(cls, location: str, options: Mapping[str, str]) -> MmapProvider:
+        """``mmap:///path?budget=..&durability=sync|process|none&slot=..&file_size=..&verify=read|never
+        &readonly=false&snapshot_every=..&commit_window_us=..``"""
+        opts = Options("mmap", options)
+        raw_budget = opts.text("budget")
+        durability = opts.choice("durability", "process", ("sync", "process", "none"))
+        raw_slot = opts.text("slot")
+        raw_file = opts.text("file_size")
+        verify = opts.choice("verify", "read", ("read", "never"))
+        readonly = opts.boolean("readonly", False)
+        snapshot_every = opts.integer("snapshot_every", _SNAPSHOT_MIN)
+        window_us = opts.integer("commit_window_us", 0)
+        opts.finish()
+        if not location:
+            raise InvalidArgumentError("mmap:// needs a directory path", hint="use mmap:///var/cache/kv?budget=64GiB")
+        from ._options import parse_size
+
+        return cls(
+            os.path.expanduser(location),
+            budget_bytes=None if raw_budget is None else parse_size(raw_budget),
+            durability=durability,
+            slot_nbytes=None if raw_slot is None else parse_size(raw_slot),
+            file_nbytes=None if raw_file is None else parse_size(raw_file),
+            verify=verify,
+            readonly=readonly,
+            snapshot_every=snapshot_every,
+            commit_window=max(0, window_us) / 1e6,
+        )
+
+    # -- paths -----------------------------------------------------------------------------------
+    def _p(self, name: str) -> str:
+        return os.path.join(self.path, name)
+
+    def _data_name(self, gen: int, file_id: int) -> str:
+        return f"data.{gen}.{file_id:04d}.slots"
+
+    def _snap_name(self, gen: int) -> str:
+        return f"index.{gen}.snap"
+
+    def _journal_name(self, gen: int) -> str:
+        return f"index.{gen}.journal"
+
+    # -- open ------------------------------------------------------------------------------------
+    def _open(self, budget: int | None, slot_nbytes: int | None, file_nbytes: int | None, create: bool) -> None:
+        manifest_path = self._p("manifest.json")
+        if self._readonly:
+            _fsutil.check_private_dir(self.path)
+        else:
+            self._adopt_dir(create)
+        if not self._readonly:
+            self._lockfile = _fsutil.LockFile(self._p("writer.lock"))
+        exists = os.path.lexists(manifest_path)
+        if not exists:
+            if self._readonly or not create:
+                raise StorageIOError(f"no mmap store at {self.path} (manifest.json missing)")
+            self._create_store(budget, slot_nbytes, file_nbytes)
+        man = self._read_manifest()
+        self._manifest = man
+        self._gen = int(man["generation"])
+        self._slot = int(man["slot_nbytes"])
+        if slot_nbytes is not None and slot_nbytes != self._slot:
+            raise IncompatibleStoreError(
+                f"{self.path} has {self._slot}-byte slots, the URL asks for {slot_nbytes}",
+                hint="drop the slot= option or compact into a new store")
+        self._store_id = bytes.fromhex(str(man["store_id"]))
+        self._budget = budget if budget is not None else int(man["budget_bytes"])
+        fb = file_nbytes if file_nbytes is not None else int(man.get("file_nbytes", 0)) or min(self._budget, _MAX_FILE)
+        self._file_slots = max(1, fb // self._slot)
+        self._idx.budget = self._budget
+        if not self._readonly:
+            self._cleanup_dir()
+        self._load()
+        if not self._readonly:
+            self._open_journal_for_append()
+            if self._budget != int(man["budget_bytes"]) or (file_nbytes is not None
+                                                             and file_nbytes != int(man.get("file_nbytes", 0))):
+                man = dict(man, budget_bytes=self._budget, file_nbytes=self._file_slots * self._slot)
+                self._write_manifest(man)
+                self._manifest = man
+            if self._idx.used_cost > self._budget:
+                self._free_rows_storage(self._idx.evict_cost(self._idx.used_cost - self._budget), journal=True)
+            if self._load_needs_snapshot:
+                self._snapshot()
+
+    def _adopt_dir(self, create: bool) -> None:
+        if not os.path.lexists(self.path):
+            if not create:
+                raise StorageIOError(f"no mmap store at {self.path}")
+            _fsutil.ensure_private_dir(self.path)
+            return
+        try:
+            _fsutil.check_private_dir(self.path)
+        except HostKVError:
+            # An empty directory the caller made for us (loose umask): adopt it and tighten it.
+            import stat as _stat
+
+            st = os.lstat(self.path)
+            if (_stat.S_ISDIR(st.st_mode) and not _stat.S_ISLNK(st.st_mode) and st.st_uid == os.geteuid()
+                    and not os.listdir(self.path)):
+                os.chmod(self.path, _fsutil.DIR_MODE)
+                _fsutil.check_private_dir(self.path)
+            else:
+                raise
+
+    def _create_store(self, budget: int | None, slot_nbytes: int | None, file_nbytes: int | None) -> None:
+        slot = _DEFAULT_SLOT if slot_nbytes is None else slot_nbytes
+        if type(slot) is not int or slot <= 0 or slot % 4096:
+            raise InvalidArgumentError(f"slot size must be a positive multiple of 4096, got {slot!r}")
+        b = _DEFAULT_BUDGET if budget is None else budget
+        if b < slot:
+            raise InvalidArgumentError(f"budget {b} is smaller than one slot ({slot})")
+        fb = min(b, _MAX_FILE) if file_nbytes is None else file_nbytes
+        if fb < slot:
+            raise InvalidArgumentError(f"file_size {fb} is smaller than one slot ({slot})")
+        man = {
+            "format": MMAP_FORMAT,
+            "format_version": MMAP_FORMAT_VERSION,
+            "store_format_version": FORMAT_VERSION,
+            "key_algorithm": KEY_ALGORITHM,
+            "checksum_algorithm": CHECKSUM_ALGORITHM,
+            "record_fold": RECORD_FOLD,
+            "record_nbytes": REC_NBYTES,
+            "store_id": secrets.token_bytes(16).hex(),
+            "generation": 1,
+            "slot_nbytes": slot,
+            "file_nbytes": fb // slot * slot,
+            "budget_bytes": b,
+            "created": time.time(),
+        }
+        self._write_manifest(man)
+
+    def _write_manifest(self, man: Mapping[str, Any]) -> None:
+        _fsutil.atomic_write(self._p("manifest.json"), json.dumps(man, indent=1, sort_keys=True).encode())
+
+    def _read_manifest(self) -> dict[str, Any]:
+        path = self._p("manifest.json")
+        raw = _fsutil.read_small_file(path, _MANIFEST_LIMIT)
+        try:
+            man = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError):
+            raise CorruptStoreError(f"{path} is not valid JSON",
+                                    hint="restore the manifest or remove the store") from None
+        if not isinstance(man, dict) or man.get("format") != MMAP_FORMAT:
+            raise IncompatibleStoreError(f"{path} does not describe an mmap store (format {man.get('format')!r})"
+                                         if isinstance(man, dict) else f"{path} is not a manifest")
+        version = man.get("format_version")
+        if version != MMAP_FORMAT_VERSION:
+            raise IncompatibleStoreError(
+                f"{self.path} is an mmap store of format version {version!r}; this build reads version "
+                f"{MMAP_FORMAT_VERSION} only",
+                hint="open it with the hostkv-providers version that wrote it, or remove the store")
+        for field, want in (("key_algorithm", KEY_ALGORITHM), ("checksum_algorithm", CHECKSUM_ALGORITHM),
+                            ("record_fold", RECORD_FOLD), ("record_nbytes", REC_NBYTES),
+                            ("store_format_version", FORMAT_VERSION)):
+            if man.get(field) != want:
+                raise IncompatibleStoreError(f"{self.path}: {field} is {man.get(field)!r}, this build uses {want!r}")
+        for field in ("generation", "slot_nbytes", "budget_bytes"):
+            v = man.get(field)
+            if type(v) is not int or v <= 0:
+                raise CorruptStoreError(f"{path}: field {field} is {v!r}")
+        if man["slot_nbytes"] % 4096 or man["slot_nbytes"] > 1 << 34:
+            raise CorruptStoreError(f"{path}: slot size {man['slot_nbytes']} is not a multiple of 4096")
+        sid = man.get("store_id")
+        if not isinstance(sid, str) or not re.fullmatch(r"[0-9a-f]{32}", sid):
+            raise CorruptStoreError(f"{path}: bad store_id")
+        return man
+
+    def _cleanup_dir(self) -> None:
+        """Writer only: reclaim temp files and files of another generation (half-done
+        compactions, R3); refuse symlinks and unknown files are left alone."""
+        removed = _fsutil.remove_temp_files(self.path)
+        if removed:
+            self._problems_note(f"removed {len(removed)} leftover temp file(s)")
+        for name in os.listdir(self.path):
+            full = self._p(name)
+            if os.path.islink(full):
+                raise _unsafe(f"{full} is a symlink; symlinks inside a store are refused")
+            m = re.match(r"^(?:data|index)\.(\d{1,9})\.", name)
+            if m and int(m.group(1)) != self._gen and _KNOWN_NAME.match(name):
+                with contextlib.suppress(OSError):
+                    os.unlink(full)
+
+    def _problems_note(self, text: str) -> None:
+        self._problems.append(text)
+
+    # -- loading the index -----------------------------------------------------------------------
+    def _load(self) -> None:
+        """Open data files and rebuild the index from snapshot + journal (module docstring)."""
+        self._load_needs_snapshot = False
+        self._open_data_files()
+        snap, snap_seq = self._read_snapshot()
+        jrecs = self._read_journal(snap_seq)
+        self._jrecords = len(jrecs)
+        recs = np.concatenate([snap, jrecs]) if len(jrecs) else snap
+        self._apply_records(recs)
+        self._state_sig = self._signature()
+
+    def _signature(self) -> tuple[Any, ...]:
+        sig: list[Any] = []
+        for name in ("manifest.json", self._snap_name(self._gen), self._journal_name(self._gen)):
+            try:
+                st = os.stat(self._p(name))
+                sig.append((st.st_ino, st.st_size, st.st_mtime_ns))
+            except OSError:
+                sig.append(None)
+        sig.append(tuple(sorted(n for n in os.listdir(self.path) if _DATA_NAME.match(n))))
+        return tuple(sig)
+
+    def _open_data_files(self) -> None:
+        for sf in self._files.values():
+            sf.close()
+        self._files = {}
+        for name in sorted(os.listdir(self.path)):
+            m = _DATA_NAME.match(name)
+            if not m or int(m.group(1)) != self._gen:
+                continue
+            sf = SlotFile.open(self._p(name), writable=not self._readonly, store_id=self._store_id,
+                               slot_nbytes=self._slot)
+            if sf.file_id != int(m.group(2)) or sf.file_id in self._files:
+                sf.close()
+                raise CorruptStoreError(f"{name}: file id {sf.file_id} does not match its name")
+            self._files[sf.file_id] = sf
+        self._free = {fid: np.ones(sf.slot_count, np.bool_) for fid, sf in self._files.items()}
+
+    def _read_snapshot(self) -> tuple[npt.NDArray[Any], int]:
+        path = self._p(self._snap_name(self._gen))
+        try:
+            fd = _fsutil.open_private(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return np.zeros(0, RECORD_DTYPE), 0
+        try:
+            size = os.fstat(fd).st_size
+            head = os.pread(fd, 64, 0)
+            body = _read_exact(fd, _SNAP_HEADER, max(0, size - _SNAP_HEADER))
+        except OSError as exc:
+            raise _fsutil.io_error(exc, f"reading {path}") from exc
+        finally:
+            os.close(fd)
+        seq = 0
+        ok_header = (len(head) == 64 and head[:8] == _SNAP_MAGIC
+                     and xxhash.xxh3_64_intdigest(head[:56]) == int.from_bytes(head[56:64], "little")
+                     and head[8:24] == self._store_id)
+        count = len(body) // REC_NBYTES
+        if ok_header:
+            seq = int.from_bytes(head[24:32], "little")
+            declared = int.from_bytes(head[32:40], "little")
+            if declared != count:
+                self._problems_note(f"snapshot declares {declared} records, holds {count}")
+                self._load_needs_snapshot = True
+        else:
+            self._problems_note("snapshot header damaged: salvaged its records")
+            self._load_needs_snapshot = True
+        recs = np.frombuffer(body[: count * REC_NBYTES], RECORD_DTYPE)
+        good = _folds_ok(recs)
+        if not good.all():
+            self._problems_note(f"snapshot: {int((~good).sum())} damaged record(s) skipped")
+            self._load_needs_snapshot = True
+            recs = recs[good]
+        return recs, seq
+
+    def _read_journal(self, after_seq: int) -> npt.NDArray[Any]:
+        path = self._p(self._journal_name(self._gen))
+        try:
+            fd = _fsutil.open_private(path, os.O_RDONLY)
+        except FileNotFoundError:
+            self._jvalid_end = REC_NBYTES
+            return np.zeros(0, RECORD_DTYPE)
+        try:
+            size = os.fstat(fd).st_size
+            raw = _read_exact(fd, 0, size)
+        except OSError as exc:
+            raise _fsutil.io_error(exc, f"reading {path}") from exc
+        finally:
+            os.close(fd)
+        head = raw[:REC_NBYTES]
+        if not (len(head) == REC_NBYTES and head[:8] == _JOURNAL_MAGIC
+                and xxhash.xxh3_64_intdigest(head[:152]) == int.from_bytes(head[152:160], "little")):
+            self._problems_note("journal header damaged: records salvaged")
+            self._load_needs_snapshot = True
+        count = max(0, len(raw) - REC_NBYTES) // REC_NBYTES
+        recs = np.frombuffer(raw[REC_NBYTES : REC_NBYTES + count * REC_NBYTES], RECORD_DTYPE)
+        good = _folds_ok(recs) & (recs["op"] != 0)
+        nz = np.flatnonzero(good)
+        last = int(nz[-1]) + 1 if len(nz) else 0
+        self._jvalid_end = REC_NBYTES + last * REC_NBYTES
+        bad_inside = int(last - good[:last].sum())
+        if bad_inside:
+            self._problems_note(f"journal: {bad_inside} damaged record(s) skipped")
+            self._load_needs_snapshot = True
+        tail = recs[last:]
+        if len(tail) and np.frombuffer(tail.tobytes(), np.uint8).any():
+            # a torn last write (kill -9 / power cut mid-append): truncated logically
+            self._torn_tail = True
+        recs = recs[:last][good[:last]]
+        out: npt.NDArray[Any] = recs[recs["seq"] > after_seq]
+        return out
+
+    def _apply_records(self, recs: npt.NDArray[Any]) -> None:
+        """Final state of ``recs`` (in order; last record per key wins), validated against the
+        slot headers and the tree, loaded into the index; free maps rebuilt."""
+        idx = self._idx
+        max_seq = int(recs["seq"].max()) if len(recs) else 0
+        max_gen = int(recs["gen"].max()) if len(recs) else 0
+        ent_mask = (recs["op"] == OP_SEAL) | (recs["op"] == OP_DROP)
+        ent = recs[ent_mask]
+        anchors = recs[recs["op"] == OP_ANCHOR]
+        # last record per key
+        k64 = _k64(ent["key"]) if len(ent) else np.zeros(0, np.uint64)
+        order = np.argsort(k64, kind="stable")
+        sk = k64[order]
+        if len(sk):
+            ends = np.flatnonzero(np.append(sk[1:] != sk[:-1], True))
+            starts = np.concatenate([[0], ends[:-1] + 1])
+            last = order[ends]
+            # exact check: a group whose members do not all have the same full key (a 64-bit
+            # prefix collision, or a hostile file) is resolved in Python
+            grp = np.repeat(np.arange(len(ends)), ends - starts + 1)
+            same = ent["key"][order] == ent["key"][last][grp]
+            winners = list(last[np.ones(len(ends), np.bool_)])
+            if not same.all():
+                bad_groups = set(grp[~same].tolist())
+                winners = [int(w) for g, w in enumerate(last.tolist()) if g not in bad_groups]
+                for g in sorted(bad_groups):
+                    lastby: dict[bytes, int] = {}
+                    for i in order[starts[g] : ends[g] + 1].tolist():
+                        lastby[ent["key"][i].tobytes()] = max(lastby.get(ent["key"][i].tobytes(), -1), i)
+                    winners += list(lastby.values())
+            win = np.array(sorted(int(w) for w in winners), dtype=np.int64)
+        else:
+            win = np.zeros(0, np.int64)
+        live = ent[win] if len(win) else ent[:0]
+        live = live[live["op"] == OP_SEAL]
+        ok = self._records_valid(live)
+        dropped_stale = int((~ok).sum())
+        live = live[ok]
+        # runs must not overlap: the newer record (higher seq) wins
+        live = self._drop_overlaps(live)
+        # parents: resolve to rows, drop orphans and cycles (pointer jumping)
+        live, parent_rows = self._resolve_parents(live)
+        if dropped_stale:
+            self._stale_at_open = dropped_stale
+        nslots = live["nslots"].astype(np.int64)
+        costs = nslots * self._slot
+        ticks = live["seq"].astype(np.int64)
+        idx.load(live, parent_rows, ticks, costs)
+        for fid, sf in self._files.items():
+            sel = live["file"] == fid
+            self._mark_used(fid, live["slot"][sel].astype(np.int64), nslots[sel])
+            _ = sf
+        # anchors (rare; Python per anchor): valid only if newer than the entry's seal
+        idx.anchors = {}
+        if len(anchors):
+            seal_seq = live["seq"]
+            for rec in anchors:
+                key = rec["key"].tobytes()
+                row = idx.row_of(key)
+                if row < 0 or int(rec["seq"]) < int(seal_seq[row]):
+                    continue
+                nlen = int(rec["name_len"])
+                name_raw = rec.tobytes()[40 : 40 + min(nlen, 64)]
+                try:
+                    name = check_anchor_name(name_raw.decode("ascii"))
+                except (UnicodeDecodeError, InvalidArgumentError):
+                    self._problems_note("an anchor record with an invalid name was skipped")
+                    continue
+                table = idx.anchors.setdefault(row, {})
+                old = table.pop(name, None)
+                if old is not None:
+                    self._release_run(old.file, old.slot, old.nslots)
+                    idx.add_cost(row, -old.cost)
+                a = _Anchor(int(rec["file"]), int(rec["slot"]), int(rec["nslots"]), int(rec["nbytes"]),
+                            int(rec["gen"]), int(rec["checksum"]), int(rec["nslots"]) * self._slot)
+                if rec["flags"] & _REC_DELETE:  # an anchor dropped by verify(repair=True)
+                    if not table:
+                        idx.anchors.pop(row, None)
+                    continue
+                if not self._run_ok(a.file, a.slot, a.nslots, a.nbytes) or not self._run_free(a.file, a.slot, a.nslots):
+                    continue
+                hdr_ok = self._files[a.file].check(a.slot, key=key, generation=a.gen, nbytes=a.nbytes,
+                                                   checksum=a.checksum, verify=False) == ReadResult.OK
+                if not hdr_ok:
+                    continue
+                table[name] = a
+                self._mark_used(a.file, np.array([a.slot]), np.array([a.nslots]))
+                idx.cost[row] += a.cost
+                idx.sealed_cost += a.cost
+                idx.used_cost += a.cost
+        idx.clock = max(idx.clock, max_seq + 1)
+        self._next_gen = max(self._next_gen, max_gen + 1, self._max_header_gen() + 1)
+
+    def _max_header_gen(self) -> int:
+        best = 0
+        for sf in self._files.values():
+            h = sf.headers()
+            if len(h):
+                best = max(best, int(h["generation"].max()))
+        return best
+
+    def _records_valid(self, live: npt.NDArray[Any]) -> npt.NDArray[np.bool_]:
+        """Vectorised: the run is inside a known file and its slot header echoes the record."""
+        ok = np.zeros(len(live), np.bool_)
+        if not len(live):
+            return ok
+        nslots = live["nslots"].astype(np.int64)
+        nbytes = live["nbytes"].astype(np.int64)
+        shape_ok = (nslots >= 1) & (nbytes >= 1) & (nbytes <= nslots * self._slot) \
+            & (nslots == -(-nbytes // self._slot)) & (live["tag_len"] <= _TAG_MAX)
+        for fid, sf in self._files.items():
+            sel = np.flatnonzero((live["file"] == fid) & shape_ok)
+            if not len(sel):
+                continue
+            slot = live["slot"][sel].astype(np.int64)
+            inside = slot + nslots[sel] <= sf.slot_count
+            sel, slot = sel[inside], slot[inside]
+            h = sf.headers()[slot]
+            match = ((h["magic"] == np.uint64(int.from_bytes(b"HKVSLOT1", "little"))) & (h["key"] == live["key"][sel])
+                     & (h["generation"] == live["gen"][sel]) & (h["nbytes"] == live["nbytes"][sel])
+                     & (h["checksum"] == live["checksum"][sel]) & ((h["flags"] & FLAG_ANCHOR) == 0))
+            ok[sel[match]] = True
+        return ok
+
+    def _drop_overlaps(self, live: npt.NDArray[Any]) -> npt.NDArray[Any]:
+        if len(live) < 2:
+            return live
+        order = np.lexsort((live["slot"], live["file"]))
+        f = live["file"][order].astype(np.int64)
+        s = live["slot"][order].astype(np.int64)
+        e = s + live["nslots"][order].astype(np.int64)
+        clash = (f[1:] == f[:-1]) & (s[1:] < e[:-1])
+        if not clash.any():
+            return live
+        keep = np.ones(len(live), np.bool_)
+        seq = live["seq"][order]
+        for i in np.flatnonzero(clash).tolist():
+            a, b = order[i], order[i + 1]
+            keep[a if seq[i] < seq[i + 1] else b] = False
+        self._problems_note(f"{int((~keep).sum())} entries with overlapping slot runs dropped")
+        return live[keep]
+
+    def _resolve_parents(self, live: npt.NDArray[Any]) -> tuple[npt.NDArray[Any], npt.NDArray[np.int64]]:
+        n = len(live)
+        if not n:
+            return live, np.zeros(0, np.int64)
+        has_parent = (live["flags"] & 1).astype(np.bool_)
+        k64 = _k64(live["key"])
+        order = np.argsort(k64, kind="stable")
+        sk = k64[order]
+        pk = _k64(live["parent"])
+        pos = np.searchsorted(sk, pk)
+        pos = np.minimum(pos, n - 1)
+        cand = order[pos]
+        found = has_parent & (sk[pos] == pk) & (live["key"][cand] == live["parent"])
+        prow = np.where(found, cand, -1).astype(np.int64)
+        # a 64-bit prefix shared by several keys: resolve those parents exactly in Python
+        dup = np.flatnonzero(has_parent & ~found & (sk[pos] == pk))
+        if len(dup):
+            exact = {live["key"][i].tobytes(): i for i in range(n)}
+            for i in dup.tolist():
+                prow[i] = exact.get(live["parent"][i].tobytes(), -1)
+        ok = ~has_parent | (prow >= 0)
+        # propagate: a node is kept only if every ancestor is kept; cycles never reach a root
+        anc = prow.copy()
+        for _ in range(64):
+            live_anc = anc >= 0
+            if not live_anc.any():
+                break
+            idx = np.flatnonzero(live_anc)
+            ok[idx] &= ok[anc[idx]]
+            anc[idx] = anc[anc[idx]]
+        ok &= anc < 0
+        if ok.all():
+            return live, prow
+        dropped = int((~ok).sum())
+        if dropped:
+            self._orphans_at_open = dropped
+        keep = np.flatnonzero(ok)
+        remap = np.full(n, -1, np.int64)
+        remap[keep] = np.arange(len(keep))
+        newp = prow[keep]
+        newp = np.where(newp >= 0, remap[np.maximum(newp, 0)], -1)
+        return live[keep], newp
+
+    # -- slot allocation -------------------------------------------------------------------------
+    def _mark_used(self, fid: int, slots: npt.NDArray[np.int64], nslots: npt.NDArray[np.int64]) -> None:
+        if not len(slots):
+            return
+        free = self._free[fid]
+        if int(nslots.max()) == 1:
+            free[slots] = False
+            return
+        offs = np.arange(int(nslots.sum())) - np.repeat(np.cumsum(nslots) - nslots, nslots)
+        free[np.repeat(slots, nslots) + offs] = False
+
+    def _run_ok(self, fid: int, slot: int, nslots: int, nbytes: int) -> bool:
+        sf = self._files.get(fid)
+        return (sf is not None and nslots >= 1 and slot >= 0 and slot + nslots <= sf.slot_count
+                and 0 <= nbytes <= nslots * self._slot and nslots == run_nslots(nbytes, self._slot))
+
+    def _run_free(self, fid: int, slot: int, nslots: int) -> bool:
+        return bool(self._free[fid][slot : slot + nslots].all())
+
+    def _release_run(self, fid: int, slot: int, nslots: int) -> None:
+        free = self._free.get(fid)
+        if free is not None:
+            free[slot : slot + nslots] = True
+
+    def _find_run(self, nslots: int) -> tuple[int, int] | None:
+        for fid in sorted(self._free):
+            free = self._free[fid]
+            if len(free) < nslots:
+                continue
+            if nslots == 1:
+                i = int(free.argmax())
+                if free[i]:
+                    free[i] = False
+                    return fid, i
+                continue
+            c = np.concatenate([[0], np.cumsum(free, dtype=np.int64)])
+            starts = np.flatnonzero(c[nslots:] - c[:-nslots] == nslots)
+            if len(starts):
+                s = int(starts[0])
+                free[s : s + nslots] = False
+                return fid, s
+        return None
+
+    def _allocate(self, nslots: int, protect: int) -> tuple[int, int]:
+        """A free run of ``nslots``; grows the store by a data file or evicts LRU leaves when the
+        free space is fragmented.  Caller holds the lock and already reserved the budget."""
+        while True:
+            found = self._find_run(nslots)
+            if found is not None:
+                return found
+            capacity = sum(len(f) for f in self._free.values()) * self._slot
+            if capacity < self._budget + max(self._file_slots, nslots) * self._slot:
+                self._add_data_file(max(self._file_slots, nslots))
+                continue
+            idx = self._idx
+            if protect >= 0:
+                idx._hold(protect)
+            try:
+                victims = idx.evict_cost(1)
+            finally:
+                if protect >= 0:
+                    idx._unhold(protect)
+            if not victims:
+                raise CapacityError(f"no run of {nslots} free slots (fragmented and nothing evictable)")
+            self._free_rows_storage(victims, journal=True)
+
+    def _add_data_file(self, nslots: int) -> None:
+        fid = max(self._files, default=-1) + 1
+        sf = SlotFile.create(self._p(self._data_name(self._gen, fid)), slot_nbytes=self._slot, slot_count=nslots,
+                             file_id=fid, store_id=self._store_id, durable=self._durability != "none")
+        self._files[fid] = sf
+        self._free[fid] = np.ones(nslots, np.bool_)
+
+    # -- journal ---------------------------------------------------------------------------------
+    def _journal_header(self) -> bytes:
+        raw = bytearray(REC_NBYTES)
+        raw[:8] = _JOURNAL_MAGIC
+        raw[8:24] = self._store_id
+        raw[24:32] = self._gen.to_bytes(8, "little")
+        raw[152:160] = xxhash.xxh3_64_intdigest(bytes(raw[:152])).to_bytes(8, "little")
+        return bytes(raw)
+
+    def _open_journal_for_append(self) -> None:
+        path = self._p(self._journal_name(self._gen))
+        if not os.path.lexists(path):
+            _fsutil.atomic_write(path, self._journal_header(), durable=self._durability != "none")
+            self._jvalid_end = REC_NBYTES
+        fd = _fsutil.open_private(path, os.O_RDWR)
+        self._jfd = fd
+        self._jend = self._jvalid_end
+        size = os.fstat(fd).st_size
+        self._jalloc = size
+        if size > self._jend:
+            # zero a torn tail so that nothing past the last valid record can ever parse
+            _fsutil.write_all(fd, bytes(size - self._jend), self._jend, "truncating the journal's torn tail")
+
+    def _encode(self, op: int, key: bytes, *, parent: bytes | None = None, tag: bytes = b"", name: bytes = b"",
+                file: int = 0, slot: int = 0, nslots: int = 0, nbytes: int = 0, gen: int = 0, checksum: int = 0,
+                created: float = 0.0, seq: int = 0, flags: int = 0) -> bytes:
+        rec = np.zeros(1, RECORD_DTYPE)
+        rec["op"] = op
+        rec["flags"] = flags
+        rec["key"] = np.frombuffer(key, "V32")
+        if parent is not None:
+            rec["flags"] = flags | 1
+            rec["parent"] = np.frombuffer(parent, "V32")
+        rec["tag_len"] = len(tag)
+        rec["tag"] = np.frombuffer(tag.ljust(16, b"\0"), "V16")
+        rec["file"] = file
+        rec["slot"] = slot
+        rec["nslots"] = nslots
+        rec["nbytes"] = nbytes
+        rec["gen"] = gen
+        rec["checksum"] = checksum
+        rec["created"] = created
+        rec["seq"] = seq
+        if name:
+            raw = bytearray(rec.tobytes())
+            raw[3] = len(name)
+            raw[40 : 40 + len(name)] = name
+            rec = np.frombuffer(bytes(raw), RECORD_DTYPE).copy()
+        _seal_folds(rec)
+        return rec.tobytes()
+
+    def _append(self, records: Sequence[bytes]) -> None:
+        """Write records at the journal's end (the page cache: survives kill -9).  Space ahead is
+        ``posix_fallocate``-d in 1 MiB steps so a full disk fails *before* a record is torn."""
+        if not records:
+            return
+        fd = self._jfd
+        if fd is None:
+            raise StorageIOError("the journal is not open for writing")
+        blob = b"".join(records)
+        need = self._jend + len(blob)
+        if need > self._jalloc:
+            new = -(-need // _JOURNAL_CHUNK) * _JOURNAL_CHUNK
+            _fsutil.fallocate(fd, self._jalloc, new - self._jalloc, "growing the index journal")
+            self._jalloc = new
+        _fsutil.write_all(fd, blob, self._jend, "appending to the index journal")
+        self._jend = need
+        self._jrecords += len(records)
+
+    def _flush_none(self, force: bool = False) -> None:
+        """``durability=none``: write buffered records in batches (caller holds the lock)."""
+        if self._nbuf and (force or len(self._nbuf) >= _NONE_BATCH
+                           or time.monotonic() - self._nbuf_t > _NONE_INTERVAL):
+            batch, self._nbuf = self._nbuf, []
+            self._nbuf_t = time.monotonic()
+            self._append(batch)
+
+    def _journal(self, records: Sequence[bytes]) -> None:
+        """Records that need no acknowledgement ordering (drops, anchors in none mode...)."""
+        if self._durability == "none":
+            self._nbuf.extend(records)
+            self._flush_none()
+        else:
+            self._append(records)
+
+    def _commit(self, record: bytes) -> None:
+        """Make one seal's record durable per the mode; raise if it could not be (R7)."""
+        if self._durability == "none":
+            with self._lock:
+                self._nbuf.append(record)
+                self._flush_none()
+            return
+        if self._durability == "process":
+            with self._lock:
+                self._check_failed()
+                self._append([record])
+            return
+        # sync: group commit.  The first waiter leads: it syncs the data files, appends every
+        # queued record with one write and syncs the journal once; everyone queued behind that
+        # sync shares its outcome.  A failed sync fails them all and poisons the store (R7).
+        me = _Pending(record)
+        with self._commit_cv:
+            self._queue.append(me)
+            while self._leader and me in self._queue:
+                self._commit_cv.wait()
+            if me not in self._queue:
+                if me.error is not None:
+                    raise me.error
+                return
+            self._leader = True
+        try:
+            if self._commit_window > 0:
+                time.sleep(self._commit_window)
+            with self._commit_cv:
+                batch, self._queue = self._queue, []
+            err: BaseException | None = None
+            try:
+                with self._lock:
+                    self._check_failed()
+                    files = [self._files[f] for f in sorted(self._dirty_files) if f in self._files]
+                    self._dirty_files.clear()
+                for sf in files:
+                    sf.sync()
+                _fsutil.crash_point("mmap.commit.after_data_sync")
+                with self._lock:
+                    self._check_failed()
+                    self._append([p.record for p in batch])
+                    fd = self._jfd
+                if fd is None:
+                    raise StorageIOError("the journal is closed")
+                _fsutil.sync_fd(fd, "syncing the index journal")
+                with self._lock:
+                    self._counters["syncs"] += 1
+                    self._counters["group_commits"] += 1
+            except BaseException as exc:
+                err = exc
+                with self._lock:
+                    if isinstance(exc, StorageIOError) and self._failed is None:
+                        self._failed = str(exc)
+            for p in batch:
+                p.error = err
+        finally:
+            with self._commit_cv:
+                self._leader = False
+                self._commit_cv.notify_all()
+        if me.error is not None:
+            raise me.error
+
+    def _check_failed(self) -> None:
+        if self._failed is not None:
+            raise StorageIOError(
+                f"an earlier sync of this store failed ({self._failed}); no seal is acknowledged after it",
+                hint="close and reopen the store: open re-validates every entry against its slot header")
+
+    # -- snapshot --------------------------------------------------------------------------------
+    def _maybe_snapshot(self) -> None:
+        if self._jrecords >= max(self._snapshot_every, self._idx.count):
+            self._snapshot()
+
+    def _snapshot_records(self) -> npt.NDArray[Any]:
+        idx = self._idx
+        rows = idx.live_rows()
+        recs = np.zeros(len(rows), RECORD_DTYPE)
+        if len(rows):
+            recs["op"] = OP_SEAL
+            recs["key"] = idx.key[rows]
+            par = idx.parent[rows]
+            hasp = par >= 0
+            recs["flags"] = hasp.astype(np.uint8)
+            recs["parent"][hasp] = idx.key[par[hasp]]
+            recs["tag"] = idx.tag[rows]
+            recs["tag_len"] = idx.tag_len[rows]
+            recs["file"] = idx.file[rows]
+            recs["slot"] = idx.slot[rows]
+            recs["nslots"] = idx.nslots[rows]
+            recs["nbytes"] = idx.nbytes[rows]
+            recs["gen"] = idx.gen[rows]
+            recs["checksum"] = idx.csum[rows]
+            recs["created"] = idx.created[rows]
+            recs["seq"] = idx.tick[rows]
+        extra = []
+        for row, table in idx.anchors.items():
+            if not idx.alive[row]:
+                continue
+            for name, a in table.items():
+                extra.append(self._encode(OP_ANCHOR, idx.key[row].tobytes(), name=name.encode(), file=a.file,
+                                          slot=a.slot, nslots=a.nslots, nbytes=a.nbytes, gen=a.gen,
+                                          checksum=a.checksum, seq=int(idx.tick[row]) + 0))
+        _seal_folds(recs)
+        if extra:
+            ext = np.frombuffer(b"".join(extra), RECORD_DTYPE).copy()
+            # anchors must sort after their entry's seal: give them the newest tick of the store
+            ext["seq"] = idx.clock
+            _seal_folds(ext)
+            recs = np.concatenate([recs, ext])
+        return recs
+
+    def _snapshot(self) -> None:
+        """Write a snapshot (atomically), then rotate the journal to the records after it.
+        Caller holds the lock (writer)."""
+        with self._lock:
+            self._flush_none(force=True)
+            idx = self._idx
+            idx.clock += 1
+            seq = idx.clock
+            recs = self._snapshot_records()
+            head = bytearray(64)
+            head[:8] = _SNAP_MAGIC
+            head[8:24] = self._store_id
+            head[24:32] = seq.to_bytes(8, "little")
+            head[32:40] = len(recs).to_bytes(8, "little")
+            head[40:48] = self._gen.to_bytes(8, "little")
+            head[56:64] = xxhash.xxh3_64_intdigest(bytes(head[:56])).to_bytes(8, "little")
+            blob = bytes(head).ljust(_SNAP_HEADER, b"\0") + recs.tobytes()
+            # data referenced by the snapshot must be durable before the snapshot can replace a
+            # journal that would otherwise still describe it after a power cut
+            for fid in sorted(self._dirty_files):
+                if fid in self._files:
+                    self._files[fid].sync()
+            self._dirty_files.clear()
+            _fsutil.atomic_write(self._p(self._snap_name(self._gen)), blob, durable=True)
+            _fsutil.crash_point("mmap.snapshot.after_snap")
+            # every journal record so far has seq < seq: the new journal starts empty
+            jpath = self._p(self._journal_name(self._gen))
+            _fsutil.atomic_write(jpath, self._journal_header(), durable=True)
+            if self._jfd is not None:
+                os.close(self._jfd)
+                self._jfd = None
+            self._jvalid_end = REC_NBYTES
+            self._open_journal_for_append()
+            self._jrecords = 0
+            self._problems = []
+            _fsutil.crash_point("mmap.snapshot.after_rotate")
+
+    # -- lookups ---------------------------------------------------------------------------------
+    def present(self, keys: Sequence[bytes]) -> list[bool]:
+        ks = self._keys(keys)
+        with self._lock:
+            self._check_usable()
+            return [self._idx.row_of(k) >= 0 for k in ks]
+
+    def longest_prefix(self, keys: Sequence[bytes]) -> int:
+        ks = self._keys(keys)
+        with self._lock:
+            self._check_usable()
+            n = 0
+            for k in ks:
+                if self._idx.row_of(k) < 0:
+                    break
+                n += 1
+            return n
+
+    def in_flight(self, key: bytes) -> bool:
+        k = self._key(key)
+        with self._lock:
+            self._check_usable()
+            return k in self._idx.flights
+
+    def entry(self, key: bytes) -> EntryInfo | None:
+        k = self._key(key)
+        with self._lock:
+            self._check_usable()
+            row = self._idx.row_of(k)
+            return None if row < 0 else self._info(row)
+
+    def _info(self, row: int) -> EntryInfo:
+        idx = self._idx
+        table = idx.anchors.get(row)
+        return EntryInfo(idx.key_of(row), idx.parent_key(row), int(idx.nbytes[row]), idx.tag_of(row),
+                         int(idx.csum[row]), float(idx.created[row]), float(idx.used[row]),
+                         {n: a.nbytes for n, a in table.items()} if table else {})
+
+    def iter_entries(self) -> Iterator[EntryInfo]:
+        """Every sealed entry (a snapshot taken under the lock; order unspecified)."""
+        with self._lock:
+            self._check_usable()
+            infos = [self._info(int(r)) for r in self._idx.live_rows()]
+        return iter(infos)
+
+    # -- writes ----------------------------------------------------------------------------------
+    def _need_writer(self, what: str) -> None:
+        if self._readonly:
+            raise InvalidArgumentError(f"{what}: this mmap store is open read-only (readonly=true)",
+                                       hint="open it without readonly=true in the one writer process")
+
+    def reserve(self, key: bytes, parent: bytes | None, nbytes: int, *, salt_tag: str = "") -> Reservation | None:
+        k = self._key(key)
+        p = None if parent is None else self._key(parent, "parent")
+        if type(nbytes) is not int or nbytes <= 0:
+            raise InvalidArgumentError(f"nbytes must be a positive int, got {nbytes!r}")
+        if not isinstance(salt_tag, str):
+            raise InvalidArgumentError("salt_tag must be a str")
+        tag = salt_tag.encode("utf-8")
+        if len(tag) > _TAG_MAX:
+            raise InvalidArgumentError(f"salt_tag must be at most {_TAG_MAX} UTF-8 bytes, got {len(tag)}",
+                                       hint="use Salt.tag (16 hex characters)")
+        if p == k:
+            raise InvalidArgumentError("an entry cannot be its own parent")
+        nslots = run_nslots(nbytes, self._slot)
+        cost = nslots * self._slot
+        with self._lock:
+            self._check_usable()
+            self._need_writer("reserve")
+            self._check_failed()
+            if cost > self._budget:
+                raise CapacityError(f"{nbytes} bytes exceed the whole budget of {self._budget}")
+            ok, evicted, prow = self._idx.begin(k, p, cost)
+            if not ok:
+                self._counters["dedup"] += 1
+                return None
+            try:
+                self._free_rows_storage(evicted, journal=True)
+                fid, slot = self._allocate(nslots, prow)
+            except BaseException:
+                self._idx.cancel(k)
+                raise
+            gen = self._next_gen
+            self._next_gen += 1
+            sf = self._files[fid]
+        # Zero the run's headers before any byte changes (slot protocol step 1).
+        sf.begin_write(slot, nslots)
+        _fsutil.crash_point("mmap.reserve.after_clear")
+        return _MmapReservation(self, k, p, nbytes, salt_tag, fid, slot, nslots, gen)
+
+    def _own(self, reservation: Reservation) -> _MmapReservation:
+        if not isinstance(reservation, _MmapReservation):
+            raise ReservationError("not a reservation of this provider")
+        reservation.check_open(self)
+        return reservation
+
+    def write(self, reservation: Reservation, offset: int, data: object) -> None:
+        view = readable_bytes(data)
+        self._check_usable()
+        res = self._own(reservation)
+        span = res.check_write(offset, view.nbytes)
+        # No provider lock: the run is private to its reservation until seal.
+        self._files[res.file].write(res.slot, res.nbytes, span.offset, view)
+        res.mark_written(span)
+        _fsutil.crash_point("mmap.write.partial")
+        with self._lock:
+            self._counters["bytes_written"] += span.nbytes
+
+    def seal(self, reservation: Reservation) -> None:
+        self._check_usable()
+        res = self._own(reservation)
+        res.check_complete()
+        sf = self._files[res.file]
+        digest = sf.checksum(res.slot, res.nbytes)
+        sf.write_header(res.slot, key=res.key, parent=res.parent, generation=res.gen, nbytes=res.nbytes,
+                        checksum=digest)
+        _fsutil.crash_point("mmap.seal.after_header")
+        created = time.time()
+        tag = res.salt_tag.encode()
+        with self._lock:
+            self._check_usable()
+            res.check_open(self)
+            self._dirty_files.add(res.file)
+            seq = self._idx.clock = self._idx.clock + 1
+        record = self._encode(OP_SEAL, res.key, parent=res.parent, tag=tag, file=res.file, slot=res.slot,
+                              nslots=res.nslots, nbytes=res.nbytes, gen=res.gen, checksum=digest,
+                              created=created, seq=seq)
+        try:
+            self._commit(record)
+        except BaseException:
+            with self._lock:
+                if res.state == "open":
+                    self._idx.cancel(res.key)
+                    sf.clear(res.slot, res.nslots)
+                    self._release_run(res.file, res.slot, res.nslots)
+                    res._finish("aborted")
+                    self._counters["aborts"] += 1
+            raise
+        _fsutil.crash_point("mmap.seal.after_journal")
+        with self._lock:
+            try:
+                self._idx.commit(res.key, nbytes=res.nbytes, file=res.file, slot=res.slot, nslots=res.nslots,
+                                 gen=res.gen, csum=digest, tag=tag, created=created)
+            except UnknownKeyError:
+                sf.clear(res.slot, res.nslots)
+                self._release_run(res.file, res.slot, res.nslots)
+                res._finish("aborted")
+                raise
+            res._finish("sealed")
+            self._counters["seals"] += 1
+            self._maybe_snapshot()
+
+    def abort(self, reservation: Reservation) -> None:
+        if not isinstance(reservation, _MmapReservation) or reservation.provider is not self:
+            raise ReservationError("not a reservation of this provider")
+        with self._lock:
+            self._check_usable()
+            if reservation.state != "open":
+                return
+            self._idx.cancel(reservation.key)
+            sf = self._files.get(reservation.file)
+            if sf is not None and not sf.closed:
+                sf.clear(reservation.slot, reservation.nslots)
+            self._release_run(reservation.file, reservation.slot, reservation.nslots)
+            reservation._finish("aborted")
+            self._counters["aborts"] += 1
+
+    # -- reads -----------------------------------------------------------------------------------
+    def read(self, key: bytes, out: object, span: ByteSpan | None = None) -> bool:
+        k = self._key(key)
+        if span is not None and not isinstance(span, ByteSpan):
+            raise InvalidArgumentError("span must be a ByteSpan")
+        with self._lock:
+            self._check_usable()
+            idx = self._idx
+            row = idx.row_of(k)
+            if row < 0:
+                self._counters["misses"] += 1
+                return False
+            nbytes = int(idx.nbytes[row])
+            span = ByteSpan.whole(nbytes) if span is None else span.validate(nbytes)
+            dst = writable_buffer(out, span.nbytes)
+            fid, slot, gen, csum = int(idx.file[row]), int(idx.slot[row]), int(idx.gen[row]), int(idx.csum[row])
+            idx.hold_rows([row])
+            sf = self._files[fid]
+        try:
+            result = sf.read_into(slot, dst, key=k, generation=gen, nbytes=nbytes, checksum=csum,
+                                  offset=span.offset, verify=self._verify_reads)
+        except StorageIOError:
+            if not sf.closed:
+                raise
+            result = ReadResult.STALE  # refresh/compaction swapped the files meanwhile: a miss
+        finally:
+            with self._lock:
+                idx.release_rows([row], [gen])
+        if result is ReadResult.OK:
+            with self._lock:
+                self._counters["hits"] += 1
+                self._counters["bytes_read"] += span.nbytes
+            return True
+        with self._lock:
+            self._counters["misses"] += 1
+            if result is ReadResult.CORRUPT or not self._readonly:
+                # in the writer a header mismatch is corruption too: nobody else reuses slots
+                self._counters["checksum_failures"] += 1
+            else:
+                self._counters["stale_reads"] += 1
+            if idx.alive[row] and int(idx.gen[row]) == gen:
+                self._drop_row(row)
+        return False
+
+    def _drop_row(self, row: int) -> int:
+        """Drop a corrupt/stale entry with its subtree (caller holds the lock)."""
+        removed = self._idx.drop(row)
+        self._free_rows_storage(removed, journal=not self._readonly)
+        return len(removed)
+
+    # -- eviction --------------------------------------------------------------------------------
+    def evict(self, keys: Sequence[bytes] | None = None, *, nbytes: int = 0) -> EvictReport:
+        if (keys is None) == (not nbytes):
+            raise InvalidArgumentError("give exactly one of keys or nbytes")
+        if type(nbytes) is not int or nbytes < 0:
+            raise InvalidArgumentError(f"nbytes must be a non-negative int, got {nbytes!r}")
+        ks = self._keys(keys) if keys is not None else None
+        with self._lock:
+            self._check_usable()
+            self._need_writer("evict")
+            idx = self._idx
+            if ks is not None:
+                removed, skipped = idx.evict_rows([idx.row_of(k) for k in ks])
+            else:
+                removed, skipped = idx.evict_cost(nbytes), 0
+            total = sum(int(idx.nbytes[r]) for r in removed)
+            self._free_rows_storage(removed, journal=True)
+            return EvictReport(len(removed), total, skipped)
+
+    def _free_rows_storage(self, rows: Sequence[int], *, journal: bool) -> None:
+        """Journal the removal of ``rows`` (already out of the index), clear their slot headers
+        and free their runs and anchors.  Caller holds the lock."""
+        if not rows:
+            return
+        idx = self._idx
+        if journal and not self._readonly:
+            idx.clock += 1
+            recs = [self._encode(OP_DROP, idx.key[r].tobytes(), seq=idx.clock) for r in rows]
+            self._journal(recs)
+            _fsutil.crash_point("mmap.evict.after_drop")
+        for r in rows:
+            fid, slot, nslots = int(idx.file[r]), int(idx.slot[r]), int(idx.nslots[r])
+            sf = self._files.get(fid)
+            if not self._readonly:
+                if sf is not None and not sf.closed:
+                    sf.clear(slot, nslots)
+                self._release_run(fid, slot, nslots)
+            for a in (idx.anchors.pop(r, None) or {}).values():
+                asf = self._files.get(a.file)
+                if not self._readonly:
+                    if asf is not None and not asf.closed:
+                        asf.clear(a.slot, a.nslots)
+                    self._release_run(a.file, a.slot, a.nslots)
+        idx.recycle(rows)
+
+    # -- anchors ---------------------------------------------------------------------------------
+    def put_anchor(self, key: bytes, name: str, data: object) -> None:
+        k = self._key(key)
+        check_anchor_name(name)
+        blob = readable_bytes(data)
+        nbytes = blob.nbytes
+        nslots = run_nslots(nbytes, self._slot)
+        cost = nslots * self._slot
+        with self._lock:
+            self._check_usable()
+            self._need_writer("put_anchor")
+            self._check_failed()
+            idx = self._idx
+            row = idx.row_of(k)
+            if row < 0:
+                raise UnknownKeyError(f"entry {k.hex()[:16]} is not stored", hint="seal the page before its anchors")
+            table = idx.anchors.get(row) or {}
+            old = table.get(name)
+            delta = cost - (old.cost if old is not None else 0)
+            self._free_rows_storage(idx.add_cost(row, delta), journal=True)
+            try:
+                idx._hold(row)
+                try:
+                    fid, slot = self._allocate(nslots, row)
+                finally:
+                    idx._unhold(row)
+            except BaseException:
+                idx.add_cost(row, -delta)
+                raise
+            gen = self._next_gen
+            self._next_gen += 1
+            sf = self._files[fid]
+            sf.begin_write(slot, nslots)
+            sf.write(slot, nbytes, 0, blob)
+            digest = sf.checksum(slot, nbytes)
+            sf.write_header(slot, key=k, parent=None, generation=gen, nbytes=nbytes, checksum=digest,
+                            flags=FLAG_ANCHOR)
+            _fsutil.crash_point("mmap.anchor.after_header")
+            idx.clock += 1
+            rec = self._encode(OP_ANCHOR, k, name=name.encode(), file=fid, slot=slot, nslots=nslots, nbytes=nbytes,
+                               gen=gen, checksum=digest, seq=idx.clock)
+            self._dirty_files.add(fid)
+        try:
+            self._commit(rec)
+        except BaseException:
+            with self._lock:
+                idx.add_cost(row, -delta)
+                sf.clear(slot, nslots)
+                self._release_run(fid, slot, nslots)
+            raise
+        with self._lock:
+            if not idx.alive[row] or idx.key_of(row) != k:  # evicted meanwhile
+                return
+            table = idx.anchors.setdefault(row, {})
+            prev = table.pop(name, None)
+            if prev is not None:
+                psf = self._files.get(prev.file)
+                if psf is not None:
+                    psf.clear(prev.slot, prev.nslots)
+                self._release_run(prev.file, prev.slot, prev.nslots)
+            table[name] = _Anchor(fid, slot, nslots, nbytes, gen, digest, cost)
+
+    def get_anchor(self, key: bytes, name: str) -> bytes | None:
+        k = self._key(key)
+        check_anchor_name(name)
+        with self._lock:
+            self._check_usable()
+            idx = self._idx
+            row = idx.row_of(k)
+            if row < 0:
+                return None
+            a = (idx.anchors.get(row) or {}).get(name)
+            if a is None:
+                return None
+            out = bytearray(a.nbytes)
+            res = self._files[a.file].read_into(a.slot, memoryview(out), key=k, generation=a.gen, nbytes=a.nbytes,
+                                                checksum=a.checksum, verify=True)
+            if res is ReadResult.OK:
+                return bytes(out)
+            self._counters["checksum_failures"] += 1
+            idx.anchors[row].pop(name, None)
+            if not self._readonly:
+                idx.add_cost(row, -a.cost)
+                self._files[a.file].clear(a.slot, a.nslots)
+                self._release_run(a.file, a.slot, a.nslots)
+            return None
+
+    def list_anchors(self, key: bytes) -> dict[str, int]:
+        k = self._key(key)
+        with self._lock:
+            self._check_usable()
+            row = self._idx.row_of(k)
+            if row < 0:
+                return {}
+            return {n: a.nbytes for n, a in (self._idx.anchors.get(row) or {}).items()}
+
+    def deepest_anchor(self, keys: Sequence[bytes], name: str) -> int:
+        ks = self._keys(keys)
+        check_anchor_name(name)
+        with self._lock:
+            self._check_usable()
+            best = 0
+            for i, k in enumerate(ks):
+                row = self._idx.row_of(k)
+                if row < 0:
+                    break
+                if name in (self._idx.anchors.get(row) or {}):
+                    best = i + 1
+            return best
+
+    # -- leases ----------------------------------------------------------------------------------
+    def lease(self, keys: Sequence[bytes]) -> Lease:
+        ks = self._keys(keys)
+        with self._lock:
+            self._check_usable()
+            idx = self._idx
+            rows = [idx.row_of(k) for k in ks]
+            idx.hold_rows(rows)
+            gens = [int(idx.gen[r]) if r >= 0 else -1 for r in rows]
+            return Lease(self, ks, [r >= 0 for r in rows], token=(rows, gens))
+
+    def _release_lease(self, lease: Lease) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            token: tuple[list[int], list[int]] = lease.token  # type: ignore[assignment]
+            self._idx.release_rows(token[0], token[1])
+
+    # -- readers ---------------------------------------------------------------------------------
+    def refresh(self) -> bool:
+        """Reader processes: catch up with the writer (new manifest generation, snapshot, journal
+        records, data files).  Cheap when nothing changed; returns whether anything was reloaded.
+        Leases and reads in progress keep working on the previous view's rows until released."""
+        with self._lock:
+            self._check_usable()
+            if not self._readonly:
+                return False
+            if self._signature() == self._state_sig:
+                return False
+            for _ in range(5):
+                man = self._read_manifest()
+                self._gen = int(man["generation"])
+                self._idx = _Index(self._budget)
+                self._problems = []
+                try:
+                    self._load()
+                except (CorruptStoreError, StorageIOError, FileNotFoundError):
+                    continue  # the writer swapped files under us (compaction): try again
+                if self._signature() == self._state_sig:
+                    return True
+            return True
+
+    # -- verify / compact ------------------------------------------------------------------------
+    def verify(self, *, repair: bool = False, progress: Progress | None = None) -> VerifyReport:
+        """Check every entry's slot header and page checksum (and every anchor's); report findings
+        from open (damaged index records, reclaimed leftovers) as ``problems``.  ``repair`` drops
+        corrupt entries with their subtrees and rewrites the index (writer only)."""
+        if repair:
+            with self._lock:
+                self._check_usable()
+                self._need_writer("verify(repair=True)")
+        report = VerifyReport()
+        with self._lock:
+            self._check_usable()
+            rows = [int(r) for r in self._idx.live_rows()]
+            report.problems = list(self._problems)
+            recs = [(r, int(self._idx.gen[r])) for r in rows]
+        total = len(recs)
+        for i, (row, gen) in enumerate(recs):
+            with self._lock:
+                idx = self._idx
+                if not idx.alive[row] or int(idx.gen[row]) != gen:
+                    continue
+                key = idx.key_of(row)
+                sf = self._files[int(idx.file[row])]
+                res = sf.check(int(idx.slot[row]), key=key, generation=gen, nbytes=int(idx.nbytes[row]),
+                               checksum=int(idx.csum[row]), verify=True)
+                report.checked += 1
+                bad = res is not ReadResult.OK
+                for name, a in list((idx.anchors.get(row) or {}).items()):
+                    if self._files[a.file].check(a.slot, key=key, generation=a.gen, nbytes=a.nbytes,
+                                                              checksum=a.checksum) is not ReadResult.OK:
+                        report.problems.append(f"anchor {name!r} of {key.hex()[:16]} is corrupt")
+                        if repair:
+                            idx.anchors[row].pop(name, None)
+                            idx.add_cost(row, -a.cost)
+                            self._files[a.file].clear(a.slot, a.nslots)
+                            self._release_run(a.file, a.slot, a.nslots)
+                            idx.clock += 1
+                            self._journal([self._encode(OP_ANCHOR, key, name=name.encode(), seq=idx.clock,
+                                                        flags=_REC_DELETE)])
+                if bad:
+                    report.corrupt.append(key)
+                    self._counters["checksum_failures"] += 1
+                    if repair:
+                        report.dropped += self._drop_row(row)
+            if progress is not None:
+                progress(i + 1, total)
+        if progress is not None and total == 0:
+            progress(0, 0)
+        with self._lock:
+            idx = self._idx
+            live = idx.live_rows()
+            acct = int(idx.cost[live].sum()) if len(live) else 0
+            inflight = sum(f.cost for f in idx.flights.values())
+            if acct != idx.sealed_cost or idx.used_cost != acct + inflight:
+                report.problems.append(f"accounting: used {idx.used_cost} != live {acct} + in flight {inflight}")
+            if repair and not self._readonly:
+                self._snapshot()  # rewrites the index without the damaged records
+                if report.problems:
+                    report.problems = [p + " (repaired)" for p in report.problems]
+        return report
+
+    def compact(self, *, progress: Progress | None = None) -> CompactReport:
+        """Rewrite the store densely into a new generation (copy, then switch the manifest: the
+        commit point), then delete the old one.  Crash-safe at every step; refuses in a reader
+        (``readonly``) and while reservations are in flight in this process.  Another process's
+        writer lock makes *opening* for compaction fail with ``LockedError`` instead."""
+        with self._lock:
+            self._check_usable()
+            self._need_writer("compact")
+            self._check_failed()
+            idx = self._idx
+            if idx.flights:
+                raise ReservationError(f"cannot compact while {len(idx.flights)} reservation(s) are in flight",
+                                       hint="seal or abort them first")
+            self._flush_none(force=True)
+            before = sum(os.path.getsize(sf.path) for sf in self._files.values())
+            rows = [int(r) for r in idx.live_rows()]
+            need = sum(int(idx.nslots[r]) for r in rows) + sum(
+                a.nslots for r in rows for a in (idx.anchors.get(r) or {}).values())
+            new_gen = self._gen + 1
+            nslots_file = max(1, min(max(need, 1), self._file_slots))
+            new_files: dict[int, SlotFile] = {}
+            cursor = [0, 0]  # file id, next slot
+
+            def place(n: int) -> tuple[int, int]:
+                fid, s = cursor
+                if fid in new_files and s + n > new_files[fid].slot_count:
+                    fid, s = fid + 1, 0
+                if fid not in new_files:
+                    size = max(nslots_file, n) if need else 1
+                    new_files[fid] = SlotFile.create(
+                        self._p(self._data_name(new_gen, fid)), slot_nbytes=self._slot, slot_count=size,
+                        file_id=fid, store_id=self._store_id)
+                cursor[0], cursor[1] = fid, s + n
+                return fid, s
+
+            moves: list[tuple[int, int, int, int]] = []  # row, file, slot, gen
+            amoves: list[tuple[int, str, _Anchor]] = []
+            gen_counter = self._next_gen
+            try:
+                if not need:
+                    place(0)
+                for i, r in enumerate(rows):
+                    n, nb = int(idx.nslots[r]), int(idx.nbytes[r])
+                    fid, s = place(n)
+                    src = self._files[int(idx.file[r])]
+                    dst = new_files[fid]
+                    key = idx.key_of(r)
+                    if src.check(int(idx.slot[r]), key=key, generation=int(idx.gen[r]), nbytes=nb,
+                                 checksum=int(idx.csum[r])) is not ReadResult.OK:
+                        continue  # corrupt: not carried over (reported by verify before)
+                    dst.begin_write(s, n)
+                    dst.write(s, nb, 0, src.data(int(idx.slot[r]), nb))
+                    dst.write_header(s, key=key, parent=idx.parent_key(r), generation=gen_counter, nbytes=nb,
+                                     checksum=int(idx.csum[r]))
+                    moves.append((r, fid, s, gen_counter))
+                    gen_counter += 1
+                    for name, a in (idx.anchors.get(r) or {}).items():
+                        afid, asl = place(a.nslots)
+                        adst = new_files[afid]
+                        adst.begin_write(asl, a.nslots)
+                        adst.write(asl, a.nbytes, 0, self._files[a.file].data(a.slot, a.nbytes))
+                        adst.write_header(asl, key=key, parent=None, generation=gen_counter, nbytes=a.nbytes,
+                                          checksum=a.checksum, flags=FLAG_ANCHOR)
+                        amoves.append((r, name, _Anchor(afid, asl, a.nslots, a.nbytes, gen_counter, a.checksum,
+                                                        a.cost)))
+                        gen_counter += 1
+                    if progress is not None:
+                        progress(i + 1, len(rows))
+                for sf in new_files.values():
+                    sf.sync()
+                moved = {r for r, *_ in moves}
+                # the new generation's index: a snapshot of the moved entries, an empty journal
+                old = (idx.file.copy(), idx.slot.copy(), idx.gen.copy(), dict(idx.anchors))
+                for r, fid, s, g in moves:
+                    idx.file[r], idx.slot[r], idx.gen[r] = fid, s, g
+                idx.anchors = {r: {} for r in moved if r in old[3]}
+                for r, name, a in amoves:
+                    idx.anchors.setdefault(r, {})[name] = a
+                dropped = [r for r in rows if r not in moved]
+                saved_gen = self._gen
+                self._gen = new_gen
+                try:
+                    for r in dropped:  # corrupt entries not carried: out of the index (and subtrees)
+                        if idx.alive[r]:
+                            for d in idx.drop(r):
+                                idx.anchors.pop(d, None)
+                    recs = self._snapshot_records()
+                    head = bytearray(64)
+                    head[:8] = _SNAP_MAGIC
+                    head[8:24] = self._store_id
+                    idx.clock += 1
+                    head[24:32] = idx.clock.to_bytes(8, "little")
+                    head[32:40] = len(recs).to_bytes(8, "little")
+                    head[40:48] = new_gen.to_bytes(8, "little")
+                    head[56:64] = xxhash.xxh3_64_intdigest(bytes(head[:56])).to_bytes(8, "little")
+                    _fsutil.atomic_write(self._p(self._snap_name(new_gen)),
+                                         bytes(head).ljust(_SNAP_HEADER, b"\0") + recs.tobytes())
+                    _fsutil.atomic_write(self._p(self._journal_name(new_gen)), self._journal_header())
+                    _fsutil.crash_point("mmap.compact.after_copy")
+                    man = dict(self._manifest, generation=new_gen)
+                    self._write_manifest(man)  # the commit point
+                except BaseException:
+                    self._gen = saved_gen
+                    idx.file[:], idx.slot[:], idx.gen[:] = old[0], old[1], old[2]
+                    idx.anchors = old[3]
+                    raise
+            except BaseException:
+                for sf in new_files.values():
+                    sf.close()
+                    with contextlib.suppress(OSError):
+                        os.unlink(sf.path)
+                with contextlib.suppress(OSError):
+                    os.unlink(self._p(self._snap_name(new_gen)))
+                with contextlib.suppress(OSError):
+                    os.unlink(self._p(self._journal_name(new_gen)))
+                raise
+            _fsutil.crash_point("mmap.compact.after_manifest")
+            self._manifest = man
+            old_files = self._files
+            self._files = new_files
+            self._free = {fid: np.ones(sf.slot_count, np.bool_) for fid, sf in new_files.items()}
+            live = idx.live_rows()
+            for fid in new_files:
+                sel = live[idx.file[live] == fid]
+                self._mark_used(fid, idx.slot[sel].astype(np.int64), idx.nslots[sel].astype(np.int64))
+            for table in idx.anchors.values():
+                for a in table.values():
+                    self._mark_used(a.file, np.array([a.slot], np.int64), np.array([a.nslots], np.int64))
+            self._next_gen = gen_counter
+            if self._jfd is not None:
+                os.close(self._jfd)
+                self._jfd = None
+            self._jvalid_end = REC_NBYTES
+            self._open_journal_for_append()
+            self._jrecords = 0
+            self._problems = []
+            self._dirty_files.clear()
+            for sf in old_files.values():
+                sf.close()
+                with contextlib.suppress(OSError):
+                    os.unlink(sf.path)
+            for name in (self._snap_name(new_gen - 1), self._journal_name(new_gen - 1)):
+                with contextlib.suppress(OSError):
+                    os.unlink(self._p(name))
+            with contextlib.suppress(HostKVError):
+                _fsutil.fsync_dir(self.path)
+            after = sum(os.path.getsize(sf.path) for sf in self._files.values())
+            return CompactReport(entries=idx.count, bytes_before=before, bytes_after=after)
+
+    # -- the rest --------------------------------------------------------------------------------
+    @property
+    def budget_bytes(self) -> int:
+        return self._budget
+
+    @property
+    def durability(self) -> str:
+        return self._durability
+
+    @property
+    def slot_nbytes(self) -> int:
+        return self._slot
+
+    @property
+    def readonly(self) -> bool:
+        return self._readonly
+
+    def seal_many(self, reservations: Sequence[Reservation]) -> None:
+        """Seal several reservations with one group commit (``sync``: one data sync and one
+        journal sync for all of them).  Stops at the first failure, which it raises."""
+        if self._durability != "sync" or len(reservations) < 2:
+            for r in reservations:
+                self.seal(r)
+            return
+        errors: list[BaseException] = []
+        threads = [threading.Thread(target=_seal_into, args=(self, r, errors)) for r in reservations]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+
+    def stats(self) -> ProviderStats:
+        with self._lock:
+            self._check_usable()
+            idx = self._idx
+            live = idx.live_rows()
+            return ProviderStats(
+                name=self.name,
+                entries=idx.count,
+                used_bytes=idx.used_cost,
+                budget_bytes=self._budget,
+                anchors=sum(len(t) for t in idx.anchors.values()),
+                leased=int((idx.hold[live] > 0).sum()) if len(live) else 0,
+                in_flight=len(idx.flights),
+                evictions=idx.evictions,
+                evicted_bytes=idx.evicted_cost,
+                extra={"durability": self._durability, "slot_nbytes": self._slot, "generation": self._gen,
+                       "data_files": len(self._files), "journal_records": self._jrecords,
+                       "open_seconds": round(getattr(self, "open_seconds", 0.0), 4), "readonly": self._readonly,
+                       "problems": len(self._problems), "stale_at_open": self._stale_at_open,
+                       "orphans_at_open": self._orphans_at_open, "torn_tail": self._torn_tail,
+                       "stale_reads": self._counters["stale_reads"], "syncs": self._counters["syncs"]},
+                **{k: v for k, v in self._counters.items() if k in _STAT_FIELDS},
+            )
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "path": self.path, "durability": self._durability, "slot_nbytes": self._slot,
+                "verify": "read" if self._verify_reads else "never", "readonly": self._readonly,
+                "generation": self._gen, "format_version": MMAP_FORMAT_VERSION,
+                "store_id": self._store_id.hex(), "data_files": sorted(self._files)}
+
+    def close(self) -> None:
+        """Flush buffered records, write a snapshot (fast next open), sync, unlock; idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            if os.getpid() != self._pid:
+                self._closed = True
+                return
+            try:
+                if not self._readonly and self._failed is None and self._jfd is not None:
+                    self._flush_none(force=True)
+                    if self._jrecords:
+                        self._snapshot()
+                    for sf in self._files.values():
+                        if not sf.closed:
+                            sf.sync()
+            finally:
+                self._closed = True
+                self._release_all()
+
+    def _release_all(self) -> None:
+        for sf in self._files.values():
+            sf.close()
+        if self._jfd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._jfd)
+            self._jfd = None
+        if self._lockfile is not None:
+            self._lockfile.release()
+            self._lockfile = None
+
+
+_STAT_FIELDS = frozenset(("hits", "misses", "seals", "aborts", "dedup", "checksum_failures", "bytes_written",
+                          "bytes_read"))
+
+
+def _seal_into(provider: MmapProvider, res: Reservation, errors: list[BaseException]) -> None:
+    try:
+        provider.seal(res)
+    except BaseException as exc:
+        errors.append(exc)
+
+
+def _read_exact(fd: int, offset: int, nbytes: int) -> bytes:
+    chunks = []
+    done = 0
+    while done < nbytes:
+        chunk = os.pread(fd, min(nbytes - done, 1 << 30), offset + done)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        done += len(chunk)
+    return b"".join(chunks)
+
+
+def _unsafe(msg: str) -> HostKVError:
+    from ._errors import UnsafeStoreError
+
+    return UnsafeStoreError(msg)
+
+
+_ = KEY_NBYTES
