@@ -130,6 +130,18 @@ _SLOT_DIR = "slots"
 _DB_NAMES = ("meta", "entries", "children", "lru", "pages", "anchors", "flights", "leases", "files", "free")
 _OWN_FILES = frozenset({"data.mdb", "lock.mdb", _LOCK_NAME, _SLOT_DIR})
 
+_crash = _fsutil.crash_point
+_fsutil.register_crash_points({
+    "lmdb.txn.before_commit": "a write transaction is complete but not committed (write lock held)",
+    "lmdb.txn.after_commit": "a write transaction committed; a durable seal is not synced yet",
+    "lmdb.reserve.after_commit": "a reservation is committed; its slot header is not invalidated yet",
+    "lmdb.seal.after_header": "page bytes and slot header written; nothing synced or committed",
+    "lmdb.slotfile.created": "a new slot file exists; the transaction registering it has not committed",
+    "lmdb.compact.after_moves": "slots moved and committed; the LMDB copy has not started",
+    "lmdb.compact.after_copy": "the compacted LMDB copy is complete; not swapped in yet",
+    "lmdb.compact.after_swap": "the compacted data.mdb replaced the old one; not reopened yet",
+})
+
 
 # --------------------------------------------------------------------------------------------
 # Records
@@ -820,7 +832,9 @@ class _Shared:
                         t.error = result.exc
                     else:
                         t.result = result
+                _crash("lmdb.txn.before_commit")
                 txn.commit()
+                _crash("lmdb.txn.after_commit")
             except BaseException:
                 txn.abort()
                 raise
@@ -1237,6 +1251,7 @@ class _Tx:
         fid = self.c.next_file
         count = max(1, min(self.s.file_nbytes, max(self.c.budget, slot_nbytes)) // slot_nbytes)
         self.s.create_slot_file(fid, slot_nbytes, count)
+        _crash("lmdb.slotfile.created")
         self.t.put(fid.to_bytes(8, "big"), _FILE.pack(slot_nbytes, count, 1), db=self.db["files"])
         self.t.put(b"cur" + prefix, fid.to_bytes(8, "big"), db=meta)
         return fid, 0
@@ -1564,6 +1579,7 @@ class LmdbProvider(Provider):
             self._count("dedup")
             return None
         gen, fid, slot = got
+        _crash("lmdb.reserve.after_commit")
         sf = None
         if fid:
             try:
@@ -1612,6 +1628,7 @@ class LmdbProvider(Provider):
             res.file.write_header(res.slot, key=k, parent=p, generation=gen, nbytes=nbytes, checksum=digest)
             sync_files = (res.file,)
             blob = None
+            _crash("lmdb.seal.after_header")
         else:
             assert res.buf is not None
             blob = bytes(res.buf)
@@ -2045,6 +2062,7 @@ class LmdbProvider(Provider):
                         raise LockedError("compaction needs a store without reservations or leases")
                 before = _store_nbytes(self._path)
                 entries = _compact_slots(s, progress)
+                _crash("lmdb.compact.after_moves")
                 _compact_env(s)
                 after = _store_nbytes(self._path)
             finally:
@@ -2388,11 +2406,13 @@ def _compact_env(s: _Shared) -> None:
                 _fsutil.sync_fd(fd, "syncing the compacted index", data_only=False)
             finally:
                 os.close(fd)
+            _crash("lmdb.compact.after_copy")
             map_size = int(s.env.info()["map_size"])
             s.env.close()
             try:
                 os.rename(copied, os.path.join(s.path, "data.mdb"))
                 _fsutil.fsync_dir(s.path)
+                _crash("lmdb.compact.after_swap")
             finally:
                 s.env = s._open_env(map_size)
                 s.dbs = s._open_dbs()
