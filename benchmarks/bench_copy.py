@@ -103,6 +103,8 @@ def time_engine(eng: CudaCopyEngine, planes: KVPlanes, ids_save: list[int], ids_
         t3 = time.perf_counter()
         if i == 0:
             continue  # warm-up: compile, table upload, first-touch of staging
+        res.setdefault("bidir_save_dev", []).append(hs.gbps or 0.0)
+        res.setdefault("bidir_restore_dev", []).append(hr.gbps or 0.0)
         res["save"].append(n / (t1 - t0) / 1e9)
         res["restore"].append(n / (t2 - t1) / 1e9)
         res["bidir"].append(2 * n / (t3 - t2) / 1e9)
@@ -112,9 +114,10 @@ def time_engine(eng: CudaCopyEngine, planes: KVPlanes, ids_save: list[int], ids_
     return {k: statistics.median(v) for k, v in res.items()}
 
 
-def slowdown(torch: Any, eng: CudaCopyEngine, planes: KVPlanes, ids: list[int], pages: list[Any],
-             kind: str, rounds: int) -> dict[str, float]:
-    """Per-iteration time of a loop on its own stream, alone and while saves run back to back."""
+def slowdown(torch: Any, engines: dict[str, CudaCopyEngine], planes: KVPlanes, ids: list[int], pages: list[Any],
+             kind: str, rounds: int, raw_src: Any) -> dict[str, Any]:
+    """Per-iteration time of a loop on its own stream: alone, during back-to-back raw bulk copies
+    (the hardware's share), and during back-to-back engine saves (one entry per engine)."""
     stream = torch.cuda.Stream()
     if kind == "gemm":
         a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
@@ -130,7 +133,7 @@ def slowdown(torch: Any, eng: CudaCopyEngine, planes: KVPlanes, ids: list[int], 
             for _ in range(64):
                 xs[0].mul_(1.0001).add_(xs[1])
 
-    def measure(n: int) -> list[float]:
+    def measure(n: int) -> float:
         times = []
         with torch.cuda.stream(stream):
             for _ in range(n):
@@ -140,49 +143,72 @@ def slowdown(torch: Any, eng: CudaCopyEngine, planes: KVPlanes, ids: list[int], 
                 e1.record(stream)
                 e1.synchronize()
                 times.append(e0.elapsed_time(e1))
-        return times
+        return float(statistics.median(times))
+
+    def during(load: Any) -> tuple[float, int]:
+        stop = threading.Event()
+        count = [0]
+
+        def loop() -> None:
+            while not stop.is_set():
+                load()
+                count[0] += 1
+
+        th = threading.Thread(target=loop)
+        th.start()
+        time.sleep(0.2)
+        t = measure(rounds)
+        stop.set()
+        th.join()
+        return t, count[0]
 
     measure(3)
-    alone = measure(rounds)
-    stop = threading.Event()
-    saved = [0]
+    base = measure(rounds)
+    out: dict[str, Any] = {"alone_ms": base}
+    d = _cuda.driver()
+    copy_stream = torch.cuda.Stream()
+    host, dev_ptr, nbytes = raw_src
 
-    def saver() -> None:
-        while not stop.is_set():
-            eng.save(planes, ids, pages, after=stream).wait()
-            saved[0] += 1
+    def raw_load() -> None:
+        raw_copy(d, host, dev_ptr, nbytes, copy_stream.cuda_stream, "d2h")
+        copy_stream.synchronize()
 
-    th = threading.Thread(target=saver)
-    th.start()
-    time.sleep(0.2)
-    loaded = measure(rounds)
-    stop.set()
-    th.join()
-    base, busy = statistics.median(alone), statistics.median(loaded)
-    return {"alone_ms": base, "during_save_ms": busy, "slowdown": busy / base - 1, "saves": saved[0]}
+    t, _ = during(raw_load)
+    out["raw_copy_ms"], out["raw_copy_slowdown"] = t, t / base - 1
+    for name, eng in engines.items():
+        t, n = during(lambda eng=eng: eng.save(planes, ids, pages, after=stream).wait())
+        out[name] = {"ms": t, "slowdown": t / base - 1, "saves": n}
+    out["alone_again_ms"] = measure(rounds)
+    return out
 
 
-def pinning(gib: float, provider_gib: float) -> dict[str, float]:
+def pinning(gib: float, provider_gib: float) -> dict[str, Any]:
+    """Alternate cuMemHostAlloc and our allocator so neither profits from memory the VM already backs."""
     nbytes = int(gib * GiB)
-    alloc = pinned_allocator()
-    assert alloc is not None
-    t0 = time.perf_counter()
-    mem = alloc.allocate(nbytes)
-    ours = (time.perf_counter() - t0) / gib
-    method = getattr(mem, "method", "?")
-    mem.close()
-    t0 = time.perf_counter()
-    ptr = _cuda.host_alloc(nbytes, mapped=False)
-    hostalloc = (time.perf_counter() - t0) / gib
-    _cuda.host_free(ptr)
+    out: dict[str, Any] = {"gib": gib, "hostalloc_s_per_gib": [], "ours_s_per_gib": [], "ours8_s_per_gib": [],
+                           "phases": []}
+    for _ in range(2):
+        t0 = time.perf_counter()
+        ptr = _cuda.host_alloc(nbytes, mapped=False)
+        out["hostalloc_s_per_gib"].append((time.perf_counter() - t0) / gib)
+        _cuda.host_free(ptr)
+        for threads, key in ((4, "ours_s_per_gib"), (8, "ours8_s_per_gib")):
+            alloc = pinned_allocator(threads=threads)
+            assert alloc is not None
+            t0 = time.perf_counter()
+            mem = alloc.allocate(nbytes)
+            out[key].append((time.perf_counter() - t0) / gib)
+            out["method"] = getattr(mem, "method", "?")
+            out["phases"].append({k: v / gib for k, v in getattr(mem, "timings", {}).items()})
+            mem.close()
     t0 = time.perf_counter()
     prov = PinnedProvider(int(provider_gib * GiB), block=2 << 20, background=True)
-    blocked = time.perf_counter() - t0
+    out["provider_blocked_s"] = time.perf_counter() - t0
     prov.wait_ready()
-    whole = time.perf_counter() - t0
+    out["provider_whole_s"] = time.perf_counter() - t0
+    out["provider_gib"] = provider_gib
     prov.close()
-    return {"ours_s_per_gib": ours, "hostalloc_s_per_gib": hostalloc, "method": method,  # type: ignore[dict-item]
-            "provider_gib": provider_gib, "provider_blocked_s": blocked, "provider_whole_s": whole}
+    return out
 
 
 def main() -> int:
@@ -234,7 +260,8 @@ def main() -> int:
         pages_a = page_regions(host_a.view, host_a.address, layout.page_nbytes, npages, pinned=True)
         pages_b = page_regions(host_b.view, host_b.address, layout.page_nbytes, npages, pinned=True)
         eng = CudaCopyEngine()
-        r = time_engine(eng, planes, ids_save, ids_restore, pages_a, pages_b, args.reps, layout.page_nbytes)
+        r0 = time_engine(eng, planes, ids_save, ids_restore, pages_a, pages_b, args.reps, layout.page_nbytes)
+        r: dict[str, Any] = dict(r0)
         r.update(slice_kib=slice_kib, page_mib=layout.page_nbytes / (1 << 20), npages=npages)
         # host pages in shuffled order: no coalescing, one DMA per page
         if slice_kib == 32:
@@ -250,10 +277,21 @@ def main() -> int:
             got = bytes(shuffled[probe][0].view[: layout.plane_nbytes])
             want = bytes(owners[0][0][ids_save[probe]].contiguous().view(torch.uint8).cpu().numpy().tobytes())
             r["spot_check_ok"] = got == want
-            results["gemm"] = slowdown(torch, eng, planes, ids_save, pages_a, "gemm", 8 if args.quick else 30)
-            log("gemm", results["gemm"])
-            results["decode_like"] = slowdown(torch, eng, planes, ids_save, pages_a, "small", 8 if args.quick else 30)
-            log("decode-like", results["decode_like"])
+            engines = {f"save_ctas{c}": CudaCopyEngine(ctas=c) for c in (8, 33, 132)}
+            raw_src = (host_b.address, owners[0].data_ptr(), min(total, owners[0].numel() * 2))
+            for kind, key in (("gemm", "gemm"), ("small", "decode_like")):
+                results[key] = slowdown(torch, engines, planes, ids_save, pages_a, kind, 8 if args.quick else 30,
+                                        raw_src)
+                log(key, results[key])
+            for e in engines.values():
+                e.close()
+            # staging size
+            for mib in (16, 128, 256):
+                e = CudaCopyEngine(staging_bytes=mib << 20)
+                r[f"staging_{mib}MiB"] = time_engine(e, planes, ids_save, ids_restore, pages_a, pages_b, args.reps,
+                                                     layout.page_nbytes)
+                e.close()
+                log(f"staging {mib} MiB", r[f"staging_{mib}MiB"])
             # one memcpy per slice, on a slice of the volume (it is slow)
             mem = CudaCopyEngine(mode="memcpy")
             k = min(npages, 512)
@@ -284,6 +322,28 @@ def main() -> int:
     return 0
 
 
+def fmt(values: list[float]) -> str:
+    return " / ".join(f"{v:.3f}" for v in values)
+
+
+def slow_lines(x: dict[str, Any], what: str) -> list[str]:
+    engines = ", ".join(f"{k.removeprefix('save_')}: {100 * v['slowdown']:+.1f}% ({v['saves']} saves)"
+                        for k, v in x.items() if isinstance(v, dict))
+    return [f"- {what} on its own stream: {x['alone_ms']:.2f} ms alone ({x['alone_again_ms']:.2f} ms at the end); "
+            f"during back-to-back raw bulk copies {100 * x['raw_copy_slowdown']:+.1f}%; during back-to-back saves, "
+            f"by pack-kernel CTAs: {engines}."]
+
+
+def staging_lines(row: dict[str, Any], raw: dict[str, float]) -> list[str]:
+    out = []
+    for k, v in row.items():
+        if k.startswith("staging_"):
+            out.append(f"- 32 KiB slices with {k.removeprefix('staging_')} staging buffers: save "
+                       f"{v['save'] / raw['d2h']:.2f}x, restore {v['restore'] / raw['h2d']:.2f}x, both "
+                       f"{v['bidir'] / raw['bidir']:.2f}x.")
+    return out
+
+
 def render(r: dict[str, Any]) -> str:
     raw = r["raw"]
     lines = [
@@ -295,15 +355,17 @@ def render(r: dict[str, Any]) -> str:
         f"both at once {raw['bidir']:.1f} GB/s.",
         "",
         "| slice | page | pages | save GB/s (x raw) | restore GB/s (x raw) | save+restore GB/s (x raw bidir) | "
-        "issue ms |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "device-timed save / restore / both-at-once GB/s | caller ms per save() |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for row in r["rows"]:
         lines.append(
             f"| {row['slice_kib']} KiB | {row['page_mib']:.0f} MiB | {row['npages']} | "
             f"{row['save']:.1f} ({row['save'] / raw['d2h']:.2f}x) | "
             f"{row['restore']:.1f} ({row['restore'] / raw['h2d']:.2f}x) | "
-            f"{row['bidir']:.1f} ({row['bidir'] / raw['bidir']:.2f}x) | {row['issue_ms']:.1f} |")
+            f"{row['bidir']:.1f} ({row['bidir'] / raw['bidir']:.2f}x) | "
+            f"{row['save_dev']:.1f} / {row['restore_dev']:.1f} / "
+            f"{row['bidir_save_dev']:.1f}+{row['bidir_restore_dev']:.1f} | {row['issue_ms']:.1f} |")
     first = r["rows"][0]
     lines += [
         "",
@@ -313,15 +375,15 @@ def render(r: dict[str, Any]) -> str:
         f"- One `cuMemcpyAsync` per 32 KiB slice (`mode=\"memcpy\"`, 512 pages): save {first['memcpy_save']:.1f} GB/s "
         f"({first['memcpy_save'] / raw['d2h']:.2f}x), restore {first['memcpy_restore']:.1f} GB/s "
         f"({first['memcpy_restore'] / raw['h2d']:.2f}x).",
-        f"- Compute-bound loop (10 bf16 8192³ GEMMs) on its own stream: {r['gemm']['alone_ms']:.2f} ms alone, "
-        f"{r['gemm']['during_save_ms']:.2f} ms while saves run back to back: slowdown "
-        f"{100 * r['gemm']['slowdown']:.1f}% ({r['gemm']['saves']} saves overlapped).",
-        f"- Launch-heavy, memory-bound loop (128 small elementwise kernels): {r['decode_like']['alone_ms']:.2f} ms "
-        f"alone, {r['decode_like']['during_save_ms']:.2f} ms during saves: slowdown "
-        f"{100 * r['decode_like']['slowdown']:.1f}%.",
-        f"- Pinning: pre-fault + `cuMemHostRegister` ({r['pinning']['method']}) "
-        f"{r['pinning']['ours_s_per_gib']:.3f} s/GiB vs `cuMemHostAlloc` {r['pinning']['hostalloc_s_per_gib']:.3f} "
-        f"s/GiB; a {r['pinning']['provider_gib']:.0f} GiB `PinnedProvider(background=True)` blocks start-up "
+        *slow_lines(r["gemm"], "Compute-bound loop (10 bf16 8192^3 GEMMs)"),
+        *slow_lines(r["decode_like"], "Launch-heavy, memory-bound loop (128 small elementwise kernels)"),
+        *staging_lines(first, raw),
+        f"- Pinning {r['pinning']['gib']:.0f} GiB, alternating (two rounds, each figure s/GiB): pre-fault on 4 "
+        f"threads + `cuMemHostRegister` ({r['pinning']['method']}) "
+        f"{fmt(r['pinning']['ours_s_per_gib'])}; on 8 threads {fmt(r['pinning']['ours8_s_per_gib'])}; "
+        f"`cuMemHostAlloc` {fmt(r['pinning']['hostalloc_s_per_gib'])}; phases of the last "
+        f"{r['pinning']['phases'][-1]}; a {r['pinning']['provider_gib']:.0f} GiB "
+        "`PinnedProvider(background=True)` blocks start-up "
         f"{r['pinning']['provider_blocked_s']:.3f} s "
         f"({r['pinning']['provider_blocked_s'] / r['pinning']['provider_gib']:.4f} s per GiB of arena), "
         f"whole arena ready after {r['pinning']['provider_whole_s']:.2f} s.",

@@ -149,7 +149,6 @@ class CudaPinnedAllocation:
     def __init__(self, nbytes: int, dev: _cuda.Device, *, mapped: bool = False, threads: int = 4) -> None:
         if type(nbytes) is not int or nbytes <= 0:
             raise InvalidArgumentError(f"allocation size must be a positive int, got {nbytes!r}")
-        dev.activate()
         self._dev = dev
         size = -(-nbytes // _PAGE) * _PAGE
         self._lock = threading.Lock()
@@ -159,23 +158,39 @@ class CudaPinnedAllocation:
         mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         view = memoryview(mm)
         address = buffer_address(view)
+        #: seconds spent pre-faulting and registering (or in cuMemHostAlloc), for benchmarks
+        self.timings: dict[str, float] = {}
         try:
+            t0 = time.perf_counter()
             _prefault(address, size, threads)
-            _cuda.host_register(address, size, mapped=mapped)
+            t1 = time.perf_counter()
+            with dev.scope():
+                _cuda.host_register(address, size, mapped=mapped)
+            self.timings = {"prefault": t1 - t0, "register": time.perf_counter() - t1}
             self._map = mm
         except (CopyEngineError, OSError) as exc:
             view.release()
             mm.close()
             warnings.warn(f"cuMemHostRegister failed ({exc}); falling back to cuMemHostAlloc", stacklevel=3)
-            address = _cuda.host_alloc(size, mapped=mapped)
+            t0 = time.perf_counter()
+            with dev.scope():
+                address = _cuda.host_alloc(size, mapped=mapped)
+            self.timings = {"hostalloc": time.perf_counter() - t0}
             view = memoryview((ctypes.c_char * size).from_address(address)).cast("B")
             self._host_alloc = True
             self.method = "hostalloc"
         self._view: memoryview | None = view[:nbytes]
-        self._whole = view
         self._address = address
         self._size = size
-        self.device_address: int | None = _cuda.host_device_pointer(address) if mapped else None
+        self.device_address: int | None = None
+        if mapped:
+            with dev.scope():
+                self.device_address = _cuda.host_device_pointer(address)
+        # Dropped without close(): unregister *before* the mapping goes, or a later mmap that
+        # reuses the addresses fails with CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED.
+        self._finalizer = weakref.finalize(self, _release_pinned, dev, address, self._host_alloc, self._map,
+                                           [view, self._view])
+        self._finalizer.atexit = False  # no CUDA calls during interpreter shutdown; exit frees it all
 
     @property
     def view(self) -> memoryview:
@@ -193,24 +208,27 @@ class CudaPinnedAllocation:
 
     def close(self) -> None:
         with self._lock:
-            if self._view is None:
-                return
-            self._view.release()
-            self._whole.release()
             self._view = None
-            try:
-                self._dev.activate()  # close may run on any thread (a finalizer, a provider's filler)
-                if self._host_alloc:
-                    _cuda.host_free(self._address)
-                else:
-                    _cuda.host_unregister(self._address)
-            except CopyEngineError as exc:  # cleanup warns, it does not raise
-                warnings.warn(f"freeing pinned memory failed: {exc}", stacklevel=2)
-            if self._map is not None:
-                # a caller may still hold a view; the mapping then goes when it does
-                with contextlib.suppress(BufferError):
-                    self._map.close()
-                self._map = None
+            self._finalizer()  # runs once
+
+
+def _release_pinned(dev: _cuda.Device, address: int, host_alloc: bool, mm: mmap.mmap | None,
+                    views: list[memoryview]) -> None:
+    for v in views:
+        with contextlib.suppress(BufferError):
+            v.release()
+    try:
+        with dev.scope():  # may run on any thread (a finalizer, a provider's filler)
+            if host_alloc:
+                _cuda.host_free(address)
+            else:
+                _cuda.host_unregister(address)
+    except Exception as exc:  # cleanup warns, it does not raise
+        warnings.warn(f"freeing pinned memory failed: {exc}", stacklevel=2)
+    if mm is not None:
+        # a caller may still hold a view; the mapping then goes when it does
+        with contextlib.suppress(BufferError):
+            mm.close()
 
 
 class CudaHostAllocator:
@@ -509,14 +527,9 @@ class _GroupHandle(TransferHandle):
 # ============================================================================================
 
 
-@dataclass(frozen=True, slots=True)
-class _Page:
-    """One host page of a request: its regions as parallel (offset, address, nbytes) lists."""
-
-    offsets: tuple[int, ...]
-    addresses: tuple[int, ...]
-    sizes: tuple[int, ...]
-    pinned: bool
+# One host page of a request: its regions as parallel (offsets, addresses, sizes) tuples.  A plain
+# tuple, not a dataclass: a 4,096-page request builds 4,096 of them on the caller's thread.
+_Page = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
 
 
 def _check_ids(planes: KVPlanes, block_ids: Sequence[int]) -> list[int]:
@@ -537,34 +550,44 @@ def _check_pages(layout: KVLayout, pages: Sequence[Any], count: int, *, writable
         raise CopyArgumentError(f"{len(pages)} host pages given for {count} block ids")
     want = layout.page_nbytes
     out: list[_Page] = []
+    append = out.append
     for i, regions in enumerate(pages):
-        if isinstance(regions, HostRegion):
-            regions = (regions,)
-        offsets, addrs, sizes = [], [], []
-        pos = 0
-        pinned = True
-        for r in regions:
-            if not isinstance(r, HostRegion):
-                raise CopyArgumentError(f"page {i}: expected HostRegion objects, got {type(r).__name__}")
-            n = r.view.nbytes
-            if r.offset != pos:
-                raise CopyArgumentError(
-                    f"page {i}: regions must cover the page in order without gaps or overlaps "
-                    f"(region at offset {r.offset}, expected {pos})")
-            if writable and r.view.readonly:
-                raise CopyArgumentError(f"page {i}: a save needs writable host regions")
-            if type(r.address) is not int or r.address <= 0:
-                raise CopyArgumentError(f"page {i}: bad region address {r.address!r}")
-            if n:
-                offsets.append(pos)
-                addrs.append(r.address)
-                sizes.append(n)
-            pinned &= r.pinned
-            pos += n
-        if pos != want:
-            raise CopyArgumentError(f"page {i}: regions cover {pos} bytes, the layout's page is {want}")
-        out.append(_Page(tuple(offsets), tuple(addrs), tuple(sizes), pinned))
+        if type(regions) is not HostRegion and len(regions) == 1:
+            regions = regions[0]
+        if type(regions) is HostRegion:  # the common case, kept cheap: one region per page
+            addr = regions.address
+            if (regions.offset != 0 or regions.view.nbytes != want or type(addr) is not int or addr <= 0
+                    or (writable and regions.view.readonly)):
+                _check_regions(i, (regions,), want, writable)  # raises with the precise reason
+            append(((0,), (addr,), (want,)))
+            continue
+        append(_check_regions(i, regions, want, writable))
     return out
+
+
+def _check_regions(i: int, regions: Sequence[Any], want: int, writable: bool) -> _Page:
+    offsets, addrs, sizes = [], [], []
+    pos = 0
+    for r in regions:
+        if not isinstance(r, HostRegion):
+            raise CopyArgumentError(f"page {i}: expected HostRegion objects, got {type(r).__name__}")
+        n = r.view.nbytes
+        if r.offset != pos:
+            raise CopyArgumentError(
+                f"page {i}: regions must cover the page in order without gaps or overlaps "
+                f"(region at offset {r.offset}, expected {pos})")
+        if writable and r.view.readonly:
+            raise CopyArgumentError(f"page {i}: a save needs writable host regions")
+        if type(r.address) is not int or r.address <= 0:
+            raise CopyArgumentError(f"page {i}: bad region address {r.address!r}")
+        if n:
+            offsets.append(pos)
+            addrs.append(r.address)
+            sizes.append(n)
+        pos += n
+    if pos != want:
+        raise CopyArgumentError(f"page {i}: regions cover {pos} bytes, the layout's page is {want}")
+    return tuple(offsets), tuple(addrs), tuple(sizes)
 
 
 def _stream_handle(stream: Any, what: str) -> int | None:
@@ -758,8 +781,8 @@ def _host_copy(planes: KVPlanes, ids: list[int], pages: list[_Page], gather: boo
     memmove = ctypes.memmove
     specs = planes.layout.planes
     for b, page in zip(ids, pages, strict=True):
-        if len(page.sizes) == 1:
-            base = page.addresses[0]
+        if len(page[2]) == 1:
+            base = page[1][0]
             for spec in specs:
                 src = planes.ptrs[spec.index] + b * planes.block_strides[spec.index]
                 if gather:
@@ -778,11 +801,12 @@ def _host_copy(planes: KVPlanes, ids: list[int], pages: list[_Page], gather: boo
 
 def _segments(page: _Page, offset: int, nbytes: int) -> Iterator[tuple[int, int, int]]:
     """``(page_offset, host_address, n)`` pieces of page bytes ``[offset, offset+nbytes)``."""
-    k = bisect.bisect_right(page.offsets, offset) - 1
+    offsets, addresses, sizes = page
+    k = bisect.bisect_right(offsets, offset) - 1
     end = offset + nbytes
     pos = offset
     while pos < end:
-        r_off, r_addr, r_n = page.offsets[k], page.addresses[k], page.sizes[k]
+        r_off, r_addr, r_n = offsets[k], addresses[k], sizes[k]
         take = min(end, r_off + r_n) - pos
         yield pos, r_addr + pos - r_off, take
         pos += take
@@ -866,11 +890,12 @@ class _CudaHandle(_JobHandle):
         self.start_event, self.done_event = start, done
         self._finalizer.detach()
         self._finalizer = weakref.finalize(self, _destroy_events, self._dev, [start, done])
+        self._finalizer.atexit = False
 
     def _query(self) -> bool:
         d = _cuda.driver()
-        self._dev.activate()
-        (err,) = d.cuEventQuery(self.done_event)
+        with self._dev.scope():
+            (err,) = d.cuEventQuery(self.done_event)
         if int(err) == int(d.CUresult.CUDA_ERROR_NOT_READY):
             return False
         _cuda.check((err,), "transfer")
@@ -881,7 +906,9 @@ class _CudaHandle(_JobHandle):
             self._finished = True
             self.keep = None
             try:
-                ms = _cuda.check(_cuda.driver().cuEventElapsedTime(self.start_event, self.done_event), "elapsed")
+                with self._dev.scope():
+                    ms = _cuda.check(_cuda.driver().cuEventElapsedTime(self.start_event, self.done_event),
+                                     "elapsed")
                 self._seconds = float(ms) / 1e3
             except CopyEngineError:
                 self._seconds = None
@@ -906,9 +933,9 @@ class _CudaHandle(_JobHandle):
             return False
         self._raise()
         if timeout is None:
-            self._dev.activate()
             try:
-                _cuda.check(_cuda.driver().cuEventSynchronize(self.done_event), "transfer")
+                with self._dev.scope():
+                    _cuda.check(_cuda.driver().cuEventSynchronize(self.done_event), "transfer")
             except CopyEngineError as exc:
                 self._error = exc
                 raise
@@ -946,18 +973,18 @@ class _CudaHandle(_JobHandle):
             self.wait()
             return
         ev = self.event
-        self._dev.activate()
-        _cuda.check(_cuda.driver().cuStreamWaitEvent(s, ev, 0), "cuStreamWaitEvent")
+        with self._dev.scope():
+            _cuda.check(_cuda.driver().cuStreamWaitEvent(s, ev, 0), "cuStreamWaitEvent")
 
 
 def _destroy_events(dev: _cuda.Device, events: list[Any]) -> None:
     # Destroying an event whose record is still pending is allowed: the driver frees it later.
     try:
-        dev.activate()
         d = _cuda.driver()
-        for ev in events:
-            if ev is not None:
-                d.cuEventDestroy(ev)
+        with dev.scope():
+            for ev in events:
+                if ev is not None:
+                    d.cuEventDestroy(ev)
     except Exception:  # finalizers must not raise
         pass
 
@@ -1034,9 +1061,12 @@ class CudaCopyEngine(CopyEngine):
         self._slot_events: dict[str, list[tuple[Any, Any]]] = {}
         self._slot = {"save": 0, "restore": 0}
         if mode == "kernel":
+            aux = self._streams["aux"]
             for direction in ("save", "restore"):
-                self._staging[direction] = [dev.mem_alloc(staging_bytes) for _ in range(2)]
+                self._staging[direction] = [dev.mem_alloc_async(staging_bytes, aux) for _ in range(2)]
                 self._slot_events[direction] = [(dev.event(), dev.event()) for _ in range(2)]
+            with dev.scope():  # our own stream only: the staging exists before any transfer uses it
+                _cuda.check(_cuda.driver().cuStreamSynchronize(aux), "cuStreamSynchronize")
         self._tables: dict[tuple[Any, ...], _Table] = {}
         self._table_lock = threading.Lock()
         self._checked: set[tuple[Any, ...]] = set()
@@ -1085,7 +1115,7 @@ class CudaCopyEngine(CopyEngine):
         for spec in planes.layout.planes:
             p = spec.index
             arr[4 * p: 4 * p + 4] = [planes.ptrs[p], planes.block_strides[p], spec.offset, spec.nbytes]
-        dev_ptr = self._dev.mem_alloc(nbytes)
+        dev_ptr = self._dev.mem_alloc_async(nbytes, self._streams["aux"])
         d = _cuda.driver()
         _cuda.check(d.cuMemcpyHtoDAsync(dev_ptr, host.address, nbytes, self._streams["aux"]), "table upload")
         ev = self._dev.event()
@@ -1100,12 +1130,12 @@ class CudaCopyEngine(CopyEngine):
         ids = _check_ids(planes, block_ids)
         pages = _check_pages(planes.layout, dst, len(ids), writable=True)
         after_s = _stream_handle(after, "after")
-        self._dev.activate()
         after_ev = None
         if after_s is not None:
             # Recorded now, on the caller's thread: the save sees exactly the work queued so far.
             after_ev = self._dev.event()
-            _cuda.check(_cuda.driver().cuEventRecord(after_ev, after_s), "cuEventRecord(after)")
+            with self._dev.scope():
+                _cuda.check(_cuda.driver().cuEventRecord(after_ev, after_s), "cuEventRecord(after)")
         handle = _CudaHandle(len(ids) * planes.layout.page_nbytes, self)
         handle.keep = (planes, dst)
         self._submit("save", handle, lambda: self._issue_save(handle, planes, ids, pages, after_ev))
@@ -1165,16 +1195,20 @@ class CudaCopyEngine(CopyEngine):
         """``(staging_offset, host_address, nbytes)`` copies for pages ``[lo, hi)``, merged when both
         sides are contiguous (page-major staging + adjacent host pages = one large DMA)."""
         out: list[tuple[int, int, int]] = []
+        s = a = m = -1  # the copy being extended
+        base = 0
         for i in range(lo, hi):
-            page = pages[i]
-            base = (i - lo) * page_nbytes
-            for off, addr, n in zip(page.offsets, page.addresses, page.sizes, strict=True):
-                if out:
-                    s, a, m = out[-1]
-                    if s + m == base + off and a + m == addr:
-                        out[-1] = (s, a, m + n)
-                        continue
-                out.append((base + off, addr, n))
+            offsets, addresses, sizes = pages[i]
+            for off, addr, n in zip(offsets, addresses, sizes, strict=True):
+                if s + m == base + off and a + m == addr:
+                    m += n
+                    continue
+                if m > 0:
+                    out.append((s, a, m))
+                s, a, m = base + off, addr, n
+            base += page_nbytes
+        if m > 0:
+            out.append((s, a, m))
         return out
 
     def _issue_save(self, handle: _CudaHandle, planes: KVPlanes, ids: list[int], pages: list[_Page],
@@ -1256,8 +1290,11 @@ class CudaCopyEngine(CopyEngine):
             self._closed = True
         for w in self._workers.values():
             w.stop()
+        with self._dev.scope():
+            self._release()
+
+    def _release(self) -> None:
         d = _cuda.driver()
-        self._dev.activate()
         problems: list[str] = []
 
         def attempt(result: Any, what: str) -> None:
@@ -1266,14 +1303,18 @@ class CudaCopyEngine(CopyEngine):
             except CopyEngineError as exc:
                 problems.append(str(exc))
 
-        # Only our own streams are synchronised: the device and the engine's streams are not.
+        # Only our own streams are synchronised, never the device or the engine's streams; memory
+        # goes back stream-ordered (cuMemFree could synchronise the whole device).
         for s in self._streams.values():
             attempt(d.cuStreamSynchronize(s), "cuStreamSynchronize")
+        aux = self._streams["aux"]
         for bufs in self._staging.values():
             for ptr in bufs:
-                attempt(d.cuMemFree(ptr), "cuMemFree")
+                attempt(d.cuMemFreeAsync(ptr, aux), "cuMemFreeAsync")
         for t in self._tables.values():
-            attempt(d.cuMemFree(t.dev_ptr), "cuMemFree")
+            attempt(d.cuMemFreeAsync(t.dev_ptr, aux), "cuMemFreeAsync")
+        attempt(d.cuStreamSynchronize(aux), "cuStreamSynchronize")
+        for t in self._tables.values():
             t.host.close()
             d.cuEventDestroy(t.event)
         for pair in self._slot_events.values():

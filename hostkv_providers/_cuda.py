@@ -15,7 +15,9 @@ back to host-only code.  Nothing else in the package may touch ``cuda.bindings``
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from functools import cache
 from typing import Any
 
@@ -137,7 +139,6 @@ class Device:
         self.handle = check(d.cuDeviceGet(ordinal), "cuDeviceGet")
         self.context = check(d.cuDevicePrimaryCtxRetain(self.handle), "cuDevicePrimaryCtxRetain")
         self._local = threading.local()
-        self.activate()
         attr = d.CUdevice_attribute
         self.sm_count = int(check(d.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
                                                          self.handle), "cuDeviceGetAttribute"))
@@ -146,48 +147,82 @@ class Device:
         minor = check(d.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, self.handle),
                       "cuDeviceGetAttribute")
         self.capability = (int(major), int(minor))
-        least, _greatest = check(d.cuCtxGetStreamPriorityRange(), "cuCtxGetStreamPriorityRange")
+        with self.scope():
+            least, _greatest = check(d.cuCtxGetStreamPriorityRange(), "cuCtxGetStreamPriorityRange")
         self.lowest_priority = int(least)
 
     def activate(self) -> None:
-        """Make the primary context current on the calling thread (cached per thread)."""
+        """Make the primary context current for good: only on threads this package owns."""
         if getattr(self._local, "active", False):
             return
         check(driver().cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
         self._local.active = True
 
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[None]:
+        """Make the primary context current for a block on a caller's thread, then restore theirs.
+
+        A caller's thread may have another device current (a multi-GPU engine); switching it for
+        good would move the caller's own CUDA work to our device.
+        """
+        if getattr(self._local, "active", False):
+            yield
+            return
+        d = driver()
+        current = check(d.cuCtxGetCurrent(), "cuCtxGetCurrent")
+        if current is not None and int(current) == int(self.context):
+            yield
+            return
+        check(d.cuCtxPushCurrent(self.context), "cuCtxPushCurrent")
+        try:
+            yield
+        finally:
+            d.cuCtxPopCurrent()
+
     # -- streams and events ------------------------------------------------------------------
     def stream(self, *, low_priority: bool = True) -> Any:
         """A new non-blocking stream (never synchronises with the legacy default stream)."""
         d = driver()
-        self.activate()
         flags = int(d.CUstream_flags.CU_STREAM_NON_BLOCKING)
         prio = self.lowest_priority if low_priority else 0
-        return check(d.cuStreamCreateWithPriority(flags, prio), "cuStreamCreateWithPriority")
+        with self.scope():
+            return check(d.cuStreamCreateWithPriority(flags, prio), "cuStreamCreateWithPriority")
 
     def event(self, *, timing: bool = False) -> Any:
         d = driver()
-        self.activate()
         flags = 0 if timing else int(d.CUevent_flags.CU_EVENT_DISABLE_TIMING)
-        return check(d.cuEventCreate(flags), "cuEventCreate")
+        with self.scope():
+            return check(d.cuEventCreate(flags), "cuEventCreate")
 
     # -- memory ------------------------------------------------------------------------------
     def mem_alloc(self, nbytes: int) -> int:
-        self.activate()
-        return int(check(driver().cuMemAlloc(nbytes), f"cuMemAlloc({nbytes})"))
+        with self.scope():
+            return int(check(driver().cuMemAlloc(nbytes), f"cuMemAlloc({nbytes})"))
+
+    def mem_alloc_async(self, nbytes: int, stream: Any) -> int:
+        """Stream-ordered device memory from the device's default pool (``cuMemAllocAsync``).
+
+        Unlike ``cuMemFree``, its ``cuMemFreeAsync`` never synchronises the device.
+        """
+        with self.scope():
+            return int(check(driver().cuMemAllocAsync(nbytes, stream), f"cuMemAllocAsync({nbytes})"))
+
+    def mem_free_async(self, ptr: int, stream: Any) -> None:
+        with self.scope():
+            check(driver().cuMemFreeAsync(ptr, stream), "cuMemFreeAsync")
 
     def mem_free(self, ptr: int) -> None:
-        self.activate()
-        check(driver().cuMemFree(ptr), "cuMemFree")
+        with self.scope():
+            check(driver().cuMemFree(ptr), "cuMemFree")
 
     def pointer_range(self, ptr: int) -> tuple[int, int, int]:
         """``(start, size, device_ordinal)`` of the device allocation containing ``ptr``."""
         d = driver()
-        self.activate()
         a = d.CUpointer_attribute
-        start = check(d.cuPointerGetAttribute(a.CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, ptr), "pointer range")
-        size = check(d.cuPointerGetAttribute(a.CU_POINTER_ATTRIBUTE_RANGE_SIZE, ptr), "pointer range")
-        ordinal = check(d.cuPointerGetAttribute(a.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr), "pointer device")
+        with self.scope():
+            start = check(d.cuPointerGetAttribute(a.CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, ptr), "pointer range")
+            size = check(d.cuPointerGetAttribute(a.CU_POINTER_ATTRIBUTE_RANGE_SIZE, ptr), "pointer range")
+            ordinal = check(d.cuPointerGetAttribute(a.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr), "pointer device")
         return int(start), int(size), int(ordinal)
 
 
@@ -202,7 +237,6 @@ def device(ordinal: int = 0) -> Device:
         if dev is None:
             dev = Device(ordinal)
             _devices[ordinal] = dev
-    dev.activate()
     return dev
 
 
@@ -282,6 +316,6 @@ def compile_module(source: str, name: str, capability: tuple[int, int], options:
 def load_function(dev: Device, image: bytes, name: str) -> Any:
     """Load a compiled module into ``dev``'s context and return the kernel ``name``."""
     d = driver()
-    dev.activate()
-    module = check(d.cuModuleLoadData(image), "cuModuleLoadData")
-    return check(d.cuModuleGetFunction(module, name.encode()), f"cuModuleGetFunction({name})")
+    with dev.scope():
+        module = check(d.cuModuleLoadData(image), "cuModuleLoadData")
+        return check(d.cuModuleGetFunction(module, name.encode()), f"cuModuleGetFunction({name})")

@@ -167,6 +167,20 @@ def test_save_waits_for_the_compute_stream(allocator: Any) -> None:
     h = eng.save(dp.planes, list(range(16)), pages, after=compute)
     h.wait()
     assert bytes(mem.view) == b"\x07" * (16 * layout.page_nbytes)
+    # a raw CUstream int works the same; the handle is pending while the stream is busy
+    with torch.cuda.stream(compute):
+        torch.cuda._sleep(1_000_000_000)  # ~0.5 s
+        for t in dp.owners:
+            t.fill_(8)
+    h = eng.save(dp.planes, list(range(16)), pages, after=compute.cuda_stream)
+    assert h.wait(timeout=0.001) is False and not h.done() and h.seconds is None
+    assert h.wait(timeout=60)
+    assert bytes(mem.view) == b"\x08" * (16 * layout.page_nbytes)
+    # the legacy default stream (torch's current stream unless told otherwise)
+    for t in dp.owners:
+        t.fill_(9)
+    eng.save(dp.planes, [3], pages[:1], after=torch.cuda.current_stream()).wait()
+    assert bytes(pages[0][0].view) == b"\x09" * layout.page_nbytes
     eng.close()
 
 
