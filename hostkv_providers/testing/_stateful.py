@@ -23,9 +23,16 @@ from typing import TYPE_CHECKING, Any
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
-from .._errors import CapacityError, IncompleteWriteError, InFlightError, InvalidArgumentError, UnknownKeyError
+from .._errors import CapacityError, IncompleteWriteError, InFlightError, UnknownKeyError
 from .._keys import Key
 from .._provider import Lease, Provider, Reservation
 from .._span import ByteSpan
@@ -39,6 +46,12 @@ __all__ = ["ProviderStateMachine", "run_provider_state_machine"]
 POOL_SIZE = 10
 BUDGET_PAGES = 8
 ANCHOR_NAMES = ("state", "mtp")
+
+# Rules pick keys by kind so most steps do something (a uniform pick would mostly miss).
+_INDEX = st.integers(0, 1 << 16)
+_NEW_KEY = st.sampled_from(("fresh", "fresh", "fresh", "sealed", "any"))
+_PARENT = st.sampled_from(("sealed", "sealed", "sealed", "root", "root", "any"))
+_EXISTING = st.sampled_from(("sealed", "sealed", "sealed", "any"))
 
 
 def content(key: Key, version: int, nbytes: int) -> bytes:
@@ -142,17 +155,54 @@ class ProviderStateMachine(RuleBasedStateMachine):
         got = self.p.read_bytes(key)
         assert got == content(key, e.version, e.nbytes), f"wrong bytes for {key.hex()[:8]}"
 
+    def _pick(self, i: int, kind: str) -> Key:
+        """A pool key: ``sealed`` (one the oracle holds), ``fresh`` (neither sealed nor open) or
+        ``any``; falls back to any key when the wanted kind is empty."""
+        if kind == "sealed":
+            cands = sorted(self.sealed)
+        elif kind == "fresh":
+            cands = [k for k in self.pool if k not in self.sealed and k not in self.open]
+        else:
+            cands = []
+        if not cands:
+            cands = self.pool
+        return cands[i % len(cands)]
+
     # -- rules ---------------------------------------------------------------------------------
-    @rule(k=st.integers(0, POOL_SIZE - 1), parent=st.none() | st.integers(0, POOL_SIZE - 1),
-          npages=st.integers(1, 3))
-    def reserve(self, k: int, parent: int | None, npages: int) -> None:
-        key = self.pool[k]
-        pkey = None if parent is None or parent == k else self.pool[parent]
+    @initialize(steps=st.lists(st.tuples(_INDEX, _PARENT, st.integers(1, 2)), min_size=2, max_size=6))
+    def seed_forest(self, steps: list[tuple[int, str, int]]) -> None:
+        """Start from a small stored forest so every example exercises hits and eviction."""
+        for j, parent_kind, npages in steps:
+            self.put(j, "fresh", j, parent_kind, npages)
+
+    @rule(i=_INDEX, kind=_NEW_KEY, j=_INDEX, parent_kind=_PARENT, npages=st.integers(1, 3))
+    def reserve(self, i: int, kind: str, j: int, parent_kind: str, npages: int) -> None:
+        """Reserve and leave the reservation open (written and sealed by later rules)."""
+        self._reserve(i, kind, j, parent_kind, npages)
+
+    @rule(i=_INDEX, kind=_NEW_KEY, j=_INDEX, parent_kind=_PARENT, npages=st.integers(1, 3))
+    def put(self, i: int, kind: str, j: int, parent_kind: str, npages: int) -> None:
+        """The common path in one step: reserve, write everything, seal."""
+        key = self._reserve(i, kind, j, parent_kind, npages)
+        if key is not None:
+            o = self.open[key]
+            self.p.write(o.res, 0, content(key, o.version, o.nbytes))
+            o.mask[:] = b"\x01" * o.nbytes
+            self._seal(key)
+
+    def _reserve(self, i: int, kind: str, j: int, parent_kind: str, npages: int) -> Key | None:
+        key = self._pick(i, kind)
+        if parent_kind == "root" or (parent_kind == "sealed" and not self.sealed):
+            pkey = None
+        else:
+            pkey = self._pick(j, parent_kind)
+        if pkey == key:
+            pkey = None
         nbytes = npages * self.page
         before = set(self.sealed)
         if key in self.sealed:
             assert self.p.reserve(key, pkey, nbytes) is None, "reserve of a sealed key must dedup"
-            return
+            return None
         if key in self.open:
             try:
                 self.p.reserve(key, pkey, nbytes)
@@ -160,16 +210,16 @@ class ProviderStateMachine(RuleBasedStateMachine):
                 assert exc.key == key
             else:
                 raise AssertionError("a second reservation of an in-flight key must raise InFlightError")
-            return
+            return None
         if pkey is not None and pkey not in self.sealed:
             try:
                 self.p.reserve(key, pkey, nbytes)
-            except (UnknownKeyError, InvalidArgumentError):
+            except UnknownKeyError:
                 pass
             else:
                 raise AssertionError("reserve under a parent that is not sealed must raise UnknownKeyError")
             assert self.p.in_flight(key) is False
-            return
+            return None
         try:
             res = self.p.reserve(key, pkey, nbytes)
         except CapacityError:
@@ -181,15 +231,16 @@ class ProviderStateMachine(RuleBasedStateMachine):
             assert pinned_bytes + nbytes + 2 * self.page > self.budget, (
                 f"CapacityError for {nbytes} bytes with only {pinned_bytes} pinned of {self.budget}"
             )
-            return
+            return None
         assert res is not None
         self.version += 1
         self.open[key] = _Open(res, pkey, nbytes, self.version, bytearray(nbytes))
         gone = self._sync()
         assert gone <= before
+        return key
 
     @precondition(lambda self: bool(self.open))
-    @rule(i=st.integers(0, 1 << 16), lo=st.integers(0, 3 * 4096), length=st.integers(1, 3 * 4096))
+    @rule(i=_INDEX, lo=st.integers(0, 3 * 4096), length=st.integers(1, 3 * 4096))
     def write_part(self, i: int, lo: int, length: int) -> None:
         o = list(self.open.values())[i % len(self.open)]
         lo = lo % o.nbytes
@@ -199,16 +250,18 @@ class ProviderStateMachine(RuleBasedStateMachine):
         o.mask[lo:hi] = b"\x01" * (hi - lo)
 
     @precondition(lambda self: bool(self.open))
-    @rule(i=st.integers(0, 1 << 16))
+    @rule(i=_INDEX)
     def write_all(self, i: int) -> None:
         o = list(self.open.values())[i % len(self.open)]
         self.p.write(o.res, 0, content(o.res.key, o.version, o.nbytes))
         o.mask[:] = b"\x01" * o.nbytes
 
     @precondition(lambda self: bool(self.open))
-    @rule(i=st.integers(0, 1 << 16))
+    @rule(i=_INDEX)
     def seal(self, i: int) -> None:
-        key = list(self.open)[i % len(self.open)]
+        self._seal(list(self.open)[i % len(self.open)])
+
+    def _seal(self, key: Key) -> None:
         o = self.open[key]
         if not o.complete:
             try:
@@ -224,19 +277,22 @@ class ProviderStateMachine(RuleBasedStateMachine):
         self._check_bytes(key)
 
     @precondition(lambda self: bool(self.open))
-    @rule(i=st.integers(0, 1 << 16))
-    def abort(self, i: int) -> None:
+    @rule(i=_INDEX, fill=st.booleans())
+    def abort(self, i: int, fill: bool) -> None:
         key = list(self.open)[i % len(self.open)]
-        self.p.abort(self.open.pop(key).res)
+        o = self.open.pop(key)
+        if fill:  # a fully written entry that is aborted must vanish just the same
+            self.p.write(o.res, 0, content(key, o.version, o.nbytes))
+        self.p.abort(o.res)
         assert self.p.present([key]) == [False]
         assert self.p.in_flight(key) is False
         assert self.p.read(key, bytearray(self.page)) is False
         self._sync(allow_evictions=False)
 
-    @rule(k=st.integers(0, POOL_SIZE - 1), offset=st.integers(0, 3 * 4096), length=st.integers(0, 3 * 4096),
+    @rule(i=_INDEX, kind=_EXISTING, offset=st.integers(0, 3 * 4096), length=st.integers(0, 3 * 4096),
           whole=st.booleans())
-    def read(self, k: int, offset: int, length: int, whole: bool) -> None:
-        key = self.pool[k]
+    def read(self, i: int, kind: str, offset: int, length: int, whole: bool) -> None:
+        key = self._pick(i, kind)
         e = self.sealed.get(key)
         if e is None:
             assert self.p.read(key, bytearray(3 * self.page)) is False
@@ -257,9 +313,9 @@ class ProviderStateMachine(RuleBasedStateMachine):
         for name, blob in e.anchors.items():
             assert self.p.get_anchor(key, name) == blob
 
-    @rule(ks=st.lists(st.integers(0, POOL_SIZE - 1), min_size=1, max_size=3))
-    def evict_keys(self, ks: list[int]) -> None:
-        keys = [self.pool[k] for k in ks]
+    @rule(ks=st.lists(_INDEX, min_size=1, max_size=3), kind=_EXISTING)
+    def evict_keys(self, ks: list[int], kind: str) -> None:
+        keys = [self._pick(i, kind) for i in ks]
         protected = self._protected()
         doomed: set[Key] = set()
         for k in keys:
@@ -283,24 +339,24 @@ class ProviderStateMachine(RuleBasedStateMachine):
             assert report.entries >= 1 and gone, "evict(nbytes) freed nothing although entries were evictable"
         assert gone <= evictable
 
-    @rule(ks=st.lists(st.integers(0, POOL_SIZE - 1), min_size=1, max_size=4))
-    def lease(self, ks: list[int]) -> None:
+    @rule(ks=st.lists(_INDEX, min_size=1, max_size=4), kind=_EXISTING)
+    def lease(self, ks: list[int], kind: str) -> None:
         if len(self.leases) >= 3:
             return
-        keys = [self.pool[k] for k in ks]
+        keys = [self._pick(i, kind) for i in ks]
         lease = self.p.lease(keys)
         assert lease.present == tuple(k in self.sealed for k in keys)
         self.leases.append((lease, [k for k in keys if k in self.sealed]))
 
     @precondition(lambda self: bool(self.leases))
-    @rule(i=st.integers(0, 1 << 16))
+    @rule(i=_INDEX)
     def release(self, i: int) -> None:
         lease, _ = self.leases.pop(i % len(self.leases))
         lease.release()
 
-    @rule(k=st.integers(0, POOL_SIZE - 1), name=st.sampled_from(ANCHOR_NAMES), size=st.integers(0, 200))
-    def put_anchor(self, k: int, name: str, size: int) -> None:
-        key = self.pool[k]
+    @rule(i=_INDEX, kind=_EXISTING, name=st.sampled_from(ANCHOR_NAMES), size=st.integers(0, 200))
+    def put_anchor(self, i: int, kind: str, name: str, size: int) -> None:
+        key = self._pick(i, kind)
         blob = page_bytes(bytes(key) + name.encode() + bytes([size % 256]), size)
         e = self.sealed.get(key)
         if e is None:

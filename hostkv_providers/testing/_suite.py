@@ -89,6 +89,8 @@ class ProviderTests:
     #: Hypothesis budget of the stateful test.
     stateful_examples: ClassVar[int] = 25
     stateful_steps: ClassVar[int] = 40
+    #: Extra ``hypothesis.settings`` for the stateful test (e.g. ``{"phases": [Phase.generate]}``).
+    stateful_settings: ClassVar[dict[str, Any]] = {}
 
     # -- the interface a provider's test class implements --------------------------------------
     def make_provider(self, tmp_path: Path, budget_bytes: int) -> Provider:
@@ -442,15 +444,18 @@ class ProviderTests:
         nbytes = self._pages(1)
         root = key_of("flight-root")
         put_page(p, root, None, nbytes)
+        spare = key_of("flight-spare")
+        put_page(p, spare, None, nbytes)
         held = []
         for i in range(5):
             r = p.reserve(key_of(f"flight-{i}"), root, nbytes)
             assert r is not None
             held.append(r)
-        # 1 sealed parent (pinned by its in-flight children) + 5 in flight: 3 pages can't fit
+        # 1 sealed parent (pinned by its in-flight children) + 5 in flight + 1 evictable spare:
+        # 3 more pages can never fit, so the spare must survive the refusal
         with pytest.raises(CapacityError):
             p.reserve(key_of("flight-big"), None, self._pages(3))
-        assert p.present([root]) == [True]
+        assert p.present([root, spare]) == [True, True]
         assert p.evict([root]).entries == 0  # the parent of in-flight entries stays
         assert p.present([root]) == [True]
         for i, r in enumerate(held):
@@ -1200,7 +1205,7 @@ class ProviderTests:
     def test_stateful(self, tmp_path: Path) -> None:
         from ._stateful import run_provider_state_machine
 
-        run_provider_state_machine(self, tmp_path)
+        run_provider_state_machine(self, tmp_path, **self.stateful_settings)
 
     # -- private -------------------------------------------------------------------------------
     def _has_backdoor_read(self) -> bool:
