@@ -985,6 +985,8 @@ class MmapProvider(Provider):
         self._jrecords = len(jrecs)
         recs = np.concatenate([snap, jrecs]) if len(jrecs) else snap
         self._apply_records(recs)
+        # new records must sort after everything the snapshot covers
+        self._idx.clock = max(self._idx.clock, snap_seq + 1)
         self._state_sig = self._signature()
 
     def _signature(self) -> tuple[Any, ...]:

@@ -368,26 +368,33 @@ def _run_workload(provider: Provider, w: Workload, rng: random.Random, cycle: in
     chains = [[key_of(f"crash/{seed}/{cycle}/{c}/{i}") for i in range(w.chain_len)] for c in range(w.chains)]
     written = [0] * w.chains  # sealed prefix length per chain
     sealed: list[Key] = []
+    ops = [("read", w.p_read), ("evict", w.p_evict), ("anchor", w.p_anchor), ("lease", w.p_lease),
+           ("dedup", w.p_dedup), ("compact", w.p_compact)]
     for _ in range(w.steps):
         r = rng.random()
+        op = "write"
+        for name, p in ops:
+            if r < p:
+                op = name
+                break
+            r -= p
         c = rng.randrange(w.chains)
-        if r < w.p_read and sealed:
+        if op == "read" and sealed:
             key = rng.choice(sealed)
             data = provider.read_bytes(key)
             if data is not None and data != page_bytes(key, w.page_nbytes):
                 os.write(wfd, _WRONG + key)
             continue
-        r -= w.p_read
-        if r < w.p_evict and written[c]:
+        if op == "evict" and written[c]:
             cut = rng.randrange(written[c])
             for k in chains[c][cut : written[c]]:
                 os.write(wfd, _WILL_EVICT + k)  # announced before the evict call
             provider.evict([chains[c][cut]])
-            sealed = [k for k in sealed if k not in set(chains[c][cut:])]
+            gone = set(chains[c][cut:])
+            sealed = [k for k in sealed if k not in gone]
             written[c] = cut
             continue
-        r -= w.p_evict
-        if r < w.p_anchor and sealed:
+        if op == "anchor" and sealed:
             key = rng.choice(sealed)
             try:
                 provider.put_anchor(key, ANCHOR_NAME, anchor_bytes(key, ANCHOR_NAME, _anchor_nbytes(key)))
@@ -395,21 +402,18 @@ def _run_workload(provider: Provider, w: Workload, rng: random.Random, cycle: in
                 continue
             os.write(wfd, _ACK_ANCHOR + key)
             continue
-        r -= w.p_anchor
-        if r < w.p_lease and sealed:
+        if op == "lease" and sealed:
             with provider.lease(rng.sample(sealed, min(3, len(sealed)))):
                 pass
             continue
-        r -= w.p_lease
-        if r < w.p_dedup and sealed:
+        if op == "dedup" and sealed:
             key = rng.choice(sealed)
-            idx = next(i for ch in chains if key in ch for i, k in enumerate(ch) if k == key)
-            parent = None if idx == 0 else next(ch for ch in chains if key in ch)[idx - 1]
+            ch = next(ch for ch in chains if key in ch)
+            idx = ch.index(key)
             with contextlib.suppress(UnknownKeyError):
-                provider.put(key, parent, page_bytes(key, w.page_nbytes))
+                provider.put(key, ch[idx - 1] if idx else None, page_bytes(key, w.page_nbytes))
             continue
-        r -= w.p_dedup
-        if r < w.p_compact and isinstance(provider, SupportsCompact):
+        if op == "compact" and isinstance(provider, SupportsCompact):
             provider.compact()
             continue
         # write the next page of chain c (or abort one)
