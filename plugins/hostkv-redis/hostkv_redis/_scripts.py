@@ -35,7 +35,10 @@ __all__ = ["SCRIPTS", "TRAILER_NBYTES"]
 #: Bytes appended to every stored page: key (32) + checksum (8) + nbytes (8) + magic (8).
 TRAILER_NBYTES = 56
 
-_PRELUDE = r"""
+# ``allow-oom``: the bookkeeping scripts must run even when the server is at maxmemory (reads
+# refresh LRU ticks, releases/aborts/evictions free space); the page bytes themselves arrive by
+# plain SET, which maxmemory still refuses.  Needs Redis >= 7.0 (or Valkey) for script flags.
+_PRELUDE = r"""#!lua flags=allow-oom
 local M = KEYS[1]
 local P = string.sub(M, 1, -2)
 local LRU = P .. 'lru'

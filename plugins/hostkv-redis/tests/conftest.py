@@ -55,10 +55,16 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClu
 
 @pytest.fixture
 def make_redis(redis_server: RedisServer) -> Iterator[object]:
-    """``make(budget_bytes=..., namespace=None, **kw) -> RedisProvider``; closed at teardown."""
+    """``make(budget_bytes=..., namespace=None, **kw) -> RedisProvider``; closed at teardown.
+
+    Without ``namespace`` a fresh store (budget default 1 MiB); with one, a second client of it
+    (budget default: the store's).
+    """
     made: list[RedisProvider] = []
 
-    def make(budget_bytes: int | None = 1 << 20, namespace: str | None = None, **kw: object) -> RedisProvider:
+    def make(budget_bytes: int | None = None, namespace: str | None = None, **kw: object) -> RedisProvider:
+        if namespace is None and budget_bytes is None:
+            budget_bytes = 1 << 20
         p = RedisProvider(redis_server.url, budget_bytes=budget_bytes,
                           namespace=namespace or unique_namespace(), **kw)  # type: ignore[arg-type]
         made.append(p)

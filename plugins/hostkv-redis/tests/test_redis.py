@@ -1,0 +1,341 @@
+"""What the conformance suite cannot see: many clients, expiry, batching, identity, URLs, OOM."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from conftest import unique_namespace
+from fsck import fsck
+
+import hostkv_providers
+from hostkv_providers import (
+    CapacityError,
+    IncompatibleStoreError,
+    InFlightError,
+    InvalidArgumentError,
+    NoSpaceError,
+    UnknownKeyError,
+)
+from hostkv_providers.testing import chain, key_of, page_bytes
+from hostkv_redis import (
+    RedisClusterProvider,
+    RedisProvider,
+    RedissProvider,
+    ReservationLostError,
+    ServerOutOfMemoryError,
+)
+from hostkv_redis.servers import RedisServer
+
+PAGE = 4096
+Make = Callable[..., RedisProvider]
+
+
+def _expire_now(server: RedisServer, namespace: str) -> None:
+    """Backdoor: make every lease and reservation of the store look expired (as if its client
+    had died ``ttl`` ago), deterministically, without waiting."""
+    with server.client() as c:
+        for zset in ("lz", "fz"):
+            name = f"hkv:{{{namespace}}}:{zset}"
+            for member in c.zrange(name, 0, -1):
+                c.zadd(name, {member: 0})
+
+
+def _put_chain(p: RedisProvider, keys: list[Any], parent: Any = None) -> None:
+    for k in keys:
+        p.put(k, parent, page_bytes(k, PAGE))
+        parent = k
+
+
+def _consistent(server: RedisServer, p: RedisProvider, quiescent: bool = True) -> None:
+    with server.client() as c:
+        assert fsck(c, p.namespace, quiescent=quiescent) == []
+
+
+# -- URLs, registration, identity --------------------------------------------------------------
+def test_entry_points_and_url(redis_server: RedisServer) -> None:
+    names = {i.name: i for i in hostkv_providers.available_providers()}
+    for scheme in ("redis", "rediss", "redis+cluster", "rediss+cluster"):
+        assert names[scheme].distribution == "hostkv-redis"
+        assert names[scheme].error is None
+        assert {"persistent", "multiprocess", "iterate", "verify"} <= names[scheme].capabilities
+    assert hostkv_providers.provider_class("rediss") is RedissProvider
+    assert hostkv_providers.provider_class("redis+cluster") is RedisClusterProvider
+    ns = unique_namespace()
+    url = f"redis://127.0.0.1:{redis_server.port}/0?budget=64KiB&namespace={ns}&lease_ttl=5&verify=never"
+    with hostkv_providers.open(url) as p:
+        assert isinstance(p, RedisProvider)
+        assert p.budget_bytes == 65536
+        assert p.describe()["lease_ttl_s"] == 5.0
+        assert p.put(key_of("u"), None, b"x" * PAGE)
+    with hostkv_providers.open(f"redis://127.0.0.1:{redis_server.port}/0?namespace={ns}") as p:
+        assert p.budget_bytes == 65536  # the store's recorded budget
+        assert p.read_bytes(key_of("u")) == b"x" * PAGE
+
+
+@pytest.mark.parametrize("url, what", [
+    ("redis://127.0.0.1:1/0?bogus=1", "unknown option"),
+    ("redis://127.0.0.1:1/0?namespace=a{b}", "namespace"),
+    ("redis://127.0.0.1:1/0?namespace=a*", "namespace"),
+    ("redis:///nohost", "needs a host"),
+    ("redis://127.0.0.1:1/0?budget=lots", "not a size"),
+    ("redis://127.0.0.1:1/0?lease_ttl=-1", "lease_ttl"),
+    ("redis://127.0.0.1:1/0?verify=maybe", "verify"),
+])
+def test_bad_urls(url: str, what: str) -> None:
+    with pytest.raises(InvalidArgumentError, match=what):
+        hostkv_providers.open(url)
+
+
+def test_unreachable_server_is_typed() -> None:
+    from hostkv_redis.servers import free_port
+
+    with pytest.raises(hostkv_providers.StorageIOError) as err:
+        RedisProvider(f"redis://127.0.0.1:{free_port()}/0", timeout=0.5, retries=0)
+    assert err.value.hint
+
+
+def test_password_redacted(redis_server: RedisServer) -> None:
+    with pytest.raises(hostkv_providers.StorageIOError) as err:
+        RedisProvider(f"redis://user:s3cret@127.0.0.1:{redis_server.port}/0", retries=0)
+    assert "s3cret" not in str(err.value)
+
+
+def test_identity_and_budget(make_redis: Make, redis_server: RedisServer) -> None:
+    p = make_redis(budget_bytes=8 * PAGE)
+    ns = p.namespace
+    _put_chain(p, chain("id", 6))
+    with pytest.raises(IncompatibleStoreError, match="budget"):
+        RedisProvider(redis_server.url, namespace=ns, budget_bytes=4 * PAGE)
+    # shrinking with resize evicts LRU leaves down to the new budget
+    q = make_redis(namespace=ns, budget_bytes=4 * PAGE, resize=True)
+    assert q.budget_bytes == 4 * PAGE and q.stats().used_bytes <= 4 * PAGE
+    assert q.longest_prefix(chain("id", 6)) == 4
+    # a shrink that leases forbid is refused, and evicts nothing
+    with q.lease(chain("id", 4)), pytest.raises(CapacityError):
+        RedisProvider(redis_server.url, namespace=ns, budget_bytes=PAGE, resize=True)
+    assert q.longest_prefix(chain("id", 6)) == 4
+    # another format on the server is refused
+    with redis_server.client() as c:
+        c.hset(f"hkv:{{{ns}}}:m", "format", "999")
+    with pytest.raises(IncompatibleStoreError, match="format"):
+        RedisProvider(redis_server.url, namespace=ns)
+    with redis_server.client() as c:
+        c.hset(f"hkv:{{{ns}}}:m", "format", str(hostkv_providers.FORMAT_VERSION))
+
+
+# -- many clients ------------------------------------------------------------------------------
+def test_leases_are_respected_by_other_clients(make_redis: Make, redis_server: RedisServer) -> None:
+    a = make_redis(budget_bytes=6 * PAGE)
+    b = make_redis(namespace=a.namespace)
+    keys = chain("lease-x", 4)
+    _put_chain(a, keys)
+    with a.lease(keys) as lease:
+        assert lease.prefix_len == 4
+        assert b.stats().leased == 4
+        # b fills the rest; then nothing is evictable but its own chain
+        _put_chain(b, chain("lease-b", 2))
+        with pytest.raises(CapacityError):
+            b.put(key_of("lease-big"), None, b"y" * (3 * PAGE))
+        assert b.evict(keys).skipped == 4
+        assert b.longest_prefix(keys) == 4
+        _consistent(redis_server, a)
+    # released: b may now evict them
+    assert b.put(key_of("lease-big"), None, b"y" * (3 * PAGE))
+    assert b.longest_prefix(keys) < 4
+    _consistent(redis_server, a)
+
+
+def test_dead_clients_lease_and_reservation_expire(make_redis: Make, redis_server: RedisServer) -> None:
+    a = make_redis(budget_bytes=4 * PAGE, keepalive=False)
+    b = make_redis(namespace=a.namespace)
+    keys = chain("dead", 3)
+    _put_chain(a, keys)
+    lease = a.lease(keys)
+    res = a.reserve(key_of("dead-open"), keys[-1], PAGE)
+    assert res is not None
+    assert b.in_flight(key_of("dead-open"))
+    with pytest.raises(InFlightError):
+        b.reserve(key_of("dead-open"), keys[-1], PAGE)
+    with pytest.raises(CapacityError):
+        b.put(key_of("dead-big"), None, b"z" * (2 * PAGE))
+    _expire_now(redis_server, a.namespace)  # a "crashed" ttl ago
+    assert not b.in_flight(key_of("dead-open"))  # reaped
+    st = b.stats()
+    assert st.leased == 0 and st.in_flight == 0
+    assert st.extra["expired_leases"] == 1 and st.extra["expired_reservations"] == 1
+    # the space and the pins are back: b may take the key and evict a's chain
+    assert b.put(key_of("dead-open"), keys[-1], page_bytes(key_of("dead-open"), PAGE))
+    assert b.put(key_of("dead-big"), None, b"z" * (2 * PAGE))
+    # a's late seal cannot publish anything
+    res.write(0, b"\x00" * PAGE)
+    with pytest.raises(ReservationLostError):
+        res.seal()
+    lease.release()  # stale: must not unpin anything it no longer holds
+    _consistent(redis_server, b)
+
+
+def test_renew_keeps_leases_alive(make_redis: Make, redis_server: RedisServer) -> None:
+    a = make_redis(keepalive=False, lease_ttl=1000.0)
+    keys = chain("renew", 2)
+    _put_chain(a, keys)
+    lease = a.lease(keys)
+    res = a.reserve(key_of("renew-open"), None, PAGE)
+    assert res is not None
+    with redis_server.client() as c:
+        lz, fz = f"hkv:{{{a.namespace}}}:lz", f"hkv:{{{a.namespace}}}:fz"
+        before = (c.zscore(lz, lease.token), c.zscore(fz, res.key.hex()))
+        c.zadd(lz, {lease.token: before[0] - 500_000})
+        c.zadd(fz, {res.key.hex(): before[1] - 50_000})
+        assert a.renew() == []
+        after = (c.zscore(lz, lease.token), c.zscore(fz, res.key.hex()))
+    assert after[0] >= before[0] and after[1] >= before[1]
+    res.abort()
+    lease.release()
+    assert a.renew() == []
+
+
+def test_in_flight_dedup_across_clients(make_redis: Make) -> None:
+    a = make_redis()
+    b = make_redis(namespace=a.namespace)
+    k = key_of("shared-page")
+    res = a.reserve(k, None, PAGE)
+    assert res is not None
+    with pytest.raises(InFlightError) as err:
+        b.reserve(k, None, PAGE)
+    assert err.value.key == k
+    res.write(0, page_bytes(k, PAGE))
+    res.seal()
+    assert b.wait_sealed(k, 5.0)
+    assert b.reserve(k, None, PAGE) is None  # dedup
+    assert b.stats().dedup == 1
+
+
+def test_lru_is_store_wide(make_redis: Make) -> None:
+    a = make_redis(budget_bytes=4 * PAGE)
+    b = make_redis(namespace=a.namespace)
+    old, new = key_of("lru-old"), key_of("lru-new")
+    a.put(old, None, page_bytes(old, PAGE))
+    a.put(new, None, page_bytes(new, PAGE))
+    _put_chain(a, chain("lru-fill", 2))
+    assert b.read_bytes(old) == page_bytes(old, PAGE)  # b's read refreshes it for everyone
+    a.put(key_of("lru-push"), None, b"p" * PAGE)
+    assert a.present([old, new]) == [True, False]
+
+
+# -- batching ----------------------------------------------------------------------------------
+class _Trips:
+    """Counts network round trips (calls through the connection wrapper)."""
+
+    def __init__(self, p: RedisProvider, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.n = 0
+        run = p._link.run
+
+        def counted(fn: Any, on_nostore: Any) -> Any:
+            self.n += 1
+            return run(fn, on_nostore)
+
+        monkeypatch.setattr(p._link, "run", counted)
+
+
+def test_long_chains_are_batched(make_redis: Make, monkeypatch: pytest.MonkeyPatch, redis_server: RedisServer) -> None:
+    p = make_redis(budget_bytes=8192 * 64)
+    keys = chain("long", 8192)
+    trips = _Trips(p, monkeypatch)
+    data = [bytes([i % 251]) * 64 for i in range(8192)]
+    result = p.put_many([(k, keys[i - 1] if i else None, data[i]) for i, k in enumerate(keys)])
+    assert result == [True] * 8192
+    assert trips.n == 2 * 8  # per 1,024 pages: one reserve script, one pipeline of SETs + seal script
+    trips.n = 0
+    assert p.longest_prefix(keys) == 8192
+    assert p.longest_prefix([*keys[:5000], key_of("nope"), *keys[5001:]]) == 5000
+    assert p.present(keys[::2]) == [True] * 4096
+    assert trips.n == 3
+    trips.n = 0
+    with p.lease(keys) as lease:
+        assert lease.prefix_len == 8192
+        outs = [bytearray(64) for _ in keys]
+        assert p.read_many(list(lease.keys), outs) == [True] * 8192
+    assert trips.n == 3  # lease, one pipelined read of 8,192 pages, release
+    assert all(bytes(o) == d for o, d in zip(outs, data, strict=True))
+    assert p.deepest_anchor(keys, "state") == 0
+    p.put_anchor(keys[6000], "state", b"s")
+    assert p.deepest_anchor(keys, "state") == 6001
+    _consistent(redis_server, p)
+
+
+def test_put_many_outcomes(make_redis: Make, redis_server: RedisServer) -> None:
+    p = make_redis(budget_bytes=8 * PAGE)
+    other = make_redis(namespace=p.namespace)
+    keys = chain("many", 5)
+    p.put(keys[0], None, page_bytes(keys[0], PAGE))
+    held = other.reserve(key_of("many-busy"), None, PAGE)
+    assert held is not None
+    items: list[tuple[Any, Any, bytes]] = [(k, keys[i - 1] if i else None, page_bytes(k, PAGE)) for i, k in enumerate(keys)]
+    items.append((key_of("many-busy"), None, b"b" * PAGE))
+    items.append((key_of("many-orphan"), key_of("many-missing"), b"o" * PAGE))
+    items.append((key_of("many-huge"), None, b"h" * (9 * PAGE)))
+    out = p.put_many(items)
+    assert out[:5] == [False, True, True, True, True]
+    assert isinstance(out[5], InFlightError)
+    assert isinstance(out[6], UnknownKeyError)
+    assert isinstance(out[7], CapacityError)
+    assert p.read_many_bytes(keys) == [page_bytes(k, PAGE) for k in keys]
+    held.abort()
+    # a chain whose middle page fails: the pages after it fail too, nothing dangles
+    q = make_redis(budget_bytes=3 * PAGE)
+    ks = chain("many-cut", 5)
+    out = q.put_many([(k, ks[i - 1] if i else None, page_bytes(k, PAGE)) for i, k in enumerate(ks)])
+    assert out[:3] == [True, True, True]
+    assert isinstance(out[3], CapacityError)  # the batch's own pages are in flight: not evictable
+    assert isinstance(out[4], UnknownKeyError)  # its parent failed
+    assert q.longest_prefix(ks) == 3
+    _consistent(redis_server, p)
+    _consistent(redis_server, q)
+
+
+def test_read_many_misses_and_bad_buffers(make_redis: Make) -> None:
+    p = make_redis()
+    k = key_of("rm")
+    p.put(k, None, page_bytes(k, PAGE))
+    outs = [bytearray(PAGE), bytearray(PAGE)]
+    assert p.read_many([k, key_of("rm-miss")], outs) == [True, False]
+    assert bytes(outs[0]) == page_bytes(k, PAGE)
+    with pytest.raises(InvalidArgumentError):
+        p.read_many([k], [bytearray(10)])
+    with pytest.raises(InvalidArgumentError):
+        p.read_many([k], [])
+    with pytest.raises(InvalidArgumentError):
+        p.put_many([(k, None)])  # type: ignore[list-item]
+
+
+# -- corruption from outside -------------------------------------------------------------------
+def test_bytes_deleted_outside_are_a_miss(make_redis: Make, redis_server: RedisServer) -> None:
+    p = make_redis()
+    keys = chain("orphan", 4)
+    _put_chain(p, keys)
+    with redis_server.client() as c:
+        c.delete(f"hkv:{{{p.namespace}}}:d:{keys[1].hex()}")  # e.g. a server-side maxmemory eviction
+        c.rename(f"hkv:{{{p.namespace}}}:d:{keys[3].hex()}", f"hkv:{{{p.namespace}}}:d:{keys[2].hex()}")
+    assert p.read_bytes(keys[2]) is None  # bytes of another key under its name: key echo mismatch
+    assert p.read_bytes(keys[1]) is None
+    assert p.longest_prefix(keys) == 1
+    assert p.stats().checksum_failures == 2
+    _consistent(redis_server, p)
+
+
+def test_server_out_of_memory_is_typed(tmp_path: Any) -> None:
+    with RedisServer(tmp_path / "oom", extra_args=("--maxmemory", "3mb", "--maxmemory-policy", "noeviction")) as s:
+        p = RedisProvider(s.url, budget_bytes=64 << 20, namespace="oom")
+        stored = []
+        with pytest.raises(NoSpaceError) as err:
+            for i in range(64):
+                k = key_of(f"oom-{i}")
+                p.put(k, None, page_bytes(k, 256 << 10))
+                stored.append(k)
+        assert isinstance(err.value, ServerOutOfMemoryError)
+        assert stored and p.read_many_bytes(stored) == [page_bytes(k, 256 << 10) for k in stored]
+        st = p.stats()
+        assert st.in_flight == 0 and st.used_bytes == len(stored) * (256 << 10)
+        p.close()
