@@ -33,6 +33,7 @@ import contextlib
 import ctypes
 import errno
 import mmap
+import os
 import queue
 import threading
 import time
@@ -43,7 +44,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import _cuda
-from ._errors import ClosedError, CopyEngineError, InFlightError, InvalidArgumentError
+from ._errors import ClosedError, CopyEngineError, InFlightError, InvalidArgumentError, UsedAfterForkError
 from ._hostmem import HostAllocation, HostAllocator, OrdinaryAllocator, buffer_address
 from ._layout import KVLayout
 from ._provider import HostRegion, Provider
@@ -621,6 +622,7 @@ class CopyEngine(abc.ABC):
     def __init__(self) -> None:
         self._closed = False
         self._lock = threading.Lock()
+        self._pid = os.getpid()
 
     @property
     def closed(self) -> bool:
@@ -629,6 +631,11 @@ class CopyEngine(abc.ABC):
     def _check_open(self) -> None:
         if self._closed:
             raise ClosedError("the copy engine is closed", hint="create a new copy engine")
+        if os.getpid() != self._pid:
+            # Neither the worker threads nor a CUDA context survive fork(): a job queued here would
+            # never run.
+            raise UsedAfterForkError("the copy engine was created in another process",
+                                     hint="create the copy engine in the child process after fork()")
 
     @abc.abstractmethod
     def save(self, planes: KVPlanes, block_ids: Sequence[int], dst: Sequence[Any], *,

@@ -370,6 +370,35 @@ def test_closed_engine() -> None:
     assert ctx.closed
 
 
+def test_used_after_fork(engine: CpuCopyEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    from hostkv_providers import UsedAfterForkError
+
+    planes = KVPlanes.from_arrays(LAYOUT, make_arrays(LAYOUT, 2, seed=15))
+    real = _copy.os.getpid()
+    monkeypatch.setattr(_copy.os, "getpid", lambda: real + 1)  # what a forked child sees
+    with pytest.raises(UsedAfterForkError):
+        engine.save(planes, [0], Buffers(LAYOUT, 1).pages)
+    with pytest.raises(UsedAfterForkError):
+        engine.restore(Buffers(LAYOUT, 1).pages, planes, [0])
+
+
+def test_coalescing_of_host_copies() -> None:
+    """Page-major staging + adjacent host pages merge into one copy; anything else splits."""
+    page = LAYOUT.page_nbytes
+    base = 1 << 40
+    contiguous = [((0,), (base + i * page,), (page,)) for i in range(4)]
+    assert CudaCopyEngine._coalesce(contiguous, 0, 4, page) == [(0, base, 4 * page)]
+    assert CudaCopyEngine._coalesce(contiguous, 1, 3, page) == [(0, base + page, 2 * page)]
+    reordered = [contiguous[i] for i in (0, 2, 1, 3)]
+    assert CudaCopyEngine._coalesce(reordered, 0, 4, page) == [
+        (0, base, page), (page, base + 2 * page, page), (2 * page, base + page, page), (3 * page, base + 3 * page, page)]
+    split = ((0, 100), (base, base + 100), (100, page - 100))  # one page in two adjacent pieces
+    far = ((0, 100), (base + 10 * page, base + 7 * page), (100, page - 100))  # two far-apart pieces
+    assert CudaCopyEngine._coalesce([split, far], 0, 2, page) == [
+        (0, base, page), (page, base + 10 * page, 100), (page + 100, base + 7 * page, page - 100)]
+    assert CudaCopyEngine._coalesce([], 0, 0, page) == []
+
+
 # -- without CUDA ----------------------------------------------------------------------------
 
 
