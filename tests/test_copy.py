@@ -391,7 +391,8 @@ def test_coalescing_of_host_copies() -> None:
     assert CudaCopyEngine._coalesce(contiguous, 1, 3, page) == [(0, base + page, 2 * page)]
     reordered = [contiguous[i] for i in (0, 2, 1, 3)]
     assert CudaCopyEngine._coalesce(reordered, 0, 4, page) == [
-        (0, base, page), (page, base + 2 * page, page), (2 * page, base + page, page), (3 * page, base + 3 * page, page)]
+        (0, base, page), (page, base + 2 * page, page), (2 * page, base + page, page),
+        (3 * page, base + 3 * page, page)]
     split = ((0, 100), (base, base + 100), (100, page - 100))  # one page in two adjacent pieces
     far = ((0, 100), (base + 10 * page, base + 7 * page), (100, page - 100))  # two far-apart pieces
     assert CudaCopyEngine._coalesce([split, far], 0, 2, page) == [
