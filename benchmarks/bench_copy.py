@@ -115,7 +115,8 @@ def time_engine(eng: CudaCopyEngine, planes: KVPlanes, ids_save: list[int], ids_
 
 
 def slowdown(torch: Any, engines: dict[str, CudaCopyEngine], planes: KVPlanes, ids: list[int], pages: list[Any],
-             kind: str, rounds: int, raw_src: Any) -> dict[str, Any]:
+             kind: str, window: float, raw_src: Any, restore_ids: list[int],
+             restore_pages: list[Any]) -> dict[str, Any]:
     """Per-iteration time of a loop on its own stream: alone, during back-to-back raw bulk copies
     (the hardware's share), and during back-to-back engine saves (one entry per engine)."""
     stream = torch.cuda.Stream()
@@ -133,10 +134,11 @@ def slowdown(torch: Any, engines: dict[str, CudaCopyEngine], planes: KVPlanes, i
             for _ in range(64):
                 xs[0].mul_(1.0001).add_(xs[1])
 
-    def measure(n: int) -> float:
-        times = []
+    def measure(seconds: float) -> float:
+        times: list[float] = []
+        t_end = time.perf_counter() + seconds
         with torch.cuda.stream(stream):
-            for _ in range(n):
+            while len(times) < 10 or time.perf_counter() < t_end:
                 e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 e0.record(stream)
                 body()
@@ -145,7 +147,9 @@ def slowdown(torch: Any, engines: dict[str, CudaCopyEngine], planes: KVPlanes, i
                 times.append(e0.elapsed_time(e1))
         return float(statistics.median(times))
 
-    def during(load: Any) -> tuple[float, int]:
+    def bracket(load: Any) -> dict[str, float]:
+        """alone, loaded, alone again: the slowdown is against the mean of the two alone windows."""
+        before = measure(window)
         stop = threading.Event()
         count = [0]
 
@@ -157,14 +161,14 @@ def slowdown(torch: Any, engines: dict[str, CudaCopyEngine], planes: KVPlanes, i
         th = threading.Thread(target=loop)
         th.start()
         time.sleep(0.2)
-        t = measure(rounds)
+        loaded = measure(window)
         stop.set()
         th.join()
-        return t, count[0]
+        after = measure(window)
+        base = (before + after) / 2
+        return {"alone_ms": base, "ms": loaded, "slowdown": loaded / base - 1, "loads": count[0]}
 
-    measure(3)
-    base = measure(rounds)
-    out: dict[str, Any] = {"alone_ms": base}
+    measure(0.3)
     d = _cuda.driver()
     copy_stream = torch.cuda.Stream()
     host, dev_ptr, nbytes = raw_src
@@ -173,12 +177,11 @@ def slowdown(torch: Any, engines: dict[str, CudaCopyEngine], planes: KVPlanes, i
         raw_copy(d, host, dev_ptr, nbytes, copy_stream.cuda_stream, "d2h")
         copy_stream.synchronize()
 
-    t, _ = during(raw_load)
-    out["raw_copy_ms"], out["raw_copy_slowdown"] = t, t / base - 1
+    out: dict[str, Any] = {"raw_copy": bracket(raw_load)}
     for name, eng in engines.items():
-        t, n = during(lambda eng=eng: eng.save(planes, ids, pages, after=stream).wait())
-        out[name] = {"ms": t, "slowdown": t / base - 1, "saves": n}
-    out["alone_again_ms"] = measure(rounds)
+        out[name] = bracket(lambda eng=eng: eng.save(planes, ids, pages, after=stream).wait())
+    default = engines[next(iter(engines))]
+    out["restore"] = bracket(lambda: default.restore(restore_pages, planes, restore_ids).wait())
     return out
 
 
@@ -186,20 +189,21 @@ def pinning(gib: float, provider_gib: float) -> dict[str, Any]:
     """Alternate cuMemHostAlloc and our allocator so neither profits from memory the VM already backs."""
     nbytes = int(gib * GiB)
     out: dict[str, Any] = {"gib": gib, "hostalloc_s_per_gib": [], "ours_s_per_gib": [], "ours8_s_per_gib": [],
-                           "phases": []}
+                           "ours1_s_per_gib": [], "register_only_s_per_gib": [], "phases": {}}
     for _ in range(2):
         t0 = time.perf_counter()
         ptr = _cuda.host_alloc(nbytes, mapped=False)
         out["hostalloc_s_per_gib"].append((time.perf_counter() - t0) / gib)
         _cuda.host_free(ptr)
-        for threads, key in ((4, "ours_s_per_gib"), (8, "ours8_s_per_gib")):
+        for threads, key in ((4, "ours_s_per_gib"), (8, "ours8_s_per_gib"), (1, "ours1_s_per_gib"),
+                             (0, "register_only_s_per_gib")):
             alloc = pinned_allocator(threads=threads)
             assert alloc is not None
             t0 = time.perf_counter()
             mem = alloc.allocate(nbytes)
             out[key].append((time.perf_counter() - t0) / gib)
             out["method"] = getattr(mem, "method", "?")
-            out["phases"].append({k: v / gib for k, v in getattr(mem, "timings", {}).items()})
+            out["phases"][key] = {k: round(v / gib, 3) for k, v in getattr(mem, "timings", {}).items()}
             mem.close()
     t0 = time.perf_counter()
     prov = PinnedProvider(int(provider_gib * GiB), block=2 << 20, background=True)
@@ -277,11 +281,11 @@ def main() -> int:
             got = bytes(shuffled[probe][0].view[: layout.plane_nbytes])
             want = bytes(owners[0][0][ids_save[probe]].contiguous().view(torch.uint8).cpu().numpy().tobytes())
             r["spot_check_ok"] = got == want
-            engines = {f"save_ctas{c}": CudaCopyEngine(ctas=c) for c in (8, 33, 132)}
+            engines = {f"save_ctas{c}": CudaCopyEngine(ctas=c) for c in (33, 8, 132)}  # 33: the default
             raw_src = (host_b.address, owners[0].data_ptr(), min(total, owners[0].numel() * 2))
             for kind, key in (("gemm", "gemm"), ("small", "decode_like")):
-                results[key] = slowdown(torch, engines, planes, ids_save, pages_a, kind, 8 if args.quick else 30,
-                                        raw_src)
+                results[key] = slowdown(torch, engines, planes, ids_save, pages_a, kind, 0.3 if args.quick else 1.0,
+                                        raw_src, ids_restore, pages_b)
                 log(key, results[key])
             for e in engines.values():
                 e.close()
@@ -327,11 +331,13 @@ def fmt(values: list[float]) -> str:
 
 
 def slow_lines(x: dict[str, Any], what: str) -> list[str]:
-    engines = ", ".join(f"{k.removeprefix('save_')}: {100 * v['slowdown']:+.1f}% ({v['saves']} saves)"
-                        for k, v in x.items() if isinstance(v, dict))
-    return [f"- {what} on its own stream: {x['alone_ms']:.2f} ms alone ({x['alone_again_ms']:.2f} ms at the end); "
-            f"during back-to-back raw bulk copies {100 * x['raw_copy_slowdown']:+.1f}%; during back-to-back saves, "
-            f"by pack-kernel CTAs: {engines}."]
+    def one(v: dict[str, Any]) -> str:
+        return f"{100 * v['slowdown']:+.1f}% ({v['alone_ms']:.2f} -> {v['ms']:.2f} ms, {v['loads']} overlapped)"
+
+    saves = "; ".join(f"{k.removeprefix('save_')}: {one(v)}" for k, v in x.items() if k.startswith("save_"))
+    return [f"- {what} on its own stream, each load bracketed by unloaded windows: during back-to-back raw bulk "
+            f"copies {one(x['raw_copy'])}; during back-to-back saves, by pack-kernel CTAs, {saves}; during "
+            f"back-to-back restores {one(x['restore'])}."]
 
 
 def staging_lines(row: dict[str, Any], raw: dict[str, float]) -> list[str]:
@@ -380,9 +386,11 @@ def render(r: dict[str, Any]) -> str:
         *staging_lines(first, raw),
         f"- Pinning {r['pinning']['gib']:.0f} GiB, alternating (two rounds, each figure s/GiB): pre-fault on 4 "
         f"threads + `cuMemHostRegister` ({r['pinning']['method']}) "
-        f"{fmt(r['pinning']['ours_s_per_gib'])}; on 8 threads {fmt(r['pinning']['ours8_s_per_gib'])}; "
-        f"`cuMemHostAlloc` {fmt(r['pinning']['hostalloc_s_per_gib'])}; phases of the last "
-        f"{r['pinning']['phases'][-1]}; a {r['pinning']['provider_gib']:.0f} GiB "
+        f"{fmt(r['pinning']['ours_s_per_gib'])}; on 8 threads {fmt(r['pinning']['ours8_s_per_gib'])}; on 1 thread "
+        f"{fmt(r['pinning']['ours1_s_per_gib'])}; `cuMemHostRegister` of untouched memory "
+        f"{fmt(r['pinning']['register_only_s_per_gib'])}; "
+        f"`cuMemHostAlloc` {fmt(r['pinning']['hostalloc_s_per_gib'])}; s/GiB by phase (second round, 4 threads) "
+        f"{r['pinning']['phases']['ours_s_per_gib']}; a {r['pinning']['provider_gib']:.0f} GiB "
         "`PinnedProvider(background=True)` blocks start-up "
         f"{r['pinning']['provider_blocked_s']:.3f} s "
         f"({r['pinning']['provider_blocked_s'] / r['pinning']['provider_gib']:.4f} s per GiB of arena), "

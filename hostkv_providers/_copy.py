@@ -163,7 +163,8 @@ class CudaPinnedAllocation:
         self.timings: dict[str, float] = {}
         try:
             t0 = time.perf_counter()
-            _prefault(address, size, threads)
+            if threads > 0:
+                _prefault(address, size, threads)
             t1 = time.perf_counter()
             with dev.scope():
                 _cuda.host_register(address, size, mapped=mapped)
@@ -243,7 +244,8 @@ class CudaHostAllocator:
     mapped:
         Also map the memory into the device address space (``CudaPinnedAllocation.device_address``).
     threads:
-        Threads that pre-fault each allocation (no gain measured past 4).
+        Threads that pre-fault each allocation (no gain measured past 4); 0 leaves the faulting
+        to ``cuMemHostRegister`` (one thread, slower).
     """
 
     pinned = True
