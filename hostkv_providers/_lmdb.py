@@ -116,7 +116,7 @@ DURABILITY_MODES = ("sync", "process", "none")
 _PAGE = 4096
 _DEFAULT_BUDGET = 1 << 30
 _DEFAULT_INLINE_MAX = 2048  # LMDB spills larger values to overflow pages; slots are better there
-_DEFAULT_MAP_SIZE = 64 << 20
+_DEFAULT_MAP_SIZE = 32 << 20
 _DEFAULT_MAP_MAX = 64 << 30
 _DEFAULT_FILE_NBYTES = 256 << 20
 _DEFAULT_LEASE_TTL = 3600.0
@@ -427,10 +427,11 @@ class _Raise:
 
 
 class _Ticket:
-    __slots__ = ("done", "durable", "error", "fn", "result", "sync_files")
+    __slots__ = ("done", "durable", "error", "fn", "frees", "result", "sync_files")
 
-    def __init__(self, fn: Callable[[_Tx], Any], durable: bool, sync_files: Sequence[SlotFile]) -> None:
+    def __init__(self, fn: Callable[[_Tx], Any], durable: bool, sync_files: Sequence[SlotFile], frees: bool) -> None:
         self.fn = fn
+        self.frees = frees
         self.durable = durable
         self.sync_files = sync_files
         self.result: Any = None
@@ -571,7 +572,8 @@ class _Shared:
         try:
             env = lmdb.open(
                 self.path,
-                map_size=max(map_size, existing),
+                # an existing store keeps its (preallocated) size; the map grows from there
+                map_size=existing if existing >= 1 << 20 else map_size,
                 subdir=True,
                 readonly=False,
                 create=True,
@@ -591,6 +593,11 @@ class _Shared:
         except lmdb.Error as exc:
             raise _lmdb_error(exc, f"opening {self.path}") from exc
         try:
+            self._preallocate(int(env.info()["map_size"]))
+        except BaseException:
+            env.close()
+            raise
+        try:
             env.reader_check()  # clear the reader slots of killed processes
         except lmdb.Error as exc:
             env.close()
@@ -600,6 +607,17 @@ class _Shared:
             with contextlib.suppress(OSError):
                 os.chmod(full, 0o600, follow_symlinks=False)  # LMDB applies the umask, not less
         return env
+
+    def _preallocate(self, nbytes: int) -> None:
+        """``posix_fallocate`` data.mdb to the map size: LMDB then never extends the file, so a
+        full filesystem shows up here as a clean ``NoSpaceError`` instead of an LMDB commit
+        failing with a bare EIO halfway through a transaction (R6)."""
+        fd = _fsutil.open_private(os.path.join(self.path, "data.mdb"), os.O_RDWR)
+        try:
+            if os.fstat(fd).st_size < nbytes:
+                _fsutil.fallocate(fd, 0, nbytes, f"preallocating {nbytes} bytes for the LMDB index")
+        finally:
+            os.close(fd)
 
     def _open_dbs(self) -> dict[str, Any]:
         dbs: dict[str, Any] = {}
@@ -685,14 +703,17 @@ class _Shared:
             except lmdb.Error as exc:
                 raise _lmdb_error(exc, "adopting the map size") from exc
 
-    def _grow(self) -> None:
+    def _grow(self, *, headroom: bool = False) -> None:
+        limit = self.map_max + max(self.map_max // 16, 2 << 20) if headroom else self.map_max
         with self.gate.exclusive():
             cur = int(self.env.info()["map_size"])
-            if cur >= self.map_max:
+            if cur >= limit:
                 raise NoSpaceError(f"the LMDB index reached map_max ({self.map_max} bytes)",
                                    hint="raise the map_max option, or lower inline_max/the budget")
+            new = min(cur * 2, limit) if cur < self.map_max else limit
+            self._preallocate(new)  # first: on ENOSPC the map stays as it was
             try:
-                self.env.set_mapsize(min(cur * 2, self.map_max))
+                self.env.set_mapsize(new)
             except lmdb.Error as exc:
                 raise _lmdb_error(exc, "growing the map") from exc
 
@@ -719,14 +740,18 @@ class _Shared:
             txn.abort()
             self.gate.release_shared()
 
-    def submit(self, fn: Callable[[_Tx], Any], *, durable: bool = False, sync_files: Sequence[SlotFile] = ()) -> Any:
+    def submit(self, fn: Callable[[_Tx], Any], *, durable: bool = False, sync_files: Sequence[SlotFile] = (),
+               frees: bool = False) -> Any:
         """Run ``fn`` in a write transaction, batched with other threads' (group commit).
 
         ``fn`` runs in a nested transaction: if it raises, only its own changes are rolled back.
         ``sync_files`` are synced before the transaction commits; with ``durable`` the commit is
-        synced before this returns (``durability=sync``).
+        synced before this returns (``durability=sync``).  ``frees``: the op only removes things
+        (evict, abort, release); such ops may use the map's headroom past ``map_max``, so a full
+        index can always be evicted from.
         """
-        ticket = _Ticket(fn, durable and self.durability == "sync", sync_files if self.durability == "sync" else ())
+        ticket = _Ticket(fn, durable and self.durability == "sync", sync_files if self.durability == "sync" else (),
+                         frees)
         me = threading.get_ident()
         with self.qlock:
             while self.maint_owner is not None and self.maint_owner != me:
@@ -779,11 +804,26 @@ class _Shared:
                 self._commit_batch(live, touches)
                 break
             except lmdb.MapFullError:
-                self._grow()  # nothing was committed; retry the whole batch in a larger map
+                # nothing was committed; retry the whole batch in a larger map
+                try:
+                    self._grow(headroom=all(t.frees for t in live))
+                except NoSpaceError as exc:
+                    if all(t.frees for t in live):
+                        raise
+                    # at map_max: fail what adds to the index, retry what frees (it may use the
+                    # headroom), so a full index can always be evicted from
+                    for t in live:
+                        if not t.frees:
+                            t.error = exc
+                    live = [t for t in live if t.frees]
+                    touches = {}
             except lmdb.MapResizedError:
                 self._adopt_map_size()
             except lmdb.Error as exc:
                 err = _lmdb_error(exc, "committing a transaction")
+                if not isinstance(err, NoSpaceError) and _filesystem_full(self.path):
+                    # LMDB reports a short write as EIO; on a full filesystem that is ENOSPC
+                    err = NoSpaceError(f"no space left while committing to {self.path}: {exc}")
                 for t in live:
                     t.error = err
                 return
@@ -940,7 +980,7 @@ class _Shared:
                 n += tx.release_lease(lid)
             return n
 
-        return int(self.submit(op))
+        return int(self.submit(op, frees=True))
 
     def release(self) -> None:
         with self._registry_lock:
@@ -952,6 +992,14 @@ class _Shared:
         with self.gate.exclusive():
             self.env.close()
         self.lock.release()
+
+
+def _filesystem_full(path: str) -> bool:
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize < 1 << 20
 
 
 def _check_manifest_bytes(raw: bytes, path: str) -> bytes:
@@ -1005,8 +1053,14 @@ class _Tx:
         self.t = txn
         self.db = shared.dbs
         self.c = _Counters(txn.get(b"counters", db=shared.dbs["meta"]))
+        self.needs_repair = False
 
     def save(self) -> None:
+        if self.needs_repair:
+            # A damaged record was removed without knowing its cost, slot or LRU tick: rebuild
+            # the derived state (rare: only after corruption of the index itself).
+            self.needs_repair = False
+            _repair_index(self)
         self.t.put(b"counters", self.c.pack(), db=self.db["meta"])
 
     # -- entries ---------------------------------------------------------------------------------
@@ -1206,8 +1260,15 @@ class _Tx:
         """Remove an entry whose record cannot be decoded: its parent and location are unknown,
         so find the parent link by a scan (rare) and leave the slot to ``verify(repair=True)``."""
         t, db = self.t, self.db
+        self.needs_repair = True
         t.delete(key, db=db["entries"])
         t.delete(key, db=db["pages"])
+        t.delete(key, db=db["flights"])
+        cur = t.cursor(db=db["anchors"])
+        if cur.set_range(key):
+            while cur.key()[:KEY_NBYTES] == key:
+                if not cur.delete():
+                    break
         for link in [bytes(k) for k in t.cursor(db=db["children"]).iternext(values=False)]:
             if link[KEY_NBYTES:] == key:
                 t.delete(link, db=db["children"])
@@ -1588,7 +1649,7 @@ class LmdbProvider(Provider):
                 # record nor a reader in another process can accept a half-overwritten slot.
                 sf.begin_write(slot, 1)
             except BaseException:
-                self._s.submit(self._abort_op(k, gen))
+                self._s.submit(self._abort_op(k, gen), frees=True)
                 raise
         res = _LmdbReservation(self, k, p, nbytes, salt_tag, gen, fid, slot, sf)
         with self._lock:
@@ -1669,7 +1730,7 @@ class LmdbProvider(Provider):
         except StorageIOError:
             # R7: a failed sync fails the seal for good; give the space back (best effort).
             with contextlib.suppress(HostKVError):
-                self._s.submit(self._abort_op(k, gen))
+                self._s.submit(self._abort_op(k, gen), frees=True)
             self._finish(res, "aborted")
             raise
         self._finish(res, "sealed")
@@ -1696,7 +1757,7 @@ class LmdbProvider(Provider):
         self._check_usable()
         if reservation.state != "open":
             return  # aborting twice (or after seal) is a no-op
-        self._s.submit(self._abort_op(reservation.key, reservation.gen))
+        self._s.submit(self._abort_op(reservation.key, reservation.gen), frees=True)
         self._finish(reservation, "aborted")
         self._count("aborts")
 
@@ -1772,7 +1833,7 @@ class LmdbProvider(Provider):
             tx.c.checksum_failures += 1
             return True
 
-        return bool(self._s.submit(op))
+        return bool(self._s.submit(op, frees=True))
 
     def view(self, lease: Lease, key: bytes) -> Sequence[HostRegion] | None:
         """Read-only host regions of a leased entry, valid while the lease is held.
@@ -1828,7 +1889,7 @@ class LmdbProvider(Provider):
             removed, freed = tx.evict_lru(nbytes)
             return EvictReport(removed, freed, 0)
 
-        return self._s.submit(op)  # type: ignore[no-any-return]
+        return self._s.submit(op, frees=True)  # type: ignore[no-any-return]
 
     # -- anchors -----------------------------------------------------------------------------
     def put_anchor(self, key: bytes, name: str, data: object) -> None:
@@ -1888,7 +1949,7 @@ class LmdbProvider(Provider):
             tx.c.checksum_failures += 1
             return True
 
-        if self._s.submit(op):
+        if self._s.submit(op, frees=True):
             self._count("checksum_failures")
         return None
 
@@ -1956,7 +2017,7 @@ class LmdbProvider(Provider):
             if isinstance(lease_id, bytes):
                 self._leases.pop(lease_id, None)
         if isinstance(lease_id, bytes) and any(lease.present):
-            self._s.submit(lambda tx: tx.release_lease(lease_id))
+            self._s.submit(lambda tx: tx.release_lease(lease_id), frees=True)
 
     # -- verification and compaction -----------------------------------------------------------
     def verify(self, *, repair: bool = False, progress: Progress | None = None) -> VerifyReport:
@@ -2008,9 +2069,9 @@ class LmdbProvider(Provider):
                     tx.c.checksum_failures += 1
                     return n
 
-                report.dropped += int(s.submit(op))
+                report.dropped += int(s.submit(op, frees=True))
             if report.problems:
-                s.submit(_repair_index)
+                s.submit(_repair_index, frees=True)
         return report
 
     def _still_bad(self, key: Key, gen: int | None) -> bool:
@@ -2021,7 +2082,7 @@ class LmdbProvider(Provider):
                 return True
             return e is not None and (gen is None or e.gen == gen) and not self._check_entry_bytes(tx, e)
 
-        return bool(self._s.submit(op))
+        return bool(self._s.submit(op, frees=True))
 
     def _index_problems(self) -> list[str]:
         """Store-level findings: accounting, tree links, LRU list, slot ownership."""
@@ -2060,11 +2121,11 @@ class LmdbProvider(Provider):
                 with s.read() as txn:
                     if txn.stat(s.dbs["flights"])["entries"] or txn.stat(s.dbs["leases"])["entries"]:
                         raise LockedError("compaction needs a store without reservations or leases")
-                before = _store_nbytes(self._path)
+                before = _store_nbytes(s)
                 entries = _compact_slots(s, progress)
                 _crash("lmdb.compact.after_moves")
                 _compact_env(s)
-                after = _store_nbytes(self._path)
+                after = _store_nbytes(s)
             finally:
                 s.lock.release()
                 s.lock = s._shared_lock()
@@ -2130,7 +2191,7 @@ class LmdbProvider(Provider):
                     for lid in leases:
                         tx.release_lease(lid)
 
-                self._s.submit(op)
+                self._s.submit(op, frees=True)
             for r in open_res:
                 r._finish("aborted")
                 r.file = None
@@ -2253,14 +2314,17 @@ def _repair_index(tx: _Tx) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def _store_nbytes(path: str) -> int:
-    total = 0
-    for root, _, names in os.walk(path):
-        for n in names:
+def _store_nbytes(s: _Shared) -> int:
+    """Bytes the store occupies: LMDB pages in use (data.mdb is preallocated to the map size)
+    plus the slot files."""
+    info = s.env.info()
+    total = (int(info["last_pgno"]) + 1) * int(s.env.stat()["psize"])
+    with contextlib.suppress(OSError):
+        for name in os.listdir(s.slot_dir):
             with contextlib.suppress(OSError):
-                st = os.lstat(os.path.join(root, n))
+                st = os.lstat(os.path.join(s.slot_dir, name))
                 if stat.S_ISREG(st.st_mode):
-                    total += st.st_blocks * 512
+                    total += st.st_size
     return total
 
 
@@ -2344,8 +2408,8 @@ def _compact_slots(s: _Shared, progress: Progress | None) -> int:
                         old.close()
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(_slot_path(s.slot_dir, fid))
-    if progress is not None and total == 0:
-        progress(0, 0)
+    if progress is not None:
+        progress(total, total)  # entries already in place count as done
     return int(n_entries)
 
 

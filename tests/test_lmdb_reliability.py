@@ -1,0 +1,677 @@
+"""lmdb provider: the on-disk format, security, identity, bit flips, ENOSPC, map growth, fault
+injection, dead-process reclamation, compaction, and the multi-process test (RELIABILITY.md)."""
+
+from __future__ import annotations
+
+import errno
+import multiprocessing as mp
+import os
+import random
+import shutil
+import stat
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import lmdb
+import msgpack
+import pytest
+
+from hostkv_providers import _fsutil, open_provider
+from hostkv_providers._errors import (
+    CapacityError,
+    HostKVError,
+    IncompatibleStoreError,
+    InFlightError,
+    InvalidArgumentError,
+    LockedError,
+    NoSpaceError,
+    StorageIOError,
+    UnknownKeyError,
+    UnsafeStoreError,
+)
+from hostkv_providers._lmdb import LmdbProvider
+from hostkv_providers.testing import anchor_bytes, chain, key_of, page_bytes, put_chain, put_page
+
+from .test_lmdb import ENTRY, backdoor_read
+
+PAGE = 8192
+
+
+def _store(tmp_path: Path, **kw: Any) -> LmdbProvider:
+    kw.setdefault("budget_bytes", 256 * PAGE)
+    kw.setdefault("inline_max", 0)
+    return LmdbProvider(tmp_path / "store", **kw)
+
+
+def _fork_and_wait(fn: Any) -> int:
+    """Run ``fn()`` in a forked child (the parent must not hold the store open); exit status."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        code = 1
+        try:
+            fn()
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+# ---------------------------------------------------------------------------------------------
+# Format: a valid LMDB environment, private files
+# ---------------------------------------------------------------------------------------------
+
+
+def test_mdb_stat_reads_the_environment(tmp_path: Path) -> None:
+    tool = shutil.which("mdb_stat")
+    if tool is None:
+        pytest.skip("mdb_stat not installed (Debian/Ubuntu: apt-get install lmdb-utils)")
+    p = _store(tmp_path)
+    keys = chain("mdbstat", 5)
+    put_chain(p, keys, PAGE)
+    p.put_anchor(keys[-1], "state", b"s" * 100)
+    p.close()
+    out = subprocess.run([tool, "-a", str(tmp_path / "store")], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    for db in ("entries", "children", "lru", "anchors", "meta", "free", "files", "flights", "leases", "pages"):
+        assert f"Status of {db}" in out.stdout
+    # the entries database holds exactly the five entries
+    section = out.stdout.split("Status of entries", 1)[1].split("Status of", 1)[0]
+    assert "Entries: 5" in section
+    env = subprocess.run([tool, "-e", str(tmp_path / "store")], capture_output=True, text=True, timeout=60)
+    assert env.returncode == 0 and "Environment Info" in env.stdout
+
+
+def test_private_permissions(tmp_path: Path) -> None:
+    old = os.umask(0o000)  # even a permissive umask must not leak group/other bits
+    try:
+        p = _store(tmp_path)
+        put_page(p, key_of("perm"), None, PAGE)
+        p.close()
+    finally:
+        os.umask(old)
+    store = tmp_path / "store"
+    assert stat.S_IMODE(os.stat(store).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(store / "slots").st_mode) == 0o700
+    files = [store / "data.mdb", store / "lock.mdb", store / "hostkv.lock", *(store / "slots").iterdir()]
+    assert len(files) >= 4
+    for f in files:
+        assert stat.S_IMODE(os.stat(f).st_mode) == 0o600, f
+
+
+def test_loose_permissions_and_symlinks_are_refused(tmp_path: Path) -> None:
+    p = _store(tmp_path)
+    put_page(p, key_of("unsafe"), None, PAGE)
+    p.close()
+    store = tmp_path / "store"
+    os.chmod(store, 0o755)
+    with pytest.raises(UnsafeStoreError):
+        LmdbProvider(store)
+    os.chmod(store, 0o700)
+    os.chmod(store / "data.mdb", 0o644)
+    with pytest.raises(UnsafeStoreError):
+        LmdbProvider(store)
+    os.chmod(store / "data.mdb", 0o600)
+    os.rename(store / "data.mdb", tmp_path / "elsewhere.mdb")
+    os.symlink(tmp_path / "elsewhere.mdb", store / "data.mdb")
+    with pytest.raises(UnsafeStoreError):
+        LmdbProvider(store)
+    os.unlink(store / "data.mdb")
+    os.rename(tmp_path / "elsewhere.mdb", store / "data.mdb")
+    p = LmdbProvider(store)
+    assert p.read_bytes(key_of("unsafe")) == page_bytes(key_of("unsafe"), PAGE)
+    p.close()
+
+
+def test_foreign_directory_is_refused(tmp_path: Path) -> None:
+    d = tmp_path / "other"
+    d.mkdir(mode=0o700)
+    (d / "journal.bin").write_bytes(b"x")
+    with pytest.raises(IncompatibleStoreError):
+        LmdbProvider(d)
+
+
+def test_url_options(tmp_path: Path) -> None:
+    url = f"lmdb://{tmp_path}/u?budget=1MiB&durability=sync&inline_max=0&map_size=2MiB&map_max=64MiB"
+    p = open_provider(url)
+    assert isinstance(p, LmdbProvider)
+    assert p.budget_bytes == 1 << 20 and p.durability == "sync"
+    assert p.put(key_of("url"), None, page_bytes(key_of("url"), PAGE))
+    p.close()
+    for bad in ("durability=fast", "budget=lots", "colour=blue", "inline_max=-1"):
+        with pytest.raises(InvalidArgumentError):
+            open_provider(f"lmdb://{tmp_path}/u?{bad}")
+    with pytest.raises(InvalidArgumentError):
+        open_provider("lmdb://?budget=1MiB")
+
+
+# ---------------------------------------------------------------------------------------------
+# Identity (R4)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("field, value", [("format_version", 99), ("key_algorithm", "sha1-truncated"),
+                                          ("checksum_algorithm", "crc32"), ("store_version", 2)])
+def test_identity_mismatch_is_refused(tmp_path: Path, field: str, value: object) -> None:
+    p = _store(tmp_path)
+    put_page(p, key_of("identity"), None, PAGE)
+    p.close()
+    env = lmdb.open(str(tmp_path / "store"), max_dbs=16, mode=0o600)
+    meta = env.open_db(b"meta")
+    with env.begin(write=True) as txn:
+        manifest = msgpack.unpackb(txn.get(b"manifest", db=meta), raw=False)
+        manifest[field] = value
+        txn.put(b"manifest", msgpack.packb(manifest, use_bin_type=True), db=meta)
+    env.close()
+    with pytest.raises(IncompatibleStoreError) as info:
+        LmdbProvider(tmp_path / "store")
+    assert field in str(info.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# Bit flips (R1): in page data, slot headers, inline values and index records
+# ---------------------------------------------------------------------------------------------
+
+
+def _flip_file(path: Path, offset: int) -> None:
+    fd = os.open(path, os.O_RDWR)
+    try:
+        b = os.pread(fd, 1, offset)
+        os.pwrite(fd, bytes([b[0] ^ (1 << random.randrange(8))]), offset)
+    finally:
+        os.close(fd)
+
+
+def test_bit_flips_are_detected_never_returned(tmp_path: Path) -> None:
+    rng = random.Random(1234)
+    random.seed(1234)
+    p = _store(tmp_path, inline_max=PAGE // 2, budget_bytes=512 * PAGE)
+    s: Any = p._s
+    keys = [key_of(f"flip-{i}") for i in range(48)]
+
+    def refill() -> None:
+        for i, k in enumerate(keys):
+            if not p.present([k])[0]:
+                p.put(k, None, page_bytes(k, PAGE if i % 3 else PAGE // 4))
+
+    def expected(i: int) -> bytes:
+        return page_bytes(keys[i], PAGE if i % 3 else PAGE // 4)
+
+    refill()
+    flips = detected = 0
+    for _ in range(2000):
+        i = rng.randrange(len(keys))
+        k = keys[i]
+        with s.env.begin() as txn:
+            raw = bytes(txn.get(k, db=s.dbs["entries"]))
+        fields = ENTRY.unpack_from(raw)  # the documented record layout
+        nbytes, fid, slot = fields[3], fields[12], fields[13]
+        where = rng.choice(["data", "header", "record"] if fid else ["data", "record"])
+        if where == "record":
+            at = rng.randrange(len(raw))
+            bad = bytearray(raw)
+            bad[at] ^= 1 << rng.randrange(8)
+            with s.env.begin(write=True) as txn:
+                txn.put(k, bytes(bad), db=s.dbs["entries"])
+        elif fid == 0:
+            with s.env.begin(write=True) as txn:
+                blob = bytearray(txn.get(k, db=s.dbs["pages"]))
+                blob[rng.randrange(len(blob))] ^= 1 << rng.randrange(8)
+                txn.put(k, bytes(blob), db=s.dbs["pages"])
+        else:
+            path = tmp_path / "store" / "slots" / f"{fid:08d}.slots"
+            with open(path, "rb") as f:
+                head = f.read(128)
+            slot_nbytes = int.from_bytes(head[16:24], "little")
+            data_offset = int.from_bytes(head[40:48], "little")
+            if where == "data":
+                _flip_file(path, data_offset + slot * slot_nbytes + rng.randrange(nbytes))
+            else:
+                _flip_file(path, 4096 + slot * 128 + rng.randrange(128))
+        flips += 1
+        if rng.random() < 0.05:  # sometimes verify finds it first
+            report = p.verify()
+            assert report.corrupt == [k], (where, report)
+            assert p.verify(repair=True).dropped == 1
+            detected += 1
+        else:
+            out = bytearray(nbytes)
+            assert p.read(k, out) is False, where  # never the flipped bytes
+            detected += 1
+        if flips % 100 == 0:  # every other entry still reads exactly
+            for j, other in enumerate(keys):
+                got = p.read_bytes(other)
+                assert got is None or got == expected(j)
+        refill()
+    assert flips == detected == 2000
+    assert p.stats().checksum_failures + p.stats().extra["store_checksum_failures"] >= 1
+    assert p.verify().ok
+    p.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# ENOSPC on a real full filesystem, map growth and map_max
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path) -> Any:
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m,mode=0700", "tmpfs", str(mnt)],
+                         capture_output=True, text=True)
+    if res.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {res.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def test_enospc_is_a_typed_error_and_writes_resume(small_fs: Path) -> None:
+    p = LmdbProvider(small_fs / "store", budget_bytes=64 << 20, inline_max=0, file_nbytes=256 << 10,
+                     map_size=1 << 20)
+    stored: list[bytes] = []
+    with pytest.raises(NoSpaceError):
+        for i in range(10_000):
+            k = key_of(f"enospc-{i}")
+            put_page(p, k, None, 16384)
+            stored.append(k)
+    assert len(stored) > 10
+    for k in stored:  # everything acknowledged before the error is intact
+        assert p.read_bytes(k) == page_bytes(k, 16384)
+    p.evict(stored[: len(stored) // 2])
+    for i in range(5):  # freed slots are reused: writes resume
+        put_page(p, key_of(f"enospc-after-{i}"), None, 16384)
+    p.close()
+    p = LmdbProvider(small_fs / "store")
+    for k in stored[len(stored) // 2 :]:
+        assert p.read_bytes(k) == page_bytes(k, 16384)
+    assert p.verify().ok
+    p.close()
+
+
+def test_map_grows_then_map_max_is_a_typed_error(tmp_path: Path) -> None:
+    p = _store(tmp_path, inline_max=1 << 20, budget_bytes=1 << 30, map_size=1 << 20, map_max=4 << 20)
+    ok: list[bytes] = []
+    with pytest.raises(NoSpaceError) as info:
+        for i in range(10_000):
+            k = key_of(f"map-{i}")
+            put_page(p, k, None, 4096)
+            ok.append(k)
+    assert "map_max" in info.value.hint
+    assert p.stats().extra["map_size"] >= 4 << 20  # grew from 1 MiB to the limit
+    assert len(ok) > 300
+    for k in ok[::17]:
+        assert p.read_bytes(k) == page_bytes(k, 4096)
+    p.evict(ok[:100])
+    put_page(p, key_of("map-after"), None, 4096)  # still usable
+    p.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# R7: a failed fsync fails the seal for good
+# ---------------------------------------------------------------------------------------------
+
+
+def test_failed_sync_fails_the_seal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    p = _store(tmp_path, durability="sync")
+    good = key_of("sync-good")
+    put_page(p, good, None, PAGE)
+
+    def eio(fd: int) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(_fsutil, "fdatasync", eio)
+    k = key_of("sync-bad")
+    res = p.reserve(k, None, PAGE)
+    assert res is not None
+    res.write(0, page_bytes(k, PAGE))
+    with pytest.raises(StorageIOError):
+        res.seal()
+    assert res.state == "aborted"
+    assert p.present([k]) == [False] and p.in_flight(k) is False
+    monkeypatch.undo()
+    assert p.put(k, None, page_bytes(k, PAGE))  # a fresh reservation works once the device does
+    assert p.read_bytes(k) == page_bytes(k, PAGE) and p.read_bytes(good) == page_bytes(good, PAGE)
+    p.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Reservations and leases across processes; dead owners are reclaimed
+# ---------------------------------------------------------------------------------------------
+
+
+def test_dead_process_reservations_and_leases_are_reclaimed(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    p = LmdbProvider(store, budget_bytes=8 * PAGE, inline_max=0)
+    keys = [key_of(f"dead-{i}") for i in range(6)]
+    for k in keys:
+        put_page(p, k, None, PAGE)
+    p.close()
+
+    def crashed_child() -> None:
+        c = LmdbProvider(store)
+        res = c.reserve(key_of("dead-inflight"), None, PAGE)
+        assert res is not None
+        c.lease(keys)  # leases every entry, then "crashes" without releasing anything
+        os._exit(0)
+
+    assert _fork_and_wait(crashed_child) == 0
+    p = LmdbProvider(store)  # reclaims on open: the owner is gone
+    assert p.stats().in_flight == 0 and p.stats().leased == 0
+    assert p.in_flight(key_of("dead-inflight")) is False
+    assert p.put(key_of("dead-inflight"), None, page_bytes(key_of("dead-inflight"), PAGE))
+    assert p.evict(nbytes=2 * PAGE).entries == 2  # the dead lease no longer pins anything
+    p.close()
+
+
+def test_live_process_reservation_is_in_flight_elsewhere(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    LmdbProvider(store, budget_bytes=16 * PAGE, inline_max=0).close()
+    k = key_of("cross-inflight")
+    ctx = mp.get_context("spawn")
+    go, done = ctx.Event(), ctx.Event()
+    child = ctx.Process(target=_hold_reservation, args=(str(store), k, go, done))
+    child.start()
+    try:
+        assert go.wait(60)
+        p = LmdbProvider(store)
+        assert p.in_flight(k) is True
+        with pytest.raises(InFlightError):
+            p.reserve(k, None, PAGE)
+        done.set()
+        assert p.wait_sealed(k, 60.0) is True
+        assert p.read_bytes(k) == page_bytes(k, PAGE)
+        p.close()
+    finally:
+        done.set()
+        child.join(60)
+    assert child.exitcode == 0
+
+
+def _hold_reservation(store: str, key: bytes, go: Any, done: Any) -> None:
+    p = LmdbProvider(store)
+    res = p.reserve(key, None, PAGE)
+    assert res is not None
+    res.write(0, page_bytes(key, PAGE))
+    go.set()
+    done.wait(60)
+    res.seal()
+    p.close()
+
+
+def test_budget_is_a_store_property(tmp_path: Path) -> None:
+    p = _store(tmp_path, budget_bytes=32 * PAGE)
+    keys = [key_of(f"budget-{i}") for i in range(30)]
+    for k in keys:
+        put_page(p, k, None, PAGE)
+    p.close()
+    p = LmdbProvider(tmp_path / "store")
+    assert p.budget_bytes == 32 * PAGE
+    p.close()
+    p = LmdbProvider(tmp_path / "store", budget_bytes=10 * PAGE)  # shrinking trims LRU entries
+    st = p.stats()
+    assert st.budget_bytes == 10 * PAGE and st.used_bytes <= 10 * PAGE
+    assert p.present(keys[-10:]) == [True] * 10
+    with pytest.raises(CapacityError):
+        p.reserve(key_of("budget-huge"), None, 11 * PAGE)
+    p.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Compaction
+# ---------------------------------------------------------------------------------------------
+
+
+def test_compact_shrinks_and_keeps_everything(tmp_path: Path) -> None:
+    p = _store(tmp_path, budget_bytes=1024 * PAGE, file_nbytes=64 * PAGE, inline_max=PAGE // 2)
+    keys = []
+    for c in range(20):
+        ks = chain(f"compact-{c}", 20)
+        put_chain(p, ks, PAGE)
+        keys.append(ks)
+        p.put_anchor(ks[-1], "state", anchor_bytes(ks[-1], "state", 300))
+    small = [key_of(f"compact-inline-{i}") for i in range(50)]
+    for k in small:
+        put_page(p, k, None, 1000)
+    for ks in keys[::2]:
+        p.evict([ks[0]])
+    for ks in keys[1::2]:
+        p.evict([ks[5]])
+    p.evict(small[::2])
+    before = p.stats()
+    progress: list[tuple[int, int]] = []
+    report = p.compact(progress=lambda d, t: progress.append((d, t)))
+    assert report.entries == before.entries
+    assert report.bytes_after < report.bytes_before
+    assert progress and progress[-1][0] == progress[-1][1]
+    after = p.stats()
+    assert (after.entries, after.used_bytes) == (before.entries, before.used_bytes)
+    for ks in keys[1::2]:
+        assert p.longest_prefix(ks) == 5
+        for k in ks[:5]:
+            assert p.read_bytes(k) == page_bytes(k, PAGE)
+            assert backdoor_read(p, k) == page_bytes(k, PAGE)
+    for k in small[1::2]:
+        assert p.read_bytes(k) == page_bytes(k, 1000)
+    assert p.verify().ok
+    for i in range(30):  # and the store keeps working
+        put_page(p, key_of(f"compact-after-{i}"), None, PAGE)
+    p.close()
+    p = LmdbProvider(tmp_path / "store")
+    assert p.verify().ok and p.stats().entries == after.entries + 30
+    p.close()
+
+
+def test_compact_refuses_while_others_have_the_store(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    p = LmdbProvider(store, budget_bytes=64 * PAGE, inline_max=0)
+    put_page(p, key_of("busy"), None, PAGE)
+    with p.lease([key_of("busy")]), pytest.raises(LockedError):
+        p.compact()
+    p.close()
+    ctx = mp.get_context("spawn")
+    go, done = ctx.Event(), ctx.Event()
+    child = ctx.Process(target=_hold_open, args=(str(store), go, done))
+    child.start()
+    try:
+        assert go.wait(60)
+        p = LmdbProvider(store)
+        with pytest.raises(LockedError):
+            p.compact()
+        assert p.read_bytes(key_of("busy")) == page_bytes(key_of("busy"), PAGE)  # still usable
+        p.close()
+    finally:
+        done.set()
+        child.join(60)
+    assert child.exitcode == 0
+
+
+def _hold_open(store: str, go: Any, done: Any) -> None:
+    p = LmdbProvider(store)
+    go.set()
+    done.wait(60)
+    p.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Threads in sync mode: group commit keeps every acknowledged seal
+# ---------------------------------------------------------------------------------------------
+
+
+def test_group_commit_threads_sync_mode(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    p = _store(tmp_path, durability="sync", budget_bytes=1024 * PAGE)
+    syncs = [0]
+    real = _fsutil.fdatasync
+
+    def counting(fd: int) -> None:
+        syncs[0] += 1
+        real(fd)
+
+    monkeypatch.setattr(_fsutil, "fdatasync", counting)
+    errors: list[BaseException] = []
+
+    def writer(t: int) -> None:
+        try:
+            put_chain(p, chain(f"group-{t}", 25), PAGE)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(t,)) for t in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert errors == []
+    assert p.stats().seals == 200
+    assert syncs[0] <= 200  # never more than one data sync per seal; batches share one
+    p.close()
+    p = LmdbProvider(tmp_path / "store")
+    for t in range(8):
+        ks = chain(f"group-{t}", 25)
+        assert p.longest_prefix(ks) == 25
+        assert p.read_bytes(ks[-1]) == page_bytes(ks[-1], PAGE)
+    p.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# The multi-process test: 2 writer processes + 3 reader processes share one store
+# ---------------------------------------------------------------------------------------------
+
+MP_SECONDS = float(os.environ.get("HOSTKV_MP_SECONDS", "6"))
+MP_PAGE = 16384
+
+
+def _mp_writer(store: str, w: int, seconds: float, out: Any) -> None:
+    try:
+        p = LmdbProvider(store)
+        rng = random.Random(w)
+        deadline = time.monotonic() + seconds
+        seals = evictions = 0
+        while time.monotonic() < deadline:
+            c = rng.randrange(40)
+            ks = chain(f"mp-{c}", 12)  # both writers write the same chains: dedup and in-flight
+            parent = None
+            for k in ks[: rng.randrange(1, 13)]:
+                try:
+                    res = p.reserve(k, parent, MP_PAGE)
+                except InFlightError:
+                    if not p.wait_sealed(k, 30.0):
+                        break
+                    parent = k
+                    continue
+                except (UnknownKeyError, CapacityError):
+                    break
+                if res is not None:
+                    res.write(0, page_bytes(k, MP_PAGE))
+                    res.seal()
+                    seals += 1
+                    if rng.random() < 0.2:
+                        p.put_anchor(k, "state", anchor_bytes(k, "state", 64))
+                parent = k
+            if rng.random() < 0.1:
+                evictions += p.evict([chain(f"mp-{rng.randrange(40)}", 12)[rng.randrange(12)]]).entries
+            st = p.stats()
+            if st.used_bytes > st.budget_bytes:
+                out.put(("error", f"writer {w}: used {st.used_bytes} > budget {st.budget_bytes}"))
+        p.close()
+        out.put(("writer", w, seals, evictions))
+    except BaseException as exc:  # report, never hang the parent
+        out.put(("error", f"writer {w}: {exc!r}"))
+
+
+def _mp_reader(store: str, r: int, seconds: float, out: Any) -> None:
+    try:
+        p = LmdbProvider(store)
+        rng = random.Random(100 + r)
+        deadline = time.monotonic() + seconds
+        reads = hits = wrong = 0
+        buf = bytearray(MP_PAGE)
+        while time.monotonic() < deadline:
+            ks = chain(f"mp-{rng.randrange(40)}", 12)
+            if rng.random() < 0.5:
+                n = p.longest_prefix(ks)
+                with p.lease(ks[:n]) as lease:
+                    for k in lease.keys:
+                        reads += 1
+                        if p.read(k, buf):
+                            hits += 1
+                            wrong += bytes(buf) != page_bytes(k, MP_PAGE)
+                        regions = p.view(lease, k)
+                        if regions is not None:
+                            wrong += b"".join(bytes(x.view) for x in regions) != page_bytes(k, MP_PAGE)
+            else:
+                for k in ks:
+                    reads += 1
+                    if p.read(k, buf):
+                        hits += 1
+                        wrong += bytes(buf) != page_bytes(k, MP_PAGE)
+                    blob = p.get_anchor(k, "state")
+                    wrong += blob is not None and blob != anchor_bytes(k, "state", 64)
+        p.close()
+        out.put(("reader", r, reads, hits, wrong))
+    except BaseException as exc:
+        out.put(("error", f"reader {r}: {exc!r}"))
+
+
+def test_two_writers_three_readers(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    # a budget far below the working set, so the processes evict each other's pages constantly
+    LmdbProvider(store, budget_bytes=160 * MP_PAGE, inline_max=0).close()
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_mp_writer, args=(str(store), w, MP_SECONDS, out)) for w in range(2)]
+    procs += [ctx.Process(target=_mp_reader, args=(str(store), r, MP_SECONDS, out)) for r in range(3)]
+    for pr in procs:
+        pr.start()
+    results = []
+    try:
+        for _ in procs:
+            results.append(out.get(timeout=MP_SECONDS + 120))  # a deadlock fails here
+    finally:
+        for pr in procs:
+            pr.join(30)
+            if pr.is_alive():
+                pr.kill()
+    print("multi-process results:", results)
+    errors = [r for r in results if r[0] == "error"]
+    assert errors == []
+    assert all(pr.exitcode == 0 for pr in procs)
+    writers = [r for r in results if r[0] == "writer"]
+    readers = [r for r in results if r[0] == "reader"]
+    assert len(writers) == 2 and len(readers) == 3
+    assert sum(r[2] for r in writers) > 0
+    assert sum(r[2] for r in readers) > 0 and sum(r[3] for r in readers) > 0
+    assert sum(r[4] for r in readers) == 0, "a reader saw wrong bytes"
+    p = LmdbProvider(store)
+    try:
+        env: Any = p._s.env
+        stale = [ln for ln in env.readers().splitlines()[1:] if ln.strip() and str(os.getpid()) not in ln]
+        assert stale == [], f"stale reader slots: {stale}"
+        assert env.reader_check() == 0
+        st = p.stats()
+        assert st.in_flight == 0 and st.leased == 0 and st.used_bytes <= st.budget_bytes
+        report = p.verify()
+        assert report.ok, report
+        for info in p.iter_entries():
+            assert p.read_bytes(info.key) == page_bytes(info.key, MP_PAGE)
+    finally:
+        p.close()
+
+
+def test_errors_are_typed(tmp_path: Path) -> None:
+    p = _store(tmp_path)
+    with pytest.raises(InvalidArgumentError):
+        p.reserve(key_of("tag"), None, PAGE, salt_tag="x" * 300)
+    p.close()
+    with pytest.raises(HostKVError):
+        LmdbProvider(tmp_path / "store", durability="sometimes")
+    with pytest.raises(InvalidArgumentError):
+        LmdbProvider(tmp_path / "store", map_size=1 << 20, map_max=1 << 19)
