@@ -863,6 +863,8 @@ class MmapProvider(Provider):
             self._cleanup_dir()
         self._load()
         if not self._readonly:
+            if not self._files:  # preallocate the first data file now: a full disk fails at open
+                self._add_data_file(self._file_slots)
             self._open_journal_for_append()
             if self._budget != int(man["budget_bytes"]) or (file_nbytes is not None
                                                              and file_nbytes != int(man.get("file_nbytes", 0))):
@@ -1133,6 +1135,8 @@ class MmapProvider(Provider):
         live, parent_rows = self._resolve_parents(live)
         if dropped_stale:
             self._stale_at_open = dropped_stale
+            self._problems_note(f"{dropped_stale} index record(s) did not match their slot header: entries dropped")
+            self._load_needs_snapshot = True
         nslots = live["nslots"].astype(np.int64)
         costs = nslots * self._slot
         ticks = live["seq"].astype(np.int64)
@@ -1173,6 +1177,8 @@ class MmapProvider(Provider):
                 hdr_ok = self._files[a.file].check(a.slot, key=key, generation=a.gen, nbytes=a.nbytes,
                                                    checksum=a.checksum, verify=False) == ReadResult.OK
                 if not hdr_ok:
+                    self._problems_note(f"anchor {name!r} of {key.hex()[:16]} did not match its slot header: dropped")
+                    self._load_needs_snapshot = True
                     continue
                 table[name] = a
                 self._mark_used(a.file, np.array([a.slot]), np.array([a.nslots]))
@@ -1267,6 +1273,8 @@ class MmapProvider(Provider):
         dropped = int((~ok).sum())
         if dropped:
             self._orphans_at_open = dropped
+            self._problems_note(f"{dropped} entries without a stored parent (orphans) dropped")
+            self._load_needs_snapshot = True
         keep = np.flatnonzero(ok)
         remap = np.full(n, -1, np.int64)
         remap[keep] = np.arange(len(keep))
@@ -1578,7 +1586,6 @@ class MmapProvider(Provider):
             self._jvalid_end = REC_NBYTES
             self._open_journal_for_append()
             self._jrecords = 0
-            self._problems = []
             _fsutil.crash_point("mmap.snapshot.after_rotate")
 
     # -- lookups ---------------------------------------------------------------------------------
@@ -2052,6 +2059,7 @@ class MmapProvider(Provider):
                 report.problems.append(f"accounting: used {idx.used_cost} != live {acct} + in flight {inflight}")
             if repair and not self._readonly:
                 self._snapshot()  # rewrites the index without the damaged records
+                self._problems = []
                 if report.problems:
                     report.problems = [p + " (repaired)" for p in report.problems]
         return report

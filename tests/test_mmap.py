@@ -1,0 +1,431 @@
+"""mmap provider: identity, locking, permissions, durability modes, recovery, readers, I/O faults."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import stat
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import hostkv_providers._fsutil as fsutil
+from hostkv_providers import _mmap
+from hostkv_providers._errors import (
+    CorruptStoreError,
+    IncompatibleStoreError,
+    InvalidArgumentError,
+    LockedError,
+    ReservationError,
+    StorageIOError,
+    UnsafeStoreError,
+)
+from hostkv_providers._mmap import MmapProvider
+from hostkv_providers._registry import open_provider
+from hostkv_providers._slotfile import SlotFile
+from hostkv_providers.testing import anchor_bytes, chain, key_of, page_bytes, put_chain, put_page
+
+PAGE = 16384
+
+
+def make(path: Path, **kw: object) -> MmapProvider:
+    kw.setdefault("budget_bytes", 64 * PAGE)
+    kw.setdefault("slot_nbytes", PAGE)
+    return MmapProvider(str(path), **kw)  # type: ignore[arg-type]
+
+
+# -- identity and files ---------------------------------------------------------------------------
+
+
+def test_url_options_and_unknown_option(tmp_path: Path) -> None:
+    p = open_provider(f"mmap://{tmp_path}/s?budget=1MiB&durability=sync&slot=16KiB&verify=never")
+    assert isinstance(p, MmapProvider)
+    assert (p.budget_bytes, p.durability, p.slot_nbytes) == (1 << 20, "sync", PAGE)
+    put_page(p, key_of("u"), None, PAGE)
+    p.close()
+    with pytest.raises(InvalidArgumentError, match="unknown option"):
+        open_provider(f"mmap://{tmp_path}/s?budgett=1MiB")
+    with pytest.raises(InvalidArgumentError):
+        open_provider(f"mmap://{tmp_path}/s?durability=fast")
+    # budget and slot size come from the manifest when not given
+    p = open_provider(f"mmap://{tmp_path}/s")
+    assert (p.budget_bytes, p.slot_nbytes) == (1 << 20, PAGE)
+    assert p.present([key_of("u")]) == [True]
+    p.close()
+
+
+def test_files_are_private(tmp_path: Path) -> None:
+    p = make(tmp_path / "s")
+    put_chain(p, chain("perm", 3), PAGE)
+    p.put_anchor(chain("perm", 3)[2], "a", b"x")
+    p.close()
+    root = tmp_path / "s"
+    assert stat.S_IMODE(root.stat().st_mode) == 0o700
+    for f in root.iterdir():
+        assert stat.S_IMODE(f.stat().st_mode) == 0o600, f.name
+
+
+def test_loose_permissions_and_symlinks_refused(tmp_path: Path) -> None:
+    p = make(tmp_path / "s")
+    p.close()
+    root = tmp_path / "s"
+    os.chmod(root, 0o755)
+    with pytest.raises(UnsafeStoreError):
+        make(root)
+    os.chmod(root, 0o700)
+    manifest = root / "manifest.json"
+    os.chmod(manifest, 0o644)
+    with pytest.raises(UnsafeStoreError):
+        make(root)
+    os.chmod(manifest, 0o600)
+    data = next(f for f in root.iterdir() if f.name.endswith(".slots"))
+    real = tmp_path / "elsewhere.slots"
+    os.rename(data, real)
+    os.symlink(real, data)
+    with pytest.raises(UnsafeStoreError):
+        make(root)
+    link = tmp_path / "link"
+    os.symlink(root, link)
+    with pytest.raises(UnsafeStoreError):
+        make(link)
+
+
+def test_empty_existing_dir_is_adopted(tmp_path: Path) -> None:
+    d = tmp_path / "made-by-caller"
+    d.mkdir(mode=0o755)
+    make(d).close()
+    assert stat.S_IMODE(d.stat().st_mode) == 0o700
+
+
+def test_other_format_version_refused(tmp_path: Path) -> None:
+    make(tmp_path / "s").close()
+    mpath = tmp_path / "s" / "manifest.json"
+    man = json.loads(mpath.read_text())
+    for field, value, match in (("format_version", 99, "format version 99"),
+                                ("key_algorithm", "md5", "key_algorithm"),
+                                ("checksum_algorithm", "crc8", "checksum_algorithm")):
+        bad = dict(man, **{field: value})
+        mpath.write_text(json.dumps(bad))
+        with pytest.raises(IncompatibleStoreError, match=match):
+            make(tmp_path / "s")
+    mpath.write_text(json.dumps(man))
+    with pytest.raises(IncompatibleStoreError, match="slots"):
+        make(tmp_path / "s", slot_nbytes=2 * PAGE)
+    mpath.write_text("{not json")
+    with pytest.raises(CorruptStoreError):
+        make(tmp_path / "s")
+
+
+def test_short_data_file_is_refused_not_sigbus(tmp_path: Path) -> None:
+    p = make(tmp_path / "s")
+    put_page(p, key_of("x"), None, PAGE)
+    p.close()
+    data = next(f for f in (tmp_path / "s").iterdir() if f.name.endswith(".slots"))
+    os.truncate(data, data.stat().st_size - 4096)
+    with pytest.raises(CorruptStoreError, match="declares"):
+        make(tmp_path / "s")
+
+
+# -- processes ------------------------------------------------------------------------------------
+
+
+def test_second_writer_locked_reader_allowed(tmp_path: Path) -> None:
+    p = make(tmp_path / "s")
+    keys = chain("lock", 3)
+    put_chain(p, keys, PAGE)
+    with pytest.raises(LockedError):
+        make(tmp_path / "s")
+    r = make(tmp_path / "s", readonly=True)
+    assert r.present(keys) == [True] * 3
+    assert r.read_bytes(keys[1]) == page_bytes(keys[1], PAGE)
+    with pytest.raises(InvalidArgumentError, match="read-only"):
+        r.reserve(key_of("ro"), None, PAGE)
+    with pytest.raises(InvalidArgumentError, match="read-only"):
+        r.compact()
+    # the reader sees new entries after refresh(); evicted ones become misses
+    more = chain("lock-more", 2)
+    put_chain(p, more, PAGE)
+    assert r.present(more) == [False, False]
+    assert r.refresh() is True
+    assert r.present(more) == [True, True]
+    p.evict([keys[0]])
+    # slot reuse by the writer: the reader's stale record reads as a miss, never wrong bytes
+    for i in range(40):
+        put_page(p, key_of(f"lock-fill-{i}"), None, PAGE)
+    for k in keys:
+        got = r.read_bytes(k)
+        assert got is None or got == page_bytes(k, PAGE)
+    r.close()
+    p.close()
+    p2 = make(tmp_path / "s")  # lock released on close
+    p2.close()
+
+
+def test_use_after_fork_and_lock_survives_child_exit(tmp_path: Path) -> None:
+    p = make(tmp_path / "s")
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            p.present([key_of("f")])
+            code = 1
+        except Exception as exc:
+            code = 0 if type(exc).__name__ == "UsedAfterForkError" else 2
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.WEXITSTATUS(status) == 0
+    with pytest.raises(LockedError):
+        make(tmp_path / "s")
+    p.close()
+
+
+# -- durability modes, group commit, fsync failure -------------------------------------------------
+
+
+@pytest.mark.parametrize("durability", ["sync", "process", "none"])
+def test_durability_modes_roundtrip(tmp_path: Path, durability: str) -> None:
+    p = make(tmp_path / "s", durability=durability)
+    keys = chain("dur", 6)
+    put_chain(p, keys, PAGE)
+    p.put_anchor(keys[-1], "s", anchor_bytes(keys[-1], "s", 100))
+    p.close()
+    p = make(tmp_path / "s", durability=durability)
+    assert [p.read_bytes(k) for k in keys] == [page_bytes(k, PAGE) for k in keys]
+    assert p.get_anchor(keys[-1], "s") == anchor_bytes(keys[-1], "s", 100)
+    p.close()
+
+
+def test_group_commit_shares_syncs(tmp_path: Path) -> None:
+    p = make(tmp_path / "s", durability="sync", budget_bytes=256 * PAGE)
+    keys = [key_of(f"gc-{i}") for i in range(64)]
+    reservations = []
+    for k in keys:
+        res = p.reserve(k, None, PAGE)
+        assert res is not None
+        res.write(0, page_bytes(k, PAGE))
+        reservations.append(res)
+    p.seal_many(reservations)
+    st = p.stats()
+    assert st.seals == 64
+    assert st.extra["syncs"] < 64  # one sync covered several seals
+    assert all(p.present(keys))
+    # many threads sealing concurrently also batch
+    before = p.stats().extra["syncs"]
+
+    def worker(i: int) -> None:
+        for j in range(8):
+            put_page(p, key_of(f"gc-t{i}-{j}"), None, PAGE)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert p.stats().extra["syncs"] - before <= 64
+    p.close()
+
+
+def test_failed_fsync_fails_every_waiting_seal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    p = make(tmp_path / "s", durability="sync")
+    good = chain("fs-good", 2)
+    put_chain(p, good, PAGE)
+
+    def broken(fd: int) -> None:
+        raise OSError(errno.EIO, "injected EIO")
+
+    monkeypatch.setattr(fsutil, "fdatasync", broken)
+    bad = key_of("fs-bad")
+    with pytest.raises(StorageIOError):
+        put_page(p, bad, None, PAGE)
+    assert p.present([bad]) == [False]
+    monkeypatch.undo()
+    # never retried into a success: the store refuses further acknowledgements until reopened
+    with pytest.raises(StorageIOError, match="earlier sync"):
+        put_page(p, key_of("fs-after"), None, PAGE)
+    assert p.read_bytes(good[1]) == page_bytes(good[1], PAGE)
+    p.close()
+    p = make(tmp_path / "s", durability="sync")
+    assert p.present(good) == [True, True]
+    got = p.read_bytes(bad)
+    assert got is None or got == page_bytes(bad, PAGE)
+    put_page(p, key_of("fs-after"), None, PAGE)
+    p.close()
+
+
+# -- recovery -------------------------------------------------------------------------------------
+
+
+def _abandon_copy(p: MmapProvider, dest: Path) -> None:
+    """Copy an open store as a kill -9 would leave it (page-cache state, no close())."""
+    dest.mkdir(mode=0o700)
+    for name in os.listdir(p.path):
+        src = os.path.join(p.path, name)
+        with open(src, "rb") as f:
+            data = f.read()
+        fd = os.open(dest / name, os.O_WRONLY | os.O_CREAT, 0o600)
+        os.write(fd, data)
+        os.close(fd)
+
+
+def test_journal_truncated_at_every_512_byte_boundary(tmp_path: Path) -> None:
+    p = make(tmp_path / "s", budget_bytes=64 * PAGE)
+    keys = chain("torn", 12)
+    put_chain(p, keys, PAGE)
+    image = tmp_path / "image"
+    _abandon_copy(p, image)
+    p.close()
+    journal = image / "index.1.journal"
+    valid_end = _mmap.REC_NBYTES * (1 + 12)
+    for cut in range(0, valid_end + 512, 512):
+        work = tmp_path / f"cut{cut}"
+        work.mkdir(mode=0o700)
+        for f in image.iterdir():
+            data = f.read_bytes()
+            if f.name == journal.name:
+                data = data[: min(cut, valid_end)]
+            (work / f.name).write_bytes(data)
+            os.chmod(work / f.name, 0o600)
+        q = make(work)
+        complete = max(0, (min(cut, valid_end) - _mmap.REC_NBYTES) // _mmap.REC_NBYTES)
+        present = q.present(keys)
+        assert present == [i < complete for i in range(12)], cut
+        for k, hit in zip(keys, present, strict=True):
+            if hit:
+                assert q.read_bytes(k) == page_bytes(k, PAGE)
+        put_page(q, key_of(f"after-{cut}"), None, PAGE)  # the store stays writable
+        q.close()
+
+
+def test_torn_last_page_every_512_bytes_is_a_counted_miss(tmp_path: Path) -> None:
+    p = make(tmp_path / "s")
+    keys = chain("tornpage", 4)
+    put_chain(p, keys, PAGE)
+    p.close()
+    root = tmp_path / "s"
+    sf = SlotFile.open(str(next(f for f in root.iterdir() if f.name.endswith(".slots"))), writable=False)
+    h = sf.headers()
+    slot = int(np.flatnonzero(h["key"] == np.frombuffer(keys[-1], "V32")[0])[0])
+    offset = sf.data_offset_of(slot)
+    path = sf.path
+    sf.close()
+    original = page_bytes(keys[-1], PAGE)
+    for boundary in range(512, PAGE, 512):
+        # the new page's first `boundary` bytes reached the disk, the rest still holds old bytes
+        fd = os.open(path, os.O_RDWR)
+        os.pwrite(fd, bytes(PAGE - boundary), offset + boundary)
+        os.close(fd)
+        q = make(root, readonly=True)
+        assert q.read_bytes(keys[-1]) is None, boundary
+        assert q.stats().checksum_failures == 1
+        assert [q.read_bytes(k) for k in keys[:-1]] == [page_bytes(k, PAGE) for k in keys[:-1]]
+        q.close()
+        fd = os.open(path, os.O_RDWR)
+        os.pwrite(fd, original, offset)
+        os.close(fd)
+    q = make(root)
+    assert q.read_bytes(keys[-1]) == original
+    q.close()
+
+
+def test_reopen_many_entries_with_anchors_and_snapshot(tmp_path: Path) -> None:
+    p = make(tmp_path / "s", budget_bytes=5000 * 4096, slot_nbytes=4096, snapshot_every=700)
+    roots = [key_of(f"many-{i}") for i in range(40)]
+    keys = []
+    for r in roots:
+        ch = [r] + [key_of(f"{r.hex()}-{j}") for j in range(49)]
+        put_chain(p, ch, 4096)
+        keys += ch
+    for k in keys[::97]:
+        p.put_anchor(k, "s", anchor_bytes(k, "s", 50))
+    p.evict(keys[10:12])  # a subtree from the middle of the first chain
+    st = p.stats()
+    present = p.present(keys)
+    image = tmp_path / "image"
+    _abandon_copy(p, image)  # journal + snapshot state of a crash
+    p.close()
+    for where in (tmp_path / "s", image):
+        q = MmapProvider(str(where))
+        assert q.present(keys) == present
+        st2 = q.stats()
+        assert (st2.entries, st2.used_bytes, st2.anchors) == (st.entries, st.used_bytes, st.anchors)
+        for k in keys[::53]:
+            if q.present([k])[0]:
+                assert q.read_bytes(k) == page_bytes(k, 4096)
+        for k in keys[::97]:
+            if q.present([k])[0]:
+                assert q.get_anchor(k, "s") == anchor_bytes(k, "s", 50)
+        assert q.verify().ok
+        q.close()
+
+
+def test_budget_lowered_on_reopen_evicts_lru(tmp_path: Path) -> None:
+    p = make(tmp_path / "s", budget_bytes=32 * PAGE)
+    keys = [key_of(f"low-{i}") for i in range(32)]
+    for k in keys:
+        put_page(p, k, None, PAGE)
+    p.read_bytes(keys[0])  # recently used
+    p.close()
+    q = make(tmp_path / "s", budget_bytes=8 * PAGE)  # same slot size, lower budget
+    st = q.stats()
+    assert st.used_bytes <= 8 * PAGE and st.entries == 8
+    q.close()
+
+
+# -- compaction -----------------------------------------------------------------------------------
+
+
+def test_compact_is_dense_and_keeps_everything(tmp_path: Path) -> None:
+    p = make(tmp_path / "s", budget_bytes=128 * PAGE)
+    keys = [key_of(f"cp-{i}") for i in range(60)]
+    for k in keys:
+        put_page(p, k, None, PAGE)
+    p.put_anchor(keys[5], "a", anchor_bytes(keys[5], "a", 3000))
+    p.evict(keys[::2])
+    rep = p.compact()
+    assert rep.entries == 30 and rep.bytes_after < rep.bytes_before
+    for k in keys[1::2]:
+        assert p.read_bytes(k) == page_bytes(k, PAGE)
+    assert p.get_anchor(keys[5], "a") == anchor_bytes(keys[5], "a", 3000)
+    put_page(p, key_of("cp-after"), None, PAGE)
+    names = sorted(os.listdir(p.path))
+    assert all(".2." in n or n in ("manifest.json", "writer.lock") for n in names), names
+    p.close()
+    q = make(tmp_path / "s")
+    assert q.present(keys[1::2]) == [True] * 30
+    assert q.verify().ok
+    q.close()
+
+
+def test_compact_refuses_in_flight_and_foreign_writer(tmp_path: Path) -> None:
+    p = make(tmp_path / "s")
+    res = p.reserve(key_of("inflight"), None, PAGE)
+    assert res is not None
+    with pytest.raises(ReservationError):
+        p.compact()
+    res.abort()
+    # a second process/open cannot compact while this writer holds the lock
+    with pytest.raises(LockedError):
+        make(tmp_path / "s").compact()
+    p.close()
+
+
+# -- ENOSPC before any data file is mapped ---------------------------------------------------------
+
+
+def test_slotfile_create_enospc_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def full(fd: int, offset: int, nbytes: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    from hostkv_providers._errors import NoSpaceError
+
+    with pytest.raises(NoSpaceError):
+        MmapProvider(str(tmp_path / "s"), budget_bytes=8 * PAGE, slot_nbytes=PAGE)
+    assert not [n for n in os.listdir(tmp_path / "s") if n.endswith(".slots") or n.startswith(".tmp")]
+    monkeypatch.undo()
+    p = MmapProvider(str(tmp_path / "s"), budget_bytes=8 * PAGE, slot_nbytes=PAGE)  # space is back
+    put_page(p, key_of("n"), None, PAGE)
+    p.close()
