@@ -1,0 +1,753 @@
+"""``tiered://`` — a fast provider (pinned RAM) over a slow, persistent one (lmdb, mmap).
+
+Saves land in the fast tier, where the copy engine can DMA into pinned memory, and a background
+thread writes them back to the slow tier, in seal order (so parent before child), through a
+bounded queue: when ``queue`` pages are waiting, ``seal`` blocks until the writer catches up.
+Reads and restores are served from the fast tier when it holds the page; pages found only in the
+slow tier are read from there and *promoted* into the fast tier.  A restart keeps the slow tier:
+the tiered index is rebuilt from it on open.
+
+Membership, LRU order, leases, in-flight reservations and the budget are kept by the tiered
+provider itself (one ``TreeIndex``), so the composite behaves exactly like a single provider —
+evictions are decided synchronously when space is reserved and then applied to both tiers.  The
+tiers are storage: the slow tier must hold at least the tiered budget (it then never evicts on its
+own), the fast tier may be smaller (it evicts promoted copies by its own LRU; pages still waiting
+for write-back are pinned in it).  When the fast tier cannot take a new page, it is written
+straight through to the slow tier.
+
+One process owns a tiered store (``multiprocess = False``): other processes must not write to
+its slow tier while it is open.
+
+URL: ``tiered://?fast=<url-encoded URL>&slow=<url-encoded URL>[&budget=..][&queue=1024][&promote=true]``,
+e.g. ``tiered://?fast=pinned%3A%2F%2F%3Fbudget%3D64GiB&slow=lmdb%3A%2F%2F%2Fnvme%2Fkv%3Fbudget%3D1TiB``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import threading
+import time
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+from ._errors import (
+    CapacityError,
+    HostKVError,
+    InFlightError,
+    InvalidArgumentError,
+    ReservationError,
+    UnknownKeyError,
+)
+from ._index import Node, TreeIndex
+from ._keys import Key
+from ._options import Options, parse_size
+from ._provider import (
+    EntryInfo,
+    EvictReport,
+    HostRegion,
+    Lease,
+    Provider,
+    ProviderStats,
+    Reservation,
+    SupportsIterate,
+    SupportsViews,
+    check_anchor_name,
+    readable_bytes,
+    writable_buffer,
+)
+from ._span import ByteSpan
+
+__all__ = ["TieredProvider"]
+
+_EXTRA_COUNTERS = frozenset(("promotions", "write_backs", "write_back_failures", "write_through", "fast_hits",
+                             "slow_hits"))
+_PENDING = "pending"  # sealed in the fast tier, write-back queued
+_SLOW = "slow"  # in the slow tier (maybe also cached in the fast tier)
+
+
+class _Loc:
+    """Where a tiered entry's bytes are; ``Node.loc`` of the tiered index."""
+
+    __slots__ = ("anchors", "cancelled", "fast_lease", "state", "unsynced")
+
+    def __init__(self, state: str, fast_lease: Lease | None = None) -> None:
+        self.state = state
+        self.fast_lease = fast_lease  # pins the only copy until it is written back
+        self.cancelled = False  # evicted before its write-back ran
+        self.anchors: dict[str, int] = {}  # name -> nbytes (the bytes live in the slow tier)
+        self.unsynced: dict[str, bytes] = {}  # anchors queued for the slow tier, not written yet
+
+
+class _TieredReservation(Reservation):
+    __slots__ = ("inner",)
+
+    def __init__(self, provider: TieredProvider, key: Key, parent: Key | None, nbytes: int, salt_tag: str,
+                 inner: Reservation) -> None:
+        super().__init__(provider, key, parent, nbytes, salt_tag)
+        self.inner = inner
+
+    def regions(self) -> Sequence[HostRegion]:
+        self.check_open(self._provider)
+        return self.inner.regions()
+
+    def mark_written(self, span: ByteSpan | None = None) -> None:
+        super().mark_written(span)
+        self.inner.mark_written(span)
+
+
+class _LeaseToken:
+    __slots__ = ("fast", "nodes")
+
+    def __init__(self, nodes: list[Node | None], fast: Lease | None) -> None:
+        self.nodes = nodes
+        self.fast = fast
+
+
+class TieredProvider(Provider):
+    """A fast provider over a slow one (see the module docstring).
+
+    Parameters
+    ----------
+    fast:
+        The landing tier (normally ``pinned``); it should offer ``view``/``regions``.
+    slow:
+        The persistent tier (``lmdb``, ``mmap``); it must support ``iter_entries`` (the index
+        is rebuilt from it on open) and hold at least ``budget_bytes``.
+    budget_bytes:
+        The tiered budget; default: the slow tier's budget.
+    queue_pages:
+        Bound of the write-back queue, in pages; ``seal`` blocks while it is full.
+    promote:
+        Copy pages read from the slow tier into the fast tier.
+    own_tiers:
+        Close the tiers when this provider closes (``from_url`` builds them, so it sets this).
+    """
+
+    name = "tiered"
+    persistent = True  # the slow tier is
+
+    def __init__(self, fast: Provider, slow: Provider, *, budget_bytes: int | None = None, queue_pages: int = 1024,
+                 promote: bool = True, own_tiers: bool = True) -> None:
+        super().__init__()
+        if not isinstance(fast, Provider) or not isinstance(slow, Provider):
+            raise InvalidArgumentError("fast and slow must be Provider instances")
+        if fast is slow:
+            raise InvalidArgumentError("the fast and slow tiers must be different providers")
+        if not isinstance(slow, SupportsIterate):
+            raise InvalidArgumentError(f"the slow tier ({slow.name}) must support iter_entries()",
+                                       hint="use lmdb:// or mmap:// as the slow tier")
+        budget = slow.budget_bytes if budget_bytes is None else budget_bytes
+        if type(budget) is not int or budget <= 0:
+            raise InvalidArgumentError(f"budget must be a positive int, got {budget!r}")
+        if budget > slow.budget_bytes:
+            raise InvalidArgumentError(
+                f"the tiered budget ({budget}) exceeds the slow tier's ({slow.budget_bytes})",
+                hint="the slow tier must be able to hold every entry; raise its budget")
+        if type(queue_pages) is not int or queue_pages < 1:
+            raise InvalidArgumentError(f"queue must be a positive int, got {queue_pages!r}")
+        self.fast = fast
+        self.slow = slow
+        self._budget = budget
+        self._promote = bool(promote)
+        self._own = own_tiers
+        self._lock = threading.RLock()
+        self._index = TreeIndex(budget)
+        self._queue: queue.Queue[tuple[Any, ...] | None] = queue.Queue()
+        self._room = threading.Condition(threading.Lock())
+        self._queued_pages = 0
+        self._queue_pages = queue_pages
+        self._writer_error: BaseException | None = None
+        self._counters: dict[str, int] = dict.fromkeys(
+            ("hits", "misses", "seals", "aborts", "dedup", "checksum_failures", "bytes_written", "bytes_read",
+             "promotions", "write_backs", "write_back_failures", "write_through", "fast_hits", "slow_hits"), 0)
+        self._rebuild()
+        self._writer = threading.Thread(target=self._write_back_loop, name="hostkv-tiered-writeback", daemon=True)
+        self._writer.start()
+
+    # -- construction ------------------------------------------------------------------------
+    @classmethod
+    def from_url(cls, location: str, options: Mapping[str, str]) -> TieredProvider:
+        from ._registry import open_provider
+
+        opts = Options("tiered", options)
+        fast_url = opts.text("fast")
+        slow_url = opts.text("slow")
+        budget = opts.text("budget")
+        queue_pages = opts.integer("queue", 1024)
+        promote = opts.boolean("promote", True)
+        opts.finish()
+        if location not in ("", "/"):
+            raise InvalidArgumentError(f"tiered:// takes no path, got {location!r}",
+                                       hint="tiered://?fast=<url-encoded URL>&slow=<url-encoded URL>")
+        if not fast_url or not slow_url:
+            raise InvalidArgumentError("tiered:// needs both fast= and slow= provider URLs (URL-encoded)",
+                                       hint="tiered://?fast=pinned%3A%2F%2F%3Fbudget%3D8GiB&slow=lmdb%3A%2F%2F%2Fvar%2Fkv")
+        for url in (fast_url, slow_url):
+            if url.split("://", 1)[0] == "tiered":
+                raise InvalidArgumentError("a tier of tiered:// cannot itself be tiered://")
+        fast = open_provider(fast_url)
+        try:
+            slow = open_provider(slow_url)
+        except BaseException:
+            fast.close()
+            raise
+        try:
+            return cls(fast, slow, budget_bytes=None if budget is None else parse_size(budget),
+                       queue_pages=queue_pages, promote=promote, own_tiers=True)
+        except BaseException:
+            fast.close()
+            slow.close()
+            raise
+
+    def _rebuild(self) -> None:
+        """Index every entry of the slow tier (parents first, least recently used first)."""
+        infos = {i.key: i for i in self.slow.iter_entries()}
+        order = sorted(infos.values(), key=lambda i: (i.last_used, i.created))
+        done: set[Key] = set()
+        dropped: list[Key] = []
+
+        def add(info: EntryInfo) -> None:
+            chain = [info]
+            while chain[-1].parent is not None and chain[-1].parent not in done:
+                parent = infos.get(chain[-1].parent)
+                if parent is None:  # an orphan cannot be: the slow tier is prefix-closed
+                    return
+                chain.append(parent)
+            for i in reversed(chain):
+                if i.key in done:
+                    continue
+                cost = i.nbytes + sum(i.anchors.values())
+                try:
+                    _, evicted = self._index.begin(i.key, i.parent, cost)
+                except (CapacityError, UnknownKeyError):
+                    dropped.append(i.key)
+                    return
+                for n in evicted:
+                    dropped.append(n.key)
+                node = Node(i.key, i.parent, i.nbytes, 0, i.salt_tag, i.checksum, _Loc(_SLOW), i.created)
+                node.loc.anchors = dict(i.anchors)
+                self._index.commit(i.key, node)
+                node.last_used = i.last_used
+                done.add(i.key)
+
+        for info in order:
+            if info.key not in done:
+                add(info)
+        if dropped:  # the store held more than this budget: trim it now
+            self.slow.evict(dropped)
+
+    @property
+    def budget_bytes(self) -> int:
+        return self._budget
+
+    # -- lookups -----------------------------------------------------------------------------
+    def present(self, keys: Sequence[bytes]) -> list[bool]:
+        ks = self._keys(keys)
+        with self._lock:
+            self._check_usable()
+            nodes = self._index.nodes
+            return [k in nodes for k in ks]
+
+    def longest_prefix(self, keys: Sequence[bytes]) -> int:
+        ks = self._keys(keys)
+        with self._lock:
+            self._check_usable()
+            nodes = self._index.nodes
+            n = 0
+            for k in ks:
+                if k not in nodes:
+                    break
+                n += 1
+            return n
+
+    def entry(self, key: bytes) -> EntryInfo | None:
+        k = self._key(key)
+        with self._lock:
+            self._check_usable()
+            node = self._index.get(k)
+            return None if node is None else _info(node)
+
+    def iter_entries(self) -> Iterator[EntryInfo]:
+        with self._lock:
+            self._check_usable()
+            infos = [_info(n) for n in self._index]
+        return iter(infos)
+
+    def in_flight(self, key: bytes) -> bool:
+        k = self._key(key)
+        with self._lock:
+            self._check_usable()
+            return k in self._index.flights
+
+    # -- writes ------------------------------------------------------------------------------
+    def reserve(self, key: bytes, parent: bytes | None, nbytes: int, *, salt_tag: str = "") -> Reservation | None:
+        k = self._key(key)
+        p = None if parent is None else self._key(parent, "parent")
+        if type(nbytes) is not int or nbytes <= 0:
+            raise InvalidArgumentError(f"nbytes must be a positive int, got {nbytes!r}")
+        if not isinstance(salt_tag, str):
+            raise InvalidArgumentError("salt_tag must be a str")
+        if p == k:
+            raise InvalidArgumentError("an entry cannot be its own parent")
+        with self._lock:
+            self._check_usable()
+            if nbytes > self._budget:
+                raise CapacityError(f"{nbytes} bytes exceed the whole budget of {self._budget}")
+            ok, evicted = self._index.begin(k, p, nbytes)
+            if not ok:
+                self._counters["dedup"] += 1
+                return None
+            self._drop_from_tiers(evicted)
+        try:
+            inner = self._reserve_inner(k, p, nbytes, salt_tag)
+        except BaseException:
+            with self._lock:
+                self._index.cancel(k)
+            raise
+        return _TieredReservation(self, k, p, nbytes, salt_tag, inner)
+
+    def _reserve_inner(self, k: Key, p: Key | None, nbytes: int, salt_tag: str) -> Reservation:
+        """A reservation in the fast tier, else (fast tier full) straight in the slow tier."""
+        for attempt in range(2):
+            with contextlib.suppress(CapacityError, InFlightError, UnknownKeyError):
+                if p is not None and not self.fast.present([p])[0]:
+                    self._promote_chain(p)
+                # A copy left in the fast tier by an entry evicted earlier must not dedup this one.
+                if self.fast.present([k])[0]:
+                    self.fast.evict([k])
+                res = self.fast.reserve(k, p, nbytes, salt_tag=salt_tag)
+                if res is not None:
+                    return res
+            if attempt == 0:
+                self.flush()  # pages waiting for write-back pin fast memory: let them go
+        # Write through: the parent must be in the slow tier, which flush() guarantees.
+        self.flush()
+        if self.slow.present([k])[0]:  # an orphan of a cancelled write-back: replace it
+            self.slow.evict([k])
+        res = self.slow.reserve(k, p, nbytes, salt_tag=salt_tag)
+        if res is None:
+            raise ReservationError(f"the slow tier already holds {k.hex()[:16]}, which the tiered index does not")
+        with self._lock:
+            self._counters["write_through"] += 1
+        return res
+
+    def _promote_chain(self, key: Key) -> None:
+        """Copy ``key`` and its ancestors missing from the fast tier out of the slow tier."""
+        chain: list[Node] = []
+        with self._lock:
+            node = self._index.get(key)
+            while node is not None and not self.fast.present([node.key])[0]:
+                if node.loc.state != _SLOW:
+                    raise UnknownKeyError(f"{node.key.hex()[:16]} is in neither tier")
+                chain.append(node)
+                node = self._index.get(node.parent) if node.parent is not None else None
+        for n in reversed(chain):
+            data = self.slow.read_bytes(n.key)
+            if data is None:
+                raise UnknownKeyError(f"{n.key.hex()[:16]} vanished from the slow tier")
+            self.fast.put(n.key, n.parent, data, salt_tag=n.salt_tag)
+            with self._lock:
+                self._counters["promotions"] += 1
+
+    def _own_res(self, reservation: Reservation) -> _TieredReservation:
+        if not isinstance(reservation, _TieredReservation) or reservation.provider is not self:
+            raise ReservationError("not a reservation of this provider")
+        reservation.check_open(self)
+        return reservation
+
+    def write(self, reservation: Reservation, offset: int, data: object) -> None:
+        view = readable_bytes(data)
+        self._check_usable()
+        res = self._own_res(reservation)
+        span = res.check_write(offset, view.nbytes)
+        res.inner.provider.write(res.inner, offset, view)
+        Reservation.mark_written(res, span)
+        with self._lock:
+            self._counters["bytes_written"] += span.nbytes
+
+    def seal(self, reservation: Reservation) -> None:
+        self._check_usable()
+        res = self._own_res(reservation)
+        res.check_complete()
+        inner = res.inner
+        through = inner.provider is self.slow
+        # Back-pressure: wait (without any lock held) while the write-back queue is full.
+        if not through:
+            with self._room:
+                while self._queued_pages >= self._queue_pages and self._writer.is_alive():
+                    self._room.wait(0.5)
+        inner.provider.seal(inner)
+        fast_lease = None if through else self.fast.lease([res.key])
+        with self._lock:
+            if self._closed:
+                if fast_lease is not None:
+                    fast_lease.release()
+                res._finish("aborted")
+                return
+            node = Node(res.key, res.parent, res.nbytes, 0, res.salt_tag, None,
+                        _Loc(_SLOW if through else _PENDING, fast_lease), time.time())
+            try:
+                self._index.commit(res.key, node)
+            except UnknownKeyError:
+                res._finish("aborted")
+                if fast_lease is not None:
+                    fast_lease.release()
+                with contextlib.suppress(HostKVError):
+                    inner.provider.evict([res.key])
+                raise
+            res._finish("sealed")
+            self._counters["seals"] += 1
+            if not through:
+                with self._room:
+                    self._queued_pages += 1
+                self._queue.put(("page", node))
+
+    def abort(self, reservation: Reservation) -> None:
+        self._check_usable()
+        if not isinstance(reservation, _TieredReservation) or reservation.provider is not self:
+            raise ReservationError("not a reservation of this provider")
+        with self._lock:
+            if reservation.state != "open":
+                return
+            self._index.cancel(reservation.key)
+            reservation._finish("aborted")
+            self._counters["aborts"] += 1
+        with contextlib.suppress(HostKVError):
+            reservation.inner.provider.abort(reservation.inner)
+
+    # -- the write-back thread ---------------------------------------------------------------
+    def _write_back_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                kind = item[0]
+                if kind == "page":
+                    self._write_back(item[1])
+                elif kind == "anchor":
+                    self._write_anchor(item[1], item[2], item[3])
+            except BaseException as exc:  # keep the writer alive; the entry is dropped
+                self._writer_error = exc
+                warnings.warn(f"tiered write-back failed: {exc!r}", RuntimeWarning, stacklevel=1)
+                if item is not None and item[0] == "page":
+                    with self._lock:
+                        if not item[1].dead:
+                            self._drop_from_tiers(self._index.drop(item[1].key))
+                        self._finish_pending(item[1])
+            finally:
+                if item is not None and item[0] == "page":
+                    with self._room:
+                        self._queued_pages -= 1
+                        self._room.notify_all()
+                self._queue.task_done()
+
+    def _write_back(self, node: Node) -> None:
+        loc: _Loc = node.loc
+        with self._lock:
+            if loc.cancelled or node.dead:
+                self._finish_pending(node)
+                return
+            lease = loc.fast_lease
+        ok = False
+        try:
+            res = self.slow.reserve(node.key, node.parent, node.nbytes, salt_tag=node.salt_tag)
+            if res is None:
+                ok = True  # already there (an earlier, cancelled write-back left it): same key, same bytes
+            else:
+                try:
+                    regions = self.fast.view(lease, node.key) if isinstance(self.fast, SupportsViews) and \
+                        lease is not None else None
+                    if regions is None:
+                        data = self.fast.read_bytes(node.key)
+                        if data is None:
+                            raise UnknownKeyError(f"{node.key.hex()[:16]} vanished from the fast tier")
+                        res.write(0, data)
+                    else:
+                        for r in regions:
+                            res.write(r.offset, r.view)
+                    res.seal()
+                    ok = True
+                except BaseException:
+                    if res.state == "open":
+                        res.abort()
+                    raise
+        except (CapacityError, UnknownKeyError, InFlightError, HostKVError) as exc:
+            warnings.warn(f"tiered write-back of {node.key.hex()[:16]} failed: {exc}", RuntimeWarning, stacklevel=1)
+        with self._lock:
+            if ok and (loc.cancelled or node.dead):
+                # evicted while it was being written: take it out of the slow tier again
+                with contextlib.suppress(HostKVError):
+                    self.slow.evict([node.key])
+            elif ok:
+                loc.state = _SLOW
+                self._counters["write_backs"] += 1
+            elif not node.dead:
+                self._counters["write_back_failures"] += 1
+                self._drop_from_tiers(self._index.drop(node.key))
+            self._finish_pending(node)
+
+    def _finish_pending(self, node: Node) -> None:
+        loc: _Loc = node.loc
+        if loc.fast_lease is not None:
+            loc.fast_lease.release()
+            loc.fast_lease = None
+
+    def _write_anchor(self, node: Node, name: str, blob: bytes) -> None:
+        loc: _Loc = node.loc
+        try:
+            with self._lock:
+                if node.dead or loc.cancelled or loc.state != _SLOW:
+                    return
+            self.slow.put_anchor(node.key, name, blob)
+        finally:
+            with self._lock:
+                if loc.unsynced.get(name) is blob:
+                    del loc.unsynced[name]
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued write-back has reached the slow tier; ``False`` on timeout."""
+        if self._writer is threading.current_thread():
+            return False
+        if timeout is None:
+            self._queue.join()
+            return True
+        deadline = time.monotonic() + timeout
+        while self._queue.unfinished_tasks:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.002)
+        return True
+
+    # -- reads -------------------------------------------------------------------------------
+    def read(self, key: bytes, out: object, span: ByteSpan | None = None) -> bool:
+        k = self._key(key)
+        if span is not None and not isinstance(span, ByteSpan):
+            raise InvalidArgumentError("span must be a ByteSpan")
+        with self._lock:
+            self._check_usable()
+            node = self._index.get(k)
+            if node is None:
+                self._counters["misses"] += 1
+                return False
+            span = ByteSpan.whole(node.nbytes) if span is None else span.validate(node.nbytes)
+            dst = writable_buffer(out, span.nbytes)
+            held = self._index.hold_keys([k])
+            state = node.loc.state
+        which = "fast_hits"
+        try:
+            got = self.fast.read(k, dst, span)
+            if got:
+                which = "fast_hits"
+            elif state == _SLOW:
+                got = self.slow.read(k, dst, span)
+                which = "slow_hits"
+                if got and self._promote and span.nbytes == node.nbytes:
+                    self._promote_one(node, dst)
+            if not got:
+                with self._lock:
+                    # the only copies failed their checksums (or vanished): a miss, never wrong bytes
+                    self._counters["checksum_failures"] += 1
+                    self._counters["misses"] += 1
+                    self._index.release_nodes(held)
+                    held = []
+                    self._drop_from_tiers(self._index.drop(k))
+                return False
+        finally:
+            if held:
+                with self._lock:
+                    self._index.release_nodes(held)
+        with self._lock:
+            self._counters["hits"] += 1
+            self._counters[which] += 1
+            self._counters["bytes_read"] += span.nbytes
+        return True
+
+    def _promote_one(self, node: Node, data: memoryview) -> None:
+        if node.parent is not None and not self.fast.present([node.parent])[0]:
+            return  # the fast tier is prefix-closed too: promote chains root first (restores do)
+        try:
+            if self.fast.put(node.key, node.parent, data, salt_tag=node.salt_tag):
+                with self._lock:
+                    self._counters["promotions"] += 1
+        except (CapacityError, InFlightError, UnknownKeyError):
+            pass  # best effort: the fast tier is full of pinned pages, or racing a writer
+
+    def view(self, lease: Lease, key: bytes) -> Sequence[HostRegion] | None:
+        """Zero-copy regions of a leased entry held by the fast tier (``None`` if only the slow
+        tier has it: read it instead, which promotes it)."""
+        k = self._key(key)
+        if lease.released or lease._provider is not self or not isinstance(lease.token, _LeaseToken):
+            raise InvalidArgumentError("view() needs an unreleased lease of this provider")
+        self._check_usable()
+        token: _LeaseToken = lease.token
+        if token.fast is None or k not in lease.keys or not isinstance(self.fast, SupportsViews):
+            return None
+        return self.fast.view(token.fast, k)
+
+    # -- eviction ----------------------------------------------------------------------------
+    def evict(self, keys: Sequence[bytes] | None = None, *, nbytes: int = 0) -> EvictReport:
+        if (keys is None) == (not nbytes):
+            raise InvalidArgumentError("give exactly one of keys or nbytes")
+        if type(nbytes) is not int or nbytes < 0:
+            raise InvalidArgumentError(f"nbytes must be a non-negative int, got {nbytes!r}")
+        ks = self._keys(keys) if keys is not None else None
+        with self._lock:
+            self._check_usable()
+            if ks is not None:
+                removed, skipped = self._index.evict_keys(ks)
+            else:
+                removed, skipped = self._index.evict_cost(nbytes), 0
+            self._drop_from_tiers(removed)
+            return EvictReport(len(removed), sum(n.nbytes for n in removed), skipped)
+
+    def _drop_from_tiers(self, nodes: Sequence[Node]) -> None:
+        """Apply the index's removals to the tiers (called with the lock held)."""
+        if not nodes:
+            return
+        slow_keys = []
+        for n in nodes:
+            loc: _Loc = n.loc
+            if loc.state == _PENDING:
+                loc.cancelled = True  # the writer skips it (or undoes it if it is mid-write)
+                if loc.fast_lease is not None:
+                    loc.fast_lease.release()
+                    loc.fast_lease = None
+            else:
+                slow_keys.append(n.key)
+        with contextlib.suppress(HostKVError):
+            self.fast.evict([n.key for n in nodes])
+        if slow_keys:
+            self.slow.evict(slow_keys)
+
+    # -- anchors -----------------------------------------------------------------------------
+    def put_anchor(self, key: bytes, name: str, data: object) -> None:
+        k = self._key(key)
+        check_anchor_name(name)
+        blob = bytes(readable_bytes(data))
+        with self._lock:
+            self._check_usable()
+            node = self._index.get(k)
+            if node is None:
+                raise UnknownKeyError(f"entry {k.hex()[:16]} is not stored", hint="seal the page before its anchors")
+            loc: _Loc = node.loc
+            delta = len(blob) - loc.anchors.get(name, 0)
+            self._drop_from_tiers(self._index.add_cost(node, delta))
+            if loc.state == _PENDING or loc.unsynced:
+                # Queued behind the page's own write-back (and any earlier anchor of it), so the
+                # slow tier ends with the latest blob; reads see it here until then.
+                loc.unsynced[name] = blob
+                self._queue.put(("anchor", node, name, blob))
+            else:
+                self.slow.put_anchor(k, name, blob)
+            loc.anchors[name] = len(blob)
+
+    def get_anchor(self, key: bytes, name: str) -> bytes | None:
+        k = self._key(key)
+        check_anchor_name(name)
+        with self._lock:
+            self._check_usable()
+            node = self._index.get(k)
+            if node is None or name not in node.loc.anchors:
+                return None
+            blob = node.loc.unsynced.get(name)
+            return blob if blob is not None else self.slow.get_anchor(k, name)
+
+    def list_anchors(self, key: bytes) -> dict[str, int]:
+        k = self._key(key)
+        with self._lock:
+            self._check_usable()
+            node = self._index.get(k)
+            return {} if node is None else dict(node.loc.anchors)
+
+    def deepest_anchor(self, keys: Sequence[bytes], name: str) -> int:
+        ks = self._keys(keys)
+        check_anchor_name(name)
+        with self._lock:
+            self._check_usable()
+            best = 0
+            for i, k in enumerate(ks):
+                node = self._index.get(k)
+                if node is None:
+                    break
+                if name in node.loc.anchors:
+                    best = i + 1
+            return best
+
+    # -- leases ------------------------------------------------------------------------------
+    def lease(self, keys: Sequence[bytes]) -> Lease:
+        ks = self._keys(keys)
+        with self._lock:
+            self._check_usable()
+            held = self._index.hold_keys(ks)
+            try:
+                fast = self.fast.lease([k for k, n in zip(ks, held, strict=True) if n is not None])
+            except HostKVError:
+                fast = None
+            return Lease(self, ks, [n is not None for n in held], token=_LeaseToken(held, fast))
+
+    def _release_lease(self, lease: Lease) -> None:
+        token = lease.token
+        if not isinstance(token, _LeaseToken):
+            return
+        with self._lock:
+            if token.fast is not None:
+                with contextlib.suppress(HostKVError):
+                    token.fast.release()
+            if self._closed:
+                return
+            self._index.release_nodes(token.nodes)
+
+    # -- the rest ----------------------------------------------------------------------------
+    def stats(self) -> ProviderStats:
+        with self._lock:
+            self._check_usable()
+            idx = self._index
+            pending = sum(1 for n in idx.nodes.values() if n.loc.state == _PENDING)
+            return ProviderStats(
+                name=self.name,
+                entries=len(idx.nodes),
+                used_bytes=idx.used,
+                budget_bytes=self._budget,
+                anchors=sum(len(n.loc.anchors) for n in idx.nodes.values()),
+                leased=sum(1 for n in idx.nodes.values() if n.hold),
+                in_flight=len(idx.flights),
+                evictions=idx.evictions,
+                evicted_bytes=idx.evicted_cost,
+                extra={"pending_write_back": pending, "fast": self.fast.name, "slow": self.slow.name,
+                       **{k: v for k, v in self._counters.items() if k in _EXTRA_COUNTERS}},
+                **{k: v for k, v in self._counters.items() if k not in _EXTRA_COUNTERS},
+            )
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "fast": self.fast.describe(), "slow": self.slow.describe(),
+                "queue_pages": self._queue_pages, "promote": self._promote}
+
+    def close(self) -> None:
+        """Finish the queued write-backs (so a restart finds them), then close the tiers."""
+        with self._lock:
+            if self._closed:
+                return
+            if self._pid != os.getpid():
+                self._closed = True
+                return
+        self.flush()
+        with self._lock:
+            self._closed = True
+        self._queue.put(None)
+        if self._writer is not threading.current_thread():
+            self._writer.join()
+        if self._own:
+            for tier in (self.fast, self.slow):
+                try:
+                    tier.close()
+                except HostKVError as exc:
+                    warnings.warn(f"closing the {tier.name} tier failed: {exc!r}", stacklevel=2)
+
+
+def _info(node: Node) -> EntryInfo:
+    return EntryInfo(node.key, node.parent, node.nbytes, node.salt_tag, node.checksum,
+                     node.created, node.last_used, dict(node.loc.anchors))

@@ -1,0 +1,242 @@
+"""The tiered provider: the conformance suite (pinned over pinned; pinned over lmdb with reopen)
+and tiered behaviour: write-back parent before child, promotion, restart, bounded queue, URL,
+write-through when the fast tier is full, HostKVCache over it."""
+
+from __future__ import annotations
+
+import urllib.parse
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import hostkv_providers as hk
+from hostkv_providers import CapacityError, InvalidArgumentError, PinnedProvider, Provider
+from hostkv_providers._cache import HostKVCache
+from hostkv_providers._copy import CpuCopyEngine
+from hostkv_providers._hostmem import OrdinaryAllocator
+from hostkv_providers._tiered import TieredProvider
+from hostkv_providers.testing import ProviderTests
+from hostkv_providers.testing._pages import chain, key_of, page_bytes, put_chain
+
+PAGE = 4096
+
+
+def _lmdb_available() -> bool:
+    return any(p.name == "lmdb" and p.error is None for p in hk.available_providers())
+
+
+needs_lmdb = pytest.mark.skipif(not _lmdb_available(), reason="the lmdb provider is not installed")
+
+
+def _pinned(budget: int) -> PinnedProvider:
+    return PinnedProvider(budget, block=PAGE, allocator=OrdinaryAllocator())
+
+
+def _lmdb(path: Path, budget: int) -> Provider:
+    return hk.open(f"lmdb://{path}?budget={budget}")
+
+
+class TestTieredOverPinnedConformance(ProviderTests):
+    """Both tiers in memory (the slow one a second pinned arena): no reopen."""
+
+    def make_provider(self, tmp_path: Path, budget_bytes: int) -> Provider:
+        # the slow tier holds the whole budget plus anchors; the fast one is as large
+        return TieredProvider(_pinned(budget_bytes), _pinned(2 * budget_bytes), budget_bytes=budget_bytes)
+
+
+@needs_lmdb
+class TestTieredOverLmdbConformance(ProviderTests):
+    """Pinned over lmdb: the slow tier survives close/reopen, the fast one starts empty."""
+
+    supports_reopen = True
+    stateful_examples = 10
+
+    def make_provider(self, tmp_path: Path, budget_bytes: int) -> Provider:
+        p = TieredProvider(_pinned(budget_bytes), _lmdb(tmp_path / "slow", 2 * budget_bytes),
+                           budget_bytes=budget_bytes)
+        p._test_where = (tmp_path, budget_bytes)  # type: ignore[attr-defined]
+        return p
+
+    def reopen(self, provider: Provider) -> Provider:
+        tmp_path, budget = provider._test_where  # type: ignore[attr-defined]
+        provider.close()
+        return self.make_provider(tmp_path, budget)
+
+
+# ------------------------------------------------------------------------------------------
+# tiered behaviour
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def tiered(tmp_path: Path) -> Iterator[TieredProvider]:
+    slow: Provider = _lmdb(tmp_path / "slow", 256 * PAGE) if _lmdb_available() else _pinned(256 * PAGE)
+    t = TieredProvider(_pinned(64 * PAGE), slow, budget_bytes=128 * PAGE)
+    yield t
+    t.close()
+
+
+def test_saves_land_fast_and_are_written_back_in_order(tiered: TieredProvider) -> None:
+    keys = chain("wb", 20)
+    put_chain(tiered, keys, PAGE)
+    assert tiered.fast.present(keys) == [True] * 20
+    assert tiered.flush(60)
+    assert tiered.slow.present(keys) == [True] * 20  # parent-before-child: nothing refused
+    for k in keys:
+        assert tiered.slow.read_bytes(k) == page_bytes(k, PAGE)
+    st = tiered.stats()
+    assert st.extra["pending_write_back"] == 0 and st.extra["write_backs"] == 20
+    assert st.extra["write_back_failures"] == 0
+
+
+def test_anchors_follow_their_page_to_the_slow_tier(tiered: TieredProvider) -> None:
+    keys = chain("anch", 3)
+    put_chain(tiered, keys, PAGE)
+    tiered.put_anchor(keys[2], "ssm", b"v1")
+    tiered.put_anchor(keys[2], "ssm", b"v2")  # the later blob wins in both tiers
+    assert tiered.get_anchor(keys[2], "ssm") == b"v2"
+    tiered.flush()
+    assert tiered.slow.get_anchor(keys[2], "ssm") == b"v2"
+    assert tiered.get_anchor(keys[2], "ssm") == b"v2"
+    assert tiered.deepest_anchor(keys, "ssm") == 3
+
+
+def test_eviction_reaches_both_tiers(tiered: TieredProvider) -> None:
+    keys = chain("ev", 6)
+    put_chain(tiered, keys, PAGE)
+    tiered.flush()
+    report = tiered.evict([keys[3]])
+    assert report.entries == 3
+    assert tiered.present(keys) == [True] * 3 + [False] * 3
+    assert tiered.fast.present(keys[3:]) == [False] * 3
+    assert tiered.slow.present(keys[3:]) == [False] * 3
+
+
+def test_budget_pressure_evicts_lru_from_both_tiers(tmp_path: Path) -> None:
+    t = TieredProvider(_pinned(16 * PAGE), _pinned(16 * PAGE), budget_bytes=8 * PAGE)
+    try:
+        roots = [key_of(f"lru-{i}") for i in range(12)]
+        for k in roots:
+            t.put(k, None, page_bytes(k, PAGE))
+        assert t.present(roots) == [False] * 4 + [True] * 8
+        t.flush()
+        assert t.slow.present(roots[:4]) == [False] * 4
+        assert t.stats().used_bytes <= 8 * PAGE
+    finally:
+        t.close()
+
+
+@needs_lmdb
+def test_restart_keeps_the_slow_tier_and_promotes_hits(tmp_path: Path) -> None:
+    keys = chain("restart", 8)
+    t = TieredProvider(_pinned(64 * PAGE), _lmdb(tmp_path / "s", 64 * PAGE))
+    put_chain(t, keys, PAGE)
+    t.put_anchor(keys[7], "ssm", b"state")
+    t.close()  # flushes the write-back queue
+    t2 = TieredProvider(_pinned(64 * PAGE), _lmdb(tmp_path / "s", 64 * PAGE))
+    try:
+        assert t2.longest_prefix(keys) == 8 and t2.get_anchor(keys[7], "ssm") == b"state"
+        assert t2.fast.present(keys) == [False] * 8
+        with t2.lease(keys) as lease:
+            assert t2.view(lease, keys[0]) is None  # only the slow tier has it: read it
+        for k in keys:  # a restore reads root first; each read promotes
+            assert t2.read_bytes(k) == page_bytes(k, PAGE)
+        assert t2.fast.present(keys) == [True] * 8
+        st = t2.stats()
+        assert st.extra["promotions"] == 8 and st.extra["slow_hits"] == 8
+        with t2.lease(keys) as lease:
+            regions = t2.view(lease, keys[3])
+            assert regions is not None and b"".join(bytes(r.view) for r in regions) == page_bytes(keys[3], PAGE)
+        # a new page under a promoted parent lands in the fast tier
+        child = key_of("restart-child")
+        t2.put(child, keys[7], page_bytes(child, PAGE))
+        assert t2.fast.present([child]) == [True]
+    finally:
+        t2.close()
+
+
+def test_fast_tier_full_writes_through(tmp_path: Path) -> None:
+    # the fast tier holds two pages; leases pin them, so the third page goes straight to slow
+    t = TieredProvider(_pinned(2 * PAGE), _pinned(32 * PAGE), budget_bytes=16 * PAGE)
+    try:
+        a, b, c = key_of("wt-a"), key_of("wt-b"), key_of("wt-c")
+        t.put(a, None, page_bytes(a, PAGE))
+        t.put(b, None, page_bytes(b, PAGE))
+        with t.lease([a, b]):
+            t.put(c, None, page_bytes(c, PAGE))
+            assert t.stats().extra["write_through"] == 1
+            assert t.slow.read_bytes(c) == page_bytes(c, PAGE)
+            assert t.read_bytes(c) == page_bytes(c, PAGE)
+        with pytest.raises(CapacityError):
+            t.reserve(key_of("wt-huge"), None, 17 * PAGE)
+    finally:
+        t.close()
+
+
+def test_bounded_queue_of_one(tmp_path: Path) -> None:
+    t = TieredProvider(_pinned(64 * PAGE), _pinned(64 * PAGE), queue_pages=1)
+    try:
+        keys = chain("q1", 30)
+        put_chain(t, keys, PAGE)  # each seal waits for the previous write-back
+        t.flush()
+        assert t.slow.present(keys) == [True] * 30
+    finally:
+        t.close()
+
+
+@needs_lmdb
+def test_from_url(tmp_path: Path) -> None:
+    fast = urllib.parse.quote(f"pinned://?budget={64 * PAGE}&block={PAGE}&pin=no", safe="")
+    slow = urllib.parse.quote(f"lmdb://{tmp_path / 'u'}?budget={64 * PAGE}", safe="")
+    p = hk.open(f"tiered://?fast={fast}&slow={slow}&queue=8")
+    try:
+        assert isinstance(p, TieredProvider) and p.budget_bytes == 64 * PAGE
+        assert p.fast.name == "pinned" and p.slow.name == "lmdb"
+        k = key_of("url")
+        p.put(k, None, page_bytes(k, PAGE))
+        assert p.read_bytes(k) == page_bytes(k, PAGE)
+        assert p.describe()["queue_pages"] == 8
+    finally:
+        p.close()
+    for bad in ("tiered://", f"tiered://?fast={fast}", f"tiered:///path?fast={fast}&slow={slow}",
+                f"tiered://?fast={fast}&slow={slow}&bogus=1",
+                f"tiered://?fast={fast}&slow=" + urllib.parse.quote("tiered://?x=1", safe="")):
+        with pytest.raises(InvalidArgumentError):
+            hk.open(bad)
+
+
+def test_bad_construction() -> None:
+    a = _pinned(8 * PAGE)
+    try:
+        with pytest.raises(InvalidArgumentError):
+            TieredProvider(a, a)
+        with pytest.raises(InvalidArgumentError):
+            TieredProvider(a, _pinned(8 * PAGE), budget_bytes=16 * PAGE)  # larger than the slow tier
+        with pytest.raises(InvalidArgumentError):
+            TieredProvider(a, _pinned(8 * PAGE), queue_pages=0)
+    finally:
+        a.close()
+
+
+def test_host_kv_cache_over_tiered(tiered: TieredProvider) -> None:
+    layout = hk.KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, page_tokens=4, dtype="float32")
+    salt = hk.Salt("tiered/model", layout)
+    rng = np.random.default_rng(0)
+    shape = (40, 4, 2, 32)
+    src = [rng.standard_normal(shape, dtype=np.float32) for _ in layout.planes]
+    dst = [np.zeros(shape, np.float32) for _ in layout.planes]
+    engine = CpuCopyEngine()
+    try:
+        with HostKVCache(tiered, salt, engine, chunk_pages=4, staging_allocator=OrdinaryAllocator()) as cache:
+            ks = cache.keys(rng.integers(0, 1000, 4 * 20))
+            assert cache.save(ks, src, list(range(20))).wait(30).stored == 20
+            res = cache.restore(cache.lookup(ks), dst, list(range(20, 40))).wait(30)
+            assert res.pages == 20 and res.viewed == 20  # straight from the fast tier
+            for p_src, p_dst in zip(src, dst, strict=True):
+                assert np.array_equal(p_src[:20], p_dst[20:40])
+            tiered.flush()
+            assert tiered.slow.longest_prefix(ks) == 20
+    finally:
+        engine.close()
