@@ -1023,6 +1023,9 @@ class RedisProvider(Provider):
             **counters,
         )
 
+    def __enter__(self) -> RedisProvider:
+        return self
+
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "url": _redact(self._url), "namespace": self._namespace,
                 "cluster": self._link.cluster, "lease_ttl_s": self._lease_ms / 1000,

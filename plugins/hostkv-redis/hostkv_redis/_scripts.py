@@ -55,7 +55,7 @@ local function W(h, rid) return P .. 'w:' .. h .. ':' .. rid end
 local function L(lid) return P .. 'l:' .. lid end
 
 local function need_store()
-  if redis.call('EXISTS', M) == 0 then
+  if redis.call('HEXISTS', M, 'budget') == 0 then
     error({err = 'HKV_NOSTORE store metadata is missing (server restarted empty or flushed)'})
   end
 end
@@ -270,7 +270,7 @@ end
 # KEYS[1] meta; ARGV: format, key algorithm, checksum algorithm, budget ('' = keep), resize 0/1
 _INIT = r"""
 local fv, ka, ca, budget, resize = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5] == '1'
-if redis.call('EXISTS', M) == 0 then
+if redis.call('HEXISTS', M, 'budget') == 0 then
   if budget == '' then budget = ARGV[6] end
   redis.call('HSET', M, 'format', fv, 'key_algorithm', ka, 'checksum', ca, 'budget', budget,
              'used', 0, 'sealed', 0, 'entries', 0, 'tick', 0, 'anchors', 0, 'leased', 0,
@@ -511,6 +511,7 @@ return n
 
 # ARGV: hexes... (the keys just read): refresh their LRU position.
 _TOUCH = r"""
+if redis.call('EXISTS', M) == 0 then return 0 end  -- never create a store without its identity
 local now = now_ms()
 local n = #ARGV
 local t0 = redis.call('HINCRBY', M, 'tick', n) - n

@@ -30,7 +30,8 @@ def fsck(client: Any, namespace: str, *, quiescent: bool = True) -> list[str]:
         for name in names:
             pipe.hgetall(name)
         rows = pipe.execute() if names else []
-        return {n.decode()[len(p) + 2 :]: {k.decode(): v.decode() for k, v in r.items()} for n, r in zip(names, rows)}
+        return {n.decode()[len(p) + 2 :]: {k.decode(): v.decode() for k, v in r.items()}
+                for n, r in zip(names, rows, strict=True)}
 
     entries = hashes("e:*")
     flights = hashes("f:*")

@@ -88,7 +88,7 @@ class TestRedisClusterConformance(_RedisBackdoors, ProviderTests):
         client = RedisCluster.from_url(redis_cluster.url)
         try:
             for ns in self.namespaces:
-                node = client.get_redis_connection(client.get_node_from_key(f"hkv:{{{ns}}}:m"))
+                node = client.get_redis_connection(client.get_node_from_key(f"hkv:{{{ns}}}:m"))  # type: ignore[no-untyped-call]
                 problems = fsck(node, ns)
                 if self.corrupted:
                     problems = [p for p in problems if "do not match" not in p]

@@ -5,11 +5,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import hostkv_providers
 import pytest
 from conftest import unique_namespace
 from fsck import fsck
-
-import hostkv_providers
 from hostkv_providers import (
     CapacityError,
     IncompatibleStoreError,
@@ -19,6 +18,7 @@ from hostkv_providers import (
     UnknownKeyError,
 )
 from hostkv_providers.testing import chain, key_of, page_bytes
+
 from hostkv_redis import (
     RedisClusterProvider,
     RedisProvider,
@@ -272,7 +272,8 @@ def test_put_many_outcomes(make_redis: Make, redis_server: RedisServer) -> None:
     p.put(keys[0], None, page_bytes(keys[0], PAGE))
     held = other.reserve(key_of("many-busy"), None, PAGE)
     assert held is not None
-    items: list[tuple[Any, Any, bytes]] = [(k, keys[i - 1] if i else None, page_bytes(k, PAGE)) for i, k in enumerate(keys)]
+    items: list[tuple[Any, Any, bytes]] = [
+        (k, keys[i - 1] if i else None, page_bytes(k, PAGE)) for i, k in enumerate(keys)]
     items.append((key_of("many-busy"), None, b"b" * PAGE))
     items.append((key_of("many-orphan"), key_of("many-missing"), b"o" * PAGE))
     items.append((key_of("many-huge"), None, b"h" * (9 * PAGE)))
