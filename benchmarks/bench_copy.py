@@ -27,6 +27,7 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -114,11 +115,11 @@ def time_engine(eng: CudaCopyEngine, planes: KVPlanes, ids_save: list[int], ids_
     return {k: statistics.median(v) for k, v in res.items()}
 
 
-def slowdown(torch: Any, engines: dict[str, CudaCopyEngine], planes: KVPlanes, ids: list[int], pages: list[Any],
-             kind: str, window: float, raw_src: Any, restore_ids: list[int],
-             restore_pages: list[Any]) -> dict[str, Any]:
-    """Per-iteration time of a loop on its own stream: alone, during back-to-back raw bulk copies
-    (the hardware's share), and during back-to-back engine saves (one entry per engine)."""
+def slowdown(torch: Any, kind: str, window: float, loads: dict[str, Callable[[Any], None]]) -> dict[str, Any]:
+    """Per-iteration time of a loop on its own stream, alone and during each load run back to back.
+
+    Each load is called with the loop's stream (a save orders itself after it, as an engine's would).
+    """
     stream = torch.cuda.Stream()
     if kind == "gemm":
         a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
@@ -169,20 +170,40 @@ def slowdown(torch: Any, engines: dict[str, CudaCopyEngine], planes: KVPlanes, i
         return {"alone_ms": base, "ms": loaded, "slowdown": loaded / base - 1, "loads": count[0]}
 
     measure(0.3)
+    return {name: bracket(lambda load=load: load(stream)) for name, load in loads.items()}
+
+
+def interference_loads(torch: Any, engines: dict[str, CudaCopyEngine], planes: KVPlanes, ids_save: list[int],
+                       pages_a: list[Any], ids_restore: list[int], pages_b: list[Any],
+                       raw_src: tuple[int, int, int]) -> dict[str, Callable[[Any], None]]:
     d = _cuda.driver()
     copy_stream = torch.cuda.Stream()
     host, dev_ptr, nbytes = raw_src
 
-    def raw_load() -> None:
-        raw_copy(d, host, dev_ptr, nbytes, copy_stream.cuda_stream, "d2h")
-        copy_stream.synchronize()
+    def raw(kind: str) -> Callable[[Any], None]:
+        def load(_stream: Any) -> None:
+            if kind == "d2h":
+                raw_copy(d, host, dev_ptr, nbytes, copy_stream.cuda_stream, "d2h")
+            else:
+                raw_copy(d, dev_ptr, host, nbytes, copy_stream.cuda_stream, "h2d")
+            copy_stream.synchronize()
+        return load
 
-    out: dict[str, Any] = {"raw_copy": bracket(raw_load)}
+    loads: dict[str, Callable[[Any], None]] = {"raw_d2h": raw("d2h"), "raw_h2d": raw("h2d")}
+    def save(eng: CudaCopyEngine) -> Callable[[Any], None]:
+        def load(stream: Any) -> None:
+            eng.save(planes, ids_save, pages_a, after=stream).wait()
+        return load
+
+    def restore(eng: CudaCopyEngine) -> Callable[[Any], None]:
+        def load(_stream: Any) -> None:
+            eng.restore(pages_b, planes, ids_restore).wait()
+        return load
+
     for name, eng in engines.items():
-        out[name] = bracket(lambda eng=eng: eng.save(planes, ids, pages, after=stream).wait())
-    default = engines[next(iter(engines))]
-    out["restore"] = bracket(lambda: default.restore(restore_pages, planes, restore_ids).wait())
-    return out
+        loads[f"save_{name}"] = save(eng)
+        loads[f"restore_{name}"] = restore(eng)
+    return loads
 
 
 def pinning(gib: float, provider_gib: float) -> dict[str, Any]:
@@ -221,6 +242,8 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--quick", action="store_true", help="fewer pages and rounds (smoke run)")
+    ap.add_argument("--only", choices=("all", "interference"), default="all",
+                    help="interference: only the 32 KiB layout's slowdown figures")
     args = ap.parse_args()
     import torch
 
@@ -235,9 +258,11 @@ def main() -> int:
                                "pages": args.pages}
     log("device", results["device"], "SMs", dev.sm_count)
 
-    t0 = time.perf_counter()
-    results["pinning"] = pinning(1.0 if args.quick else 4.0, 2.0 if args.quick else 16.0)
-    log("pinning", results["pinning"], f"{time.perf_counter() - t0:.1f}s")
+    only_interference = args.only == "interference"
+    if not only_interference:
+        t0 = time.perf_counter()
+        results["pinning"] = pinning(1.0 if args.quick else 4.0, 2.0 if args.quick else 16.0)
+        log("pinning", results["pinning"], f"{time.perf_counter() - t0:.1f}s")
 
     base = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, page_tokens=16, dtype="bfloat16")
     total = args.pages * base.page_nbytes
@@ -255,7 +280,7 @@ def main() -> int:
 
     rng = np.random.default_rng(0)
     rows = []
-    for slice_kib, tokens in ((32, 16), (64, 32), (256, 128)):
+    for slice_kib, tokens in ((32, 16),) if only_interference else ((32, 16), (64, 32), (256, 128)):
         layout = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, page_tokens=tokens, dtype="bfloat16")
         npages = total // layout.page_nbytes
         planes, owners = make_planes(torch, layout, 2 * npages)
@@ -281,14 +306,22 @@ def main() -> int:
             got = bytes(shuffled[probe][0].view[: layout.plane_nbytes])
             want = bytes(owners[0][0][ids_save[probe]].contiguous().view(torch.uint8).cpu().numpy().tobytes())
             r["spot_check_ok"] = got == want
-            engines = {f"save_ctas{c}": CudaCopyEngine(ctas=c) for c in (33, 8, 132)}  # 33: the default
+            engines = {"default": CudaCopyEngine(), "no_cache_hints": CudaCopyEngine(cache_hints=False),
+                       "ctas8": CudaCopyEngine(ctas=8), "ctas132": CudaCopyEngine(ctas=132)}
+            if args.only == "interference":
+                engines = {k: engines.pop(k) for k in ("default", "no_cache_hints")} | {
+                    "default_again": engines["default"]}
             raw_src = (host_b.address, owners[0].data_ptr(), min(total, owners[0].numel() * 2))
+            loads = interference_loads(torch, engines, planes, ids_save, pages_a, ids_restore, pages_b, raw_src)
             for kind, key in (("gemm", "gemm"), ("small", "decode_like")):
-                results[key] = slowdown(torch, engines, planes, ids_save, pages_a, kind, 0.3 if args.quick else 1.0,
-                                        raw_src, ids_restore, pages_b)
+                results[key] = slowdown(torch, kind, 0.3 if args.quick else 1.0, loads)
                 log(key, results[key])
             for e in engines.values():
                 e.close()
+            if only_interference:
+                eng.close()
+                rows.append(r)
+                break
             # staging size
             for mib in (16, 128, 256):
                 e = CudaCopyEngine(staging_bytes=mib << 20)
@@ -332,12 +365,11 @@ def fmt(values: list[float]) -> str:
 
 def slow_lines(x: dict[str, Any], what: str) -> list[str]:
     def one(v: dict[str, Any]) -> str:
-        return f"{100 * v['slowdown']:+.1f}% ({v['alone_ms']:.2f} -> {v['ms']:.2f} ms, {v['loads']} overlapped)"
+        return f"{100 * v['slowdown']:+.1f}% ({v['alone_ms']:.2f} -> {v['ms']:.2f} ms, {v['loads']} loads)"
 
-    saves = "; ".join(f"{k.removeprefix('save_')}: {one(v)}" for k, v in x.items() if k.startswith("save_"))
-    return [f"- {what} on its own stream, each load bracketed by unloaded windows: during back-to-back raw bulk "
-            f"copies {one(x['raw_copy'])}; during back-to-back saves, by pack-kernel CTAs, {saves}; during "
-            f"back-to-back restores {one(x['restore'])}."]
+    parts = "; ".join(f"{k}: {one(v)}" for k, v in x.items())
+    return [f"- {what} on its own stream; slowdown while each load runs back to back, against unloaded windows "
+            f"just before and after: {parts}."]
 
 
 def staging_lines(row: dict[str, Any], raw: dict[str, float]) -> list[str]:
@@ -373,6 +405,10 @@ def render(r: dict[str, Any]) -> str:
             f"{row['save_dev']:.1f} / {row['restore_dev']:.1f} / "
             f"{row['bidir_save_dev']:.1f}+{row['bidir_restore_dev']:.1f} | {row['issue_ms']:.1f} |")
     first = r["rows"][0]
+    if "pinning" not in r:  # --only interference
+        return "\n".join([*lines, "", *slow_lines(r["gemm"], "Compute-bound loop (10 bf16 8192^3 GEMMs)"),
+                          *slow_lines(r["decode_like"], "Launch-heavy, memory-bound loop (128 small elementwise "
+                                      "kernels)")]) + "\n"
     lines += [
         "",
         f"- 32 KiB slices, host pages in shuffled order (one DMA per 2 MiB page, no coalescing): save "
