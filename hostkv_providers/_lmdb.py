@@ -130,7 +130,14 @@ _SLOT_DIR = "slots"
 _DB_NAMES = ("meta", "entries", "children", "lru", "pages", "anchors", "flights", "leases", "files", "free")
 _OWN_FILES = frozenset({"data.mdb", "lock.mdb", _LOCK_NAME, _SLOT_DIR})
 
-_crash = _fsutil.crash_point
+_crash_armed = False  # set on open from the environment: keeps crash points off the hot path
+
+
+def _crash(name: str) -> None:
+    if _crash_armed:
+        _fsutil.crash_point(name)
+
+
 _fsutil.register_crash_points({
     "lmdb.txn.before_commit": "a write transaction is complete but not committed (write lock held)",
     "lmdb.txn.after_commit": "a write transaction committed; a durable seal is not synced yet",
@@ -496,6 +503,8 @@ class _Shared:
         self.files: dict[int, SlotFile] = {}
         self.files_lock = threading.Lock()
         self.slot_dir = os.path.join(path, _SLOT_DIR)
+        global _crash_armed
+        _crash_armed = bool(os.environ.get(_fsutil.CRASH_ENV) or os.environ.get("CRASH_AT"))
         self._check_contents()
         self.lock = self._shared_lock()
         try:
@@ -1516,16 +1525,19 @@ class LmdbProvider(Provider):
         if not ks:
             return []
         with self._s.read() as txn:
-            found = {k for k, _ in txn.cursor(db=self._s.dbs["entries"]).getmulti(ks)}
-        return [k in found for k in ks]
+            return self._hits(txn, ks)
+
+    def _hits(self, txn: Any, ks: Sequence[Key]) -> list[bool]:
+        # Cursor.set_key positions without copying the value: a C call per key, about 3x
+        # faster than getmulti (which builds a (key, value) tuple per hit) or txn.get.
+        return list(map(txn.cursor(db=self._s.dbs["entries"]).set_key, ks))
 
     def longest_prefix(self, keys: Sequence[bytes]) -> int:
-        n = 0
-        for hit in self.present(keys):
-            if not hit:
-                break
-            n += 1
-        return n
+        hits = self.present(keys)
+        try:
+            return hits.index(False)
+        except ValueError:
+            return len(hits)
 
     def in_flight(self, key: bytes) -> bool:
         k = self._key(key)
@@ -1967,12 +1979,8 @@ class LmdbProvider(Provider):
             return 0
         suffix = name.encode("ascii")
         with self._s.read() as txn:
-            found = {k for k, _ in txn.cursor(db=self._s.dbs["entries"]).getmulti(ks)}
-            n = 0
-            for k in ks:
-                if k not in found:
-                    break
-                n += 1
+            hits = self._hits(txn, ks)
+            n = hits.index(False) if False in hits else len(hits)
             adb = self._s.dbs["anchors"]
             for i in range(n - 1, -1, -1):
                 if txn.get(ks[i] + suffix, db=adb) is not None:
