@@ -309,6 +309,9 @@ reap(now)
 local cl, ttl, allow, n = ARGV[1], tonumber(ARGV[2]), ARGV[3] == '1', tonumber(ARGV[4])
 local out = {}
 local i = 5
+-- The common case (it fits) keeps the budget arithmetic in locals and writes 'used' once at the
+-- end; before make_room (which reads and evicts through the metadata) the pending sum is flushed.
+local budget, used, pending = mget('budget'), mget('used'), 0
 for k = 1, n do
   local h, p, cost, nb, tag, rid = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2]), ARGV[i + 3], ARGV[i + 4], ARGV[i + 5]
   i = i + 6
@@ -335,12 +338,20 @@ for k = 1, n do
       else
         local protect = nil
         if p ~= '' and not pflight then protect = p end
-        if not make_room(cost, protect) then
-          st = 'cap ' .. mget('budget') .. ' ' .. mget('used') .. ' ' .. mget('sealed')
+        local fits = used + cost <= budget
+        if not fits then
+          mincr('used', pending)
+          pending = 0
+          fits = make_room(cost, protect) ~= nil
+          used = mget('used')
+        end
+        if not fits then
+          st = 'cap ' .. budget .. ' ' .. used .. ' ' .. mget('sealed')
         else
           redis.call('HSET', F(h), 'r', rid, 'cl', cl, 'p', p, 'pg', pg, 'c', cost, 'n', nb, 'g', tag, 'fk', 0)
           redis.call('ZADD', FZ, now + ttl, h)
-          mincr('used', cost)
+          used = used + cost
+          pending = pending + cost
           if pflight then
             redis.call('HINCRBY', F(p), 'fk', 1)
           elseif p ~= '' then
@@ -354,6 +365,7 @@ for k = 1, n do
   end
   out[k] = st
 end
+mincr('used', pending)
 return out
 """
 
@@ -365,6 +377,8 @@ reap(now)
 local n = tonumber(ARGV[1])
 local out = {}
 local i = 2
+local t0 = redis.call('HINCRBY', M, 'tick', n) - n
+local sealed, entries = 0, 0
 for k = 1, n do
   local h, rid, ck = ARGV[i], ARGV[i + 1], ARGV[i + 2]
   i = i + 3
@@ -382,7 +396,8 @@ for k = 1, n do
       st = 'noparent'
     else
       redis.call('RENAME', w, D(h))
-      local t = redis.call('HINCRBY', M, 'tick', 1)
+      redis.call('PERSIST', D(h))  -- RENAME keeps the staging key's TTL: a page must not expire
+      local t = t0 + k
       local fk = tonumber(f[7])
       redis.call('HSET', E(h), 'p', f[2], 'n', f[5], 'c', f[4], 'g', f[6], 'k', ck, 'ct', now, 'lu', now,
                  't', t, 'r', rid, 'ch', 0, 'lc', 0, 'fc', fk, 'na', 0)
@@ -393,9 +408,8 @@ for k = 1, n do
         redis.call('HINCRBY', E(f[2]), 'fc', -1)
         redis.call('ZREM', LRU, f[2])
       end
-      mincr('sealed', tonumber(f[4]))
-      mincr('entries', 1)
-      mincr('seals', 1)
+      sealed = sealed + tonumber(f[4])
+      entries = entries + 1
       redis.call('DEL', F(h))
       redis.call('ZREM', FZ, h)
       st = 'ok'
@@ -403,6 +417,9 @@ for k = 1, n do
   end
   out[k] = st
 end
+mincr('sealed', sealed)
+mincr('entries', entries)
+mincr('seals', entries)
 return out
 """
 
