@@ -115,12 +115,14 @@ def time_engine(eng: CudaCopyEngine, planes: KVPlanes, ids_save: list[int], ids_
     return {k: statistics.median(v) for k, v in res.items()}
 
 
-def slowdown(torch: Any, kind: str, window: float, loads: dict[str, Callable[[Any], None]]) -> dict[str, Any]:
+def slowdown(torch: Any, kind: str, window: float, loads: dict[str, Callable[[Any], None]],
+             priority: int = 0) -> dict[str, Any]:
     """Per-iteration time of a loop on its own stream, alone and during each load run back to back.
 
     Each load is called with the loop's stream (a save orders itself after it, as an engine's would).
+    ``priority``: the loop stream's torch priority (-1: high; the engine's streams are the lowest).
     """
-    stream = torch.cuda.Stream()
+    stream = torch.cuda.Stream(priority=priority)
     if kind == "gemm":
         a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
         b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
@@ -203,6 +205,12 @@ def interference_loads(torch: Any, engines: dict[str, CudaCopyEngine], planes: K
     for name, eng in engines.items():
         loads[f"save_{name}"] = save(eng)
         loads[f"restore_{name}"] = restore(eng)
+    first = next(iter(engines.values()))
+
+    def unordered(_stream: Any) -> None:
+        first.save(planes, ids_save, pages_a).wait()
+
+    loads["save_unordered"] = unordered
     return loads
 
 
@@ -307,16 +315,26 @@ def main() -> int:
             want = bytes(owners[0][0][ids_save[probe]].contiguous().view(torch.uint8).cpu().numpy().tobytes())
             r["spot_check_ok"] = got == want
             engines = {"default": CudaCopyEngine(), "no_cache_hints": CudaCopyEngine(cache_hints=False),
-                       "ctas8": CudaCopyEngine(ctas=8), "ctas132": CudaCopyEngine(ctas=132)}
-            if args.only == "interference":
-                for k in ("ctas8", "ctas132"):
-                    engines.pop(k).close()
-                engines["default_again"] = engines["default"]  # a second bracket: the noise
+                       "ctas8_t1024": CudaCopyEngine(ctas=8, threads=1024),
+                       "ctas16_t512": CudaCopyEngine(ctas=16, threads=512), "ctas132": CudaCopyEngine(ctas=132)}
             raw_src = (host_b.address, owners[0].data_ptr(), min(total, owners[0].numel() * 2))
             loads = interference_loads(torch, engines, planes, ids_save, pages_a, ids_restore, pages_b, raw_src)
-            for kind, key in (("gemm", "gemm"), ("small", "decode_like")):
-                results[key] = slowdown(torch, kind, 0.3 if args.quick else 1.0, loads)
-                log(key, results[key])
+            window = 0.3 if args.quick else 1.0
+            small = {k: v for k, v in loads.items() if k in (
+                "raw_h2d", "save_default", "save_unordered", "restore_default", "restore_ctas8_t1024",
+                "restore_ctas16_t512", "restore_ctas132", "save_no_cache_hints")}
+            if only_interference:
+                results["decode_like"] = slowdown(torch, "small", window, small)
+                log("decode_like", results["decode_like"])
+                results["decode_like_high_priority"] = slowdown(torch, "small", window, small, priority=-1)
+                log("decode_like_high_priority", results["decode_like_high_priority"])
+            else:
+                gemm = {k: v for k, v in loads.items() if k in (
+                    "raw_d2h", "raw_h2d", "save_default", "save_unordered", "restore_default")}
+                results["gemm"] = slowdown(torch, "gemm", window, gemm)
+                log("gemm", results["gemm"])
+                results["decode_like"] = slowdown(torch, "small", window, small)
+                log("decode_like", results["decode_like"])
             for e in engines.values():
                 e.close()
             if only_interference:
@@ -407,9 +425,10 @@ def render(r: dict[str, Any]) -> str:
             f"{row['bidir_save_dev']:.1f}+{row['bidir_restore_dev']:.1f} | {row['issue_ms']:.1f} |")
     first = r["rows"][0]
     if "pinning" not in r:  # --only interference
-        return "\n".join([*lines, "", *slow_lines(r["gemm"], "Compute-bound loop (10 bf16 8192^3 GEMMs)"),
-                          *slow_lines(r["decode_like"], "Launch-heavy, memory-bound loop (128 small elementwise "
-                                      "kernels)")]) + "\n"
+        return "\n".join([*lines, "", *slow_lines(r["decode_like"], "Launch-heavy, memory-bound loop (128 small "
+                                                  "elementwise kernels)"),
+                          *slow_lines(r["decode_like_high_priority"], "The same loop on a high-priority stream")]) \
+            + "\n"
     lines += [
         "",
         f"- 32 KiB slices, host pages in shuffled order (one DMA per 2 MiB page, no coalescing): save "
