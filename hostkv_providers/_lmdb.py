@@ -28,6 +28,9 @@ flights    key                            an open reservation (owner pid+start t
 leases     owner ‖ sequence               a lease (owner, expiry, ``(key, generation)`` pairs)
 files      file id                        slot size, slot count, high-water mark of a slot file
 free       slot size ‖ file id ‖ slot     the free-slot list
+limbo      key ‖ generation               the slot of a *held* entry that was dropped (checksum
+                                          failure): freed only when its last holder lets go,
+                                          so a zero-copy view can never see the slot reused
 ========== ============================== ====================================================
 
 Protocol, the order crash safety depends on:
@@ -127,7 +130,7 @@ _TOUCH_FLUSH = 4096  # pending LRU refreshes from reads are written with the nex
 
 _LOCK_NAME = "hostkv.lock"
 _SLOT_DIR = "slots"
-_DB_NAMES = ("meta", "entries", "children", "lru", "pages", "anchors", "flights", "leases", "files", "free")
+_DB_NAMES = ("meta", "entries", "children", "lru", "pages", "anchors", "flights", "leases", "files", "free", "limbo")
 _OWN_FILES = frozenset({"data.mdb", "lock.mdb", _LOCK_NAME, _SLOT_DIR})
 
 _crash_armed = False  # set on open from the environment: keeps crash points off the hot path
@@ -316,6 +319,7 @@ def _unpack_lease(raw: bytes | memoryview) -> tuple[bytes, float, list[tuple[Key
 
 
 _FILE = struct.Struct("<QQQ")  # slot size, slot count, high-water mark
+_LIMBO = struct.Struct("<QQI")  # file id, slot, holders left
 
 
 def _free_key(slot_nbytes: int, file_id: int, slot: int) -> bytes:
@@ -1155,6 +1159,10 @@ class _Tx:
                     break
         if e.file_id == 0:
             t.delete(e.key, db=db["pages"])
+        elif e.hold:
+            # Dropped while leased (or under an in-flight child): a reader may hold a zero-copy
+            # view of the slot, so it is only freed when the last holder lets go.
+            t.put(e.key + e.gen.to_bytes(8, "big"), _LIMBO.pack(e.file_id, e.slot, e.hold), db=db["limbo"])
         else:
             self.free_slot(e.file_id, e.slot)
         self.c.used -= e.cost
@@ -1351,6 +1359,21 @@ class _Tx:
                 pe = None
             if pe is not None and pe.gen == fl.parent_gen:
                 self.unhold(pe)
+            else:
+                self.unhold_gone(fl.parent, fl.parent_gen)
+
+    def unhold_gone(self, key: Key, gen: int) -> None:
+        """A holder of an entry that was dropped lets go: free its slot after the last one."""
+        lk = key + gen.to_bytes(8, "big")
+        raw = self.t.get(lk, db=self.db["limbo"])
+        if raw is None or len(raw) != _LIMBO.size:
+            return
+        fid, slot, left = _LIMBO.unpack(raw)
+        if left <= 1:
+            self.t.delete(lk, db=self.db["limbo"])
+            self.free_slot(fid, slot)
+        else:
+            self.t.put(lk, _LIMBO.pack(fid, slot, left - 1), db=self.db["limbo"])
 
     def release_lease(self, lease_id: bytes) -> int:
         raw = self.t.get(lease_id, db=self.db["leases"])
@@ -1368,6 +1391,8 @@ class _Tx:
                 continue
             if e is not None and e.gen == gen and e.hold > 0:
                 self.unhold(e)
+            else:
+                self.unhold_gone(k, gen)
         return 1
 
 
@@ -1719,6 +1744,7 @@ class LmdbProvider(Provider):
                 pe = tx.get_or_drop(fl.parent)
                 if pe is None or pe.gen != fl.parent_gen:
                     tx.c.used -= fl.cost
+                    tx.unhold_gone(fl.parent, fl.parent_gen)
                     if fid:
                         tx.free_slot(fid, slot)
                     return _Raise(UnknownKeyError(
@@ -2129,6 +2155,8 @@ class LmdbProvider(Provider):
                 with s.read() as txn:
                     if txn.stat(s.dbs["flights"])["entries"] or txn.stat(s.dbs["leases"])["entries"]:
                         raise LockedError("compaction needs a store without reservations or leases")
+                # with no lease or reservation left, no slot in limbo has a holder any more
+                s.submit(_free_limbo, frees=True)
                 before = _store_nbytes(s)
                 entries = _compact_slots(s, progress)
                 _crash("lmdb.compact.after_moves")
@@ -2239,6 +2267,10 @@ def _audit(txn: Any, dbs: Mapping[str, Any]) -> list[str]:
             flight_cost += fl.cost
             if fl.file_id:
                 slots.add((fl.file_id, fl.slot))
+    for _, v in txn.cursor(db=dbs["limbo"]):
+        if len(v) == _LIMBO.size:
+            fid, slot, _ = _LIMBO.unpack(v)
+            slots.add((fid, slot))
     if sealed != c.sealed or sealed + flight_cost != c.used:
         problems.append(f"accounting: counters say sealed {c.sealed}/used {c.used}, "
                         f"entries sum to {sealed}/{sealed + flight_cost}")
@@ -2263,6 +2295,14 @@ def _audit(txn: Any, dbs: Mapping[str, Any]) -> list[str]:
         if lost:
             problems.append(f"slot file {fid}: {lost} slots neither used nor free")
     return problems
+
+
+def _free_limbo(tx: _Tx) -> None:
+    for k, v in list(tx.t.cursor(db=tx.db["limbo"])):
+        tx.t.delete(k, db=tx.db["limbo"])
+        if len(v) == _LIMBO.size:
+            fid, slot, _ = _LIMBO.unpack(v)
+            tx.free_slot(fid, slot)
 
 
 def _repair_index(tx: _Tx) -> None:
@@ -2295,6 +2335,10 @@ def _repair_index(tx: _Tx) -> None:
             flight_cost += fl.cost
             if fl.file_id:
                 used_slots.add((fl.file_id, fl.slot))
+    for _, v in t.cursor(db=db["limbo"]):
+        if len(v) == _LIMBO.size:
+            fid, slot, _ = _LIMBO.unpack(v)
+            used_slots.add((fid, slot))
     sealed = 0
     for e in entries:
         e.children = counts.get(e.key, 0)

@@ -675,3 +675,28 @@ def test_errors_are_typed(tmp_path: Path) -> None:
         LmdbProvider(tmp_path / "store", durability="sometimes")
     with pytest.raises(InvalidArgumentError):
         LmdbProvider(tmp_path / "store", map_size=1 << 20, map_max=1 << 19)
+
+
+def test_view_stays_valid_when_a_leased_entry_is_dropped(tmp_path: Path) -> None:
+    from .test_lmdb import backdoor_corrupt
+
+    p = _store(tmp_path, budget_bytes=8 * PAGE)
+    k = key_of("view-drop")
+    put_page(p, k, None, PAGE)
+    with p.lease([k]) as lease:
+        regions = p.view(lease, k)
+        assert regions is not None and bytes(regions[0].view) == page_bytes(k, PAGE)
+        backdoor_corrupt(p, k, at=10)
+        assert p.read(k, bytearray(PAGE)) is False  # dropped: checksum failure
+        seen = bytes(regions[0].view)
+        fresh = [key_of(f"view-drop-new-{i}") for i in range(20)]
+        for f in fresh:  # pressure: every free slot gets reused, but not the leased one's
+            put_page(p, f, None, PAGE)
+        assert bytes(regions[0].view) == seen
+        assert all(bytes(regions[0].view) != page_bytes(f, PAGE) for f in fresh)
+        assert p.verify().ok
+    assert p.verify().ok  # released: the slot is back on the free list, nothing leaked
+    for i in range(8):
+        put_page(p, key_of(f"view-drop-after-{i}"), None, PAGE)
+    assert p.verify().ok
+    p.close()
