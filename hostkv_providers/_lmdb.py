@@ -87,6 +87,7 @@ from ._errors import (
     ReservationError,
     StorageIOError,
     UnknownKeyError,
+    UsedAfterForkError,
 )
 from ._keys import FORMAT_VERSION, KEY_ALGORITHM, KEY_NBYTES, Key
 from ._options import Options, parse_size
@@ -604,6 +605,12 @@ class _Shared:
                 readahead=False,  # random point reads of a large index
             )
         except lmdb.Error as exc:
+            if "already open in this process" in str(exc):
+                # py-lmdb's registry of open environments survives fork(): the parent has it open
+                raise UsedAfterForkError(
+                    f"{self.path} is open in the parent of this forked process; py-lmdb refuses a second open",
+                    hint="open the store only after fork in each process, or start workers with 'spawn'",
+                ) from None
             raise _lmdb_error(exc, f"opening {self.path}") from exc
         try:
             self._preallocate(int(env.info()["map_size"]))

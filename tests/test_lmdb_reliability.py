@@ -700,3 +700,21 @@ def test_view_stays_valid_when_a_leased_entry_is_dropped(tmp_path: Path) -> None
         put_page(p, key_of(f"view-drop-after-{i}"), None, PAGE)
     assert p.verify().ok
     p.close()
+
+
+def test_forked_child_of_an_open_store_gets_a_typed_error(tmp_path: Path) -> None:
+    from hostkv_providers._errors import UsedAfterForkError
+
+    p = _store(tmp_path)
+    put_page(p, key_of("fork-open"), None, PAGE)
+
+    def child() -> None:
+        try:
+            LmdbProvider(tmp_path / "store")
+        except UsedAfterForkError:
+            os._exit(0)
+        os._exit(7)
+
+    assert _fork_and_wait(child) == 0
+    assert p.read_bytes(key_of("fork-open")) == page_bytes(key_of("fork-open"), PAGE)
+    p.close()
