@@ -861,7 +861,9 @@ class MmapProvider(Provider):
         self._idx.budget = self._budget
         if not self._readonly:
             self._cleanup_dir()
-        self._load()
+            self._load()
+        else:
+            self._load_reader()
         if not self._readonly:
             if not self._files:  # preallocate the first data file now: a full disk fails at open
                 self._add_data_file(self._file_slots)
@@ -978,9 +980,28 @@ class MmapProvider(Provider):
         self._problems.append(text)
 
     # -- loading the index -----------------------------------------------------------------------
+    def _load_reader(self) -> None:
+        """A reader's load, retried when the writer swaps files underneath (snapshot rotation,
+        compaction deleting the old generation between our listing and our opens)."""
+        for attempt in range(8):
+            try:
+                if attempt:
+                    man = self._read_manifest()
+                    self._manifest = man
+                    self._gen = int(man["generation"])
+                    self._idx = _Index(self._budget)
+                    self._problems = []
+                self._load()
+                return
+            except (CorruptStoreError, StorageIOError, FileNotFoundError):
+                if attempt == 7:
+                    raise
+                time.sleep(0.01 * (attempt + 1))
+
     def _load(self) -> None:
         """Open data files and rebuild the index from snapshot + journal (module docstring)."""
         self._load_needs_snapshot = False
+        sig = self._signature()  # before reading: a change made while we load triggers the next refresh
         self._open_data_files()
         snap, snap_seq = self._read_snapshot()
         jrecs = self._read_journal(snap_seq)
@@ -989,7 +1010,7 @@ class MmapProvider(Provider):
         self._apply_records(recs)
         # new records must sort after everything the snapshot covers
         self._idx.clock = max(self._idx.clock, snap_seq + 1)
-        self._state_sig = self._signature()
+        self._state_sig = sig
 
     def _signature(self) -> tuple[Any, ...]:
         sig: list[Any] = []
@@ -1073,20 +1094,29 @@ class MmapProvider(Provider):
                 and xxhash.xxh3_64_intdigest(head[:152]) == int.from_bytes(head[152:160], "little")):
             self._problems_note("journal header damaged: records salvaged")
             self._load_needs_snapshot = True
-        count = max(0, len(raw) - REC_NBYTES) // REC_NBYTES
-        recs = np.frombuffer(raw[REC_NBYTES : REC_NBYTES + count * REC_NBYTES], RECORD_DTYPE)
+        # the journal is preallocated ahead with zeros: parse only up to the last nonzero byte
+        body = raw[REC_NBYTES:]
+        used = len(body.rstrip(b"\0"))
+        count = -(-used // REC_NBYTES)
+        chunk = body[: count * REC_NBYTES].ljust(count * REC_NBYTES, b"\0")
+        recs = np.frombuffer(chunk, RECORD_DTYPE)
         good = _folds_ok(recs) & (recs["op"] != 0)
         nz = np.flatnonzero(good)
         last = int(nz[-1]) + 1 if len(nz) else 0
         self._jvalid_end = REC_NBYTES + last * REC_NBYTES
         bad_inside = int(last - good[:last].sum())
+        tail = recs[last:]
+        if len(tail):
+            # Records after the last valid one: a torn append (kill -9 or a power cut mid-write)
+            # leaves the record's end zero; a complete record that does not verify is damage.
+            complete = int((tail["fold"] != 0).sum())
+            if complete:
+                bad_inside += complete
+            else:
+                self._torn_tail = True
         if bad_inside:
             self._problems_note(f"journal: {bad_inside} damaged record(s) skipped")
             self._load_needs_snapshot = True
-        tail = recs[last:]
-        if len(tail) and np.frombuffer(tail.tobytes(), np.uint8).any():
-            # a torn last write (kill -9 / power cut mid-append): truncated logically
-            self._torn_tail = True
         recs = recs[:last][good[:last]]
         out: npt.NDArray[Any] = recs[recs["seq"] > after_seq]
         return out
@@ -1989,17 +2019,12 @@ class MmapProvider(Provider):
                 return False
             if self._signature() == self._state_sig:
                 return False
-            for _ in range(5):
-                man = self._read_manifest()
-                self._gen = int(man["generation"])
-                self._idx = _Index(self._budget)
-                self._problems = []
-                try:
-                    self._load()
-                except (CorruptStoreError, StorageIOError, FileNotFoundError):
-                    continue  # the writer swapped files under us (compaction): try again
-                if self._signature() == self._state_sig:
-                    return True
+            man = self._read_manifest()
+            self._manifest = man
+            self._gen = int(man["generation"])
+            self._idx = _Index(self._budget)
+            self._problems = []
+            self._load_reader()
             return True
 
     # -- verify / compact ------------------------------------------------------------------------
