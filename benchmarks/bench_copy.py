@@ -214,6 +214,30 @@ def interference_loads(torch: Any, engines: dict[str, CudaCopyEngine], planes: K
     return loads
 
 
+def tune(torch: Any, planes: KVPlanes, ids_save: list[int], pages_a: list[Any], ids_restore: list[int],
+         pages_b: list[Any], reps: int, page_nbytes: int, raw: dict[str, float]) -> dict[str, Any]:
+    """Throughput and interference of a few pack-kernel launch shapes (CTAs x threads)."""
+    out: dict[str, Any] = {}
+    for ctas, threads in ((33, 256), (132, 256), (8, 1024), (66, 512), (16, 1024)):
+        eng = CudaCopyEngine(ctas=ctas, threads=threads)
+        t: dict[str, Any] = dict(time_engine(eng, planes, ids_save, ids_restore, pages_a, pages_b, reps, page_nbytes))
+
+        def save(stream: Any, eng: CudaCopyEngine = eng) -> None:
+            eng.save(planes, ids_save, pages_a, after=stream).wait()
+
+        def restore(_stream: Any, eng: CudaCopyEngine = eng) -> None:
+            eng.restore(pages_b, planes, ids_restore).wait()
+
+        loads: dict[str, Callable[[Any], None]] = {"save": save, "restore": restore}
+        t["gemm"] = slowdown(torch, "gemm", 1.0, loads)
+        t["decode_like"] = slowdown(torch, "small", 1.0, loads)
+        eng.close()
+        out[f"{ctas}x{threads}"] = t
+        log(f"tune {ctas}x{threads}", {k: v for k, v in t.items() if k in ("save", "restore", "bidir")},
+            t["gemm"], t["decode_like"])
+    return out
+
+
 def pinning(gib: float, provider_gib: float) -> dict[str, Any]:
     """Alternate cuMemHostAlloc and our allocator so neither profits from memory the VM already backs."""
     nbytes = int(gib * GiB)
@@ -250,8 +274,8 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--quick", action="store_true", help="fewer pages and rounds (smoke run)")
-    ap.add_argument("--only", choices=("all", "interference"), default="all",
-                    help="interference: only the 32 KiB layout's slowdown figures")
+    ap.add_argument("--only", choices=("all", "interference", "tune"), default="all",
+                    help="interference: only the 32 KiB layout's slowdown figures; tune: pack-kernel launch shapes")
     args = ap.parse_args()
     import torch
 
@@ -266,7 +290,7 @@ def main() -> int:
                                "pages": args.pages}
     log("device", results["device"], "SMs", dev.sm_count)
 
-    only_interference = args.only == "interference"
+    only_interference = args.only in ("interference", "tune")
     if not only_interference:
         t0 = time.perf_counter()
         results["pinning"] = pinning(1.0 if args.quick else 4.0, 2.0 if args.quick else 16.0)
@@ -314,6 +338,12 @@ def main() -> int:
             got = bytes(shuffled[probe][0].view[: layout.plane_nbytes])
             want = bytes(owners[0][0][ids_save[probe]].contiguous().view(torch.uint8).cpu().numpy().tobytes())
             r["spot_check_ok"] = got == want
+            if args.only == "tune":
+                eng.close()
+                results["tune"] = tune(torch, planes, ids_save, pages_a, ids_restore, pages_b, args.reps,
+                                       layout.page_nbytes, raw)
+                rows.append(r)
+                break
             engines = {"default": CudaCopyEngine(), "no_cache_hints": CudaCopyEngine(cache_hints=False),
                        "ctas8_t1024": CudaCopyEngine(ctas=8, threads=1024),
                        "ctas16_t512": CudaCopyEngine(ctas=16, threads=512), "ctas132": CudaCopyEngine(ctas=132)}
@@ -424,6 +454,17 @@ def render(r: dict[str, Any]) -> str:
             f"{row['save_dev']:.1f} / {row['restore_dev']:.1f} / "
             f"{row['bidir_save_dev']:.1f}+{row['bidir_restore_dev']:.1f} | {row['issue_ms']:.1f} |")
     first = r["rows"][0]
+    if "tune" in r:
+        lines += ["", "| pack kernel CTAs x threads | save x raw | restore x raw | both x raw bidir | "
+                  "GEMM loop: save / restore | memory-bound loop: save / restore |",
+                  "| --- | --- | --- | --- | --- | --- |"]
+        for name, t in r["tune"].items():
+            g, m = t["gemm"], t["decode_like"]
+            lines.append(f"| {name} | {t['save'] / raw['d2h']:.2f} | {t['restore'] / raw['h2d']:.2f} | "
+                         f"{t['bidir'] / raw['bidir']:.2f} | {100 * g['save']['slowdown']:+.1f}% / "
+                         f"{100 * g['restore']['slowdown']:+.1f}% | {100 * m['save']['slowdown']:+.1f}% / "
+                         f"{100 * m['restore']['slowdown']:+.1f}% |")
+        return "\n".join(lines) + "\n"
     if "pinning" not in r:  # --only interference
         return "\n".join([*lines, "", *slow_lines(r["decode_like"], "Launch-heavy, memory-bound loop (128 small "
                                                   "elementwise kernels)"),
