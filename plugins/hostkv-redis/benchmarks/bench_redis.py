@@ -28,9 +28,9 @@ from collections.abc import Callable
 from typing import Any
 
 import redis
-
 from hostkv_providers import format_size, parse_size
 from hostkv_providers.testing import chain
+
 from hostkv_redis import RedisProvider
 from hostkv_redis.servers import RedisServer, server_version
 
@@ -70,7 +70,7 @@ def bench_size(url: str, page: int, total: int, batch: int, repeat: int) -> dict
 
         outs = [bytearray(page) for _ in range(batch)]
 
-        def ours_read(p: RedisProvider = p, keys: list[Any] = keys) -> None:
+        def ours_read(p: RedisProvider = p, keys: list[Any] = keys, outs: list[bytearray] = outs) -> None:
             for lo in range(0, npages, batch):
                 assert all(p.read_many(keys[lo : lo + batch], outs))
 
@@ -179,8 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     print("| page | pages | write ours GB/s | write raw GB/s | ours/raw | read ours GB/s | read raw GB/s | ours/raw |")
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in result["sizes"]:
-        print(f"| {format_size(r['page'])} | {r['pages']} | {r['ours_write_gbs']:.2f} | {r['raw_write_gbs']:.2f} | "
-              f"{r['write_ratio']:.2f}x | {r['ours_read_gbs']:.2f} | {r['raw_read_gbs']:.2f} | {r['read_ratio']:.2f}x |")
+        print(f"| {format_size(r['page'])} | {r['pages']} | {r['ours_write_gbs']:.2f} | {r['raw_write_gbs']:.2f} "
+              f"| {r['write_ratio']:.2f}x | {r['ours_read_gbs']:.2f} | {r['raw_read_gbs']:.2f} "
+              f"| {r['read_ratio']:.2f}x |")
     pr = result["prefix"]
     print(f"\n`longest_prefix` over a {pr['keys']}-key chain: ours {pr['ours_ms']:.1f} ms (one script call), "
           f"raw pipelined EXISTS {pr['raw_ms']:.1f} ms ({pr['ratio']:.1f}x faster than raw); "

@@ -243,6 +243,96 @@ def _redact(url: str) -> str:
     return re.sub(r"(://[^:/@]*:)[^@/]*@", r"\1***@", url)
 
 
+Part = bytes | memoryview | tuple[bytes | memoryview, ...]
+
+
+def _pack(commands: Sequence[Sequence[Part]]) -> list[bytes | memoryview]:
+    """RESP-encode ``commands``; a tuple argument is one bulk string sent as several buffers.
+
+    That is how a page and its 56-byte trailer reach the server as one value without ever being
+    concatenated in client memory (a fresh 2 MiB buffer per page costs more in page faults than
+    sending it).  Small pieces are coalesced; large buffers are passed to ``sendall`` as they are.
+    """
+    out: list[bytes | memoryview] = []
+    small: list[bytes] = []
+
+    def emit(buf: bytes | memoryview) -> None:
+        if len(buf) < 16384:
+            small.append(bytes(buf))
+            return
+        if small:
+            out.append(b"".join(small))
+            small.clear()
+        out.append(buf)
+
+    for args in commands:
+        small.append(b"*%d\r\n" % len(args))
+        for arg in args:
+            pieces = arg if isinstance(arg, tuple) else (arg,)
+            small.append(b"$%d\r\n" % sum(memoryview(x).nbytes for x in pieces))
+            for piece in pieces:
+                emit(piece)
+            small.append(b"\r\n")
+    if small:
+        out.append(b"".join(small))
+    return out
+
+
+def _send_raw(client: redis.Redis, commands: Sequence[Sequence[Part]]) -> list[Any]:
+    """Send ``commands`` as one pipeline on one pooled connection; per command its raw reply or
+    its ``ResponseError``.  A stale pooled connection (the server restarted) is retried once on a
+    fresh one: every command sent this way is idempotent."""
+    packed = _pack(commands)
+    pool = client.connection_pool
+    for attempt in (0, 1):
+        conn: Any = pool.get_connection()  # redis-py's Connection is only partly annotated
+        try:
+            conn.send_packed_command(packed, check_health=attempt == 0)
+            replies: list[Any] = []
+            for _ in commands:
+                try:
+                    replies.append(conn.read_response())
+                except redis.exceptions.ResponseError as exc:  # the stream stays aligned
+                    replies.append(exc)
+            return replies
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
+            conn.disconnect()
+            if attempt:
+                raise
+        except BaseException:
+            conn.disconnect()
+            raise
+        finally:
+            pool.release(conn)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+class _BufferPool:
+    """Reuses reservation buffers of the same size: page sizes repeat, and a fresh multi-MiB
+    ``bytearray`` per page costs its zero-fill page faults every time.  Bounded by ``max_nbytes``."""
+
+    def __init__(self, max_nbytes: int) -> None:
+        self._lock = threading.Lock()
+        self._free: dict[int, list[bytearray]] = {}
+        self._held = 0
+        self._max = max_nbytes
+
+    def take(self, nbytes: int) -> bytearray:
+        with self._lock:
+            free = self._free.get(nbytes)
+            if free:
+                self._held -= nbytes
+                return free.pop()
+        return bytearray(nbytes)
+
+    def give(self, buf: bytearray) -> None:
+        n = len(buf)
+        with self._lock:
+            if self._held + n <= self._max:
+                self._free.setdefault(n, []).append(buf)
+                self._held += n
+
+
 # --------------------------------------------------------------------------------------------
 # Reservations
 # --------------------------------------------------------------------------------------------
@@ -254,20 +344,23 @@ class _RedisReservation(Reservation):
     The buffer has room for the 56-byte trailer after the page, so sealing needs no copy.
     """
 
-    __slots__ = ("buf", "hex", "rid")
+    __slots__ = ("buf", "data", "hex", "rid")
 
     def __init__(self, provider: RedisProvider, key: Key, parent: Key | None, nbytes: int, salt_tag: str,
-                 rid: str) -> None:
+                 rid: str, buf: bytearray | None) -> None:
         super().__init__(provider, key, parent, nbytes, salt_tag)
         self.rid = rid
         self.hex = key.hex()
-        self.buf = bytearray(nbytes + TRAILER_NBYTES)
+        self.buf = buf  # pooled, exactly nbytes; None when put_many ships the caller's bytes
+        self.data: memoryview | None = None if buf is None else memoryview(buf)
 
     def regions(self) -> Sequence[HostRegion]:
         """The client-side buffer (ordinary memory), for a copy engine that fills it directly."""
         self.check_open(self._provider)
+        if self.buf is None:
+            raise ReservationError("this reservation ships the caller's bytes; it has no buffer")
         address = ctypes.addressof(ctypes.c_char.from_buffer(self.buf))
-        return [HostRegion(0, memoryview(self.buf)[: self.nbytes], address, False)]
+        return [HostRegion(0, memoryview(self.buf), address, False)]
 
 
 # --------------------------------------------------------------------------------------------
@@ -363,6 +456,7 @@ class RedisProvider(Provider):
         self._budget = budget_bytes or DEFAULT_BUDGET
         self._link = _Link(url, cluster, self._meta, float(timeout), retries)
         self._keepalive = keepalive
+        self._pool = _BufferPool(256 << 20)
         self._renew_every = min(lease_ttl, reservation_ttl) / 3
         self._stop = threading.Event()
         self._keeper: threading.Thread | None = None
@@ -546,7 +640,7 @@ class RedisProvider(Provider):
     def reserve(self, key: bytes, parent: bytes | None, nbytes: int, *, salt_tag: str = "") -> Reservation | None:
         item = self._check_item(key, parent, nbytes, salt_tag)
         self._check_usable()
-        res = self._reserve_batch([item], salt_tag, allow_inflight_parent=False)[0]
+        res = self._reserve_batch([item], salt_tag, allow_inflight_parent=False, buffers=True)[0]
         if isinstance(res, BaseException):
             raise res
         return res
@@ -563,9 +657,10 @@ class RedisProvider(Provider):
         return k, p, nbytes
 
     def _reserve_batch(self, items: Sequence[tuple[Key, Key | None, int]], salt_tag: str,
-                       allow_inflight_parent: bool) -> list[_RedisReservation | HostKVError | None]:
+                       allow_inflight_parent: bool, buffers: bool) -> list[_RedisReservation | HostKVError | None]:
         """Reserve many entries in one script call; per item a reservation, ``None`` (already
-        stored) or the error for that item."""
+        stored) or the error for that item.  ``buffers``: give each reservation a (pooled) buffer
+        for ``write``; without, the caller sets ``res.data`` to its own bytes."""
         rids = [self._next_id("r") for _ in items]
         allow = "1" if allow_inflight_parent else "0"
         args: list[Any] = [self._client_id, str(self._flight_ms), allow, str(len(items))]
@@ -576,7 +671,7 @@ class RedisProvider(Provider):
         for (k, p, n), rid, raw in zip(items, rids, statuses, strict=True):
             st = raw.decode()
             if st == "ok":
-                res = _RedisReservation(self, k, p, n, salt_tag, rid)
+                res = _RedisReservation(self, k, p, n, salt_tag, rid, self._pool.take(n) if buffers else None)
                 with self._lock:
                     self._live_flights[rid] = res
                 out.append(res)
@@ -610,7 +705,8 @@ class RedisProvider(Provider):
         self._check_usable()
         res = self._own(reservation)
         span = res.check_write(offset, view.nbytes)
-        res.buf[span.offset : span.end] = view  # private to its writer until seal: no lock
+        assert res.data is not None  # reservations handed to callers always have a buffer
+        res.data[span.offset : span.end] = view  # private to its writer until seal: no lock
         res.mark_written(span)
         self._count(bytes_written=span.nbytes)
 
@@ -623,26 +719,28 @@ class RedisProvider(Provider):
             raise err
 
     def _seal_batch(self, batch: Sequence[_RedisReservation]) -> list[HostKVError | None]:
-        """Ship and publish many reservations in one pipeline: a SET of each staging key, then one
-        seal script that renames them into place in order (parents before children)."""
-        args: list[str] = [str(len(batch))]
+        """Ship and publish many reservations in one pipeline: a SET of each staging key (page and
+        trailer sent as one value, never concatenated), then one seal script that renames them into
+        place in order (parents before children)."""
+        px = str(self._flight_ms).encode()
+        commands: list[list[Part]] = []
+        args: list[Part] = [b"EVALSHA", self._link.sha("seal").encode(), b"1", self._meta.encode(),
+                            str(len(batch)).encode()]
         for res in batch:
-            n = res.nbytes
-            digest = checksum(memoryview(res.buf)[:n])
-            _TRAILER.pack_into(res.buf, n, res.key, digest, n, _MAGIC)
-            args += [res.hex, res.rid, str(digest)]
-        sha = self._link.sha("seal")
-        px = self._flight_ms
+            data = res.data
+            assert data is not None
+            digest = checksum(data)
+            trailer = _TRAILER.pack(res.key, digest, res.nbytes, _MAGIC)
+            staging = f"{self._prefix}w:{res.hex}:{res.rid}".encode()
+            commands.append([b"SET", staging, (data, trailer), b"PX", px])
+            args += [res.hex.encode(), res.rid.encode(), str(digest).encode()]
+        commands.append(args)
 
         def go(client: redis.Redis) -> list[Any]:
-            pipe = client.pipeline(transaction=False)
-            for res in batch:
-                pipe.set(self._prefix + f"w:{res.hex}:{res.rid}", memoryview(res.buf), px=px)
-            pipe.evalsha(sha, 1, self._meta, *args)
-            results: list[Any] = pipe.execute(raise_on_error=False)
-            if isinstance(results[-1], BaseException):
-                raise results[-1]
-            return results
+            replies = _send_raw(client, commands)
+            if isinstance(replies[-1], BaseException):
+                raise replies[-1]
+            return replies
 
         results = self._run(go)
         statuses = results[-1]
@@ -652,6 +750,9 @@ class RedisProvider(Provider):
             st = raw.decode()
             with self._lock:
                 self._live_flights.pop(res.rid, None)
+            if res.buf is not None:
+                self._pool.give(res.buf)
+                res.buf = res.data = None
             if st == "ok":
                 res._finish("sealed")
                 sealed += 1
@@ -685,6 +786,9 @@ class RedisProvider(Provider):
         reservation._finish("aborted")
         with self._lock:
             self._live_flights.pop(reservation.rid, None)
+        if reservation.buf is not None:
+            self._pool.give(reservation.buf)
+            reservation.buf = reservation.data = None
         self._count(aborts=1)
         try:
             self._eval("abort", "1", reservation.hex, reservation.rid)
@@ -721,13 +825,13 @@ class RedisProvider(Provider):
 
     def _put_chunk(self, checked: Sequence[tuple[Key, Key | None, int]], views: Sequence[memoryview],
                    salt_tag: str) -> list[bool | HostKVError]:
-        reserved = self._reserve_batch(checked, salt_tag, allow_inflight_parent=True)
+        reserved = self._reserve_batch(checked, salt_tag, allow_inflight_parent=True, buffers=False)
         out: list[bool | HostKVError] = []
         to_seal: list[_RedisReservation] = []
         slots: list[int] = []
         for i, (res, view) in enumerate(zip(reserved, views, strict=True)):
             if isinstance(res, _RedisReservation):
-                res.buf[: res.nbytes] = view
+                res.data = view  # shipped as it is: no copy
                 res.mark_written()
                 to_seal.append(res)
                 slots.append(i)
