@@ -365,6 +365,9 @@ def main() -> int:
                 log("gemm", results["gemm"])
                 results["decode_like"] = slowdown(torch, "small", window, small)
                 log("decode_like", results["decode_like"])
+                hi = {k: v for k, v in loads.items() if k in ("raw_h2d", "save_default", "restore_default")}
+                results["decode_like_high_priority"] = slowdown(torch, "small", window, hi, priority=-1)
+                log("decode_like_high_priority", results["decode_like_high_priority"])
             for e in engines.values():
                 e.close()
             if only_interference:
@@ -480,6 +483,7 @@ def render(r: dict[str, Any]) -> str:
         f"({first['memcpy_restore'] / raw['h2d']:.2f}x).",
         *slow_lines(r["gemm"], "Compute-bound loop (10 bf16 8192^3 GEMMs)"),
         *slow_lines(r["decode_like"], "Launch-heavy, memory-bound loop (128 small elementwise kernels)"),
+        *slow_lines(r["decode_like_high_priority"], "The same loop on a high-priority stream (torch priority -1)"),
         *staging_lines(first, raw),
         f"- Pinning {r['pinning']['gib']:.0f} GiB, alternating (two rounds, each figure s/GiB): pre-fault on 4 "
         f"threads + `cuMemHostRegister` ({r['pinning']['method']}) "
