@@ -253,12 +253,13 @@ class DictProvider(Provider):
     def stats(self) -> ProviderStats:
         with self._lock:
             self._check_usable()
-            idx = self._index
+            idx, n = self._index, self._n
             return ProviderStats(
                 name=self.name, entries=len(idx.nodes), used_bytes=idx.used, budget_bytes=self._budget,
                 anchors=sum(len(n.anchors or ()) for n in idx.nodes.values()),
                 leased=sum(1 for n in idx.nodes.values() if n.hold), in_flight=len(idx.flights),
-                evictions=idx.evictions, evicted_bytes=idx.evicted_cost, **self._n,
+                evictions=idx.evictions, evicted_bytes=idx.evicted_cost, hits=n["hits"], misses=n["misses"],
+                seals=n["seals"], aborts=n["aborts"], dedup=n["dedup"], checksum_failures=n["checksum_failures"],
             )
 
     def describe(self) -> dict[str, Any]:
