@@ -290,21 +290,13 @@ class PinnedProvider(Provider):
 
     # -- lookups -----------------------------------------------------------------------------
     def present(self, keys: Sequence[bytes]) -> list[bool]:
-        ks = self._keys(keys)
         with self._usable():
-            nodes = self._index.nodes
-            return [k in nodes for k in ks]
+            return self._membership(keys, self._index.nodes.__contains__)
 
     def longest_prefix(self, keys: Sequence[bytes]) -> int:
-        ks = self._keys(keys)
         with self._usable():
-            nodes = self._index.nodes
-            n = 0
-            for k in ks:
-                if k not in nodes:
-                    break
-                n += 1
-            return n
+            hits = self._membership(keys, self._index.nodes.__contains__)
+        return hits.index(False) if False in hits else len(hits)
 
     def in_flight(self, key: bytes) -> bool:
         k = self._key(key)
