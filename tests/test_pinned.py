@@ -2,11 +2,35 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
+import time
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
-from hostkv_providers import Key, PinnedProvider, Provider
-from hostkv_providers._hostmem import OrdinaryAllocator
-from hostkv_providers.testing import ProviderTests
+import numpy as np
+import pytest
+
+import hostkv_providers
+from hostkv_providers import (
+    ByteSpan,
+    CapacityError,
+    ClosedError,
+    IncompleteWriteError,
+    InvalidArgumentError,
+    Key,
+    Lease,
+    PinnedProvider,
+    Provider,
+    Reservation,
+    ReservationError,
+    UsedAfterForkError,
+)
+from hostkv_providers._hostmem import HostAllocation, OrdinaryAllocator, buffer_address
+from hostkv_providers.testing import ProviderTests, chain, key_of, page_bytes, put_chain, put_page
 
 PAGE = 4096
 
@@ -43,3 +67,393 @@ class TestPinnedBackgroundConformance(_PinnedBackdoors):
     def make_provider(self, tmp_path: Path, budget_bytes: int) -> Provider:
         return PinnedProvider(budget_bytes, block=PAGE, chunk=4 * PAGE, allocator=OrdinaryAllocator(),
                               background=True, verify_reads=True)
+
+
+# ============================================================================================
+# Pinned-specific behaviour
+# ============================================================================================
+def _pinned(budget_pages: int, **kw: Any) -> PinnedProvider:
+    kw.setdefault("allocator", OrdinaryAllocator())
+    kw.setdefault("block", PAGE)
+    return PinnedProvider(budget_pages * PAGE, **kw)
+
+
+@pytest.fixture
+def closing() -> Iterator[list[Provider]]:
+    made: list[Provider] = []
+    yield made
+    for p in made:
+        p.close()
+
+
+def test_fragmentation_never_makes_a_fitting_request_fail(closing: list[Provider]) -> None:
+    budget_pages = 48
+    p = _pinned(budget_pages, verify_reads=True)
+    closing.append(p)
+    rng = np.random.default_rng(1234)
+    stored: dict[Key, int] = {}
+    leases: list[tuple[Lease, list[Key]]] = []
+    scattered = 0
+    for step in range(600):
+        # keep a changing set of leases so free space is interleaved with pinned entries
+        if leases and rng.random() < 0.3:
+            leases.pop(int(rng.integers(len(leases))))[0].release()
+        present_now = [k for k, hit in zip(list(stored), p.present(list(stored)), strict=True) if hit]
+        stored = {k: stored[k] for k in present_now}
+        if present_now and rng.random() < 0.4 and len(leases) < 6:
+            pick = [present_now[int(i)] for i in rng.integers(len(present_now), size=2)]
+            leases.append((p.lease(pick), pick))
+        pinned = {k for _, ks in leases for k in ks}
+        pinned_bytes = sum(-(-stored[k] // PAGE) * PAGE for k in pinned)
+        nbytes = int(rng.integers(1, 6)) * PAGE - int(rng.integers(0, 2)) * 1000
+        key = key_of(f"frag-{step}")
+        fits = pinned_bytes + -(-nbytes // PAGE) * PAGE <= budget_pages * PAGE
+        try:
+            res = p.reserve(key, None, nbytes)
+        except CapacityError:
+            assert not fits, f"step {step}: {nbytes} bytes fit beside {pinned_bytes} pinned but were refused"
+            continue
+        assert fits and res is not None
+        assert isinstance(res, Reservation)
+        scattered += len(res.regions()) > 1
+        res.write(0, page_bytes(key, nbytes))
+        res.seal()
+        stored[key] = nbytes
+        assert p.stats().used_bytes <= p.budget_bytes
+    assert scattered > 0, "the workload never produced a scattered (fragmented) allocation"
+    for k, n in stored.items():
+        got = p.read_bytes(k)
+        assert got is None or got == page_bytes(k, n)
+    for lease, _ in leases:
+        lease.release()
+    assert p.verify().ok
+    assert p.stats().extra["free_blocks"] == budget_pages - p.stats().used_bytes // PAGE
+
+
+def test_cost_is_whole_blocks(closing: list[Provider]) -> None:
+    p = _pinned(8)
+    closing.append(p)
+    k = key_of("odd-size")
+    assert put_page(p, k, None, 5000)
+    assert p.stats().used_bytes == 2 * PAGE
+    assert p.read_bytes(k) == page_bytes(k, 5000)
+    assert p.stats().extra["block_nbytes"] == PAGE
+
+
+def test_views_and_reservation_regions(closing: list[Provider]) -> None:
+    p = _pinned(16)
+    closing.append(p)
+    key = key_of("view-regions")
+    nbytes = 3 * PAGE + 100
+    res = p.reserve(key, None, nbytes)
+    assert res is not None
+    regions = res.regions()
+    assert [r.offset for r in regions] == [0]  # an empty arena gives one contiguous run
+    assert len(regions[0].view) == nbytes and not regions[0].pinned
+    assert regions[0].address == buffer_address(regions[0].view)
+    regions[0].view[:] = page_bytes(key, nbytes)  # DMA-style fill, then mark it written
+    with pytest.raises(IncompleteWriteError):
+        res.seal()
+    res.mark_written()
+    res.seal()
+    with pytest.raises(ReservationError):
+        res.regions()
+    with p.lease([key]) as lease:
+        views = p.view(lease, key)
+        assert views is not None and b"".join(bytes(v.view) for v in views) == page_bytes(key, nbytes)
+        assert all(v.view.readonly for v in views)
+        assert p.view(lease, key_of("view-not-leased")) is None
+    other = _pinned(4)
+    closing.append(other)
+    with other.lease([]) as foreign, pytest.raises(InvalidArgumentError):
+        p.view(foreign, key)
+
+
+def test_scattered_entry_views(closing: list[Provider]) -> None:
+    p = _pinned(8)
+    closing.append(p)
+    ks = [key_of(f"scatter-{i}") for i in range(8)]
+    for k in ks:
+        put_page(p, k, None, PAGE)
+    p.evict(ks[1::2])  # free every other block: no run longer than one block
+    big = key_of("scatter-big")
+    assert put_page(p, big, None, 4 * PAGE)
+    with p.lease([big]) as lease:
+        views = p.view(lease, big)
+        assert views is not None and len(views) == 4
+        assert [v.offset for v in views] == [0, PAGE, 2 * PAGE, 3 * PAGE]
+        assert b"".join(bytes(v.view) for v in views) == page_bytes(big, 4 * PAGE)
+    for span in (ByteSpan(PAGE - 10, 20), ByteSpan(100, 3 * PAGE), ByteSpan(3 * PAGE, PAGE)):
+        assert p.read_bytes(big, span) == page_bytes(big, 4 * PAGE)[span.offset : span.end]
+    assert p.read_bytes(ks[0]) == page_bytes(ks[0], PAGE)
+
+
+def test_from_url_options(closing: list[Provider]) -> None:
+    p = hostkv_providers.open("pinned://?budget=1MiB&block=8KiB&chunk=256KiB&background=false&verify=read&pin=no")
+    closing.append(p)
+    assert isinstance(p, PinnedProvider)
+    assert p.budget_bytes == 1 << 20 and p.block_nbytes == 8192 and p.ready_bytes == 1 << 20
+    assert p.describe()["verify_reads"] is True and p.describe()["pinned"] is False
+    q = hostkv_providers.open("pinned:///?budget=64KiB", block="4096", pin="no")
+    closing.append(q)
+    assert isinstance(q, PinnedProvider)
+    assert q.budget_bytes == 65536 and q.describe()["verify_reads"] is False
+    assert q.wait_ready(30)  # background=true is the URL default
+
+
+@pytest.mark.parametrize("url", [
+    "pinned://?budget=1MiB&colour=red",
+    "pinned://?budget=lots",
+    "pinned://?budget=0",
+    "pinned://?budget=1MiB&block=1000",
+    "pinned://?budget=1MiB&background=maybe",
+    "pinned://?budget=1MiB&verify=always",
+    "pinned://?budget=1MiB&pin=sometimes",
+    "pinned:///some/path?budget=1MiB",
+    "pinned://?budget=4KiB&block=8KiB",
+])
+def test_from_url_bad_options(url: str) -> None:
+    with pytest.raises(InvalidArgumentError) as info:
+        hostkv_providers.open(url + "&pin=no" if "pin=" not in url else url)
+    assert info.value.hint
+
+
+def test_unknown_option_names_the_accepted_ones() -> None:
+    with pytest.raises(InvalidArgumentError) as info:
+        hostkv_providers.open("pinned://?budget=1MiB&colour=red")
+    assert "colour" in str(info.value) and "budget" in info.value.hint
+
+
+def test_pin_yes_without_cuda() -> None:
+    try:
+        from hostkv_providers import _cuda
+    except ImportError:  # pragma: no cover - the copy engine is part of the package
+        pytest.skip("no copy engine module")
+    if _cuda.available():
+        pytest.skip("a CUDA device is usable here: pin=yes succeeds")
+    with pytest.raises(InvalidArgumentError):
+        hostkv_providers.open("pinned://?budget=1MiB&pin=yes")
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"budget_bytes": 0}, {"budget_bytes": -PAGE}, {"budget_bytes": 1.5}, {"budget_bytes": True},
+    {"budget_bytes": 8 * PAGE, "block": 1000}, {"budget_bytes": 8 * PAGE, "block": 0},
+    {"budget_bytes": 1000, "block": PAGE}, {"budget_bytes": 8 * PAGE, "chunk": "big"},
+    {"budget_bytes": 8 * PAGE, "chunk": -1},
+])
+def test_constructor_rejects_bad_arguments(kwargs: dict[str, Any]) -> None:
+    budget = kwargs.pop("budget_bytes")
+    with pytest.raises(InvalidArgumentError):
+        PinnedProvider(budget, allocator=OrdinaryAllocator(), **kwargs)
+
+
+class _GatedAllocator:
+    """Hands out the first chunk at once and each later one only when the test allows it."""
+
+    pinned = False
+
+    def __init__(self, fail_at: int | None = None) -> None:
+        self.calls = 0
+        self.gate = threading.Semaphore(0)
+        self.fail_at = fail_at
+        self.made: list[HostAllocation] = []
+
+    def allocate(self, nbytes: int) -> HostAllocation:
+        self.calls += 1
+        if self.calls > 1:
+            self.gate.acquire()
+        if self.fail_at is not None and self.calls >= self.fail_at:
+            raise MemoryError("simulated: cannot lock more memory")
+        alloc = OrdinaryAllocator().allocate(nbytes)
+        self.made.append(alloc)
+        return alloc
+
+
+def test_background_fill_serves_from_ready_part_and_waits_instead_of_evicting(closing: list[Provider]) -> None:
+    gate = _GatedAllocator()
+    p = PinnedProvider(8 * PAGE, block=PAGE, chunk=2 * PAGE, allocator=gate, background=True)
+    closing.append(p)
+    assert p.ready_bytes == 2 * PAGE  # the constructor returned after the first chunk only
+    assert p.budget_bytes == 8 * PAGE
+    a, b = key_of("bg-a"), key_of("bg-b")
+    put_page(p, a, None, PAGE)
+    put_page(p, b, None, PAGE)
+    done: list[bool] = []
+    c = key_of("bg-c")
+    t = threading.Thread(target=lambda: done.append(put_page(p, c, None, 2 * PAGE)))
+    t.start()
+    t.join(0.3)
+    assert t.is_alive() and p.present([a, b]) == [True, True]  # waiting for memory, not evicting
+    gate.gate.release()  # chunk 2 arrives: the reservation proceeds without evicting a or b
+    t.join(30)
+    assert done == [True]
+    assert p.present([a, b, c]) == [True, True, True]
+    for _ in range(2):
+        gate.gate.release()
+    assert p.wait_ready(30) and p.ready_bytes == 8 * PAGE
+    assert p.stats().extra["ready_bytes"] == 8 * PAGE
+    assert p.read_bytes(c) == page_bytes(c, 2 * PAGE)
+
+
+def test_background_fill_failure_keeps_serving(closing: list[Provider]) -> None:
+    gate = _GatedAllocator(fail_at=3)
+    p = PinnedProvider(8 * PAGE, block=PAGE, chunk=2 * PAGE, allocator=gate, background=True)
+    closing.append(p)
+    for _ in range(4):
+        gate.gate.release()
+    assert p.wait_ready(30)
+    assert p.ready_bytes == 4 * PAGE  # chunks 1 and 2; the third failed
+    keys = [key_of(f"bg-fail-{i}") for i in range(6)]
+    for k in keys:
+        put_page(p, k, None, PAGE)
+        assert p.stats().used_bytes <= 4 * PAGE
+    with pytest.raises(CapacityError) as info:
+        p.reserve(key_of("bg-fail-big"), None, 5 * PAGE)
+    assert "MemoryError" in str(info.value)
+
+
+def test_close_while_filling(closing: list[Provider]) -> None:
+    gate = _GatedAllocator()
+    p = PinnedProvider(8 * PAGE, block=PAGE, chunk=2 * PAGE, allocator=gate, background=True)
+    put_page(p, key_of("bg-y"), None, 2 * PAGE)
+    outcome: list[str] = []
+
+    def reserve_big() -> None:  # needs chunk 3, which only arrives after close
+        try:
+            p.reserve(key_of("bg-x"), None, 4 * PAGE)
+            outcome.append("reserved")
+        except ClosedError:
+            outcome.append("closed")
+
+    blocked = threading.Thread(target=reserve_big)
+    blocked.start()
+    gate.gate.release()  # chunk 2 (still too small for the waiting reservation)
+    closer = threading.Thread(target=p.close)
+    closer.start()
+    deadline = time.monotonic() + 30
+    while not p.closed and time.monotonic() < deadline:
+        time.sleep(0.001)
+    for _ in range(4):  # the filler's pending allocations return after close: freed, not added
+        gate.gate.release()
+    closer.join(30)
+    blocked.join(30)
+    assert not closer.is_alive() and not blocked.is_alive()
+    assert outcome == ["closed"]
+    with pytest.raises(ClosedError):
+        p.present([key_of("bg-y")])
+
+
+def test_verify_without_read_checks(closing: list[Provider]) -> None:
+    p = _pinned(16)  # verify_reads=False: reads trust RAM, verify() still checks everything
+    closing.append(p)
+    keys = chain("verify-pinned", 3)
+    put_chain(p, keys, PAGE)
+    node = p._index.get(keys[2])
+    assert node is not None
+    p._arena.regions(node.loc, node.nbytes, False)[0].view[0] ^= 1
+    report = p.verify()
+    assert report.corrupt == [keys[2]] and report.checked == 3
+    report = p.verify(repair=True)
+    assert report.dropped == 1 and p.present(keys) == [True, True, False]
+    assert p.verify().ok
+
+
+def test_concurrent_reads_of_a_corrupt_entry_count_it_once(closing: list[Provider]) -> None:
+    p = _pinned(16, verify_reads=True)
+    closing.append(p)
+    keys = chain("corrupt-threads", 2)
+    put_chain(p, keys, 4 * PAGE)
+    node = p._index.get(keys[0])
+    assert node is not None
+    p._arena.regions(node.loc, node.nbytes, False)[0].view[3] ^= 0x80
+    results: list[bool] = []
+    barrier = threading.Barrier(6)
+
+    def reader() -> None:
+        out = bytearray(4 * PAGE)
+        barrier.wait()
+        results.append(p.read(keys[0], out))
+
+    threads = [threading.Thread(target=reader) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert results == [False] * 6
+    st = p.stats()
+    assert st.checksum_failures == 1 and st.entries == 0 and st.used_bytes == 0
+
+
+def test_resaved_parent_keeps_its_leases_after_child_abort(closing: list[Provider]) -> None:
+    # Provider-level regression for the TreeIndex flight/parent-identity bug.
+    p = _pinned(6, verify_reads=True)
+    closing.append(p)
+    parent, child = chain("resave", 2)
+    put_page(p, parent, None, PAGE)
+    res = p.reserve(child, parent, PAGE)
+    assert res is not None
+    node = p._index.get(parent)
+    assert node is not None
+    p._arena.regions(node.loc, node.nbytes, False)[0].view[0] ^= 1
+    assert p.read(parent, bytearray(PAGE)) is False  # dropped as corrupt
+    assert put_page(p, parent, None, PAGE)  # another writer saves it again
+    res.abort()
+    with p.lease([parent]):
+        for i in range(10):
+            put_page(p, key_of(f"resave-filler-{i}"), None, PAGE)
+        assert p.present([parent]) == [True]
+        assert p.read_bytes(parent) == page_bytes(parent, PAGE)
+
+
+def test_fork_while_another_thread_holds_the_lock(closing: list[Provider]) -> None:
+    if not hasattr(os, "fork"):
+        pytest.skip("no fork")
+    p = _pinned(4)
+    closing.append(p)
+    holding, release = threading.Event(), threading.Event()
+
+    def hold_lock() -> None:
+        with p._lock:
+            holding.set()
+            release.wait(30)
+
+    t = threading.Thread(target=hold_lock)
+    t.start()
+    holding.wait(30)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
+        if pid == 0:  # pragma: no cover - child
+            code = 1
+            try:
+                p.present([key_of("fork-lock")])
+            except UsedAfterForkError:
+                code = 0
+            finally:
+                os._exit(code)
+        deadline = time.monotonic() + 60
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                pytest.fail("the forked child hung on the inherited provider lock")
+            time.sleep(0.01)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        release.set()
+        t.join(30)
+
+
+def test_abort_after_close_is_a_typed_error(closing: list[Provider]) -> None:
+    p = _pinned(4)
+    res = p.reserve(key_of("abort-closed"), None, PAGE)
+    assert res is not None
+    p.close()
+    with pytest.raises(ClosedError):
+        res.abort()
+    with pytest.warns(UserWarning, match="abort during exception cleanup failed"), pytest.raises(RuntimeError), res:
+        raise RuntimeError("engine failure while the provider was closed")
