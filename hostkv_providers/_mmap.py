@@ -95,7 +95,7 @@ _MAX_FILE = 1 << 30
 _SNAPSHOT_MIN = 65536
 _NONE_BATCH = 256
 _NONE_INTERVAL = 1.0
-_JOURNAL_CHUNK = 1 << 20
+_JOURNAL_CHUNK = 256 << 10
 _MANIFEST_LIMIT = 64 * 1024
 _TAG_MAX = 16
 
@@ -299,13 +299,15 @@ class _Index:
             while i < len(self._base_k64) and int(self._base_k64[i]) == h:
                 r = int(self._base_row[i])
                 if r >= 0 and self.key[r].tobytes() == key:
+                    self._dict[key] = r  # cache: the next lookup of this key is one dict probe
                     return r
                 i += 1
         return -1
 
     def _unmap(self, row: int) -> None:
         key = self.key[row].tobytes()
-        if self._dict.pop(key, None) is not None:
+        self._dict.pop(key, None)
+        if not len(self._base_k64):
             return
         h = _key_u64(key)
         i = int(np.searchsorted(self._base_k64, h))
@@ -1407,6 +1409,11 @@ class MmapProvider(Provider):
         if size > self._jend:
             # zero a torn tail so that nothing past the last valid record can ever parse
             _fsutil.write_all(fd, bytes(size - self._jend), self._jend, "truncating the journal's torn tail")
+        if self._jalloc < self._jend + _JOURNAL_CHUNK // 2:
+            # room for the next records now, so a nearly full disk fails at open, not mid-seal
+            new = -(-(self._jend + _JOURNAL_CHUNK) // _JOURNAL_CHUNK) * _JOURNAL_CHUNK
+            _fsutil.fallocate(fd, self._jalloc, new - self._jalloc, "preallocating the index journal")
+            self._jalloc = new
 
     def _encode(self, op: int, key: bytes, *, parent: bytes | None = None, tag: bytes = b"", name: bytes = b"",
                 file: int = 0, slot: int = 0, nslots: int = 0, nbytes: int = 0, gen: int = 0, checksum: int = 0,
@@ -1438,7 +1445,7 @@ class MmapProvider(Provider):
 
     def _append(self, records: Sequence[bytes]) -> None:
         """Write records at the journal's end (the page cache: survives kill -9).  Space ahead is
-        ``posix_fallocate``-d in 1 MiB steps so a full disk fails *before* a record is torn."""
+        ``posix_fallocate``-d in 256 KiB steps so a full disk fails *before* a record is torn."""
         if not records:
             return
         fd = self._jfd
