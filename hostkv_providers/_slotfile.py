@@ -493,12 +493,16 @@ class SlotFile:
         _fsutil.sync_fd(self.fd, f"syncing {self.path}")
 
     def drop_cache(self) -> None:
-        """Ask the kernel to drop this file's clean cached pages (benchmarks: cold reads)."""
-        with contextlib.suppress(OSError):
-            os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        """Ask the kernel to drop this file's clean cached pages (benchmarks: cold reads).
+
+        Call :meth:`sync` first (dirty pages are not dropped).  The mapping's pages are unmapped
+        from this process first (``MADV_DONTNEED``: a shared file mapping loses nothing), because
+        ``POSIX_FADV_DONTNEED`` leaves pages that a process still maps in the cache."""
         if self._map is not None:
             with contextlib.suppress(OSError, ValueError):
                 self._map.madvise(mmap.MADV_DONTNEED)
+        with contextlib.suppress(OSError):
+            os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
     def close(self) -> None:
         """Unmap and close; idempotent.  Views handed out keep the mapping alive until released."""
