@@ -468,15 +468,21 @@ class _Shared:
 
     @classmethod
     def acquire(cls, path: str, *, durability: str, map_size: int, map_max: int, file_nbytes: int,
-                budget: int | None) -> _Shared:
-        _fsutil.ensure_private_dir(path)
+                budget: int | None, readonly: bool = False) -> _Shared:
+        if readonly:
+            # never create anything: a read-only open of a typo'd path must not make a store
+            _fsutil.check_private_dir(path)
+            if not os.path.lexists(os.path.join(path, "data.mdb")):
+                raise IncompatibleStoreError(f"{path} holds no lmdb store (no data.mdb)")
+        else:
+            _fsutil.ensure_private_dir(path)
         st = os.stat(path)
         ident = (os.getpid(), st.st_dev, st.st_ino)
         with cls._registry_lock:
             handle = cls._registry.get(ident)
             if handle is None:
                 handle = cls(path, ident, durability=durability, map_size=map_size, map_max=map_max,
-                             file_nbytes=file_nbytes)
+                             file_nbytes=file_nbytes, readonly=readonly)
                 cls._registry[ident] = handle
             elif (handle.durability == "sync") != (durability == "sync"):
                 raise InvalidArgumentError(
@@ -484,15 +490,21 @@ class _Shared:
                     hint="open every provider of one store in one process with the same durability")
             handle.refs += 1
         try:
-            handle.apply_budget(budget)
+            if not readonly:
+                if not handle.maintained:  # the handle was opened read-only first
+                    handle.reclaim_dead()
+                    handle.maintained = True
+                handle.apply_budget(budget)
         except BaseException:
             handle.release()
             raise
         return handle
 
     def __init__(self, path: str, ident: tuple[int, int, int], *, durability: str, map_size: int, map_max: int,
-                 file_nbytes: int) -> None:
+                 file_nbytes: int, readonly: bool = False) -> None:
         self.path = path
+        self.readonly = readonly
+        self.maintained = not readonly
         self.ident = ident
         self.durability = durability
         self.map_max = map_max
@@ -513,15 +525,16 @@ class _Shared:
         self._check_contents()
         self.lock = self._shared_lock()
         try:
-            alone = self._try_exclusive()
+            alone = False if readonly else self._try_exclusive()
             self.env = self._open_env(map_size)
             try:
                 self.dbs = self._open_dbs()
                 self.store_id = self._check_manifest()
-                _fsutil.ensure_private_dir(self.slot_dir)
-                if alone:
-                    self._recover_files()
-                self.reclaim_dead()
+                if not readonly:
+                    _fsutil.ensure_private_dir(self.slot_dir)
+                    if alone:
+                        self._recover_files()
+                    self.reclaim_dead()
             except BaseException:
                 self.env.close()
                 raise
@@ -613,7 +626,8 @@ class _Shared:
                 ) from None
             raise _lmdb_error(exc, f"opening {self.path}") from exc
         try:
-            self._preallocate(int(env.info()["map_size"]))
+            if not self.readonly:
+                self._preallocate(int(env.info()["map_size"]))
         except BaseException:
             env.close()
             raise
@@ -624,7 +638,7 @@ class _Shared:
             raise _lmdb_error(exc, "checking stale readers") from exc
         for name in ("data.mdb", "lock.mdb"):
             full = os.path.join(self.path, name)
-            with contextlib.suppress(OSError):
+            with contextlib.suppress(OSError, NotImplementedError):
                 os.chmod(full, 0o600, follow_symlinks=False)  # LMDB applies the umask, not less
         return env
 
@@ -642,9 +656,12 @@ class _Shared:
     def _open_dbs(self) -> dict[str, Any]:
         dbs: dict[str, Any] = {}
         try:
+            # read-only: a write transaction that changes nothing writes nothing to data.mdb
             with self.env.begin(write=True) as txn:
                 for name in _DB_NAMES:
-                    dbs[name] = self.env.open_db(name.encode(), txn=txn, create=True)
+                    dbs[name] = self.env.open_db(name.encode(), txn=txn, create=not self.readonly)
+        except lmdb.NotFoundError:
+            raise IncompatibleStoreError(f"{self.path} is not a complete lmdb store (a database is missing)") from None
         except lmdb.Error as exc:
             raise _lmdb_error(exc, "opening the index databases") from exc
         return dbs
@@ -654,6 +671,8 @@ class _Shared:
         try:
             with self.env.begin(write=True) as txn:
                 raw = txn.get(b"manifest", db=meta)
+                if raw is None and self.readonly:
+                    raise IncompatibleStoreError(f"{self.path} holds no initialized lmdb store")
                 if raw is None:
                     if txn.stat(self.dbs["entries"])["entries"]:
                         raise CorruptStoreError(f"{self.path}: index has entries but no manifest")
@@ -1460,6 +1479,10 @@ class LmdbProvider(Provider):
     lease_ttl:
         Seconds after which a lease of a *live* process stops protecting its entries (leases of
         dead processes are reclaimed at once).  Reservations never expire while their owner lives.
+    readonly:
+        Never modify the store (``hostkv info/ls/verify``): no reservations, evictions, leases,
+        anchors, LRU refreshes or repairs; a corrupt page reads as a miss and is counted, not
+        dropped.  Writes raise ``InvalidArgumentError``.
     """
 
     name = "lmdb"
@@ -1477,6 +1500,7 @@ class LmdbProvider(Provider):
         map_max: int = _DEFAULT_MAP_MAX,
         file_nbytes: int = _DEFAULT_FILE_NBYTES,
         lease_ttl: float = _DEFAULT_LEASE_TTL,
+        readonly: bool = False,
     ) -> None:
         super().__init__()
         self._closed = True  # until fully open (close() of a half-built instance is a no-op)
@@ -1500,14 +1524,17 @@ class LmdbProvider(Provider):
         self._durability = durability
         self._inline_max = inline_max
         self._lease_ttl = float(lease_ttl)
+        self._readonly = bool(readonly)
         self._lock = threading.Lock()
         self._open_res: dict[int, _LmdbReservation] = {}
         self._leases: dict[bytes, Lease] = {}
         self._lease_seq = 0
         self._counters: dict[str, int] = dict.fromkeys(
             ("hits", "misses", "seals", "aborts", "dedup", "checksum_failures", "bytes_written", "bytes_read"), 0)
+        if readonly and budget_bytes is not None:
+            raise InvalidArgumentError("a read-only open cannot set the budget", hint="drop budget= or readonly=")
         self._s = _Shared.acquire(self._path, durability=durability, map_size=map_size, map_max=map_max,
-                                  file_nbytes=file_nbytes, budget=budget_bytes)
+                                  file_nbytes=file_nbytes, budget=budget_bytes, readonly=self._readonly)
         self._owner = _OWNER.pack(os.getpid(), _start_time(os.getpid()), int.from_bytes(os.urandom(8), "little"))
         self._budget = self._read_counters().budget
         self._closed = False
@@ -1523,12 +1550,13 @@ class LmdbProvider(Provider):
         map_max = opts.size("map_max", _DEFAULT_MAP_MAX)
         file_nbytes = opts.size("file_size", _DEFAULT_FILE_NBYTES)
         lease_ttl = opts.number("lease_ttl", _DEFAULT_LEASE_TTL)
+        readonly = opts.boolean("readonly", False)
         opts.finish()
         if not location or location == "/":
             raise InvalidArgumentError("lmdb:// needs a directory path", hint="use lmdb:///var/cache/kv?budget=64GiB")
         return cls(location, budget_bytes=None if budget is None else parse_size(budget), durability=durability,
                    inline_max=inline_max, map_size=map_size, map_max=map_max, file_nbytes=file_nbytes,
-                   lease_ttl=lease_ttl)
+                   lease_ttl=lease_ttl, readonly=readonly)
 
     @property
     def path(self) -> str:
@@ -1537,6 +1565,15 @@ class LmdbProvider(Provider):
     @property
     def durability(self) -> str:
         return self._durability
+
+    @property
+    def readonly(self) -> bool:
+        return self._readonly
+
+    def _writable(self, what: str) -> None:
+        if self._readonly:
+            raise InvalidArgumentError(f"{what}: this lmdb store is open read-only (readonly=true)",
+                                       hint="open it without readonly=true to modify it")
 
     @property
     def budget_bytes(self) -> int:
@@ -1643,6 +1680,7 @@ class LmdbProvider(Provider):
         if p == k:
             raise InvalidArgumentError("an entry cannot be its own parent")
         self._check_usable()
+        self._writable("reserve")
         inline = nbytes <= self._inline_max
         slot_nbytes = _slot_nbytes(nbytes)
         owner = self._owner
@@ -1841,7 +1879,8 @@ class LmdbProvider(Provider):
                 self._count("checksum_failures")
             self._count("misses")
             return False
-        self._s.touch(k)
+        if not self._readonly:
+            self._s.touch(k)
         with self._lock:
             self._counters["hits"] += 1
             self._counters["bytes_read"] += span.nbytes
@@ -1862,6 +1901,9 @@ class LmdbProvider(Provider):
         """Re-check a failed read inside a write transaction, where no slot of a live entry can
         change; drop the entry with its subtree only if it still fails.  ``False``: the entry was
         replaced or evicted meanwhile (a plain miss)."""
+
+        if self._readonly:
+            return self._still_bad(key, gen)
 
         def op(tx: _Tx) -> bool:
             try:
@@ -1927,6 +1969,7 @@ class LmdbProvider(Provider):
             raise InvalidArgumentError(f"nbytes must be a non-negative int, got {nbytes!r}")
         ks = self._keys(keys) if keys is not None else None
         self._check_usable()
+        self._writable("evict")
 
         def op(tx: _Tx) -> EvictReport:
             if ks is not None:
@@ -1942,6 +1985,7 @@ class LmdbProvider(Provider):
         check_anchor_name(name)
         blob = bytes(readable_bytes(data))
         self._check_usable()
+        self._writable("put_anchor")
         akey = k + name.encode("ascii")
         record = checksum(blob).to_bytes(8, "little") + blob
 
@@ -1994,7 +2038,7 @@ class LmdbProvider(Provider):
             tx.c.checksum_failures += 1
             return True
 
-        if self._s.submit(op, frees=True):
+        if self._readonly or self._s.submit(op, frees=True):
             self._count("checksum_failures")
         return None
 
@@ -2024,6 +2068,7 @@ class LmdbProvider(Provider):
     def lease(self, keys: Sequence[bytes]) -> Lease:
         ks = self._keys(keys)
         self._check_usable()
+        self._writable("lease")
         with self._lock:
             self._lease_seq += 1
             lease_id = self._owner + self._lease_seq.to_bytes(8, "big")
@@ -2068,6 +2113,8 @@ class LmdbProvider(Provider):
         unreferenced slots and rebuilds the counters.  Never changes anything without ``repair``.
         """
         self._check_usable()
+        if repair:
+            self._writable("verify(repair=True)")
         report = VerifyReport()
         s = self._s
         with s.read() as txn:
@@ -2116,14 +2163,36 @@ class LmdbProvider(Provider):
         return report
 
     def _still_bad(self, key: Key, gen: int | None) -> bool:
-        def op(tx: _Tx) -> bool:
+        """Whether ``key``'s bytes are really damaged, without writing: check the bytes, *then*
+        check in a fresh read transaction that the entry still exists with the same generation.
+        A slot is reused only after the eviction of its entry commits, so if the entry is still
+        there afterwards, the slot held it during the check: the failure was corruption."""
+        with self._s.read(buffers=True) as txn:
+            raw = txn.get(key, db=self._s.dbs["entries"])
+            if raw is None:
+                return False
             try:
-                e = tx.get(key)
+                e = _Entry.unpack(key, raw)
             except _BadRecord:
                 return True
-            return e is not None and (gen is None or e.gen == gen) and not self._check_entry_bytes(tx, e)
-
-        return bool(self._s.submit(op, frees=True))
+            if gen is not None and e.gen != gen:
+                return False
+            if e.file_id == 0:
+                blob = txn.get(key, db=self._s.dbs["pages"])
+                return blob is None or len(blob) != e.nbytes or checksum(blob) != e.checksum
+        try:
+            ok = self._s.slot_file(e.file_id).check(e.slot, key=key, generation=e.gen, nbytes=e.nbytes,
+                                                    checksum=e.checksum) == ReadResult.OK
+        except HostKVError:
+            ok = False
+        if ok:
+            return False
+        with self._s.read() as txn:
+            raw = txn.get(key, db=self._s.dbs["entries"])
+        try:
+            return raw is not None and _Entry.unpack(key, raw).gen == e.gen
+        except _BadRecord:
+            return True
 
     def _index_problems(self) -> list[str]:
         """Store-level findings: accounting, tree links, LRU list, slot ownership."""
@@ -2141,6 +2210,7 @@ class LmdbProvider(Provider):
         atomic rename; leftovers of an interrupted compaction are removed on the next open.
         """
         self._check_usable()
+        self._writable("compact")
         s = self._s
         with self._lock:
             if self._open_res or self._leases:
@@ -2209,7 +2279,8 @@ class LmdbProvider(Provider):
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "path": self._path, "durability": self._durability,
-                "inline_max": self._inline_max, "multiprocess": True, "store_format": STORE_FORMAT,
+                "inline_max": self._inline_max, "multiprocess": True, "readonly": self._readonly,
+                "store_format": STORE_FORMAT,
                 "store_version": STORE_VERSION}
 
     def close(self) -> None:

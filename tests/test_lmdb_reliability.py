@@ -718,3 +718,46 @@ def test_forked_child_of_an_open_store_gets_a_typed_error(tmp_path: Path) -> Non
     assert _fork_and_wait(child) == 0
     assert p.read_bytes(key_of("fork-open")) == page_bytes(key_of("fork-open"), PAGE)
     p.close()
+
+
+def test_readonly_never_modifies_the_store(tmp_path: Path) -> None:
+    import hashlib
+
+    from .test_lmdb import backdoor_corrupt
+
+    p = _store(tmp_path)
+    keys = chain("ro", 4)
+    put_chain(p, keys, PAGE)
+    p.put_anchor(keys[0], "state", b"a" * 10)
+    p.close()
+    store = tmp_path / "store"
+
+    def digest() -> list[tuple[str, str]]:
+        files = sorted(f for f in store.rglob("*") if f.is_file() and f.name not in ("lock.mdb", "hostkv.lock"))
+        return [(f.name, hashlib.sha256(f.read_bytes()).hexdigest()) for f in files]
+
+    before = digest()
+    ro = open_provider(f"lmdb://{store}?readonly=true")
+    assert isinstance(ro, LmdbProvider) and ro.readonly
+    assert ro.longest_prefix(keys) == 4 and ro.read_bytes(keys[3]) == page_bytes(keys[3], PAGE)
+    assert ro.get_anchor(keys[0], "state") == b"a" * 10
+    for call in (lambda: ro.reserve(key_of("ro-new"), None, PAGE), lambda: ro.evict(keys), lambda: ro.lease(keys),
+                 lambda: ro.put_anchor(keys[0], "x", b"1"), lambda: ro.compact(), lambda: ro.verify(repair=True)):
+        with pytest.raises(InvalidArgumentError, match="readonly"):
+            call()
+    assert ro.verify().ok
+    ro.close()
+    assert digest() == before
+    p = LmdbProvider(store)
+    backdoor_corrupt(p, keys[2])
+    p.close()
+    before = digest()
+    ro = LmdbProvider(store, readonly=True)
+    assert ro.verify().corrupt == [keys[2]]
+    assert ro.read(keys[2], bytearray(PAGE)) is False  # a miss, counted, not dropped
+    assert ro.stats().checksum_failures == 1 and ro.present(keys) == [True] * 4
+    ro.close()
+    assert digest() == before
+    with pytest.raises(HostKVError):
+        LmdbProvider(tmp_path / "nothing-here", readonly=True)
+    assert not (tmp_path / "nothing-here").exists()
