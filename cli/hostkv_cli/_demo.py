@@ -252,7 +252,8 @@ def _print(doc: dict[str, Any], note: str | None) -> None:
     pn = doc["page_nbytes"]
     sa, sb = doc["save_a"], doc["save_b"]
     e = click.echo
-    e(f"hostkv demo: an engine-like session on {plan['url']}")
+    e(f"hostkv demo: an engine-like session on a {doc['provider']} store")
+    e(f"store     {plan['url']}")
     if note:
         e(f"note: {note}")
     e(f"model     toy: {plan['num_layers']} layers x {plan['num_kv_heads']} KV heads x "
@@ -263,16 +264,17 @@ def _print(doc: dict[str, Any], note: str | None) -> None:
     e(f"1. prompt A: {plan['tokens']} tokens -> {sa['pages']} page keys "
       f"(keying both prompts: {doc['keying_ms']:.0f} ms)")
     e(f"   saved {sa['written']} pages ({fmt_size(sa['written_bytes'])}) in {sa['seconds']:.2f} s: "
-      f"{sa['MB_per_s']:.0f} MB/s, {sa['ms_per_page']:.3f} ms/page")
+      f"{sa['MB_per_s']:.0f} MB/s, {sa['ms_per_page']:.2f} ms/page")
     e(f"   + '{ANCHOR}' anchor ({fmt_size(ANCHOR_NBYTES)}) on {sa['anchors_put']} pages "
-      f"(every {ANCHOR_EVERY} and the last)")
+      f"(every {ANCHOR_EVERY}th and the last)")
     e(f"2. fork B: A's first {plan['fork_tokens']} tokens + {plan['tokens'] - plan['fork_tokens']} "
-      f"new -> {sb['pages']} pages, {doc['fork_shared_pages']} already stored")
-    e(f"   dedup: {sb['dedup']} pages skipped, only {sb['written']} new pages written "
-      f"({fmt_size(sb['written_bytes'])}) in {sb['seconds']:.2f} s: {sb['MB_per_s']:.0f} MB/s")
+      f"new ones -> {sb['pages']} pages")
+    e(f"   dedup: {sb['dedup']} pages already stored, skipped; {sb['written']} new pages")
+    e(f"   written ({fmt_size(sb['written_bytes'])}) in {sb['seconds']:.2f} s: {sb['MB_per_s']:.0f} MB/s, "
+      f"{sb['ms_per_page']:.2f} ms/page")
     r = doc["restore"]
     if r["restart"].startswith("none"):
-        e("3. no restart: the provider is not persistent, so this restores from the same instance")
+        e("3. no restart: the provider is not persistent; restoring from the same instance")
         e("4. restore")
     else:
         e(f"3. closed the store (the restart) in {doc['close_ms']:.0f} ms")
@@ -280,22 +282,26 @@ def _print(doc: dict[str, Any], note: str | None) -> None:
                  else "a fresh provider instance")
         e(f"4. reopened it in {where} in {r['open_ms']:.0f} ms")
     for c in r["chains"]:
-        e(f"   {c['name']}: longest_prefix {c['hit']}/{c['pages']} pages in {c['lookup_ms']:.2f} ms; "
-          f"leased {c['leased']}; read {fmt_size(c['read_bytes'])} in {c['read_seconds']:.2f} s "
-          f"({c['MB_per_s']:.0f} MB/s)")
-        e(f"      deepest '{ANCHOR}' anchor at page {c['deepest_anchor']}; "
-          f"wrong pages {c['wrong_pages']}, missing {c['missing_pages']}, "
-          f"anchors {'ok' if c['anchors_ok'] else 'WRONG'}")
+        e(f"   {c['name']}: longest_prefix {c['hit']}/{c['pages']} pages ({c['lookup_ms']:.2f} ms), "
+          f"deepest anchor: page {c['deepest_anchor']}")
+        e(f"      read {fmt_size(c['read_bytes'])} under a lease of {c['leased']} pages in "
+          f"{c['read_seconds']:.2f} s: {c['MB_per_s']:.0f} MB/s")
     st = r["store"]
     total = sum(c["read_bytes"] for c in r["chains"])
-    verdict = "every byte matched" if _ok(doc) else "MISMATCH"
-    e(f"5. verified {fmt_size(total)} read back against pages recomputed from their keys: {verdict}")
-    e(f"store: {st['entries']} pages, {fmt_size(st['used_bytes'])} of {fmt_size(st['budget_bytes'])}; "
+    wrong = sum(c["wrong_pages"] for c in r["chains"])
+    missing = sum(c["missing_pages"] for c in r["chains"])
+    anchors = "ok" if all(c["anchors_ok"] for c in r["chains"]) else "WRONG"
+    e(f"5. verified {fmt_size(total)} against pages recomputed from their keys:")
+    e(f"   {'every byte matched' if _ok(doc) else 'MISMATCH'} ({wrong} wrong, {missing} missing pages; "
+      f"anchors {anchors})")
+    e(f"store     {st['entries']} pages, {fmt_size(st['used_bytes'])} of {fmt_size(st['budget_bytes'])}, "
       f"{st['anchors']} anchors")
     if r["restart"].startswith("none"):
         return
     url = plan["url"].split("?")[0]
-    e(f"next:  hostkv info {url}   |   hostkv ls --tree {url}   |   hostkv verify {url}")
+    e(f"next      hostkv info {url}")
+    e(f"          hostkv ls --tree {url}")
+    e(f"          hostkv verify {url}")
 
 
 def register(group: click.Group) -> None:

@@ -173,7 +173,8 @@ def info(url: str, as_json: bool) -> None:
         return
     used_pct = 100.0 * doc["used_bytes"] / doc["budget_bytes"] if doc["budget_bytes"] else 0.0
     pairs: list[tuple[str, Any]] = [
-        ("provider", f"{doc['provider']} ({', '.join(doc['capabilities']) or 'no extra capabilities'})"),
+        ("provider", doc["provider"]),
+        ("capabilities", ",".join(doc["capabilities"]) or "-"),
         ("url", url),
     ]
     pairs += [(k, v) for k, v in flat_describe(desc) if k not in ("provider", "budget_bytes", "persistent")]
