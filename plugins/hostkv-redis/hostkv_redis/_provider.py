@@ -57,6 +57,7 @@ from hostkv_providers._provider import (
     writable_buffer,
 )
 from hostkv_providers._span import ByteSpan
+from redis._parsers.base import BaseParser
 from redis.backoff import ExponentialBackoff
 from redis.cluster import RedisCluster
 from redis.retry import Retry
@@ -234,6 +235,15 @@ class _Link:
             warnings.warn(f"closing the redis connection failed: {exc!r}", stacklevel=2)
 
 
+def _whole(out: object) -> memoryview:
+    """A flat writable byte view of all of ``out`` (validated like ``writable_buffer``)."""
+    try:
+        size = memoryview(out).nbytes  # type: ignore[arg-type]
+    except TypeError:
+        size = 0
+    return writable_buffer(out, size)
+
+
 def _sleep_backoff(attempt: int) -> None:
     threading.Event().wait(min(0.5, 0.02 * (2**attempt)))
 
@@ -298,6 +308,136 @@ def _send_raw(client: redis.Redis, commands: Sequence[Sequence[Part]]) -> list[A
         except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
             conn.disconnect()
             if attempt:
+                raise
+        except BaseException:
+            conn.disconnect()
+            raise
+        finally:
+            pool.release(conn)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+class _Reply:
+    """A minimal RESP2/RESP3 reader on a connection's socket, for the read path only.
+
+    redis-py parses a ``GET`` reply into a fresh ``bytes`` object, which the caller then copies
+    into its own buffer: for multi-MiB pages the allocation's page faults and the copy cost more
+    than the transfer.  This reader receives each page straight into the caller's buffer
+    (``recv_into``).  It is used on a pooled connection with no reply pending, and the connection
+    is dropped on any error, so the stream can never be misaligned for the next user.
+    """
+
+    def __init__(self, sock: Any) -> None:
+        self.sock = sock
+        self.buf = bytearray()
+        self.pos = 0
+
+    def _fill(self) -> None:
+        chunk = self.sock.recv(65536)
+        if not chunk:
+            raise redis.exceptions.ConnectionError("the server closed the connection")
+        if self.pos:
+            del self.buf[: self.pos]
+            self.pos = 0
+        self.buf += chunk
+
+    def line(self) -> bytes:
+        while True:
+            end = self.buf.find(b"\r\n", self.pos)
+            if end >= 0:
+                out = bytes(self.buf[self.pos : end])
+                self.pos = end + 2
+                return out
+            self._fill()
+
+    def into(self, dst: memoryview) -> None:
+        """Fill ``dst`` from the stream: buffered bytes first, then straight from the socket."""
+        have = min(len(self.buf) - self.pos, len(dst))
+        dst[:have] = self.buf[self.pos : self.pos + have]
+        self.pos += have
+        got = have
+        while got < len(dst):
+            n = self.sock.recv_into(dst[got:])
+            if not n:
+                raise redis.exceptions.ConnectionError("the server closed the connection")
+            got += n
+
+    def value(self, dst: memoryview | None) -> tuple[memoryview | None, bytes | None]:
+        """One reply to ``GET``: ``(page view, trailer)``, ``(None, None)`` for a null.
+
+        The page lands in ``dst`` when it fits, else in a new buffer.
+        """
+        head = self.line()
+        kind = head[:1]
+        if kind in (b"_",) or head == b"$-1":
+            return None, None
+        if kind == b"-":
+            raise _error(head)
+        if kind != b"$":
+            raise redis.exceptions.InvalidResponse(f"unexpected reply {head[:20]!r} to GET")
+        total = int(head[1:])
+        n = total - TRAILER_NBYTES
+        if n < 0:  # not one of our values at all: hand the raw bytes back for the trailer check
+            raw = memoryview(bytearray(total + 2))
+            self.into(raw)
+            return raw[:0], bytes(raw[:total])
+        page = dst[:n] if dst is not None and len(dst) >= n else memoryview(bytearray(n))
+        self.into(page)
+        tail = memoryview(bytearray(TRAILER_NBYTES + 2))
+        self.into(tail)
+        return page, bytes(tail[:TRAILER_NBYTES])
+
+    def skip(self) -> object:
+        """Any other reply (the touch script's integer, or an error), parsed loosely."""
+        head = self.line()
+        kind = head[:1]
+        if kind == b"-":
+            return _error(head)
+        if kind in (b":", b"+", b"_", b"#", b","):
+            return head[1:]
+        if kind in (b"$", b"!", b"="):
+            size = int(head[1:])
+            if size >= 0:
+                data = memoryview(bytearray(size + 2))
+                self.into(data)
+            return None
+        raise redis.exceptions.InvalidResponse(f"unexpected reply {head[:20]!r}")
+
+
+def _error(head: bytes) -> redis.exceptions.RedisError:
+    """redis-py's exception for an error reply (MOVED, NOSCRIPT, OOM ... map to their classes)."""
+    err: redis.exceptions.RedisError = BaseParser.parse_error(  # type: ignore[no-untyped-call]
+        head[1:].decode(errors="replace"))
+    return err
+
+
+def _get_into(client: redis.Redis, names: Sequence[bytes], touch: Sequence[Part],
+              dests: Sequence[memoryview | None]) -> list[tuple[memoryview | None, bytes | None]]:
+    """Pipelined GET of ``names`` (page bytes into ``dests`` where given) followed by ``touch``."""
+    packed = _pack([*([b"GET", n] for n in names), touch])
+    pool = client.connection_pool
+    for attempt in (0, 1):
+        conn: Any = pool.get_connection()
+        try:
+            conn.send_packed_command(packed, check_health=attempt == 0)
+            sock = getattr(conn, "_sock", None)
+            if sock is None:  # pragma: no cover - an unusual connection class
+                raise redis.exceptions.ConnectionError("no socket")
+            reader = _Reply(sock)
+            out = [reader.value(d) for d in dests]
+            last = reader.skip()
+            if reader.pos != len(reader.buf):  # more bytes than replies: never reuse this stream
+                conn.disconnect()
+            # The LRU refresh is best effort (the pages were read consistently), except that a
+            # server which forgot the scripts must reload them.
+            if isinstance(last, redis.exceptions.NoScriptError):
+                raise last
+            return out
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as exc:
+            conn.disconnect()
+            if attempt:
+                if isinstance(exc, OSError) and not isinstance(exc, redis.exceptions.RedisError):
+                    raise redis.exceptions.ConnectionError(str(exc)) from exc
                 raise
         except BaseException:
             conn.disconnect()
@@ -860,7 +1000,7 @@ class RedisProvider(Provider):
             raise InvalidArgumentError("span must be a ByteSpan")
         k = self._key(key)
         self._check_usable()
-        page = self._pages([k])[0]
+        page = self._pages([k], [None])[0]
         if page is None:
             return False
         span = ByteSpan.whole(len(page)) if span is None else span.validate(len(page))
@@ -874,7 +1014,7 @@ class RedisProvider(Provider):
             raise InvalidArgumentError("span must be a ByteSpan")
         k = self._key(key)
         self._check_usable()
-        page = self._pages([k])[0]
+        page = self._pages([k], [None])[0]
         if page is None:
             return None
         span = ByteSpan.whole(len(page)) if span is None else span.validate(len(page))
@@ -884,66 +1024,75 @@ class RedisProvider(Provider):
     def read_many(self, keys: Sequence[bytes], outs: Sequence[object]) -> list[bool]:
         """Read whole entries into ``outs[i]`` in one round trip; ``False`` per miss.
 
-        Each ``outs[i]`` must be a writable buffer of at least the entry's size (checked before
-        anything is copied, so a bad buffer leaves every output untouched).
+        The bytes are received straight into ``outs[i]`` and verified there, so on a miss
+        (including a checksum failure) ``outs[i]`` may hold garbage: use it only where ``True``.
+        An ``outs[i]`` smaller than its entry raises ``InvalidArgumentError`` (the others are
+        still filled).
         """
         ks = self._keys(keys)
         if len(outs) != len(ks):
             raise InvalidArgumentError(f"{len(ks)} keys but {len(outs)} output buffers")
+        dsts = [_whole(o) for o in outs]
         self._check_usable()
-        pages = self._pages(ks)
-        dsts = [None if page is None else writable_buffer(o, len(page)) for page, o in zip(pages, outs, strict=True)]
-        hits = 0
-        for page, dst in zip(pages, dsts, strict=True):
-            if page is not None and dst is not None:
-                dst[:] = page
-                hits += len(page)
-        self._count(hits=sum(p is not None for p in pages), bytes_read=hits)
+        pages = self._pages(ks, dsts)
+        short = None
+        nbytes = 0
+        for i, (page, dst) in enumerate(zip(pages, dsts, strict=True)):
+            if page is None:
+                continue
+            if page.obj is not dst.obj:  # did not fit the caller's buffer
+                short = (i, len(page), len(dst))
+                pages[i] = None
+                continue
+            nbytes += len(page)
+        hits = sum(p is not None for p in pages)
+        self._count(hits=hits, bytes_read=nbytes)
+        if short is not None:
+            raise InvalidArgumentError(f"out[{short[0]}] holds {short[2]} bytes, the entry has {short[1]}")
         return [p is not None for p in pages]
 
     def read_many_bytes(self, keys: Sequence[bytes]) -> list[bytes | None]:
         """The verified bytes of each entry (``None`` per miss), in one round trip."""
         ks = self._keys(keys)
         self._check_usable()
-        pages = self._pages(ks)
+        pages = self._pages(ks, [None] * len(ks))
         out = [None if p is None else bytes(p) for p in pages]
         self._count(hits=sum(p is not None for p in pages), bytes_read=sum(len(p) for p in pages if p is not None))
         return out
 
-    def _pages(self, keys: Sequence[Key]) -> list[memoryview | None]:
-        """The verified page bytes of each key, or ``None`` per miss.
+    def _pages(self, keys: Sequence[Key], dests: Sequence[memoryview | None]) -> list[memoryview | None]:
+        """The verified page bytes of each key (in ``dests[i]`` when it is large enough), or
+        ``None`` per miss.
 
         One pipeline GETs every page and refreshes their LRU ticks.  Misses then take one more
         script call, which drops entries whose metadata outlived their bytes (atomically, see
         ``drop_orphan``); a page whose trailer or checksum is wrong is dropped with its subtree.
         Either way the caller sees a miss, never the bytes.
         """
+        if not keys:
+            return []
         hexes = [k.hex() for k in keys]
-        sha = self._link.sha("touch")
-
-        def go(client: redis.Redis) -> list[Any]:
-            pipe = client.pipeline(transaction=False)
-            for h in hexes:
-                pipe.get(self._prefix + "d:" + h)
-            pipe.evalsha(sha, 1, self._meta, *hexes)
-            res: list[Any] = pipe.execute()
-            return res
-
-        values: list[bytes | None] = self._run(go)[:-1] if hexes else []
+        names = [(self._prefix + "d:" + h).encode() for h in hexes]
+        touch: list[Part] = [b"EVALSHA", self._link.sha("touch").encode(), b"1", self._meta.encode(),
+                             *(h.encode() for h in hexes)]
+        got = self._run(lambda c: _get_into(c, names, touch, dests))
         pages: list[memoryview | None] = []
-        for k, value in zip(keys, values, strict=True):
-            if value is None:
+        missing: list[str] = []
+        for k, h, (page, trailer) in zip(keys, hexes, got, strict=True):
+            if page is None or trailer is None:
                 pages.append(None)
+                missing.append(h)
                 continue
-            parsed = parse_trailer(value, k)
-            view = memoryview(value)
-            ok = parsed is not None and (not self._verify_reads or checksum(view[: parsed[0]]) == parsed[1])
-            if not ok or parsed is None:
+            ok = False
+            if len(trailer) == TRAILER_NBYTES:
+                echo, digest, n, magic = _TRAILER.unpack(trailer)
+                ok = (magic == _MAGIC and echo == k and n == len(page)
+                      and (not self._verify_reads or checksum(page) == digest))
+            if not ok:
                 self._drop_corrupt(k, "its checksum/trailer does not match")
                 pages.append(None)
                 continue
-            pages.append(view[: parsed[0]])
-        missing = [h for h, v in zip(hexes, values, strict=True) if v is None]
+            pages.append(page)
         if missing:
             orphans = int(self._eval("drop_orphan", *missing))
             if orphans:
