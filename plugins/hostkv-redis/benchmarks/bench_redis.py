@@ -8,7 +8,8 @@ Measures, for each page size:
   pipelined ``GET`` of the same bytes;
 
 and the latency of ``longest_prefix`` over an 8,192-key chain against raw pipelined ``EXISTS``.
-Phases alternate ours/raw and repeat; the median is reported.  By default a throw-away
+Each round, one system writes, reads and frees its data, then the other (the order alternates per
+round, so both start from the same server memory state); the median over rounds is reported.  By default a throw-away
 ``redis-server`` is started on loopback (``--url`` uses an existing one; only keys under its own
 namespace and ``bench:raw:*`` are touched).
 
@@ -82,17 +83,24 @@ def bench_size(url: str, page: int, total: int, batch: int, repeat: int) -> dict
                 got = pipe.execute()
                 assert all(v is not None for v in got)
 
-        for name, fn in (("raw_write", raw_write), ("ours_write", ours_write), ("ours_read", ours_read),
-                         ("raw_read", raw_read)):
-            t0 = time.perf_counter()
-            fn()
-            rounds[name].append(time.perf_counter() - t0)
-        # clean up before the next round so memory stays bounded
-        p.evict(nbytes=npages * page * 2)
-        p.close()
-        for lo in range(0, npages, 1000):
-            raw.delete(*raw_names[lo : lo + 1000])
-        raw.delete(f"hkv:{{{ns}}}:m", f"hkv:{{{ns}}}:lru", f"hkv:{{{ns}}}:fz", f"hkv:{{{ns}}}:lz")
+        def ours_clean(p: RedisProvider = p, ns: str = ns) -> None:
+            p.evict(nbytes=npages * page * 2)
+            p.close()
+            raw.delete(f"hkv:{{{ns}}}:m", f"hkv:{{{ns}}}:lru", f"hkv:{{{ns}}}:fz", f"hkv:{{{ns}}}:lz")
+
+        def raw_clean(names: list[bytes] = raw_names) -> None:
+            for lo in range(0, npages, 1000):
+                raw.delete(*names[lo : lo + 1000])
+
+        # Each system writes, reads, then frees its data, so both start from the same server memory
+        # state; which one goes first alternates per round.
+        pairs = [("ours", ours_write, ours_read, ours_clean), ("raw", raw_write, raw_read, raw_clean)]
+        for who, write, read, clean in pairs if r % 2 == 0 else pairs[::-1]:
+            for phase, fn in (("write", write), ("read", read)):
+                t0 = time.perf_counter()
+                fn()
+                rounds[f"{who}_{phase}"].append(time.perf_counter() - t0)
+            clean()
     raw.close()
     nbytes = npages * page
     med = {k: statistics.median(v) for k, v in rounds.items()}

@@ -315,15 +315,38 @@ def test_read_many_misses_and_bad_buffers(make_redis: Make) -> None:
 def test_bytes_deleted_outside_are_a_miss(make_redis: Make, redis_server: RedisServer) -> None:
     p = make_redis()
     keys = chain("orphan", 4)
+    side = chain("orphan-side", 3)
     _put_chain(p, keys)
+    _put_chain(p, side)
+    d = f"hkv:{{{p.namespace}}}:d:"
     with redis_server.client() as c:
-        c.delete(f"hkv:{{{p.namespace}}}:d:{keys[1].hex()}")  # e.g. a server-side maxmemory eviction
-        c.rename(f"hkv:{{{p.namespace}}}:d:{keys[3].hex()}", f"hkv:{{{p.namespace}}}:d:{keys[2].hex()}")
+        c.delete(d + keys[1].hex())  # e.g. a server-side maxmemory eviction
+        c.rename(d + keys[3].hex(), d + keys[2].hex())
+        c.set(d + side[1].hex(), b"short")  # not one of ours at all
+        c.set(d + side[2].hex(), b"\x00" * (PAGE + 56))  # right length, no valid trailer
     assert p.read_bytes(keys[2]) is None  # bytes of another key under its name: key echo mismatch
     assert p.read_bytes(keys[1]) is None
-    assert p.longest_prefix(keys) == 1
-    assert p.stats().checksum_failures == 2
+    outs = [bytearray(PAGE) for _ in side]
+    assert p.read_many(side, outs) == [True, False, False]
+    assert bytes(outs[0]) == page_bytes(side[0], PAGE)
+    assert p.longest_prefix(keys) == 1 and p.longest_prefix(side) == 1
+    assert p.stats().checksum_failures == 4
     _consistent(redis_server, p)
+
+
+def test_read_many_into_views(make_redis: Make) -> None:
+    p = make_redis()
+    keys = chain("views", 3)
+    _put_chain(p, keys)
+    big = bytearray(3 * PAGE + 100)
+    views = [memoryview(big)[i * PAGE : (i + 1) * PAGE] for i in range(3)]
+    assert p.read_many(keys, views) == [True, True, True]
+    assert bytes(big[: 3 * PAGE]) == b"".join(page_bytes(k, PAGE) for k in keys)
+    roomy = [bytearray(PAGE + 10) for _ in keys]
+    assert p.read_many(keys, roomy) == [True, True, True]
+    assert all(bytes(o[:PAGE]) == page_bytes(k, PAGE) for o, k in zip(roomy, keys, strict=True))
+    with pytest.raises(InvalidArgumentError):
+        p.read_many(keys, [bytes(PAGE)] * 3)  # read-only buffers
 
 
 def test_server_out_of_memory_is_typed(tmp_path: Any) -> None:
