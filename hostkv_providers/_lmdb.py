@@ -59,6 +59,7 @@ share one PID namespace and one host (LMDB's own reader table has the same rule)
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import shutil
@@ -512,7 +513,11 @@ class _Shared:
         self.refs = 0
         self.gate = _Gate()
         self.leader = threading.Lock()
-        self.qlock = threading.Lock()
+        self.leader_owner: int | None = None
+        # re-entrant: a garbage-collected Lease may release itself from a finalizer that runs
+        # while this thread is inside a qlock block
+        self.qlock = threading.RLock()
+        self.deferred: collections.deque[Callable[[_Tx], Any]] = collections.deque()
         self.maint = threading.Condition(self.qlock)
         self.maint_owner: int | None = None  # the thread running a compaction, if any
         self.queue: list[_Ticket] = []
@@ -797,10 +802,16 @@ class _Shared:
                 self.maint.wait()  # a compaction in this process has the store to itself
             self.queue.append(ticket)
         with self.leader:
-            if not ticket.done:
-                with self.qlock:
-                    batch, self.queue = self.queue, []
-                self._run_batch(batch)
+            self.leader_owner = me
+            try:
+                if not ticket.done:
+                    with self.qlock:
+                        batch, self.queue = self.queue, []
+                    while self.deferred:
+                        batch.append(_Ticket(self.deferred.popleft(), False, (), True))
+                    self._run_batch(batch)
+            finally:
+                self.leader_owner = None
         if ticket.error is not None:
             raise ticket.error
         return ticket.result
@@ -919,6 +930,11 @@ class _Shared:
                 raise
         finally:
             self.gate.release_shared()
+
+    def submit_later(self, fn: Callable[[_Tx], Any]) -> None:
+        """Queue a freeing op without waiting (safe from finalizers and from the leader itself):
+        it runs with the next batch of this process, or at close."""
+        self.deferred.append(fn)
 
     def touch(self, key: Key) -> None:
         """Record an LRU refresh from a read; written with the next transaction of this process."""
@@ -2103,7 +2119,11 @@ class LmdbProvider(Provider):
             if isinstance(lease_id, bytes):
                 self._leases.pop(lease_id, None)
         if isinstance(lease_id, bytes) and any(lease.present):
-            self._s.submit(lambda tx: tx.release_lease(lease_id), frees=True)
+            if self._s.leader_owner == threading.get_ident():
+                # released from a finalizer while this thread runs a batch: cannot wait for it
+                self._s.submit_later(lambda tx: tx.release_lease(lease_id))
+            else:
+                self._s.submit(lambda tx: tx.release_lease(lease_id), frees=True)
 
     # -- verification and compaction -----------------------------------------------------------
     def verify(self, *, repair: bool = False, progress: Progress | None = None) -> VerifyReport:
@@ -2295,7 +2315,7 @@ class LmdbProvider(Provider):
         if os.getpid() != self._pid:
             return  # a forked child must not touch the parent's environment
         try:
-            if open_res or leases or self._s.touches:
+            if open_res or leases or self._s.touches or self._s.deferred:
 
                 def op(tx: _Tx) -> None:
                     for r in open_res:
