@@ -44,7 +44,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import _cuda
-from ._errors import ClosedError, CopyEngineError, InFlightError, InvalidArgumentError, UsedAfterForkError
+from ._errors import (
+    ClosedError,
+    CopyArgumentError,
+    CopyEngineError,
+    InFlightError,
+    InvalidArgumentError,
+    UsedAfterForkError,
+)
 from ._hostmem import HostAllocation, HostAllocator, OrdinaryAllocator, buffer_address
 from ._layout import KVLayout
 from ._provider import HostRegion, Provider
@@ -69,16 +76,6 @@ __all__ = [
 
 _MiB = 1 << 20
 _PAGE = mmap.PAGESIZE
-
-
-class CopyArgumentError(CopyEngineError, InvalidArgumentError):
-    """A copy request is malformed: bad pointers, sizes, block ids or host-region coverage.
-
-    It is both a :class:`CopyEngineError` and an :class:`InvalidArgumentError` (``ValueError``),
-    so callers may catch either.
-    """
-
-    default_hint = "check the KV planes, block ids and that the host regions cover each page exactly"
 
 
 def cuda_available() -> bool:

@@ -30,6 +30,7 @@ __all__ = [
     "UnsafeStoreError",
     "UsedAfterForkError",
     "CopyEngineError",
+    "CopyArgumentError",
 ]
 
 
@@ -182,3 +183,13 @@ class CopyEngineError(HostKVError, RuntimeError):
     """A device copy failed (a CUDA error, a bad pointer, a size mismatch)."""
 
     default_hint = "check device pointers, sizes and that the engine is open"
+
+
+class CopyArgumentError(CopyEngineError, InvalidArgumentError):
+    """A copy request is malformed: bad pointers, sizes, block ids or host-region coverage.
+
+    It is both a :class:`CopyEngineError` and an :class:`InvalidArgumentError` (``ValueError``),
+    so callers may catch either.
+    """
+
+    default_hint = "check the KV planes, block ids and that the host regions cover each page exactly"
