@@ -110,14 +110,33 @@ def providers(as_json: bool) -> None:
         return
     rows = []
     for p in infos:
-        caps = ",".join(sorted(p.capabilities, key=hk.CAPABILITY_NAMES.index)) or "-"
+        caps = sorted(p.capabilities, key=hk.CAPABILITY_NAMES.index) if not p.error else []
         dist = f"{p.distribution} {p.version}" + ("" if p.builtin else " (plugin)")
-        rows.append((p.name, "broken" if p.error else "ok", dist, caps if not p.error else "-"))
-    table(("NAME", "STATUS", "DISTRIBUTION", "CAPABILITIES"), rows)
-    broken = [p for p in infos if p.error]
-    for p in broken:
-        line = f"  {p.name}: {p.error}"
-        click.echo(line if len(line) <= 80 else line[:79] + "…")
+        rows.append((p.name, "broken" if p.error else "ok", dist, caps))
+    heads = ("NAME", "STATUS", "DISTRIBUTION")
+    widths = [max([len(h)] + [len(str(r[i])) for r in rows]) for i, h in enumerate(heads)]
+    lead = sum(widths) + 2 * len(widths)
+    room = max(20, 80 - lead)
+    click.echo("  ".join(h.ljust(w) for h, w in zip(heads, widths, strict=True)) + "  CAPABILITIES")
+    for name, status, dist, caps in rows:
+        # wrap the capability list under its column so every line fits 80 columns
+        lines, cur = [], ""
+        for cap in caps or ["-"]:
+            cand = f"{cur},{cap}" if cur else cap
+            if len(cand) + 1 > room and cur:
+                lines.append(cur + ",")
+                cur = cap
+            else:
+                cur = cand
+        lines.append(cur)
+        first = "  ".join(c.ljust(w) for c, w in zip((name, status, dist), widths, strict=True))
+        click.echo(f"{first}  {lines[0]}")
+        for more in lines[1:]:
+            click.echo(" " * lead + more)
+    for p in infos:
+        if p.error:
+            line = f"  {p.name}: {p.error}"
+            click.echo(line if len(line) <= 80 else line[:79] + "…")
     if not infos:
         click.echo("no providers installed")
 
