@@ -73,6 +73,7 @@ __all__ = [
 ]
 
 AnchorBlobs = Mapping[str, object]
+_VIEW_LEASE_PAGES = 32
 AnchorSource = Mapping[int, AnchorBlobs] | Callable[[int], AnchorBlobs | None]
 
 
@@ -777,33 +778,59 @@ class HostKVCache:
                        bids: Sequence[int], before: Any) -> None:
         chunk = self.chunk_pages
         P = self.page_nbytes
-        pending: list[tuple[Any, _Staging | None]] = []  # in-flight engine transfers
-        lease = hit.lease
+        # in-flight engine transfers with what they read from: a bounce buffer or view leases
+        pending: list[tuple[Any, _Staging | None, list[Lease]]] = []
+
+        def retire() -> None:
+            h, st, leases = pending.pop(0)
+            try:
+                h.wait()
+            finally:
+                if st is not None:
+                    self._put_staging(st)
+                for lease in leases:
+                    lease.release()
+
         try:
             i = 0
             while i < len(keys):
                 part = keys[i : i + chunk]
                 srcs: list[Sequence[HostRegion]] | None = None
-                if self._views and lease is not None:
+                if self._views and hit.lease is not None:
+                    # Small leases for the views (the hit's lease already pins the pages):
+                    # providers may search the lease's keys on every view() call.
+                    vleases: list[Lease] = []
                     srcs = []
-                    for k in part:
-                        regs = self.provider.view(lease, k)  # type: ignore[attr-defined]
-                        if regs is None:
-                            srcs = None
+                    for lo in range(0, len(part), _VIEW_LEASE_PAGES):
+                        sub = part[lo : lo + _VIEW_LEASE_PAGES]
+                        vlease = self.provider.lease(sub)
+                        vleases.append(vlease)
+                        for k in sub:
+                            regs = self.provider.view(vlease, k)  # type: ignore[attr-defined]
+                            if regs is None:
+                                srcs = None
+                                break
+                            srcs.append(regs)
+                        if srcs is None:
                             break
-                        srcs.append(regs)
-                if srcs is not None:
-                    pending.append((self.engine.restore(srcs, planes, bids[i : i + len(part)], before=before), None))
-                    result.viewed += len(part)
-                    ok = len(part)
-                else:
-                    # Bounce through host buffers; keep at most two in flight so the read of
-                    # this chunk overlaps the copy of the previous one.
-                    if len(pending) >= 2:
-                        h, st = pending.pop(0)
-                        h.wait()
-                        if st is not None:
-                            self._put_staging(st)
+                    if srcs is None:
+                        for vlease in vleases:
+                            vlease.release()
+                    else:
+                        try:
+                            h = self.engine.restore(srcs, planes, bids[i : i + len(part)], before=before)
+                        except BaseException:
+                            for vlease in vleases:
+                                vlease.release()
+                            raise
+                        pending.append((h, None, vleases))
+                        result.viewed += len(part)
+                        ok = len(part)
+                if srcs is None:
+                    # Bounce through host buffers; at most two in flight, so the read of this chunk
+                    # overlaps the copy of the previous one.
+                    while sum(1 for _h, st, _l in pending if st is not None) >= 2:
+                        retire()
                     st = self._get_staging()
                     ok = 0
                     for j, k in enumerate(part):
@@ -812,7 +839,12 @@ class HostKVCache:
                         ok += 1
                     if ok:
                         regs = [st.region(j) for j in range(ok)]
-                        pending.append((self.engine.restore(regs, planes, bids[i : i + ok], before=before), st))
+                        try:
+                            h = self.engine.restore(regs, planes, bids[i : i + ok], before=before)
+                        except BaseException:
+                            self._put_staging(st)
+                            raise
+                        pending.append((h, st, []))
                         result.staged += ok
                     else:
                         self._put_staging(st)
@@ -823,12 +855,8 @@ class HostKVCache:
                     break
                 i += len(part)
         finally:
-            for h, st in pending:
-                try:
-                    h.wait()
-                finally:
-                    if st is not None:
-                        self._put_staging(st)
+            while pending:
+                retire()
 
     # -- save ---------------------------------------------------------------------------------
     def save(
@@ -997,6 +1025,22 @@ class HostKVCache:
         current: tuple[int, _Staging] | None = None
         stop: str | None = None
         prev = parent
+        # A rolling lease on the deepest page of the chain saved so far: it keeps the chain from
+        # being evicted under the save, and with the tail pinned, each reservation and seal below
+        # it costs O(1) in a tree index instead of a walk over every unpinned ancestor.
+        held: Lease | None = prov.lease([parent]) if parent is not None else None
+
+        def advance(k: Key) -> bool:
+            nonlocal held
+            nl = prov.lease([k])
+            if not nl.prefix_len:
+                nl.release()
+                return False
+            if held is not None:
+                held.release()
+            held = nl
+            return True
+
         try:
             issue_next()
             issue_next()
@@ -1018,8 +1062,10 @@ class HostKVCache:
                         if c == len(chunks) - 1:
                             job.handle._copied.set()  # the engine may reuse its blocks now
                     stop = self._store_page(k, prev, current[1].page(j), result)
+                    if stop is None and not advance(k):
+                        stop = f"page {i} was evicted right after its seal"
                 elif present[i]:
-                    if prov.present([k])[0]:
+                    if advance(k):
                         result.dedup += 1
                     else:
                         stop = f"page {i} was evicted before its children could be saved"
@@ -1027,7 +1073,7 @@ class HostKVCache:
                     dep = job.deps.get(i)
                     if dep is not None:
                         dep.done.wait(self.wait_timeout)
-                    if prov.present([k])[0]:
+                    if advance(k):
                         result.coalesced += 1
                     else:
                         stop = f"page {i} was not stored by the concurrent save it waited for"
@@ -1043,6 +1089,8 @@ class HostKVCache:
                     break
                 prev = k
         finally:
+            if held is not None:
+                held.release()
             if current is not None:
                 self._put_staging(current[1])
             while issued:

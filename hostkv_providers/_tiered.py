@@ -99,11 +99,12 @@ class _TieredReservation(Reservation):
 
 
 class _LeaseToken:
-    __slots__ = ("fast", "nodes")
+    __slots__ = ("fast", "keys", "nodes")
 
     def __init__(self, nodes: list[Node | None], fast: Lease | None) -> None:
         self.nodes = nodes
         self.fast = fast
+        self.keys = frozenset(n.key for n in nodes if n is not None)  # O(1) membership for view()
 
 
 class TieredProvider(Provider):
@@ -584,7 +585,7 @@ class TieredProvider(Provider):
             raise InvalidArgumentError("view() needs an unreleased lease of this provider")
         self._check_usable()
         token: _LeaseToken = lease.token
-        if token.fast is None or k not in lease.keys or not isinstance(self.fast, SupportsViews):
+        if token.fast is None or k not in token.keys or not isinstance(self.fast, SupportsViews):
             return None
         return self.fast.view(token.fast, k)
 
