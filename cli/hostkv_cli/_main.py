@@ -232,21 +232,22 @@ def stats(url: str, as_json: bool) -> None:
     if as_json:
         emit_json(d)
         return
-    kv_lines((k, fmt_size(v) if k.endswith("_bytes") and isinstance(v, int) and not isinstance(v, bool)
-              else v) for k, v in d.items())
+    kv_lines(((k, fmt_size(v) if k.endswith("_bytes") and isinstance(v, int) and not isinstance(v, bool)
+               else v) for k, v in d.items()), key_width=min(26, max(map(len, d), default=0)))
 
 
 def _anchor_text(entries: dict[bytes, hk.EntryInfo], keys: Sequence[bytes], depth0: int) -> str:
+    """``name@d255,d511`` per anchor name of a run; ``name@d255..d2047(x8)`` when many."""
     by_name: dict[str, list[int]] = {}
     for i, k in enumerate(keys):
         for name in entries[k].anchors:
             by_name.setdefault(name, []).append(depth0 + i)
     parts = []
     for name, depths in sorted(by_name.items()):
-        if len(depths) <= 2:
+        if len(depths) <= 3:
             parts.append(f"{name}@" + ",".join(f"d{d}" for d in depths))
         else:
-            parts.append(f"{name}x{len(depths)}@d{depths[0]}..d{depths[-1]}")
+            parts.append(f"{name}@d{depths[0]}..d{depths[-1]}(x{len(depths)})")
     return " ".join(parts)
 
 
@@ -319,6 +320,8 @@ def _print_tree(forest: Forest, limit: int | None, as_json: bool) -> None:
         return
     click.echo(f"{len(forest.entries)} pages in {len(forest.roots)} tree(s), {forest.leaves} leaves, "
                f"{forest.branch_points} branch points")
+    # the salt tag is shown per run only when the listing mixes several
+    many_tags = len({e.salt_tag for e in forest.entries.values()}) > 1
     # prefix per run: built from the parent's prefix + whether the run is its parent's last child
     prefix: dict[int, str] = {}
     for r in shown:
@@ -330,16 +333,20 @@ def _print_tree(forest: Forest, limit: int | None, as_json: bool) -> None:
             base = prefix.get(r.parent_run, "")
             lead = base + ("└─ " if last else "├─ ")
             prefix[r.index] = base + ("   " if last else "│  ")
-        tags = sorted({forest.entries[k].salt_tag for k in r.keys})
         depth = f"d{r.depth_start}" if len(r.keys) == 1 else f"d{r.depth_start}-{r.depth_end}"
-        text = (f"{lead}{short(r.keys[0], 12)} {depth} {len(r.keys)}p {fmt_size(r.nbytes)}"
-                f" {','.join(t[:8] for t in tags if t)}")
-        anchors = _anchor_text(forest.entries, r.keys, r.depth_start)
+        text = f"{lead}{short(r.keys[0], 12)} {depth} {len(r.keys)}p {fmt_size(r.nbytes)}"
+        if many_tags:
+            text += " " + ",".join(t[:8] or "-" for t in sorted({forest.entries[k].salt_tag for k in r.keys}))
         if r.children:
             text += f" ({len(r.children)} branches)"
-        if anchors:
-            text += f" [{anchors}]"
+        anchors = _anchor_text(forest.entries, r.keys, r.depth_start)
+        if anchors and len(text) + len(anchors) + 3 <= 80:
+            click.echo(f"{text} [{anchors}]")
+            continue
         click.echo(text if len(text) <= 80 else text[:79] + "…")
+        if anchors:  # too long for one line: the anchors go under the run
+            more = prefix[r.index] + ("│  " if r.children else "   ") + f"[{anchors}]"
+            click.echo(more if len(more) <= 80 else more[:79] + "…")
     if len(shown) < len(runs):
         click.echo(f"... {len(runs) - len(shown)} more runs; raise --limit or use --json")
 
