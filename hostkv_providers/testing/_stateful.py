@@ -101,6 +101,7 @@ class ProviderStateMachine(RuleBasedStateMachine):
         self.open: dict[Key, _Open] = {}
         self.leases: list[tuple[Lease, list[Key]]] = []
         self.version = 0
+        self.forgotten: set[Key] = set()  # evicted or aborted at some point (for messages)
 
     # -- oracle helpers ------------------------------------------------------------------------
     def _ancestors(self, key: Key | None) -> list[Key]:
@@ -137,13 +138,17 @@ class ProviderStateMachine(RuleBasedStateMachine):
         gone: set[Key] = set()
         for k, hit in hits.items():
             if hit:
-                assert k in self.sealed, f"{k.hex()[:8]} is present but was never sealed (or was aborted)"
+                assert k in self.sealed, (
+                    f"{k.hex()[:8]} is present but was evicted or aborted before (and not sealed since)"
+                    if k in self.forgotten else f"{k.hex()[:8]} is present but was never sealed"
+                )
             elif k in self.sealed:
                 assert allow_evictions, f"{k.hex()[:8]} vanished without any eviction allowed"
                 assert k not in protected, f"{k.hex()[:8]} was evicted while leased/in flight/an ancestor"
                 gone.add(k)
         for k in gone:
             del self.sealed[k]
+        self.forgotten |= gone
         for k, e in self.sealed.items():
             assert e.parent is None or e.parent in self.sealed, f"chain punctured above {k.hex()[:8]}"
         for k in self.open:
@@ -281,6 +286,7 @@ class ProviderStateMachine(RuleBasedStateMachine):
     def abort(self, i: int, fill: bool) -> None:
         key = list(self.open)[i % len(self.open)]
         o = self.open.pop(key)
+        self.forgotten.add(key)
         if fill:  # a fully written entry that is aborted must vanish just the same
             self.p.write(o.res, 0, content(key, o.version, o.nbytes))
         self.p.abort(o.res)
@@ -381,6 +387,7 @@ class ProviderStateMachine(RuleBasedStateMachine):
             lease.release()
         self.leases.clear()
         dropped = list(self.open)
+        self.forgotten.update(dropped)
         self.p = self.suite.reopen(self.p)
         self.open.clear()
         for k in dropped:

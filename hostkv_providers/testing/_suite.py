@@ -87,8 +87,8 @@ class ProviderTests:
     #: Operations per thread in the thread-safety test.
     thread_ops: ClassVar[int] = 150
     #: Hypothesis budget of the stateful test.
-    stateful_examples: ClassVar[int] = 25
-    stateful_steps: ClassVar[int] = 40
+    stateful_examples: ClassVar[int] = 30
+    stateful_steps: ClassVar[int] = 50
     #: Extra ``hypothesis.settings`` for the stateful test (e.g. ``{"phases": [Phase.generate]}``).
     stateful_settings: ClassVar[dict[str, Any]] = {}
 

@@ -26,20 +26,17 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def cuda_unavailable_reason() -> str | None:
-    """``None`` when a CUDA device is usable, else why not (probed once, without importing torch)."""
-    if _GPU_REASON:
-        return _GPU_REASON[0]
-    reason: str | None
-    try:
-        from cuda.bindings import runtime  # type: ignore[import-not-found,unused-ignore]
+    """``None`` when a CUDA device is usable, else why not (asked once, of the copy engine's
+    CUDA module, which is the package's only importer of ``cuda.bindings``)."""
+    if not _GPU_REASON:
+        try:
+            from .. import _cuda
 
-        err, count = runtime.cudaGetDeviceCount()
-        ok = int(err) == 0 and count > 0
-        reason = None if ok else f"no CUDA device (cudaGetDeviceCount: {err}, {count})"
-    except Exception as exc:  # ImportError, a missing driver library, ...
-        reason = f"CUDA is not usable: {exc!r}"
-    _GPU_REASON.append(reason)
-    return reason
+            reason = _cuda.unavailable_reason()
+        except Exception as exc:  # an ImportError or a broken driver must skip, not crash collection
+            reason = f"CUDA is not usable: {exc!r}"
+        _GPU_REASON.append(reason)
+    return _GPU_REASON[0]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
