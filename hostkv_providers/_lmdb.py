@@ -129,6 +129,7 @@ _LOCK_TIMEOUT = 30.0
 _MANIFEST_LIMIT = 64 << 10
 _TAG_MAX = 255
 _TOUCH_FLUSH = 4096  # pending LRU refreshes from reads are written with the next transaction
+_PRESENT_CACHE_MAX = 1 << 18  # keys in the per-process presence cache; emptied when full
 
 _LOCK_NAME = "hostkv.lock"
 _SLOT_DIR = "slots"
@@ -164,14 +165,14 @@ class _BadRecord(Exception):
     """An index record failed its own checksum or bounds (internal; becomes a corrupt entry)."""
 
 
-_COUNTERS = struct.Struct("<10Q")
+_COUNTERS = struct.Struct("<11Q")
 
 
 class _Counters:
     """Store-wide counters, one LMDB record updated in every write transaction."""
 
     __slots__ = ("budget", "checksum_failures", "evicted_bytes", "evictions", "gen", "lease_seq",
-                 "next_file", "sealed", "tick", "used")
+                 "next_file", "removals", "sealed", "tick", "used")
     used: int
     sealed: int
     tick: int
@@ -182,15 +183,16 @@ class _Counters:
     budget: int
     next_file: int
     lease_seq: int
+    removals: int  # bumped by every transaction that removes an entry (presence-cache epoch)
 
     def __init__(self, raw: bytes | None) -> None:
-        vals = _COUNTERS.unpack(raw) if raw is not None and len(raw) == _COUNTERS.size else (0,) * 10
+        vals = _COUNTERS.unpack(raw) if raw is not None and len(raw) == _COUNTERS.size else (0,) * 11
         (self.used, self.sealed, self.tick, self.gen, self.evictions, self.evicted_bytes,
-         self.checksum_failures, self.budget, self.next_file, self.lease_seq) = vals
+         self.checksum_failures, self.budget, self.next_file, self.lease_seq, self.removals) = vals
 
     def pack(self) -> bytes:
         return _COUNTERS.pack(self.used, self.sealed, self.tick, self.gen, self.evictions, self.evicted_bytes,
-                              self.checksum_failures, self.budget, self.next_file, self.lease_seq)
+                              self.checksum_failures, self.budget, self.next_file, self.lease_seq, self.removals)
 
 
 # version, flags, parent, nbytes, cost, checksum, created, last_used, tick, children, hold, gen,
@@ -524,6 +526,10 @@ class _Shared:
         self.touches: dict[Key, float] = {}
         self.files: dict[int, SlotFile] = {}
         self.files_lock = threading.Lock()
+        # Keys known present as of removal epoch `present_epoch` (see LmdbProvider._hits).
+        self.present_cache: set[bytes] = set()
+        self.present_epoch = -1
+        self.cache_lock = threading.Lock()
         self.slot_dir = os.path.join(path, _SLOT_DIR)
         global _crash_armed
         _crash_armed = bool(os.environ.get(_fsutil.CRASH_ENV) or os.environ.get("CRASH_AT"))
@@ -1209,6 +1215,7 @@ class _Tx:
             self.free_slot(e.file_id, e.slot)
         self.c.used -= e.cost
         self.c.sealed -= e.cost
+        self.c.removals += 1
         if evicted:
             self.c.evictions += 1
             self.c.evicted_bytes += e.cost
@@ -1320,6 +1327,7 @@ class _Tx:
         so find the parent link by a scan (rare) and leave the slot to ``verify(repair=True)``."""
         t, db = self.t, self.db
         self.needs_repair = True
+        self.c.removals += 1
         t.delete(key, db=db["entries"])
         t.delete(key, db=db["pages"])
         t.delete(key, db=db["flights"])
@@ -1613,16 +1621,71 @@ class LmdbProvider(Provider):
             return self._hits(txn, ks)
 
     def _hits(self, txn: Any, ks: Sequence[Key]) -> list[bool]:
-        # Cursor.set_key positions without copying the value: a C call per key, about 3x
-        # faster than getmulti (which builds a (key, value) tuple per hit) or txn.get.
-        return list(map(txn.cursor(db=self._s.dbs["entries"]).set_key, ks))
+        """Presence of ``ks`` in ``txn``'s snapshot, through a per-process presence cache.
+
+        Entries disappear only in transactions that bump the ``removals`` counter.  So a key
+        seen present at removal epoch *e* is still present in any snapshot whose epoch is *e*,
+        in every process: the cache is emptied whenever the epoch moved.  Misses go to LMDB
+        (``Cursor.set_key``: no value copy, one C call per key).
+        """
+        cache, epoch = self._cache(txn)
+        hits = list(map(cache.__contains__, ks))
+        if all(hits):
+            return hits
+        missing = [i for i, h in enumerate(hits) if not h]
+        found = list(map(txn.cursor(db=self._s.dbs["entries"]).set_key, [ks[i] for i in missing]))
+        new = []
+        for i, f in zip(missing, found, strict=True):
+            if f:
+                hits[i] = True
+                new.append(ks[i])
+        self._cache_add(new, epoch)
+        return hits
+
+    def _cache(self, txn: Any) -> tuple[set[bytes], int]:
+        s = self._s
+        epoch = _Counters(txn.get(b"counters", db=s.dbs["meta"])).removals
+        with s.cache_lock:
+            if s.present_epoch != epoch:
+                s.present_cache = set()
+                s.present_epoch = epoch
+            return s.present_cache, epoch
+
+    def _cache_add(self, new: Sequence[bytes], epoch: int) -> None:
+        if not new:
+            return
+        s = self._s
+        with s.cache_lock:
+            if s.present_epoch == epoch:  # not invalidated by a newer snapshot meanwhile
+                if len(s.present_cache) + len(new) > _PRESENT_CACHE_MAX:
+                    s.present_cache = set()
+                s.present_cache.update(new)
+
+    def _prefix_len(self, txn: Any, ks: Sequence[Key]) -> int:
+        """Leading keys of ``ks`` present: the cached prefix at C speed, then LMDB up to the
+        first miss (a chain's unstored tail costs one lookup, not one per key)."""
+        cache, epoch = self._cache(txn)
+        hits = list(map(cache.__contains__, ks))
+        try:
+            n = hits.index(False)
+        except ValueError:
+            return len(ks)
+        seek = txn.cursor(db=self._s.dbs["entries"]).set_key
+        new = []
+        while n < len(ks) and (hits[n] or seek(ks[n])):
+            if not hits[n]:
+                new.append(ks[n])
+            n += 1
+        self._cache_add(new, epoch)
+        return n
 
     def longest_prefix(self, keys: Sequence[bytes]) -> int:
-        hits = self.present(keys)
-        try:
-            return hits.index(False)
-        except ValueError:
-            return len(hits)
+        ks = self._keys(keys)
+        self._check_usable()
+        if not ks:
+            return 0
+        with self._s.read() as txn:
+            return self._prefix_len(txn, ks)
 
     def in_flight(self, key: bytes) -> bool:
         k = self._key(key)
@@ -2072,8 +2135,7 @@ class LmdbProvider(Provider):
             return 0
         suffix = name.encode("ascii")
         with self._s.read() as txn:
-            hits = self._hits(txn, ks)
-            n = hits.index(False) if False in hits else len(hits)
+            n = self._prefix_len(txn, ks)
             adb = self._s.dbs["anchors"]
             for i in range(n - 1, -1, -1):
                 if txn.get(ks[i] + suffix, db=adb) is not None:
