@@ -25,6 +25,7 @@ e.g. ``tiered://?fast=pinned%3A%2F%2F%3Fbudget%3D64GiB&slow=lmdb%3A%2F%2F%2Fnvme
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import queue
 import threading
@@ -62,6 +63,8 @@ from ._span import ByteSpan
 
 __all__ = ["TieredProvider"]
 
+_log = logging.getLogger(__name__)  # the writer thread logs; warnings could be turned into errors
+
 _EXTRA_COUNTERS = frozenset(("promotions", "write_backs", "write_back_failures", "write_through", "fast_hits",
                              "slow_hits"))
 _PENDING = "pending"  # sealed in the fast tier, write-back queued
@@ -71,12 +74,13 @@ _SLOW = "slow"  # in the slow tier (maybe also cached in the fast tier)
 class _Loc:
     """Where a tiered entry's bytes are; ``Node.loc`` of the tiered index."""
 
-    __slots__ = ("anchors", "cancelled", "fast_lease", "state", "unsynced")
+    __slots__ = ("anchors", "cancelled", "fast_lease", "state", "unsynced", "writing")
 
     def __init__(self, state: str, fast_lease: Lease | None = None) -> None:
         self.state = state
         self.fast_lease = fast_lease  # pins the only copy until it is written back
         self.cancelled = False  # evicted before its write-back ran
+        self.writing = False  # the writer is copying it out of the fast tier right now
         self.anchors: dict[str, int] = {}  # name -> nbytes (the bytes live in the slow tier)
         self.unsynced: dict[str, bytes] = {}  # anchors queued for the slow tier, not written yet
 
@@ -433,7 +437,7 @@ class TieredProvider(Provider):
                     self._write_anchor(item[1], item[2], item[3])
             except BaseException as exc:  # keep the writer alive; the entry is dropped
                 self._writer_error = exc
-                warnings.warn(f"tiered write-back failed: {exc!r}", RuntimeWarning, stacklevel=1)
+                _log.error("tiered write-back failed: %r", exc)
                 if item is not None and item[0] == "page":
                     with self._lock:
                         if not item[1].dead:
@@ -452,6 +456,9 @@ class TieredProvider(Provider):
             if loc.cancelled or node.dead:
                 self._finish_pending(node)
                 return
+            # While this is set, an eviction only marks the node cancelled: the fast-tier lease
+            # (and so the memory being copied from) stays ours until the copy is over.
+            loc.writing = True
             lease = loc.fast_lease
         ok = False
         try:
@@ -477,12 +484,16 @@ class TieredProvider(Provider):
                         res.abort()
                     raise
         except (CapacityError, UnknownKeyError, InFlightError, HostKVError) as exc:
-            warnings.warn(f"tiered write-back of {node.key.hex()[:16]} failed: {exc}", RuntimeWarning, stacklevel=1)
+            _log.warning("tiered write-back of %s failed: %s", node.key.hex()[:16], exc)
         with self._lock:
-            if ok and (loc.cancelled or node.dead):
-                # evicted while it was being written: take it out of the slow tier again
+            loc.writing = False
+            if loc.cancelled or node.dead:
+                # evicted while it was being written: take it out of both tiers again
+                self._finish_pending(node)
                 with contextlib.suppress(HostKVError):
-                    self.slow.evict([node.key])
+                    self.fast.evict([node.key])
+                    if ok:
+                        self.slow.evict([node.key])
             elif ok:
                 loc.state = _SLOW
                 self._counters["write_backs"] += 1
@@ -513,14 +524,15 @@ class TieredProvider(Provider):
         """Wait until every queued write-back has reached the slow tier; ``False`` on timeout."""
         if self._writer is threading.current_thread():
             return False
-        if timeout is None:
-            self._queue.join()
-            return True
-        deadline = time.monotonic() + timeout
-        while self._queue.unfinished_tasks:
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.002)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._queue.all_tasks_done:
+            while self._queue.unfinished_tasks:
+                if not self._writer.is_alive():
+                    return False  # cannot happen short of interpreter shutdown; never hang on it
+                wait = 0.1 if deadline is None else min(0.1, deadline - time.monotonic())
+                if wait <= 0:
+                    return False
+                self._queue.all_tasks_done.wait(wait)
         return True
 
     # -- reads -------------------------------------------------------------------------------
@@ -614,7 +626,7 @@ class TieredProvider(Provider):
             loc: _Loc = n.loc
             if loc.state == _PENDING:
                 loc.cancelled = True  # the writer skips it (or undoes it if it is mid-write)
-                if loc.fast_lease is not None:
+                if loc.fast_lease is not None and not loc.writing:
                     loc.fast_lease.release()
                     loc.fast_lease = None
             else:
