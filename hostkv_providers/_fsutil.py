@@ -36,6 +36,7 @@ __all__ = [
     "DIR_MODE",
     "crash_point",
     "register_crash_points",
+    "reset_crash_points",
     "FILE_MODE",
     "LockFile",
     "atomic_write",
@@ -380,6 +381,15 @@ def _read_holder(path: str) -> str:
 CRASH_POINTS: dict[str, str] = {}
 CRASH_ENV = "HOSTKV_CRASH_AT"
 _crash_hits: dict[str, int] = {}
+_crash_spec: tuple[int, str] = (-1, "")
+
+
+def reset_crash_points() -> None:
+    """Forget the cached ``HOSTKV_CRASH_AT`` value and hit counts (after changing the environment
+    in-process; a forked child re-reads it by itself)."""
+    global _crash_spec
+    _crash_spec = (-1, "")
+    _crash_hits.clear()
 
 
 def register_crash_points(points: dict[str, str]) -> None:
@@ -392,7 +402,11 @@ def crash_point(name: str) -> None:
     """SIGKILL this process at the ``n``-th time ``name`` is reached, when the environment says
     ``HOSTKV_CRASH_AT=name:n`` (or the short ``CRASH_AT=name:n``).  A no-op otherwise (one dict
     lookup), so the points stay compiled into production code and test the real protocol."""
-    spec = os.environ.get(CRASH_ENV) or os.environ.get("CRASH_AT")
+    global _crash_spec
+    pid = os.getpid()
+    if _crash_spec[0] != pid:  # read the environment once per process (a fork re-reads it)
+        _crash_spec = (pid, os.environ.get(CRASH_ENV) or os.environ.get("CRASH_AT") or "")
+    spec = _crash_spec[1]
     if not spec:
         return
     point, _, count = spec.rpartition(":")

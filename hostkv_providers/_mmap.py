@@ -39,6 +39,7 @@ import json
 import os
 import re
 import secrets
+import struct
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -79,7 +80,7 @@ from ._provider import (
     readable_bytes,
     writable_buffer,
 )
-from ._slotfile import FLAG_ANCHOR, ReadResult, SlotFile, run_nslots
+from ._slotfile import FLAG_ANCHOR, SLOT_MAGIC, ReadResult, SlotFile, run_nslots
 from ._span import ByteSpan
 
 __all__ = ["MMAP_FORMAT", "MMAP_FORMAT_VERSION", "RECORD_DTYPE", "MmapProvider"]
@@ -114,7 +115,8 @@ RECORD_DTYPE = np.dtype(
         ("key", "V32"),
         ("parent", "V32"),  # OP_ANCHOR: bytes [40, 104) of the record hold the anchor name
         ("tag", "V16"),
-        ("name_tail", "V16"),
+        ("hint", "<u8"),  # OP_SEAL in a snapshot: 1 + the position of the parent's record (0: none)
+        ("pad", "<u8"),
         ("file", "<u4"),
         ("slot", "<u4"),
         ("nbytes", "<u8"),
@@ -163,15 +165,71 @@ def fold64(words: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
 
     ``h = (h ^ w) * M`` per word (odd ``M``: a bijection), so any change confined to one word
     always changes the result and torn records (zero tails) are caught; it is not cryptographic,
-    it only has to catch torn writes and bit rot, and it runs at numpy speed on a million rows.
+    it only has to catch torn writes and bit rot, and it runs at numpy speed on a million rows
+    (in row chunks that stay in cache: the 19 column passes would otherwise stream the whole
+    array from memory 19 times).
     """
-    h = np.full(words.shape[0], _FOLD_SEED, dtype=np.uint64)
+    n = words.shape[0]
+    out = np.empty(n, dtype=np.uint64)
+    step = 8192
+    with np.errstate(over="ignore"):
+        for lo in range(0, n, step):
+            w = words[lo : lo + step]
+            h = np.full(w.shape[0], _FOLD_SEED, dtype=np.uint64)
+            for i in range(_WORDS - 1):
+                h ^= w[:, i]
+                h *= _FOLD_MUL
+            h ^= h >> np.uint64(31)
+            out[lo : lo + step] = h
+    return out
+
+
+_M64 = (1 << 64) - 1
+_REC_STRUCT = struct.Struct("<BBBBI32s32s16sQQIIQQQdQ")  # RECORD_DTYPE without "fold"
+assert _REC_STRUCT.size == REC_NBYTES - 8
+_REC_WORDS = struct.Struct(f"<{_WORDS - 1}Q")
+
+
+def fold64_one(raw: bytes) -> int:
+    """:func:`fold64` of one record (pure Python: cheaper than numpy for a single row)."""
+    h = int(_FOLD_SEED)
+    mul = int(_FOLD_MUL)
+    for w in _REC_WORDS.unpack_from(raw):
+        h = ((h ^ w) * mul) & _M64
+    return h ^ (h >> 31)
+
+
+def _columns(recs: npt.NDArray[Any]) -> npt.NDArray[np.uint64]:
+    """Records as a ``(_WORDS, n)`` array of uint64 columns (transposed in cache-sized chunks).
+
+    Every loader step then reads contiguous columns instead of striding through 160-byte
+    records once per field, which is what makes a million-entry open fast."""
+    n = len(recs)
+    words = recs.view(np.uint64).reshape(n, _WORDS)
+    out = np.empty((_WORDS, n), dtype=np.uint64)
+    step = 16384
+    for lo in range(0, n, step):
+        out[:, lo : lo + step] = words[lo : lo + step].T
+    return out
+
+
+def _fold_columns(W: npt.NDArray[np.uint64]) -> npt.NDArray[np.bool_]:
+    """Which columns-records pass their fold checksum (and have an op)."""
+    n = W.shape[1]
+    h = np.full(n, _FOLD_SEED, dtype=np.uint64)
     with np.errstate(over="ignore"):
         for i in range(_WORDS - 1):
-            h ^= words[:, i]
+            h ^= W[i]
             h *= _FOLD_MUL
         h ^= h >> np.uint64(31)
-    return h
+    ok: npt.NDArray[np.bool_] = (h == W[_WORDS - 1]) & ((W[0] & np.uint64(0xFF)) != 0)
+    return ok
+
+
+def _records_of(W: npt.NDArray[np.uint64], pos: npt.NDArray[np.intp]) -> npt.NDArray[Any]:
+    """Structured records for a few column positions (anchors)."""
+    rows: npt.NDArray[Any] = np.ascontiguousarray(W[:, pos].T).view(RECORD_DTYPE).reshape(len(pos))
+    return rows
 
 
 def _seal_folds(recs: npt.NDArray[Any]) -> None:
@@ -186,9 +244,9 @@ def _folds_ok(recs: npt.NDArray[Any]) -> npt.NDArray[np.bool_]:
     return ok
 
 
-def _k64(keys: npt.NDArray[Any]) -> npt.NDArray[np.uint64]:
-    """First 8 bytes of each 32-byte key as a little-endian u64 (sort/hash key)."""
-    out: npt.NDArray[np.uint64] = np.ascontiguousarray(keys).view(np.uint64).reshape(len(keys), 4)[:, 0].copy()
+def _u64x4(keys: npt.NDArray[Any]) -> npt.NDArray[np.uint64]:
+    """32-byte keys as an ``(n, 4)`` uint64 array (for fast vectorised equality)."""
+    out: npt.NDArray[np.uint64] = np.ascontiguousarray(keys).view("<u8").reshape(len(keys), 4)
     return out
 
 
@@ -330,39 +388,40 @@ class _Index:
         return None if p < 0 else self.key_of(p)
 
     # -- bulk load -------------------------------------------------------------------------------
-    def load(self, recs: npt.NDArray[Any], parent_rows: npt.NDArray[np.int64], ticks: npt.NDArray[np.int64],
-             costs: npt.NDArray[np.int64]) -> None:
-        """Replace the contents by ``recs`` (live SEAL records, keys unique, parents resolved to
-        row numbers of this same array, prefix-closed)."""
-        n = len(recs)
-        self.cap = 0
-        self.key = np.zeros(0, "V32")
+    def load_columns(self, L: npt.NDArray[np.uint64], parent_rows: npt.NDArray[np.int64],
+                     costs: npt.NDArray[np.int64], base_k64: npt.NDArray[np.uint64],
+                     base_row: npt.NDArray[np.int64]) -> None:
+        """Replace the contents by the live records ``L`` (uint64 columns, keys unique, parents
+        resolved to column positions, prefix-closed); ``base_k64``/``base_row`` is the key map
+        (first 8 key bytes, sorted, and the row of each)."""
+        n = L.shape[1]
         for name, dtype, _ in self.COLS:
             setattr(self, name, np.zeros(0, dtype=dtype))
+        self.cap = 0
         self._grow(max(1024, n + n // 4))
         self.n = n
-        self.key[:n] = recs["key"]
+        if n:
+            self.key[:n] = np.ascontiguousarray(L[1:5].T).view("V32").reshape(n)
+            self.tag[:n] = np.ascontiguousarray(L[9:11].T).view("V16").reshape(n)
         self.parent[:n] = parent_rows
-        self.nbytes[:n] = recs["nbytes"]
-        self.cost[:n] = costs
-        self.file[:n] = recs["file"]
-        self.slot[:n] = recs["slot"]
-        self.nslots[:n] = recs["nslots"]
-        self.gen[:n] = recs["gen"]
-        self.csum[:n] = recs["checksum"]
-        self.created[:n] = recs["created"]
-        self.used[:n] = recs["created"]
+        self.nslots[:n] = (L[0] >> np.uint64(32)).astype(np.int64)
+        self.tag_len[:n] = np.minimum((L[0] >> np.uint64(16)) & np.uint64(0xFF), _TAG_MAX).astype(np.uint8)
+        self.file[:n] = (L[13] & np.uint64(0xFFFFFFFF)).astype(np.int64)
+        self.slot[:n] = (L[13] >> np.uint64(32)).astype(np.int64)
+        self.nbytes[:n] = L[14].astype(np.int64)
+        self.gen[:n] = L[15]
+        self.csum[:n] = L[16]
+        self.created[:n] = L[17].view(np.float64)
+        self.used[:n] = self.created[:n]
+        ticks = L[18].astype(np.int64)
         self.tick[:n] = ticks
-        self.tag[:n] = recs["tag"]
-        self.tag_len[:n] = np.minimum(recs["tag_len"], _TAG_MAX)
+        self.cost[:n] = costs
         self.alive[:n] = True
         if n:
             has_parent = parent_rows >= 0
             self.children[:n] = np.bincount(parent_rows[has_parent], minlength=n)[:n].astype(np.int32)
-        k64 = _k64(recs["key"])
-        order = np.argsort(k64, kind="stable")
-        self._base_k64 = k64[order]
-        self._base_row = order.astype(np.int64)
+        self._base_k64 = base_k64
+        self._base_row = base_row.astype(np.int64)
         self._dict = {}
         self._free_rows = []
         self.count = n
@@ -655,7 +714,7 @@ class _Index:
 
 
 class _MmapReservation(Reservation):
-    __slots__ = ("file", "gen", "nslots", "slot")
+    __slots__ = ("digest", "file", "gen", "nslots", "slot")
 
     def __init__(self, provider: MmapProvider, key: Key, parent: Key | None, nbytes: int, salt_tag: str,
                  file: int, slot: int, nslots: int, gen: int) -> None:
@@ -664,10 +723,12 @@ class _MmapReservation(Reservation):
         self.slot = slot
         self.nslots = nslots
         self.gen = gen
+        self.digest: int | None = None  # XXH3 of a single whole-entry write (saves re-reading it)
 
     def regions(self) -> Sequence[HostRegion]:
         """The reservation's bytes in the file mapping (pageable memory, not pinned)."""
         self.check_open(self._provider)
+        self.digest = None  # the caller may overwrite anything through these
         prov: MmapProvider = self._provider  # type: ignore[assignment]
         view = prov._files[self.file].data(self.slot, self.nbytes)
         from ._hostmem import buffer_address
@@ -737,6 +798,7 @@ class MmapProvider(Provider):
         snapshot_every: int = _SNAPSHOT_MIN,
         commit_window: float = 0.0,
         create: bool = True,
+        io: str = "pread",
     ) -> None:
         super().__init__()
         t0 = time.perf_counter()
@@ -744,6 +806,9 @@ class MmapProvider(Provider):
             raise InvalidArgumentError(f"store path must be a non-empty str, got {path!r}")
         if durability not in ("sync", "process", "none"):
             raise InvalidArgumentError(f"durability must be sync, process or none, got {durability!r}")
+        if io not in ("pread", "mmap"):
+            raise InvalidArgumentError(f"io must be pread or mmap, got {io!r}")
+        self._io = "syscall" if io == "pread" else "mmap"
         if verify not in ("read", "never"):
             raise InvalidArgumentError(f"verify must be read or never, got {verify!r}")
         if budget_bytes is not None and (type(budget_bytes) is not int or budget_bytes <= 0):
@@ -804,6 +869,7 @@ class MmapProvider(Provider):
         readonly = opts.boolean("readonly", False)
         snapshot_every = opts.integer("snapshot_every", _SNAPSHOT_MIN)
         window_us = opts.integer("commit_window_us", 0)
+        io = opts.choice("io", "pread", ("pread", "mmap"))
         opts.finish()
         if not location:
             raise InvalidArgumentError("mmap:// needs a directory path", hint="use mmap:///var/cache/kv?budget=64GiB")
@@ -819,6 +885,7 @@ class MmapProvider(Provider):
             readonly=readonly,
             snapshot_every=snapshot_every,
             commit_window=max(0, window_us) / 1e6,
+            io=io,
         )
 
     # -- paths -----------------------------------------------------------------------------------
@@ -1006,10 +1073,10 @@ class MmapProvider(Provider):
         sig = self._signature()  # before reading: a change made while we load triggers the next refresh
         self._open_data_files()
         snap, snap_seq = self._read_snapshot()
-        jrecs = self._read_journal(snap_seq)
-        self._jrecords = len(jrecs)
-        recs = np.concatenate([snap, jrecs]) if len(jrecs) else snap
-        self._apply_records(recs)
+        jcols = self._read_journal(snap_seq)
+        self._jrecords = jcols.shape[1]
+        cols = np.concatenate([snap, jcols], axis=1) if jcols.shape[1] else snap
+        self._apply_records(cols, n_snap=snap.shape[1])
         # new records must sort after everything the snapshot covers
         self._idx.clock = max(self._idx.clock, snap_seq + 1)
         self._state_sig = sig
@@ -1038,15 +1105,16 @@ class MmapProvider(Provider):
             if sf.file_id != int(m.group(2)) or sf.file_id in self._files:
                 sf.close()
                 raise CorruptStoreError(f"{name}: file id {sf.file_id} does not match its name")
+            sf.io = self._io
             self._files[sf.file_id] = sf
         self._free = {fid: np.ones(sf.slot_count, np.bool_) for fid, sf in self._files.items()}
 
-    def _read_snapshot(self) -> tuple[npt.NDArray[Any], int]:
+    def _read_snapshot(self) -> tuple[npt.NDArray[np.uint64], int]:
         path = self._p(self._snap_name(self._gen))
         try:
             fd = _fsutil.open_private(path, os.O_RDONLY)
         except FileNotFoundError:
-            return np.zeros(0, RECORD_DTYPE), 0
+            return np.zeros((_WORDS, 0), np.uint64), 0
         try:
             size = os.fstat(fd).st_size
             head = os.pread(fd, 64, 0)
@@ -1069,21 +1137,22 @@ class MmapProvider(Provider):
         else:
             self._problems_note("snapshot header damaged: salvaged its records")
             self._load_needs_snapshot = True
-        recs = np.frombuffer(body[: count * REC_NBYTES], RECORD_DTYPE)
-        good = _folds_ok(recs)
+        W = _columns(np.frombuffer(body[: count * REC_NBYTES], RECORD_DTYPE))
+        good = _fold_columns(W)
         if not good.all():
             self._problems_note(f"snapshot: {int((~good).sum())} damaged record(s) skipped")
             self._load_needs_snapshot = True
-            recs = recs[good]
-        return recs, seq
+            W = W[:, good]
+            W[11] = 0  # positions moved: parent hints are void, parents are searched instead
+        return W, seq
 
-    def _read_journal(self, after_seq: int) -> npt.NDArray[Any]:
+    def _read_journal(self, after_seq: int) -> npt.NDArray[np.uint64]:
         path = self._p(self._journal_name(self._gen))
         try:
             fd = _fsutil.open_private(path, os.O_RDONLY)
         except FileNotFoundError:
             self._jvalid_end = REC_NBYTES
-            return np.zeros(0, RECORD_DTYPE)
+            return np.zeros((_WORDS, 0), np.uint64)
         try:
             size = os.fstat(fd).st_size
             raw = _read_exact(fd, 0, size)
@@ -1120,71 +1189,135 @@ class MmapProvider(Provider):
             self._problems_note(f"journal: {bad_inside} damaged record(s) skipped")
             self._load_needs_snapshot = True
         recs = recs[:last][good[:last]]
-        out: npt.NDArray[Any] = recs[recs["seq"] > after_seq]
+        out = _columns(np.ascontiguousarray(recs[recs["seq"] > after_seq]))
         return out
 
-    def _apply_records(self, recs: npt.NDArray[Any]) -> None:
-        """Final state of ``recs`` (in order; last record per key wins), validated against the
-        slot headers and the tree, loaded into the index; free maps rebuilt."""
+    def _apply_records(self, W: npt.NDArray[np.uint64], n_snap: int = 0) -> None:
+        """Final state of the records ``W`` (uint64 columns, see :func:`_columns`; snapshot
+        records first, then the journal's, in order; the last record per key wins), validated
+        against the slot headers and the tree, loaded into the index; free maps rebuilt.
+        Vectorised end to end: one sort of the keys, one of the slots, no Python work per entry."""
         idx = self._idx
-        max_seq = int(recs["seq"].max()) if len(recs) else 0
-        max_gen = int(recs["gen"].max()) if len(recs) else 0
-        ent_mask = (recs["op"] == OP_SEAL) | (recs["op"] == OP_DROP)
-        ent = recs[ent_mask]
-        anchors = recs[recs["op"] == OP_ANCHOR]
-        # last record per key
-        k64 = _k64(ent["key"]) if len(ent) else np.zeros(0, np.uint64)
+        u8 = np.uint64(0xFF)
+        n_all = W.shape[1]
+        max_seq = int(W[18].max()) if n_all else 0
+        max_gen = int(W[15].max()) if n_all else 0
+        op_all = W[0] & u8
+        ent_mask = (op_all == OP_SEAL) | (op_all == OP_DROP)
+        anchor_pos = np.flatnonzero(op_all == OP_ANCHOR)
+        if ent_mask.all():
+            ent_pos = np.arange(n_all)
+            E = W
+        else:
+            ent_pos = np.flatnonzero(ent_mask)
+            E = W[:, ent_pos]
+        m = E.shape[1]
+        k64 = E[1]
         order = np.argsort(k64, kind="stable")
         sk = k64[order]
-        if len(sk):
+        is_win = np.zeros(m, np.bool_)
+        winner_of = np.zeros(m, np.int64)
+        if m:
             ends = np.flatnonzero(np.append(sk[1:] != sk[:-1], True))
-            starts = np.concatenate([[0], ends[:-1] + 1])
-            last = order[ends]
-            # exact check: a group whose members do not all have the same full key (a 64-bit
-            # prefix collision, or a hostile file) is resolved in Python
-            grp = np.repeat(np.arange(len(ends)), ends - starts + 1)
-            same = ent["key"][order] == ent["key"][last][grp]
-            winners = list(last[np.ones(len(ends), np.bool_)])
-            if not same.all():
-                bad_groups = set(grp[~same].tolist())
-                winners = [int(w) for g, w in enumerate(last.tolist()) if g not in bad_groups]
-                for g in sorted(bad_groups):
-                    lastby: dict[bytes, int] = {}
-                    for i in order[starts[g] : ends[g] + 1].tolist():
-                        lastby[ent["key"][i].tobytes()] = max(lastby.get(ent["key"][i].tobytes(), -1), i)
-                    winners += list(lastby.values())
-            win = np.array(sorted(int(w) for w in winners), dtype=np.int64)
-        else:
-            win = np.zeros(0, np.int64)
-        live = ent[win] if len(win) else ent[:0]
-        live = live[live["op"] == OP_SEAL]
-        ok = self._records_valid(live)
-        dropped_stale = int((~ok).sum())
-        live = live[ok]
-        # runs must not overlap: the newer record (higher seq) wins
-        live = self._drop_overlaps(live)
-        # parents: resolve to rows, drop orphans and cycles (pointer jumping)
-        live, parent_rows = self._resolve_parents(live)
+            sizes = np.diff(np.concatenate([[-1], ends]))
+            last = order[ends]  # the latest record of each 64-bit key prefix
+            winner_of[order] = np.repeat(last, sizes)
+            exact = True
+            if (sizes > 1).any():
+                members = order[np.repeat(sizes > 1, sizes)]
+                exact = bool((E[1:5][:, members] == E[1:5][:, winner_of[members]]).all())
+            if exact:
+                is_win[last] = True
+            else:
+                # distinct keys sharing a 64-bit prefix (astronomically rare, or a hostile file)
+                latest: dict[bytes, int] = {}
+                for i in range(m):
+                    latest[E[1:5, i].tobytes()] = i
+                for i in range(m):
+                    winner_of[i] = latest[E[1:5, i].tobytes()]
+                is_win[list(latest.values())] = True
+        is_win &= (E[0] & u8) == OP_SEAL
+        lp = np.flatnonzero(is_win)  # live records, in record order
+        n = len(lp)
+        L = E if n == m else E[:, lp]
+        live_of_ent = np.full(m, -1, np.int64)
+        live_of_ent[lp] = np.arange(n)
+        order_w = order[is_win[order]]
+        base_row = live_of_ent[order_w]  # live rows in key-prefix order
+        base_k64 = k64[order_w]
+        # parents: the snapshot's position hints (no search), a binary search for the rest
+        has_parent = ((L[0] >> np.uint64(8)) & np.uint64(1)).astype(np.bool_)
+        prow = np.full(n, -1, np.int64)
+        if n:
+            hint = L[11].astype(np.int64) - 1
+            rec_pos = ent_pos[lp]
+            use = has_parent & (hint >= 0) & (hint < n_snap) & (rec_pos < n_snap)
+            cand = np.full(n, -1, np.int64)
+            if use.any():
+                ent_of_pos = np.full(n_all, -1, np.int64)
+                ent_of_pos[ent_pos] = np.arange(m)
+                hp = ent_of_pos[hint[use]]
+                got = np.full(len(hp), -1, np.int64)
+                ok_hp = hp >= 0
+                got[ok_hp] = live_of_ent[winner_of[hp[ok_hp]]]
+                cand[use] = got
+            ok_c = cand >= 0
+            ci = np.flatnonzero(ok_c)
+            same = np.ones(len(ci), np.bool_)
+            for w in range(4):
+                same &= L[1 + w][cand[ci]] == L[5 + w][ci]
+            prow[ci[same]] = cand[ci[same]]
+            rest = np.flatnonzero(has_parent & (prow < 0))
+            if len(rest):
+                pos = np.minimum(np.searchsorted(base_k64, L[5][rest]), n - 1)
+                for _ in range(8):  # walk over equal 64-bit prefixes (rare)
+                    r = base_row[pos]
+                    eq_prefix = base_k64[pos] == L[5][rest]
+                    hit = eq_prefix.copy()
+                    for w in range(4):
+                        hit &= L[1 + w][r] == L[5 + w][rest]
+                    prow[rest[hit]] = r[hit]
+                    nxt = ~hit & eq_prefix & (pos + 1 < n)
+                    if not nxt.any():
+                        break
+                    rest, pos = rest[nxt], pos[nxt] + 1
+        ok = self._records_valid(L)
+        dropped_stale = int(n - ok.sum())
+        ok &= ~has_parent | (prow >= 0)
+        keep, parent_rows = self._prune(ok, prow)
+        dropped_tree = n - len(keep) - dropped_stale
+        if len(keep) != n:
+            L = L[:, keep]
+            remap = np.full(n, -1, np.int64)
+            remap[keep] = np.arange(len(keep))
+            nb = remap[base_row]
+            sel = nb >= 0
+            base_row, base_k64 = nb[sel], base_k64[sel]
         if dropped_stale:
             self._stale_at_open = dropped_stale
-            self._problems_note(f"{dropped_stale} index record(s) did not match their slot header: entries dropped")
+            self._problems_note(f"{dropped_stale} index record(s) did not match their slot header "
+                                "(or overlapped another): entries dropped")
             self._load_needs_snapshot = True
-        nslots = live["nslots"].astype(np.int64)
-        costs = nslots * self._slot
-        ticks = live["seq"].astype(np.int64)
-        idx.load(live, parent_rows, ticks, costs)
-        for fid, sf in self._files.items():
-            sel = live["file"] == fid
-            self._mark_used(fid, live["slot"][sel].astype(np.int64), nslots[sel])
-            _ = sf
+        if dropped_tree > 0:
+            self._orphans_at_open = dropped_tree
+            self._problems_note(f"{dropped_tree} entries without a valid stored parent dropped")
+            self._load_needs_snapshot = True
+        nslots = (L[0] >> np.uint64(32)).astype(np.int64)
+        idx.load_columns(L, parent_rows, nslots * self._slot, base_k64, base_row)
+        files = (L[13] & np.uint64(0xFFFFFFFF)).astype(np.int64)
+        slots = (L[13] >> np.uint64(32)).astype(np.int64)
+        for fid in self._files:
+            sel = files == fid
+            self._mark_used(fid, slots[sel], nslots[sel])
+        anchors = _records_of(W, anchor_pos)
+        seal_seq = idx.tick
         # anchors (rare; Python per anchor): valid only if newer than the entry's seal
         idx.anchors = {}
         if len(anchors):
-            seal_seq = live["seq"]
             for rec in anchors:
                 key = rec["key"].tobytes()
                 row = idx.row_of(key)
-                if row < 0 or int(rec["seq"]) < int(seal_seq[row]):
+                if row < 0 or int(rec["seq"]) < int(seal_seq[row]):  # older than the entry's seal
                     continue
                 nlen = int(rec["name_len"])
                 name_raw = rec.tobytes()[40 : 40 + min(nlen, 64)]
@@ -1228,91 +1361,66 @@ class MmapProvider(Provider):
                 best = max(best, int(h["generation"].max()))
         return best
 
-    def _records_valid(self, live: npt.NDArray[Any]) -> npt.NDArray[np.bool_]:
-        """Vectorised: the run is inside a known file and its slot header echoes the record."""
-        ok = np.zeros(len(live), np.bool_)
-        if not len(live):
+    def _records_valid(self, L: npt.NDArray[np.uint64]) -> npt.NDArray[np.bool_]:
+        """Vectorised over live record columns: a plausible run inside a known file, not
+        overlapping a newer record's run, whose slot header echoes the record (magic, key,
+        generation, size, checksum; page, not anchor).  One sort by slot serves both checks and
+        makes the header-table reads sequential."""
+        n = L.shape[1]
+        ok = np.zeros(n, np.bool_)
+        if not n:
             return ok
-        nslots = live["nslots"].astype(np.int64)
-        nbytes = live["nbytes"].astype(np.int64)
+        nslots = (L[0] >> np.uint64(32)).astype(np.int64)
+        tag_len = (L[0] >> np.uint64(16)) & np.uint64(0xFF)
+        nbytes = L[14].astype(np.int64)
+        file = (L[13] & np.uint64(0xFFFFFFFF)).astype(np.int64)
+        slot = (L[13] >> np.uint64(32)).astype(np.int64)
         shape_ok = (nslots >= 1) & (nbytes >= 1) & (nbytes <= nslots * self._slot) \
-            & (nslots == -(-nbytes // self._slot)) & (live["tag_len"] <= _TAG_MAX)
+            & (nslots == -(-nbytes // self._slot)) & (tag_len <= _TAG_MAX)
+        so = np.argsort((file << 40) | slot, kind="stable")
+        f, sl, e = file[so], slot[so], slot[so] + nslots[so]
+        clash = np.flatnonzero((f[1:] == f[:-1]) & (sl[1:] < e[:-1]))
+        if len(clash):
+            seq = L[18][so]
+            older = np.where(seq[clash] < seq[clash + 1], so[clash], so[clash + 1])
+            shape_ok[older] = False
         for fid, sf in self._files.items():
-            sel = np.flatnonzero((live["file"] == fid) & shape_ok)
-            if not len(sel):
+            rows = so[(f == fid)]
+            rows = rows[shape_ok[rows] & (slot[rows] + nslots[rows] <= sf.slot_count)]
+            if not len(rows):
                 continue
-            slot = live["slot"][sel].astype(np.int64)
-            inside = slot + nslots[sel] <= sf.slot_count
-            sel, slot = sel[inside], slot[inside]
-            h = sf.headers()[slot]
-            match = ((h["magic"] == np.uint64(int.from_bytes(b"HKVSLOT1", "little"))) & (h["key"] == live["key"][sel])
-                     & (h["generation"] == live["gen"][sel]) & (h["nbytes"] == live["nbytes"][sel])
-                     & (h["checksum"] == live["checksum"][sel]) & ((h["flags"] & FLAG_ANCHOR) == 0))
-            ok[sel[match]] = True
+            T = sf.headers(populate=len(rows) > 4096).view(np.uint64).reshape(sf.slot_count, 16)
+            H = T[slot[rows]]
+            match = ((H[:, 0] == np.uint64(SLOT_MAGIC)) & (H[:, 9] == L[15][rows]) & (H[:, 10] == L[14][rows])
+                     & (H[:, 11] == L[16][rows]) & ((H[:, 12] & np.uint64(FLAG_ANCHOR)) == 0))
+            for w in range(4):
+                match &= H[:, 1 + w] == L[1 + w][rows]
+            ok[rows[match]] = True
         return ok
 
-    def _drop_overlaps(self, live: npt.NDArray[Any]) -> npt.NDArray[Any]:
-        if len(live) < 2:
-            return live
-        order = np.lexsort((live["slot"], live["file"]))
-        f = live["file"][order].astype(np.int64)
-        s = live["slot"][order].astype(np.int64)
-        e = s + live["nslots"][order].astype(np.int64)
-        clash = (f[1:] == f[:-1]) & (s[1:] < e[:-1])
-        if not clash.any():
-            return live
-        keep = np.ones(len(live), np.bool_)
-        seq = live["seq"][order]
-        for i in np.flatnonzero(clash).tolist():
-            a, b = order[i], order[i + 1]
-            keep[a if seq[i] < seq[i + 1] else b] = False
-        self._problems_note(f"{int((~keep).sum())} entries with overlapping slot runs dropped")
-        return live[keep]
-
-    def _resolve_parents(self, live: npt.NDArray[Any]) -> tuple[npt.NDArray[Any], npt.NDArray[np.int64]]:
-        n = len(live)
-        if not n:
-            return live, np.zeros(0, np.int64)
-        has_parent = (live["flags"] & 1).astype(np.bool_)
-        k64 = _k64(live["key"])
-        order = np.argsort(k64, kind="stable")
-        sk = k64[order]
-        pk = _k64(live["parent"])
-        pos = np.searchsorted(sk, pk)
-        pos = np.minimum(pos, n - 1)
-        cand = order[pos]
-        found = has_parent & (sk[pos] == pk) & (live["key"][cand] == live["parent"])
-        prow = np.where(found, cand, -1).astype(np.int64)
-        # a 64-bit prefix shared by several keys: resolve those parents exactly in Python
-        dup = np.flatnonzero(has_parent & ~found & (sk[pos] == pk))
-        if len(dup):
-            exact = {live["key"][i].tobytes(): i for i in range(n)}
-            for i in dup.tolist():
-                prow[i] = exact.get(live["parent"][i].tobytes(), -1)
-        ok = ~has_parent | (prow >= 0)
-        # propagate: a node is kept only if every ancestor is kept; cycles never reach a root
+    @staticmethod
+    def _prune(ok: npt.NDArray[np.bool_], prow: npt.NDArray[np.int64]) -> tuple[npt.NDArray[np.intp],
+                                                                                  npt.NDArray[np.int64]]:
+        """Keep a node only if it and every ancestor are ``ok`` and the chain reaches a root
+        (cycles never do); returns ``(kept indices, their parents renumbered)``."""
+        n = len(ok)
+        ok = ok.copy()
         anc = prow.copy()
-        for _ in range(64):
-            live_anc = anc >= 0
-            if not live_anc.any():
+        for _ in range(64):  # pointer jumping: 2**64 > any chain
+            idx = np.flatnonzero(anc >= 0)
+            if not len(idx):
                 break
-            idx = np.flatnonzero(live_anc)
-            ok[idx] &= ok[anc[idx]]
-            anc[idx] = anc[anc[idx]]
+            up = anc[idx]
+            ok[idx] &= ok[up]
+            anc[idx] = anc[up]
         ok &= anc < 0
-        if ok.all():
-            return live, prow
-        dropped = int((~ok).sum())
-        if dropped:
-            self._orphans_at_open = dropped
-            self._problems_note(f"{dropped} entries without a stored parent (orphans) dropped")
-            self._load_needs_snapshot = True
         keep = np.flatnonzero(ok)
+        if len(keep) == n:
+            return keep, prow
         remap = np.full(n, -1, np.int64)
         remap[keep] = np.arange(len(keep))
         newp = prow[keep]
-        newp = np.where(newp >= 0, remap[np.maximum(newp, 0)], -1)
-        return live[keep], newp
+        return keep, np.where(newp >= 0, remap[np.maximum(newp, 0)], -1)
 
     # -- slot allocation -------------------------------------------------------------------------
     def _mark_used(self, fid: int, slots: npt.NDArray[np.int64], nslots: npt.NDArray[np.int64]) -> None:
@@ -1384,6 +1492,7 @@ class MmapProvider(Provider):
         fid = max(self._files, default=-1) + 1
         sf = SlotFile.create(self._p(self._data_name(self._gen, fid)), slot_nbytes=self._slot, slot_count=nslots,
                              file_id=fid, store_id=self._store_id, durable=self._durability != "none")
+        sf.io = self._io
         self._files[fid] = sf
         self._free[fid] = np.ones(nslots, np.bool_)
 
@@ -1418,30 +1527,15 @@ class MmapProvider(Provider):
     def _encode(self, op: int, key: bytes, *, parent: bytes | None = None, tag: bytes = b"", name: bytes = b"",
                 file: int = 0, slot: int = 0, nslots: int = 0, nbytes: int = 0, gen: int = 0, checksum: int = 0,
                 created: float = 0.0, seq: int = 0, flags: int = 0) -> bytes:
-        rec = np.zeros(1, RECORD_DTYPE)
-        rec["op"] = op
-        rec["flags"] = flags
-        rec["key"] = np.frombuffer(key, "V32")
+        """One journal record (RECORD_DTYPE layout, packed with struct: no numpy per seal)."""
         if parent is not None:
-            rec["flags"] = flags | 1
-            rec["parent"] = np.frombuffer(parent, "V32")
-        rec["tag_len"] = len(tag)
-        rec["tag"] = np.frombuffer(tag.ljust(16, b"\0"), "V16")
-        rec["file"] = file
-        rec["slot"] = slot
-        rec["nslots"] = nslots
-        rec["nbytes"] = nbytes
-        rec["gen"] = gen
-        rec["checksum"] = checksum
-        rec["created"] = created
-        rec["seq"] = seq
+            flags |= 1
+        raw = bytearray(_REC_STRUCT.pack(op, flags, len(tag), len(name), nslots, key, parent or bytes(32),
+                                         tag.ljust(16, b"\0"), 0, 0, file, slot, nbytes, gen, checksum, created,
+                                         seq))
         if name:
-            raw = bytearray(rec.tobytes())
-            raw[3] = len(name)
             raw[40 : 40 + len(name)] = name
-            rec = np.frombuffer(bytes(raw), RECORD_DTYPE).copy()
-        _seal_folds(rec)
-        return rec.tobytes()
+        return bytes(raw) + fold64_one(bytes(raw)).to_bytes(8, "little")
 
     def _append(self, records: Sequence[bytes]) -> None:
         """Write records at the journal's end (the page cache: survives kill -9).  Space ahead is
@@ -1572,6 +1666,10 @@ class MmapProvider(Provider):
             recs["checksum"] = idx.csum[rows]
             recs["created"] = idx.created[rows]
             recs["seq"] = idx.tick[rows]
+            # the parent's position in this snapshot: reopening resolves parents without a search
+            pos_of_row = np.full(idx.n, -1, np.int64)
+            pos_of_row[rows] = np.arange(len(rows))
+            recs["hint"][hasp] = (pos_of_row[par[hasp]] + 1).astype(np.uint64)
         extra = []
         for row, table in idx.anchors.items():
             if not idx.alive[row]:
@@ -1727,7 +1825,10 @@ class MmapProvider(Provider):
         res = self._own(reservation)
         span = res.check_write(offset, view.nbytes)
         # No provider lock: the run is private to its reservation until seal.
+        whole = span.offset == 0 and span.nbytes == res.nbytes
+        digest = xxhash.xxh3_64_intdigest(view) if whole else None
         self._files[res.file].write(res.slot, res.nbytes, span.offset, view)
+        res.digest = digest
         res.mark_written(span)
         _fsutil.crash_point("mmap.write.partial")
         with self._lock:
@@ -1738,7 +1839,9 @@ class MmapProvider(Provider):
         res = self._own(reservation)
         res.check_complete()
         sf = self._files[res.file]
-        digest = sf.checksum(res.slot, res.nbytes)
+        # A single whole-entry write was hashed while its bytes were hot; anything else (pieces,
+        # DMA into regions()) is hashed from the file.
+        digest = res.digest if res.digest is not None else sf.checksum(res.slot, res.nbytes)
         sf.write_header(res.slot, key=res.key, parent=res.parent, generation=res.gen, nbytes=res.nbytes,
                         checksum=digest)
         _fsutil.crash_point("mmap.seal.after_header")
@@ -2128,6 +2231,7 @@ class MmapProvider(Provider):
                     new_files[fid] = SlotFile.create(
                         self._p(self._data_name(new_gen, fid)), slot_nbytes=self._slot, slot_count=size,
                         file_id=fid, store_id=self._store_id)
+                    new_files[fid].io = self._io
                 cursor[0], cursor[1] = fid, s + n
                 return fid, s
 

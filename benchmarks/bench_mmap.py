@@ -1,0 +1,334 @@
+"""mmap provider against raw file I/O, side by side in one process on the same disk.
+
+Measures, for 256 KiB pages (``--page``):
+
+* sequential and random page **writes**: ``reserve``/``write``/``seal`` (``durability=process``)
+  vs ``os.pwrite`` of the same bytes into a ``posix_fallocate``-d file; "random" writes land in
+  slots freed in random order (the provider) / at random page offsets (raw);
+* sequential and random page **reads**, cold (``fsync`` + ``POSIX_FADV_DONTNEED`` on the data
+  file, mappings dropped first) and page-cache warm: ``read(key, out)`` with ``verify=read``
+  (the default: XXH3 of every page) and ``verify=never``, vs ``os.preadv`` into the same buffer;
+* **seal rate** of 16 KiB pages with ``sync`` and ``process``, from 1 and 8 threads (group
+  commit: concurrent seals share one data sync and one journal sync);
+* **reopen** time of a store of 10k / 100k / 1M entries (built synthetically: slot headers and a
+  snapshot written with numpy, then opened by the provider), warm page cache.
+
+Usage: ``python3 benchmarks/bench_mmap.py [--dir DIR] [--pages N] [--reopen 10000,100000,1000000]``;
+prints a markdown table.  DIR must be on the disk you care about (default: a temp dir under
+``/tmp``); it is deleted at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import statistics
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+import xxhash
+
+from hostkv_providers._mmap import OP_SEAL, RECORD_DTYPE, MmapProvider, _seal_folds
+from hostkv_providers._slotfile import FILE_HEADER_NBYTES, SLOT_HEADER_DTYPE, SLOT_MAGIC, SlotFile
+
+MiB = 1 << 20
+
+
+def _keys(n: int, tag: str) -> list[bytes]:
+    import hashlib
+
+    return [hashlib.blake2b(f"{tag}/{i}".encode(), digest_size=32).digest() for i in range(n)]
+
+
+def _drop(paths: list[str]) -> None:
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _rate(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / MiB
+
+
+def timed(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _raw_round(root: str, page: int, data: list[bytes], order_seq: list[int], order_rnd: list[int],
+               half: list[int]) -> dict[str, float]:
+    npages = len(order_seq)
+    raw_path = os.path.join(root, "raw.bin")
+    fd = os.open(raw_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.posix_fallocate(fd, 0, page * npages)
+    buf = bytearray(page)
+
+    def write(order: list[int]) -> None:
+        for i in order:
+            os.pwrite(fd, data[i % 16], i * page)
+
+    def read(order: list[int]) -> None:
+        for i in order:
+            os.preadv(fd, [buf], i * page)
+
+    t: dict[str, float] = {}
+    t["wseq"] = timed(lambda: write(order_seq))
+    os.fsync(fd)
+    t["wrnd"] = timed(lambda: write(half))
+    os.fsync(fd)
+    _drop([raw_path])
+    t["cold_seq"] = timed(lambda: read(order_seq))
+    t["warm_seq"] = timed(lambda: read(order_seq))
+    _drop([raw_path])
+    t["cold_rnd"] = timed(lambda: read(order_rnd))
+    t["warm_rnd"] = timed(lambda: read(order_rnd))
+    os.close(fd)
+    os.unlink(raw_path)
+    return t
+
+
+def _provider_round(root: str, page: int, data: list[bytes], order_seq: list[int], half: list[int],
+                    rng: random.Random, io: str) -> dict[str, float]:
+    npages = len(order_seq)
+    store = os.path.join(root, f"store-{io}")
+    p = MmapProvider(store, budget_bytes=page * npages, slot_nbytes=page, file_nbytes=page * npages, io=io)
+    keys = _keys(npages, "io")
+    keys2 = _keys(npages, "io2")
+    out = bytearray(page)
+
+    def put(ks: list[bytes], idx: list[int]) -> None:
+        for i in idx:
+            res = p.reserve(ks[i], None, page)
+            assert res is not None
+            res.write(0, data[i % 16])
+            res.seal()
+
+    def read(ks: list[bytes]) -> None:
+        for k in ks:
+            if not p.read(k, out):
+                raise RuntimeError("benchmark read missed")
+
+    def cold() -> None:
+        for sf in p._files.values():
+            sf.sync()
+            sf.drop_cache()
+
+    t: dict[str, float] = {}
+    t["wseq"] = timed(lambda: put(keys, order_seq))
+    p.evict([keys[i] for i in half])  # random holes ...
+    t["wrnd"] = timed(lambda: put(keys2, half))  # ... filled by new pages
+    in_half = set(half)
+    live = [keys2[i] if i in in_half else keys[i] for i in range(npages)]
+    live_rnd = live[:]
+    rng.shuffle(live_rnd)
+    cold()
+    t["cold_seq"] = timed(lambda: read(live))
+    t["warm_seq"] = timed(lambda: read(live))
+    cold()
+    t["cold_rnd"] = timed(lambda: read(live_rnd))
+    t["warm_rnd"] = timed(lambda: read(live_rnd))
+    p._verify_reads = False  # the same store with verify=never (slot headers are still checked)
+    cold()
+    t["n_cold_seq"] = timed(lambda: read(live))
+    t["n_warm_seq"] = timed(lambda: read(live))
+    t["n_warm_rnd"] = timed(lambda: read(live_rnd))
+    p.close()
+    shutil.rmtree(store)
+    return t
+
+
+def bench_io(root: str, page: int, npages: int, repeat: int) -> list[tuple[str, float, float]]:
+    """Rows ``(case, provider MiB/s, raw MiB/s)``, best of ``repeat`` for each side."""
+    rng = random.Random(0)
+    data = [np.random.default_rng(i).bytes(page) for i in range(16)]  # reused page payloads
+    total = page * npages
+    order_seq = list(range(npages))
+    order_rnd = order_seq[:]
+    rng.shuffle(order_rnd)
+    half = order_rnd[: npages // 2]
+    cases = [
+        ("write, sequential", "wseq", "wseq", total, "pread"),
+        ("write, random (into freed slots)", "wrnd", "wrnd", page * len(half), "pread"),
+        ("read cold, sequential", "cold_seq", "cold_seq", total, "pread"),
+        ("read cold, random", "cold_rnd", "cold_rnd", total, "pread"),
+        ("read warm, sequential", "warm_seq", "warm_seq", total, "pread"),
+        ("read warm, random", "warm_rnd", "warm_rnd", total, "pread"),
+        ("read cold, sequential, verify=never", "n_cold_seq", "cold_seq", total, "pread"),
+        ("read warm, sequential, verify=never", "n_warm_seq", "warm_seq", total, "pread"),
+        ("read warm, random, verify=never", "n_warm_rnd", "warm_rnd", total, "pread"),
+        ("write, sequential, io=mmap", "wseq", "wseq", total, "mmap"),
+        ("read warm, sequential, io=mmap", "warm_seq", "warm_seq", total, "mmap"),
+    ]
+    best: dict[tuple[str, str], float] = {}
+    for _ in range(repeat):
+        runs = {"raw": _raw_round(root, page, data, order_seq, order_rnd, half)}
+        for io in ("pread", "mmap"):
+            runs[io] = _provider_round(root, page, data, order_seq, half, rng, io)
+        for side, t in runs.items():
+            for k, v in t.items():
+                best[(side, k)] = min(best.get((side, k), float("inf")), v)
+    return [(name, _rate(nb, best[(io, pk)]), _rate(nb, best[("raw", rk)])) for name, pk, rk, nb, io in cases]
+
+
+def bench_seals(root: str, n: int) -> list[tuple[str, float]]:
+    page = 16384
+    payload = np.random.default_rng(1).bytes(page)
+    rows = []
+    for durability in ("process", "sync"):
+        for threads in (1, 8):
+            store = os.path.join(root, f"seal-{durability}-{threads}")
+            p = MmapProvider(store, budget_bytes=(n + 64) * page, slot_nbytes=page, durability=durability)
+            keys = _keys(n, f"seal-{durability}-{threads}")
+            per = n // threads
+
+            def work(ks: list[bytes], p: MmapProvider = p) -> None:
+                for k in ks:
+                    p.put(k, None, payload)
+
+            ts = [threading.Thread(target=work, args=(keys[i * per : (i + 1) * per],)) for i in range(threads)]
+            t0 = time.perf_counter()
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join()
+            dt = time.perf_counter() - t0
+            syncs = p.stats().extra["syncs"]
+            p.close()
+            shutil.rmtree(store)
+            rows.append((f"seal 16 KiB, durability={durability}, {threads} thread(s)"
+                         + (f" ({per * threads / max(syncs, 1):.1f} seals per sync)" if durability == "sync" else ""),
+                         per * threads / dt))
+    return rows
+
+
+def build_synthetic(store: str, n: int, chain_len: int = 16) -> None:
+    """A store of ``n`` 4 KiB entries (chains of ``chain_len``) written directly: valid slot
+    headers and a snapshot, as a writer that sealed them and closed would leave them."""
+    slot = 4096
+    p = MmapProvider(store, budget_bytes=n * slot, slot_nbytes=slot, file_nbytes=n * slot)
+    p.close()
+    data_path = next(os.path.join(store, f) for f in os.listdir(store) if f.endswith(".slots"))
+    rng = np.random.default_rng(n)
+    keys = rng.integers(0, 2**63, size=(n, 4), dtype=np.int64).view("V32").reshape(n)
+    csum = xxhash.xxh3_64_intdigest(bytes(slot))
+    sf = SlotFile.open(data_path, writable=True)
+    h = np.zeros(n, SLOT_HEADER_DTYPE)
+    h["magic"] = SLOT_MAGIC
+    h["key"] = keys
+    idx = np.arange(n)
+    has_parent = idx % chain_len != 0
+    h["parent"][has_parent] = keys[idx[has_parent] - 1]
+    h["flags"] = has_parent.astype(np.uint32)
+    h["generation"] = idx + 1
+    h["nbytes"] = slot
+    h["checksum"] = csum
+    raw = h.view(np.uint8).reshape(n, 128)
+    sums = np.fromiter((xxhash.xxh3_64_intdigest(raw[i, :120].tobytes()) for i in range(n)), np.uint64, n)
+    h["header_checksum"] = sums
+    sf.headers()[:n] = h
+    sf.sync()
+    sf.close()
+    recs = np.zeros(n, RECORD_DTYPE)
+    recs["op"] = OP_SEAL
+    recs["key"] = keys
+    recs["parent"] = h["parent"]
+    recs["flags"] = has_parent.astype(np.uint8)
+    recs["hint"][has_parent] = idx[has_parent]  # 1 + the parent's position (idx - 1)
+    recs["file"] = 0
+    recs["slot"] = idx
+    recs["nslots"] = 1
+    recs["nbytes"] = slot
+    recs["gen"] = idx + 1
+    recs["checksum"] = csum
+    recs["created"] = time.time()
+    recs["seq"] = idx + 1
+    _seal_folds(recs)
+    with open(os.path.join(store, "manifest.json")) as f:
+        man_store_id = bytes.fromhex(json.load(f)["store_id"])
+    head = bytearray(64)
+    head[:8] = b"HKVSNAP1"
+    head[8:24] = man_store_id
+    head[24:32] = (n + 1).to_bytes(8, "little")
+    head[32:40] = n.to_bytes(8, "little")
+    head[40:48] = (1).to_bytes(8, "little")
+    head[56:64] = xxhash.xxh3_64_intdigest(bytes(head[:56])).to_bytes(8, "little")
+    with open(os.path.join(store, "index.1.snap"), "wb") as f:
+        f.write(bytes(head).ljust(4096, b"\0"))
+        f.write(recs.tobytes())
+    os.chmod(os.path.join(store, "index.1.snap"), 0o600)
+    _ = FILE_HEADER_NBYTES
+
+
+def bench_reopen(root: str, counts: list[int], repeat: int) -> list[tuple[str, float, float, int]]:
+    rows = []
+    for n in counts:
+        store = os.path.join(root, f"reopen-{n}")
+        build_synthetic(store, n)
+        times, rtimes = [], []
+        entries = 0
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            p = MmapProvider(store)
+            k = p._idx.key_of(n // 2)
+            assert p.present([k]) == [True]
+            times.append(time.perf_counter() - t0)
+            entries = p.stats().entries
+            p._jrecords = 0  # close without rewriting the snapshot: keep the synthetic one
+            p.close()
+            t0 = time.perf_counter()
+            r = MmapProvider(store, readonly=True)
+            rtimes.append(time.perf_counter() - t0)
+            r.close()
+        shutil.rmtree(store)
+        rows.append((f"{n:,}", statistics.median(times), statistics.median(rtimes), entries))
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dir", default=None, help="where to put the files (default: a temp dir in /tmp)")
+    ap.add_argument("--page", type=int, default=256 * 1024)
+    ap.add_argument("--pages", type=int, default=1024, help="pages per I/O run (default 1024 = 256 MiB)")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--seals", type=int, default=800)
+    ap.add_argument("--reopen", default="10000,100000,1000000")
+    args = ap.parse_args()
+    base = args.dir or tempfile.gettempdir()
+    os.makedirs(base, exist_ok=True)
+    root = tempfile.mkdtemp(prefix="hostkv-bench-mmap-", dir=base)
+    os.chmod(root, 0o700)
+    try:
+        io_rows = bench_io(root, args.page, args.pages, args.repeat)
+        seal_rows = bench_seals(root, args.seals)
+        reopen_rows = bench_reopen(root, [int(x) for x in args.reopen.split(",") if x], args.repeat)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    print(f"### mmap provider vs raw file I/O ({args.page // 1024} KiB pages, {args.pages} pages per run, "
+          f"best of {args.repeat})\n")
+    print("| case | mmap provider MiB/s | raw pwrite/preadv MiB/s | ratio |")
+    print("| --- | ---: | ---: | ---: |")
+    for name, pv, rv in io_rows:
+        print(f"| {name} | {pv:,.0f} | {rv:,.0f} | {pv / rv:.2f}x |")
+    print("\n| seals | per second |")
+    print("| --- | ---: |")
+    for name, rate in seal_rows:
+        print(f"| {name} | {rate:,.0f} |")
+    print("\n| reopen (entries) | writer open, s | reader open, s | entries loaded |")
+    print("| ---: | ---: | ---: | ---: |")
+    for n, t, rt, e in reopen_rows:
+        print(f"| {n} | {t:.3f} | {rt:.3f} | {e:,} |")
+
+
+if __name__ == "__main__":
+    main()
