@@ -1911,8 +1911,13 @@ class MmapProvider(Provider):
             span = ByteSpan.whole(nbytes) if span is None else span.validate(nbytes)
             dst = writable_buffer(out, span.nbytes)
             fid, slot, gen, csum = int(idx.file[row]), int(idx.slot[row]), int(idx.gen[row]), int(idx.csum[row])
-            idx.hold_rows([row])
+            idx.touch(row)
             sf = self._files[fid]
+            # counted as a hit now (one lock round trip per read); undone below on a failure
+            self._counters["hits"] += 1
+            self._counters["bytes_read"] += span.nbytes
+        # No hold: the copy runs unlocked and the slot's generation-stamped header is checked
+        # before and after it (a seqlock), so an eviction + reuse racing this read is a miss.
         try:
             result = sf.read_into(slot, dst, key=k, generation=gen, nbytes=nbytes, checksum=csum,
                                   offset=span.offset, verify=self._verify_reads)
@@ -1920,22 +1925,20 @@ class MmapProvider(Provider):
             if not sf.closed:
                 raise
             result = ReadResult.STALE  # refresh/compaction swapped the files meanwhile: a miss
-        finally:
-            with self._lock:
-                idx.release_rows([row], [gen])
         if result is ReadResult.OK:
-            with self._lock:
-                self._counters["hits"] += 1
-                self._counters["bytes_read"] += span.nbytes
             return True
         with self._lock:
+            self._counters["hits"] -= 1
+            self._counters["bytes_read"] -= span.nbytes
             self._counters["misses"] += 1
-            if result is ReadResult.CORRUPT or not self._readonly:
-                # in the writer a header mismatch is corruption too: nobody else reuses slots
+            still = bool(idx is self._idx and idx.alive[row] and int(idx.gen[row]) == gen)
+            if result is ReadResult.CORRUPT or (still and not self._readonly):
+                # the record is still current and its slot disagrees: corruption (in the writer
+                # nobody else reuses slots; in a reader a mismatch may be the writer's reuse)
                 self._counters["checksum_failures"] += 1
             else:
                 self._counters["stale_reads"] += 1
-            if idx.alive[row] and int(idx.gen[row]) == gen:
+            if still:
                 self._drop_row(row)
         return False
 
