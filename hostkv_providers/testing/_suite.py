@@ -547,6 +547,8 @@ class ProviderTests:
             provider.reserve(key, None, nbytes)
         assert info.value.key == key
         assert provider.wait_sealed(key, 0.01) is False  # times out: still in flight
+        assert provider.evict([key]).entries == 0  # evicting an in-flight key is not an abort
+        assert provider.in_flight(key) is True
         done: list[bool] = []
         waiter = threading.Thread(target=lambda: done.append(provider.wait_sealed(key, 30.0)))
         waiter.start()
@@ -646,6 +648,48 @@ class ProviderTests:
         assert sealed.state == "sealed"
         assert provider.read_bytes(sealed_key) == page_bytes(sealed_key, nbytes)
         assert provider.present([aborted_key]) == [False]
+
+    def test_reservation_regions(self, provider: Provider) -> None:
+        key = key_of("regions")
+        nbytes = self._pages(2) + 100
+        res = provider.reserve(key, None, nbytes)
+        assert res is not None
+        try:
+            regions = res.regions()
+        except ReservationError:
+            res.abort()
+            pytest.skip("provider exposes no writable regions (writes go through write())")
+        data = page_bytes(key, nbytes)
+        offset = 0
+        for r in regions:  # the copy engine's path: fill the memory, then mark it written
+            assert r.offset == offset and not r.view.readonly
+            r.view[:] = data[offset : offset + len(r.view)]
+            offset += len(r.view)
+        assert offset == nbytes
+        with pytest.raises(IncompleteWriteError):
+            provider.seal(res)
+        res.mark_written()
+        provider.seal(res)
+        with pytest.raises(ReservationError):
+            res.regions()
+        assert provider.read_bytes(key) == data
+
+    def test_reused_space_never_serves_an_evicted_key(self, provider_factory: ProviderFactory) -> None:
+        p = provider_factory(4)
+        nbytes = self._pages(1)
+        old = [key_of(f"reuse-old-{i}") for i in range(4)]
+        for k in old:
+            put_page(p, k, None, nbytes)
+        p.evict(old)
+        new = [key_of(f"reuse-new-{i}") for i in range(4)]
+        for k in new:  # very likely the same slots/blocks/files as the evicted entries
+            put_page(p, k, None, nbytes)
+        out = bytearray(nbytes)
+        for k in old:
+            assert p.read(k, out) is False
+            assert p.entry(k) is None
+        for k in new:
+            assert p.read_bytes(k) == page_bytes(k, nbytes)
 
     def test_write_outside_reservation(self, provider: Provider) -> None:
         key = key_of("write-bounds")
