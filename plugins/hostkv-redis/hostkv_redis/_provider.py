@@ -84,6 +84,7 @@ _NAMESPACE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _SALT_TAG_MAX = 128
 _ANCHOR_MAX = 64 << 20
 _BATCH = 1024  # items per reserve/seal script call in put_many
+_SEND_GROUP = 1 << 20  # bytes of commands handed to the socket at once by _send_raw
 
 
 def parse_trailer(value: bytes, key: bytes) -> tuple[int, int] | None:
@@ -279,7 +280,7 @@ def _pack(commands: Sequence[Sequence[Part]]) -> list[bytes | memoryview]:
         small.append(b"*%d\r\n" % len(args))
         for arg in args:
             pieces = arg if isinstance(arg, tuple) else (arg,)
-            small.append(b"$%d\r\n" % sum(memoryview(x).nbytes for x in pieces))
+            small.append(b"$%d\r\n" % _part_nbytes(arg))
             for piece in pieces:
                 emit(piece)
             small.append(b"\r\n")
@@ -288,18 +289,37 @@ def _pack(commands: Sequence[Sequence[Part]]) -> list[bytes | memoryview]:
     return out
 
 
-def _send_raw(client: redis.Redis, commands: Sequence[Sequence[Part]]) -> list[Any]:
-    """Send ``commands`` as one pipeline on one pooled connection; per command its raw reply or
-    its ``ResponseError``.  A stale pooled connection (the server restarted) is retried once on a
-    fresh one: every command sent this way is idempotent."""
-    packed = _pack(commands)
+def _part_nbytes(part: Part) -> int:
+    pieces = part if isinstance(part, tuple) else (part,)
+    return sum(memoryview(x).nbytes for x in pieces)
+
+
+def _send_raw(client: redis.Redis, commands: Callable[[], Iterator[Sequence[Part]]], count: int) -> list[Any]:
+    """Send the ``count`` commands that ``commands()`` yields as one pipeline on one pooled
+    connection; per command its raw reply or its ``ResponseError``.
+
+    Each command goes to the socket as soon as it is produced, so the producer's work for the
+    next one (checksumming a page) overlaps the transfer of this one.  A stale pooled connection
+    (the server restarted) is retried once on a fresh one: every command sent this way is
+    idempotent.
+    """
     pool = client.connection_pool
     for attempt in (0, 1):
         conn: Any = pool.get_connection()  # redis-py's Connection is only partly annotated
         try:
-            conn.send_packed_command(packed, check_health=attempt == 0)
+            health = attempt == 0
+            group: list[Sequence[Part]] = []
+            queued = 0
+            for cmd in commands():
+                group.append(cmd)
+                queued += sum(_part_nbytes(a) for a in cmd)
+                if queued >= _SEND_GROUP:  # few large sendall calls, small pieces coalesced
+                    conn.send_packed_command(_pack(group), check_health=health)
+                    health, group, queued = False, [], 0
+            if group:
+                conn.send_packed_command(_pack(group), check_health=health)
             replies: list[Any] = []
-            for _ in commands:
+            for _ in range(count):
                 try:
                     replies.append(conn.read_response())
                 except redis.exceptions.ResponseError as exc:  # the stream stays aligned
@@ -863,21 +883,22 @@ class RedisProvider(Provider):
         trailer sent as one value, never concatenated), then one seal script that renames them into
         place in order (parents before children)."""
         px = str(self._flight_ms).encode()
-        commands: list[list[Part]] = []
-        args: list[Part] = [b"EVALSHA", self._link.sha("seal").encode(), b"1", self._meta.encode(),
-                            str(len(batch)).encode()]
-        for res in batch:
-            data = res.data
-            assert data is not None
-            digest = checksum(data)
-            trailer = _TRAILER.pack(res.key, digest, res.nbytes, _MAGIC)
-            staging = f"{self._prefix}w:{res.hex}:{res.rid}".encode()
-            commands.append([b"SET", staging, (data, trailer), b"PX", px])
-            args += [res.hex.encode(), res.rid.encode(), str(digest).encode()]
-        commands.append(args)
+        sha = self._link.sha("seal").encode()
+        meta = self._meta.encode()
+
+        def commands() -> Iterator[list[Part]]:
+            args: list[Part] = [b"EVALSHA", sha, b"1", meta, str(len(batch)).encode()]
+            for res in batch:
+                data = res.data
+                assert data is not None
+                digest = checksum(data)  # overlaps the previous page's transfer
+                trailer = _TRAILER.pack(res.key, digest, res.nbytes, _MAGIC)
+                yield [b"SET", f"{self._prefix}w:{res.hex}:{res.rid}".encode(), (data, trailer), b"PX", px]
+                args += [res.hex.encode(), res.rid.encode(), str(digest).encode()]
+            yield args
 
         def go(client: redis.Redis) -> list[Any]:
-            replies = _send_raw(client, commands)
+            replies = _send_raw(client, commands, len(batch) + 1)
             if isinstance(replies[-1], BaseException):
                 raise replies[-1]
             return replies
