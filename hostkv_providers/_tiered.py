@@ -165,6 +165,12 @@ class TieredProvider(Provider):
         self._queued_pages = 0
         self._queue_pages = queue_pages
         self._writer_error: BaseException | None = None
+        # Tail leases: the page a chain operation touched last stays held in that tier, so the
+        # next page of the chain (whose parent it is) costs O(1) in a TreeIndex-based tier —
+        # holding an unheld parent there walks every unheld ancestor.  Cheap for pinned/mmap,
+        # skipped for tiers with their own index (lmdb leases are transactions).
+        self._tails: dict[str, tuple[Key, Lease]] = {}
+        self._slow_tree = isinstance(getattr(slow, "_index", None), TreeIndex)
         self._counters: dict[str, int] = dict.fromkeys(
             ("hits", "misses", "seals", "aborts", "dedup", "checksum_failures", "bytes_written", "bytes_read",
              "promotions", "write_backs", "write_back_failures", "write_through", "fast_hits", "slow_hits"), 0)
@@ -213,6 +219,9 @@ class TieredProvider(Provider):
         order = sorted(infos.values(), key=lambda i: (i.last_used, i.created))
         done: set[Key] = set()
         dropped: list[Key] = []
+        # The node added last stays held: a chain's next page then costs O(1) in the index
+        # (holding an unheld parent walks up every unheld ancestor).
+        tail: list[Node | None] = []
 
         def add(info: EntryInfo) -> None:
             chain = [info]
@@ -237,10 +246,14 @@ class TieredProvider(Provider):
                 self._index.commit(i.key, node)
                 node.last_used = i.last_used
                 done.add(i.key)
+                held = self._index.hold_keys([i.key])
+                self._index.release_nodes(tail)
+                tail[:] = held
 
         for info in order:
             if info.key not in done:
                 add(info)
+        self._index.release_nodes(tail)
         if dropped:  # the store held more than this budget: trim it now
             self.slow.evict(dropped)
 
@@ -497,10 +510,28 @@ class TieredProvider(Provider):
             elif ok:
                 loc.state = _SLOW
                 self._counters["write_backs"] += 1
+                if self._slow_tree:
+                    self._advance_tail("write", self.slow, node.key)
             elif not node.dead:
                 self._counters["write_back_failures"] += 1
                 self._drop_from_tiers(self._index.drop(node.key))
             self._finish_pending(node)
+
+    def _advance_tail(self, which: str, tier: Provider, key: Key) -> None:
+        try:
+            lease = tier.lease([key])
+        except HostKVError:
+            return
+        with self._lock:
+            prior = self._tails.get(which)
+            old = prior[1] if prior is not None else None
+            if self._closed:
+                old = lease
+            else:
+                self._tails[which] = (key, lease)
+        if old is not None:
+            with contextlib.suppress(HostKVError):
+                old.release()
 
     def _finish_pending(self, node: Node) -> None:
         loc: _Loc = node.loc
@@ -558,6 +589,8 @@ class TieredProvider(Provider):
             elif state == _SLOW:
                 got = self.slow.read(k, dst, span)
                 which = "slow_hits"
+                if got and self._slow_tree:
+                    self._advance_tail("read", self.slow, k)
                 if got and self._promote and span.nbytes == node.nbytes:
                     self._promote_one(node, dst)
             if not got:
@@ -584,6 +617,10 @@ class TieredProvider(Provider):
             return  # the fast tier is prefix-closed too: promote chains root first (restores do)
         try:
             if self.fast.put(node.key, node.parent, data, salt_tag=node.salt_tag):
+                # Hold the promoted page in the fast tier until the next promotion: a restore
+                # promotes a chain root first, and each page's parent being held keeps the fast
+                # tier's reservation O(1) instead of a walk over the whole chain.
+                self._advance_tail("promote", self.fast, node.key)
                 with self._lock:
                     self._counters["promotions"] += 1
         except (CapacityError, InFlightError, UnknownKeyError):
@@ -621,6 +658,12 @@ class TieredProvider(Provider):
         """Apply the index's removals to the tiers (called with the lock held)."""
         if not nodes:
             return
+        gone = {n.key for n in nodes}
+        for which, (k, lease) in list(self._tails.items()):
+            if k in gone:  # a tail lease must not keep an evicted page alive in a tier
+                del self._tails[which]
+                with contextlib.suppress(HostKVError):
+                    lease.release()
         slow_keys = []
         for n in nodes:
             loc: _Loc = n.loc
@@ -750,6 +793,10 @@ class TieredProvider(Provider):
         self.flush()
         with self._lock:
             self._closed = True
+            tails, self._tails = [lease for _k, lease in self._tails.values()], {}
+        for tail in tails:
+            with contextlib.suppress(HostKVError):
+                tail.release()
         self._queue.put(None)
         if self._writer is not threading.current_thread():
             self._writer.join()
