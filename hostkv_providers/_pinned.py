@@ -420,9 +420,18 @@ class PinnedProvider(Provider):
         # marks the node dead first; so a node still alive after the copy had its bytes all along.
         try:
             regions = self._arena.regions(node.loc, node.nbytes, False)
-            ok = not self._verify_reads or checksum_parts(r.view for r in regions) == node.checksum
-            if ok:
+            if not self._verify_reads:
                 _gather(regions, span, dst)
+                ok = True
+            elif span.nbytes == node.nbytes:
+                # Whole entry: checksum the copy itself, so the bytes handed out are exactly the
+                # bytes verified (no window between checking the arena and copying from it).
+                _gather(regions, span, dst)
+                ok = checksum_parts((dst,)) == node.checksum
+            else:
+                ok = checksum_parts(r.view for r in regions) == node.checksum
+                if ok:
+                    _gather(regions, span, dst)
         except BaseException:
             with self._lock:
                 self._index.release_nodes(held)
