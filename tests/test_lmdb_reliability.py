@@ -809,3 +809,32 @@ def test_presence_cache_sees_other_processes_evictions(tmp_path: Path) -> None:
     assert p.present(keys) == [True] * 3 + [False] * 3
     assert p.deepest_anchor(keys, "state") == 0
     p.close()
+
+
+@pytest.mark.parametrize("pattern", ["whole", "in-order", "reversed", "overlapping", "regions"])
+def test_seal_checksum_for_every_write_pattern(tmp_path: Path, pattern: str) -> None:
+    p = _store(tmp_path)
+    k = key_of(f"pattern-{pattern}")
+    data = page_bytes(k, 3 * PAGE)
+    res = p.reserve(k, None, len(data))
+    assert res is not None
+    if pattern == "whole":
+        res.write(0, data)
+    elif pattern == "in-order":
+        for lo in range(0, len(data), 5000):
+            res.write(lo, data[lo : lo + 5000])
+    elif pattern == "reversed":
+        for lo in reversed(range(0, len(data), 5000)):
+            res.write(lo, data[lo : lo + 5000])
+    elif pattern == "overlapping":
+        res.write(0, bytes(len(data)))  # zeros first, then the real bytes over them
+        res.write(0, data)
+    else:
+        res.write(0, data[:100])
+        (region,) = res.regions()  # a copy engine fills the mapped slot directly
+        region.view[100:] = data[100:]
+        res.mark_written()
+    res.seal()
+    assert p.read_bytes(k) == data
+    assert p.verify().ok
+    p.close()
