@@ -79,10 +79,19 @@ def open_store(url: str, *, readonly: bool, must_exist: bool = True) -> hk.Provi
     try:
         return hk.open(url, **{READONLY_OPTION: "true"})
     except hk.InvalidArgumentError as exc:
-        if READONLY_OPTION not in str(exc) and READONLY_OPTION not in exc.hint:
-            raise
-    # The provider has no read-only mode (e.g. a network store whose opening writes nothing).
-    # Say so rather than refuse: the operator decides whether that matters for this store.
+        text = f"{exc.message} {exc.hint}".lower()
+        if READONLY_OPTION not in text and "read-only" not in text:
+            raise  # a genuine bad option of the URL
+        if not ("unknown option" in text and READONLY_OPTION in exc.message):
+            # The provider has a read-only mode but refuses it with this URL (lmdb: a read-only
+            # open cannot set budget=).  Never fall back to a writable open here.
+            raise CLIError(
+                f"cannot open the store read-only: {exc.message}",
+                ExitCode.USAGE,
+                hint="this command never modifies a store; drop write options such as budget= from the URL",
+            ) from None
+    # The provider has no read-only mode at all (e.g. a network store whose opening writes
+    # nothing).  Say so rather than refuse: the operator decides whether that matters.
     click.echo(f"note: provider {scheme!r} has no {READONLY_OPTION}=true option; opened normally",
                err=True)
     return hk.open(url)
