@@ -441,6 +441,10 @@ class _Index:
         self.tick[row] = self.clock
         self.used[row] = time.time()
         if self.children[row] == 0 and self.hold[row] == 0:
+            if len(self._heap) > 4 * self.count + 1024:
+                # mostly stale entries (a reader touches without ever evicting): rebuild lazily
+                self._heap = []
+                self._heap_bound = -1
             heapq.heappush(self._heap, (self.clock, row))
 
     def live_rows(self) -> npt.NDArray[np.intp]:
@@ -615,7 +619,8 @@ class _Index:
 
     def release_rows(self, rows: Sequence[int], gens: Sequence[int]) -> None:
         for row, g in zip(rows, gens, strict=True):
-            if row >= 0 and self.alive[row] and int(self.gen[row]) == g:
+            # rows of an index replaced since (a reader's refresh) never match: gens are unique
+            if 0 <= row < self.n and self.alive[row] and int(self.gen[row]) == g:
                 self._unhold(row)
 
     def _hold(self, row: int) -> None:
@@ -1359,12 +1364,15 @@ class MmapProvider(Provider):
                 idx.sealed_cost += a.cost
                 idx.used_cost += a.cost
         idx.clock = max(idx.clock, max_seq + 1)
-        self._next_gen = max(self._next_gen, max_gen + 1, self._max_header_gen() + 1)
+        # a header written just before a crash may carry a generation no record mentions: the
+        # writer starts above every generation on the medium (readers never write)
+        hdr_gen = 0 if self._readonly else self._max_header_gen()
+        self._next_gen = max(self._next_gen, max_gen + 1, hdr_gen + 1)
 
     def _max_header_gen(self) -> int:
         best = 0
         for sf in self._files.values():
-            h = sf.headers()
+            h = sf.headers(populate=sf.slot_count > 4096)
             if len(h):
                 best = max(best, int(h["generation"].max()))
         return best
