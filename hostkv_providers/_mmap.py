@@ -140,6 +140,16 @@ _DATA_NAME = re.compile(r"^data\.(\d{1,9})\.(\d{4,9})\.slots$")
 _KNOWN_NAME = re.compile(
     r"^(manifest\.json|writer\.lock|(data\.\d{1,9}\.\d{4,9}\.slots)|index\.\d{1,9}\.(snap|journal))$")
 
+_fork_generation = 0
+
+
+def _after_fork_in_child() -> None:
+    global _fork_generation
+    _fork_generation += 1
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
 _fsutil.register_crash_points({
     "mmap.reserve.after_clear": "a run's slot headers were zeroed, no data yet",
     "mmap.write.partial": "part of a reservation's data is in the mapping",
@@ -481,7 +491,7 @@ class _Index:
                 hint="save the chain again from its first missing page",
             )
         row = self._free_rows.pop() if self._free_rows else self._new_row()
-        self.key[row] = np.frombuffer(key, "V32")[0]
+        self.key[row] = key
         self.parent[row] = prow
         self.nbytes[row] = nbytes
         self.cost[row] = flight.cost
@@ -494,7 +504,7 @@ class _Index:
         self.used[row] = created
         self.children[row] = 0
         self.hold[row] = 0
-        self.tag[row] = np.frombuffer(tag.ljust(_TAG_MAX, b"\0"), "V16")[0]
+        self.tag[row] = tag.ljust(_TAG_MAX, b"\0")
         self.tag_len[row] = len(tag)
         self.alive[row] = True
         self._dict[key] = row
@@ -813,6 +823,7 @@ class MmapProvider(Provider):
         io: str = "pread",
     ) -> None:
         super().__init__()
+        self._fork_gen = _fork_generation
         t0 = time.perf_counter()
         if not isinstance(path, str) or not path:
             raise InvalidArgumentError(f"store path must be a non-empty str, got {path!r}")
@@ -867,6 +878,12 @@ class MmapProvider(Provider):
             self._release_all()
             raise
         self.open_seconds = time.perf_counter() - t0
+
+    def _check_usable(self) -> None:
+        # The base class compares os.getpid() on every call; a fork counter bumped by an
+        # at-fork hook is the same check without a system call per operation.
+        if self._closed or _fork_generation != self._fork_gen:
+            super()._check_usable()
 
     # -- construction ----------------------------------------------------------------------------
     @classmethod
@@ -1465,8 +1482,7 @@ class MmapProvider(Provider):
     def _find_run(self, nslots: int) -> tuple[int, int] | None:
         """First-fit from a per-file cursor, scanning windows of the free map (amortised O(1)
         per allocation instead of a scan of a million-slot map), wrapping around once."""
-        for fid in sorted(self._free):
-            free = self._free[fid]
+        for fid, free in self._free.items():  # file ids are added in increasing order
             size = len(free)
             if size < nslots:
                 continue
