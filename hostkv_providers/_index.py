@@ -5,10 +5,14 @@ bookkeeping: which keys exist, who their parents are, what each costs, what is p
 leaf to evict next.  The provider owns the bytes and frees them for the nodes this index hands
 back as evicted.  Not thread-safe by itself: callers hold their provider lock.
 
-Pinning ("hold") propagates to ancestors: a node is *held* while it is leased, while a child
-reservation is in flight under it, or while any child is held.  ``held_cost`` therefore is the
-exact cost that no eviction may touch, which makes the satisfiability guard O(1):
-``used + cost - (sealed_cost - held_cost) <= budget``.
+A node's ``hold`` counts its own pins: leases, and child reservations in flight under it.  Pins
+need not propagate to ancestors, because only leaves are ever evicted and an ancestor of a pinned
+node has a child.  The satisfiability guard is exact without any global "held bytes" counter:
+``make_room`` evicts least-recently-used unpinned leaves *tentatively* and, if even evicting all
+of them would not make room, puts every one back and raises ``CapacityError`` — so a failed
+reservation evicts nothing.  Every operation on a chain is O(1) (amortized O(log n) for the LRU
+heap), however deep the chain: an earlier version propagated pins to the root and made saving
+an 8,192-page chain quadratic (22 s).
 """
 
 from __future__ import annotations
@@ -92,12 +96,10 @@ class TreeIndex:
         self.flights: dict[Key, _Flight] = {}
         self.used = 0  # sealed cost + in-flight cost
         self.sealed_cost = 0
-        self.held_cost = 0
         self.evictions = 0
         self.evicted_cost = 0
         self._tick = 0
         self._heap: list[tuple[int, Key]] = []
-        self._leaves = 0
 
     # -- lookups -----------------------------------------------------------------------------
     def get(self, key: Key) -> Node | None:
@@ -133,7 +135,7 @@ class TreeIndex:
         self.flights[key] = _Flight(parent, pnode, cost)
         self.used += cost
         if pnode is not None:
-            self._hold(pnode)
+            pnode.hold += 1
         return True, evicted
 
     def commit(self, key: Key, node: Node) -> None:
@@ -151,7 +153,7 @@ class TreeIndex:
         self.sealed_cost += node.cost
         if pnode is not None:
             pnode.children += 1
-            self._unhold(pnode)
+            self._release(pnode)
         self.touch(node)
 
     def cancel(self, key: Key) -> None:
@@ -160,71 +162,79 @@ class TreeIndex:
             return
         self.used -= flight.cost
         if flight.pnode is not None and not flight.pnode.dead:
-            self._unhold(flight.pnode)
+            self._release(flight.pnode)
 
     # -- budget ------------------------------------------------------------------------------
-    def evictable_cost(self) -> int:
-        return self.sealed_cost - self.held_cost
-
     def make_room(self, cost: int, protect: Node | None = None) -> list[Node]:
-        """Evict LRU leaves until ``cost`` more fits; raise ``CapacityError`` before evicting
-        anything if even evicting every evictable entry would not be enough."""
+        """Evict LRU leaves until ``cost`` more fits; raise ``CapacityError`` *without evicting
+        anything* if even evicting every evictable entry would not be enough.  ``protect`` (the
+        parent of the entry being reserved) is never evicted."""
         if self.used + cost <= self.budget:
             return []
-        evictable = self.evictable_cost()
-        if protect is not None and protect.hold == 0:
-            # the parent of the new entry must survive: it and its ancestors are not evictable
-            evictable -= self._unheld_ancestry_cost(protect)
-        if cost > self.budget or self.used + cost - evictable > self.budget:
+        if cost > self.budget or self.used - self.sealed_cost + cost > self.budget:
             raise CapacityError(
-                f"{cost} bytes do not fit: budget {self.budget}, used {self.used}, "
-                f"evictable {max(evictable, 0)}"
+                f"{cost} bytes do not fit: budget {self.budget}, used {self.used} "
+                f"of which {self.used - self.sealed_cost} by reservations in flight"
             )
         if protect is not None:
-            self._hold(protect)
+            protect.hold += 1
         try:
-            return self.evict_cost(self.used + cost - self.budget)
+            removed = self._evict_lru(self.used + cost - self.budget)
+            if self.used + cost > self.budget:
+                for node in reversed(removed):  # parents were removed after their children
+                    self._reinsert(node)
+                raise CapacityError(
+                    f"{cost} bytes do not fit: budget {self.budget}, used {self.used}, "
+                    f"and only {sum(n.cost for n in removed)} of it is evictable (the rest is leased "
+                    "or in flight)"
+                )
         finally:
             if protect is not None:
-                self._unhold(protect)
+                self._release(protect)
+        self.evictions += len(removed)
+        self.evicted_cost += sum(n.cost for n in removed)
+        return removed
 
-    def _unheld_ancestry_cost(self, node: Node | None) -> int:
-        total = 0
-        while node is not None and node.hold == 0:
-            total += node.cost
-            node = self.nodes.get(node.parent) if node.parent is not None else None
-        return total
-
-    def evict_cost(self, need: int) -> list[Node]:
-        """Evict least-recently-used unheld leaves until ``need`` cost is freed (or none left)."""
+    def _evict_lru(self, need: int) -> list[Node]:
         out: list[Node] = []
         freed = 0
         while freed < need and self._heap:
             tick, key = heapq.heappop(self._heap)
             node = self.nodes.get(key)
             if node is None or node.tick != tick or node.children or node.hold:
-                continue  # stale heap entry; a held leaf is re-pushed when released
+                continue  # stale heap entry; a pinned leaf is re-pushed when released
             self._remove(node)
-            self.evictions += 1
-            self.evicted_cost += node.cost
             freed += node.cost
             out.append(node)
+        return out
+
+    def _reinsert(self, node: Node) -> None:
+        """Undo ``_remove`` (a tentative eviction that turned out not to be enough)."""
+        node.dead = False
+        self.nodes[node.key] = node
+        self.used += node.cost
+        self.sealed_cost += node.cost
+        if node.parent is not None:
+            pnode = self.nodes.get(node.parent)
+            if pnode is not None:
+                pnode.children += 1
+        heapq.heappush(self._heap, (node.tick, node.key))
+
+    def evict_cost(self, need: int) -> list[Node]:
+        """Evict least-recently-used unpinned leaves until ``need`` cost is freed (or none left)."""
+        out = self._evict_lru(need)
+        self.evictions += len(out)
+        self.evicted_cost += sum(n.cost for n in out)
         return out
 
     def add_cost(self, node: Node, delta: int) -> list[Node]:
         """Grow (or shrink) a sealed node's cost, e.g. for anchors; evicts to make room."""
         evicted: list[Node] = []
         if delta > 0:
-            self._hold(node)
-            try:
-                evicted = self.make_room(delta)
-            finally:
-                self._unhold(node)
+            evicted = self.make_room(delta, protect=node)
         node.cost += delta
         self.used += delta
         self.sealed_cost += delta
-        if node.hold:
-            self.held_cost += delta
         return evicted
 
     # -- holds (leases) ----------------------------------------------------------------------
@@ -233,7 +243,7 @@ class TreeIndex:
         for key in keys:
             node = self.nodes.get(key)
             if node is not None:
-                self._hold(node)
+                node.hold += 1
                 self.touch(node)
             out.append(node)
         return out
@@ -241,25 +251,12 @@ class TreeIndex:
     def release_nodes(self, nodes: Iterable[Node | None]) -> None:
         for node in nodes:
             if node is not None and not node.dead:
-                self._unhold(node)
+                self._release(node)
 
-    def _hold(self, node: Node | None) -> None:
-        while node is not None:
-            node.hold += 1
-            if node.hold != 1:
-                return
-            self.held_cost += node.cost
-            node = self.nodes.get(node.parent) if node.parent is not None else None
-
-    def _unhold(self, node: Node | None) -> None:
-        while node is not None:
-            node.hold -= 1
-            if node.hold != 0:
-                return
-            self.held_cost -= node.cost
-            if node.children == 0:
-                self._push(node)
-            node = self.nodes.get(node.parent) if node.parent is not None else None
+    def _release(self, node: Node) -> None:
+        node.hold -= 1
+        if node.hold == 0 and node.children == 0 and not node.dead:
+            self._push(node)
 
     # -- removal -----------------------------------------------------------------------------
     def _remove(self, node: Node) -> None:
@@ -324,11 +321,8 @@ class TreeIndex:
         """Force-remove ``key`` and its subtree (a checksum failure), held or not."""
         removed: list[Node] = []
         for node in self.subtree([key]):
-            if node.hold:
-                self.held_cost -= node.cost
-                if node.parent is not None and node.parent in self.nodes:
-                    self._unhold(self.nodes[node.parent])
-                node.hold = 0
+            # leases and flights on a dropped node see ``dead`` and leave it alone
+            node.hold = 0
             if node.children:  # children already removed (deepest first); keep counts exact
                 node.children = 0
             self._remove(node)

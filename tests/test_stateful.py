@@ -292,9 +292,10 @@ class TreeIndexMachine(RuleBasedStateMachine):
         assert set(idx.flights) == set(self.flights)
         assert idx.used == self._used() <= BUDGET
         assert idx.sealed_cost == sum(n.cost for n in self.nodes.values())
-        pinned = self._pinned()
-        assert idx.held_cost == sum(n.cost for k, n in self.nodes.items() if k in pinned)
-        assert {k for k, n in idx.nodes.items() if n.hold} == pinned
+        # the index pins directly (leases, in-flight children); ancestors are safe as non-leaves
+        direct = {k for _, held in self.leases for k, g in held if self._alive(k, g)}
+        direct |= {p for p, _, g in self.flights.values() if self._alive(p, g)}  # type: ignore[misc]
+        assert {k for k, n in idx.nodes.items() if n.hold} == direct
         assert idx.evictions == self.evictions
         for k, n in self.nodes.items():
             assert n.parent is None or n.parent in self.nodes

@@ -31,7 +31,7 @@ HERE = Path(__file__).resolve().parent
 class _PuncturingIndex(TreeIndex):
     """Evicts the least recently used *entry*, leaf or not: chains get holes."""
 
-    def evict_cost(self, need: int) -> list[Node]:
+    def _evict_lru(self, need: int) -> list[Node]:  # the eviction-policy hook
         out: list[Node] = []
         freed = 0
         for node in sorted(self.nodes.values(), key=lambda n: n.tick):
@@ -49,7 +49,7 @@ class _PuncturingIndex(TreeIndex):
 class _MostRecentIndex(TreeIndex):
     """Evicts the most recently used leaf first (MRU instead of LRU)."""
 
-    def evict_cost(self, need: int) -> list[Node]:
+    def _evict_lru(self, need: int) -> list[Node]:  # the eviction-policy hook
         out: list[Node] = []
         freed = 0
         while freed < need:
