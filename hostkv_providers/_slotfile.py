@@ -495,14 +495,15 @@ class SlotFile:
         self._check_run(slot, run_nslots(nbytes, self.slot_nbytes))
         if not self._header_is(slot, key, generation, nbytes, checksum):
             return ReadResult.STALE
-        src = self.data(slot, nbytes)
-        if self.io == "syscall" and n:
-            self._pread_into(out, self.data_offset + slot * self.slot_nbytes + offset)
+        lo = self.data_offset + slot * self.slot_nbytes
+        whole = offset == 0 and n == nbytes
+        if self.io == "syscall":
+            if n:
+                self._pread_into(out, lo + offset)
         else:
-            out[:] = src[offset : offset + n]
+            out[:] = self._v()[lo + offset : lo + offset + n]
         if verify:
-            whole = offset == 0 and n == nbytes
-            got = xxhash.xxh3_64_intdigest(out if whole else src)
+            got = xxhash.xxh3_64_intdigest(out if whole else self._v()[lo : lo + nbytes])
             if got != checksum:
                 return ReadResult.CORRUPT if self._header_is(slot, key, generation, nbytes, checksum) \
                     else ReadResult.STALE
