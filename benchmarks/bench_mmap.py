@@ -254,8 +254,8 @@ def build_synthetic(store: str, n: int, chain_len: int = 16) -> None:
     recs["created"] = time.time()
     recs["seq"] = idx + 1
     _seal_folds(recs)
-    with open(os.path.join(store, "manifest.json")) as f:
-        man_store_id = bytes.fromhex(json.load(f)["store_id"])
+    with open(os.path.join(store, "manifest.json"), encoding="utf-8") as mf:
+        man_store_id = bytes.fromhex(json.load(mf)["store_id"])
     head = bytearray(64)
     head[:8] = b"HKVSNAP1"
     head[8:24] = man_store_id

@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +19,7 @@ import pytest
 
 from hostkv_providers import _fsutil
 from hostkv_providers._errors import HostKVError, NoSpaceError
+from hostkv_providers._keys import Key
 from hostkv_providers._mmap import REC_NBYTES, MmapProvider
 from hostkv_providers._slotfile import FILE_HEADER_NBYTES, SLOT_HEADER_NBYTES, SlotFile
 from hostkv_providers.testing import anchor_bytes, chain, key_of, page_bytes, put_chain, put_page
@@ -27,7 +29,7 @@ PAGE = 16384
 
 
 def _url(path: Path, w: Workload, **opts: object) -> str:
-    base = {"budget": w.budget_bytes(3), "slot": w.page_nbytes, "snapshot_every": 32}
+    base: dict[str, object] = {"budget": w.budget_bytes(3), "slot": w.page_nbytes, "snapshot_every": 32}
     base.update(opts)
     return f"mmap://{path}?" + "&".join(f"{k}={v}" for k, v in base.items())
 
@@ -96,9 +98,9 @@ def test_named_crash_point(tmp_path: Path, point: str) -> None:
 # -- bit flips --------------------------------------------------------------------------------------
 
 
-def _build_flip_store(root: Path) -> tuple[list[bytes], list[bytes]]:
+def _build_flip_store(root: Path) -> tuple[list[Key], list[Key]]:
     p = MmapProvider(str(root), budget_bytes=256 * 4096, slot_nbytes=4096, snapshot_every=10_000)
-    keys: list[bytes] = []
+    keys: list[Key] = []
     for c in range(2):
         ch = chain(f"flip-{c}", 4)
         put_chain(p, ch, 8192)
@@ -125,7 +127,7 @@ def _build_flip_store(root: Path) -> tuple[list[bytes], list[bytes]]:
     return keys, anchored
 
 
-def _flip_targets(root: Path, keys: list[bytes], anchored: list[bytes]) -> list[tuple[str, int, int, str]]:
+def _flip_targets(root: Path, keys: list[Key], anchored: list[Key]) -> list[tuple[str, int, int, str]]:
     """(file, start, end, kind) byte ranges that hold live information."""
     out: list[tuple[str, int, int, str]] = []
     for name in sorted(os.listdir(root)):
@@ -208,7 +210,7 @@ def test_2000_bit_flips_detected_never_returned(tmp_path: Path) -> None:
 
 
 @pytest.fixture
-def small_fs(tmp_path: Path) -> Path:
+def small_fs(tmp_path: Path) -> Iterator[Path]:
     mnt = tmp_path / "mnt"
     mnt.mkdir()
     if os.geteuid() != 0:
@@ -237,7 +239,7 @@ def _enospc_child(store: Path, junk: Path) -> int:
                     break
         except OSError:
             pass
-    written: list[bytes] = []
+    written: list[Key] = []
     got_enospc = False
     for i in range(64):
         k = key_of(f"enospc-{i}")
@@ -305,7 +307,7 @@ def _reader(store: str, reads: int, wfd: int) -> int:
     q = MmapProvider(store, readonly=True)
     rng = random.Random(os.getpid())
     done = wrong = hits = 0
-    keys: list[bytes] = []
+    keys: list[Key] = []
     expected: dict[bytes, bytes] = {}  # the oracle costs more than a read: compute once per key
     while done < reads:
         if done % 200 == 0:

@@ -52,6 +52,7 @@ def test_url_options_and_unknown_option(tmp_path: Path) -> None:
         open_provider(f"mmap://{tmp_path}/s?durability=fast")
     # budget and slot size come from the manifest when not given
     p = open_provider(f"mmap://{tmp_path}/s")
+    assert isinstance(p, MmapProvider)
     assert (p.budget_bytes, p.slot_nbytes) == (1 << 20, PAGE)
     assert p.present([key_of("u")]) == [True]
     p.close()
