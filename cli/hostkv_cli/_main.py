@@ -108,35 +108,19 @@ def providers(as_json: bool) -> None:
             for p in infos
         ])
         return
-    rows = []
+    # Two lines per provider: name, status and distribution; then its capabilities, indented.
+    # (The capability list alone is up to 60 columns: a single-line table cannot fit 80.)
+    width = max([len(p.name) for p in infos] + [4])
+    table(("NAME".ljust(width), "STATUS", "DISTRIBUTION"), [])
     for p in infos:
-        caps = sorted(p.capabilities, key=hk.CAPABILITY_NAMES.index) if not p.error else []
         dist = f"{p.distribution} {p.version}" + ("" if p.builtin else " (plugin)")
-        rows.append((p.name, "broken" if p.error else "ok", dist, caps))
-    heads = ("NAME", "STATUS", "DISTRIBUTION")
-    widths = [max([len(h)] + [len(str(r[i])) for r in rows]) for i, h in enumerate(heads)]
-    lead = sum(widths) + 2 * len(widths)
-    room = max(20, 80 - lead)
-    click.echo("  ".join(h.ljust(w) for h, w in zip(heads, widths, strict=True)) + "  CAPABILITIES")
-    for name, status, dist, caps in rows:
-        # wrap the capability list under its column so every line fits 80 columns
-        lines, cur = [], ""
-        for cap in caps or ["-"]:
-            cand = f"{cur},{cap}" if cur else cap
-            if len(cand) + 1 > room and cur:
-                lines.append(cur + ",")
-                cur = cap
-            else:
-                cur = cand
-        lines.append(cur)
-        first = "  ".join(c.ljust(w) for c, w in zip((name, status, dist), widths, strict=True))
-        click.echo(f"{first}  {lines[0]}")
-        for more in lines[1:]:
-            click.echo(" " * lead + more)
-    for p in infos:
+        click.echo(f"{p.name.ljust(width)}  {'broken' if p.error else 'ok':<6}  {dist}")
         if p.error:
-            line = f"  {p.name}: {p.error}"
-            click.echo(line if len(line) <= 80 else line[:79] + "…")
+            detail = f"    error: {p.error}"
+        else:
+            caps = ",".join(sorted(p.capabilities, key=hk.CAPABILITY_NAMES.index)) or "-"
+            detail = f"    capabilities: {caps}"
+        click.echo(detail if len(detail) <= 80 else detail[:79] + "…")
     if not infos:
         click.echo("no providers installed")
 
