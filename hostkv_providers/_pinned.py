@@ -198,6 +198,8 @@ class PinnedProvider(Provider):
         self._ready = threading.Condition(self._lock)
         self._arena = _Arena(block, chunk // block)
         self._index = TreeIndex(0)
+        self._lease_tokens: dict[int, list[Node | None]] = {}  # live leases, by id of their token
+        self._limbo: dict[int, tuple[Node, int]] = {}  # dropped but still leased: node, lease count
         self._counters: dict[str, int] = dict.fromkeys(
             ("hits", "misses", "seals", "aborts", "dedup", "checksum_failures", "bytes_written", "bytes_read"), 0
         )
@@ -444,7 +446,7 @@ class PinnedProvider(Provider):
                 return True
             if not node.dead:  # first to see the corruption: drop the entry with its subtree
                 self._counters["checksum_failures"] += 1
-                self._free_nodes(self._index.drop(k))
+                self._drop(k)
             self._counters["misses"] += 1
             return False
 
@@ -478,6 +480,36 @@ class PinnedProvider(Provider):
     def _free_nodes(self, nodes: Sequence[Node]) -> None:
         for node in nodes:
             self._arena.release(node.loc)
+
+    def _drop(self, key: Key) -> list[Node]:
+        """Force-remove a corrupt entry with its subtree (caller holds the lock).
+
+        Leases are not honoured by a drop (the bytes are known bad), but a lease holder may be
+        reading the entry's blocks zero-copy through :meth:`view` (a DMA in flight).  Reusing
+        those blocks for another entry would hand that reader *another entry's* bytes, so the
+        blocks of a leased dropped node stay allocated and accounted — in limbo — until the last
+        lease on it is released.
+        """
+        dropped = self._index.drop(key)
+        if not dropped:
+            return dropped
+        dead = {id(n) for n in dropped}
+        pins: dict[int, int] = {}
+        for token in self._lease_tokens.values():
+            for n in token:
+                if n is not None and id(n) in dead:
+                    pins[id(n)] = pins.get(id(n), 0) + 1
+        for n in dropped:
+            count = pins.get(id(n), 0)
+            if count:
+                self._limbo[id(n)] = (n, count)
+                self._index.used += self._blocks_cost(n)
+            else:
+                self._arena.release(n.loc)
+        return dropped
+
+    def _blocks_cost(self, node: Node) -> int:
+        return self._block * sum(int(length) for _, length in node.loc)
 
     # -- anchors -----------------------------------------------------------------------------
     def put_anchor(self, key: bytes, name: str, data: object) -> None:
@@ -531,13 +563,27 @@ class PinnedProvider(Provider):
         ks = self._keys(keys)
         with self._usable():
             held = self._index.hold_keys(ks)
+            self._lease_tokens[id(held)] = held
             return Lease(self, ks, [n is not None for n in held], token=held)
 
     def _release_lease(self, lease: Lease) -> None:
         with self._lock:
             if self._closed:
                 return
-            self._index.release_nodes(lease.token)  # type: ignore[arg-type]
+            token: list[Node | None] = lease.token  # type: ignore[assignment]
+            self._lease_tokens.pop(id(token), None)
+            self._index.release_nodes(token)
+            for n in token:
+                held = self._limbo.get(id(n)) if n is not None and n.dead else None
+                if held is None:
+                    continue
+                node, count = held
+                if count > 1:
+                    self._limbo[id(n)] = (node, count - 1)
+                else:  # the last lease on a dropped entry let go: its blocks may be reused now
+                    del self._limbo[id(n)]
+                    self._index.used -= self._blocks_cost(node)
+                    self._arena.release(node.loc)
 
     # -- verification ------------------------------------------------------------------------
     def verify(self, *, repair: bool = False, progress: Any = None) -> VerifyReport:
@@ -555,9 +601,7 @@ class PinnedProvider(Provider):
                 if not ok:
                     report.corrupt.append(node.key)
                     if repair:
-                        dropped = self._index.drop(node.key)
-                        report.dropped += len(dropped)
-                        self._free_nodes(dropped)
+                        report.dropped += len(self._drop(node.key))
             if progress is not None:
                 progress(i + 1, len(nodes))
         return report
@@ -576,7 +620,7 @@ class PinnedProvider(Provider):
                 in_flight=len(idx.flights),
                 evictions=idx.evictions,
                 evicted_bytes=idx.evicted_cost,
-                extra={"ready_bytes": self.ready_bytes, "block_nbytes": self._block,
+                extra={"ready_bytes": self.ready_bytes, "block_nbytes": self._block, "limbo_entries": len(self._limbo),
                        "pinned": self._allocator.pinned, "free_blocks": self._arena.free},
                 **self._counters,
             )

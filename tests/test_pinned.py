@@ -506,3 +506,37 @@ def test_readers_race_corruption_repair_and_resaves(closing: list[Provider]) -> 
     assert p.verify().ok
     for k in keys:
         assert p.read_bytes(k) == page_bytes(k, nbytes)
+
+
+def test_leased_views_of_a_dropped_entry_are_never_reused(closing: list[Provider]) -> None:
+    """A zero-copy reader keeps its memory until it releases the lease, even when the entry is
+    dropped as corrupt meanwhile: the blocks are not handed to another entry (limbo)."""
+    p = _pinned(4, verify_reads=True)
+    closing.append(p)
+    k = key_of("limbo")
+    put_page(p, k, None, 2 * PAGE)
+    lease = p.lease([k])
+    lease2 = p.lease([k, k])
+    views = p.view(lease, k)
+    assert views is not None
+    p._arena.regions(p._index.nodes[k].loc, 2 * PAGE, False)[0].view[9] ^= 1  # a memory fault
+    snapshot = b"".join(bytes(v.view) for v in views)
+    assert p.verify(repair=True).dropped == 1
+    assert p.present([k]) == [False] and p.view(lease, k) is None
+    st = p.stats()
+    assert st.used_bytes == 2 * PAGE and st.extra["limbo_entries"] == 1  # still accounted
+    others = [key_of(f"limbo-other-{i}") for i in range(4)]
+    for o in others:  # fills the free half; the limbo blocks are not reused
+        put_page(p, o, None, PAGE)
+        assert p.stats().used_bytes <= p.budget_bytes
+    assert b"".join(bytes(v.view) for v in views) == snapshot
+    with pytest.raises(CapacityError):  # 2 free pages at most while the limbo holds 2
+        p.reserve(key_of("limbo-big"), None, 3 * PAGE)
+    lease.release()
+    assert p.stats().extra["limbo_entries"] == 1  # lease2 still holds it (twice)
+    lease2.release()
+    st = p.stats()
+    assert st.extra["limbo_entries"] == 0 and st.used_bytes <= 2 * PAGE
+    big = key_of("limbo-big")
+    assert put_page(p, big, None, 3 * PAGE)  # now the blocks are free again
+    assert p.read_bytes(big) == page_bytes(big, 3 * PAGE)
