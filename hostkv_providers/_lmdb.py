@@ -532,6 +532,7 @@ class _Shared:
         self.present_epoch = -1
         self.cache_lock = threading.Lock()
         self.slot_dir = os.path.join(path, _SLOT_DIR)
+        self._exclusive_during_open = False
         global _crash_armed
         _crash_armed = bool(os.environ.get(_fsutil.CRASH_ENV) or os.environ.get("CRASH_AT"))
         self._check_contents()
@@ -583,8 +584,9 @@ class _Shared:
                 time.sleep(0.01)
 
     def _try_exclusive(self) -> bool:
-        """Upgrade to the exclusive lock if no other process has the store open (then recovery
-        may remove orphans nobody else can be creating); always end holding it shared."""
+        """Take the lock exclusively if no other process has the store open: then recovery may
+        remove orphans that nobody else can be creating.  ``False``: others are attached, the
+        lock is held shared.  ``True``: held exclusively until :meth:`_downgrade`."""
         self.lock.release()
         try:
             ex = _fsutil.LockFile(os.path.join(self.path, _LOCK_NAME), exclusive=True)
@@ -597,7 +599,7 @@ class _Shared:
         return True
 
     def _downgrade(self) -> None:
-        if getattr(self, "_exclusive_during_open", False):
+        if self._exclusive_during_open:
             self.lock.release()
             self.lock = self._shared_lock()
             self._exclusive_during_open = False
