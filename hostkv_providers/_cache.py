@@ -921,19 +921,6 @@ class HostKVCache:
         admitted = max(0, min(int(admitted), len(ks)))
         result.admitted = admitted
         job = _SaveJob(ks[:admitted], handle)
-        with self._lock:
-            present = self.provider.present(ks[:admitted]) if admitted else []
-            for i in range(admitted):
-                if present[i]:
-                    continue
-                owner = self._claims.get(ks[i])
-                if owner is not None:
-                    job.deps[i] = owner
-                else:
-                    self._claims[ks[i]] = job
-                    job.claimed.append(i)
-            self._stats.saves += 1
-            self._stats.rejected_pages += len(ks) - admitted
 
         def finish(h: CacheHandle) -> None:
             with self._lock:
@@ -952,9 +939,27 @@ class HostKVCache:
             job.done.set()
 
         handle.add_done_callback(finish)
-        try:
-            self._save_pool.submit(self._run_save, job, planes, bids, par, present, blobs, after)
-        except RuntimeError:  # pool shut down by close() racing this call
+        refused = False
+        with self._lock:
+            present = self.provider.present(ks[:admitted]) if admitted else []
+            for i in range(admitted):
+                if present[i]:
+                    continue
+                owner = self._claims.get(ks[i])
+                if owner is not None:
+                    job.deps[i] = owner
+                else:
+                    self._claims[ks[i]] = job
+                    job.claimed.append(i)
+            self._stats.saves += 1
+            self._stats.rejected_pages += len(ks) - admitted
+            # Queued under the same lock as the claims: a save that depends on an earlier one's
+            # claims is then always behind it on the (single, FIFO) save thread.
+            try:
+                self._save_pool.submit(self._run_save, job, planes, bids, par, present, blobs, after)
+            except RuntimeError:  # pool shut down by close() racing this call
+                refused = True
+        if refused:
             handle._finish(result, ClosedError("the cache is closed"))
         return handle
 
