@@ -838,3 +838,25 @@ def test_seal_checksum_for_every_write_pattern(tmp_path: Path, pattern: str) -> 
     assert p.read_bytes(k) == data
     assert p.verify().ok
     p.close()
+
+
+def test_a_reused_slot_never_satisfies_a_stale_record(tmp_path: Path) -> None:
+    p = _store(tmp_path, budget_bytes=4 * PAGE)
+    s: Any = p._s
+    a, b = key_of("stale-a"), key_of("stale-b")
+    put_page(p, a, None, PAGE)
+    with s.env.begin() as txn:
+        stale = bytes(txn.get(a, db=s.dbs["entries"]))
+    p.evict([a])
+    put_page(p, b, None, PAGE)  # takes the freed slot (lowest free slot first)
+    with s.env.begin() as txn:
+        rec_b = ENTRY.unpack_from(bytes(txn.get(b, db=s.dbs["entries"])))
+    rec_a = ENTRY.unpack_from(stale)
+    assert (rec_a[12], rec_a[13]) == (rec_b[12], rec_b[13])  # same file and slot
+    with s.env.begin(write=True) as txn:  # resurrect the stale index record of a
+        txn.put(a, stale, db=s.dbs["entries"])
+    out = bytearray(PAGE)
+    assert p.read(a, out) is False  # the slot header echoes b's key and generation, not a's
+    assert p.read_bytes(b) == page_bytes(b, PAGE)
+    assert p.present([a]) == [False]  # the stale record was dropped
+    p.close()
