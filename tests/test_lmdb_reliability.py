@@ -860,3 +860,27 @@ def test_a_reused_slot_never_satisfies_a_stale_record(tmp_path: Path) -> None:
     assert p.read_bytes(b) == page_bytes(b, PAGE)
     assert p.present([a]) == [False]  # the stale record was dropped
     p.close()
+
+
+def _grow_in_child(store: str, n: int) -> None:
+    p = LmdbProvider(store, inline_max=1 << 20)
+    for i in range(n):
+        put_page(p, key_of(f"grow-{i}"), None, 16384)
+    assert p.stats().extra["map_size"] > 1 << 20
+    p.close()
+
+
+def test_map_grown_by_another_process_is_adopted(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    p = LmdbProvider(store, budget_bytes=1 << 30, inline_max=1 << 20, map_size=1 << 20, map_max=1 << 30)
+    put_page(p, key_of("grow-parent"), None, 16384)
+    child = mp.get_context("spawn").Process(target=_grow_in_child, args=(str(store), 300))
+    child.start()
+    child.join(120)
+    assert child.exitcode == 0
+    keys = [key_of(f"grow-{i}") for i in range(300)]
+    assert p.longest_prefix(keys) == 300  # the first transaction adopts the larger map
+    assert p.read_bytes(keys[-1]) == page_bytes(keys[-1], 16384)
+    put_page(p, key_of("grow-parent-2"), None, 16384)
+    assert p.stats().extra["map_size"] > 1 << 20
+    p.close()
