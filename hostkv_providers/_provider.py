@@ -361,6 +361,11 @@ class Lease:
     def released(self) -> bool:
         return self._released
 
+    @property
+    def provider(self) -> Provider:
+        """The provider that granted this lease."""
+        return self._provider
+
     def release(self) -> None:
         if self._released:
             return
