@@ -14,9 +14,9 @@ caches), 16-token pages: 7,426 full pages of 1,081,344 bytes (8.03 GB).  Phases:
 2. ``decode``: a launch-heavy, memory-bound decode-like loop (32 layers x 3 GEMVs on distinct
    4096x4096 bf16 weights plus element-wise ops, host-synchronised every step like a sampler) —
    time between tokens alone, then while a full 8 GB save of a new prompt runs.
-3. ``tiered``: pinned over lmdb (``--slow-dir``): save (lands in pinned memory), restore from
+3. ``tiered``: pinned over mmap or lmdb (``--slow``, ``--slow-dir``): save (lands in pinned memory), restore from
    the fast tier while the write-back runs, the write-back's rate, then a "restart" (a new
-   TieredProvider over the same lmdb store, empty fast tier): index rebuild, restore from the
+   TieredProvider over the same slow store, empty fast tier): index rebuild, restore from the
    slow tier (staged reads, promoting), restore again (now from the fast tier).
 
 Results print as a markdown table and go to ``bench_cache.json`` / ``bench_cache.md`` in ``--out``.
@@ -89,6 +89,19 @@ def restore_once(torch: Any, cache: HostKVCache, keys: list[hk.Key], planes: Pla
             "gbps": res.nbytes / (t2 - t0) / 1e9, "viewed": res.viewed, "staged": res.staged}
 
 
+def open_slow(url: str) -> hk.Provider:
+    """The slow tier, built from its class directly (works without the package's entry points,
+    i.e. with ``PYTHONPATH`` instead of an installed distribution)."""
+    scheme, location, options = hk.parse_url(url)
+    if scheme == "mmap":
+        from hostkv_providers._mmap import MmapProvider
+
+        return MmapProvider.from_url(location, options)
+    from hostkv_providers._lmdb import LmdbProvider
+
+    return LmdbProvider.from_url(location, options)
+
+
 def summarize(runs: list[dict[str, float]]) -> dict[str, Any]:
     tot = [r["total_ms"] for r in runs]
     return {"runs": runs, "best_ms": min(tot), "median_ms": statistics.median(tot),
@@ -155,7 +168,8 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--slow-dir", default="/tmp/hostkv-bench-lmdb")
+    ap.add_argument("--slow", choices=("mmap", "lmdb"), default="mmap", help="the tiered provider's slow tier")
+    ap.add_argument("--slow-dir", default="/tmp/hostkv-bench-slow")
     ap.add_argument("--budget-s", type=float, default=330.0, help="skip phases that would run past this")
     ap.add_argument("--decode-hidden", type=int, default=4096)
     ap.add_argument("--decode-layers", type=int, default=32)
@@ -177,7 +191,7 @@ def main() -> int:
     block = -(-page // 4096) * 4096
     n_pages = args.tokens // layout.page_tokens
     nblocks = 2 * n_pages + 8
-    r: dict[str, Any] = {"tokens": args.tokens, "pages": n_pages, "page_nbytes": page,
+    r: dict[str, Any] = {"slow": args.slow, "tokens": args.tokens, "pages": n_pages, "page_nbytes": page,
                          "kv_nbytes": n_pages * page, "device": args.device}
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     if args.device == "cuda":
@@ -254,13 +268,15 @@ def main() -> int:
         dump()
     cache.close()
 
-    # -- 3. tiered: pinned over lmdb ----------------------------------------------------------
+    # -- 3. tiered: pinned over mmap/lmdb ----------------------------------------------------------
     if "tiered" not in skip and left() > 60:
         pinned.evict(nbytes=pinned.budget_bytes)  # the fast tier starts empty
         shutil.rmtree(args.slow_dir, ignore_errors=True)
         slow_budget = 2 * budget
-        slow_url = f"lmdb://{args.slow_dir}?budget={slow_budget}"
-        slow = hk.open(slow_url)
+        slow_url = f"{args.slow}://{args.slow_dir}?budget={slow_budget}"
+        if args.slow == "mmap":
+            slow_url += f"&slot={block}"  # one slot per page (the default slot may round pages up)
+        slow = open_slow(slow_url)
         tiered = TieredProvider(pinned, slow, budget_bytes=budget, queue_pages=n_pages + 64, own_tiers=False)
         tc = HostKVCache(tiered, salt, engine, chunk_pages=256)
         sync()
@@ -283,15 +299,19 @@ def main() -> int:
         r["write_back"] = {"complete": flushed, "pages": st["write_backs"], "seconds_since_save": wb_s,
                            "gbps": st["write_backs"] * page / wb_s / 1e9}
         log(f"write-back: {st['write_backs']} pages, complete={flushed}, {r['write_back']['gbps']:.2f} GB/s")
+        if left() > 40:
+            r["tiered_restore_idle"] = summarize([restore_once(torch, tc, keys, planes, dst, sync)
+                                                  for _ in range(args.reps)])
+            log(f"restore from the fast tier, write-back idle: best {r['tiered_restore_idle']['best_ms']:.1f} ms")
         tc.close()
         dump()
         if "restart" not in skip and flushed and left() > 30:
-            # "restart": a new tiered provider over the same lmdb store, empty fast tier
+            # "restart": a new tiered provider over the same slow store, empty fast tier
             tiered.close()
             slow.close()
             pinned.evict(nbytes=pinned.budget_bytes)
             t = time.perf_counter()
-            slow = hk.open(slow_url)
+            slow = open_slow(slow_url)
             tiered2 = TieredProvider(pinned, slow, budget_bytes=budget, queue_pages=n_pages + 64, own_tiers=False)
             r["restart_open_s"] = time.perf_counter() - t
             tc2 = HostKVCache(tiered2, salt, engine, chunk_pages=256)
@@ -299,7 +319,7 @@ def main() -> int:
             r["tiered_restore_slow"] = cold
             r["tiered_restore_slow"]["bytes_equal"] = planes.same(torch, src, dst)
             r["tiered_restore_slow"]["promotions"] = tiered2.stats().extra["promotions"]
-            log(f"after restart: open {r['restart_open_s']:.2f} s, restore from lmdb {cold['total_ms']:.0f} ms "
+            log(f"after restart: open {r['restart_open_s']:.2f} s, restore from {args.slow} {cold['total_ms']:.0f} ms "
                 f"({cold['staged']} staged pages)")
             if left() > 10:
                 r["tiered_restore_promoted"] = summarize(
@@ -324,6 +344,7 @@ def render(r: dict[str, Any]) -> str:
              "| --- | ---: | ---: | ---: | ---: | --- |"]
     for name, label in (("pinned_restore", "pinned provider (zero-copy views)"),
                         ("tiered_restore_fast", "tiered, fast tier (write-back running)"),
+                        ("tiered_restore_idle", "tiered, fast tier (write-back done)"),
                         ("tiered_restore_promoted", "tiered after restart, 2nd restore (promoted)")):
         x = r.get(name)
         if x:
@@ -331,7 +352,8 @@ def render(r: dict[str, Any]) -> str:
                          f"{FIELD_MS / x['best_ms']:.2f}x | {x.get('bytes_equal', '-')} |")
     x = r.get("tiered_restore_slow")
     if x:
-        lines.append(f"| tiered after restart, 1st restore (lmdb reads, promoting) | {x['total_ms']:.1f} | - | "
+        lines.append(f"| tiered after restart, 1st restore ({r.get('slow')} reads, promoting) | "
+                     f"{x['total_ms']:.1f} | - | "
                      f"{x['gbps']:.1f} | {FIELD_MS / x['total_ms']:.2f}x | {x.get('bytes_equal', '-')} |")
     lines.append("")
     if "pinned_save" in r:
@@ -340,7 +362,7 @@ def render(r: dict[str, Any]) -> str:
                      f"after {s['copied_s']:.2f} s, all sealed after {s['sealed_s']:.2f} s ({s['gbps']:.1f} GB/s).")
     if "tiered_save" in r:
         lines.append(f"Tiered save: sealed in the fast tier after {r['tiered_save']['sealed_s']:.2f} s; "
-                     f"write-back to lmdb {r['write_back']['gbps']:.2f} GB/s "
+                     f"write-back to {r.get('slow', 'the slow tier')} {r['write_back']['gbps']:.2f} GB/s "
                      f"(complete: {r['write_back']['complete']}); reopen of the store "
                      f"{r.get('restart_open_s', float('nan')):.2f} s.")
     d = r.get("decode")
