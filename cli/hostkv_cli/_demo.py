@@ -213,7 +213,7 @@ def run_demo(plan: DemoPlan, *, quiet: bool, fresh_process: bool = True) -> dict
         doc["save_a"] = _save(p, salt, keys_a, "saving prompt A", quiet)
         shared = p.longest_prefix(keys_b)
         doc["fork_shared_pages"] = shared
-        doc["save_b"] = _save(p, salt, keys_b, "saving fork B  ", quiet)
+        doc["save_b"] = _save(p, salt, keys_b, "saving fork B", quiet)
         doc["provider"] = p.name
         doc["describe"] = p.describe()
         if not persistent:
@@ -252,7 +252,7 @@ def _print(doc: dict[str, Any], note: str | None) -> None:
     pn = doc["page_nbytes"]
     sa, sb = doc["save_a"], doc["save_b"]
     e = click.echo
-    e(f"hostkv demo: an engine-like session on a {doc['provider']} store")
+    e(f"hostkv demo: an engine-like session on the {doc['provider']} provider")
     e(f"store     {plan['url']}")
     if note:
         e(f"note: {note}")
