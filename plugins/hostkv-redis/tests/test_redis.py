@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -363,3 +368,47 @@ def test_server_out_of_memory_is_typed(tmp_path: Any) -> None:
         st = p.stats()
         assert st.in_flight == 0 and st.used_bytes == len(stored) * (256 << 10)
         p.close()
+
+
+def test_sealed_pages_never_expire(make_redis: Make, redis_server: RedisServer) -> None:
+    """RENAME carries the staging key's TTL over; the seal script must PERSIST the page."""
+    p = make_redis()
+    a, b = key_of("ttl-a"), key_of("ttl-b")
+    p.put(a, None, page_bytes(a, PAGE))
+    p.put_many([(b, a, page_bytes(b, PAGE))])
+    with redis_server.client() as c:
+        assert [c.pttl(f"hkv:{{{p.namespace}}}:d:{k.hex()}") for k in (a, b)] == [-1, -1]
+
+
+def _hold_and_die(url: str, namespace: str, ready: Any) -> None:
+    p = RedisProvider(url, namespace=namespace, lease_ttl=0.5, reservation_ttl=0.5)
+    keys = chain("killed", 3)
+    held = (p.lease(keys), p.reserve(key_of("killed-open"), keys[-1], PAGE))  # kept alive until killed
+    ready.set()
+    threading.Event().wait(600)  # SIGKILLed by the parent long before this
+    del held
+
+
+def test_killed_clients_pins_expire(make_redis: Make, redis_server: RedisServer) -> None:
+    """A client process SIGKILLed while holding a lease and a reservation: once its TTL passes,
+    the server reaps both (no timing assertion: the test waits for it, bounded)."""
+    b = make_redis(budget_bytes=4 * PAGE)
+    keys = chain("killed", 3)
+    _put_chain(b, keys)
+    ctx = mp.get_context("spawn")
+    ready = ctx.Event()
+    child = ctx.Process(target=_hold_and_die, args=(redis_server.url, b.namespace, ready))
+    child.start()
+    try:
+        assert ready.wait(120)
+        assert b.stats().leased == 3 and b.in_flight(key_of("killed-open"))
+        os.kill(child.pid or 0, signal.SIGKILL)
+    finally:
+        child.join(60)
+    deadline = time.monotonic() + 60
+    while b.in_flight(key_of("killed-open")) or b.stats().leased:  # in_flight() reaps
+        assert time.monotonic() < deadline, "the dead client's pins never expired"
+        time.sleep(0.1)
+    assert b.put(key_of("killed-big"), None, b"k" * (4 * PAGE))  # everything was evictable again
+    assert b.longest_prefix(keys) == 0
+    _consistent(redis_server, b)
