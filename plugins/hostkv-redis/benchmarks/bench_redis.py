@@ -94,7 +94,8 @@ def bench_size(url: str, page: int, total: int, batch: int, repeat: int) -> dict
 
         # Each system writes, reads, then frees its data, so both start from the same server memory
         # state; which one goes first alternates per round.
-        pairs = [("ours", ours_write, ours_read, ours_clean), ("raw", raw_write, raw_read, raw_clean)]
+        pairs: list[tuple[str, Callable[[], None], Callable[[], None], Callable[[], None]]] = [
+            ("ours", ours_write, ours_read, ours_clean), ("raw", raw_write, raw_read, raw_clean)]
         for who, write, read, clean in pairs if r % 2 == 0 else pairs[::-1]:
             for phase, fn in (("write", write), ("read", read)):
                 t0 = time.perf_counter()
