@@ -181,7 +181,8 @@ def test_copy_parents_first_with_anchors_and_dedup(runner: CliRunner, stores) ->
     assert doc["copied"] == len(f.keys) and doc["dedup"] == 0 and doc["anchors"] == 3
     for k in f.keys:
         assert dst.read_bytes(k) == page_bytes(k, SALT_A.page_nbytes)
-        assert dst.entry(k).salt_tag == src.entry(k).salt_tag  # type: ignore[union-attr]
+        d, s = dst.entry(k), src.entry(k)
+        assert d is not None and s is not None and d.salt_tag == s.salt_tag
     assert dst.get_anchor(f.chains["b"][-1], "ssm_state") == src.get_anchor(f.chains["b"][-1], "ssm_state")
     again = json.loads(invoke(runner, "copy", "--json", URL, URL2).stdout)
     assert again["copied"] == 0 and again["dedup"] == len(f.keys) and again["anchors"] == 0
