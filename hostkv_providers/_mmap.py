@@ -1252,7 +1252,6 @@ class MmapProvider(Provider):
         records first, then the journal's, in order; the last record per key wins), validated
         against the slot headers and the tree, loaded into the index; free maps rebuilt.
         Vectorised end to end: one sort of the keys, one of the slots, no Python work per entry."""
-        idx = self._idx
         u8 = np.uint64(0xFF)
         n_all = W.shape[1]
         max_seq = int(W[18].max()) if n_all else 0
@@ -1270,6 +1269,9 @@ class MmapProvider(Provider):
         k64 = E[1]
         order = np.argsort(k64, kind="stable")
         sk = k64[order]
+        if m and m == n_all and bool((sk[1:] != sk[:-1]).all()) and bool(((E[0] & u8) == OP_SEAL).all()):
+            self._apply_unique(W, order, sk, n_snap, max_seq, max_gen, anchor_pos)
+            return
         is_win = np.zeros(m, np.bool_)
         winner_of = np.zeros(m, np.int64)
         if m:
@@ -1336,41 +1338,12 @@ class MmapProvider(Provider):
                     if not nxt.any():
                         break
                     rest, pos = rest[nxt], pos[nxt] + 1
-        # Slot headers are compared for journal records always, for snapshot records when the
-        # last writer may have reused slots without journaling it first (durability=none, an
-        # unknown or damaged journal).  Every read compares the header again anyway; this only
-        # makes the accounting exact at open.  Snapshot records of a sync/process writer cannot
-        # be stale after kill -9: a slot is reused only after its drop record is journaled.
-        check_all = self._last_mode not in (1, 2) or bool(self._problems)
-        subset = None if check_all else np.flatnonzero(ent_pos[lp] >= n_snap)
-        ok = self._records_valid(L, subset)
-        dropped_stale = int(n - ok.sum())
-        ok &= ~has_parent | (prow >= 0)
-        keep, parent_rows = self._prune(ok, prow)
-        dropped_tree = n - len(keep) - dropped_stale
-        if len(keep) != n:
-            L = L[:, keep]
-            remap = np.full(n, -1, np.int64)
-            remap[keep] = np.arange(len(keep))
-            nb = remap[base_row]
-            sel = nb >= 0
-            base_row, base_k64 = nb[sel], base_k64[sel]
-        if dropped_stale:
-            self._stale_at_open = dropped_stale
-            self._problems_note(f"{dropped_stale} index record(s) did not match their slot header "
-                                "(or overlapped another): entries dropped")
-            self._load_needs_snapshot = True
-        if dropped_tree > 0:
-            self._orphans_at_open = dropped_tree
-            self._problems_note(f"{dropped_tree} entries without a valid stored parent dropped")
-            self._load_needs_snapshot = True
-        nslots = (L[0] >> np.uint64(32)).astype(np.int64)
-        idx.load_columns(L, parent_rows, nslots * self._slot, base_k64, base_row)
-        files = (L[13] & np.uint64(0xFFFFFFFF)).astype(np.int64)
-        slots = (L[13] >> np.uint64(32)).astype(np.int64)
-        for fid in self._files:
-            sel = files == fid
-            self._mark_used(fid, slots[sel], nslots[sel])
+        self._finish_load(L, prow, has_parent, ent_pos[lp], n_snap, base_k64, base_row)
+        self._finish_anchors_and_gens(W, anchor_pos, max_seq, max_gen)
+
+    def _finish_anchors_and_gens(self, W: npt.NDArray[np.uint64], anchor_pos: npt.NDArray[np.intp],
+                                 max_seq: int, max_gen: int) -> None:
+        idx = self._idx
         anchors = _records_of(W, anchor_pos)
         seal_seq = idx.tick
         # anchors (rare; Python per anchor): valid only if newer than the entry's seal
@@ -1426,6 +1399,75 @@ class MmapProvider(Provider):
                 best = max(best, int(h["generation"].max()))
         return best
 
+    def _finish_load(self, L: npt.NDArray[np.uint64], prow: npt.NDArray[np.int64],
+                     has_parent: npt.NDArray[np.bool_], rec_pos: npt.NDArray[np.intp], n_snap: int,
+                     base_k64: npt.NDArray[np.uint64], base_row: npt.NDArray[np.int64]) -> None:
+        """Validate the live records ``L`` (parents ``prow`` resolved), prune, load the index and
+        the free maps.  ``rec_pos``: each live record's position among all records."""
+        idx = self._idx
+        n = L.shape[1]
+        # Slot headers are compared for journal records always, for snapshot records when the
+        # last writer may have reused slots without journaling it first (durability=none, an
+        # unknown or damaged journal).  Every read compares the header again anyway; this only
+        # makes the accounting exact at open.  Snapshot records of a sync/process writer cannot
+        # be stale after kill -9: a slot is reused only after its drop record is journaled.
+        check_all = self._last_mode not in (1, 2) or bool(self._problems)
+        subset = None if check_all else np.flatnonzero(rec_pos >= n_snap)
+        ok = self._records_valid(L, subset)
+        dropped_stale = int(n - ok.sum())
+        ok &= ~has_parent | (prow >= 0)
+        keep, parent_rows = self._prune(ok, prow)
+        dropped_tree = n - len(keep) - dropped_stale
+        if len(keep) != n:
+            L = L[:, keep]
+            remap = np.full(n, -1, np.int64)
+            remap[keep] = np.arange(len(keep))
+            nb = remap[base_row]
+            sel = nb >= 0
+            base_row, base_k64 = nb[sel], base_k64[sel]
+        if dropped_stale:
+            self._stale_at_open = dropped_stale
+            self._problems_note(f"{dropped_stale} index record(s) did not match their slot header "
+                                "(or overlapped another): entries dropped")
+            self._load_needs_snapshot = True
+        if dropped_tree > 0:
+            self._orphans_at_open = dropped_tree
+            self._problems_note(f"{dropped_tree} entries without a valid stored parent dropped")
+            self._load_needs_snapshot = True
+        nslots = (L[0] >> np.uint64(32)).astype(np.int64)
+        idx.load_columns(L, parent_rows, nslots * self._slot, base_k64, base_row)
+        files = (L[13] & np.uint64(0xFFFFFFFF)).astype(np.int64)
+        slots = (L[13] >> np.uint64(32)).astype(np.int64)
+        for fid in self._files:
+            sel = files == fid
+            self._mark_used(fid, slots[sel], nslots[sel])
+
+    def _apply_unique(self, W: npt.NDArray[np.uint64], order: npt.NDArray[np.intp], sk: npt.NDArray[np.uint64],
+                      n_snap: int, max_seq: int, max_gen: int, anchor_pos: npt.NDArray[np.intp]) -> None:
+        """The common reopen: only seal records with distinct keys (a snapshot, maybe a short
+        journal): no last-record-wins bookkeeping, parents straight from the hints."""
+        n = W.shape[1]
+        has_parent = ((W[0] >> np.uint64(8)) & np.uint64(1)).astype(np.bool_)
+        hint = W[11].astype(np.int64) - 1
+        prow = np.full(n, -1, np.int64)
+        pos = np.arange(n)
+        use = has_parent & (hint >= 0) & (hint < n_snap) & (pos < n_snap)
+        cand = np.where(use, hint, 0)
+        same = use.copy()
+        for w in range(4):
+            same &= W[1 + w][cand] == W[5 + w]
+        prow[same] = cand[same]
+        rest = np.flatnonzero(has_parent & ~same)
+        if len(rest):
+            at = np.minimum(np.searchsorted(sk, W[5][rest]), n - 1)
+            r = order[at]
+            hit = sk[at] == W[5][rest]
+            for w in range(4):
+                hit &= W[1 + w][r] == W[5 + w][rest]
+            prow[rest[hit]] = r[hit]
+        self._finish_load(W, prow, has_parent, pos, n_snap, sk, order.astype(np.int64))
+        self._finish_anchors_and_gens(W, anchor_pos, max_seq, max_gen)
+
     def _records_valid(self, L: npt.NDArray[np.uint64], subset: npt.NDArray[np.intp] | None = None
                        ) -> npt.NDArray[np.bool_]:
         """Vectorised over live record columns: a plausible run inside a known file, not
@@ -1443,6 +1485,11 @@ class MmapProvider(Provider):
         slot = (L[13] >> np.uint64(32)).astype(np.int64)
         shape_ok = (nslots >= 1) & (nbytes >= 1) & (nbytes <= nslots * self._slot) \
             & (nslots == -(-nbytes // self._slot)) & (tag_len <= _TAG_MAX)
+        if subset is not None and not len(subset):
+            # only trusted records (a clean sync/process snapshot, no journal): shape and bounds
+            for fid, sf in self._files.items():
+                ok |= shape_ok & (file == fid) & (slot + nslots <= sf.slot_count)
+            return ok
         so = np.argsort((file << 40) | slot, kind="stable")
         f, sl, e = file[so], slot[so], slot[so] + nslots[so]
         clash = np.flatnonzero((f[1:] == f[:-1]) & (sl[1:] < e[:-1]))
@@ -1657,29 +1704,31 @@ class MmapProvider(Provider):
         else:
             self._append(records)
 
-    def _commit(self, record: bytes) -> None:
-        """Make one seal's record durable per the mode; raise if it could not be (R7)."""
+    def _commit(self, record: bytes | Sequence[bytes]) -> None:
+        """Make seal records durable per the mode; raise if they could not be (R7)."""
+        records = [record] if isinstance(record, bytes) else list(record)
         if self._durability == "none":
             with self._lock:
-                self._nbuf.append(record)
+                self._nbuf.extend(records)
                 self._flush_none()
             return
         if self._durability == "process":
             with self._lock:
                 self._check_failed()
-                self._append([record])
+                self._append(records)
             return
         # sync: group commit.  The first waiter leads: it syncs the data files, appends every
         # queued record with one write and syncs the journal once; everyone queued behind that
         # sync shares its outcome.  A failed sync fails them all and poisons the store (R7).
-        me = _Pending(record)
+        mine = [_Pending(r) for r in records]
         with self._commit_cv:
-            self._queue.append(me)
-            while self._leader and me in self._queue:
+            self._queue.extend(mine)
+            while self._leader and mine[0] in self._queue:
                 self._commit_cv.wait()
-            if me not in self._queue:
-                if me.error is not None:
-                    raise me.error
+            if mine[0] not in self._queue:  # a leader took them (all at once: one extend)
+                for p in mine:
+                    if p.error is not None:
+                        raise p.error
                 return
             self._leader = True
         try:
@@ -1717,8 +1766,9 @@ class MmapProvider(Provider):
             with self._commit_cv:
                 self._leader = False
                 self._commit_cv.notify_all()
-        if me.error is not None:
-            raise me.error
+        for p in mine:
+            if p.error is not None:
+                raise p.error
 
     def _check_failed(self) -> None:
         if self._failed is not None:
@@ -1921,6 +1971,45 @@ class MmapProvider(Provider):
             self._counters["bytes_written"] += span.nbytes
 
     def seal(self, reservation: Reservation) -> None:
+        prepared = self._seal_prepare(reservation)
+        try:
+            self._commit(prepared[-1])
+        except BaseException:
+            self._seal_undo(prepared)
+            raise
+        _fsutil.crash_point("mmap.seal.after_journal")
+        self._seal_finish(prepared)
+
+    def seal_many(self, reservations: Sequence[Reservation]) -> None:
+        """Seal several reservations with one commit: with ``durability=sync`` one data sync and
+        one journal sync cover all of them.  All or nothing at the commit: if it fails, every one
+        of them is aborted and the error is raised."""
+        prepared = []
+        try:
+            for r in reservations:
+                prepared.append(self._seal_prepare(r))
+        except BaseException:
+            for p in prepared:
+                self._seal_undo(p)
+            raise
+        try:
+            self._commit([p[-1] for p in prepared])
+        except BaseException:
+            for p in prepared:
+                self._seal_undo(p)
+            raise
+        _fsutil.crash_point("mmap.seal.after_journal")
+        errors = []
+        for p in prepared:
+            try:
+                self._seal_finish(p)
+            except UnknownKeyError as exc:  # a parent dropped (corrupt) meanwhile
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
+    def _seal_prepare(self, reservation: Reservation) -> tuple[_MmapReservation, SlotFile, int, float, bytes, bytes]:
+        """Checksum, slot header (data first, then header) and the journal record of a seal."""
         self._check_usable()
         res = self._own(reservation)
         res.check_complete()
@@ -1941,18 +2030,21 @@ class MmapProvider(Provider):
         record = self._encode(OP_SEAL, res.key, parent=res.parent, tag=tag, file=res.file, slot=res.slot,
                               nslots=res.nslots, nbytes=res.nbytes, gen=res.gen, checksum=digest,
                               created=created, seq=seq)
-        try:
-            self._commit(record)
-        except BaseException:
-            with self._lock:
-                if res.state == "open":
-                    self._idx.cancel(res.key)
+        return res, sf, digest, created, tag, record
+
+    def _seal_undo(self, prepared: tuple[_MmapReservation, SlotFile, int, float, bytes, bytes]) -> None:
+        res, sf = prepared[0], prepared[1]
+        with self._lock:
+            if res.state == "open":
+                self._idx.cancel(res.key)
+                if not sf.closed:
                     sf.clear(res.slot, res.nslots)
-                    self._release_run(res.file, res.slot, res.nslots)
-                    res._finish("aborted")
-                    self._counters["aborts"] += 1
-            raise
-        _fsutil.crash_point("mmap.seal.after_journal")
+                self._release_run(res.file, res.slot, res.nslots)
+                res._finish("aborted")
+                self._counters["aborts"] += 1
+
+    def _seal_finish(self, prepared: tuple[_MmapReservation, SlotFile, int, float, bytes, bytes]) -> None:
+        res, sf, digest, created, tag, _ = prepared
         with self._lock:
             try:
                 self._idx.commit(res.key, nbytes=res.nbytes, file=res.file, slot=res.slot, nslots=res.nslots,
@@ -2455,22 +2547,6 @@ class MmapProvider(Provider):
     def readonly(self) -> bool:
         return self._readonly
 
-    def seal_many(self, reservations: Sequence[Reservation]) -> None:
-        """Seal several reservations with one group commit (``sync``: one data sync and one
-        journal sync for all of them).  Stops at the first failure, which it raises."""
-        if self._durability != "sync" or len(reservations) < 2:
-            for r in reservations:
-                self.seal(r)
-            return
-        errors: list[BaseException] = []
-        threads = [threading.Thread(target=_seal_into, args=(self, r, errors)) for r in reservations]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
-
     def stats(self) -> ProviderStats:
         with self._lock:
             self._check_usable()
@@ -2535,13 +2611,6 @@ class MmapProvider(Provider):
 
 _STAT_FIELDS = frozenset(("hits", "misses", "seals", "aborts", "dedup", "checksum_failures", "bytes_written",
                           "bytes_read"))
-
-
-def _seal_into(provider: MmapProvider, res: Reservation, errors: list[BaseException]) -> None:
-    try:
-        provider.seal(res)
-    except BaseException as exc:
-        errors.append(exc)
 
 
 def _read_exact(fd: int, offset: int, nbytes: int) -> bytes:
