@@ -171,6 +171,7 @@ class TieredProvider(Provider):
         # skipped for tiers with their own index (lmdb leases are transactions).
         self._tails: dict[str, tuple[Key, Lease]] = {}
         self._slow_tree = isinstance(getattr(slow, "_index", None), TreeIndex)
+        self._fast_views = isinstance(fast, SupportsViews)  # a Protocol check is slow: once
         self._counters: dict[str, int] = dict.fromkeys(
             ("hits", "misses", "seals", "aborts", "dedup", "checksum_failures", "bytes_written", "bytes_read",
              "promotions", "write_backs", "write_back_failures", "write_through", "fast_hits", "slow_hits"), 0)
@@ -264,6 +265,7 @@ class TieredProvider(Provider):
     # -- lookups -----------------------------------------------------------------------------
     def present(self, keys: Sequence[bytes]) -> list[bool]:
         ks = self._keys(keys)
+        self._check_usable()  # before the lock: a forked child must not wait on a copied lock
         with self._lock:
             self._check_usable()
             nodes = self._index.nodes
@@ -271,6 +273,7 @@ class TieredProvider(Provider):
 
     def longest_prefix(self, keys: Sequence[bytes]) -> int:
         ks = self._keys(keys)
+        self._check_usable()  # before the lock: a forked child must not wait on a copied lock
         with self._lock:
             self._check_usable()
             nodes = self._index.nodes
@@ -283,12 +286,14 @@ class TieredProvider(Provider):
 
     def entry(self, key: bytes) -> EntryInfo | None:
         k = self._key(key)
+        self._check_usable()  # before the lock: a forked child must not wait on a copied lock
         with self._lock:
             self._check_usable()
             node = self._index.get(k)
             return None if node is None else _info(node)
 
     def iter_entries(self) -> Iterator[EntryInfo]:
+        self._check_usable()  # before the lock: a forked child must not wait on a copied lock
         with self._lock:
             self._check_usable()
             infos = [_info(n) for n in self._index]
@@ -296,6 +301,7 @@ class TieredProvider(Provider):
 
     def in_flight(self, key: bytes) -> bool:
         k = self._key(key)
+        self._check_usable()  # before the lock: a forked child must not wait on a copied lock
         with self._lock:
             self._check_usable()
             return k in self._index.flights
@@ -310,6 +316,7 @@ class TieredProvider(Provider):
             raise InvalidArgumentError("salt_tag must be a str")
         if p == k:
             raise InvalidArgumentError("an entry cannot be its own parent")
+        self._check_usable()  # before the lock: a forked child must not wait on a copied lock
         with self._lock:
             self._check_usable()
             if nbytes > self._budget:
@@ -480,8 +487,7 @@ class TieredProvider(Provider):
                 ok = True  # already there (an earlier, cancelled write-back left it): same key, same bytes
             else:
                 try:
-                    regions = self.fast.view(lease, node.key) if isinstance(self.fast, SupportsViews) and \
-                        lease is not None else None
+                    regions = self._view_fast(lease, node.key) if lease is not None else None
                     if regions is None:
                         data = self.fast.read_bytes(node.key)
                         if data is None:
@@ -571,6 +577,7 @@ class TieredProvider(Provider):
         k = self._key(key)
         if span is not None and not isinstance(span, ByteSpan):
             raise InvalidArgumentError("span must be a ByteSpan")
+        self._check_usable()  # before the lock: a forked child must not wait on a copied lock
         with self._lock:
             self._check_usable()
             node = self._index.get(k)
@@ -634,9 +641,15 @@ class TieredProvider(Provider):
             raise InvalidArgumentError("view() needs an unreleased lease of this provider")
         self._check_usable()
         token: _LeaseToken = lease.token
-        if token.fast is None or k not in token.keys or not isinstance(self.fast, SupportsViews):
+        if token.fast is None or k not in token.keys:
             return None
-        return self.fast.view(token.fast, k)
+        return self._view_fast(token.fast, k)
+
+    def _view_fast(self, lease: Lease, key: Key) -> Sequence[HostRegion] | None:
+        if not self._fast_views:
+            return None
+        regions: Sequence[HostRegion] | None = self.fast.view(lease, key)  # type: ignore[attr-defined]
+        return regions
 
     # -- eviction ----------------------------------------------------------------------------
     def evict(self, keys: Sequence[bytes] | None = None, *, nbytes: int = 0) -> EvictReport:
@@ -645,6 +658,7 @@ class TieredProvider(Provider):
         if type(nbytes) is not int or nbytes < 0:
             raise InvalidArgumentError(f"nbytes must be a non-negative int, got {nbytes!r}")
         ks = self._keys(keys) if keys is not None else None
+        self._check_usable()  # before the lock: a forked child must not wait on a copied lock
         with self._lock:
             self._check_usable()
             if ks is not None:
@@ -684,6 +698,7 @@ class TieredProvider(Provider):
         k = self._key(key)
         check_anchor_name(name)
         blob = bytes(readable_bytes(data))
+        self._check_usable()  # before the lock: a forked child must not wait on a copied lock
         with self._lock:
             self._check_usable()
             node = self._index.get(k)
@@ -704,6 +719,7 @@ class TieredProvider(Provider):
     def get_anchor(self, key: bytes, name: str) -> bytes | None:
         k = self._key(key)
         check_anchor_name(name)
+        self._check_usable()  # before the lock: a forked child must not wait on a copied lock
         with self._lock:
             self._check_usable()
             node = self._index.get(k)
@@ -714,6 +730,7 @@ class TieredProvider(Provider):
 
     def list_anchors(self, key: bytes) -> dict[str, int]:
         k = self._key(key)
+        self._check_usable()  # before the lock: a forked child must not wait on a copied lock
         with self._lock:
             self._check_usable()
             node = self._index.get(k)
@@ -722,6 +739,7 @@ class TieredProvider(Provider):
     def deepest_anchor(self, keys: Sequence[bytes], name: str) -> int:
         ks = self._keys(keys)
         check_anchor_name(name)
+        self._check_usable()  # before the lock: a forked child must not wait on a copied lock
         with self._lock:
             self._check_usable()
             best = 0
@@ -736,6 +754,7 @@ class TieredProvider(Provider):
     # -- leases ------------------------------------------------------------------------------
     def lease(self, keys: Sequence[bytes]) -> Lease:
         ks = self._keys(keys)
+        self._check_usable()  # before the lock: a forked child must not wait on a copied lock
         with self._lock:
             self._check_usable()
             held = self._index.hold_keys(ks)
@@ -747,7 +766,7 @@ class TieredProvider(Provider):
 
     def _release_lease(self, lease: Lease) -> None:
         token = lease.token
-        if not isinstance(token, _LeaseToken):
+        if not isinstance(token, _LeaseToken) or os.getpid() != self._pid:
             return
         with self._lock:
             if token.fast is not None:
@@ -759,6 +778,7 @@ class TieredProvider(Provider):
 
     # -- the rest ----------------------------------------------------------------------------
     def stats(self) -> ProviderStats:
+        self._check_usable()  # before the lock: a forked child must not wait on a copied lock
         with self._lock:
             self._check_usable()
             idx = self._index
@@ -784,11 +804,11 @@ class TieredProvider(Provider):
 
     def close(self) -> None:
         """Finish the queued write-backs (so a restart finds them), then close the tiers."""
+        if self._pid != os.getpid():
+            self._closed = True  # a forked child: the locks and the writer belong to the parent
+            return
         with self._lock:
             if self._closed:
-                return
-            if self._pid != os.getpid():
-                self._closed = True
                 return
         self.flush()
         with self._lock:
