@@ -80,3 +80,23 @@ def test_exit_codes() -> None:
     assert exit_code_for(hk.StorageIOError("x")) == 5
     assert exit_code_for(ValueError("x")) == 5
     assert exit_code_for(CLIError("x", ExitCode.REFUSED)) == 4
+
+
+def _info(name: str, error: str | None) -> hk.ProviderInfo:
+    return hk.ProviderInfo(name, "hostkv-providers", "0.1.0", True, f"x:{name}", frozenset(), error)
+
+
+def test_demo_prefers_lmdb_and_says_when_it_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hostkv_cli import _demo
+
+    monkeypatch.setattr(hk, "available_providers", lambda: [_info("lmdb", None), _info("mmap", None)])
+    url, note = _demo._pick_url("./x")
+    assert url.startswith("lmdb:///") and url.endswith("/x?budget=256MiB") and note is None
+    monkeypatch.setattr(hk, "available_providers",
+                        lambda: [_info("lmdb", "ImportError: no lmdb"), _info("mmap", None)])
+    url, note = _demo._pick_url("./x")
+    assert url.startswith("mmap:///") and note is not None and "ImportError: no lmdb" in note
+    monkeypatch.setattr(hk, "available_providers", lambda: [_info("lmdb", "broken"), _info("mmap", "broken")])
+    with pytest.raises(CLIError) as info:
+        _demo._pick_url("./x")
+    assert info.value.code == ExitCode.USAGE
