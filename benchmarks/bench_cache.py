@@ -193,7 +193,7 @@ def main() -> int:
     nblocks = 2 * n_pages + 8
     r: dict[str, Any] = {"slow": args.slow, "tokens": args.tokens, "pages": n_pages, "page_nbytes": page,
                          "kv_nbytes": n_pages * page, "device": args.device}
-    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    sync: Any = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     if args.device == "cuda":
         r["gpu"] = torch.cuda.get_device_name(0)
     log(f"{n_pages} pages x {page} B = {n_pages * page / 1e9:.2f} GB; allocating {nblocks} blocks")
@@ -216,7 +216,7 @@ def main() -> int:
             json.dump(r, f, indent=1, default=str)
 
     def left() -> float:
-        return args.budget_s - (time.perf_counter() - T0)
+        return float(args.budget_s) - (time.perf_counter() - T0)
 
     # -- 1. pinned ---------------------------------------------------------------------------
     budget = n_pages * block + 64 * block

@@ -374,7 +374,7 @@ def test_admission_anchors_only_and_all_of(provider: Provider, engine: CpuCopyEn
         assert c.save(ks, src, list(range(8))).wait(30).admitted == 0  # no anchors at all
         r = c.save(ks, src, list(range(8)), anchors={4: {"ssm": b"state@4"}}).wait(30)
         assert (r.admitted, r.stored, r.anchors) == (5, 5, 1)
-    assert AdmitAll().admit(type("R", (), {"keys": [b"x"] * 3})()) == 3  # type: ignore[arg-type]
+    assert AdmitAll().admit(type("R", (), {"keys": [b"x"] * 3})()) == 3
 
 
 # ------------------------------------------------------------------------------------------
@@ -446,7 +446,7 @@ def test_bad_inputs_raise_typed_errors(cache: HostKVCache, provider: Provider, e
     src = make_planes(15)
     ks = cache.keys(tokens(8))
     with pytest.raises(InvalidArgumentError):
-        cache.save(ks[0], src, [0])  # one key, not a chain
+        cache.save(ks[0], src, [0])  # type: ignore[arg-type]  # one key, not a chain
     with pytest.raises(InvalidArgumentError):
         cache.save(ks, src, [0])  # one block id per page
     with pytest.raises(InvalidArgumentError):

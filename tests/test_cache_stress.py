@@ -116,7 +116,7 @@ class _BlockingSlow(PinnedProvider):
         if reservation.key == self.block_key:  # type: ignore[attr-defined]
             self.entered.set()
             assert self.release.wait(30)
-            self.written[reservation.key] = bytes(memoryview(data).cast("B"))  # type: ignore[attr-defined]
+            self.written[reservation.key] = bytes(memoryview(data).cast("B"))  # type: ignore[attr-defined,arg-type]
         super().write(reservation, offset, data)  # type: ignore[arg-type]
 
 

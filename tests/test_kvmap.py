@@ -3,6 +3,8 @@ including int8/fp8 codes with scale planes."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -22,7 +24,7 @@ def _layout(dtype: str = "bfloat16", scale: str | None = None, kinds: tuple[str,
                     scale_dtype=scale)
 
 
-def _page(planes: list, block: int) -> bytes:
+def _page(planes: list[Any], block: int) -> bytes:
     return b"".join(p[block].contiguous().view(torch.uint8).numpy().tobytes() for p in planes)
 
 
@@ -133,7 +135,8 @@ def test_paged_scale_rules_and_numpy() -> None:
 # ------------------------------------------------------------------------------------------
 
 
-def _hf_cache(seq: int, dtype: torch.dtype = torch.float32, batch: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _hf_cache(seq: int, dtype: Any = None, batch: int = 1) -> list[tuple[Any, Any]]:
+    dtype = torch.float32 if dtype is None else dtype
     g = torch.Generator().manual_seed(seq)
     return [(torch.randn(batch, H, seq, D, generator=g).to(dtype), torch.randn(batch, H, seq, D, generator=g).to(dtype))
             for _ in range(L)]

@@ -54,9 +54,10 @@ def build_model(hidden: int, layers: int) -> LlamaForCausalLM:
         vocab_size=1000,
         max_position_embeddings=8192,
         attn_implementation="sdpa",
-    )
+    )  # type: ignore[call-arg]
     torch.manual_seed(SEED)
-    model = LlamaForCausalLM(cfg).eval()
+    model: LlamaForCausalLM = LlamaForCausalLM(cfg)
+    model.eval()  # type: ignore[no-untyped-call]
     # One short pass first, so one-time costs (kernel selection, lazy init) are not timed below.
     forward(model, torch.arange(PAGE_TOKENS), None)
     return model
@@ -84,7 +85,7 @@ def fork_prompt() -> torch.Tensor:
 def layout_of(model: LlamaForCausalLM) -> hk.KVLayout:
     cfg = model.config
     head_dim = cfg.hidden_size // cfg.num_attention_heads
-    return hk.KVLayout(num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads,
+    return hk.KVLayout(num_layers=cfg.num_hidden_layers, num_kv_heads=int(cfg.num_key_value_heads or 0),
                        head_dim=head_dim, page_tokens=PAGE_TOKENS, dtype="float32")
 
 
