@@ -41,8 +41,16 @@ def short(key: bytes, n: int = 16) -> str:
     return key.hex()[:n]
 
 
-def _looks_like_path(location: str) -> bool:
-    return location.startswith(("/", "./", "../", "~")) or location in (".", "..")
+def _is_path(scheme: str, cls: type[hk.Provider], location: str) -> bool:
+    """Whether ``location`` names a filesystem path: explicitly (``/``, ``./``, ``~``), or any
+    location of the core's own persistent providers (mmap, lmdb, tiered take directories), so
+    ``lmdb://typo`` is reported instead of created.  Plugins' locations (``redis://host/0``)
+    are theirs to interpret unless they are explicit paths."""
+    if location.startswith(("/", "./", "../", "~")) or location in (".", ".."):
+        return True
+    if not location or not cls.persistent:
+        return False
+    return any(i.name == scheme and i.builtin for i in hk.available_providers())
 
 
 def open_store(url: str, *, readonly: bool, must_exist: bool = True) -> hk.Provider:
@@ -64,7 +72,7 @@ def open_store(url: str, *, readonly: bool, must_exist: bool = True) -> hk.Provi
             ExitCode.USAGE,
             hint="run `hostkv providers`; reinstall the distribution that provides it",
         ) from None
-    if must_exist and _looks_like_path(location):
+    if must_exist and _is_path(scheme, cls, location):
         path = os.path.expanduser(location)
         if not os.path.lexists(path):
             raise CLIError(

@@ -36,10 +36,10 @@ def hostkv_exe() -> list[str]:
     return [exe] if exe else [sys.executable, "-m", "hostkv_cli"]
 
 
-def run_hostkv(*args: str, timeout: float = 120, env: dict[str, str] | None = None
-               ) -> subprocess.CompletedProcess[str]:
+def run_hostkv(*args: str, timeout: float = 120, env: dict[str, str] | None = None,
+               cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*hostkv_exe(), *args], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})}, check=False)
+                          env={**os.environ, **(env or {})}, check=False, cwd=cwd)
 
 
 def usable(scheme: str, *caps: str) -> bool:

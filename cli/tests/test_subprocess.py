@@ -103,7 +103,11 @@ def test_bad_urls_and_paths(tmp_path: Path, scheme: str) -> None:
         assert proc.returncode in codes, (args, proc.returncode, proc.stderr)
         no_traceback(proc)
         assert proc.stderr.strip(), args
-    assert not (tmp_path / "missing").exists()  # read commands never create a store
+    for args in (("info", f"{scheme}://typo"), ("evict", "--to", "0", f"{scheme}://typo")):
+        proc = run_hostkv(*args, cwd=tmp_path)  # a relative path of a built-in file provider
+        assert proc.returncode == 2 and "no store at typo" in proc.stderr, (args, proc.stderr)
+    assert not (tmp_path / "missing").exists()  # only copy, bench and demo create stores
+    assert not (tmp_path / "typo").exists()
 
 
 def _store_files(root: Path) -> dict[str, tuple[str, int, int]]:
