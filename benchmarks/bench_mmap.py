@@ -21,6 +21,7 @@ prints a markdown table.  DIR must be on the disk you care about (default: a tem
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import random
@@ -66,119 +67,103 @@ def timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t0
 
 
-def _raw_round(root: str, page: int, data: list[bytes], order_seq: list[int], order_rnd: list[int],
-               half: list[int]) -> dict[str, float]:
-    npages = len(order_seq)
-    raw_path = os.path.join(root, "raw.bin")
-    fd = os.open(raw_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-    os.posix_fallocate(fd, 0, page * npages)
-    buf = bytearray(page)
+class _Side:
+    """Accumulated seconds and bytes of one side of an interleaved comparison."""
 
-    def write(order: list[int]) -> None:
-        for i in order:
-            os.pwrite(fd, data[i % 16], i * page)
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.nbytes: dict[str, int] = {}
 
-    def read(order: list[int]) -> None:
-        for i in order:
-            os.preadv(fd, [buf], i * page)
+    def add(self, case: str, seconds: float, nbytes: int) -> None:
+        self.seconds[case] = self.seconds.get(case, 0.0) + seconds
+        self.nbytes[case] = self.nbytes.get(case, 0) + nbytes
 
-    t: dict[str, float] = {}
-    t["wseq"] = timed(lambda: write(order_seq))
-    os.fsync(fd)
-    t["wrnd"] = timed(lambda: write(half))
-    os.fsync(fd)
-    _drop([raw_path])
-    t["cold_seq"] = timed(lambda: read(order_seq))
-    t["warm_seq"] = timed(lambda: read(order_seq))
-    _drop([raw_path])
-    t["cold_rnd"] = timed(lambda: read(order_rnd))
-    t["warm_rnd"] = timed(lambda: read(order_rnd))
-    os.close(fd)
-    os.unlink(raw_path)
-    return t
+    def rate(self, case: str) -> float:
+        return _rate(self.nbytes[case], self.seconds[case])
 
 
-def _provider_round(root: str, page: int, data: list[bytes], order_seq: list[int], half: list[int],
-                    rng: random.Random, io: str) -> dict[str, float]:
-    npages = len(order_seq)
-    store = os.path.join(root, f"store-{io}")
-    p = MmapProvider(store, budget_bytes=page * npages, slot_nbytes=page, file_nbytes=page * npages, io=io)
-    keys = _keys(npages, "io")
-    keys2 = _keys(npages, "io2")
-    out = bytearray(page)
+def bench_io(root: str, page: int, npages: int, repeat: int, chunk: int = 16) -> list[tuple[str, float, float]]:
+    """Rows ``(case, provider MiB/s, raw MiB/s)``.
 
-    def put(ks: list[bytes], idx: list[int]) -> None:
-        for i in idx:
-            res = p.reserve(ks[i], None, page)
-            assert res is not None
-            res.write(0, data[i % 16])
-            res.seal()
-
-    def read(ks: list[bytes]) -> None:
-        for k in ks:
-            if not p.read(k, out):
-                raise RuntimeError("benchmark read missed")
-
-    def cold() -> None:
-        for sf in p._files.values():
-            sf.sync()
-            sf.drop_cache()
-
-    t: dict[str, float] = {}
-    t["wseq"] = timed(lambda: put(keys, order_seq))
-    p.evict([keys[i] for i in half])  # random holes ...
-    t["wrnd"] = timed(lambda: put(keys2, half))  # ... filled by new pages
-    in_half = set(half)
-    live = [keys2[i] if i in in_half else keys[i] for i in range(npages)]
-    live_rnd = live[:]
-    rng.shuffle(live_rnd)
-    cold()
-    t["cold_seq"] = timed(lambda: read(live))
-    t["warm_seq"] = timed(lambda: read(live))
-    cold()
-    t["cold_rnd"] = timed(lambda: read(live_rnd))
-    t["warm_rnd"] = timed(lambda: read(live_rnd))
-    p._verify_reads = False  # the same store with verify=never (slot headers are still checked)
-    cold()
-    t["n_cold_seq"] = timed(lambda: read(live))
-    t["n_warm_seq"] = timed(lambda: read(live))
-    t["n_warm_rnd"] = timed(lambda: read(live_rnd))
-    p.close()
-    shutil.rmtree(store)
-    return t
-
-
-def bench_io(root: str, page: int, npages: int, repeat: int) -> list[tuple[str, float, float]]:
-    """Rows ``(case, provider MiB/s, raw MiB/s)``, best of ``repeat`` for each side."""
+    The two sides are *interleaved* in chunks of ``chunk`` pages (raw chunk, provider chunk, raw
+    chunk, ...) and their times summed, so both see the same machine load: on a busy machine a
+    sequential A-then-B comparison mostly measures the load.
+    """
     rng = random.Random(0)
-    data = [np.random.default_rng(i).bytes(page) for i in range(16)]  # reused page payloads
-    total = page * npages
+    data = [np.random.default_rng(i).bytes(page) for i in range(16)]
     order_seq = list(range(npages))
     order_rnd = order_seq[:]
     rng.shuffle(order_rnd)
     half = order_rnd[: npages // 2]
-    cases = [
-        ("write, sequential", "wseq", "wseq", total, "pread"),
-        ("write, random (into freed slots)", "wrnd", "wrnd", page * len(half), "pread"),
-        ("read cold, sequential", "cold_seq", "cold_seq", total, "pread"),
-        ("read cold, random", "cold_rnd", "cold_rnd", total, "pread"),
-        ("read warm, sequential", "warm_seq", "warm_seq", total, "pread"),
-        ("read warm, random", "warm_rnd", "warm_rnd", total, "pread"),
-        ("read cold, sequential, verify=never", "n_cold_seq", "cold_seq", total, "pread"),
-        ("read warm, sequential, verify=never", "n_warm_seq", "warm_seq", total, "pread"),
-        ("read warm, random, verify=never", "n_warm_rnd", "warm_rnd", total, "pread"),
-        ("write, sequential, io=mmap", "wseq", "wseq", total, "mmap"),
-        ("read warm, sequential, io=mmap", "warm_seq", "warm_seq", total, "mmap"),
-    ]
-    best: dict[tuple[str, str], float] = {}
-    for _ in range(repeat):
-        runs = {"raw": _raw_round(root, page, data, order_seq, order_rnd, half)}
+    in_half = set(half)
+    raw, prov = _Side(), _Side()
+    for rep in range(repeat):
+        raw_path = os.path.join(root, "raw.bin")
+        fd = os.open(raw_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.posix_fallocate(fd, 0, page * npages)
+        buf = bytearray(page)
+        out = bytearray(page)
         for io in ("pread", "mmap"):
-            runs[io] = _provider_round(root, page, data, order_seq, half, rng, io)
-        for side, t in runs.items():
-            for k, v in t.items():
-                best[(side, k)] = min(best.get((side, k), float("inf")), v)
-    return [(name, _rate(nb, best[(io, pk)]), _rate(nb, best[("raw", rk)])) for name, pk, rk, nb, io in cases]
+            store = os.path.join(root, f"store-{io}-{rep}")
+            p = MmapProvider(store, budget_bytes=page * npages, slot_nbytes=page, file_nbytes=page * npages, io=io)
+            keys = _keys(npages, f"io-{io}-{rep}")
+            keys2 = _keys(npages, f"io2-{io}-{rep}")
+            sfx = "" if io == "pread" else ", io=mmap"
+
+            def raw_write(idx: list[int], fd: int = fd) -> None:
+                for i in idx:
+                    os.pwrite(fd, data[i % 16], i * page)
+
+            def raw_read(idx: list[int], fd: int = fd, buf: bytearray = buf) -> None:
+                for i in idx:
+                    os.preadv(fd, [buf], i * page)
+
+            def put(ks: list[bytes], idx: list[int], p: MmapProvider = p) -> None:
+                for i in idx:
+                    res = p.reserve(ks[i], None, page)
+                    assert res is not None
+                    res.write(0, data[i % 16])
+                    res.seal()
+
+            def cold(p: MmapProvider = p, fd: int = fd) -> None:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                for sf in p._files.values():
+                    sf.sync()
+                    sf.drop_cache()
+
+            def interleave(case: str, raw_fn: Callable[[list[int]], None], prov_fn: Callable[[list[int]], None],
+                           idx: list[int]) -> None:
+                for lo in range(0, len(idx), chunk):
+                    part = idx[lo : lo + chunk]
+                    raw.add(case, timed(lambda part=part: raw_fn(part)), page * len(part))  # type: ignore[misc]
+                    prov.add(case, timed(lambda part=part: prov_fn(part)), page * len(part))  # type: ignore[misc]
+
+            interleave("write, sequential" + sfx, raw_write, functools.partial(put, keys), order_seq)
+            if io == "pread":
+                p.evict([keys[i] for i in half])  # random holes in the provider's slots ...
+                interleave("write, random (into freed slots)", raw_write, functools.partial(put, keys2), half)
+            live = [keys2[i] if (io == "pread" and i in in_half) else keys[i] for i in range(npages)]
+
+            def get_idx(live: list[bytes], idx: list[int], p: MmapProvider = p, out: bytearray = out) -> None:
+                for i in idx:
+                    if not p.read(live[i], out):
+                        raise RuntimeError("benchmark read missed")
+
+            for verify in ((True, False) if io == "pread" else (True,)):
+                p._verify_reads = verify
+                vs = "" if verify else ", verify=never"
+                for kind, order in (("sequential", order_seq), ("random", order_rnd)):
+                    if io == "mmap" and kind == "random":
+                        continue
+                    cold()
+                    interleave(f"read cold, {kind}{vs}{sfx}", raw_read, functools.partial(get_idx, live), order)
+                    interleave(f"read warm, {kind}{vs}{sfx}", raw_read, functools.partial(get_idx, live), order)
+            p.close()
+            shutil.rmtree(store)
+        os.close(fd)
+        os.unlink(raw_path)
+    return [(case, prov.rate(case), raw.rate(case)) for case in prov.seconds]
 
 
 def bench_seals(root: str, n: int) -> list[tuple[str, float]]:
