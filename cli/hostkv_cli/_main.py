@@ -12,7 +12,7 @@ import sys
 import time
 import traceback
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, NoReturn
 
 import click
@@ -544,18 +544,13 @@ def compact(url: str, as_json: bool) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# copy / bench / demo live in their own modules
+# copy / bench / demo live in their own modules, which register their commands here
 # ----------------------------------------------------------------------------------------------
 
-
-def _register(fn: Callable[[click.Group], None]) -> None:
-    fn(cli)
-
-
-from ._bench import register as _register_bench  # noqa: E402
+from ._bench import register as _register_bench  # noqa: E402 - after cli exists
 from ._copy import register as _register_copy  # noqa: E402
 from ._demo import register as _register_demo  # noqa: E402
 
-_register(_register_copy)
-_register(_register_bench)
-_register(_register_demo)
+_register_copy(cli)
+_register_bench(cli)
+_register_demo(cli)
