@@ -729,6 +729,11 @@ class HostKVCache:
         self._check_open()
         if not isinstance(hit, CacheHit) or hit._cache is not self:
             raise InvalidArgumentError("restore() needs a CacheHit from this cache's lookup()")
+        if not hit.num_pages:  # a miss restores nothing; a finished handle keeps callers uniform
+            self._block_ids(block_ids, 0, "hit pages")
+            done = CacheHandle("restore")
+            done._finish(RestoreResult())
+            return done
         if hit.released:
             raise InvalidArgumentError("the hit was released; look it up again")
         bids = self._block_ids(block_ids, hit.num_pages, "hit pages")

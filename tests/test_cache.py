@@ -194,6 +194,7 @@ def test_partial_hit_restores_prefix_into_fewer_blocks(cache: HostKVCache) -> No
 def test_miss_is_an_empty_falsy_hit(cache: HostKVCache) -> None:
     hit = cache.lookup(cache.keys(tokens(12, seed=5)))
     assert not hit and hit.num_pages == 0 and hit.released
+    assert cache.restore(hit, make_planes(None), []).wait(1).pages == 0  # restoring a miss is a no-op
     st = cache.stats()
     assert (st.lookups, st.hits, st.misses, st.lookup_pages) == (1, 0, 1, 3)
 
