@@ -859,6 +859,7 @@ class HostKVCache:
                     result.stopped = f"page {i + ok} failed verification and was dropped"
                     break
                 i += len(part)
+                time.sleep(0)  # let a waiting engine thread take the GIL between chunks
         finally:
             while pending:
                 retire()
@@ -1098,6 +1099,9 @@ class HostKVCache:
                 if stop is not None:
                     break
                 prev = k
+                # Hand the GIL over between pages: an engine thread waiting for it (a decode step)
+                # gets it now rather than after the interpreter's 5 ms switch interval.
+                time.sleep(0)
         finally:
             if held is not None:
                 held.release()
