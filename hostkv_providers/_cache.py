@@ -501,7 +501,10 @@ class HostKVCache:
     seen_capacity:
         How many keys the seen-count table of :class:`SeenAtLeast` remembers (LRU).
     wait_timeout:
-        Seconds a save or lookup waits for a page another writer has in flight.
+        Seconds a save waits for a page another writer has in flight.
+    lookup_wait_timeout:
+        Seconds a ``lookup`` waits for the next pages of its prefix that are being saved right
+        now (it then reports what is stored; a scheduler should not stall longer).
     model_id:
         Only with a bare layout: the model id for the salt.
     """
@@ -517,6 +520,7 @@ class HostKVCache:
         chunk_pages: int = 256,
         seen_capacity: int = 1 << 18,
         wait_timeout: float = 60.0,
+        lookup_wait_timeout: float = 5.0,
         model_id: str | None = None,
         staging_allocator: HostAllocator | None = None,
     ) -> None:
@@ -542,6 +546,7 @@ class HostKVCache:
         self.anchor_interval = anchor_interval
         self.chunk_pages = chunk_pages
         self.wait_timeout = float(wait_timeout)
+        self.lookup_wait_timeout = float(lookup_wait_timeout)
         self._views = isinstance(provider, SupportsViews)
         self._lock = threading.Lock()
         self._claims: dict[Key, _SaveJob] = {}
@@ -625,8 +630,8 @@ class HostKVCache:
             bytes.  Without such a page the hit is empty.
         wait:
             When the next page of the prefix is being saved right now (by this cache or, through
-            the provider, by another writer), wait for that save instead of reporting a shorter
-            hit.
+            the provider, by another writer), wait for that save (at most
+            ``lookup_wait_timeout`` seconds) instead of reporting a shorter hit.
 
         Returns
         -------
@@ -640,7 +645,7 @@ class HostKVCache:
             check_anchor_name(need_anchor)
         with self._lock:
             self._note_seen(ks)
-        deadline = time.monotonic() + self.wait_timeout
+        deadline = time.monotonic() + self.lookup_wait_timeout
         lease = self.provider.lease(ks)
         n = lease.prefix_len
         while True:
