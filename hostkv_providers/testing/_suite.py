@@ -30,7 +30,9 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import signal
 import threading
+import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -995,13 +997,64 @@ class ProviderTests:
                         break
             finally:
                 os._exit(code)
-        _, status = os.waitpid(pid, 0)
-        code = os.waitstatus_to_exitcode(status)
+        code = _wait_child(pid, timeout=120.0)
         assert code == 0, _fork_failure(code, len(calls))
         # the parent is unaffected
         assert provider.read_bytes(key) == page_bytes(key, nbytes)
         res.write(0, page_bytes(key_of("fork-open"), nbytes))
         res.seal()
+
+    def test_use_after_fork_while_busy(self, provider: Provider) -> None:
+        """Fork while another thread is inside the provider (likely holding its lock): the child
+        must get ``UsedAfterForkError`` at once, not wait forever on a lock copied in the held
+        state."""
+        if not hasattr(os, "fork"):
+            pytest.skip("no os.fork on this platform")
+        keys = chain("fork-busy", 4)
+        nbytes = self._pages(1)
+        put_chain(provider, keys, nbytes)
+        stop = threading.Event()
+        errors: list[BaseException] = []
+
+        def busy() -> None:
+            out = bytearray(nbytes)
+            try:
+                while not stop.is_set():
+                    provider.present(keys)
+                    provider.read(keys[-1], out)
+                    with provider.lease(keys):
+                        pass
+            except BaseException as exc:
+                errors.append(exc)
+
+        worker = threading.Thread(target=busy)
+        worker.start()
+        codes = []
+        try:
+            for _ in range(5):
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", DeprecationWarning)
+                    pid = os.fork()
+                if pid == 0:  # pragma: no cover - runs in the child
+                    code = 1
+                    try:
+                        provider.present(keys)
+                    except UsedAfterForkError:
+                        code = 0
+                    except BaseException:
+                        code = 2
+                    finally:
+                        os._exit(code)
+                codes.append(_wait_child(pid, timeout=20.0))
+                if codes[-1] != 0:
+                    break  # one hung or wrong child is the finding; don't wait on more
+        finally:
+            stop.set()
+            worker.join(60)
+        assert errors == []
+        assert codes == [0] * 5, "; ".join(
+            "ok" if c == 0 else "no error in the child" if c == 1 else _fork_failure(c, 1) for c in codes
+        )
 
     # ==========================================================================================
     # Threads
@@ -1276,10 +1329,30 @@ def _check_closure(p: Provider, parents: dict[Key, Key | None]) -> None:
             assert hits[parent], f"{k.hex()[:12]} is present but its parent {parent.hex()[:12]} is not"
 
 
+def _wait_child(pid: int, timeout: float) -> int:
+    """Exit code of a forked child; SIGKILL it (and report a hang) after ``timeout`` seconds.
+
+    A provider that takes a lock before its fork check can hang forever in the child when another
+    thread held that lock at fork time; the suite must fail, not hang, on that.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return -999
+        time.sleep(0.005)
+
+
 def _fork_failure(code: int, ncalls: int) -> str:
     if 10 <= code < 10 + ncalls:
         return f"call #{code - 10} succeeded in a forked child (expected UsedAfterForkError)"
     if 50 <= code < 50 + ncalls:
         return f"call #{code - 50} raised the wrong error in a forked child"
+    if code == -999:
+        return "the forked child hung (a lock taken before the fork check?) and was killed"
     return f"child exited with {code}"
 
