@@ -637,7 +637,7 @@ class TieredProvider(Provider):
         """Zero-copy regions of a leased entry held by the fast tier (``None`` if only the slow
         tier has it: read it instead, which promotes it)."""
         k = self._key(key)
-        if lease.released or lease._provider is not self or not isinstance(lease.token, _LeaseToken):
+        if lease.released or lease.provider is not self or not isinstance(lease.token, _LeaseToken):
             raise InvalidArgumentError("view() needs an unreleased lease of this provider")
         self._check_usable()
         token: _LeaseToken = lease.token
