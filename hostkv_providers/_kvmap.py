@@ -392,7 +392,10 @@ class HFCacheMap:
         """A ``transformers.DynamicCache`` holding the restored pages (prefix of a prompt)."""
         from transformers import DynamicCache
 
-        cache = DynamicCache(config=config) if config is not None else DynamicCache()
+        try:
+            cache = DynamicCache(config=config) if config is not None else DynamicCache()
+        except TypeError:  # transformers before 4.56 takes no config (and needs none here)
+            cache = DynamicCache()
         for li, (k, v) in enumerate(self.unpack(planes, dtype=dtype)):
             cache.update(k, v, li)
         return cache
