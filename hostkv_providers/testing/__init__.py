@@ -2,11 +2,21 @@
 
 ``ProviderTests`` is a pytest test-class base; ``ProviderStateMachine`` the hypothesis model it
 runs; the page helpers compute a page's expected bytes from its key in any process.
+
+Importing this package needs pytest; the state machine additionally needs hypothesis and is
+imported lazily, so the pytest plugin (loaded in every pytest session where the package is
+installed) works without hypothesis.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 from ._pages import anchor_bytes, chain, key_of, page_bytes, put_chain, put_page
-from ._stateful import ProviderStateMachine, run_provider_state_machine
 from ._suite import ProviderFactory, ProviderTests
+
+if TYPE_CHECKING:
+    from ._stateful import ProviderStateMachine, run_provider_state_machine
 
 __all__ = [
     "ProviderFactory",
@@ -20,3 +30,11 @@ __all__ = [
     "put_page",
     "run_provider_state_machine",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("ProviderStateMachine", "run_provider_state_machine"):
+        from . import _stateful
+
+        return getattr(_stateful, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1300,6 +1300,7 @@ class ProviderTests:
     # The stateful model
     # ==========================================================================================
     def test_stateful(self, tmp_path: Path) -> None:
+        pytest.importorskip("hypothesis", reason="the stateful model needs hypothesis (pip install hypothesis)")
         from ._stateful import run_provider_state_machine
 
         run_provider_state_machine(self, tmp_path, **self.stateful_settings)
