@@ -7,6 +7,7 @@ Read this module top to bottom if you write a provider.  The conformance suite
 from __future__ import annotations
 
 import abc
+import contextlib
 import os
 import time
 import warnings
@@ -507,6 +508,19 @@ class Provider(abc.ABC):
             raise ClosedError(f"{type(self).__name__} is closed")
         if os.getpid() != self._pid:
             raise UsedAfterForkError(f"{type(self).__name__} was opened in process {self._pid}")
+
+    @contextlib.contextmanager
+    def _locked(self, lock: contextlib.AbstractContextManager[Any]) -> Iterator[None]:
+        """Check usability, take ``lock``, check again.
+
+        The first check matters in a forked child: the lock may have been copied while another
+        thread of the parent held it, and waiting on it would hang forever.  The second one sees a
+        ``close`` that raced the first.
+        """
+        self._check_usable()
+        with lock:
+            self._check_usable()
+            yield
 
     @property
     def closed(self) -> bool:

@@ -7,7 +7,8 @@ remains is exactly what every provider must do:
 * keep the tree prefix-closed, the budget honest, leases and in-flight entries safe — delegated to
   :class:`hostkv_providers.TreeIndex`, the same bookkeeping the built-in providers use;
 * record a checksum at seal and check it on read, dropping the subtree on a mismatch;
-* take one lock around the index, and copy bytes outside it where the medium allows.
+* take one lock around the index (``self._locked(lock)`` checks for close/fork first), and copy
+  bytes outside it where the medium allows.
 
 Its tests (``tests/test_dictstore.py``) subclass the shipped conformance suite, which is all it
 takes to prove the contract.
@@ -15,6 +16,7 @@ takes to prove the contract.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -74,20 +76,17 @@ class DictProvider(Provider):
     # -- lookups -----------------------------------------------------------------------------
     def present(self, keys: Sequence[bytes]) -> list[bool]:
         ks = self._keys(keys)
-        with self._lock:
-            self._check_usable()
+        with self._locked(self._lock):
             return [k in self._index.nodes for k in ks]
 
     def in_flight(self, key: bytes) -> bool:
         k = self._key(key)
-        with self._lock:
-            self._check_usable()
+        with self._locked(self._lock):
             return k in self._index.flights
 
     def entry(self, key: bytes) -> EntryInfo | None:
         k = self._key(key)
-        with self._lock:
-            self._check_usable()
+        with self._locked(self._lock):
             node = self._index.get(k)
             if node is None:
                 return None
@@ -96,8 +95,7 @@ class DictProvider(Provider):
                              node.created, node.last_used, anchors)
 
     def iter_entries(self) -> Iterator[EntryInfo]:
-        with self._lock:
-            self._check_usable()
+        with self._locked(self._lock):
             keys = list(self._index.nodes)
         return (info for info in map(self.entry, keys) if info is not None)
 
@@ -111,8 +109,7 @@ class DictProvider(Provider):
             raise hk.InvalidArgumentError("an entry cannot be its own parent")
         if not isinstance(salt_tag, str):
             raise hk.InvalidArgumentError(f"salt_tag must be a str, got {type(salt_tag).__name__}")
-        with self._lock:
-            self._check_usable()
+        with self._locked(self._lock):
             fresh, evicted = self._index.begin(k, p, nbytes)  # may raise the contract's errors
             for node in evicted:
                 del self._data[node.key]
@@ -141,8 +138,7 @@ class DictProvider(Provider):
         res.check_complete()
         blob = bytes(res.buf)
         node = hk.Node(res.key, res.parent, res.nbytes, 0, res.salt_tag, hk.checksum(blob), None, time.time())
-        with self._lock:
-            self._check_usable()
+        with self._locked(self._lock):
             res.check_open(self)
             try:
                 self._index.commit(res.key, node)
@@ -154,8 +150,7 @@ class DictProvider(Provider):
     def abort(self, reservation: Reservation) -> None:
         if not isinstance(reservation, _DictReservation) or reservation.provider is not self:
             raise hk.ReservationError("not a reservation of this provider")
-        with self._lock:
-            self._check_usable()
+        with self._locked(self._lock):
             if reservation.state != "open":
                 return  # aborting twice, or after seal, is a no-op
             self._index.cancel(reservation.key)
@@ -167,8 +162,7 @@ class DictProvider(Provider):
         k = self._key(key)
         if span is not None and not isinstance(span, ByteSpan):
             raise hk.InvalidArgumentError("span must be a ByteSpan")
-        with self._lock:
-            self._check_usable()
+        with self._locked(self._lock):
             node = self._index.get(k)
             if node is None:
                 self._n["misses"] += 1
@@ -194,8 +188,7 @@ class DictProvider(Provider):
         if type(nbytes) is not int or nbytes < 0:
             raise hk.InvalidArgumentError(f"nbytes must be a non-negative int, got {nbytes!r}")
         ks = self._keys(keys) if keys is not None else None
-        with self._lock:
-            self._check_usable()
+        with self._locked(self._lock):
             if ks is not None:
                 removed, skipped = self._index.evict_keys(ks)
             else:
@@ -209,8 +202,7 @@ class DictProvider(Provider):
         k = self._key(key)
         hk.check_anchor_name(name)
         blob = bytes(hk.readable_bytes(data))
-        with self._lock:
-            self._check_usable()
+        with self._locked(self._lock):
             node = self._index.get(k)
             if node is None:
                 raise hk.UnknownKeyError(f"entry {k.hex()[:16]} is not stored")
@@ -224,35 +216,33 @@ class DictProvider(Provider):
     def get_anchor(self, key: bytes, name: str) -> bytes | None:
         k = self._key(key)
         hk.check_anchor_name(name)
-        with self._lock:
-            self._check_usable()
+        with self._locked(self._lock):
             node = self._index.get(k)
             return None if node is None or not node.anchors else node.anchors.get(name)
 
     def list_anchors(self, key: bytes) -> dict[str, int]:
         k = self._key(key)
-        with self._lock:
-            self._check_usable()
+        with self._locked(self._lock):
             node = self._index.get(k)
             return {n: len(b) for n, b in (node.anchors or {}).items()} if node is not None else {}
 
     # -- leases ------------------------------------------------------------------------------
     def lease(self, keys: Sequence[bytes]) -> Lease:
         ks = self._keys(keys)
-        with self._lock:
-            self._check_usable()
+        with self._locked(self._lock):
             held = self._index.hold_keys(ks)
             return Lease(self, ks, [n is not None for n in held], token=held)
 
     def _release_lease(self, lease: Lease) -> None:
+        if self._closed or os.getpid() != self._pid:
+            return  # nothing to unpin after close; never touch a lock inherited through fork
         with self._lock:
             if not self._closed:
                 self._index.release_nodes(lease.token)  # type: ignore[arg-type]
 
     # -- the rest ----------------------------------------------------------------------------
     def stats(self) -> ProviderStats:
-        with self._lock:
-            self._check_usable()
+        with self._locked(self._lock):
             idx, n = self._index, self._n
             return ProviderStats(
                 name=self.name, entries=len(idx.nodes), used_bytes=idx.used, budget_bytes=self._budget,
