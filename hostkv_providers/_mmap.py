@@ -278,11 +278,14 @@ class _Anchor:
 
 
 class _Flight:
-    __slots__ = ("cost", "parent")
+    # The parent's generation too: if the parent row is dropped (corrupt) and recycled for another
+    # entry, commit/cancel must not touch that other entry's pins.
+    __slots__ = ("cost", "parent", "parent_gen")
 
-    def __init__(self, parent: int, cost: int) -> None:
+    def __init__(self, parent: int, cost: int, parent_gen: int) -> None:
         self.parent = parent
         self.cost = cost
+        self.parent_gen = parent_gen
 
 
 # ------------------------------------------------------------------------------------------------
@@ -335,7 +338,6 @@ class _Index:
         self.count = 0
         self.used_cost = 0  # sealed cost + in-flight cost
         self.sealed_cost = 0
-        self.held_cost = 0
         self.evictions = 0
         self.evicted_cost = 0
         self.clock = 1
@@ -439,7 +441,6 @@ class _Index:
         self.count = n
         self.sealed_cost = int(costs.sum()) if n else 0
         self.used_cost = self.sealed_cost
-        self.held_cost = 0
         self.clock = max(self.clock, int(ticks.max()) + 1 if n else 1)
         self._heap = []
         self._heap_bound = -1
@@ -476,7 +477,7 @@ class _Index:
             if prow < 0:
                 raise UnknownKeyError(f"parent {parent.hex()[:16]} is not stored")
         evicted = self.make_room(cost, protect=prow)
-        self.flights[key] = _Flight(prow, cost)
+        self.flights[key] = _Flight(prow, cost, int(self.gen[prow]) if prow >= 0 else 0)
         self.used_cost += cost
         if prow >= 0:
             self._hold(prow)
@@ -486,7 +487,7 @@ class _Index:
                tag: bytes, created: float) -> int:
         flight = self.flights.pop(key)
         prow = flight.parent
-        if prow >= 0 and not self.alive[prow]:
+        if prow >= 0 and not self._parent_alive(flight):
             self.used_cost -= flight.cost
             raise UnknownKeyError(
                 "the parent was dropped (corrupt) before the seal",
@@ -518,6 +519,11 @@ class _Index:
         self.touch(row)
         return row
 
+    def _parent_alive(self, flight: _Flight) -> bool:
+        """Whether the flight's parent is still the entry it pinned (alive, same generation)."""
+        p = flight.parent
+        return p >= 0 and bool(self.alive[p]) and int(self.gen[p]) == flight.parent_gen
+
     def _new_row(self) -> int:
         if self.n >= self.cap:
             self._grow(self.cap * 2)
@@ -529,35 +535,55 @@ class _Index:
         if flight is None:
             return
         self.used_cost -= flight.cost
-        if flight.parent >= 0 and self.alive[flight.parent]:
+        if self._parent_alive(flight):
             self._unhold(flight.parent)
 
     # -- budget ----------------------------------------------------------------------------------
     def make_room(self, cost: int, protect: int = -1) -> list[int]:
+        """Evict LRU leaves until ``cost`` more fits, or raise ``CapacityError`` evicting nothing.
+
+        Pins are direct (only leaves are evicted, so an ancestor of a pinned row is safe as a
+        non-leaf); the guard evicts tentatively and puts every row back if even that is not
+        enough.  Both keep a reservation O(1) however deep its chain, as in ``TreeIndex``.
+        """
         if self.used_cost + cost <= self.budget:
             return []
-        evictable = self.sealed_cost - self.held_cost
-        if protect >= 0 and self.hold[protect] == 0:
-            evictable -= self._unheld_ancestry_cost(protect)
-        if cost > self.budget or self.used_cost + cost - evictable > self.budget:
+        if cost > self.budget or self.used_cost - self.sealed_cost + cost > self.budget:
             raise CapacityError(
-                f"{cost} bytes do not fit: budget {self.budget}, used {self.used_cost}, "
-                f"evictable {max(evictable, 0)}"
+                f"{cost} bytes do not fit: budget {self.budget}, used {self.used_cost} of which "
+                f"{self.used_cost - self.sealed_cost} by reservations in flight"
             )
         if protect >= 0:
             self._hold(protect)
         try:
-            return self.evict_cost(self.used_cost + cost - self.budget)
+            removed = self._evict_lru(self.used_cost + cost - self.budget)
+            if self.used_cost + cost > self.budget:
+                for row in reversed(removed):  # parents were removed after their children
+                    self._reinsert(row)
+                raise CapacityError(
+                    f"{cost} bytes do not fit: budget {self.budget}, used {self.used_cost}, and only "
+                    f"{sum(int(self.cost[r]) for r in removed)} of it is evictable (the rest is leased "
+                    "or in flight)"
+                )
         finally:
             if protect >= 0:
                 self._unhold(protect)
+        self.evictions += len(removed)
+        self.evicted_cost += sum(int(self.cost[r]) for r in removed)
+        return removed
 
-    def _unheld_ancestry_cost(self, row: int) -> int:
-        total = 0
-        while row >= 0 and self.hold[row] == 0:
-            total += int(self.cost[row])
-            row = int(self.parent[row])
-        return total
+    def _reinsert(self, row: int) -> None:
+        """Undo ``_remove`` of a tentative eviction."""
+        self._dict[self.key[row].tobytes()] = row
+        self.alive[row] = True
+        self.count += 1
+        c = int(self.cost[row])
+        self.used_cost += c
+        self.sealed_cost += c
+        p = int(self.parent[row])
+        if p >= 0 and self.alive[p]:
+            self.children[p] += 1
+        heapq.heappush(self._heap, (int(self.tick[row]), row))
 
     def _refill_heap(self) -> None:
         """Rebuild the LRU candidate heap from the columns: the K oldest unheld leaves."""
@@ -593,7 +619,7 @@ class _Index:
             self._refill_heap()
         return -1
 
-    def evict_cost(self, need: int) -> list[int]:
+    def _evict_lru(self, need: int) -> list[int]:
         out: list[int] = []
         freed = 0
         while freed < need:
@@ -602,24 +628,23 @@ class _Index:
                 break
             freed += int(self.cost[row])
             self._remove(row)
-            self.evictions += 1
-            self.evicted_cost += int(self.cost[row])
             out.append(row)
+        return out
+
+    def evict_cost(self, need: int) -> list[int]:
+        """Evict LRU unpinned leaves until ``need`` cost is freed (or none is left)."""
+        out = self._evict_lru(need)
+        self.evictions += len(out)
+        self.evicted_cost += sum(int(self.cost[r]) for r in out)
         return out
 
     def add_cost(self, row: int, delta: int) -> list[int]:
         evicted: list[int] = []
         if delta > 0:
-            self._hold(row)
-            try:
-                evicted = self.make_room(delta)
-            finally:
-                self._unhold(row)
+            evicted = self.make_room(delta, protect=row)
         self.cost[row] += delta
         self.used_cost += delta
         self.sealed_cost += delta
-        if self.hold[row]:
-            self.held_cost += delta
         return evicted
 
     # -- holds -----------------------------------------------------------------------------------
@@ -636,22 +661,12 @@ class _Index:
                 self._unhold(row)
 
     def _hold(self, row: int) -> None:
-        while row >= 0:
-            self.hold[row] += 1
-            if self.hold[row] != 1:
-                return
-            self.held_cost += int(self.cost[row])
-            row = int(self.parent[row])
+        self.hold[row] += 1
 
     def _unhold(self, row: int) -> None:
-        while row >= 0:
-            self.hold[row] -= 1
-            if self.hold[row] != 0:
-                return
-            self.held_cost -= int(self.cost[row])
-            if self.children[row] == 0:
-                heapq.heappush(self._heap, (int(self.tick[row]), row))
-            row = int(self.parent[row])
+        self.hold[row] -= 1
+        if self.hold[row] == 0 and self.children[row] == 0 and self.alive[row]:
+            heapq.heappush(self._heap, (int(self.tick[row]), row))
 
     # -- removal ---------------------------------------------------------------------------------
     def _remove(self, row: int) -> None:
@@ -713,12 +728,7 @@ class _Index:
         """Force-remove ``row`` and its subtree (corruption), held or not."""
         removed: list[int] = []
         for r in self.subtree([row]):
-            if self.hold[r]:
-                self.held_cost -= int(self.cost[r])
-                p = int(self.parent[r])
-                if p >= 0 and self.alive[p]:
-                    self._unhold(p)
-                self.hold[r] = 0
+            self.hold[r] = 0  # leases and flights on a dropped row see it dead (or a new gen)
             self.children[r] = 0
             self._remove(r)
             removed.append(r)
