@@ -45,6 +45,8 @@ from ._hostmem import HostAllocation, HostAllocator, OrdinaryAllocator
 from ._index import Node, TreeIndex
 from ._keys import FORMAT_VERSION, KEY_ALGORITHM, KEY_NBYTES, ZERO_KEY, Key, MediaItem, Salt, as_key, chain_keys
 from ._layout import DTYPE_ITEMSIZE, KVLayout, PlaneSpec
+from ._lmdb import LmdbProvider
+from ._mmap import MmapProvider
 from ._options import Options, format_size, parse_size
 from ._pinned import PinnedProvider
 from ._provider import (
@@ -116,8 +118,10 @@ __all__ = [
     "KVPlanes",
     "Key",
     "Lease",
+    "LmdbProvider",
     "LockedError",
     "MediaItem",
+    "MmapProvider",
     "NoSpaceError",
     "Node",
     "Options",
