@@ -427,4 +427,4 @@ def run_provider_state_machine(suite: ProviderTests, workdir: Path, **overrides:
         "print_blob": False,
     }
     opts.update(overrides)
-    run_state_machine_as_test(machine, settings=settings(**opts))  # type: ignore[no-untyped-call]
+    run_state_machine_as_test(machine, settings=settings(**opts))  # type: ignore[no-untyped-call, unused-ignore]  # typed in newer hypothesis
