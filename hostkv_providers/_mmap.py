@@ -1040,6 +1040,14 @@ class MmapProvider(Provider):
     def _write_manifest(self, man: Mapping[str, Any]) -> None:
         _fsutil.atomic_write(self._p("manifest.json"), json.dumps(man, indent=1, sort_keys=True).encode())
 
+    def _disk_generation(self) -> int | None:
+        """The generation the manifest on disk names, or ``None`` if it cannot be read."""
+        try:
+            gen = self._read_manifest().get("generation")
+        except Exception:
+            return None
+        return gen if isinstance(gen, int) else None
+
     def _read_manifest(self) -> dict[str, Any]:
         path = self._p("manifest.json")
         raw = _fsutil.read_small_file(path, _MANIFEST_LIMIT)
@@ -2429,6 +2437,11 @@ class MmapProvider(Provider):
             moves: list[tuple[int, int, int, int]] = []  # row, file, slot, gen
             amoves: list[tuple[int, str, _Anchor]] = []
             gen_counter = self._next_gen
+            # An exception that arrives after the manifest's rename (a failed directory sync, a
+            # KeyboardInterrupt) must not roll back: the new generation already *is* the store,
+            # and deleting its files would lose every entry.  It is re-raised after the switch.
+            after_commit: BaseException | None = None
+            keep_files = False
             try:
                 if not need:
                     place(0)
@@ -2491,7 +2504,19 @@ class MmapProvider(Provider):
                     _fsutil.atomic_write(self._p(self._journal_name(new_gen)), self._journal_header())
                     _fsutil.crash_point("mmap.compact.after_copy")
                     man = dict(self._manifest, generation=new_gen)
-                    self._write_manifest(man)  # the commit point
+                    try:
+                        self._write_manifest(man)  # the commit point
+                    except BaseException as exc:
+                        on_disk = self._disk_generation()
+                        if on_disk == new_gen:
+                            after_commit = exc
+                        else:
+                            if on_disk is None:
+                                # cannot tell which generation is the store: delete nothing, and
+                                # acknowledge nothing more until a reopen decides from the manifest
+                                keep_files = True
+                                self._failed = f"compaction could not confirm its commit ({exc!r})"
+                            raise
                 except BaseException:
                     self._gen = saved_gen
                     idx.file[:], idx.slot[:], idx.gen[:] = old[0], old[1], old[2]
@@ -2500,8 +2525,11 @@ class MmapProvider(Provider):
             except BaseException:
                 for sf in new_files.values():
                     sf.close()
-                    with contextlib.suppress(OSError):
-                        os.unlink(sf.path)
+                    if not keep_files:
+                        with contextlib.suppress(OSError):
+                            os.unlink(sf.path)
+                if keep_files:
+                    raise
                 with contextlib.suppress(OSError):
                     os.unlink(self._p(self._snap_name(new_gen)))
                 with contextlib.suppress(OSError):
@@ -2537,6 +2565,8 @@ class MmapProvider(Provider):
                     os.unlink(self._p(name))
             with contextlib.suppress(HostKVError):
                 _fsutil.fsync_dir(self.path)
+            if after_commit is not None:
+                raise after_commit
             after = sum(os.path.getsize(sf.path) for sf in self._files.values())
             return CompactReport(entries=idx.count, bytes_before=before, bytes_after=after)
 

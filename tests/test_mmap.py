@@ -400,6 +400,42 @@ def test_compact_is_dense_and_keeps_everything(tmp_path: Path) -> None:
     q.close()
 
 
+@pytest.mark.parametrize("failure", [KeyboardInterrupt, "eio"])
+def test_compact_interrupted_after_its_commit_keeps_everything(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failure: object
+) -> None:
+    """A signal or an I/O error *after* the manifest's rename (during the directory sync) used to
+    roll the compaction back and delete the new generation's files while the manifest on disk
+    already named them: the reopened store was empty (found by the CLI's SIGINT-during-compact
+    test)."""
+    p = make(tmp_path / "s", budget_bytes=128 * PAGE)
+    keys = [key_of(f"cpi-{i}") for i in range(40)]
+    for k in keys:
+        put_page(p, k, None, PAGE)
+    p.evict(keys[::2])
+    real_write = p._write_manifest
+
+    def write_then_fail(man: object) -> None:
+        real_write(man)  # type: ignore[arg-type]
+        if failure is KeyboardInterrupt:
+            raise KeyboardInterrupt
+        raise StorageIOError("injected EIO syncing the directory")
+
+    monkeypatch.setattr(p, "_write_manifest", write_then_fail)
+    with pytest.raises((KeyboardInterrupt, StorageIOError)):
+        p.compact()
+    monkeypatch.undo()
+    for k in keys[1::2]:  # this process still serves every entry from the new generation
+        assert p.read_bytes(k) == page_bytes(k, PAGE)
+    p.close()
+    q = make(tmp_path / "s")
+    assert q.present(keys[1::2]) == [True] * 20
+    for k in keys[1::2]:
+        assert q.read_bytes(k) == page_bytes(k, PAGE)
+    assert q.verify().ok
+    q.close()
+
+
 def test_compact_refuses_in_flight_and_foreign_writer(tmp_path: Path) -> None:
     p = make(tmp_path / "s")
     res = p.reserve(key_of("inflight"), None, PAGE)
