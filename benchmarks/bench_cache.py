@@ -320,10 +320,16 @@ def main() -> int:
             r["tiered_restore_slow"]["bytes_equal"] = planes.same(torch, src, dst)
             r["tiered_restore_slow"]["promotions"] = tiered2.stats().extra["promotions"]
             log(f"after restart: open {r['restart_open_s']:.2f} s, restore from {args.slow} {cold['total_ms']:.0f} ms "
-                f"({cold['staged']} staged pages)")
+                f"({cold['staged']} staged pages, bytes equal {r['tiered_restore_slow']['bytes_equal']})")
+            dump()
             if left() > 10:
-                r["tiered_restore_promoted"] = summarize(
-                    [restore_once(torch, tc2, keys, planes, dst, sync) for _ in range(max(1, args.reps // 2))])
+                try:
+                    r["tiered_restore_promoted"] = summarize(
+                        [restore_once(torch, tc2, keys, planes, dst, sync) for _ in range(max(1, args.reps // 2))])
+                    r["tiered_restore_promoted"]["bytes_equal"] = planes.same(torch, src, dst)
+                except Exception as exc:  # record it and still print every other figure
+                    r["tiered_restore_promoted_error"] = repr(exc)
+                    log(f"restore after promotion failed: {exc!r}")
             tc2.close()
         dump()
     text = render(r)
