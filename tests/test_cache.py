@@ -423,7 +423,8 @@ def test_need_anchor_cuts_hit_to_deepest_anchored_page(provider: Provider, engin
 
 
 def test_stats_and_prometheus(cache: HostKVCache) -> None:
-    from prometheus_client import CollectorRegistry, generate_latest
+    prometheus_client = pytest.importorskip("prometheus_client")
+    CollectorRegistry, generate_latest = prometheus_client.CollectorRegistry, prometheus_client.generate_latest
 
     src = make_planes(14)
     ks = cache.keys(tokens(4 * 5, seed=24))
