@@ -181,6 +181,7 @@ class CudaPinnedAllocation:
         self._view: memoryview | None = view[:nbytes]
         self._address = address
         self._size = size
+        _REGISTERED_STARTS.add(address)
         self.device_address: int | None = None
         if mapped:
             with dev.scope():
@@ -211,8 +212,15 @@ class CudaPinnedAllocation:
             self._finalizer()  # runs once
 
 
+#: Start addresses of the page-locked allocations this module made.  Two allocations can sit
+#: back to back in the address space (the pinned arena's chunks often do), but one DMA may not
+#: span two registrations (``CUDA_ERROR_INVALID_VALUE``), so host copies never merge across one.
+_REGISTERED_STARTS: set[int] = set()
+
+
 def _release_pinned(dev: _cuda.Device, address: int, host_alloc: bool, mm: mmap.mmap | None,
                     views: list[memoryview]) -> None:
+    _REGISTERED_STARTS.discard(address)
     for v in views:
         with contextlib.suppress(BufferError):
             v.release()
@@ -1210,14 +1218,15 @@ class CudaCopyEngine(CopyEngine):
     @staticmethod
     def _coalesce(pages: Sequence[_Page], lo: int, hi: int, page_nbytes: int) -> list[tuple[int, int, int]]:
         """``(staging_offset, host_address, nbytes)`` copies for pages ``[lo, hi)``, merged when both
-        sides are contiguous (page-major staging + adjacent host pages = one large DMA)."""
+        sides are contiguous (page-major staging + adjacent host pages = one large DMA) and the
+        host side does not cross into another pinned allocation."""
         out: list[tuple[int, int, int]] = []
         s = a = m = -1  # the copy being extended
         base = 0
         for i in range(lo, hi):
             offsets, addresses, sizes = pages[i]
             for off, addr, n in zip(offsets, addresses, sizes, strict=True):
-                if s + m == base + off and a + m == addr:
+                if s + m == base + off and a + m == addr and addr not in _REGISTERED_STARTS:
                     m += n
                     continue
                 if m > 0:

@@ -400,6 +400,18 @@ def test_coalescing_of_host_copies() -> None:
     assert CudaCopyEngine._coalesce([], 0, 0, page) == []
 
 
+def test_coalescing_never_spans_two_pinned_allocations(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two pinned chunks can sit back to back in the address space; one DMA across both fails
+    with CUDA_ERROR_INVALID_VALUE (seen on the H200 restoring pages that straddled two arena
+    chunks), so the merge stops at every allocation this module registered."""
+    page = LAYOUT.page_nbytes
+    base = 1 << 40
+    second = base + 2 * page  # where a second allocation starts, adjacent to the first
+    monkeypatch.setattr(_copy, "_REGISTERED_STARTS", {base, second})
+    pages = [((0,), (base + i * page,), (page,)) for i in range(4)]
+    assert CudaCopyEngine._coalesce(pages, 0, 4, page) == [(0, base, 2 * page), (2 * page, second, 2 * page)]
+
+
 # -- without CUDA ----------------------------------------------------------------------------
 
 
