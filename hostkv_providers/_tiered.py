@@ -165,6 +165,13 @@ class TieredProvider(Provider):
         self._queued_pages = 0
         self._queue_pages = queue_pages
         self._writer_error: BaseException | None = None
+        # Keys the tiered index has dropped that the slow tier may still hold: an eviction the
+        # slow tier skipped (it never evicts the parent of a page in flight there, i.e. one the
+        # writer is copying out right now), or a write-back that landed after its entry was
+        # evicted.  The writer evicts them again after each write-back, and close() once the
+        # writer has stopped, so a reopen (which rebuilds the index from the slow tier) never
+        # brings an evicted entry back.  Guarded by ``_lock``.
+        self._doomed: set[Key] = set()
         # Tail leases: the page a chain operation touched last stays held in that tier, so the
         # next page of the chain (whose parent it is) costs O(1) in a TreeIndex-based tier —
         # holding an unheld parent there walks every unheld ancestor.  Cheap for pinned/mmap,
@@ -465,6 +472,7 @@ class TieredProvider(Provider):
                         self._finish_pending(item[1])
             finally:
                 if item is not None and item[0] == "page":
+                    self._purge_doomed_logged()
                     with self._room:
                         self._queued_pages -= 1
                         self._room.notify_all()
@@ -480,6 +488,15 @@ class TieredProvider(Provider):
             # (and so the memory being copied from) stays ours until the copy is over.
             loc.writing = True
             lease = loc.fast_lease
+            if lease is not None and lease.released:  # never view() through a released lease
+                lease = None
+            # The key was evicted before and saved again; a stale copy of the evicted entry (with
+            # its anchors) may still be in the slow tier: replace it rather than adopt it.
+            stale = node.key in self._doomed
+            self._doomed.discard(node.key)
+        if stale:
+            with contextlib.suppress(HostKVError):
+                self.slow.evict([node.key])
         ok = False
         try:
             res = self.slow.reserve(node.key, node.parent, node.nbytes, salt_tag=node.salt_tag)
@@ -496,8 +513,15 @@ class TieredProvider(Provider):
                     else:
                         for r in regions:
                             res.write(r.offset, r.view)
-                    res.seal()
-                    ok = True
+                    with self._lock:
+                        lost = loc.cancelled or node.dead
+                    if lost:  # evicted while being copied: do not make it durable at all
+                        res.abort()
+                    else:
+                        # An eviction may still come between this check and the seal: the
+                        # re-check below then evicts it from the slow tier again.
+                        res.seal()
+                        ok = True
                 except BaseException:
                     if res.state == "open":
                         res.abort()
@@ -507,12 +531,14 @@ class TieredProvider(Provider):
         with self._lock:
             loc.writing = False
             if loc.cancelled or node.dead:
-                # evicted while it was being written: take it out of both tiers again
+                # Evicted while it was being written: take it out of both tiers again.  Its
+                # parent may have been doomed too (the slow tier skipped it while this page was
+                # in flight under it); _write_back_loop purges both now that the flight is over.
                 self._finish_pending(node)
                 with contextlib.suppress(HostKVError):
                     self.fast.evict([node.key])
-                    if ok:
-                        self.slow.evict([node.key])
+                if ok:
+                    self._doomed.add(node.key)
             elif ok:
                 loc.state = _SLOW
                 self._counters["write_backs"] += 1
@@ -522,6 +548,31 @@ class TieredProvider(Provider):
                 self._counters["write_back_failures"] += 1
                 self._drop_from_tiers(self._index.drop(node.key))
             self._finish_pending(node)
+
+    def _purge_doomed(self) -> None:
+        """Evict from the slow tier the doomed keys the index has not taken back (lock held).
+
+        A doomed key saved again (in the index, or in flight) is left alone here: its own
+        write-back replaces the stale copy (``_write_back``), a write-through evicts it first
+        (``_reserve_inner``).  A key stays doomed while the slow tier still holds it (evicting it
+        was skipped again: a child still in flight there), and is retried after the next write-back."""
+        if not self._doomed:
+            return
+        nodes, flights = self._index.nodes, self._index.flights
+        gone = [k for k in self._doomed if k not in nodes and k not in flights]
+        if not gone:
+            return
+        self.slow.evict(gone)  # subtrees, deepest first: a doomed child goes before its parent
+        for k, there in zip(gone, self.slow.present(gone), strict=True):
+            if not there:
+                self._doomed.discard(k)
+
+    def _purge_doomed_logged(self) -> None:
+        try:
+            with self._lock:
+                self._purge_doomed()
+        except HostKVError as exc:  # the writer must live on; close() retries
+            _log.warning("tiered: evicting stale pages from the slow tier failed: %s", exc)
 
     def _advance_tail(self, which: str, tier: Provider, key: Key) -> None:
         try:
@@ -691,7 +742,12 @@ class TieredProvider(Provider):
         with contextlib.suppress(HostKVError):
             self.fast.evict([n.key for n in nodes])
         if slow_keys:
-            self.slow.evict(slow_keys)
+            report = self.slow.evict(slow_keys)
+            if report.skipped or report.entries < len(slow_keys):
+                # The slow tier kept some (a parent of a page the writer has in flight there):
+                # doomed, evicted again once that write-back is over (else a reopen revives them).
+                still = self.slow.present(slow_keys)
+                self._doomed.update(k for k, there in zip(slow_keys, still, strict=True) if there)
 
     # -- anchors -----------------------------------------------------------------------------
     def put_anchor(self, key: bytes, name: str, data: object) -> None:
@@ -820,6 +876,18 @@ class TieredProvider(Provider):
         self._queue.put(None)
         if self._writer is not threading.current_thread():
             self._writer.join()
+            with self._lock:
+                # The writer is gone: nothing is in flight in the slow tier any more, so what is
+                # still doomed can go now; a page whose write-back never ran (only if the writer
+                # died) gives its fast-tier lease back before the fast tier closes.
+                for node in self._index.nodes.values():
+                    if node.loc.state == _PENDING:
+                        self._finish_pending(node)
+                try:
+                    self._purge_doomed()
+                except HostKVError as exc:
+                    warnings.warn(f"evicting stale pages from the {self.slow.name} tier failed: {exc!r}",
+                                  stacklevel=2)
         if self._own:
             for tier in (self.fast, self.slow):
                 try:

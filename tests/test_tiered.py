@@ -4,6 +4,7 @@ write-through when the fast tier is full, HostKVCache over it."""
 
 from __future__ import annotations
 
+import threading
 import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +17,8 @@ from hostkv_providers import CapacityError, InvalidArgumentError, PinnedProvider
 from hostkv_providers._cache import HostKVCache
 from hostkv_providers._copy import CpuCopyEngine
 from hostkv_providers._hostmem import OrdinaryAllocator
+from hostkv_providers._keys import Key
+from hostkv_providers._provider import Reservation
 from hostkv_providers._tiered import TieredProvider
 from hostkv_providers.testing import ProviderTests
 from hostkv_providers.testing._pages import chain, key_of, page_bytes, put_chain
@@ -240,3 +243,107 @@ def test_host_kv_cache_over_tiered(tiered: TieredProvider) -> None:
             assert tiered.slow.longest_prefix(ks) == 20
     finally:
         engine.close()
+
+
+# ------------------------------------------------------------------------------------------
+# eviction racing a write-back: an evicted entry must never come back after a reopen
+# ------------------------------------------------------------------------------------------
+
+_SLOW_KINDS = ["lmdb", "mmap"]
+
+
+def _open_slow(kind: str, path: Path, budget: int) -> Provider:
+    if kind == "lmdb":
+        if not _lmdb_available():
+            pytest.skip("the lmdb provider is not installed")
+        return _lmdb(path, budget)
+    return hk.open(f"mmap://{path}?budget={budget}&slot={PAGE}&durability=none")
+
+
+def _pause_slow_reserve(t: TieredProvider, target: Key) -> tuple[threading.Event, threading.Event]:
+    """Make the write-back thread stop inside the slow tier's ``reserve`` of ``target``, right after
+    the reservation exists there (so it is in flight in the slow tier), until ``go`` is set."""
+    entered, go = threading.Event(), threading.Event()
+    orig = t.slow.reserve
+
+    def reserve(key: bytes, parent: bytes | None, nbytes: int, *, salt_tag: str = "") -> Reservation | None:
+        res = orig(key, parent, nbytes, salt_tag=salt_tag)
+        if key == target and threading.current_thread() is t._writer:
+            entered.set()
+            assert go.wait(60), "the test never let the write-back go on"
+        return res
+
+    t.slow.reserve = reserve  # type: ignore[method-assign]
+    return entered, go
+
+
+@pytest.mark.parametrize("slow_kind", _SLOW_KINDS)
+@pytest.mark.parametrize("how", ["keys", "nbytes"])
+@pytest.mark.parametrize("paused", ["child", "root"])
+def test_eviction_racing_write_back_does_not_resurrect(tmp_path: Path, slow_kind: str, how: str,
+                                                      paused: str) -> None:
+    """seal K7, seal K4 under K7, evict both while a write-back is mid-way, close, reopen: both
+    stay evicted.  ``child``: K7 is written back and K4's slow-tier reservation is in flight when
+    the eviction comes (the slow tier then refuses to evict K7, a parent of an in-flight page);
+    ``root``: K7's own write-back is in flight."""
+    budget = 16 * PAGE
+
+    def make() -> TieredProvider:
+        return TieredProvider(_pinned(budget), _open_slow(slow_kind, tmp_path / "slow", 2 * budget),
+                              budget_bytes=budget)
+
+    k7, k4 = key_of(f"race-{how}-{paused}-7"), key_of(f"race-{how}-{paused}-4")
+    t = make()
+    try:
+        entered, go = _pause_slow_reserve(t, k4 if paused == "child" else k7)
+        t.put(k7, None, page_bytes(k7, PAGE))
+        t.put(k4, k7, page_bytes(k4, PAGE))
+        assert entered.wait(60)
+        report = t.evict([k7]) if how == "keys" else t.evict(nbytes=2 * PAGE)
+        assert report.entries == 2 and t.present([k7, k4]) == [False, False]
+        go.set()
+        assert t.flush(60)
+        assert t.slow.present([k7, k4]) == [False, False]
+        assert t.present([k7, k4]) == [False, False]
+    finally:
+        t.close()
+    t2 = make()
+    try:
+        assert t2.present([k7, k4]) == [False, False]
+        assert t2.slow.present([k7, k4]) == [False, False]
+        # the keys are usable again: a new save of the same chain lands and survives a reopen
+        put_chain(t2, [k7, k4], PAGE)
+    finally:
+        t2.close()
+    t3 = make()
+    try:
+        assert t3.present([k7, k4]) == [True, True]
+        assert t3.read_bytes(k4) == page_bytes(k4, PAGE)
+    finally:
+        t3.close()
+
+
+@pytest.mark.parametrize("slow_kind", _SLOW_KINDS)
+def test_close_with_queued_write_backs_uses_no_released_lease(tmp_path: Path, slow_kind: str,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    """Evicting pages whose write-backs are queued or in flight, then closing, writes nothing
+    with a released fast-tier lease (no failed write-back is logged) and keeps what was not
+    evicted."""
+    budget = 32 * PAGE
+    keys = chain("close-race", 12)
+    t = TieredProvider(_pinned(budget), _open_slow(slow_kind, tmp_path / "slow", 2 * budget), budget_bytes=budget)
+    with caplog.at_level("WARNING", logger="hostkv_providers._tiered"):
+        try:
+            entered, go = _pause_slow_reserve(t, keys[2])
+            put_chain(t, keys, PAGE)
+            assert entered.wait(60)
+            assert t.evict([keys[6]]).entries == 6  # keys[6:] are queued behind the paused one
+            go.set()
+        finally:
+            t.close()
+    assert not [r for r in caplog.records if "write-back" in r.getMessage()]
+    t2 = TieredProvider(_pinned(budget), _open_slow(slow_kind, tmp_path / "slow", 2 * budget), budget_bytes=budget)
+    try:
+        assert t2.present(keys) == [True] * 6 + [False] * 6
+    finally:
+        t2.close()
