@@ -277,15 +277,32 @@ def _pause_slow_reserve(t: TieredProvider, target: Key) -> tuple[threading.Event
     return entered, go
 
 
+def _pause_after_slow_seal(t: TieredProvider, target: Key) -> tuple[threading.Event, threading.Event]:
+    """Make the write-back thread stop right after the slow tier sealed ``target`` (the page has
+    landed there; the writer has not yet looked at the tiered index again), until ``go`` is set."""
+    entered, go = threading.Event(), threading.Event()
+    orig = t.slow.seal
+
+    def seal(reservation: Reservation) -> None:
+        orig(reservation)
+        if reservation.key == target and threading.current_thread() is t._writer:
+            entered.set()
+            assert go.wait(60), "the test never let the write-back go on"
+
+    t.slow.seal = seal  # type: ignore[method-assign]
+    return entered, go
+
+
 @pytest.mark.parametrize("slow_kind", _SLOW_KINDS)
 @pytest.mark.parametrize("how", ["keys", "nbytes"])
-@pytest.mark.parametrize("paused", ["child", "root"])
+@pytest.mark.parametrize("paused", ["child", "root", "root-sealed"])
 def test_eviction_racing_write_back_does_not_resurrect(tmp_path: Path, slow_kind: str, how: str,
                                                       paused: str) -> None:
     """seal K7, seal K4 under K7, evict both while a write-back is mid-way, close, reopen: both
     stay evicted.  ``child``: K7 is written back and K4's slow-tier reservation is in flight when
     the eviction comes (the slow tier then refuses to evict K7, a parent of an in-flight page);
-    ``root``: K7's own write-back is in flight."""
+    ``root``: K7's own write-back is in flight; ``root-sealed``: K7 has just landed in the slow
+    tier, but its writer has not seen the eviction yet."""
     budget = 16 * PAGE
 
     def make() -> TieredProvider:
@@ -295,7 +312,10 @@ def test_eviction_racing_write_back_does_not_resurrect(tmp_path: Path, slow_kind
     k7, k4 = key_of(f"race-{how}-{paused}-7"), key_of(f"race-{how}-{paused}-4")
     t = make()
     try:
-        entered, go = _pause_slow_reserve(t, k4 if paused == "child" else k7)
+        if paused == "root-sealed":
+            entered, go = _pause_after_slow_seal(t, k7)
+        else:
+            entered, go = _pause_slow_reserve(t, k4 if paused == "child" else k7)
         t.put(k7, None, page_bytes(k7, PAGE))
         t.put(k4, k7, page_bytes(k4, PAGE))
         assert entered.wait(60)
