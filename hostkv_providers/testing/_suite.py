@@ -315,6 +315,16 @@ class ProviderTests:
         assert report.entries == 1
         assert provider.present([a0, other]) == [False, True]
 
+    def test_evict_keys_descendants_listed_first(self, provider: Provider) -> None:
+        # Roots that include their own descendants, deepest first: a walk that starts from every
+        # root and reverses its visit order puts the ancestor before its child and skips it.
+        nbytes = self._pages(1)
+        keys = chain("tree-nested", 4)
+        put_chain(provider, keys, nbytes)
+        report = provider.evict([keys[3], keys[1], keys[2], keys[0]])
+        assert report.entries == 4 and report.skipped == 0
+        assert provider.present(keys) == [False] * 4
+
     def test_policy_eviction_never_punctures_chains(self, provider_factory: ProviderFactory) -> None:
         p = provider_factory(16)
         nbytes = self._pages(1)

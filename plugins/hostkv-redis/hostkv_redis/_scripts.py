@@ -245,27 +245,50 @@ local function make_room(cost, protect)
 end
 
 local function subtree(roots)
-  local order, q, qi, seen = {}, {}, 1, {}
+  -- Breadth-first from the top, so reversing the order puts every node after all of its
+  -- descendants.  Roots that lie under another root are found first and not started from: a
+  -- descendant seeded before its ancestor would come out *after* it once reversed, and the
+  -- ancestor (still with a child) would be skipped.
+  local start, seen, q, qi, covered = {}, {}, {}, 1, {}
   for _, h in ipairs(roots) do
     if not seen[h] and redis.call('EXISTS', E(h)) == 1 then
       seen[h] = true
+      start[#start + 1] = h
       q[#q + 1] = h
     end
   end
   while qi <= #q do
     local x = q[qi]
     qi = qi + 1
-    order[#order + 1] = x
     for _, c in ipairs(redis.call('SMEMBERS', C(x))) do
-      if not seen[c] then
+      if seen[c] then
+        covered[c] = true
+      else
         seen[c] = true
         q[#q + 1] = c
       end
     end
   end
+  local order, visited = {}, {}
+  for _, h in ipairs(start) do
+    if not covered[h] then
+      visited[h] = true
+      order[#order + 1] = h
+    end
+  end
+  qi = 1
+  while qi <= #order do
+    local x = order[qi]
+    qi = qi + 1
+    for _, c in ipairs(redis.call('SMEMBERS', C(x))) do
+      if not visited[c] then
+        visited[c] = true
+        order[#order + 1] = c
+      end
+    end
+  end
   return order
-end
-"""
+end"""
 
 # KEYS[1] meta; ARGV: format, key algorithm, checksum algorithm, budget ('' = keep), resize 0/1
 _INIT = r"""
