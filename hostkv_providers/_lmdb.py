@@ -537,6 +537,10 @@ class _Shared:
         _crash_armed = bool(os.environ.get(_fsutil.CRASH_ENV) or os.environ.get("CRASH_AT"))
         self._check_contents()
         self.lock = self._shared_lock()
+        t_open = time.monotonic()
+        #: what opening this store did to recover it (``describe()["last_recovery"]``)
+        self.recovery: dict[str, Any] = {"at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                                         "by_pid": os.getpid(), "readonly": readonly}
         try:
             alone = False if readonly else self._try_exclusive()
             self.env = self._open_env(map_size)
@@ -547,7 +551,9 @@ class _Shared:
                     _fsutil.ensure_private_dir(self.slot_dir)
                     if alone:
                         self._recover_files()
-                    self.reclaim_dead()
+                    self.recovery["files_checked"] = alone  # temp/orphan files reclaimed (alone only)
+                    self.recovery["dead_owners_reclaimed"] = self.reclaim_dead()
+                self.recovery["seconds"] = round(time.monotonic() - t_open, 4)
             except BaseException:
                 self.env.close()
                 raise
@@ -2399,7 +2405,7 @@ class LmdbProvider(Provider):
         return {**super().describe(), "path": self._path, "durability": self._durability,
                 "inline_max": self._inline_max, "multiprocess": True, "readonly": self._readonly,
                 "store_format": STORE_FORMAT,
-                "store_version": STORE_VERSION}
+                "store_version": STORE_VERSION, "last_recovery": dict(self._s.recovery)}
 
     def close(self) -> None:
         with self._lock:

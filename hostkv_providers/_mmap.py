@@ -971,11 +971,19 @@ class MmapProvider(Provider):
         fb = file_nbytes if file_nbytes is not None else int(man.get("file_nbytes", 0)) or min(self._budget, _MAX_FILE)
         self._file_slots = max(1, fb // self._slot)
         self._idx.budget = self._budget
+        t_open = time.monotonic()
         if not self._readonly:
             self._cleanup_dir()
             self._load()
         else:
             self._load_reader()
+        #: what this open found and repaired (``describe()["last_recovery"]``)
+        self._recovery: dict[str, Any] = {
+            "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "by_pid": os.getpid(),
+            "readonly": self._readonly, "seconds": round(time.monotonic() - t_open, 4),
+            "entries": int(self._idx.count), "problems": list(self._problems[:5]),
+            "problems_total": len(self._problems), "stale_entries_dropped": int(self._stale_at_open),
+        }
         if not self._readonly:
             if not self._files:  # preallocate the first data file now: a full disk fails at open
                 self._add_data_file(self._file_slots)
@@ -2615,7 +2623,8 @@ class MmapProvider(Provider):
         return {**super().describe(), "path": self.path, "durability": self._durability, "slot_nbytes": self._slot,
                 "verify": "read" if self._verify_reads else "never", "readonly": self._readonly,
                 "generation": self._gen, "format_version": MMAP_FORMAT_VERSION,
-                "store_id": self._store_id.hex(), "data_files": sorted(self._files)}
+                "store_id": self._store_id.hex(), "data_files": sorted(self._files),
+                "last_recovery": dict(self._recovery)}
 
     def close(self) -> None:
         """Flush buffered records, write a snapshot (fast next open), sync, unlock; idempotent."""
