@@ -2442,6 +2442,23 @@ class LmdbProvider(Provider):
 # --------------------------------------------------------------------------------------------
 
 
+
+def _pending_slots(txn: Any, dbs: Mapping[str, Any], slots: set[tuple[int, int]]) -> int:
+    """Add the slots held by reservations in flight and by limbo entries to ``slots``; return
+    the cost the reservations account for."""
+    flight_cost = 0
+    for _, v in txn.cursor(db=dbs["flights"]):
+        with contextlib.suppress(_BadRecord):
+            fl = _Flight.unpack(v)
+            flight_cost += fl.cost
+            if fl.file_id:
+                slots.add((fl.file_id, fl.slot))
+    for _, v in txn.cursor(db=dbs["limbo"]):
+        if len(v) == _LIMBO.size:
+            fid, slot, _ = _LIMBO.unpack(v)
+            slots.add((fid, slot))
+    return flight_cost
+
 def _audit(txn: Any, dbs: Mapping[str, Any]) -> list[str]:
     problems: list[str] = []
     c = _Counters(txn.get(b"counters", db=dbs["meta"]))
@@ -2462,17 +2479,7 @@ def _audit(txn: Any, dbs: Mapping[str, Any]) -> list[str]:
         if e.file_id:
             slots.add((e.file_id, e.slot))
         n_lru_expected += e.evictable
-    flight_cost = 0
-    for _, v in txn.cursor(db=dbs["flights"]):
-        with contextlib.suppress(_BadRecord):
-            fl = _Flight.unpack(v)
-            flight_cost += fl.cost
-            if fl.file_id:
-                slots.add((fl.file_id, fl.slot))
-    for _, v in txn.cursor(db=dbs["limbo"]):
-        if len(v) == _LIMBO.size:
-            fid, slot, _ = _LIMBO.unpack(v)
-            slots.add((fid, slot))
+    flight_cost = _pending_slots(txn, dbs, slots)
     if sealed != c.sealed or sealed + flight_cost != c.used:
         problems.append(f"accounting: counters say sealed {c.sealed}/used {c.used}, "
                         f"entries sum to {sealed}/{sealed + flight_cost}")
@@ -2530,17 +2537,7 @@ def _repair_index(tx: _Tx) -> None:
     t.drop(db["lru"], delete=False)
     t.drop(db["children"], delete=False)
     used_slots: set[tuple[int, int]] = set()
-    flight_cost = 0
-    for _, v in t.cursor(db=db["flights"]):
-        with contextlib.suppress(_BadRecord):
-            fl = _Flight.unpack(v)
-            flight_cost += fl.cost
-            if fl.file_id:
-                used_slots.add((fl.file_id, fl.slot))
-    for _, v in t.cursor(db=db["limbo"]):
-        if len(v) == _LIMBO.size:
-            fid, slot, _ = _LIMBO.unpack(v)
-            used_slots.add((fid, slot))
+    flight_cost = _pending_slots(t, db, used_slots)
     sealed = 0
     for e in entries:
         e.children = counts.get(e.key, 0)
