@@ -1852,10 +1852,7 @@ class LmdbProvider(Provider):
         return res
 
     def _own(self, reservation: Reservation) -> _LmdbReservation:
-        if not isinstance(reservation, _LmdbReservation):
-            raise ReservationError("not a reservation of this provider")
-        reservation.check_open(self)
-        return reservation
+        return self._own_reservation(reservation, _LmdbReservation)
 
     def write(self, reservation: Reservation, offset: int, data: object) -> None:
         view = readable_bytes(data)

@@ -1976,10 +1976,7 @@ class MmapProvider(Provider):
         return _MmapReservation(self, k, p, nbytes, salt_tag, fid, slot, nslots, gen)
 
     def _own(self, reservation: Reservation) -> _MmapReservation:
-        if not isinstance(reservation, _MmapReservation):
-            raise ReservationError("not a reservation of this provider")
-        reservation.check_open(self)
-        return reservation
+        return self._own_reservation(reservation, _MmapReservation)
 
     def write(self, reservation: Reservation, offset: int, data: object) -> None:
         view = readable_bytes(data)

@@ -356,10 +356,7 @@ class PinnedProvider(Provider):
             return _PinnedReservation(self, k, p, nbytes, salt_tag, runs, regions)
 
     def _own(self, reservation: Reservation) -> _PinnedReservation:
-        if not isinstance(reservation, _PinnedReservation):
-            raise ReservationError("not a reservation of this provider")
-        reservation.check_open(self)
-        return reservation
+        return self._own_reservation(reservation, _PinnedReservation)
 
     def write(self, reservation: Reservation, offset: int, data: object) -> None:
         view = readable_bytes(data)

@@ -14,7 +14,7 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
 
 from ._errors import (
     ClosedError,
@@ -59,6 +59,8 @@ CAPABILITY_NAMES = (
     "verify",
     "iterate",
 )
+
+_R = TypeVar("_R", bound="Reservation")
 
 Progress = Callable[[int, int], None]
 """``progress(done, total)`` callback used by long operations (verify, compact, copy)."""
@@ -521,6 +523,16 @@ class Provider(abc.ABC):
         with lock:
             self._check_usable()
             yield
+
+    def _own_reservation(self, reservation: Reservation, kind: type[_R]) -> _R:
+        """``reservation`` as one of this provider's open reservations (of class ``kind``).
+
+        Raises ``ReservationError`` for a reservation of another provider or class, or one that
+        was already sealed or aborted."""
+        if not isinstance(reservation, kind):
+            raise ReservationError("not a reservation of this provider")
+        reservation.check_open(self)
+        return reservation
 
     @property
     def closed(self) -> bool:

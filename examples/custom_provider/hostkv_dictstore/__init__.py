@@ -119,10 +119,7 @@ class DictProvider(Provider):
             return _DictReservation(self, k, p, nbytes, salt_tag)
 
     def _own(self, res: Reservation) -> _DictReservation:
-        if not isinstance(res, _DictReservation):
-            raise hk.ReservationError("not a reservation of this provider")
-        res.check_open(self)
-        return res
+        return self._own_reservation(res, _DictReservation)  # other provider's / sealed: typed error
 
     def write(self, reservation: Reservation, offset: int, data: object) -> None:
         self._check_usable()

@@ -855,10 +855,7 @@ class RedisProvider(Provider):
         return out
 
     def _own(self, reservation: Reservation) -> _RedisReservation:
-        if not isinstance(reservation, _RedisReservation):
-            raise ReservationError("not a reservation of this provider")
-        reservation.check_open(self)
-        return reservation
+        return self._own_reservation(reservation, _RedisReservation)
 
     def write(self, reservation: Reservation, offset: int, data: object) -> None:
         view = readable_bytes(data)
