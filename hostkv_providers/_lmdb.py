@@ -1780,18 +1780,7 @@ class LmdbProvider(Provider):
 
     # -- writes ------------------------------------------------------------------------------
     def reserve(self, key: bytes, parent: bytes | None, nbytes: int, *, salt_tag: str = "") -> Reservation | None:
-        k = self._key(key)
-        p = None if parent is None else self._key(parent, "parent")
-        if type(nbytes) is not int or nbytes <= 0:
-            raise InvalidArgumentError(f"nbytes must be a positive int, got {nbytes!r}")
-        if not isinstance(salt_tag, str) or len(salt_tag.encode("utf-8", "surrogatepass")) > _TAG_MAX:
-            raise InvalidArgumentError(f"salt_tag must be a str of at most {_TAG_MAX} UTF-8 bytes")
-        try:
-            salt_tag.encode()
-        except UnicodeEncodeError:
-            raise InvalidArgumentError("salt_tag must be valid Unicode text") from None
-        if p == k:
-            raise InvalidArgumentError("an entry cannot be its own parent")
+        k, p, nbytes = self._reserve_args(key, parent, nbytes, salt_tag, tag_max=_TAG_MAX)
         self._check_usable()
         self._writable("reserve")
         inline = nbytes <= self._inline_max

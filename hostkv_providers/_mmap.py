@@ -1937,18 +1937,7 @@ class MmapProvider(Provider):
                                        hint="open it without readonly=true in the one writer process")
 
     def reserve(self, key: bytes, parent: bytes | None, nbytes: int, *, salt_tag: str = "") -> Reservation | None:
-        k = self._key(key)
-        p = None if parent is None else self._key(parent, "parent")
-        if type(nbytes) is not int or nbytes <= 0:
-            raise InvalidArgumentError(f"nbytes must be a positive int, got {nbytes!r}")
-        if not isinstance(salt_tag, str):
-            raise InvalidArgumentError("salt_tag must be a str")
-        tag = salt_tag.encode("utf-8")
-        if len(tag) > _TAG_MAX:
-            raise InvalidArgumentError(f"salt_tag must be at most {_TAG_MAX} UTF-8 bytes, got {len(tag)}",
-                                       hint="use Salt.tag (16 hex characters)")
-        if p == k:
-            raise InvalidArgumentError("an entry cannot be its own parent")
+        k, p, nbytes = self._reserve_args(key, parent, nbytes, salt_tag, tag_max=_TAG_MAX)
         nslots = run_nslots(nbytes, self._slot)
         cost = nslots * self._slot
         with self._lock:

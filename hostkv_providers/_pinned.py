@@ -318,14 +318,7 @@ class PinnedProvider(Provider):
 
     # -- writes ------------------------------------------------------------------------------
     def reserve(self, key: bytes, parent: bytes | None, nbytes: int, *, salt_tag: str = "") -> Reservation | None:
-        k = self._key(key)
-        p = None if parent is None else self._key(parent, "parent")
-        if type(nbytes) is not int or nbytes <= 0:
-            raise InvalidArgumentError(f"nbytes must be a positive int, got {nbytes!r}")
-        if not isinstance(salt_tag, str):
-            raise InvalidArgumentError("salt_tag must be a str")
-        if p == k:
-            raise InvalidArgumentError("an entry cannot be its own parent")
+        k, p, nbytes = self._reserve_args(key, parent, nbytes, salt_tag)
         nblocks = -(-nbytes // self._block)
         cost = nblocks * self._block
         with self._usable():

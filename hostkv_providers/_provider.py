@@ -524,6 +524,29 @@ class Provider(abc.ABC):
             self._check_usable()
             yield
 
+    def _reserve_args(
+        self, key: object, parent: object, nbytes: object, salt_tag: object, *, tag_max: int | None = None
+    ) -> tuple[Key, Key | None, int]:
+        """Validate ``reserve``'s arguments (the checks every provider makes, with typed errors);
+        ``tag_max`` bounds the salt tag's UTF-8 length for media that store it in a fixed field."""
+        k = as_key(key)
+        p = None if parent is None else as_key(parent, "parent")
+        if type(nbytes) is not int or nbytes <= 0:
+            raise InvalidArgumentError(f"nbytes must be a positive int, got {nbytes!r}")
+        if not isinstance(salt_tag, str):
+            raise InvalidArgumentError(f"salt_tag must be a str, got {type(salt_tag).__name__}")
+        if tag_max is not None:
+            try:
+                tag_nbytes = len(salt_tag.encode("utf-8"))
+            except UnicodeEncodeError:
+                raise InvalidArgumentError("salt_tag must be valid Unicode text") from None
+            if tag_nbytes > tag_max:
+                raise InvalidArgumentError(f"salt_tag must be at most {tag_max} UTF-8 bytes, got {tag_nbytes}",
+                                           hint="use Salt.tag (16 hex characters)")
+        if p == k:
+            raise InvalidArgumentError("an entry cannot be its own parent")
+        return k, p, nbytes
+
     def _own_reservation(self, reservation: Reservation, kind: type[_R]) -> _R:
         """``reservation`` as one of this provider's open reservations (of class ``kind``).
 

@@ -315,14 +315,7 @@ class TieredProvider(Provider):
 
     # -- writes ------------------------------------------------------------------------------
     def reserve(self, key: bytes, parent: bytes | None, nbytes: int, *, salt_tag: str = "") -> Reservation | None:
-        k = self._key(key)
-        p = None if parent is None else self._key(parent, "parent")
-        if type(nbytes) is not int or nbytes <= 0:
-            raise InvalidArgumentError(f"nbytes must be a positive int, got {nbytes!r}")
-        if not isinstance(salt_tag, str):
-            raise InvalidArgumentError("salt_tag must be a str")
-        if p == k:
-            raise InvalidArgumentError("an entry cannot be its own parent")
+        k, p, nbytes = self._reserve_args(key, parent, nbytes, salt_tag)
         self._check_usable()  # before the lock: a forked child must not wait on a copied lock
         with self._lock:
             self._check_usable()

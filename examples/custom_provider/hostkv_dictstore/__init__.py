@@ -101,14 +101,7 @@ class DictProvider(Provider):
 
     # -- writes ------------------------------------------------------------------------------
     def reserve(self, key: bytes, parent: bytes | None, nbytes: int, *, salt_tag: str = "") -> Reservation | None:
-        k = self._key(key)
-        p = None if parent is None else self._key(parent, "parent")
-        if type(nbytes) is not int or nbytes <= 0:
-            raise hk.InvalidArgumentError(f"nbytes must be a positive int, got {nbytes!r}")
-        if p == k:
-            raise hk.InvalidArgumentError("an entry cannot be its own parent")
-        if not isinstance(salt_tag, str):
-            raise hk.InvalidArgumentError(f"salt_tag must be a str, got {type(salt_tag).__name__}")
+        k, p, nbytes = self._reserve_args(key, parent, nbytes, salt_tag)  # the contract's typed errors
         with self._locked(self._lock):
             fresh, evicted = self._index.begin(k, p, nbytes)  # may raise the contract's errors
             for node in evicted:

@@ -806,15 +806,7 @@ class RedisProvider(Provider):
         return res
 
     def _check_item(self, key: object, parent: object, nbytes: object, salt_tag: object) -> tuple[Key, Key | None, int]:
-        k = self._key(key)
-        p = None if parent is None else self._key(parent, "parent")
-        if type(nbytes) is not int or nbytes <= 0:
-            raise InvalidArgumentError(f"nbytes must be a positive int, got {nbytes!r}")
-        if not isinstance(salt_tag, str) or len(salt_tag) > _SALT_TAG_MAX:
-            raise InvalidArgumentError(f"salt_tag must be a str of at most {_SALT_TAG_MAX} chars")
-        if p == k:
-            raise InvalidArgumentError("an entry cannot be its own parent")
-        return k, p, nbytes
+        return self._reserve_args(key, parent, nbytes, salt_tag, tag_max=_SALT_TAG_MAX)
 
     def _reserve_batch(self, items: Sequence[tuple[Key, Key | None, int]], salt_tag: str,
                        allow_inflight_parent: bool, buffers: bool) -> list[_RedisReservation | HostKVError | None]:
