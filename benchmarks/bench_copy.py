@@ -242,15 +242,17 @@ def pinning(gib: float, provider_gib: float) -> dict[str, Any]:
     """Alternate cuMemHostAlloc and our allocator so neither profits from memory the VM already backs."""
     nbytes = int(gib * GiB)
     out: dict[str, Any] = {"gib": gib, "hostalloc_s_per_gib": [], "ours_s_per_gib": [], "ours8_s_per_gib": [],
-                           "ours1_s_per_gib": [], "register_only_s_per_gib": [], "phases": {}}
+                           "ours1_s_per_gib": [], "register_only_s_per_gib": [], "small_pages_s_per_gib": [],
+                           "phases": {}}
     for _ in range(2):
         t0 = time.perf_counter()
         ptr = _cuda.host_alloc(nbytes, mapped=False)
         out["hostalloc_s_per_gib"].append((time.perf_counter() - t0) / gib)
         _cuda.host_free(ptr)
-        for threads, key in ((4, "ours_s_per_gib"), (8, "ours8_s_per_gib"), (1, "ours1_s_per_gib"),
-                             (0, "register_only_s_per_gib")):
-            alloc = pinned_allocator(threads=threads)
+        for threads, key, huge in ((4, "ours_s_per_gib", True), (8, "ours8_s_per_gib", True),
+                                   (1, "ours1_s_per_gib", True), (0, "register_only_s_per_gib", True),
+                                   (4, "small_pages_s_per_gib", False)):
+            alloc = pinned_allocator(threads=threads, huge_pages=huge)
             assert alloc is not None
             t0 = time.perf_counter()
             mem = alloc.allocate(nbytes)
@@ -274,8 +276,9 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--quick", action="store_true", help="fewer pages and rounds (smoke run)")
-    ap.add_argument("--only", choices=("all", "interference", "tune"), default="all",
-                    help="interference: only the 32 KiB layout's slowdown figures; tune: pack-kernel launch shapes")
+    ap.add_argument("--only", choices=("all", "interference", "tune", "pinning"), default="all",
+                    help="interference: only the 32 KiB layout's slowdown figures; tune: pack-kernel launch shapes; "
+                         "pinning: only the pinning figures")
     args = ap.parse_args()
     import torch
 
@@ -295,6 +298,9 @@ def main() -> int:
         t0 = time.perf_counter()
         results["pinning"] = pinning(1.0 if args.quick else 4.0, 2.0 if args.quick else 16.0)
         log("pinning", results["pinning"], f"{time.perf_counter() - t0:.1f}s")
+        if args.only == "pinning":
+            print(json.dumps(results["pinning"], indent=1))
+            return 0
 
     base = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, page_tokens=16, dtype="bfloat16")
     total = args.pages * base.page_nbytes
@@ -486,8 +492,10 @@ def render(r: dict[str, Any]) -> str:
         *slow_lines(r["decode_like_high_priority"], "The same loop on a high-priority stream (torch priority -1)"),
         *staging_lines(first, raw),
         f"- Pinning {r['pinning']['gib']:.0f} GiB, alternating (two rounds, each figure s/GiB): pre-fault on 4 "
-        f"threads + `cuMemHostRegister` ({r['pinning']['method']}) "
-        f"{fmt(r['pinning']['ours_s_per_gib'])}; on 8 threads {fmt(r['pinning']['ours8_s_per_gib'])}; on 1 thread "
+        f"threads (transparent huge pages) + `cuMemHostRegister` ({r['pinning']['method']}) "
+        f"{fmt(r['pinning']['ours_s_per_gib'])}; the same with 4 KiB pages "
+        f"{fmt(r['pinning']['small_pages_s_per_gib'])}; huge pages "
+        f"on 8 threads {fmt(r['pinning']['ours8_s_per_gib'])}; on 1 thread "
         f"{fmt(r['pinning']['ours1_s_per_gib'])}; `cuMemHostRegister` of untouched memory "
         f"{fmt(r['pinning']['register_only_s_per_gib'])}; "
         f"`cuMemHostAlloc` {fmt(r['pinning']['hostalloc_s_per_gib'])}; s/GiB by phase (second round, 4 threads) "
