@@ -54,7 +54,15 @@ from ._errors import (
 from ._hostmem import HostAllocation, HostAllocator, OrdinaryAllocator
 from ._keys import ZERO_KEY, Key, MediaItem, Salt, as_key, chain_keys
 from ._layout import KVLayout
-from ._provider import HostRegion, Lease, Provider, SupportsViews, check_anchor_name, readable_bytes
+from ._provider import (
+    HostRegion,
+    Lease,
+    Provider,
+    SupportsBatchViews,
+    SupportsViews,
+    check_anchor_name,
+    readable_bytes,
+)
 
 __all__ = [
     "AdmissionPolicy",
@@ -548,6 +556,7 @@ class HostKVCache:
         self.wait_timeout = float(wait_timeout)
         self.lookup_wait_timeout = float(lookup_wait_timeout)
         self._views = isinstance(provider, SupportsViews)
+        self._batch_views = isinstance(provider, SupportsBatchViews)
         self._lock = threading.Lock()
         self._claims: dict[Key, _SaveJob] = {}
         self._restores: dict[tuple[Any, ...], CacheHandle] = {}
@@ -811,18 +820,20 @@ class HostKVCache:
                     # providers may search the lease's keys on every view() call.
                     vleases: list[Lease] = []
                     srcs = []
-                    for lo in range(0, len(part), _VIEW_LEASE_PAGES):
-                        sub = part[lo : lo + _VIEW_LEASE_PAGES]
+                    # A provider that batches views takes the whole chunk in one call.
+                    step = len(part) if self._batch_views else _VIEW_LEASE_PAGES
+                    for lo in range(0, len(part), step):
+                        sub = part[lo : lo + step]
                         vlease = self.provider.lease(sub)
                         vleases.append(vlease)
-                        for k in sub:
-                            regs = self.provider.view(vlease, k)  # type: ignore[attr-defined]
-                            if regs is None:
-                                srcs = None
-                                break
-                            srcs.append(regs)
-                        if srcs is None:
+                        if self._batch_views:
+                            got = self.provider.views(vlease, sub)  # type: ignore[attr-defined]
+                        else:
+                            got = [self.provider.view(vlease, k) for k in sub]  # type: ignore[attr-defined]
+                        if any(regs is None for regs in got):
+                            srcs = None
                             break
+                        srcs.extend(got)
                     if srcs is None:
                         for vlease in vleases:
                             vlease.release()

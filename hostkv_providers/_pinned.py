@@ -113,7 +113,8 @@ class _Arena:
         for start, length in runs:
             self._release_run(start, length)
 
-    def regions(self, runs: Sequence[tuple[int, int]], nbytes: int, pinned: bool) -> list[HostRegion]:
+    def regions(self, runs: Sequence[tuple[int, int]], nbytes: int, pinned: bool, *,
+                readonly: bool = False) -> list[HostRegion]:
         out: list[HostRegion] = []
         offset = 0
         for start, length in runs:
@@ -122,7 +123,8 @@ class _Arena:
             size = min(length * self.block, nbytes - offset)
             if size <= 0:
                 break
-            out.append(HostRegion(offset, chunk.view[lo : lo + size], chunk.address + lo, pinned))
+            view = chunk.view[lo : lo + size]
+            out.append(HostRegion(offset, view.toreadonly() if readonly else view, chunk.address + lo, pinned))
             offset += size
         return out
 
@@ -442,15 +444,25 @@ class PinnedProvider(Provider):
 
     def view(self, lease: Lease, key: bytes) -> Sequence[HostRegion] | None:
         """Read-only host regions of a leased entry (valid while the lease is held)."""
-        k = self._key(key)
-        if lease.released or lease.token is None or lease._provider is not self:
+        return self.views(lease, [key])[0]
+
+    def views(self, lease: Lease, keys: Sequence[bytes]) -> list[Sequence[HostRegion] | None]:
+        """:meth:`view` of many keys under one lock round (``None`` for a key not leased)."""
+        ks = self._keys(keys)
+        if not isinstance(lease, Lease) or lease.released or lease.token is None or lease._provider is not self:
             raise InvalidArgumentError("view() needs an unreleased lease of this provider")
+        leased = lease.keys if len(ks) == 1 else frozenset(lease.keys)
+        out: list[Sequence[HostRegion] | None] = []
+        pinned = self._allocator.pinned
         with self._usable():
-            node = self._index.get(k)
-            if node is None or k not in lease.keys:
-                return None
-            regions = self._arena.regions(node.loc, node.nbytes, self._allocator.pinned)
-        return [HostRegion(r.offset, r.view.toreadonly(), r.address, r.pinned) for r in regions]
+            get, regions = self._index.get, self._arena.regions
+            for k in ks:
+                node = get(k)
+                if node is None or k not in leased:
+                    out.append(None)
+                else:
+                    out.append(regions(node.loc, node.nbytes, pinned, readonly=True))
+        return out
 
     # -- eviction ----------------------------------------------------------------------------
     def evict(self, keys: Sequence[bytes] | None = None, *, nbytes: int = 0) -> EvictReport:

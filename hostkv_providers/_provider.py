@@ -40,6 +40,7 @@ __all__ = [
     "SupportsCompact",
     "SupportsIterate",
     "SupportsVerify",
+    "SupportsBatchViews",
     "SupportsViews",
     "VerifyReport",
     "check_anchor_name",
@@ -403,6 +404,15 @@ class SupportsViews(Protocol):
     """Zero-copy access: the entry's bytes as host regions, valid while ``lease`` is held."""
 
     def view(self, lease: Lease, key: Key) -> Sequence[HostRegion] | None: ...
+
+
+@runtime_checkable
+class SupportsBatchViews(Protocol):
+    """:class:`SupportsViews` for many keys in one call: ``views(lease, keys)[i]`` is what
+    ``view(lease, keys[i])`` would return.  One lock round and one lease check for the whole
+    batch instead of one per page — a 118k-token restore touches 7,000+ pages."""
+
+    def views(self, lease: Lease, keys: Sequence[Key]) -> list[Sequence[HostRegion] | None]: ...
 
 
 @runtime_checkable

@@ -53,6 +53,7 @@ from ._provider import (
     Provider,
     ProviderStats,
     Reservation,
+    SupportsBatchViews,
     SupportsIterate,
     SupportsViews,
     check_anchor_name,
@@ -179,6 +180,7 @@ class TieredProvider(Provider):
         self._tails: dict[str, tuple[Key, Lease]] = {}
         self._slow_tree = isinstance(getattr(slow, "_index", None), TreeIndex)
         self._fast_views = isinstance(fast, SupportsViews)  # a Protocol check is slow: once
+        self._fast_batch_views = isinstance(fast, SupportsBatchViews)
         self._counters: dict[str, int] = dict.fromkeys(
             ("hits", "misses", "seals", "aborts", "dedup", "checksum_failures", "bytes_written", "bytes_read",
              "promotions", "write_backs", "write_back_failures", "write_through", "fast_hits", "slow_hits"), 0)
@@ -680,14 +682,27 @@ class TieredProvider(Provider):
     def view(self, lease: Lease, key: bytes) -> Sequence[HostRegion] | None:
         """Zero-copy regions of a leased entry held by the fast tier (``None`` if only the slow
         tier has it: read it instead, which promotes it)."""
-        k = self._key(key)
-        if lease.released or lease.provider is not self or not isinstance(lease.token, _LeaseToken):
+        return self.views(lease, [key])[0]
+
+    def views(self, lease: Lease, keys: Sequence[bytes]) -> list[Sequence[HostRegion] | None]:
+        """:meth:`view` of many keys; one call into the fast tier when it batches views too."""
+        ks = self._keys(keys)
+        if (not isinstance(lease, Lease) or lease.released or lease.provider is not self
+                or not isinstance(lease.token, _LeaseToken)):
             raise InvalidArgumentError("view() needs an unreleased lease of this provider")
         self._check_usable()
         token: _LeaseToken = lease.token
-        if token.fast is None or k not in token.keys:
-            return None
-        return self._view_fast(token.fast, k)
+        fast = token.fast
+        if fast is None or not self._fast_views:
+            return [None] * len(ks)
+        held = token.keys
+        mine = [k for k in ks if k in held]
+        if self._fast_batch_views:
+            got = iter(self.fast.views(fast, mine))  # type: ignore[attr-defined]
+        else:
+            got = iter([self._view_fast(fast, k) for k in mine])
+        return [next(got) if k in held else None for k in ks]
+
 
     def _view_fast(self, lease: Lease, key: Key) -> Sequence[HostRegion] | None:
         if not self._fast_views:

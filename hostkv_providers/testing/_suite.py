@@ -56,6 +56,7 @@ from .._keys import Key
 from .._provider import (
     Lease,
     Provider,
+    SupportsBatchViews,
     SupportsIterate,
     SupportsVerify,
     SupportsViews,
@@ -1265,6 +1266,27 @@ class ProviderTests:
             assert provider.view(lease, missing) is None
         with pytest.raises(InvalidArgumentError):
             provider.view(lease, key)  # released
+
+    def test_batch_views(self, provider: Provider) -> None:
+        if not isinstance(provider, SupportsBatchViews):
+            pytest.skip("provider has no views()")
+        keys = chain("batch-views", 4)
+        nbytes = self._pages(2)
+        put_chain(provider, keys, nbytes)
+        missing = key_of("batch-views-missing")
+        with provider.lease(keys[:3]) as lease:
+            # order kept; a key not stored and a stored key outside the lease are both None
+            got = provider.views(lease, [keys[2], missing, keys[0], keys[3], keys[1]])
+            assert len(got) == 5 and got[1] is None and got[3] is None
+            for k, regions in ((keys[2], got[0]), (keys[0], got[2]), (keys[1], got[4])):
+                assert regions is not None
+                assert all(r.view.readonly for r in regions)
+                assert b"".join(bytes(r.view) for r in regions) == page_bytes(k, nbytes)
+            assert provider.views(lease, []) == []
+            with pytest.raises(InvalidArgumentError):
+                provider.views(lease, [b"short"])  # type: ignore[list-item]  # not a key
+        with pytest.raises(InvalidArgumentError):
+            provider.views(lease, keys[:1])  # released
 
     # ==========================================================================================
     # Checksums and backdoors
