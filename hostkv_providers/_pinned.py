@@ -22,7 +22,7 @@ from typing import Any
 
 from ._checksum import checksum_parts
 from ._errors import CapacityError, InvalidArgumentError, ReservationError, UnknownKeyError
-from ._hostmem import HostAllocation, HostAllocator, OrdinaryAllocator
+from ._hostmem import HostAllocation, HostAllocator, OrdinaryAllocator, copy_bytes
 from ._index import Node, TreeIndex
 from ._keys import Key
 from ._options import Options
@@ -655,7 +655,7 @@ def _scatter(regions: Sequence[HostRegion], span: ByteSpan, src: memoryview) -> 
         lo = max(span.offset, r.offset)
         hi = min(span.end, r.offset + len(r.view))
         if lo < hi:
-            r.view[lo - r.offset : hi - r.offset] = src[lo - span.offset : hi - span.offset]
+            copy_bytes(r.view[lo - r.offset : hi - r.offset], src[lo - span.offset : hi - span.offset])
 
 
 def _gather(regions: Sequence[HostRegion], span: ByteSpan, dst: memoryview) -> None:
@@ -664,7 +664,7 @@ def _gather(regions: Sequence[HostRegion], span: ByteSpan, dst: memoryview) -> N
         lo = max(span.offset, r.offset)
         hi = min(span.end, r.offset + len(r.view))
         if lo < hi:
-            dst[lo - span.offset : hi - span.offset] = r.view[lo - r.offset : hi - r.offset]
+            copy_bytes(dst[lo - span.offset : hi - span.offset], r.view[lo - r.offset : hi - r.offset])
 
 
 def _default_allocator(require_pinned: bool = False) -> HostAllocator:
