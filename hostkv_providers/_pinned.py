@@ -21,7 +21,14 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from ._checksum import checksum_parts
-from ._errors import CapacityError, InvalidArgumentError, ReservationError, UnknownKeyError
+from ._errors import (
+    CapacityError,
+    HostKVError,
+    InFlightError,
+    InvalidArgumentError,
+    ReservationError,
+    UnknownKeyError,
+)
 from ._hostmem import HostAllocation, HostAllocator, OrdinaryAllocator, copy_bytes
 from ._index import Node, TreeIndex
 from ._keys import Key
@@ -321,34 +328,38 @@ class PinnedProvider(Provider):
     # -- writes ------------------------------------------------------------------------------
     def reserve(self, key: bytes, parent: bytes | None, nbytes: int, *, salt_tag: str = "") -> Reservation | None:
         k, p, nbytes = self._reserve_args(key, parent, nbytes, salt_tag)
+        with self._usable():
+            return self._reserve_locked(k, p, nbytes, salt_tag)
+
+    def _reserve_locked(self, k: Key, p: Key | None, nbytes: int, salt_tag: str) -> _PinnedReservation | None:
+        """Reserve under the provider lock (``None``: already stored)."""
         nblocks = -(-nbytes // self._block)
         cost = nblocks * self._block
-        with self._usable():
-            if cost > self._budget:
-                raise CapacityError(f"{nbytes} bytes exceed the whole budget of {self._budget}")
-            # Prefer memory still being pinned over evicting entries that could be hits.
-            while (self._pending and self._index.used + cost > self._index.budget
-                   and k not in self._index.nodes):
-                self._ready.wait(0.5)
-                self._check_usable()
-            try:
-                ok, evicted = self._index.begin(k, p, cost)
-            except CapacityError as exc:
-                if self._pinning_error is None:
-                    raise
-                # part of the arena could not be allocated: say so instead of a bare budget error
-                raise CapacityError(
-                    f"{exc.message}; only {self.ready_bytes} of {self._budget} bytes could be allocated "
-                    f"({self._pinning_error!r})",
-                    hint="lower the budget or free host memory (pinned memory is limited by ulimit -l)",
-                ) from self._pinning_error
-            if not ok:
-                self._counters["dedup"] += 1
-                return None
-            self._free_nodes(evicted)
-            runs = self._arena.allocate(nblocks)
-            regions = self._arena.regions(runs, nbytes, self._allocator.pinned)
-            return _PinnedReservation(self, k, p, nbytes, salt_tag, runs, regions)
+        if cost > self._budget:
+            raise CapacityError(f"{nbytes} bytes exceed the whole budget of {self._budget}")
+        # Prefer memory still being pinned over evicting entries that could be hits.
+        while (self._pending and self._index.used + cost > self._index.budget
+               and k not in self._index.nodes):
+            self._ready.wait(0.5)
+            self._check_usable()
+        try:
+            ok, evicted = self._index.begin(k, p, cost)
+        except CapacityError as exc:
+            if self._pinning_error is None:
+                raise
+            # part of the arena could not be allocated: say so instead of a bare budget error
+            raise CapacityError(
+                f"{exc.message}; only {self.ready_bytes} of {self._budget} bytes could be allocated "
+                f"({self._pinning_error!r})",
+                hint="lower the budget or free host memory (pinned memory is limited by ulimit -l)",
+            ) from self._pinning_error
+        if not ok:
+            self._counters["dedup"] += 1
+            return None
+        self._free_nodes(evicted)
+        runs = self._arena.allocate(nblocks)
+        regions = self._arena.regions(runs, nbytes, self._allocator.pinned)
+        return _PinnedReservation(self, k, p, nbytes, salt_tag, runs, regions)
 
     def _own(self, reservation: Reservation) -> _PinnedReservation:
         return self._own_reservation(reservation, _PinnedReservation)
@@ -371,15 +382,125 @@ class PinnedProvider(Provider):
         digest = checksum_parts(r.view for r in res._regions)
         with self._usable():
             res.check_open(self)
-            node = Node(res.key, res.parent, res.nbytes, 0, res.salt_tag, digest, res.runs, time.time())
-            try:
-                self._index.commit(res.key, node)
-            except UnknownKeyError:
-                self._arena.release(res.runs)
-                res._finish("aborted")
-                raise
-            res._finish("sealed")
-            self._counters["seals"] += 1
+            self._commit_locked(res, digest)
+
+    def _commit_locked(self, res: _PinnedReservation, digest: int) -> Node:
+        node = Node(res.key, res.parent, res.nbytes, 0, res.salt_tag, digest, res.runs, time.time())
+        try:
+            self._index.commit(res.key, node)
+        except UnknownKeyError:
+            self._arena.release(res.runs)
+            res._finish("aborted")
+            raise
+        res._finish("sealed")
+        self._counters["seals"] += 1
+        return node
+
+    # -- batches -----------------------------------------------------------------------------
+    def put_many(self, items: Sequence[tuple[bytes, bytes | None, object]], *,
+                 salt_tag: str = "") -> list[bool | HostKVError]:
+        """Store many pages, root first (:class:`~hostkv_providers.SupportsBatch`).
+
+        Per item ``True`` (stored), ``False`` (already stored) or that item's error
+        (``InFlightError``, ``CapacityError``, ``UnknownKeyError`` — also for every item whose
+        parent failed in this call).  Each page costs two lock rounds (reserve, commit) and a
+        copy and a checksum that run without the GIL; the page just stored stays held until
+        the next one is reserved under it, so a chain's tail cannot be evicted mid-call and
+        each reservation is O(1) in the tree index.
+        """
+        if isinstance(items, (bytes, bytearray, memoryview, str)):
+            raise InvalidArgumentError("put_many items are (key, parent, data) tuples")
+        checked: list[tuple[Key, Key | None, memoryview]] = []
+        for it in items:
+            if not isinstance(it, tuple) or len(it) != 3:
+                raise InvalidArgumentError("put_many items are (key, parent, data) tuples")
+            view = readable_bytes(it[2])
+            k, p, _ = self._reserve_args(it[0], it[1], view.nbytes, salt_tag)
+            checked.append((k, p, view))
+        self._check_usable()
+        out: list[bool | HostKVError] = []
+        failed: set[Key] = set()
+        held: list[Node | None] = []
+        try:
+            for k, p, view in checked:
+                if p is not None and p in failed:
+                    failed.add(k)
+                    out.append(UnknownKeyError(f"parent {p.hex()[:16]} failed earlier in this put_many"))
+                    continue
+                try:
+                    with self._usable():
+                        res = self._reserve_locked(k, p, view.nbytes, salt_tag)
+                        # the reservation now holds its parent: the previous hold can go
+                        self._index.release_nodes(held)
+                        held = self._index.hold_keys([k]) if res is None else []
+                    if res is None:
+                        out.append(False)
+                        continue
+                    try:
+                        _scatter(res._regions, ByteSpan.whole(view.nbytes), view)
+                        digest = checksum_parts(r.view for r in res._regions)
+                    except BaseException:
+                        self.abort(res)
+                        raise
+                    with self._usable():
+                        res.check_open(self)
+                        self._commit_locked(res, digest)
+                        self._counters["bytes_written"] += view.nbytes
+                        held = self._index.hold_keys([k])
+                    out.append(True)
+                except (CapacityError, InFlightError, UnknownKeyError) as exc:
+                    failed.add(k)
+                    out.append(exc)
+        finally:
+            if held:
+                with self._lock:
+                    self._index.release_nodes(held)
+        return out
+
+    def read_many(self, keys: Sequence[bytes], outs: Sequence[object]) -> list[bool]:
+        """Whole entries into ``outs[i]`` (:class:`~hostkv_providers.SupportsBatch`): one lock
+        round to find and hold them all, the copies (and checksums, with ``verify_reads``)
+        without the lock or the GIL, one lock round to release.  A miss leaves ``outs[i]``
+        untouched; an ``outs[i]`` smaller than its entry raises ``InvalidArgumentError`` after
+        the others were filled."""
+        ks = self._keys(keys)
+        if len(outs) != len(ks):
+            raise InvalidArgumentError(f"{len(outs)} output buffers for {len(ks)} keys")
+        with self._usable():
+            nodes = [self._index.get(k) for k in ks]
+            held = self._index.hold_keys([k for k, n in zip(ks, nodes, strict=True) if n is not None])
+        # per key: None (miss or buffer too small), True (copied, checksum ok), False (bad copy)
+        state: list[bool | None] = [None] * len(ks)
+        short: InvalidArgumentError | None = None
+        try:
+            for i, node in enumerate(nodes):
+                if node is None:
+                    continue
+                try:
+                    dst = writable_buffer(outs[i], node.nbytes)
+                except InvalidArgumentError as exc:
+                    short = short or exc
+                    continue
+                _gather(self._arena.regions(node.loc, node.nbytes, False), ByteSpan.whole(node.nbytes), dst)
+                state[i] = not self._verify_reads or checksum_parts((dst,)) == node.checksum
+        finally:
+            got = [False] * len(ks)
+            with self._lock:
+                self._index.release_nodes(held)
+                for i, (node, st) in enumerate(zip(nodes, state, strict=True)):
+                    if node is not None and st is True and not node.dead:
+                        got[i] = True
+                        self._counters["hits"] += 1
+                        self._counters["bytes_read"] += node.nbytes
+                        continue
+                    if node is not None and st is False and not node.dead:
+                        # first to see the corruption: drop the entry with its subtree
+                        self._counters["checksum_failures"] += 1
+                        self._drop(node.key)
+                    self._counters["misses"] += 1
+        if short is not None:
+            raise short
+        return got
 
     def abort(self, reservation: Reservation) -> None:
         if not isinstance(reservation, _PinnedReservation) or reservation.provider is not self:

@@ -21,6 +21,7 @@ from hostkv_providers import (
     CapacityError,
     ClosedError,
     IncompleteWriteError,
+    InFlightError,
     InvalidArgumentError,
     Key,
     Lease,
@@ -28,6 +29,7 @@ from hostkv_providers import (
     Provider,
     Reservation,
     ReservationError,
+    UnknownKeyError,
     UsedAfterForkError,
 )
 from hostkv_providers._hostmem import HostAllocation, OrdinaryAllocator, buffer_address
@@ -540,3 +542,68 @@ def test_leased_views_of_a_dropped_entry_are_never_reused(closing: list[Provider
     big = key_of("limbo-big")
     assert put_page(p, big, None, 3 * PAGE)  # now the blocks are free again
     assert p.read_bytes(big) == page_bytes(big, 3 * PAGE)
+
+
+# ============================================================================================
+# Batches (put_many / read_many)
+# ============================================================================================
+def test_put_many_budget_stops_a_chain_and_leaks_no_hold(closing: list[Provider]) -> None:
+    p = _pinned(4, verify_reads=True)
+    closing.append(p)
+    keys = chain("batch-budget", 6)
+    other = chain("batch-leased", 1)
+    put_chain(p, other, PAGE)
+    with p.lease(other):
+        # 3 pages fit beside the leased one; the 4th cannot evict its own chain's ancestors
+        got = p.put_many([(k, keys[i - 1] if i else None, page_bytes(k, PAGE)) for i, k in enumerate(keys)])
+    assert got[:3] == [True, True, True]
+    assert isinstance(got[3], CapacityError)
+    assert all(isinstance(g, UnknownKeyError) for g in got[4:])  # their parent failed in the call
+    assert p.longest_prefix(keys) == 3
+    out = [bytearray(PAGE) for _ in range(3)]
+    assert p.read_many(keys[:3], out) == [True] * 3
+    assert [bytes(o) for o in out] == [page_bytes(k, PAGE) for k in keys[:3]]
+    # nothing stays held after the call: every entry is evictable again
+    assert p.evict(nbytes=4 * PAGE).entries == 4
+    assert p.stats().used_bytes == 0
+
+
+def test_put_many_reports_in_flight_and_dedup_per_item(closing: list[Provider]) -> None:
+    p = _pinned(16)
+    closing.append(p)
+    a, b, c = key_of("pm-a"), key_of("pm-b"), key_of("pm-c")
+    put_page(p, a, None, PAGE)
+    res = p.reserve(b, None, PAGE)
+    assert res is not None
+    got = p.put_many([(a, None, page_bytes(a, PAGE)), (b, None, page_bytes(b, PAGE)),
+                      (c, b, page_bytes(c, PAGE))])
+    assert got[0] is False and isinstance(got[1], InFlightError) and isinstance(got[2], UnknownKeyError)
+    p.abort(res)
+    assert p.put_many([(b, None, page_bytes(b, PAGE)), (c, b, page_bytes(c, PAGE))]) == [True, True]
+    for bad in ([(a, None)], [b"short-key"], b"bytes"):
+        with pytest.raises(InvalidArgumentError):
+            p.put_many(bad)  # type: ignore[arg-type]
+
+
+def test_read_many_drops_a_corrupt_entry_and_fills_the_rest(closing: list[Provider]) -> None:
+    p = _pinned(16, verify_reads=True)
+    closing.append(p)
+    keys = chain("rm-corrupt", 3)
+    put_chain(p, keys, 2 * PAGE)
+    node = p._index.get(keys[1])
+    assert node is not None
+    p._arena.regions(node.loc, node.nbytes, False)[0].view[5] ^= 0x10
+    outs = [bytearray(2 * PAGE) for _ in range(3)]
+    assert p.read_many(keys, outs) == [True, False, False]  # keys[2] went with its corrupt parent
+    assert bytes(outs[0]) == page_bytes(keys[0], 2 * PAGE)
+    assert p.present(keys) == [True, False, False] and p.stats().checksum_failures == 1
+    # a buffer too small for its entry: the others are filled, then the call raises
+    small = [bytearray(PAGE), bytearray(2 * PAGE)]
+    more = chain("rm-small", 2)
+    put_chain(p, more, 2 * PAGE)
+    with pytest.raises(InvalidArgumentError):
+        p.read_many(more, small)
+    assert bytes(small[1]) == page_bytes(more[1], 2 * PAGE)
+    assert p.present(more) == [True, True]  # a short buffer is the caller's error, not corruption
+    with pytest.raises(InvalidArgumentError):
+        p.read_many(more, small[:1])  # one buffer per key
