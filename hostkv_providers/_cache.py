@@ -58,6 +58,7 @@ from ._provider import (
     HostRegion,
     Lease,
     Provider,
+    SupportsBatch,
     SupportsBatchViews,
     SupportsViews,
     check_anchor_name,
@@ -557,6 +558,7 @@ class HostKVCache:
         self.lookup_wait_timeout = float(lookup_wait_timeout)
         self._views = isinstance(provider, SupportsViews)
         self._batch_views = isinstance(provider, SupportsBatchViews)
+        self._batch = isinstance(provider, SupportsBatch)
         self._lock = threading.Lock()
         self._claims: dict[Key, _SaveJob] = {}
         self._restores: dict[tuple[Any, ...], CacheHandle] = {}
@@ -854,10 +856,15 @@ class HostKVCache:
                         retire()
                     st = self._get_staging()
                     ok = 0
-                    for j, k in enumerate(part):
-                        if not self.provider.read(k, st.page(j)):
-                            break  # a checksum failure dropped it: restore the valid prefix only
-                        ok += 1
+                    if self._batch:
+                        got = self.provider.read_many(  # type: ignore[attr-defined]
+                            part, [st.page(j) for j in range(len(part))])
+                        ok = got.index(False) if False in got else len(got)
+                    else:
+                        for j, k in enumerate(part):
+                            if not self.provider.read(k, st.page(j)):
+                                break  # a checksum failure dropped it: restore the valid prefix only
+                            ok += 1
                     if ok:
                         regs = [st.region(j) for j in range(ok)]
                         try:
@@ -1073,7 +1080,9 @@ class HostKVCache:
             issue_next()
             if not chunks:
                 job.handle._copied.set()
-            for i, k in enumerate(ks):
+            i = 0
+            while i < len(ks):
+                k = ks[i]
                 loc = where.get(i)
                 if loc is not None:
                     ci, j = loc
@@ -1088,9 +1097,26 @@ class HostKVCache:
                         issue_next()
                         if c == len(chunks) - 1:
                             job.handle._copied.set()  # the engine may reuse its blocks now
-                    stop = self._store_page(k, prev, current[1].page(j), result)
-                    if stop is None and not advance(k):
-                        stop = f"page {i} was evicted right after its seal"
+                    if self._batch:
+                        # The claimed pages that follow in this bounce buffer go in one
+                        # put_many; anchors are attached only after a run's last page.
+                        run = [i]
+                        while run[-1] + 1 < len(ks) and run[-1] not in blobs:
+                            nxt = where.get(run[-1] + 1)
+                            if nxt is None or nxt[0] != ci:
+                                break
+                            run.append(run[-1] + 1)
+                        stop, done = self._store_run(ks, run, prev, current[1], [where[x][1] for x in run],
+                                                     result)
+                        if done:
+                            i = run[done - 1]
+                            k = ks[i]
+                        if done and stop is None and not advance(k):
+                            stop = f"page {i} was evicted right after its seal"
+                    else:
+                        stop = self._store_page(k, prev, current[1].page(j), result)
+                        if stop is None and not advance(k):
+                            stop = f"page {i} was evicted right after its seal"
                 elif present[i]:
                     if advance(k):
                         result.dedup += 1
@@ -1115,6 +1141,7 @@ class HostKVCache:
                 if stop is not None:
                     break
                 prev = k
+                i += 1
                 # Hand the GIL over between pages: an engine thread waiting for it (a decode step)
                 # gets it now rather than after the interpreter's 5 ms switch interval.
                 time.sleep(0)
@@ -1131,6 +1158,33 @@ class HostKVCache:
                     self._put_staging(st)
             job.handle._copied.set()
         result.stopped = stop
+
+    def _store_run(self, ks: Sequence[Key], run: Sequence[int], parent: Key | None, st: _Staging,
+                   slots: Sequence[int], result: SaveResult) -> tuple[str | None, int]:
+        """Store pages ``ks[run[0]] .. ks[run[-1]]`` (consecutive, ``ks[run[0]]`` under ``parent``)
+        from bounce-buffer slots ``slots`` with one ``put_many``.  Returns why the chain must stop
+        (or ``None``) and how many pages of the run are now stored."""
+        items = [(ks[x], parent if m == 0 else ks[x - 1], st.page(slot))
+                 for m, (x, slot) in enumerate(zip(run, slots, strict=True))]
+        got = self.provider.put_many(items, salt_tag=self.salt.tag)  # type: ignore[attr-defined]
+        for m, g in enumerate(got):
+            if g is True:
+                result.stored += 1
+            elif g is False:
+                result.dedup += 1
+            elif isinstance(g, InFlightError):
+                # Another writer is storing this page: the per-page path waits for its seal, and
+                # stores the rest of the run (which failed here behind it) after it.
+                for n in range(m, len(run)):
+                    stop = self._store_page(ks[run[n]], items[n][1], items[n][2], result)
+                    if stop is not None:
+                        return stop, n
+                return None, len(run)
+            elif isinstance(g, CapacityError):
+                return f"capacity: {g}", m
+            else:
+                return f"page {ks[run[m]].hex()[:16]}: {g}", m
+        return None, len(run)
 
     def _store_page(self, key: Key, parent: Key | None, data: np.ndarray[Any, np.dtype[np.uint8]],
                     result: SaveResult) -> str | None:

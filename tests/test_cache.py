@@ -4,6 +4,7 @@ anchors, stats, typed errors."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -120,6 +121,24 @@ class NoViews(Provider):
         self.inner.close()
 
 
+class BatchedNoViews(NoViews):
+    """Staged like :class:`NoViews`, but with the batch capability: saves go through
+    ``put_many`` and staged restores through ``read_many`` (``fail_reads`` applies to both)."""
+
+    name = "batched-noviews"
+
+    def put_many(self, items: Sequence[tuple[bytes, bytes | None, object]], *,
+                 salt_tag: str = "") -> list[Any]:
+        self.put_many_calls += 1
+        return self.inner.put_many(items, salt_tag=salt_tag)
+
+    def read_many(self, keys: Sequence[bytes], outs: Sequence[object]) -> list[bool]:
+        got = self.inner.read_many(keys, outs)
+        return [g and bytes(k) not in self.fail_reads for k, g in zip(keys, got, strict=True)]
+
+    put_many_calls = 0
+
+
 @pytest.fixture
 def engine() -> Iterator[CpuCopyEngine]:
     e = CpuCopyEngine()
@@ -131,9 +150,10 @@ def _pinned(pages: int = 256) -> PinnedProvider:
     return PinnedProvider(pages * PAGE, block=PAGE, allocator=OrdinaryAllocator())
 
 
-@pytest.fixture(params=["views", "staged"])
+@pytest.fixture(params=["views", "staged", "batched"])
 def provider(request: pytest.FixtureRequest) -> Iterator[Provider]:
-    p: Provider = _pinned() if request.param == "views" else NoViews(_pinned())
+    p: Provider = {"views": _pinned, "staged": lambda: NoViews(_pinned()),
+                   "batched": lambda: BatchedNoViews(_pinned())}[request.param]()
     yield p
     p.close()
 
@@ -320,8 +340,9 @@ def test_identical_restores_are_coalesced(provider: Provider, engine: CpuCopyEng
         cache.close()
 
 
-def test_staged_restore_stops_at_a_failed_page(engine: CpuCopyEngine) -> None:
-    prov = NoViews(_pinned())
+@pytest.mark.parametrize("wrapper", [NoViews, BatchedNoViews])
+def test_staged_restore_stops_at_a_failed_page(engine: CpuCopyEngine, wrapper: type[NoViews]) -> None:
+    prov = wrapper(_pinned())
     cache = HostKVCache(prov, SALT, engine, chunk_pages=4, staging_allocator=OrdinaryAllocator())
     try:
         src = make_planes(9)
@@ -493,3 +514,54 @@ def test_bare_layout_with_model_id_and_close(provider: Provider, engine: CpuCopy
     with pytest.raises(ClosedError):
         c.lookup([Key(bytes(32))])
     assert isinstance(CacheHit, type)
+
+
+# ------------------------------------------------------------------------------------------
+# batched saves (put_many): a run of pages meets another writer or the budget
+# ------------------------------------------------------------------------------------------
+
+
+def test_batched_save_waits_for_a_page_another_writer_has_in_flight(engine: CpuCopyEngine) -> None:
+    prov = BatchedNoViews(_pinned())
+    cache = HostKVCache(prov, SALT, engine, chunk_pages=8, staging_allocator=OrdinaryAllocator())
+    try:
+        src = make_planes(21)
+        ks = cache.keys(tokens(4 * 8, seed=21))
+        cache.save(ks[:3], src, list(range(3))).wait(30)
+        res = prov.reserve(ks[3], ks[2], cache.page_nbytes)  # another writer holds page 3
+        assert res is not None
+
+        def other_writer() -> None:
+            time.sleep(0.2)
+            prov.write(res, 0, page_of(src, 3))
+            prov.seal(res)
+
+        t = threading.Thread(target=other_writer)
+        t.start()
+        out = cache.save(ks, src, list(range(8))).wait(30)
+        t.join(30)
+        assert out.stopped is None and out.dedup == 3 and out.coalesced == 1 and out.stored == 4
+        assert prov.put_many_calls >= 2
+        dst = make_planes(None)
+        got = cache.restore(cache.lookup(ks), dst, list(range(8))).wait(30)
+        assert got.pages == 8 and all(page_of(dst, i) == page_of(src, i) for i in range(8))
+    finally:
+        cache.close()
+        prov.close()
+
+
+def test_batched_save_stops_at_the_budget(engine: CpuCopyEngine) -> None:
+    prov = BatchedNoViews(_pinned(pages=5))
+    cache = HostKVCache(prov, SALT, engine, chunk_pages=8, staging_allocator=OrdinaryAllocator())
+    try:
+        src = make_planes(22)
+        ks = cache.keys(tokens(4 * 8, seed=22))
+        out = cache.save(ks, src, list(range(8))).wait(30)
+        assert out.stored == 5 and out.stopped is not None and "capacity" in out.stopped
+        assert prov.longest_prefix(ks) == 5
+        dst = make_planes(None)
+        got = cache.restore(cache.lookup(ks), dst, list(range(5))).wait(30)
+        assert got.pages == 5 and all(page_of(dst, i) == page_of(src, i) for i in range(5))
+    finally:
+        cache.close()
+        prov.close()
