@@ -53,6 +53,7 @@ from ._provider import (
     Provider,
     ProviderStats,
     Reservation,
+    SupportsBatch,
     SupportsBatchViews,
     SupportsIterate,
     SupportsViews,
@@ -63,6 +64,15 @@ from ._provider import (
 from ._span import ByteSpan
 
 __all__ = ["TieredProvider"]
+
+
+def _read_batch(tier: Provider, keys: Sequence[Key], outs: Sequence[memoryview]) -> list[bool]:
+    """``read_many`` where the tier batches reads, else one ``read`` per key."""
+    if not keys:
+        return []
+    if isinstance(tier, SupportsBatch):
+        return tier.read_many(keys, outs)
+    return [tier.read(k, o) for k, o in zip(keys, outs, strict=True)]
 
 _log = logging.getLogger(__name__)  # the writer thread logs; warnings could be turned into errors
 
@@ -181,6 +191,7 @@ class TieredProvider(Provider):
         self._slow_tree = isinstance(getattr(slow, "_index", None), TreeIndex)
         self._fast_views = isinstance(fast, SupportsViews)  # a Protocol check is slow: once
         self._fast_batch_views = isinstance(fast, SupportsBatchViews)
+        self._fast_batch = isinstance(fast, SupportsBatch)
         self._counters: dict[str, int] = dict.fromkeys(
             ("hits", "misses", "seals", "aborts", "dedup", "checksum_failures", "bytes_written", "bytes_read",
              "promotions", "write_backs", "write_back_failures", "write_through", "fast_hits", "slow_hits"), 0)
@@ -664,6 +675,132 @@ class TieredProvider(Provider):
             self._counters[which] += 1
             self._counters["bytes_read"] += span.nbytes
         return True
+
+    # -- batches -----------------------------------------------------------------------------
+    def put_many(self, items: Sequence[tuple[bytes, bytes | None, object]], *,
+                 salt_tag: str = "") -> list[bool | HostKVError]:
+        """Store many pages, root first (:class:`~hostkv_providers.SupportsBatch`).  Each page
+        takes the per-page path (fast-tier reservation, write-back queued in seal order), so this
+        saves the caller's per-call overhead only; per item ``True``, ``False`` (dedup) or its
+        error, and every item whose parent failed in this call gets ``UnknownKeyError``."""
+        if isinstance(items, (bytes, bytearray, memoryview, str)):
+            raise InvalidArgumentError("put_many items are (key, parent, data) tuples")
+        checked: list[tuple[Key, Key | None, memoryview]] = []
+        for it in items:
+            if not isinstance(it, tuple) or len(it) != 3:
+                raise InvalidArgumentError("put_many items are (key, parent, data) tuples")
+            view = readable_bytes(it[2])
+            k, p, _ = self._reserve_args(it[0], it[1], view.nbytes, salt_tag)
+            checked.append((k, p, view))
+        out: list[bool | HostKVError] = []
+        failed: set[Key] = set()
+        for k, p, view in checked:
+            if p is not None and p in failed:
+                failed.add(k)
+                out.append(UnknownKeyError(f"parent {p.hex()[:16]} failed earlier in this put_many"))
+                continue
+            try:
+                out.append(self.put(k, p, view, salt_tag=salt_tag))
+            except (CapacityError, InFlightError, UnknownKeyError) as exc:
+                failed.add(k)
+                out.append(exc)
+        return out
+
+    def read_many(self, keys: Sequence[bytes], outs: Sequence[object]) -> list[bool]:
+        """Whole entries into ``outs[i]`` (:class:`~hostkv_providers.SupportsBatch`): one lock
+        round for the lookups, one batch read from the fast tier, one from the slow tier for
+        what only it holds (a restart's restore), and those pages promoted with one batch put
+        into the fast tier, root first.  Copies that fail their checksums in every tier they
+        were read from are dropped with their subtrees (a miss, never wrong bytes)."""
+        ks = self._keys(keys)
+        if len(outs) != len(ks):
+            raise InvalidArgumentError(f"{len(outs)} output buffers for {len(ks)} keys")
+        self._check_usable()  # before the lock: a forked child must not wait on a copied lock
+        with self._lock:
+            self._check_usable()
+            nodes = [self._index.get(k) for k in ks]
+            held = self._index.hold_keys([k for k, n in zip(ks, nodes, strict=True) if n is not None])
+            states = [None if n is None else n.loc.state for n in nodes]
+        got = [False] * len(ks)
+        which: dict[int, str] = {}
+        dsts: dict[int, memoryview] = {}
+        todo: list[int] = []
+        short: InvalidArgumentError | None = None
+        try:
+            for i, node in enumerate(nodes):
+                if node is not None:
+                    try:
+                        dsts[i] = writable_buffer(outs[i], node.nbytes)
+                    except InvalidArgumentError as exc:
+                        short = short or exc
+            todo = sorted(dsts)
+            for i, ok in zip(todo, _read_batch(self.fast, [ks[i] for i in todo], [dsts[i] for i in todo]),
+                             strict=True):
+                if ok:
+                    got[i], which[i] = True, "fast_hits"
+            slow = [i for i in todo if not got[i] and states[i] == _SLOW]
+            if slow:
+                for i, ok in zip(slow, _read_batch(self.slow, [ks[i] for i in slow], [dsts[i] for i in slow]),
+                                 strict=True):
+                    if ok:
+                        got[i], which[i] = True, "slow_hits"
+                from_slow = [i for i in slow if got[i]]
+                if from_slow and self._slow_tree:
+                    self._advance_tail("read", self.slow, ks[from_slow[-1]])
+                if from_slow and self._promote:
+                    self._promote_many([n for i in from_slow if (n := nodes[i]) is not None],
+                                       [dsts[i] for i in from_slow])
+        finally:
+            with self._lock:
+                self._index.release_nodes(held)
+                for i in todo:
+                    node = nodes[i]
+                    assert node is not None
+                    if got[i]:
+                        self._counters["hits"] += 1
+                        self._counters[which[i]] += 1
+                        self._counters["bytes_read"] += node.nbytes
+                    elif not node.dead:
+                        # the only copies failed their checksums (or vanished): a miss, never wrong bytes
+                        self._counters["checksum_failures"] += 1
+                        self._drop_from_tiers(self._index.drop(node.key))
+                self._counters["misses"] += sum(1 for g in got if not g)
+        if short is not None:
+            raise short
+        return got
+
+    def _promote_many(self, nodes: Sequence[Node], datas: Sequence[memoryview]) -> None:
+        """Best-effort copies of slow-tier pages into the fast tier, root first; a page whose
+        parent the fast tier lacks (and that is not promoted before it here) is left out."""
+        parents = [n.parent for n in nodes if n.parent is not None]
+        have = set(p for p, ok in zip(parents, self.fast.present(parents), strict=True) if ok)
+        items: list[tuple[Key, Key | None, memoryview]] = []
+        tags: list[str] = []
+        for n, d in zip(nodes, datas, strict=True):
+            if n.parent is None or n.parent in have:
+                items.append((n.key, n.parent, d))
+                tags.append(n.salt_tag)
+                have.add(n.key)
+        if not items:
+            return
+        stored: list[Key] = []
+        try:
+            if self._fast_batch and len(set(tags)) == 1:
+                for (k, _p, _d), r in zip(items, self.fast.put_many(items, salt_tag=tags[0]),  # type: ignore[attr-defined]
+                                          strict=True):
+                    if r is True:
+                        stored.append(k)
+            else:
+                for (k, p, d), tag in zip(items, tags, strict=True):
+                    with contextlib.suppress(CapacityError, InFlightError, UnknownKeyError):
+                        if self.fast.put(k, p, d, salt_tag=tag):
+                            stored.append(k)
+        except (CapacityError, InFlightError, UnknownKeyError):
+            pass  # best effort: the fast tier is full of pinned pages, or racing a writer
+        if stored:
+            self._advance_tail("promote", self.fast, stored[-1])
+            with self._lock:
+                self._counters["promotions"] += len(stored)
 
     def _promote_one(self, node: Node, data: memoryview) -> None:
         if node.parent is not None and not self.fast.present([node.parent])[0]:

@@ -160,6 +160,61 @@ def test_restart_keeps_the_slow_tier_and_promotes_hits(tmp_path: Path) -> None:
         t2.close()
 
 
+@needs_lmdb
+def test_read_many_after_restart_reads_the_slow_tier_once_and_promotes(tmp_path: Path) -> None:
+    keys = chain("restart-many", 8)
+    t = TieredProvider(_pinned(64 * PAGE), _lmdb(tmp_path / "s", 64 * PAGE))
+    put_chain(t, keys, PAGE)
+    t.close()
+    t2 = TieredProvider(_pinned(64 * PAGE), _lmdb(tmp_path / "s", 64 * PAGE))
+    try:
+        t2.read_many(keys[:2], [bytearray(PAGE), bytearray(PAGE)])  # the first two, promoted
+        outs = [bytearray(PAGE) for _ in range(9)]
+        got = t2.read_many([*keys, key_of("restart-many-miss")], outs)
+        assert got == [True] * 8 + [False]
+        assert [bytes(o) for o in outs[:8]] == [page_bytes(k, PAGE) for k in keys]
+        st = t2.stats()
+        assert st.extra["fast_hits"] == 2 and st.extra["slow_hits"] == 8
+        assert st.extra["promotions"] == 8 and t2.fast.present(keys) == [True] * 8
+        # now a restore's views find every page in the fast tier
+        with t2.lease(keys) as lease:
+            assert all(v is not None for v in t2.views(lease, keys))
+    finally:
+        t2.close()
+
+
+@needs_lmdb
+def test_read_many_drops_a_page_corrupt_in_the_slow_tier(tmp_path: Path) -> None:
+    keys = chain("restart-corrupt", 4)
+    t = TieredProvider(_pinned(64 * PAGE), _lmdb(tmp_path / "s", 64 * PAGE))
+    put_chain(t, keys, PAGE)
+    t.close()
+    slow = _lmdb(tmp_path / "s", 64 * PAGE)
+    # flip a byte of keys[2]'s page in the slow store's data file (the page bytes are unique)
+    slow.close()
+    needle = page_bytes(keys[2], PAGE)[:64]
+    hits = 0
+    for f in (tmp_path / "s").rglob("*"):
+        if f.is_file():
+            raw = bytearray(f.read_bytes())
+            at = raw.find(needle)
+            if at >= 0:
+                raw[at + 7] ^= 0x40
+                f.write_bytes(bytes(raw))
+                hits += 1
+    assert hits == 1
+    t2 = TieredProvider(_pinned(64 * PAGE), _lmdb(tmp_path / "s", 64 * PAGE))
+    try:
+        outs = [bytearray(PAGE) for _ in range(4)]
+        got = t2.read_many(keys, outs)
+        assert got[:2] == [True, True] and got[2] is False
+        assert [bytes(o) for o in outs[:2]] == [page_bytes(k, PAGE) for k in keys[:2]]
+        assert t2.present(keys) == [True, True, False, False]  # dropped with its subtree
+        assert t2.stats().checksum_failures >= 1
+    finally:
+        t2.close()
+
+
 def test_fast_tier_full_writes_through(tmp_path: Path) -> None:
     # the fast tier holds two pages; leases pin them, so the third page goes straight to slow
     t = TieredProvider(_pinned(2 * PAGE), _pinned(32 * PAGE), budget_bytes=16 * PAGE)
