@@ -408,24 +408,16 @@ class PinnedProvider(Provider):
         the next one is reserved under it, so a chain's tail cannot be evicted mid-call and
         each reservation is O(1) in the tree index.
         """
-        if isinstance(items, (bytes, bytearray, memoryview, str)):
-            raise InvalidArgumentError("put_many items are (key, parent, data) tuples")
-        checked: list[tuple[Key, Key | None, memoryview]] = []
-        for it in items:
-            if not isinstance(it, tuple) or len(it) != 3:
-                raise InvalidArgumentError("put_many items are (key, parent, data) tuples")
-            view = readable_bytes(it[2])
-            k, p, _ = self._reserve_args(it[0], it[1], view.nbytes, salt_tag)
-            checked.append((k, p, view))
+        checked = self._put_many_args(items, salt_tag)
         self._check_usable()
         out: list[bool | HostKVError] = []
         failed: set[Key] = set()
         held: list[Node | None] = []
         try:
             for k, p, view in checked:
-                if p is not None and p in failed:
-                    failed.add(k)
-                    out.append(UnknownKeyError(f"parent {p.hex()[:16]} failed earlier in this put_many"))
+                orphan = self._failed_parent(p, failed, k)
+                if orphan is not None:
+                    out.append(orphan)
                     continue
                 try:
                     with self._usable():

@@ -22,6 +22,7 @@ from ._errors import (
     IncompleteWriteError,
     InvalidArgumentError,
     ReservationError,
+    UnknownKeyError,
     UsedAfterForkError,
 )
 from ._keys import KEY_NBYTES, Key, as_key
@@ -583,6 +584,30 @@ class Provider(abc.ABC):
         if p == k:
             raise InvalidArgumentError("an entry cannot be its own parent")
         return k, p, nbytes
+
+    def _put_many_args(self, items: object, salt_tag: object, *,
+                       tag_max: int | None = None) -> list[tuple[Key, Key | None, memoryview]]:
+        """Validate ``put_many``'s items (``(key, parent, data)`` tuples) as :meth:`_reserve_args`
+        does each page's; returns ``(key, parent, bytes view)`` per item."""
+        if isinstance(items, (bytes, bytearray, memoryview, str)) or not isinstance(items, Sequence):
+            raise InvalidArgumentError("put_many items are (key, parent, data) tuples")
+        out: list[tuple[Key, Key | None, memoryview]] = []
+        for it in items:
+            if not isinstance(it, tuple) or len(it) != 3:
+                raise InvalidArgumentError("put_many items are (key, parent, data) tuples")
+            view = readable_bytes(it[2])
+            k, p, _ = self._reserve_args(it[0], it[1], view.nbytes, salt_tag, tag_max=tag_max)
+            out.append((k, p, view))
+        return out
+
+    @staticmethod
+    def _failed_parent(parent: Key | None, failed: set[Key], key: Key) -> UnknownKeyError | None:
+        """For ``put_many``: the error of an item whose parent failed earlier in the same call
+        (``key`` then counts as failed too), else ``None``."""
+        if parent is None or parent not in failed:
+            return None
+        failed.add(key)
+        return UnknownKeyError(f"parent {parent.hex()[:16]} failed earlier in this put_many")
 
     def _own_reservation(self, reservation: Reservation, kind: type[_R]) -> _R:
         """``reservation`` as one of this provider's open reservations (of class ``kind``).

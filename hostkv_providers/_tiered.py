@@ -683,21 +683,13 @@ class TieredProvider(Provider):
         takes the per-page path (fast-tier reservation, write-back queued in seal order), so this
         saves the caller's per-call overhead only; per item ``True``, ``False`` (dedup) or its
         error, and every item whose parent failed in this call gets ``UnknownKeyError``."""
-        if isinstance(items, (bytes, bytearray, memoryview, str)):
-            raise InvalidArgumentError("put_many items are (key, parent, data) tuples")
-        checked: list[tuple[Key, Key | None, memoryview]] = []
-        for it in items:
-            if not isinstance(it, tuple) or len(it) != 3:
-                raise InvalidArgumentError("put_many items are (key, parent, data) tuples")
-            view = readable_bytes(it[2])
-            k, p, _ = self._reserve_args(it[0], it[1], view.nbytes, salt_tag)
-            checked.append((k, p, view))
+        checked = self._put_many_args(items, salt_tag)
         out: list[bool | HostKVError] = []
         failed: set[Key] = set()
         for k, p, view in checked:
-            if p is not None and p in failed:
-                failed.add(k)
-                out.append(UnknownKeyError(f"parent {p.hex()[:16]} failed earlier in this put_many"))
+            orphan = self._failed_parent(p, failed, k)
+            if orphan is not None:
+                out.append(orphan)
                 continue
             try:
                 out.append(self.put(k, p, view, salt_tag=salt_tag))
