@@ -25,7 +25,7 @@ import struct
 import threading
 import warnings
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar, TypeVar
 
 import redis
@@ -83,7 +83,8 @@ _MAGIC = b"HKVPAGE1"
 _NAMESPACE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _SALT_TAG_MAX = 128
 _ANCHOR_MAX = 64 << 20
-_BATCH = 1024  # items per reserve/seal script call in put_many
+_BATCH = 1024  # pages per put script call in put_many
+_BATCH_BYTES = 64 << 20  # page bytes staged per put_many pipeline
 _SEND_GROUP = 1 << 20  # bytes of commands handed to the socket at once by _send_raw
 
 
@@ -254,70 +255,82 @@ def _redact(url: str) -> str:
     return re.sub(r"(://[^:/@]*:)[^@/]*@", r"\1***@", url)
 
 
-Part = bytes | memoryview | tuple[bytes | memoryview, ...]
+Piece = bytes | memoryview
+Part = Piece | tuple[Piece, ...]
+_SMALL = 16384  # pieces below this are copied into one joined buffer; larger ones are sent as they are
 
 
-def _pack(commands: Sequence[Sequence[Part]]) -> list[bytes | memoryview]:
-    """RESP-encode ``commands``; a tuple argument is one bulk string sent as several buffers.
+def _nbytes(piece: Piece) -> int:
+    return piece.nbytes if isinstance(piece, memoryview) else len(piece)
+
+
+def _encode(args: Sequence[Part]) -> list[Piece]:
+    """RESP-encode one command into pieces; a tuple argument is one bulk string sent as several
+    buffers (never concatenated here: see :func:`_coalesce`)."""
+    out: list[Piece] = [b"*%d\r\n" % len(args)]
+    for arg in args:
+        if isinstance(arg, tuple):
+            out.append(b"$%d\r\n" % sum(_nbytes(x) for x in arg))
+            out.extend(arg)
+        else:
+            out.append(b"$%d\r\n" % _nbytes(arg))
+            out.append(arg)
+        out.append(b"\r\n")
+    return out
+
+
+def _coalesce(pieces: Iterable[Piece]) -> list[Piece]:
+    """Join runs of small pieces into one buffer each; pass large ones (pages) through uncopied.
 
     That is how a page and its 56-byte trailer reach the server as one value without ever being
     concatenated in client memory (a fresh 2 MiB buffer per page costs more in page faults than
-    sending it).  Small pieces are coalesced; large buffers are passed to ``sendall`` as they are.
+    sending it), while headers and small arguments still go out in few ``sendall`` calls.
     """
-    out: list[bytes | memoryview] = []
-    small: list[bytes] = []
-
-    def emit(buf: bytes | memoryview) -> None:
-        if len(buf) < 16384:
-            small.append(bytes(buf))
-            return
+    out: list[Piece] = []
+    small: list[Piece] = []
+    for piece in pieces:
+        if _nbytes(piece) < _SMALL:
+            small.append(piece)
+            continue
         if small:
             out.append(b"".join(small))
             small.clear()
-        out.append(buf)
-
-    for args in commands:
-        small.append(b"*%d\r\n" % len(args))
-        for arg in args:
-            pieces = arg if isinstance(arg, tuple) else (arg,)
-            small.append(b"$%d\r\n" % _part_nbytes(arg))
-            for piece in pieces:
-                emit(piece)
-            small.append(b"\r\n")
+        out.append(piece)
     if small:
         out.append(b"".join(small))
     return out
 
 
-def _part_nbytes(part: Part) -> int:
-    pieces = part if isinstance(part, tuple) else (part,)
-    return sum(memoryview(x).nbytes for x in pieces)
+def _pack(commands: Sequence[Sequence[Part]]) -> list[Piece]:
+    """RESP-encode ``commands`` as a few buffers ready for ``send_packed_command``."""
+    return _coalesce(p for args in commands for p in _encode(args))
 
 
-def _send_raw(client: redis.Redis, commands: Callable[[], Iterator[Sequence[Part]]], count: int) -> list[Any]:
-    """Send the ``count`` commands that ``commands()`` yields as one pipeline on one pooled
-    connection; per command its raw reply or its ``ResponseError``.
+def _send_raw(client: redis.Redis, commands: Callable[[], Iterator[list[Piece]]], count: int) -> list[Any]:
+    """Send the ``count`` already RESP-encoded commands that ``commands()`` yields (each as a list
+    of pieces) as one pipeline on one pooled connection; per command its raw reply or its
+    ``ResponseError``.
 
-    Each command goes to the socket as soon as it is produced, so the producer's work for the
-    next one (checksumming a page) overlaps the transfer of this one.  A stale pooled connection
-    (the server restarted) is retried once on a fresh one: every command sent this way is
-    idempotent.
+    Commands go to the socket in groups of about ``_SEND_GROUP`` bytes as they are produced, so
+    the producer's work for the next one (checksumming a page) overlaps the transfer of this one.
+    A stale pooled connection (the server restarted) is retried once on a fresh one: every
+    command sent this way is idempotent.
     """
     pool = client.connection_pool
     for attempt in (0, 1):
         conn: Any = pool.get_connection()  # redis-py's Connection is only partly annotated
         try:
             health = attempt == 0
-            group: list[Sequence[Part]] = []
+            group: list[Piece] = []
             queued = 0
-            for cmd in commands():
-                group.append(cmd)
-                queued += sum(_part_nbytes(a) for a in cmd)
+            for pieces in commands():
+                group += pieces
+                queued += sum(_nbytes(p) for p in pieces)
                 if queued >= _SEND_GROUP:  # few large sendall calls, small pieces coalesced
-                    conn.send_packed_command(_pack(group), check_health=health)
+                    conn.send_packed_command(_coalesce(group), check_health=health)
                     health, group, queued = False, [], 0
             if group:
-                conn.send_packed_command(_pack(group), check_health=health)
+                conn.send_packed_command(_coalesce(group), check_health=health)
             replies: list[Any] = []
             for _ in range(count):
                 try:
@@ -875,16 +888,16 @@ class RedisProvider(Provider):
         sha = self._link.sha("seal").encode()
         meta = self._meta.encode()
 
-        def commands() -> Iterator[list[Part]]:
+        def commands() -> Iterator[list[Piece]]:
             args: list[Part] = [b"EVALSHA", sha, b"1", meta, str(len(batch)).encode()]
             for res in batch:
                 data = res.data
                 assert data is not None
                 digest = checksum(data)  # overlaps the previous page's transfer
                 trailer = _TRAILER.pack(res.key, digest, res.nbytes, _MAGIC)
-                yield [b"SET", f"{self._prefix}w:{res.hex}:{res.rid}".encode(), (data, trailer), b"PX", px]
+                yield _encode([b"SET", f"{self._prefix}w:{res.hex}:{res.rid}".encode(), (data, trailer), b"PX", px])
                 args += [res.hex.encode(), res.rid.encode(), str(digest).encode()]
-            yield args
+            yield _encode(args)
 
         def go(client: redis.Redis) -> list[Any]:
             replies = _send_raw(client, commands, len(batch) + 1)
@@ -948,14 +961,22 @@ class RedisProvider(Provider):
 
     def put_many(self, items: Sequence[tuple[bytes, bytes | None, object]], *,
                  salt_tag: str = "") -> list[bool | HostKVError]:
-        """Store many pages in two round trips per 1,024 pages: one reserve script, then one
-        pipeline of the pages' SETs and the seal script.
+        """Store many pages in two round trips per batch (at most 1,024 pages and 64 MiB).
 
         ``items`` are ``(key, parent, data)``; a parent may be an earlier item of the same call
         (a chain is stored root first).  Returns per item ``True`` (stored now), ``False``
-        (already stored: dedup) or the error for that item (``InFlightError``, ``CapacityError``,
-        ``UnknownKeyError`` when its parent failed ...); items after a failed parent fail too.
-        Raises only for whole-call failures (bad arguments, server unavailable).
+        (already stored: dedup) or the error for that item (``InFlightError`` when another
+        writer holds a reservation for it, ``CapacityError``, ``UnknownKeyError`` when its parent
+        is not stored or failed ...); items after a failed parent fail too.  Raises only for
+        whole-call failures (bad arguments, server unavailable).
+
+        Per batch: one ``probe`` script says which pages are already stored or in flight (their
+        bytes are not sent), then one pipeline carries the other pages' ``SET`` commands to private
+        staging keys and the ``put`` script, which publishes them in order with everything
+        ``reserve`` and ``seal`` check for a single page.  No reservation is taken: a page of a
+        batch is either published whole by that script or not at all.  The staged bytes of one
+        batch are on the server, not yet counted against the budget, for the time between their
+        ``SET`` and the script (one pipeline); pages the script rejects are deleted by it.
         """
         self._check_usable()
         checked = []
@@ -967,41 +988,111 @@ class RedisProvider(Provider):
             checked.append(self._check_item(it[0], it[1], view.nbytes, salt_tag))
             views.append(view)
         out: list[bool | HostKVError] = []
-        # Chunks bound how long one script holds the (single-threaded) server: ~1,000 items run
-        # in tens of milliseconds.  Two round trips per chunk, never one per page.
-        for lo in range(0, len(checked), _BATCH):
-            out += self._put_chunk(checked[lo : lo + _BATCH], views[lo : lo + _BATCH], salt_tag)
+        failed: set[Key] = set()  # keys of this call not stored: their children fail unsent
+        lo = 0
+        while lo < len(checked):
+            # A batch bounds how long one script holds the (single-threaded) server and how many
+            # staged bytes sit there unaccounted; it always takes at least one page.
+            hi, staged = lo + 1, checked[lo][2]
+            while hi < len(checked) and hi - lo < _BATCH and staged + checked[hi][2] <= _BATCH_BYTES:
+                staged += checked[hi][2]
+                hi += 1
+            out += self._put_chunk(checked[lo:hi], views[lo:hi], salt_tag, failed)
+            lo = hi
         return out
 
     def _put_chunk(self, checked: Sequence[tuple[Key, Key | None, int]], views: Sequence[memoryview],
-                   salt_tag: str) -> list[bool | HostKVError]:
-        reserved = self._reserve_batch(checked, salt_tag, allow_inflight_parent=True, buffers=False)
+                   salt_tag: str, failed: set[Key]) -> list[bool | HostKVError]:
+        hexes = [k.hex() for k, _, _ in checked]
+        probe = self._eval("probe", *hexes)
         out: list[bool | HostKVError] = []
-        to_seal: list[_RedisReservation] = []
-        slots: list[int] = []
-        for i, (res, view) in enumerate(zip(reserved, views, strict=True)):
-            if isinstance(res, _RedisReservation):
-                res.data = view  # shipped as it is: no copy
-                res.mark_written()
-                to_seal.append(res)
-                slots.append(i)
-                out.append(True)
-            elif res is None:
+        ship: list[int] = []
+        for i, ((k, p, _), st) in enumerate(zip(checked, probe, strict=True)):
+            if st == 0x73:  # 's': already stored
                 out.append(False)
+            elif st == 0x66:  # 'f': another writer's reservation
+                failed.add(k)
+                out.append(InFlightError(f"key {hexes[i][:16]} is being written by another writer", key=k))
+            elif p is not None and p in failed:
+                failed.add(k)
+                out.append(UnknownKeyError(f"parent {p.hex()[:16]} was not stored"))
             else:
-                out.append(res)
-        if to_seal:
-            try:
-                errors = self._seal_batch(to_seal)
-            except BaseException:
-                for res in to_seal:
-                    if res.state == "open":
-                        self.abort(res)
-                raise
-            for i, err in zip(slots, errors, strict=True):
-                if err is not None:
-                    out[i] = err
-            self._count(bytes_written=sum(r.nbytes for r in to_seal))
+                ship.append(i)
+                out.append(True)
+        dedup = len(checked) - len(ship) - sum(isinstance(x, HostKVError) for x in out)
+        if ship:
+            for i, err in zip(ship, self._publish(checked, views, hexes, ship, salt_tag), strict=True):
+                if err is None:
+                    continue
+                if err is False:
+                    dedup += 1
+                else:
+                    failed.add(checked[i][0])
+                out[i] = err
+        self._count(dedup=dedup)
+        return out
+
+    def _publish(self, checked: Sequence[tuple[Key, Key | None, int]], views: Sequence[memoryview],
+                 hexes: Sequence[str], ship: Sequence[int], salt_tag: str) -> list[HostKVError | bool | None]:
+        """One pipeline: a ``SET`` of each shipped page to its staging key, then the ``put``
+        script.  Per shipped item ``None`` (stored), ``False`` (stored meanwhile by another
+        writer) or its error."""
+        base = self._next_id("b")  # the entries' generations are base.1, base.2 ... (put script)
+        prefix = f"{self._prefix}w:".encode()
+        px = str(self._flight_ms).encode()
+        set_tail = b"\r\n$2\r\nPX\r\n$%d\r\n%s\r\n" % (len(px), px)
+        sha = self._link.sha("put").encode()
+
+        def commands() -> Iterator[list[Piece]]:
+            args: list[Part] = [b"EVALSHA", sha, b"1", self._meta.encode(), salt_tag.encode(), base.encode(),
+                                b"%d" % len(ship)]
+            for j, i in enumerate(ship, 1):
+                k, p, n = checked[i]
+                view = views[i]
+                digest = checksum(view)  # overlaps the previous page's transfer
+                name = b"%s%s:%s.%d" % (prefix, hexes[i].encode(), base.encode(), j)
+                # SET name <page + trailer> PX ttl, encoded by hand: three pieces, the page uncopied
+                yield [b"*5\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(name), name, n + TRAILER_NBYTES),
+                       view, _TRAILER.pack(k, digest, n, _MAGIC) + set_tail]
+                args += [hexes[i].encode(), b"" if p is None else p.hex().encode(), b"%d" % n, b"%d" % digest]
+            yield _encode(args)
+
+        def go(client: redis.Redis) -> list[Any]:
+            replies = _send_raw(client, commands, len(ship) + 1)
+            if isinstance(replies[-1], BaseException):
+                raise replies[-1]
+            return replies
+
+        results = self._run(go)
+        out: list[HostKVError | bool | None] = []
+        stored = nbytes = 0
+        for j, (i, raw) in enumerate(zip(ship, results[-1], strict=True)):
+            st = raw.decode()
+            k, p, n = checked[i]
+            if st == "ok":
+                stored += 1
+                nbytes += n
+                out.append(None)
+            elif st == "dup":
+                out.append(False)
+            elif st == "busy":
+                out.append(InFlightError(f"key {hexes[i][:16]} is being written by another writer", key=k))
+            elif st == "noparent":
+                out.append(UnknownKeyError(f"parent {p.hex()[:16] if p else '?'} is not stored"))
+            elif st == "nodata":
+                err = results[j]
+                if isinstance(err, redis.exceptions.OutOfMemoryError):
+                    out.append(ServerOutOfMemoryError(f"redis refused the page: {err}"))
+                else:
+                    out.append(StorageIOError(f"the page's bytes did not reach the server ({err!r})"))
+            elif st.startswith("cap"):
+                _, budget, used, sealed = st.split()
+                out.append(CapacityError(
+                    f"{n} bytes do not fit: budget {budget}, used {used}, sealed {sealed} "
+                    "(leased/in-flight entries and their ancestors cannot be evicted); nothing was evicted"))
+            else:  # pragma: no cover - a script/client version mismatch
+                out.append(StorageIOError(f"unexpected put status {st!r}"))
+        self._count(seals=stored, bytes_written=nbytes)
         return out
 
     # -- reads -------------------------------------------------------------------------------

@@ -446,6 +446,118 @@ mincr('seals', entries)
 return out
 """
 
+# ARGV: hexes...  What put_many needs before it ships any bytes: per key 's' (sealed: dedup),
+# 'f' (another writer's live reservation holds it) or '0'.  Reaps first, so a dead client's
+# expired reservation does not read as in flight.
+_PROBE = r"""
+reap(now_ms())
+local out = {}
+for i = 1, #ARGV do
+  local h = ARGV[i]
+  if redis.call('EXISTS', E(h)) == 1 then
+    out[i] = 's'
+  elseif redis.call('EXISTS', F(h)) == 1 then
+    out[i] = 'f'
+  else
+    out[i] = '0'
+  end
+end
+return table.concat(out)
+"""
+
+# ARGV: tag, base id, count, then count x (h, parent|'', nbytes, checksum).  put_many's publish
+# step: the pages' bytes were SET to staging keys W(h, base.k) earlier in the same pipeline, and
+# this one call does for each what reserve + seal do for a single page (dedup, in-flight check,
+# parent check, budget guard with LRU-leaf eviction, RENAME into place), in order, parents first.
+# No reservation record is created or deleted per page (the whole point: the per-page bookkeeping
+# on Redis's single thread was what made small pages slow).  Per item 'ok', 'dup', 'busy',
+# 'noparent', 'nodata' or 'cap budget used sealed'.  Every staging key not renamed is deleted.
+# Idempotent: an entry whose generation is this call's id reports 'ok' again on a retry.
+_PUT = r"""
+need_store()
+local now = now_ms()
+reap(now)
+local tag, base, n = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local out = {}
+local t0 = redis.call('HINCRBY', M, 'tick', n) - n
+-- Budget arithmetic stays in locals; the pending sums are flushed before make_room, which reads
+-- (and evicts through) the metadata.
+local budget, used, pused, psealed, entries = mget('budget'), mget('used'), 0, 0, 0
+-- mine: entries sealed by this call.  They join the LRU set only at the end (the ones that are
+-- still leaves), so this call's make_room can never evict the pages it is publishing, and a
+-- chain costs one ZADD per leaf instead of a ZADD and a ZREM per page.
+local mine, leaves = {}, {}
+local i = 4
+for k = 1, n do
+  local h, p, nbs, ck = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
+  local nb = tonumber(nbs)
+  i = i + 4
+  local rid = base .. '.' .. k
+  local w = W(h, rid)
+  local st
+  local g = redis.call('HGET', E(h), 'r')
+  if g then
+    if g == rid then st = 'ok' else st = 'dup' end  -- same generation: a retried call, already done
+  elseif redis.call('EXISTS', F(h)) == 1 then
+    st = 'busy'
+  elseif p ~= '' and not mine[p] and redis.call('EXISTS', E(p)) == 0 then
+    st = 'noparent'
+  elseif redis.call('STRLEN', w) ~= nb + TRAILER then
+    st = 'nodata'  -- the SET was refused (maxmemory) or the staging key expired
+  else
+    local fits = used + nb <= budget
+    if not fits then
+      mincr('used', pused)
+      mincr('sealed', psealed)
+      pused, psealed = 0, 0
+      local protect = nil
+      if p ~= '' then protect = p end
+      fits = make_room(nb, protect) ~= nil
+      used = mget('used')
+    end
+    if not fits then
+      st = 'cap ' .. budget .. ' ' .. used .. ' ' .. mget('sealed')
+    else
+      redis.call('RENAME', w, D(h))
+      redis.call('PERSIST', D(h))  -- RENAME keeps the staging key's TTL: a page must not expire
+      local t = t0 + k
+      redis.call('HSET', E(h), 'p', p, 'n', nbs, 'c', nbs, 'g', tag, 'k', ck, 'ct', now, 'lu', now,
+                 't', t, 'r', rid, 'ch', 0, 'lc', 0, 'fc', 0, 'na', 0)
+      if p ~= '' then
+        redis.call('SADD', C(p), h)
+        redis.call('HINCRBY', E(p), 'ch', 1)
+        if mine[p] then leaves[p] = nil else redis.call('ZREM', LRU, p) end
+      end
+      mine[h] = true
+      leaves[h] = t
+      used = used + nb
+      pused = pused + nb
+      psealed = psealed + nb
+      entries = entries + 1
+      st = 'ok'
+      w = nil
+    end
+  end
+  if w then redis.call('DEL', w) end
+  out[k] = st
+end
+local z = {}
+for h, t in pairs(leaves) do
+  z[#z + 1] = t
+  z[#z + 1] = h
+  if #z >= 2000 then
+    redis.call('ZADD', LRU, unpack(z))
+    z = {}
+  end
+end
+if #z > 0 then redis.call('ZADD', LRU, unpack(z)) end
+mincr('used', pused)
+mincr('sealed', psealed)
+mincr('entries', entries)
+mincr('seals', entries)
+return out
+"""
+
 # ARGV: count, then count x (h, rid).  Idempotent.
 _ABORT = r"""
 local n = tonumber(ARGV[1])
@@ -701,6 +813,8 @@ _BODIES = {
     "reserve": _RESERVE,
     "seal": _SEAL,
     "abort": _ABORT,
+    "probe": _PROBE,
+    "put": _PUT,
     "lease": _LEASE,
     "release": _RELEASE,
     "renew": _RENEW,
