@@ -85,6 +85,8 @@ _SALT_TAG_MAX = 128
 _ANCHOR_MAX = 64 << 20
 _BATCH = 1024  # pages per put script call in put_many
 _BATCH_BYTES = 64 << 20  # page bytes staged per put_many pipeline
+_GROUP_PAGES = 16  # pages per put script inside one put_many pipeline
+_GROUP_BYTES = 4 << 20  # page bytes per put script inside one put_many pipeline
 _SEND_GROUP = 1 << 20  # bytes of commands handed to the socket at once by _send_raw
 
 
@@ -1034,64 +1036,90 @@ class RedisProvider(Provider):
 
     def _publish(self, checked: Sequence[tuple[Key, Key | None, int]], views: Sequence[memoryview],
                  hexes: Sequence[str], ship: Sequence[int], salt_tag: str) -> list[HostKVError | bool | None]:
-        """One pipeline: a ``SET`` of each shipped page to its staging key, then the ``put``
-        script.  Per shipped item ``None`` (stored), ``False`` (stored meanwhile by another
-        writer) or its error."""
-        base = self._next_id("b")  # the entries' generations are base.1, base.2 ... (put script)
+        """One pipeline: ``SET`` each shipped page to its staging key, with a ``put`` script after
+        every group of pages; per shipped item ``None`` (stored), ``False`` (stored meanwhile by
+        another writer) or its error.
+
+        Groups (``_GROUP_PAGES`` pages, ``_GROUP_BYTES`` bytes) are why the pipeline is not one
+        script at the end: the server runs a group's script while the client is still sending
+        the next group's pages, so only the last, small group's script is waited for.
+        """
+        groups: list[list[int]] = [[]]
+        staged = 0
+        for i in ship:
+            n = checked[i][2]
+            if groups[-1] and (len(groups[-1]) >= _GROUP_PAGES or staged + n > _GROUP_BYTES):
+                groups.append([])
+                staged = 0
+            groups[-1].append(i)
+            staged += n
+        bases = [self._next_id("b") for _ in groups]  # generations: base.1, base.2 ... (put script)
         prefix = f"{self._prefix}w:".encode()
         px = str(self._flight_ms).encode()
         set_tail = b"\r\n$2\r\nPX\r\n$%d\r\n%s\r\n" % (len(px), px)
         sha = self._link.sha("put").encode()
+        meta = self._meta.encode()
+        tag = salt_tag.encode()
 
         def commands() -> Iterator[list[Piece]]:
-            args: list[Part] = [b"EVALSHA", sha, b"1", self._meta.encode(), salt_tag.encode(), base.encode(),
-                                b"%d" % len(ship)]
-            for j, i in enumerate(ship, 1):
-                k, p, n = checked[i]
-                view = views[i]
-                digest = checksum(view)  # overlaps the previous page's transfer
-                name = b"%s%s:%s.%d" % (prefix, hexes[i].encode(), base.encode(), j)
-                # SET name <page + trailer> PX ttl, encoded by hand: three pieces, the page uncopied
-                yield [b"*5\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(name), name, n + TRAILER_NBYTES),
-                       view, _TRAILER.pack(k, digest, n, _MAGIC) + set_tail]
-                args += [hexes[i].encode(), b"" if p is None else p.hex().encode(), b"%d" % n, b"%d" % digest]
-            yield _encode(args)
+            for group, base in zip(groups, bases, strict=True):
+                b = base.encode()
+                args: list[Part] = [b"EVALSHA", sha, b"1", meta, tag, b, b"%d" % len(group)]
+                for j, i in enumerate(group, 1):
+                    k, p, n = checked[i]
+                    view = views[i]
+                    digest = checksum(view)  # overlaps the previous page's transfer
+                    name = b"%s%s:%s.%d" % (prefix, hexes[i].encode(), b, j)
+                    # SET name <page + trailer> PX ttl, encoded by hand: three pieces, the page
+                    # uncopied.  The TTL frees the staging key if this client dies before the script.
+                    yield [b"*5\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(name), name, n + TRAILER_NBYTES),
+                           view, _TRAILER.pack(k, digest, n, _MAGIC) + set_tail]
+                    args += [hexes[i].encode(), b"" if p is None else p.hex().encode(), b"%d" % n, b"%d" % digest]
+                yield _encode(args)
 
         def go(client: redis.Redis) -> list[Any]:
-            replies = _send_raw(client, commands, len(ship) + 1)
-            if isinstance(replies[-1], BaseException):
-                raise replies[-1]
+            replies = _send_raw(client, commands, len(ship) + len(groups))
+            pos = 0
+            for group in groups:  # a script's error (NOSCRIPT, HKV_NOSTORE ...) is retried by run()
+                pos += len(group)
+                if isinstance(replies[pos], BaseException):
+                    raise replies[pos]
+                pos += 1
             return replies
 
         results = self._run(go)
         out: list[HostKVError | bool | None] = []
         stored = nbytes = 0
-        for j, (i, raw) in enumerate(zip(ship, results[-1], strict=True)):
-            st = raw.decode()
-            k, p, n = checked[i]
-            if st == "ok":
-                stored += 1
-                nbytes += n
-                out.append(None)
-            elif st == "dup":
-                out.append(False)
-            elif st == "busy":
-                out.append(InFlightError(f"key {hexes[i][:16]} is being written by another writer", key=k))
-            elif st == "noparent":
-                out.append(UnknownKeyError(f"parent {p.hex()[:16] if p else '?'} is not stored"))
-            elif st == "nodata":
-                err = results[j]
-                if isinstance(err, redis.exceptions.OutOfMemoryError):
-                    out.append(ServerOutOfMemoryError(f"redis refused the page: {err}"))
-                else:
-                    out.append(StorageIOError(f"the page's bytes did not reach the server ({err!r})"))
-            elif st.startswith("cap"):
-                _, budget, used, sealed = st.split()
-                out.append(CapacityError(
-                    f"{n} bytes do not fit: budget {budget}, used {used}, sealed {sealed} "
-                    "(leased/in-flight entries and their ancestors cannot be evicted); nothing was evicted"))
-            else:  # pragma: no cover - a script/client version mismatch
-                out.append(StorageIOError(f"unexpected put status {st!r}"))
+        pos = 0
+        for group in groups:
+            statuses = results[pos + len(group)]
+            for j, (i, raw) in enumerate(zip(group, statuses, strict=True)):
+                st = raw.decode()
+                k, p, n = checked[i]
+                if st == "ok":
+                    stored += 1
+                    nbytes += n
+                    out.append(None)
+                elif st == "dup":
+                    out.append(False)
+                elif st == "busy":
+                    out.append(InFlightError(f"key {hexes[i][:16]} is being written by another writer", key=k))
+                elif st == "noparent":
+                    out.append(UnknownKeyError(f"parent {p.hex()[:16] if p else '?'} is not stored"))
+                elif st == "nodata":
+                    err = results[pos + j]
+                    if isinstance(err, redis.exceptions.OutOfMemoryError):
+                        out.append(ServerOutOfMemoryError(f"redis refused the page: {err}"))
+                    else:
+                        out.append(StorageIOError(f"the page's bytes did not reach the server ({err!r})"))
+                elif st.startswith("cap"):
+                    _, budget, used, sealed = st.split()
+                    out.append(CapacityError(
+                        f"{n} bytes do not fit: budget {budget}, used {used}, sealed {sealed} "
+                        "(leased/in-flight entries and their ancestors cannot be evicted); nothing was evicted"))
+                else:  # pragma: no cover - a script/client version mismatch
+                    out.append(StorageIOError(f"unexpected put status {st!r}"))
+            pos += len(group) + 1
         self._count(seals=stored, bytes_written=nbytes)
         return out
 

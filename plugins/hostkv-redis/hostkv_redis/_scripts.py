@@ -454,12 +454,10 @@ reap(now_ms())
 local out = {}
 for i = 1, #ARGV do
   local h = ARGV[i]
-  if redis.call('EXISTS', E(h)) == 1 then
-    out[i] = 's'
-  elseif redis.call('EXISTS', F(h)) == 1 then
-    out[i] = 'f'
-  else
-    out[i] = '0'
+  out[i] = '0'
+  -- one call for the common case (neither): a key is never sealed and in flight at once
+  if redis.call('EXISTS', E(h), F(h)) > 0 then
+    if redis.call('EXISTS', E(h)) == 1 then out[i] = 's' else out[i] = 'f' end
   end
 end
 return table.concat(out)
@@ -469,10 +467,17 @@ return table.concat(out)
 # step: the pages' bytes were SET to staging keys W(h, base.k) earlier in the same pipeline, and
 # this one call does for each what reserve + seal do for a single page (dedup, in-flight check,
 # parent check, budget guard with LRU-leaf eviction, RENAME into place), in order, parents first.
-# No reservation record is created or deleted per page (the whole point: the per-page bookkeeping
-# on Redis's single thread was what made small pages slow).  Per item 'ok', 'dup', 'busy',
-# 'noparent', 'nodata' or 'cap budget used sealed'.  Every staging key not renamed is deleted.
-# Idempotent: an entry whose generation is this call's id reports 'ok' again on a retry.
+# Per item 'ok', 'dup', 'busy', 'noparent', 'nodata' or 'cap budget used sealed'; every staging
+# key not renamed is deleted.  Idempotent: an entry whose generation is this call's id reports
+# 'ok' again on a retry.
+#
+# Why it looks like this: the time of a small-page batch was the per-page commands on Redis's
+# single thread (each redis.call costs a few microseconds besides its work).  So no reservation
+# record is created and deleted per page, and the entries published by this call ('mine') are
+# written at the end, each in one HSET that already has its final child count, and join the
+# LRU set then (the ones still leaves).  Until then nothing outside this call can see them (a
+# script is atomic) and make_room cannot evict them: they are not in the LRU set, and their
+# ancestors have children.
 _PUT = r"""
 need_store()
 local now = now_ms()
@@ -482,11 +487,8 @@ local out = {}
 local t0 = redis.call('HINCRBY', M, 'tick', n) - n
 -- Budget arithmetic stays in locals; the pending sums are flushed before make_room, which reads
 -- (and evicts through) the metadata.
-local budget, used, pused, psealed, entries = mget('budget'), mget('used'), 0, 0, 0
--- mine: entries sealed by this call.  They join the LRU set only at the end (the ones that are
--- still leaves), so this call's make_room can never evict the pages it is publishing, and a
--- chain costs one ZADD per leaf instead of a ZADD and a ZREM per page.
-local mine, leaves = {}, {}
+local budget, used, pused, psealed = mget('budget'), mget('used'), 0, 0
+local mine, order = {}, {}
 local i = 4
 for k = 1, n do
   local h, p, nbs, ck = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
@@ -495,66 +497,84 @@ for k = 1, n do
   local rid = base .. '.' .. k
   local w = W(h, rid)
   local st
-  local g = redis.call('HGET', E(h), 'r')
-  if g then
-    if g == rid then st = 'ok' else st = 'dup' end  -- same generation: a retried call, already done
-  elseif redis.call('EXISTS', F(h)) == 1 then
-    st = 'busy'
+  if mine[h] then
+    st = 'dup'  -- the same key twice in one call
+  elseif redis.call('EXISTS', E(h), F(h)) > 0 then
+    local g = redis.call('HGET', E(h), 'r')
+    if not g then
+      st = 'busy'
+    elseif g == rid then
+      st = 'ok'  -- a retried call, already done
+    else
+      st = 'dup'
+    end
   elseif p ~= '' and not mine[p] and redis.call('EXISTS', E(p)) == 0 then
     st = 'noparent'
-  elseif redis.call('STRLEN', w) ~= nb + TRAILER then
-    st = 'nodata'  -- the SET was refused (maxmemory) or the staging key expired
   else
     local fits = used + nb <= budget
     if not fits then
-      mincr('used', pused)
-      mincr('sealed', psealed)
-      pused, psealed = 0, 0
-      local protect = nil
-      if p ~= '' then protect = p end
-      fits = make_room(nb, protect) ~= nil
-      used = mget('used')
-    end
-    if not fits then
-      st = 'cap ' .. budget .. ' ' .. used .. ' ' .. mget('sealed')
-    else
-      redis.call('RENAME', w, D(h))
-      redis.call('PERSIST', D(h))  -- RENAME keeps the staging key's TTL: a page must not expire
-      local t = t0 + k
-      redis.call('HSET', E(h), 'p', p, 'n', nbs, 'c', nbs, 'g', tag, 'k', ck, 'ct', now, 'lu', now,
-                 't', t, 'r', rid, 'ch', 0, 'lc', 0, 'fc', 0, 'na', 0)
-      if p ~= '' then
-        redis.call('SADD', C(p), h)
-        redis.call('HINCRBY', E(p), 'ch', 1)
-        if mine[p] then leaves[p] = nil else redis.call('ZREM', LRU, p) end
+      -- Evict only for a page whose bytes did arrive.
+      if redis.call('STRLEN', w) == nb + TRAILER then
+        mincr('used', pused)
+        mincr('sealed', psealed)
+        pused, psealed = 0, 0
+        local protect = nil
+        if p ~= '' then protect = p end
+        fits = make_room(nb, protect) ~= nil
+        used = mget('used')
+        if not fits then st = 'cap ' .. budget .. ' ' .. used .. ' ' .. mget('sealed') end
+      else
+        st = 'nodata'
       end
-      mine[h] = true
-      leaves[h] = t
-      used = used + nb
-      pused = pused + nb
-      psealed = psealed + nb
-      entries = entries + 1
-      st = 'ok'
-      w = nil
+    end
+    if fits then
+      -- pcall: a missing staging key (the SET was refused at maxmemory, or it expired) is a
+      -- per-page outcome, not an error that would abort the script halfway.
+      if not redis.pcall('RENAME', w, D(h)).err then
+        redis.call('PERSIST', D(h))  -- RENAME keeps the staging key's TTL: a page must not expire
+        mine[h] = {p, nbs, ck, t0 + k, rid, 0}
+        order[#order + 1] = h
+        if p ~= '' then
+          redis.call('SADD', C(p), h)
+          if mine[p] then
+            mine[p][6] = mine[p][6] + 1
+          else
+            redis.call('HINCRBY', E(p), 'ch', 1)
+            redis.call('ZREM', LRU, p)
+          end
+        end
+        used = used + nb
+        pused = pused + nb
+        psealed = psealed + nb
+        st = 'ok'
+        w = nil
+      else
+        st = 'nodata'
+      end
     end
   end
   if w then redis.call('DEL', w) end
   out[k] = st
 end
 local z = {}
-for h, t in pairs(leaves) do
-  z[#z + 1] = t
-  z[#z + 1] = h
-  if #z >= 2000 then
-    redis.call('ZADD', LRU, unpack(z))
-    z = {}
+for _, h in ipairs(order) do
+  local e = mine[h]
+  redis.call('HSET', E(h), 'p', e[1], 'n', e[2], 'c', e[2], 'g', tag, 'k', e[3], 'ct', now, 'lu', now,
+             't', e[4], 'r', e[5], 'ch', e[6], 'lc', 0, 'fc', 0, 'na', 0)
+  if e[6] == 0 then
+    z[#z + 1] = e[4]
+    z[#z + 1] = h
+    if #z >= 2000 then
+      redis.call('ZADD', LRU, unpack(z))
+      z = {}
+    end
   end
 end
 if #z > 0 then redis.call('ZADD', LRU, unpack(z)) end
 mincr('used', pused)
 mincr('sealed', psealed)
-mincr('entries', entries)
-mincr('seals', entries)
+mincr('entries', #order)
+mincr('seals', #order)
 return out
 """
 
