@@ -301,6 +301,150 @@ def test_put_many_outcomes(make_redis: Make, redis_server: RedisServer) -> None:
     _consistent(redis_server, q)
 
 
+def _staging_keys(server: RedisServer, p: RedisProvider) -> list[bytes]:
+    with server.client() as c:
+        return list(c.scan_iter(match=f"hkv:{{{p.namespace}}}:w:*", count=1000))
+
+
+def test_put_many_leaves_no_staging_keys(make_redis: Make, redis_server: RedisServer) -> None:
+    """Every outcome of the put script (stored, dup, busy, noparent, cap, the same key twice)
+    either renames the staged bytes into place or deletes them: nothing waits for its TTL."""
+    p = make_redis(budget_bytes=4 * PAGE)
+    other = make_redis(namespace=p.namespace)
+    keys = chain("stage", 3)
+    k = key_of("stage-twice")
+    out = p.put_many([(keys[0], None, page_bytes(keys[0], PAGE)), (k, None, page_bytes(k, PAGE)),
+                      (k, None, page_bytes(k, PAGE))])
+    assert out == [True, True, False]
+    # the probe saw nothing, so everything is shipped and the put script decides
+    held = other.reserve(keys[1], keys[0], PAGE)
+    assert held is not None
+    probe = p._eval
+
+    def blind(script: str, *args: Any) -> Any:
+        return b"0" * (len(args)) if script == "probe" else probe(script, *args)
+
+    p._eval = blind  # type: ignore[method-assign]
+    out = p.put_many([(keys[0], None, page_bytes(keys[0], PAGE)), (keys[1], keys[0], page_bytes(keys[1], PAGE)),
+                      (keys[2], keys[1], page_bytes(keys[2], PAGE)),
+                      (key_of("stage-huge"), None, b"h" * (5 * PAGE))])
+    assert out[0] is False  # stored meanwhile: dedup, not a second entry
+    assert isinstance(out[1], InFlightError)
+    assert isinstance(out[2], UnknownKeyError)
+    assert isinstance(out[3], CapacityError)
+    assert p.stats().entries == 2
+    held.abort()
+    p._eval = probe  # type: ignore[method-assign]
+    assert _staging_keys(redis_server, p) == []
+    _consistent(redis_server, p)
+
+
+def test_put_many_parent_busy_at_probe_is_not_shipped(make_redis: Make, monkeypatch: pytest.MonkeyPatch) -> None:
+    p = make_redis()
+    other = make_redis(namespace=p.namespace)
+    keys = chain("busy-parent", 3)
+    held = other.reserve(keys[0], None, PAGE)
+    assert held is not None
+    shipped: list[int] = []
+    publish = p._publish
+
+    def spy(checked: Any, views: Any, hexes: Any, ship: Any, salt_tag: str) -> Any:
+        shipped.extend(ship)
+        return publish(checked, views, hexes, ship, salt_tag)
+
+    monkeypatch.setattr(p, "_publish", spy)
+    out = p.put_many([(k, keys[i - 1] if i else None, page_bytes(k, PAGE)) for i, k in enumerate(keys)])
+    assert isinstance(out[0], InFlightError)
+    assert isinstance(out[1], UnknownKeyError) and isinstance(out[2], UnknownKeyError)
+    assert shipped == []  # no bytes sent for a chain whose root another writer holds
+    held.abort()
+
+
+def test_put_many_retried_pipeline_is_idempotent(make_redis: Make, redis_server: RedisServer,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reply lost after the server ran the pipeline: the client sends it again (same
+    generations); the second run reports the pages stored, once, and deletes the re-staged bytes."""
+    import hostkv_redis._provider as impl
+
+    p = make_redis()
+    keys = chain("retry", 6)
+    send = impl._send_raw
+
+    def twice(client: Any, commands: Any, count: int) -> list[Any]:
+        send(client, commands, count)  # its replies are "lost"
+        return send(client, commands, count)
+
+    monkeypatch.setattr(impl, "_send_raw", twice)
+    monkeypatch.setattr(impl, "_GROUP_PAGES", 2)
+    out = p.put_many([(k, keys[i - 1] if i else None, page_bytes(k, PAGE)) for i, k in enumerate(keys)])
+    assert out == [True] * 6
+    st = p.stats()
+    assert st.entries == 6 and st.used_bytes == 6 * PAGE and st.extra["store_seals"] == 6
+    assert p.read_many_bytes(keys) == [page_bytes(k, PAGE) for k in keys]
+    assert _staging_keys(redis_server, p) == []
+    _consistent(redis_server, p)
+
+
+def test_put_many_batches_by_bytes_and_groups(make_redis: Make, redis_server: RedisServer,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    import hostkv_redis._provider as impl
+
+    monkeypatch.setattr(impl, "_BATCH_BYTES", 5 * PAGE)
+    monkeypatch.setattr(impl, "_GROUP_BYTES", 2 * PAGE)
+    p = make_redis(budget_bytes=64 * PAGE)
+    trips = _Trips(p, monkeypatch)
+    keys = chain("bytes", 12)
+    sizes = [PAGE, 3 * PAGE, PAGE, PAGE, 6 * PAGE, PAGE, 2 * PAGE, PAGE, PAGE, PAGE, 4 * PAGE, PAGE]
+    data = [page_bytes(k, n) for k, n in zip(keys, sizes, strict=True)]
+    out = p.put_many([(k, keys[i - 1] if i else None, data[i]) for i, k in enumerate(keys)])
+    assert out == [True] * 12
+    # batches of <= 5 pages' bytes (a bigger page alone): [1,3,1] [1] [6] [1,2,1,1] [1,4] [1]
+    assert trips.n == 2 * 6
+    assert p.read_many_bytes(keys) == data
+    with redis_server.client() as c:  # the LRU set holds the chain's one leaf
+        assert c.zrange(f"hkv:{{{p.namespace}}}:lru", 0, -1) == [keys[-1].hex().encode()]
+    _consistent(redis_server, p)
+
+
+def test_put_many_evicts_lru_leaves_never_its_own_or_leased(make_redis: Make, redis_server: RedisServer) -> None:
+    p = make_redis(budget_bytes=6 * PAGE)
+    old = chain("evict-old", 4)
+    out = p.put_many([(k, old[i - 1] if i else None, page_bytes(k, PAGE)) for i, k in enumerate(old)])
+    assert out == [True] * 4
+    new = chain("evict-new", 4)
+    out = p.put_many([(k, new[i - 1] if i else None, page_bytes(k, PAGE)) for i, k in enumerate(new)])
+    assert out == [True] * 4
+    assert p.longest_prefix(old) == 2 and p.longest_prefix(new) == 4  # old's two leaves went
+    with p.lease(new):
+        more = chain("evict-more", 5)
+        out = p.put_many([(k, more[i - 1] if i else None, page_bytes(k, PAGE)) for i, k in enumerate(more)])
+        # two fit after evicting old's last two pages; then only leased or own pages remain
+        assert out[:2] == [True, True]
+        assert isinstance(out[2], CapacityError) and isinstance(out[3], UnknownKeyError)
+        assert p.longest_prefix(new) == 4 and p.longest_prefix(old) == 0
+    assert _staging_keys(redis_server, p) == []
+    _consistent(redis_server, p)
+
+
+def test_put_many_server_out_of_memory_is_typed(tmp_path: Any) -> None:
+    with RedisServer(tmp_path / "oom", extra_args=("--maxmemory", "3mb", "--maxmemory-policy", "noeviction")) as s:
+        p = RedisProvider(s.url, budget_bytes=64 << 20, namespace="oom")
+        keys = chain("oom-many", 24)
+        out = p.put_many([(k, keys[i - 1] if i else None, page_bytes(k, 256 << 10)) for i, k in enumerate(keys)])
+        stored = [k for k, r in zip(keys, out, strict=True) if r is True]
+        errors = [r for r in out if r is not True]
+        assert stored and errors
+        assert any(isinstance(r, ServerOutOfMemoryError) for r in errors)
+        assert all(isinstance(r, (ServerOutOfMemoryError, UnknownKeyError)) for r in errors)
+        assert p.read_many_bytes(stored) == [page_bytes(k, 256 << 10) for k in stored]
+        st = p.stats()
+        assert st.in_flight == 0 and st.used_bytes == len(stored) * (256 << 10)
+        with s.client() as c:
+            assert fsck(c, "oom") == []
+            assert list(c.scan_iter(match="hkv:{oom}:w:*")) == []
+        p.close()
+
+
 def test_read_many_misses_and_bad_buffers(make_redis: Make) -> None:
     p = make_redis()
     k = key_of("rm")
