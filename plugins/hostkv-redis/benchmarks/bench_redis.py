@@ -2,8 +2,9 @@
 
 Measures, for each page size:
 
-* **write**: ``put_many`` of chains (reserve script + one pipeline of SETs and the seal script per
-  batch) against raw pipelined ``SET`` of the same bytes in the same batch size;
+* **write**: ``put_many`` of chains (a probe script for already stored / in-flight pages, then one
+  pipeline of SETs to staging keys with a put script after every 16 pages or 4 MiB, which
+  publishes them) against raw pipelined ``SET`` of the same bytes in the same batch size;
 * **read**: ``read_many`` into caller buffers (trailer + XXH3 verified, LRU refreshed) against raw
   pipelined ``GET`` of the same bytes;
 
@@ -13,7 +14,7 @@ round, so both start from the same server memory state); the median over rounds 
 ``redis-server`` is started on loopback (``--url`` uses an existing one; only keys under its own
 namespace and ``bench:raw:*`` are touched).
 
-    python3 plugins/hostkv-redis/benchmarks/bench_redis.py --sizes 64KiB,256KiB,2MiB --total 256MiB
+    python3 plugins/hostkv-redis/benchmarks/bench_redis.py --sizes 64KiB,256KiB,1MiB,2MiB --total 512MiB --repeat 4
 """
 
 from __future__ import annotations

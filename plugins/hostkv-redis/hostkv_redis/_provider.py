@@ -8,9 +8,12 @@ runs server-side in a Lua script (:mod:`hostkv_redis._scripts`), atomically.  Se
 Why the bytes do not go through Lua: a script argument is copied into the Lua heap and back into a
 Redis object, which costs two extra memcpys of every page.  Instead ``seal`` pipelines a ``SET`` of
 a private staging key with the seal script, which ``RENAME``s it into place (O(1), no copy) only
-if the reservation is still live.  Every page carries a 56-byte trailer (key echo, XXH3-64,
-nbytes, magic), so one ``GET`` is self-verifying: a read can never pair bytes with the wrong
-checksum, and a value renamed under the wrong name is caught by the key echo.
+if the reservation is still live; ``put_many`` pipelines the ``SET`` commands of many pages with a
+``put`` script that does reserve's and seal's checks for all of them in one call (no per-page
+reservation record: the per-page script work on Redis's single thread is what bounds small
+pages).  Every page carries a 56-byte trailer (key echo, XXH3-64, nbytes, magic), so one ``GET``
+is self-verifying: a read can never pair bytes with the wrong checksum, and a value renamed under
+the wrong name is caught by the key echo.
 """
 
 from __future__ import annotations
@@ -526,14 +529,14 @@ class _RedisReservation(Reservation):
         super().__init__(provider, key, parent, nbytes, salt_tag)
         self.rid = rid
         self.hex = key.hex()
-        self.buf = buf  # pooled, exactly nbytes; None when put_many ships the caller's bytes
+        self.buf = buf  # pooled, exactly nbytes; None once sealed or aborted (back in the pool)
         self.data: memoryview | None = None if buf is None else memoryview(buf)
 
     def regions(self) -> Sequence[HostRegion]:
         """The client-side buffer (ordinary memory), for a copy engine that fills it directly."""
         self.check_open(self._provider)
         if self.buf is None:
-            raise ReservationError("this reservation ships the caller's bytes; it has no buffer")
+            raise ReservationError("this reservation has no buffer any more")
         address = ctypes.addressof(ctypes.c_char.from_buffer(self.buf))
         return [HostRegion(0, memoryview(self.buf), address, False)]
 
@@ -815,7 +818,7 @@ class RedisProvider(Provider):
     def reserve(self, key: bytes, parent: bytes | None, nbytes: int, *, salt_tag: str = "") -> Reservation | None:
         item = self._check_item(key, parent, nbytes, salt_tag)
         self._check_usable()
-        res = self._reserve_batch([item], salt_tag, allow_inflight_parent=False, buffers=True)[0]
+        res = self._reserve_batch([item], salt_tag)[0]
         if isinstance(res, BaseException):
             raise res
         return res
@@ -823,13 +826,12 @@ class RedisProvider(Provider):
     def _check_item(self, key: object, parent: object, nbytes: object, salt_tag: object) -> tuple[Key, Key | None, int]:
         return self._reserve_args(key, parent, nbytes, salt_tag, tag_max=_SALT_TAG_MAX)
 
-    def _reserve_batch(self, items: Sequence[tuple[Key, Key | None, int]], salt_tag: str,
-                       allow_inflight_parent: bool, buffers: bool) -> list[_RedisReservation | HostKVError | None]:
+    def _reserve_batch(self, items: Sequence[tuple[Key, Key | None, int]],
+                       salt_tag: str) -> list[_RedisReservation | HostKVError | None]:
         """Reserve many entries in one script call; per item a reservation, ``None`` (already
-        stored) or the error for that item.  ``buffers``: give each reservation a (pooled) buffer
-        for ``write``; without, the caller sets ``res.data`` to its own bytes."""
+        stored) or the error for that item; each reservation gets a pooled buffer for ``write``."""
         rids = [self._next_id("r") for _ in items]
-        allow = "1" if allow_inflight_parent else "0"
+        allow = "0"  # a parent must be sealed (the script can also accept this client's in-flight one)
         args: list[Any] = [self._client_id, str(self._flight_ms), allow, str(len(items))]
         for (k, p, n), rid in zip(items, rids, strict=True):
             args += [k.hex(), "" if p is None else p.hex(), str(n), str(n), salt_tag, rid]
@@ -838,7 +840,7 @@ class RedisProvider(Provider):
         for (k, p, n), rid, raw in zip(items, rids, statuses, strict=True):
             st = raw.decode()
             if st == "ok":
-                res = _RedisReservation(self, k, p, n, salt_tag, rid, self._pool.take(n) if buffers else None)
+                res = _RedisReservation(self, k, p, n, salt_tag, rid, self._pool.take(n))
                 with self._lock:
                     self._live_flights[rid] = res
                 out.append(res)

@@ -18,7 +18,8 @@ client-generated reservation/lease ids)::
     hkv:{ns}:a:<h>        hash    anchors: name -> blob
     hkv:{ns}:f:<h>        hash    in-flight reservation: r rid, cl client, p parent, pg parent
                                   generation, c cost, n nbytes, g tag, fk in-flight children
-    hkv:{ns}:w:<h>:<rid>  string  staged page bytes, written by SET just before the seal script
+    hkv:{ns}:w:<h>:<rid>  string  staged page bytes, written by SET just before the seal (or put)
+                                  script, with the reservation TTL; renamed into d:<h> or deleted
     hkv:{ns}:l:<lid>      list    lease record: [bitmap, h1, gen1, h2, gen2, ...]
     hkv:{ns}:lru          zset    evictable leaves (ch = lc = fc = 0), scored by LRU tick
     hkv:{ns}:fz           zset    in-flight reservations by expiry (ms, server clock)
