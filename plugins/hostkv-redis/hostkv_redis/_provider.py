@@ -90,6 +90,7 @@ _BATCH = 1024  # pages per put script call in put_many
 _BATCH_BYTES = 64 << 20  # page bytes staged per put_many pipeline
 _GROUP_PAGES = 16  # pages per put script inside one put_many pipeline
 _GROUP_BYTES = 4 << 20  # page bytes per put script inside one put_many pipeline
+_HASH_AHEAD = 4 << 20  # page bytes checksummed while put_many's probe is on the wire
 _SEND_GROUP = 1 << 20  # bytes of commands handed to the socket at once by _send_raw
 
 
@@ -311,15 +312,18 @@ def _pack(commands: Sequence[Sequence[Part]]) -> list[Piece]:
     return _coalesce(p for args in commands for p in _encode(args))
 
 
-def _send_raw(client: redis.Redis, commands: Callable[[], Iterator[list[Piece]]], count: int) -> list[Any]:
+def _send_raw(client: redis.Redis, commands: Callable[[], Iterator[list[Piece]]], count: int,
+              meanwhile: Callable[[], None] | None = None) -> list[Any]:
     """Send the ``count`` already RESP-encoded commands that ``commands()`` yields (each as a list
     of pieces) as one pipeline on one pooled connection; per command its raw reply or its
     ``ResponseError``.
 
     Commands go to the socket in groups of about ``_SEND_GROUP`` bytes as they are produced, so
     the producer's work for the next one (checksumming a page) overlaps the transfer of this one.
-    A stale pooled connection (the server restarted) is retried once on a fresh one: every
-    command sent this way is idempotent.
+    ``meanwhile()`` runs after the last command is sent and before the first reply is read: work
+    that fills the round trip instead of sleeping through it (on a busy host, a thread that blocks
+    on the reply can wait a scheduler slice to be woken).  A stale pooled connection (the server
+    restarted) is retried once on a fresh one: every command sent this way is idempotent.
     """
     pool = client.connection_pool
     for attempt in (0, 1):
@@ -336,6 +340,8 @@ def _send_raw(client: redis.Redis, commands: Callable[[], Iterator[list[Piece]]]
                     health, group, queued = False, [], 0
             if group:
                 conn.send_packed_command(_coalesce(group), check_health=health)
+            if meanwhile is not None:
+                meanwhile()
             replies: list[Any] = []
             for _ in range(count):
                 try:
@@ -1008,7 +1014,29 @@ class RedisProvider(Provider):
     def _put_chunk(self, checked: Sequence[tuple[Key, Key | None, int]], views: Sequence[memoryview],
                    salt_tag: str, failed: set[Key]) -> list[bool | HostKVError]:
         hexes = [k.hex() for k, _, _ in checked]
-        probe = self._eval("probe", *hexes)
+        probe_cmd: list[Part] = [b"EVALSHA", self._link.sha("probe").encode(), b"1", self._meta.encode()]
+        for h, (_, p, _) in zip(hexes, checked, strict=True):
+            probe_cmd += [h.encode(), b"" if p is None else p.hex().encode()]
+        # Checksums the put pipeline needs anyway are computed while the probe is on the wire
+        # (up to _HASH_AHEAD bytes; the rest overlap the pages' transfer, in _publish).
+        digests: dict[int, int] = {}
+
+        def hash_ahead() -> None:
+            hashed = 0
+            for i, view in enumerate(views):
+                if hashed >= _HASH_AHEAD:
+                    return
+                if i not in digests:
+                    digests[i] = checksum(view)
+                hashed += view.nbytes
+
+        def go(client: redis.Redis) -> Any:
+            reply = _send_raw(client, lambda: iter([_encode(probe_cmd)]), 1, hash_ahead)[0]
+            if isinstance(reply, BaseException):  # NOSCRIPT, HKV_NOSTORE ...: run() retries
+                raise reply
+            return reply
+
+        probe = self._run(go)
         out: list[bool | HostKVError] = []
         ship: list[int] = []
         for i, ((k, p, _), st) in enumerate(zip(checked, probe, strict=True)):
@@ -1025,7 +1053,7 @@ class RedisProvider(Provider):
                 out.append(True)
         dedup = len(checked) - len(ship) - sum(isinstance(x, HostKVError) for x in out)
         if ship:
-            for i, err in zip(ship, self._publish(checked, views, hexes, ship, salt_tag), strict=True):
+            for i, err in zip(ship, self._publish(checked, views, hexes, ship, salt_tag, digests), strict=True):
                 if err is None:
                     continue
                 if err is False:
@@ -1037,7 +1065,8 @@ class RedisProvider(Provider):
         return out
 
     def _publish(self, checked: Sequence[tuple[Key, Key | None, int]], views: Sequence[memoryview],
-                 hexes: Sequence[str], ship: Sequence[int], salt_tag: str) -> list[HostKVError | bool | None]:
+                 hexes: Sequence[str], ship: Sequence[int], salt_tag: str,
+                 digests: Mapping[int, int]) -> list[HostKVError | bool | None]:
         """One pipeline: ``SET`` each shipped page to its staging key, with a ``put`` script after
         every group of pages; per shipped item ``None`` (stored), ``False`` (stored meanwhile by
         another writer) or its error.
@@ -1070,7 +1099,9 @@ class RedisProvider(Provider):
                 for j, i in enumerate(group, 1):
                     k, p, n = checked[i]
                     view = views[i]
-                    digest = checksum(view)  # overlaps the previous page's transfer
+                    digest = digests.get(i)
+                    if digest is None:
+                        digest = checksum(view)  # overlaps the previous page's transfer
                     name = b"%s%s:%s.%d" % (prefix, hexes[i].encode(), b, j)
                     # SET name <page + trailer> PX ttl, encoded by hand: three pieces, the page
                     # uncopied.  The TTL frees the staging key if this client dies before the script.

@@ -447,19 +447,27 @@ mincr('seals', entries)
 return out
 """
 
-# ARGV: hexes...  What put_many needs before it ships any bytes: per key 's' (sealed: dedup),
-# 'f' (another writer's live reservation holds it) or '0'.  Reaps first, so a dead client's
-# expired reservation does not read as in flight.
+# ARGV: pairs (h, parent|'').  What put_many needs before it ships any bytes: per key 's'
+# (sealed: dedup), 'f' (another writer's live reservation holds it) or '0'.  Reaps first, so a
+# dead client's expired reservation does not read as in flight.  A key whose parent was found
+# absent earlier in the call is absent too (the tree is prefix-closed), so a new chain costs one
+# lookup, not one per page.  (It could still be in flight after its parent was dropped: the put
+# script checks that again; a probe only saves bandwidth, it decides nothing.)
 _PROBE = r"""
 reap(now_ms())
-local out = {}
-for i = 1, #ARGV do
-  local h = ARGV[i]
-  out[i] = '0'
+local out, absent = {}, {}
+for i = 1, #ARGV, 2 do
+  local h, p = ARGV[i], ARGV[i + 1]
+  local st = '0'
+  if p ~= '' and absent[p] then
+    absent[h] = true
   -- one call for the common case (neither): a key is never sealed and in flight at once
-  if redis.call('EXISTS', E(h), F(h)) > 0 then
-    if redis.call('EXISTS', E(h)) == 1 then out[i] = 's' else out[i] = 'f' end
+  elseif redis.call('EXISTS', E(h), F(h)) > 0 then
+    if redis.call('EXISTS', E(h)) == 1 then st = 's' else st = 'f' end
+  else
+    absent[h] = true
   end
+  out[#out + 1] = st
 end
 return table.concat(out)
 """
