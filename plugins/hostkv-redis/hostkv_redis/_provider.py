@@ -342,16 +342,22 @@ def _send_raw(client: redis.Redis, commands: Callable[[], Iterator[list[Piece]]]
                 conn.send_packed_command(_coalesce(group), check_health=health)
             if meanwhile is not None:
                 meanwhile()
-            replies: list[Any] = []
-            for _ in range(count):
-                try:
-                    replies.append(conn.read_response())
-                except redis.exceptions.ResponseError as exc:  # the stream stays aligned
-                    replies.append(exc)
+            sock = getattr(conn, "_sock", None)
+            if sock is None:  # pragma: no cover - an unusual connection class
+                raise redis.exceptions.ConnectionError("no socket")
+            # Replies are read by the lean reader (redis-py's parser costs about twice as much per
+            # reply, and a put_many batch has one reply per page).  An error reply is a value
+            # here, so the stream stays aligned.
+            reader = _Reply(sock)
+            replies = [reader.reply() for _ in range(count)]
+            if reader.pos != len(reader.buf):  # more bytes than replies: never reuse this stream
+                conn.disconnect()
             return replies
-        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as exc:
             conn.disconnect()
             if attempt:
+                if isinstance(exc, OSError) and not isinstance(exc, redis.exceptions.RedisError):
+                    raise redis.exceptions.ConnectionError(str(exc)) from exc
                 raise
         except BaseException:
             conn.disconnect()
@@ -362,7 +368,7 @@ def _send_raw(client: redis.Redis, commands: Callable[[], Iterator[list[Piece]]]
 
 
 class _Reply:
-    """A minimal RESP2/RESP3 reader on a connection's socket, for the read path only.
+    """A minimal RESP2/RESP3 reader on a connection's socket, for the pipelines of this module.
 
     redis-py parses a ``GET`` reply into a fresh ``bytes`` object, which the caller then copies
     into its own buffer: for multi-MiB pages the allocation's page faults and the copy cost more
@@ -430,6 +436,31 @@ class _Reply:
         tail = memoryview(bytearray(TRAILER_NBYTES + 2))
         self.into(tail)
         return page, bytes(tail[:TRAILER_NBYTES])
+
+    def reply(self) -> Any:
+        """One whole reply, parsed like redis-py without decoding (an error reply is returned as
+        redis-py's exception instance, not raised)."""
+        head = self.line()
+        kind = head[:1]
+        if kind == b"+":
+            return head[1:]
+        if kind == b"-":
+            return _error(head)
+        if kind == b":":
+            return int(head[1:])
+        if kind in (b"$", b"="):
+            size = int(head[1:])
+            if size < 0:
+                return None
+            data = memoryview(bytearray(size + 2))
+            self.into(data)
+            return bytes(data[:size])
+        if kind in (b"*", b"~", b">"):
+            size = int(head[1:])
+            return None if size < 0 else [self.reply() for _ in range(size)]
+        if kind == b"_":
+            return None
+        raise redis.exceptions.InvalidResponse(f"unexpected reply {head[:20]!r}")
 
     def skip(self) -> object:
         """Any other reply (the touch script's integer, or an error), parsed loosely."""
@@ -1095,7 +1126,10 @@ class RedisProvider(Provider):
         def commands() -> Iterator[list[Piece]]:
             for group, base in zip(groups, bases, strict=True):
                 b = base.encode()
-                args: list[Part] = [b"EVALSHA", sha, b"1", meta, tag, b, b"%d" % len(group)]
+                head: list[Part] = [b"EVALSHA", sha, b"1", meta, tag, b, b"%d" % len(group)]
+                # The script's four arguments per page, RESP-encoded in one step each (this runs
+                # once per page: generic per-argument encoding costs more than the SET itself).
+                items: list[bytes] = []
                 for j, i in enumerate(group, 1):
                     k, p, n = checked[i]
                     view = views[i]
@@ -1107,8 +1141,13 @@ class RedisProvider(Provider):
                     # uncopied.  The TTL frees the staging key if this client dies before the script.
                     yield [b"*5\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(name), name, n + TRAILER_NBYTES),
                            view, _TRAILER.pack(k, digest, n, _MAGIC) + set_tail]
-                    args += [hexes[i].encode(), b"" if p is None else p.hex().encode(), b"%d" % n, b"%d" % digest]
-                yield _encode(args)
+                    ns, ds = b"%d" % n, b"%d" % digest
+                    ph = b"" if p is None else p.hex().encode()
+                    items.append(b"$%d\r\n%s\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n" % (
+                        len(hexes[i]), hexes[i].encode(), len(ph), ph, len(ns), ns, len(ds), ds))
+                cmd = _encode(head)
+                cmd[0] = b"*%d\r\n" % (len(head) + 4 * len(group))
+                yield [*cmd, *items]
 
         def go(client: redis.Redis) -> list[Any]:
             replies = _send_raw(client, commands, len(ship) + len(groups))
