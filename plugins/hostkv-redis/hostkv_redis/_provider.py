@@ -88,7 +88,7 @@ _SALT_TAG_MAX = 128
 _ANCHOR_MAX = 64 << 20
 _BATCH = 1024  # pages per put script call in put_many
 _BATCH_BYTES = 64 << 20  # page bytes staged per put_many pipeline
-_GROUP_PAGES = 16  # pages per put script inside one put_many pipeline
+_GROUP_PAGES = 64  # pages per put script inside one put_many pipeline
 _GROUP_BYTES = 4 << 20  # page bytes per put script inside one put_many pipeline
 _HASH_AHEAD = 4 << 20  # page bytes checksummed while put_many's probe is on the wire
 _SEND_GROUP = 1 << 20  # bytes of commands handed to the socket at once by _send_raw
@@ -330,16 +330,31 @@ def _send_raw(client: redis.Redis, commands: Callable[[], Iterator[list[Piece]]]
         conn: Any = pool.get_connection()  # redis-py's Connection is only partly annotated
         try:
             health = attempt == 0
-            group: list[Piece] = []
+            # What _coalesce does, inlined into one pass (this loop runs a few times per page).
+            out: list[Piece] = []
+            small: list[Piece] = []
             queued = 0
             for pieces in commands():
-                group += pieces
-                queued += sum(_nbytes(p) for p in pieces)
+                for piece in pieces:
+                    n = piece.nbytes if isinstance(piece, memoryview) else len(piece)
+                    queued += n
+                    if n < _SMALL:
+                        small.append(piece)
+                    else:
+                        if small:
+                            out.append(b"".join(small))
+                            small = []
+                        out.append(piece)
                 if queued >= _SEND_GROUP:  # few large sendall calls, small pieces coalesced
-                    conn.send_packed_command(_coalesce(group), check_health=health)
-                    health, group, queued = False, [], 0
-            if group:
-                conn.send_packed_command(_coalesce(group), check_health=health)
+                    if small:
+                        out.append(b"".join(small))
+                        small = []
+                    conn.send_packed_command(out, check_health=health)
+                    health, out, queued = False, [], 0
+            if small:
+                out.append(b"".join(small))
+            if out:
+                conn.send_packed_command(out, check_health=health)
             if meanwhile is not None:
                 meanwhile()
             sock = getattr(conn, "_sock", None)
@@ -1045,9 +1060,11 @@ class RedisProvider(Provider):
     def _put_chunk(self, checked: Sequence[tuple[Key, Key | None, int]], views: Sequence[memoryview],
                    salt_tag: str, failed: set[Key]) -> list[bool | HostKVError]:
         hexes = [k.hex() for k, _, _ in checked]
-        probe_cmd: list[Part] = [b"EVALSHA", self._link.sha("probe").encode(), b"1", self._meta.encode()]
-        for h, (_, p, _) in zip(hexes, checked, strict=True):
-            probe_cmd += [h.encode(), b"" if p is None else p.hex().encode()]
+        probe_cmd = _encode([b"EVALSHA", self._link.sha("probe").encode(), b"1", self._meta.encode()])
+        probe_cmd[0] = b"*%d\r\n" % (4 + 2 * len(checked))
+        for h, (_, p, _) in zip(hexes, checked, strict=True):  # (key, parent) pairs, one step each
+            probe_cmd.append(b"$64\r\n%s\r\n$0\r\n\r\n" % h.encode() if p is None
+                             else b"$64\r\n%s\r\n$64\r\n%s\r\n" % (h.encode(), p.hex().encode()))
         # Checksums the put pipeline needs anyway are computed while the probe is on the wire
         # (up to _HASH_AHEAD bytes; the rest overlap the pages' transfer, in _publish).
         digests: dict[int, int] = {}
@@ -1062,7 +1079,7 @@ class RedisProvider(Provider):
                 hashed += view.nbytes
 
         def go(client: redis.Redis) -> Any:
-            reply = _send_raw(client, lambda: iter([_encode(probe_cmd)]), 1, hash_ahead)[0]
+            reply = _send_raw(client, lambda: iter([probe_cmd]), 1, hash_ahead)[0]
             if isinstance(reply, BaseException):  # NOSCRIPT, HKV_NOSTORE ...: run() retries
                 raise reply
             return reply
