@@ -26,6 +26,7 @@ import os
 import re
 import struct
 import threading
+import urllib.parse
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -710,13 +711,28 @@ class RedisProvider(Provider):
         retries = opts.integer("retries", 3)
         verify = opts.choice("verify", "read", ("read", "never"))
         resize = opts.boolean("resize", False)
+        # TLS: handed to redis-py's SSL connection in the URL it parses (files by path).
+        tls: dict[str, str] = {}
+        for name in ("ssl_ca_certs", "ssl_ca_path", "ssl_certfile", "ssl_keyfile"):
+            value = opts.text(name)
+            if value is not None:
+                tls[name] = value
+        reqs = opts.choice("ssl_cert_reqs", "required", ("required", "optional", "none"))
+        if reqs != "required":
+            tls["ssl_cert_reqs"] = reqs
+        if not opts.boolean("ssl_check_hostname", True):
+            tls["ssl_check_hostname"] = "false"
         opts.finish()
         if not location or location.startswith("/"):
             raise InvalidArgumentError(
                 f"{cls.name}:// needs a host, got {location!r}",
                 hint=f"write {cls.name}://host:6379/0?budget=8GiB&namespace=kv",
             )
-        return cls(f"{cls._url_scheme}://{location}", budget_bytes=budget, namespace=namespace,
+        if tls and cls._url_scheme != "rediss":
+            raise InvalidArgumentError(f"{', '.join(sorted(tls))}: TLS options on a {cls.name}:// URL",
+                                       hint=f"use {cls.name.replace('redis', 'rediss', 1)}:// for TLS")
+        query = "?" + urllib.parse.urlencode(tls) if tls else ""
+        return cls(f"{cls._url_scheme}://{location}{query}", budget_bytes=budget, namespace=namespace,
                    cluster=cls._cluster_mode, lease_ttl=lease_ttl, reservation_ttl=reservation_ttl,
                    timeout=timeout, retries=retries, verify_reads=verify == "read", resize=resize)
 
