@@ -24,7 +24,7 @@ from hostkv_redis.servers import RedisServer, TLSFiles, make_tls_files, server_b
 pytestmark = [
     pytest.mark.skipif(shutil.which("openssl") is None, reason="the openssl CLI is not installed"),
     pytest.mark.skipif(server_binary() is not None and not server_has_tls(),
-                       reason="this redis-server was built without TLS (BUILD_TLS=no)"),
+                       reason="the server binary has no TLS support (built without it, or TLS is a module not loaded)"),
 ]
 
 
