@@ -18,7 +18,8 @@ client-generated reservation/lease ids)::
     hkv:{ns}:a:<h>        hash    anchors: name -> blob
     hkv:{ns}:f:<h>        hash    in-flight reservation: r rid, cl client, p parent, pg parent
                                   generation, c cost, n nbytes, g tag, fk in-flight children
-    hkv:{ns}:w:<h>:<rid>  string  staged page bytes, written by SET just before the seal script
+    hkv:{ns}:w:<h>:<rid>  string  staged page bytes, written by SET just before the seal (or put)
+                                  script, with the reservation TTL; renamed into d:<h> or deleted
     hkv:{ns}:l:<lid>      list    lease record: [bitmap, h1, gen1, h2, gen2, ...]
     hkv:{ns}:lru          zset    evictable leaves (ch = lc = fc = 0), scored by LRU tick
     hkv:{ns}:fz           zset    in-flight reservations by expiry (ms, server clock)
@@ -446,6 +447,146 @@ mincr('seals', entries)
 return out
 """
 
+# ARGV: pairs (h, parent|'').  What put_many needs before it ships any bytes: per key 's'
+# (sealed: dedup), 'f' (another writer's live reservation holds it) or '0'.  Reaps first, so a
+# dead client's expired reservation does not read as in flight.  A key whose parent was found
+# absent earlier in the call is absent too (the tree is prefix-closed), so a new chain costs one
+# lookup, not one per page.  (It could still be in flight after its parent was dropped: the put
+# script checks that again; a probe only saves bandwidth, it decides nothing.)
+_PROBE = r"""
+reap(now_ms())
+local out, absent = {}, {}
+for i = 1, #ARGV, 2 do
+  local h, p = ARGV[i], ARGV[i + 1]
+  local st = '0'
+  if p ~= '' and absent[p] then
+    absent[h] = true
+  -- one call for the common case (neither): a key is never sealed and in flight at once
+  elseif redis.call('EXISTS', E(h), F(h)) > 0 then
+    if redis.call('EXISTS', E(h)) == 1 then st = 's' else st = 'f' end
+  else
+    absent[h] = true
+  end
+  out[#out + 1] = st
+end
+return table.concat(out)
+"""
+
+# ARGV: tag, base id, count, then count x (h, parent|'', nbytes, checksum).  put_many's publish
+# step: the pages' bytes were SET to staging keys W(h, base.k) earlier in the same pipeline, and
+# this one call does for each what reserve + seal do for a single page (dedup, in-flight check,
+# parent check, budget guard with LRU-leaf eviction, RENAME into place), in order, parents first.
+# Per item 'ok', 'dup', 'busy', 'noparent', 'nodata' or 'cap budget used sealed'; every staging
+# key not renamed is deleted.  Idempotent: an entry whose generation is this call's id reports
+# 'ok' again on a retry.
+#
+# Why it looks like this: the time of a small-page batch was the per-page commands on Redis's
+# single thread (each redis.call costs a few microseconds besides its work).  So no reservation
+# record is created and deleted per page, and the entries published by this call ('mine') are
+# written at the end, each in one HSET that already has its final child count, and join the
+# LRU set then (the ones still leaves).  Until then nothing outside this call can see them (a
+# script is atomic) and make_room cannot evict them: they are not in the LRU set, and their
+# ancestors have children.
+_PUT = r"""
+need_store()
+local now = now_ms()
+reap(now)
+local tag, base, n = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local out = {}
+local t0 = redis.call('HINCRBY', M, 'tick', n) - n
+-- Budget arithmetic stays in locals; the pending sums are flushed before make_room, which reads
+-- (and evicts through) the metadata.
+local budget, used, pused, psealed = mget('budget'), mget('used'), 0, 0
+local mine, order = {}, {}
+local i = 4
+for k = 1, n do
+  local h, p, nbs, ck = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
+  local nb = tonumber(nbs)
+  i = i + 4
+  local rid = base .. '.' .. k
+  local w = W(h, rid)
+  local st
+  if mine[h] then
+    st = 'dup'  -- the same key twice in one call
+  elseif redis.call('EXISTS', E(h), F(h)) > 0 then
+    local g = redis.call('HGET', E(h), 'r')
+    if not g then
+      st = 'busy'
+    elseif g == rid then
+      st = 'ok'  -- a retried call, already done
+    else
+      st = 'dup'
+    end
+  elseif p ~= '' and not mine[p] and redis.call('EXISTS', E(p)) == 0 then
+    st = 'noparent'
+  else
+    local fits = used + nb <= budget
+    if not fits then
+      -- Evict only for a page whose bytes did arrive.
+      if redis.call('STRLEN', w) == nb + TRAILER then
+        mincr('used', pused)
+        mincr('sealed', psealed)
+        pused, psealed = 0, 0
+        local protect = nil
+        if p ~= '' then protect = p end
+        fits = make_room(nb, protect) ~= nil
+        used = mget('used')
+        if not fits then st = 'cap ' .. budget .. ' ' .. used .. ' ' .. mget('sealed') end
+      else
+        st = 'nodata'
+      end
+    end
+    if fits then
+      -- pcall: a missing staging key (the SET was refused at maxmemory, or it expired) is a
+      -- per-page outcome, not an error that would abort the script halfway.
+      if not redis.pcall('RENAME', w, D(h)).err then
+        redis.call('PERSIST', D(h))  -- RENAME keeps the staging key's TTL: a page must not expire
+        mine[h] = {p, nbs, ck, t0 + k, rid, 0}
+        order[#order + 1] = h
+        if p ~= '' then
+          redis.call('SADD', C(p), h)
+          if mine[p] then
+            mine[p][6] = mine[p][6] + 1
+          else
+            redis.call('HINCRBY', E(p), 'ch', 1)
+            redis.call('ZREM', LRU, p)
+          end
+        end
+        used = used + nb
+        pused = pused + nb
+        psealed = psealed + nb
+        st = 'ok'
+        w = nil
+      else
+        st = 'nodata'
+      end
+    end
+  end
+  if w then redis.call('DEL', w) end
+  out[k] = st
+end
+local z = {}
+for _, h in ipairs(order) do
+  local e = mine[h]
+  redis.call('HSET', E(h), 'p', e[1], 'n', e[2], 'c', e[2], 'g', tag, 'k', e[3], 'ct', now, 'lu', now,
+             't', e[4], 'r', e[5], 'ch', e[6], 'lc', 0, 'fc', 0, 'na', 0)
+  if e[6] == 0 then
+    z[#z + 1] = e[4]
+    z[#z + 1] = h
+    if #z >= 2000 then
+      redis.call('ZADD', LRU, unpack(z))
+      z = {}
+    end
+  end
+end
+if #z > 0 then redis.call('ZADD', LRU, unpack(z)) end
+mincr('used', pused)
+mincr('sealed', psealed)
+mincr('entries', #order)
+mincr('seals', #order)
+return out
+"""
+
 # ARGV: count, then count x (h, rid).  Idempotent.
 _ABORT = r"""
 local n = tonumber(ARGV[1])
@@ -701,6 +842,8 @@ _BODIES = {
     "reserve": _RESERVE,
     "seal": _SEAL,
     "abort": _ABORT,
+    "probe": _PROBE,
+    "put": _PUT,
     "lease": _LEASE,
     "release": _RELEASE,
     "renew": _RENEW,

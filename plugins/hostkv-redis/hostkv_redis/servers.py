@@ -6,21 +6,31 @@ files in a directory the caller owns, and is killed by :meth:`stop` (or the ``wi
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
 import time
+import urllib.parse
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 import redis
 from hostkv_providers._errors import StorageIOError
 
-__all__ = ["RedisClusterServers", "RedisServer", "free_port", "server_binary", "server_version"]
+__all__ = ["RedisClusterServers", "RedisServer", "TLSFiles", "free_port", "make_tls_files", "server_binary",
+           "server_has_tls", "server_version"]
 
 
 def server_binary() -> str | None:
-    """The path of ``redis-server`` (or ``valkey-server``), or ``None`` when neither is installed."""
+    """The server binary the helpers start: ``$HOSTKV_REDIS_SERVER`` when set (e.g. a
+    ``valkey-server``), else ``redis-server`` or ``valkey-server`` on the PATH; ``None`` when
+    there is none."""
+    chosen = os.environ.get("HOSTKV_REDIS_SERVER")
+    if chosen:
+        return shutil.which(chosen)
     return shutil.which("redis-server") or shutil.which("valkey-server")
 
 
@@ -30,6 +40,59 @@ def server_version() -> str:
     if binary is None:
         return "none"
     return subprocess.run([binary, "--version"], capture_output=True, text=True, check=False).stdout.strip()
+
+
+def server_has_tls() -> bool:
+    """Whether the ``redis-server`` the helpers start was built with TLS (Debian's is)."""
+    binary = server_binary()
+    if binary is None:
+        return False
+    # Ask for a TLS port without a certificate: a build with TLS exits complaining about the
+    # missing tls-cert-file; one without exits earlier (an unknown directive in Redis 7.0, "Failed
+    # finding TLS support" where TLS is an optional module, as in Valkey and Redis >= 7.2).
+    try:
+        out = subprocess.run([binary, "--port", "0", "--tls-port", str(free_port()), "--bind", "127.0.0.1",
+                              "--save", "", "--appendonly", "no", "--daemonize", "no"],
+                             capture_output=True, text=True, check=False, timeout=30)
+    except subprocess.TimeoutExpired:  # it started anyway (and was killed): no certificate check
+        return False
+    return "tls-cert-file" in out.stdout + out.stderr
+
+
+@dataclass(frozen=True)
+class TLSFiles:
+    """A throw-away certificate authority and a server certificate it signed (PEM files)."""
+
+    ca_cert: Path
+    cert: Path
+    key: Path
+
+
+def make_tls_files(directory: Path | str, *, openssl: str = "openssl") -> TLSFiles:
+    """Create a CA and a server certificate for ``127.0.0.1``/``localhost`` with the ``openssl``
+    CLI, valid for two days (tests only: the keys are unencrypted, mode 0600)."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    ca_key, ca_cert, key, csr, cert, ext = (d / n for n in ("ca.key", "ca.crt", "server.key", "server.csr",
+                                                             "server.crt", "server.ext"))
+    ext.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\nbasicConstraints=critical,CA:FALSE\n"
+                   "keyUsage=critical,digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth\n")
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    steps = [
+        [openssl, "req", "-x509", *ec, "-keyout", str(ca_key), "-out", str(ca_cert), "-days", "2",
+         "-subj", "/CN=hostkv-redis test CA", "-addext", "basicConstraints=critical,CA:TRUE",
+         "-addext", "keyUsage=critical,keyCertSign,cRLSign"],
+        [openssl, "req", *ec, "-keyout", str(key), "-out", str(csr), "-subj", "/CN=localhost"],
+        [openssl, "x509", "-req", "-in", str(csr), "-CA", str(ca_cert), "-CAkey", str(ca_key),
+         "-CAcreateserial", "-out", str(cert), "-days", "2", "-extfile", str(ext)],
+    ]
+    for cmd in steps:
+        out = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=60)
+        if out.returncode != 0:
+            raise StorageIOError(f"{' '.join(cmd[:2])} failed: {out.stderr.strip()[-500:]}")
+    for f in (ca_key, key):
+        f.chmod(0o600)
+    return TLSFiles(ca_cert, cert, key)
 
 
 def _port_free(port: int) -> bool:
@@ -56,9 +119,14 @@ def free_port(cluster_bus: bool = False) -> int:
 
 
 class RedisServer:
-    """One ``redis-server`` on 127.0.0.1 in ``workdir``; ``restart()`` keeps its port."""
+    """One ``redis-server`` on 127.0.0.1 in ``workdir``; ``restart()`` keeps its port.
 
-    def __init__(self, workdir: Path | str, *, port: int | None = None, extra_args: tuple[str, ...] = ()) -> None:
+    With ``tls``, it listens only on a TLS port (``--port 0 --tls-port``) with that certificate,
+    without asking clients for theirs; ``url`` is then a ``rediss://`` URL that trusts the CA.
+    """
+
+    def __init__(self, workdir: Path | str, *, port: int | None = None, extra_args: tuple[str, ...] = (),
+                 tls: TLSFiles | None = None) -> None:
         binary = server_binary()
         if binary is None:
             raise FileNotFoundError("redis-server is not installed (apt-get install redis-server)")
@@ -67,21 +135,30 @@ class RedisServer:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.port = port if port is not None else free_port()
         self.extra_args = extra_args
+        self.tls = tls
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        if self.tls is None:
+            return f"redis://127.0.0.1:{self.port}/0"
+        return f"rediss://127.0.0.1:{self.port}/0?" + urllib.parse.urlencode({"ssl_ca_certs": str(self.tls.ca_cert)})
 
     def start(self, timeout: float = 20.0) -> RedisServer:
-        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+        if self.tls is None:
+            listen = ["--port", str(self.port)]
+        else:
+            listen = ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", str(self.tls.cert),
+                      "--tls-key-file", str(self.tls.key), "--tls-ca-cert-file", str(self.tls.ca_cert),
+                      "--tls-auth-clients", "no"]
+        args = [self.binary, *listen, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                 "--dir", str(self.workdir), "--daemonize", "no", "--protected-mode", "yes",
                 "--logfile", str(self.workdir / f"redis-{self.port}.log"), *self.extra_args]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout
         while True:
             try:
-                with redis.Redis(host="127.0.0.1", port=self.port, socket_connect_timeout=0.5) as c:
+                with self.client(socket_connect_timeout=0.5) as c:
                     c.ping()
                 return self
             except redis.exceptions.RedisError:
@@ -105,8 +182,11 @@ class RedisServer:
         self.stop()
         self.start()
 
-    def client(self) -> redis.Redis:
-        return redis.Redis(host="127.0.0.1", port=self.port)
+    def client(self, **kwargs: Any) -> redis.Redis:
+        """A plain redis-py client of this server (over TLS when it has ``tls``)."""
+        if self.tls is not None:
+            kwargs.update(ssl=True, ssl_ca_certs=str(self.tls.ca_cert))
+        return redis.Redis(host="127.0.0.1", port=self.port, **kwargs)
 
     def __enter__(self) -> RedisServer:
         return self.start()

@@ -1,7 +1,8 @@
 """Fixtures: real redis-server processes on loopback, started per session and killed at teardown.
 
 Tests skip (with the reason) only when no ``redis-server`` binary is installed; CI installs it
-(``apt-get install redis-server``).
+(``apt-get install redis-server``).  ``HOSTKV_REDIS_SERVER=/path/to/valkey-server`` runs the suite
+against another binary (see ``hostkv_redis.servers.server_binary``).
 """
 
 from __future__ import annotations

@@ -301,6 +301,210 @@ def test_put_many_outcomes(make_redis: Make, redis_server: RedisServer) -> None:
     _consistent(redis_server, q)
 
 
+def _staging_keys(server: RedisServer, p: RedisProvider) -> list[bytes]:
+    with server.client() as c:
+        return list(c.scan_iter(match=f"hkv:{{{p.namespace}}}:w:*", count=1000))
+
+
+def test_put_many_leaves_no_staging_keys(make_redis: Make, redis_server: RedisServer) -> None:
+    """Every outcome of the put script (stored, dup, busy, noparent, cap, the same key twice)
+    either renames the staged bytes into place or deletes them: nothing waits for its TTL."""
+    p = make_redis(budget_bytes=4 * PAGE)
+    other = make_redis(namespace=p.namespace)
+    keys = chain("stage", 3)
+    k = key_of("stage-twice")
+    out = p.put_many([(keys[0], None, page_bytes(keys[0], PAGE)), (k, None, page_bytes(k, PAGE)),
+                      (k, None, page_bytes(k, PAGE))])
+    assert out == [True, True, False]
+    # the probe saw nothing, so everything is shipped and the put script decides
+    held = other.reserve(keys[1], keys[0], PAGE)
+    assert held is not None
+    run = p._run
+
+    def blind(fn: Any) -> Any:  # the probe (the first call of put_many) finds nothing
+        p._run = run  # type: ignore[method-assign]
+        return b"0" * 4
+
+    p._run = blind  # type: ignore[method-assign]
+    out = p.put_many([(keys[0], None, page_bytes(keys[0], PAGE)), (keys[1], keys[0], page_bytes(keys[1], PAGE)),
+                      (keys[2], keys[1], page_bytes(keys[2], PAGE)),
+                      (key_of("stage-huge"), None, b"h" * (5 * PAGE))])
+    assert out[0] is False  # stored meanwhile: dedup, not a second entry
+    assert isinstance(out[1], InFlightError)
+    assert isinstance(out[2], UnknownKeyError)
+    assert isinstance(out[3], CapacityError)
+    assert p.stats().entries == 2
+    held.abort()
+    assert _staging_keys(redis_server, p) == []
+    _consistent(redis_server, p)
+
+
+def test_put_many_parent_busy_at_probe_is_not_shipped(make_redis: Make, monkeypatch: pytest.MonkeyPatch) -> None:
+    p = make_redis()
+    other = make_redis(namespace=p.namespace)
+    keys = chain("busy-parent", 3)
+    held = other.reserve(keys[0], None, PAGE)
+    assert held is not None
+    shipped: list[int] = []
+    publish = p._publish
+
+    def spy(checked: Any, views: Any, hexes: Any, ship: Any, salt_tag: str) -> Any:
+        shipped.extend(ship)
+        return publish(checked, views, hexes, ship, salt_tag)
+
+    monkeypatch.setattr(p, "_publish", spy)
+    out = p.put_many([(k, keys[i - 1] if i else None, page_bytes(k, PAGE)) for i, k in enumerate(keys)])
+    assert isinstance(out[0], InFlightError)
+    assert isinstance(out[1], UnknownKeyError) and isinstance(out[2], UnknownKeyError)
+    assert shipped == []  # no bytes sent for a chain whose root another writer holds
+    held.abort()
+
+
+def test_put_many_retried_pipeline_is_idempotent(make_redis: Make, redis_server: RedisServer,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reply lost after the server ran the pipeline: the client sends it again (same
+    generations); the second run reports the pages stored, once, and deletes the re-staged bytes."""
+    import hostkv_redis._provider as impl
+
+    p = make_redis()
+    keys = chain("retry", 6)
+    send = impl._send_raw
+
+    def twice(client: Any, commands: Any, count: int, meanwhile: Any = None) -> list[Any]:
+        send(client, commands, count, meanwhile)  # its replies are "lost"
+        return send(client, commands, count, meanwhile)
+
+    monkeypatch.setattr(impl, "_send_raw", twice)
+    monkeypatch.setattr(impl, "_GROUP_PAGES", 2)
+    out = p.put_many([(k, keys[i - 1] if i else None, page_bytes(k, PAGE)) for i, k in enumerate(keys)])
+    assert out == [True] * 6
+    st = p.stats()
+    assert st.entries == 6 and st.used_bytes == 6 * PAGE and st.extra["store_seals"] == 6
+    assert p.read_many_bytes(keys) == [page_bytes(k, PAGE) for k in keys]
+    assert _staging_keys(redis_server, p) == []
+    _consistent(redis_server, p)
+
+
+def test_put_many_batches_by_bytes_and_groups(make_redis: Make, redis_server: RedisServer,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    import hostkv_redis._provider as impl
+
+    monkeypatch.setattr(impl, "_BATCH_BYTES", 5 * PAGE)
+    monkeypatch.setattr(impl, "_GROUP_BYTES", 2 * PAGE)
+    p = make_redis(budget_bytes=64 * PAGE)
+    trips = _Trips(p, monkeypatch)
+    keys = chain("bytes", 12)
+    sizes = [PAGE, 3 * PAGE, PAGE, PAGE, 6 * PAGE, PAGE, 2 * PAGE, PAGE, PAGE, PAGE, 4 * PAGE, PAGE]
+    data = [page_bytes(k, n) for k, n in zip(keys, sizes, strict=True)]
+    out = p.put_many([(k, keys[i - 1] if i else None, data[i]) for i, k in enumerate(keys)])
+    assert out == [True] * 12
+    # batches of <= 5 pages' bytes (a bigger page alone): [1,3,1] [1] [6] [1,2,1,1] [1,4] [1]
+    assert trips.n == 2 * 6
+    assert p.read_many_bytes(keys) == data
+    with redis_server.client() as c:  # the LRU set holds the chain's one leaf
+        assert c.zrange(f"hkv:{{{p.namespace}}}:lru", 0, -1) == [keys[-1].hex().encode()]
+    _consistent(redis_server, p)
+
+
+def test_put_many_evicts_lru_leaves_never_its_own_or_leased(make_redis: Make, redis_server: RedisServer) -> None:
+    p = make_redis(budget_bytes=6 * PAGE)
+    old = chain("evict-old", 4)
+    out = p.put_many([(k, old[i - 1] if i else None, page_bytes(k, PAGE)) for i, k in enumerate(old)])
+    assert out == [True] * 4
+    new = chain("evict-new", 4)
+    out = p.put_many([(k, new[i - 1] if i else None, page_bytes(k, PAGE)) for i, k in enumerate(new)])
+    assert out == [True] * 4
+    assert p.longest_prefix(old) == 2 and p.longest_prefix(new) == 4  # old's two leaves went
+    with p.lease(new):
+        more = chain("evict-more", 5)
+        out = p.put_many([(k, more[i - 1] if i else None, page_bytes(k, PAGE)) for i, k in enumerate(more)])
+        # two fit after evicting old's last two pages; then only leased or own pages remain
+        assert out[:2] == [True, True]
+        assert isinstance(out[2], CapacityError) and isinstance(out[3], UnknownKeyError)
+        assert p.longest_prefix(new) == 4 and p.longest_prefix(old) == 0
+    assert _staging_keys(redis_server, p) == []
+    _consistent(redis_server, p)
+
+
+def test_put_many_server_out_of_memory_is_typed(tmp_path: Any) -> None:
+    with RedisServer(tmp_path / "oom", extra_args=("--maxmemory", "3mb", "--maxmemory-policy", "noeviction")) as s:
+        p = RedisProvider(s.url, budget_bytes=64 << 20, namespace="oom")
+        keys = chain("oom-many", 24)
+        out = p.put_many([(k, keys[i - 1] if i else None, page_bytes(k, 256 << 10)) for i, k in enumerate(keys)])
+        stored = [k for k, r in zip(keys, out, strict=True) if r is True]
+        errors = [r for r in out if r is not True]
+        assert stored and errors
+        assert any(isinstance(r, ServerOutOfMemoryError) for r in errors)
+        assert all(isinstance(r, (ServerOutOfMemoryError, UnknownKeyError)) for r in errors)
+        assert p.read_many_bytes(stored) == [page_bytes(k, 256 << 10) for k in stored]
+        st = p.stats()
+        assert st.in_flight == 0 and st.used_bytes == len(stored) * (256 << 10)
+        with s.client() as c:
+            assert fsck(c, "oom") == []
+            assert list(c.scan_iter(match="hkv:{oom}:w:*")) == []
+        p.close()
+
+
+def test_put_many_random_batches_keep_every_invariant(make_redis: Make, redis_server: RedisServer) -> None:
+    """Seeded random put_many batches over a fixed tree of 24 keys (duplicates, parents inside and
+    outside the batch or absent, pages of 1-3 units) under a small budget, with another client's
+    reservations and this client's leases in the way.  After every call: the outcome of each item
+    agrees with the store, stored bytes read back exactly, the budget holds, no staging key is
+    left, and the independent fsck finds nothing."""
+    import random
+
+    rng = random.Random(8)
+    p = make_redis(budget_bytes=10 * PAGE)
+    other = make_redis(namespace=p.namespace)
+    keys = [key_of(f"rnd-{i}") for i in range(24)]
+    parent = [None if i == 0 or rng.random() < 0.2 else keys[rng.randrange(i)] for i in range(24)]
+    size = [PAGE * rng.randint(1, 3) for _ in range(24)]
+    held: list[Any] = []
+    lease = None
+    for _ in range(60):
+        picks = sorted(rng.sample(range(24), rng.randint(1, 8)))
+        if rng.random() < 0.3:
+            picks.append(picks[0])  # the same key twice in one call
+        out = p.put_many([(keys[i], parent[i], page_bytes(keys[i], size[i])) for i in picks])
+        present = p.present(keys)
+        for i, r in zip(picks, out, strict=True):
+            if r is True or r is False:
+                if r is True and present[i]:
+                    assert parent[i] is None or present[keys.index(parent[i])]
+            else:
+                assert isinstance(r, (CapacityError, UnknownKeyError, InFlightError)), r
+        stored = [k for k, there in zip(keys, present, strict=True) if there]
+        assert p.read_many_bytes(stored) == [page_bytes(k, size[keys.index(k)]) for k in stored]
+        st = p.stats()
+        assert st.used_bytes <= st.budget_bytes
+        assert _staging_keys(redis_server, p) == []
+        _consistent(redis_server, p)
+        # change what is in the way for the next call
+        if held and rng.random() < 0.5:
+            held.pop().abort()
+        if rng.random() < 0.3:
+            i = rng.randrange(24)
+            if parent[i] is None or present[keys.index(parent[i])]:
+                try:
+                    r = other.reserve(keys[i], parent[i], size[i])
+                except (InFlightError, CapacityError, UnknownKeyError):
+                    r = None
+                if r is not None:
+                    held.append(r)
+        if lease is not None and rng.random() < 0.5:
+            lease.release()
+            lease = None
+        if lease is None and rng.random() < 0.3:
+            lease = p.lease(rng.sample(keys, 4))
+        if rng.random() < 0.1:
+            p.evict(nbytes=PAGE * rng.randint(1, 4))
+    for r in held:
+        r.abort()
+    if lease is not None:
+        lease.release()
+    _consistent(redis_server, p)
+
+
 def test_read_many_misses_and_bad_buffers(make_redis: Make) -> None:
     p = make_redis()
     k = key_of("rm")
