@@ -12,13 +12,14 @@ pip_install "torch==2.13.0"
 pip_install -e ".[dev,prometheus]" -e ./cli -e ./plugins/hostkv-redis -e ./examples/custom_provider
 
 # Servers and tools the tests use: redis-server (the Redis plugin's tests start their own on
-# loopback) and mdb_stat (the LMDB store is checked with LMDB's own tool).
-if ! command -v redis-server >/dev/null || ! command -v mdb_stat >/dev/null; then
+# loopback), mdb_stat (the LMDB store is checked with LMDB's own tool) and openssl (the TLS
+# tests make a throw-away CA and server certificate).
+if ! command -v redis-server >/dev/null || ! command -v mdb_stat >/dev/null || ! command -v openssl >/dev/null; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     export DEBIAN_FRONTEND=noninteractive
     apt-get update -qq
-    apt-get install -y -qq redis-server lmdb-utils >/dev/null
+    apt-get install -y -qq redis-server lmdb-utils openssl >/dev/null
   else
-    echo "warning: redis-server/mdb_stat missing and apt-get unavailable; their tests will skip" >&2
+    echo "warning: redis-server/mdb_stat/openssl missing and apt-get unavailable; their tests will skip" >&2
   fi
 fi
