@@ -461,10 +461,21 @@ class SlotFile:
         """Whether the header at ``slot`` names exactly this record: magic, key, generation, size
         and checksum compared byte for byte (the hot path of every read; :meth:`header` also
         checks the header checksum, which :meth:`check` uses)."""
-        lo = FILE_HEADER_NBYTES + slot * SLOT_HEADER_NBYTES
-        raw = bytes(self._v()[lo : lo + 96])
-        return raw[:8] == _MAGIC_BYTES and raw[8:40] == key and raw[72:96] == _IDENT_TAIL.pack(
-            generation, nbytes, checksum)
+        return self._ident_is(FILE_HEADER_NBYTES + slot * SLOT_HEADER_NBYTES, _MAGIC_BYTES + key,
+                              _IDENT_TAIL.pack(generation, nbytes, checksum))
+
+    def _ident_is(self, hlo: int, head: bytes, tail: bytes) -> bool:
+        """The seqlock check of :meth:`read_into`: header bytes ``[0, 40)`` are ``head`` (magic,
+        key) and ``[72, 96)`` are ``tail`` (generation, size, checksum).  Slicing the ``mmap``
+        object returns ``bytes`` in one call (a memoryview slice + ``bytes()`` costs ~5x more,
+        and this runs twice per read)."""
+        m = self._map
+        if m is None:
+            raise StorageIOError(f"slot file {self.path} is closed")
+        try:
+            return m[hlo : hlo + 40] == head and m[hlo + 72 : hlo + 96] == tail
+        except ValueError:  # closed by another thread between the check above and the slice
+            raise StorageIOError(f"slot file {self.path} is closed") from None
 
     def check(self, slot: int, *, key: bytes, generation: int, nbytes: int, checksum: int,
               verify: bool = True) -> ReadResult:
@@ -493,7 +504,11 @@ class SlotFile:
         if offset < 0 or offset + n > nbytes:
             raise SpanError(f"read [{offset}, {offset + n}) exceeds the entry size {nbytes}")
         self._check_run(slot, run_nslots(nbytes, self.slot_nbytes))
-        if not self._header_is(slot, key, generation, nbytes, checksum):
+        # The expected header bytes are built once and compared before and after the copy.
+        hlo = FILE_HEADER_NBYTES + slot * SLOT_HEADER_NBYTES
+        head = _MAGIC_BYTES + key
+        tail = _IDENT_TAIL.pack(generation, nbytes, checksum)
+        if not self._ident_is(hlo, head, tail):
             return ReadResult.STALE
         lo = self.data_offset + slot * self.slot_nbytes
         whole = offset == 0 and n == nbytes
@@ -505,18 +520,20 @@ class SlotFile:
         if verify:
             got = xxhash.xxh3_64_intdigest(out if whole else self._v()[lo : lo + nbytes])
             if got != checksum:
-                return ReadResult.CORRUPT if self._header_is(slot, key, generation, nbytes, checksum) \
-                    else ReadResult.STALE
-        if not self._header_is(slot, key, generation, nbytes, checksum):
+                return ReadResult.CORRUPT if self._ident_is(hlo, head, tail) else ReadResult.STALE
+        if not self._ident_is(hlo, head, tail):
             return ReadResult.STALE
         return ReadResult.OK
 
     def _pread_into(self, out: memoryview, file_offset: int) -> None:
-        done = 0
+        fd = self._fd
+        if fd is None:
+            raise StorageIOError(f"{self.path} is closed")
         n = out.nbytes
         try:
+            done = os.preadv(fd, [out], file_offset)  # one call in the common case
             while done < n:
-                got = os.preadv(self.fd, [out[done:]], file_offset + done)
+                got = os.preadv(fd, [out[done:]], file_offset + done)
                 if got <= 0:
                     raise StorageIOError(f"{self.path}: short read at offset {file_offset + done}")
                 done += got
