@@ -884,6 +884,11 @@ class MmapProvider(Provider):
         self._torn_tail = False
         self._last_mode = 0  # durability code of the writer that wrote the journal (0: unknown)
         self._stale_at_open = 0
+        # Seals whose journal record may already be written but which are not in the index yet
+        # (between _seal_prepare and _seal_finish/_seal_undo).  A snapshot taken meanwhile would
+        # cover neither the entry (not in the index) nor its record (the journal is rotated), so
+        # an acknowledged seal would be lost by a kill -9: snapshots wait until this is 0.
+        self._unfinished = 0
         self._orphans_at_open = 0
         try:
             self._open(budget_bytes, slot_nbytes, file_nbytes, create)
@@ -1804,7 +1809,7 @@ class MmapProvider(Provider):
 
     # -- snapshot --------------------------------------------------------------------------------
     def _maybe_snapshot(self) -> None:
-        if self._jrecords >= max(self._snapshot_every, self._idx.count):
+        if self._unfinished == 0 and self._jrecords >= max(self._snapshot_every, self._idx.count):
             self._snapshot()
 
     def _snapshot_records(self) -> npt.NDArray[Any]:
@@ -2039,6 +2044,7 @@ class MmapProvider(Provider):
             res.check_open(self)
             self._dirty_files.add(res.file)
             seq = self._idx.clock = self._idx.clock + 1
+            self._unfinished += 1
         record = self._encode(OP_SEAL, res.key, parent=res.parent, tag=tag, file=res.file, slot=res.slot,
                               nslots=res.nslots, nbytes=res.nbytes, gen=res.gen, checksum=digest,
                               created=created, seq=seq)
@@ -2047,6 +2053,7 @@ class MmapProvider(Provider):
     def _seal_undo(self, prepared: tuple[_MmapReservation, SlotFile, int, float, bytes, bytes]) -> None:
         res, sf = prepared[0], prepared[1]
         with self._lock:
+            self._unfinished -= 1
             if res.state == "open":
                 self._idx.cancel(res.key)
                 if not sf.closed:
@@ -2058,6 +2065,7 @@ class MmapProvider(Provider):
     def _seal_finish(self, prepared: tuple[_MmapReservation, SlotFile, int, float, bytes, bytes]) -> None:
         res, sf, digest, created, tag, _ = prepared
         with self._lock:
+            self._unfinished -= 1
             try:
                 self._idx.commit(res.key, nbytes=res.nbytes, file=res.file, slot=res.slot, nslots=res.nslots,
                                  gen=res.gen, csum=digest, tag=tag, created=created)
