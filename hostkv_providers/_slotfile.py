@@ -427,9 +427,19 @@ class SlotFile:
             raise SpanError(f"write [{offset}, {offset + src.nbytes}) exceeds the entry size {nbytes}")
         lo, _ = self._data_range(slot, nbytes)
         if self.io == "syscall":
-            _fsutil.write_all(self.fd, src, lo + offset, f"writing slot {slot} of {self.path}")
+            self._pwrite(src, lo + offset, slot)
         else:
             self._v()[lo + offset : lo + offset + src.nbytes] = src
+
+    def _pwrite(self, src: memoryview, file_offset: int, slot: int) -> None:
+        # One pwrite in the common case; the error text is built only when needed.
+        fd = self.fd
+        try:
+            done = os.pwrite(fd, src, file_offset)
+        except OSError as exc:
+            raise _fsutil.io_error(exc, f"writing slot {slot} of {self.path}") from exc
+        if done < src.nbytes:
+            _fsutil.write_all(fd, src[done:], file_offset + done, f"writing slot {slot} of {self.path}")
 
     def checksum(self, slot: int, nbytes: int) -> int:
         """XXH3-64 of the entry's mapped bytes."""
