@@ -43,7 +43,7 @@ import secrets
 import struct
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Container, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,6 +100,7 @@ _NONE_INTERVAL = 1.0
 _JOURNAL_CHUNK = 256 << 10
 _MANIFEST_LIMIT = 64 * 1024
 _TAG_MAX = 16
+_PUT_BATCH = 256  # put_many items per commit: bounds the lock pass and the bytes one commit pins
 
 OP_SEAL = 1
 OP_DROP = 2
@@ -282,12 +283,15 @@ class _Anchor:
 class _Flight:
     # The parent's generation too: if the parent row is dropped (corrupt) and recycled for another
     # entry, commit/cancel must not touch that other entry's pins.
-    __slots__ = ("cost", "parent", "parent_gen")
+    __slots__ = ("cost", "parent", "parent_gen", "pending")
 
-    def __init__(self, parent: int, cost: int, parent_gen: int) -> None:
+    def __init__(self, parent: int, cost: int, parent_gen: int, pending: Key | None = None) -> None:
         self.parent = parent
         self.cost = cost
         self.parent_gen = parent_gen
+        #: put_many: the parent is an earlier reservation of the same batch (not a row yet); it is
+        #: resolved when this flight commits, after the parent's commit in the same locked pass.
+        self.pending = pending
 
 
 # ------------------------------------------------------------------------------------------------
@@ -466,20 +470,25 @@ class _Index:
         return np.flatnonzero(self.alive[: self.n])
 
     # -- reservations ----------------------------------------------------------------------------
-    def begin(self, key: Key, parent: Key | None, cost: int) -> tuple[bool, list[int], int]:
+    def begin(self, key: Key, parent: Key | None, cost: int,
+              pending_ok: Container[Key] = ()) -> tuple[bool, list[int], int]:
         """Start a reservation: ``(False, [], -1)`` for a sealed key (dedup), else
-        ``(True, evicted_rows, parent_row)``."""
+        ``(True, evicted_rows, parent_row)``.  A parent in ``pending_ok`` (and in flight) need not
+        be sealed yet: the caller commits it first (``put_many``)."""
         if self.row_of(key) >= 0:
             return False, [], -1
         if key in self.flights:
             raise InFlightError(f"key {key.hex()[:16]} is being written by another writer", key=key)
         prow = -1
+        pending = None
         if parent is not None:
             prow = self.row_of(parent)
             if prow < 0:
-                raise UnknownKeyError(f"parent {parent.hex()[:16]} is not stored")
+                if parent not in pending_ok or parent not in self.flights:
+                    raise UnknownKeyError(f"parent {parent.hex()[:16]} is not stored")
+                pending = parent  # an in-flight entry is never evicted: nothing to hold
         evicted = self.make_room(cost, protect=prow)
-        self.flights[key] = _Flight(prow, cost, int(self.gen[prow]) if prow >= 0 else 0)
+        self.flights[key] = _Flight(prow, cost, int(self.gen[prow]) if prow >= 0 else 0, pending)
         self.used_cost += cost
         if prow >= 0:
             self._hold(prow)
@@ -489,7 +498,15 @@ class _Index:
                tag: bytes, created: float) -> int:
         flight = self.flights.pop(key)
         prow = flight.parent
-        if prow >= 0 and not self._parent_alive(flight):
+        if flight.pending is not None:
+            prow = self.row_of(flight.pending)
+            if prow < 0:
+                self.used_cost -= flight.cost
+                raise UnknownKeyError(
+                    "the parent (an earlier item of the same batch) was not stored",
+                    hint="save the chain again from its first missing page",
+                )
+        elif prow >= 0 and not self._parent_alive(flight):
             self.used_cost -= flight.cost
             raise UnknownKeyError(
                 "the parent was dropped (corrupt) before the seal",
@@ -517,7 +534,8 @@ class _Index:
         self.sealed_cost += flight.cost
         if prow >= 0:
             self.children[prow] += 1
-            self._unhold(prow)
+            if flight.pending is None:
+                self._unhold(prow)
         self.touch(row)
         return row
 
@@ -537,7 +555,7 @@ class _Index:
         if flight is None:
             return
         self.used_cost -= flight.cost
-        if self._parent_alive(flight):
+        if flight.pending is None and self._parent_alive(flight):
             self._unhold(flight.parent)
 
     # -- budget ----------------------------------------------------------------------------------
@@ -1945,30 +1963,39 @@ class MmapProvider(Provider):
 
     def reserve(self, key: bytes, parent: bytes | None, nbytes: int, *, salt_tag: str = "") -> Reservation | None:
         k, p, nbytes = self._reserve_args(key, parent, nbytes, salt_tag, tag_max=_TAG_MAX)
-        nslots = run_nslots(nbytes, self._slot)
-        cost = nslots * self._slot
         with self._lock:
             self._check_usable()
             self._need_writer("reserve")
             self._check_failed()
-            if cost > self._budget:
-                raise CapacityError(f"{nbytes} bytes exceed the whole budget of {self._budget}")
-            ok, evicted, prow = self._idx.begin(k, p, cost)
-            if not ok:
-                self._counters["dedup"] += 1
+            res = self._reserve_locked(k, p, nbytes, salt_tag)
+            if res is None:
                 return None
-            try:
-                self._free_rows_storage(evicted, journal=True)
-                fid, slot = self._allocate(nslots, prow)
-            except BaseException:
-                self._idx.cancel(k)
-                raise
-            gen = self._next_gen
-            self._next_gen += 1
-            sf = self._files[fid]
+            sf = self._files[res.file]
         # Zero the run's headers before any byte changes (slot protocol step 1).
-        sf.begin_write(slot, nslots)
+        sf.begin_write(res.slot, res.nslots)
         _fsutil.crash_point("mmap.reserve.after_clear")
+        return res
+
+    def _reserve_locked(self, k: Key, p: Key | None, nbytes: int, salt_tag: str,
+                        pending_ok: Container[Key] = ()) -> _MmapReservation | None:
+        """Budget, index flight and a free run for a reservation (caller holds the lock and zeroes
+        the run's slot headers before writing); ``None`` for a sealed key (dedup)."""
+        nslots = run_nslots(nbytes, self._slot)
+        cost = nslots * self._slot
+        if cost > self._budget:
+            raise CapacityError(f"{nbytes} bytes exceed the whole budget of {self._budget}")
+        ok, evicted, prow = self._idx.begin(k, p, cost, pending_ok)
+        if not ok:
+            self._counters["dedup"] += 1
+            return None
+        try:
+            self._free_rows_storage(evicted, journal=True)
+            fid, slot = self._allocate(nslots, prow)
+        except BaseException:
+            self._idx.cancel(k)
+            raise
+        gen = self._next_gen
+        self._next_gen += 1
         return _MmapReservation(self, k, p, nbytes, salt_tag, fid, slot, nslots, gen)
 
     def _own(self, reservation: Reservation) -> _MmapReservation:
@@ -2026,6 +2053,115 @@ class MmapProvider(Provider):
                 errors.append(exc)
         if errors:
             raise errors[0]
+
+    def put_many(self, items: Sequence[tuple[bytes, bytes | None, object]], *,
+                 salt_tag: str = "") -> list[bool | HostKVError]:
+        """Store many pages: one lock pass for the reservations, the page bytes of runs that lie
+        back to back in a data file written with one ``pwritev``, and one commit (one journal
+        write; with ``durability=sync`` one data sync and one journal sync) per chunk of
+        ``_PUT_BATCH`` items.
+
+        ``items`` are ``(key, parent, data)``; a parent may be an earlier item of the same call
+        (a chain is stored root first).  Returns per item ``True`` (stored now), ``False``
+        (already stored: dedup) or the error of that item (``InFlightError``, ``CapacityError``,
+        ``UnknownKeyError`` when its parent is not stored or failed ...); items after a failed
+        parent fail too.  Raises only for whole-call failures (bad arguments, a read-only
+        store, I/O errors: then none of the current chunk is stored, earlier chunks are).  The
+        protocol per page is the one of ``reserve``/``write``/``seal``: slot headers zeroed,
+        data, checksum (XXH3 of the caller's buffer), slot header, journal record.
+        """
+        self._check_usable()
+        self._need_writer("put_many")
+        if isinstance(items, (bytes, bytearray, memoryview, str)):
+            raise InvalidArgumentError("put_many items are (key, parent, data) tuples")
+        checked: list[tuple[Key, Key | None, memoryview]] = []
+        for it in items:
+            if not isinstance(it, tuple) or len(it) != 3:
+                raise InvalidArgumentError("put_many items are (key, parent, data) tuples")
+            view = readable_bytes(it[2])
+            k, p, _ = self._reserve_args(it[0], it[1], view.nbytes, salt_tag, tag_max=_TAG_MAX)
+            checked.append((k, p, view))
+        out: list[bool | HostKVError] = []
+        for lo in range(0, len(checked), _PUT_BATCH):
+            out += self._put_chunk(checked[lo : lo + _PUT_BATCH], salt_tag)
+        return out
+
+    def _put_chunk(self, items: Sequence[tuple[Key, Key | None, memoryview]],
+                   salt_tag: str) -> list[bool | HostKVError]:
+        results: list[bool | HostKVError] = [False] * len(items)
+        todo: list[tuple[int, _MmapReservation, memoryview]] = []
+        mine: set[Key] = set()
+        with self._lock:
+            self._check_usable()
+            self._check_failed()
+            try:
+                for i, (k, p, view) in enumerate(items):
+                    try:
+                        res = self._reserve_locked(k, p, view.nbytes, salt_tag, mine)
+                    except (InFlightError, CapacityError, UnknownKeyError) as exc:
+                        results[i] = exc
+                        continue
+                    if res is not None:
+                        mine.add(k)
+                        todo.append((i, res, view))
+            except BaseException:
+                for _, res, _ in todo:
+                    self._abort_locked(res)
+                raise
+        if not todo:
+            return results
+        try:
+            by_file: dict[int, list[tuple[int, int, memoryview]]] = {}
+            for _, res, view in todo:
+                # slot protocol step 1 for every run before any of their bytes change
+                self._files[res.file].begin_write(res.slot, res.nslots)
+                _fsutil.crash_point("mmap.reserve.after_clear")
+                by_file.setdefault(res.file, []).append((res.slot, res.nbytes, view))
+            for _, res, view in todo:
+                # the caller's buffer, hashed while it is the source (no re-read of the file)
+                res.digest = xxhash.xxh3_64_intdigest(view)
+            for fid, runs in by_file.items():
+                self._files[fid].write_runs(runs)
+            for _, res, _ in todo:
+                res.mark_written()
+            _fsutil.crash_point("mmap.write.partial")
+        except BaseException:
+            with self._lock:
+                for _, res, _ in todo:
+                    self._abort_locked(res)
+            raise
+        prepared = []
+        try:
+            for _, res, _ in todo:
+                prepared.append(self._seal_prepare(res))
+        except BaseException:
+            for pr in prepared:
+                self._seal_undo(pr)
+            with self._lock:
+                for _, res, _ in todo[len(prepared):]:
+                    self._abort_locked(res)
+            raise
+        try:
+            self._commit([pr[-1] for pr in prepared])
+        except BaseException:
+            for pr in prepared:
+                self._seal_undo(pr)
+            raise
+        _fsutil.crash_point("mmap.seal.after_journal")
+        # One locked pass, in item order: a parent from this batch becomes a row before its
+        # children resolve it, and no other thread can evict it in between.
+        nbytes = 0
+        with self._lock:
+            for (i, _, view), pr in zip(todo, prepared, strict=True):
+                try:
+                    self._seal_finish(pr)
+                except UnknownKeyError as exc:
+                    results[i] = exc
+                    continue
+                results[i] = True
+                nbytes += view.nbytes
+            self._counters["bytes_written"] += nbytes
+        return results
 
     def _seal_prepare(self, reservation: Reservation) -> tuple[_MmapReservation, SlotFile, int, float, bytes, bytes]:
         """Checksum, slot header (data first, then header) and the journal record of a seal."""
@@ -2085,15 +2221,18 @@ class MmapProvider(Provider):
             raise ReservationError("not a reservation of this provider")
         with self._lock:
             self._check_usable()
-            if reservation.state != "open":
-                return
-            self._idx.cancel(reservation.key)
-            sf = self._files.get(reservation.file)
-            if sf is not None and not sf.closed:
-                sf.clear(reservation.slot, reservation.nslots)
-            self._release_run(reservation.file, reservation.slot, reservation.nslots)
-            reservation._finish("aborted")
-            self._counters["aborts"] += 1
+            self._abort_locked(reservation)
+
+    def _abort_locked(self, reservation: _MmapReservation) -> None:
+        if reservation.state != "open":
+            return
+        self._idx.cancel(reservation.key)
+        sf = self._files.get(reservation.file)
+        if sf is not None and not sf.closed:
+            sf.clear(reservation.slot, reservation.nslots)
+        self._release_run(reservation.file, reservation.slot, reservation.nslots)
+        reservation._finish("aborted")
+        self._counters["aborts"] += 1
 
     # -- reads -----------------------------------------------------------------------------------
     def read(self, key: bytes, out: object, span: ByteSpan | None = None) -> bool:
@@ -2136,19 +2275,90 @@ class MmapProvider(Provider):
         if result is ReadResult.OK:
             return True
         with self._lock:
-            self._counters["hits"] -= 1
-            self._counters["bytes_read"] -= n
-            self._counters["misses"] += 1
-            still = bool(idx is self._idx and idx.alive[row] and int(idx.gen[row]) == gen)
-            if result is ReadResult.CORRUPT or (still and not self._readonly):
-                # the record is still current and its slot disagrees: corruption (in the writer
-                # nobody else reuses slots; in a reader a mismatch may be the writer's reuse)
-                self._counters["checksum_failures"] += 1
-            else:
-                self._counters["stale_reads"] += 1
-            if still:
-                self._drop_row(row)
+            self._read_failed(idx, row, gen, result, n)
         return False
+
+    def _read_failed(self, idx: _Index, row: int, gen: int, result: ReadResult, n: int) -> None:
+        """Undo the hit of a read whose copy did not verify, and drop the entry if its record is
+        still current (caller holds the lock)."""
+        self._counters["hits"] -= 1
+        self._counters["bytes_read"] -= n
+        self._counters["misses"] += 1
+        still = bool(idx is self._idx and idx.alive[row] and int(idx.gen[row]) == gen)
+        if result is ReadResult.CORRUPT or (still and not self._readonly):
+            # the record is still current and its slot disagrees: corruption (in the writer
+            # nobody else reuses slots; in a reader a mismatch may be the writer's reuse)
+            self._counters["checksum_failures"] += 1
+        else:
+            self._counters["stale_reads"] += 1
+        if still:
+            self._drop_row(row)
+
+    def read_many(self, keys: Sequence[bytes], outs: Sequence[object]) -> list[bool]:
+        """Read whole entries into ``outs[i]``: one lock pass for the lookups, then the copies,
+        runs that lie back to back in a data file with one ``preadv``; ``False`` per miss.
+
+        Each entry keeps the protocol of :meth:`read` (slot header checked before and after the
+        copy, XXH3 of ``outs[i]`` with ``verify=read``), so on a miss (including a checksum
+        failure, which drops the entry as ``read`` does) ``outs[i]`` may hold garbage: use it
+        only where ``True``.  An ``outs[i]`` smaller than its entry, or not a writable buffer,
+        raises ``InvalidArgumentError`` after the others were filled.
+        """
+        ks = self._keys(keys)
+        if isinstance(outs, (bytes, bytearray, memoryview)) or len(outs) != len(ks):
+            raise InvalidArgumentError(f"{len(ks)} keys need as many output buffers")
+        results = [False] * len(ks)
+        bad: InvalidArgumentError | None = None
+        # i, row, file, slot, dst, key, gen, nbytes, checksum
+        plan: list[tuple[int, int, int, int, memoryview, Key, int, int, int]] = []
+        counters = self._counters
+        with self._lock:
+            self._check_usable()
+            idx = self._idx
+            nread = 0
+            for i, k in enumerate(ks):
+                row = idx.row_of(k)
+                if row < 0:
+                    continue
+                nbytes = idx.nbytes.item(row)
+                try:
+                    dst = writable_buffer(outs[i], nbytes)
+                except InvalidArgumentError as exc:
+                    bad = bad or exc
+                    continue
+                idx.touch(row)
+                plan.append((i, row, idx.file.item(row), idx.slot.item(row), dst, k, idx.gen.item(row), nbytes,
+                             idx.csum.item(row)))
+                nread += nbytes
+            counters["hits"] += len(plan)
+            counters["misses"] += len(ks) - len(plan)
+            counters["bytes_read"] += nread
+            files = self._files
+        by_file: dict[int, list[int]] = {}
+        for j, item in enumerate(plan):
+            by_file.setdefault(item[2], []).append(j)
+        outcome: list[ReadResult] = [ReadResult.STALE] * len(plan)
+        for fid, js in by_file.items():
+            sf = files[fid]
+            try:
+                got = sf.read_runs_into([(plan[j][3], plan[j][4], plan[j][5], plan[j][6], plan[j][7], plan[j][8])
+                                         for j in js], verify=self._verify_reads)
+            except StorageIOError:
+                if not sf.closed:
+                    raise
+                continue  # refresh/compaction swapped the files meanwhile: misses
+            for j, r in zip(js, got, strict=True):
+                outcome[j] = r
+        failed = [(item, r) for item, r in zip(plan, outcome, strict=True) if r is not ReadResult.OK]
+        if failed:
+            with self._lock:
+                for item, r in failed:
+                    self._read_failed(idx, item[1], item[6], r, item[7])
+        for item, r in zip(plan, outcome, strict=True):
+            results[item[0]] = r is ReadResult.OK
+        if bad is not None:
+            raise bad
+        return results
 
     def _drop_row(self, row: int) -> int:
         """Drop a corrupt/stale entry with its subtree (caller holds the lock)."""

@@ -18,6 +18,7 @@ from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
 
 from ._errors import (
     ClosedError,
+    HostKVError,
     IncompleteWriteError,
     InvalidArgumentError,
     ReservationError,
@@ -37,6 +38,7 @@ __all__ = [
     "Provider",
     "ProviderStats",
     "Reservation",
+    "SupportsBatch",
     "SupportsCompact",
     "SupportsIterate",
     "SupportsVerify",
@@ -58,6 +60,7 @@ CAPABILITY_NAMES = (
     "compact",
     "verify",
     "iterate",
+    "batch",
 )
 
 _R = TypeVar("_R", bound="Reservation")
@@ -431,6 +434,28 @@ class SupportsCompact(Protocol):
     def compact(self, *, progress: Progress | None = None) -> CompactReport: ...
 
 
+@runtime_checkable
+class SupportsBatch(Protocol):
+    """Many pages per call, with the per-call costs (locks, lookups, system calls, round trips,
+    syncs) paid once per batch instead of once per page.
+
+    ``put_many(items, salt_tag=)``: ``items`` are ``(key, parent, data)``; a parent may be an
+    earlier item of the same call (a chain is stored root first).  Returns per item ``True``
+    (stored now), ``False`` (already stored: dedup) or the ``HostKVError`` of that item
+    (``InFlightError``, ``CapacityError``, ``UnknownKeyError`` when its parent failed ...).
+    Raises only for whole-call failures (bad arguments, I/O errors of the commit).
+
+    ``read_many(keys, outs)``: whole entries into ``outs[i]``; per key ``True`` or ``False`` (a
+    miss).  On a miss ``outs[i]`` may hold garbage.  An ``outs[i]`` smaller than its entry raises
+    ``InvalidArgumentError`` after the others were filled.
+    """
+
+    def put_many(self, items: Sequence[tuple[bytes, bytes | None, object]], *,
+                 salt_tag: str = "") -> list[bool | HostKVError]: ...
+
+    def read_many(self, keys: Sequence[bytes], outs: Sequence[object]) -> list[bool]: ...
+
+
 # --------------------------------------------------------------------------------------------
 # The ABC
 # --------------------------------------------------------------------------------------------
@@ -506,6 +531,8 @@ class Provider(abc.ABC):
             caps.add("compact")
         if _has_method(cls, "device_pointer"):
             caps.add("device_mapped")
+        if _has_method(cls, "put_many") and _has_method(cls, "read_many"):
+            caps.add("batch")
         return frozenset(caps)
 
     # -- lifecycle checks ----------------------------------------------------------------

@@ -47,6 +47,7 @@ import os
 import struct
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,6 +123,9 @@ SLOT_HEADER_DTYPE = np.dtype(
 assert SLOT_HEADER_DTYPE.itemsize == SLOT_HEADER_NBYTES
 
 _HSUM_AT = SLOT_HEADER_NBYTES - 8
+#: Batched reads/writes: at most this many buffers (Linux IOV_MAX) and bytes per system call.
+_IOV_MAX = 1024
+_GROUP_NBYTES = 4 << 20
 _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 _ZERO_HEADER = bytes(SLOT_HEADER_NBYTES)
 
@@ -441,6 +445,56 @@ class SlotFile:
         if done < src.nbytes:
             _fsutil.write_all(fd, src[done:], file_offset + done, f"writing slot {slot} of {self.path}")
 
+    def write_runs(self, runs: Sequence[tuple[int, int, memoryview]]) -> None:
+        """Whole-entry writes ``(slot, nbytes, data)`` (``len(data) == nbytes``), each run's
+        headers already zeroed (protocol step 1).  With ``io == "syscall"`` runs that lie back to
+        back (an entry that fills its slots exactly, then the next run) go out in one
+        ``pwritev``: one system call for many pages instead of one each."""
+        self._need_writable()
+        for slot, nbytes, data in runs:
+            if data.nbytes != nbytes:
+                raise SpanError(f"a whole-entry write of {data.nbytes} bytes for an entry of {nbytes}")
+            self._data_range(slot, nbytes)
+        if self.io != "syscall":
+            for slot, nbytes, data in runs:
+                lo = self.data_offset + slot * self.slot_nbytes
+                self._v()[lo : lo + nbytes] = data
+            return
+        for start, group in self._groups([(slot, nbytes) for slot, nbytes, _ in runs]):
+            bufs = [runs[j][2] for j in group]
+            total = sum(b.nbytes for b in bufs)
+            try:
+                done = os.pwritev(self.fd, bufs, start) if len(bufs) > 1 else os.pwrite(self.fd, bufs[0], start)
+            except OSError as exc:
+                raise _fsutil.io_error(exc, f"writing slots of {self.path}") from exc
+            if done < total:  # a short write: finish page by page from where it stopped
+                pos = start
+                for b in bufs:
+                    if done < b.nbytes:
+                        _fsutil.write_all(self.fd, b[max(done, 0):], pos + max(done, 0),
+                                          f"writing slots of {self.path}")
+                    done -= b.nbytes
+                    pos += b.nbytes
+
+    def _groups(self, runs: Sequence[tuple[int, int]]) -> list[tuple[int, list[int]]]:
+        """Indices of ``runs`` ``(slot, nbytes)`` in groups whose bytes are contiguous in the file,
+        each ``(file offset, [indices])``; at most ``_IOV_MAX`` buffers and ``_GROUP_NBYTES``."""
+        out: list[tuple[int, list[int]]] = []
+        sn = self.slot_nbytes
+        end = -1
+        size = 0
+        for j, (slot, nbytes) in enumerate(runs):
+            lo = self.data_offset + slot * sn
+            if lo == end and len(out[-1][1]) < _IOV_MAX and size + nbytes <= _GROUP_NBYTES:
+                out[-1][1].append(j)
+                size += nbytes
+            else:
+                out.append((lo, [j]))
+                size = nbytes
+            # only an entry that fills its slots exactly is followed by the next run's first byte
+            end = lo + nbytes if nbytes % sn == 0 and nbytes else -1
+        return out
+
     def checksum(self, slot: int, nbytes: int) -> int:
         """XXH3-64 of the entry's mapped bytes."""
         return int(xxhash.xxh3_64_intdigest(self.data(slot, nbytes)))
@@ -534,6 +588,55 @@ class SlotFile:
         if not self._ident_is(hlo, head, tail):
             return ReadResult.STALE
         return ReadResult.OK
+
+    def read_runs_into(self, reads: Sequence[tuple[int, memoryview, bytes, int, int, int]], *,
+                       verify: bool = True) -> list[ReadResult]:
+        """Whole-entry reads ``(slot, out, key, generation, nbytes, checksum)`` with
+        ``len(out) == nbytes``, each with the seqlock protocol of :meth:`read_into` (header,
+        copy, XXH3 of ``out``, header again); runs that lie back to back in the file are copied
+        with one ``preadv``.  One result per read."""
+        n = len(reads)
+        results = [ReadResult.STALE] * n
+        idents: list[tuple[int, bytes, bytes]] = []
+        live: list[int] = []
+        for j, (slot, out, key, generation, nbytes, checksum) in enumerate(reads):
+            if out.nbytes != nbytes:
+                raise SpanError(f"a whole-entry read into {out.nbytes} bytes of an entry of {nbytes}")
+            self._check_run(slot, run_nslots(nbytes, self.slot_nbytes))
+            hlo = FILE_HEADER_NBYTES + slot * SLOT_HEADER_NBYTES
+            idents.append((hlo, _MAGIC_BYTES + key, _IDENT_TAIL.pack(generation, nbytes, checksum)))
+            if self._ident_is(*idents[j]):
+                live.append(j)
+        if self.io == "syscall":
+            for start, group in self._groups([(reads[j][0], reads[j][4]) for j in live]):
+                js = [live[g] for g in group]
+                bufs = [reads[j][1] for j in js]
+                if len(bufs) == 1:
+                    if bufs[0].nbytes:
+                        self._pread_into(bufs[0], start)
+                    continue
+                try:
+                    got = os.preadv(self.fd, bufs, start)
+                except OSError as exc:
+                    raise _fsutil.io_error(exc, f"reading {self.path}") from exc
+                if got < sum(b.nbytes for b in bufs):  # short: page by page from the start
+                    pos = start
+                    for b in bufs:
+                        self._pread_into(b, pos)
+                        pos += b.nbytes
+        else:
+            v = self._v()
+            for j in live:
+                slot, out, nbytes = reads[j][0], reads[j][1], reads[j][4]
+                lo = self.data_offset + slot * self.slot_nbytes
+                out[:] = v[lo : lo + nbytes]
+        for j in live:
+            out, checksum = reads[j][1], reads[j][5]
+            if verify and xxhash.xxh3_64_intdigest(out) != checksum:
+                results[j] = ReadResult.CORRUPT if self._ident_is(*idents[j]) else ReadResult.STALE
+            elif self._ident_is(*idents[j]):
+                results[j] = ReadResult.OK
+        return results
 
     def _pread_into(self, out: memoryview, file_offset: int) -> None:
         fd = self._fd

@@ -56,6 +56,7 @@ from .._keys import Key
 from .._provider import (
     Lease,
     Provider,
+    SupportsBatch,
     SupportsIterate,
     SupportsVerify,
     SupportsViews,
@@ -1243,6 +1244,28 @@ class ProviderTests:
         assert report.dropped == 2  # keys[1] and its subtree
         assert provider.present([*keys, other]) == [True, False, False, True]
         assert provider.verify().ok
+
+    def test_batch_put_many_read_many(self, provider: Provider) -> None:
+        if not isinstance(provider, SupportsBatch):
+            pytest.skip("provider has no batch capability (put_many/read_many)")
+        nbytes = self._pages(1)
+        keys = chain("batch", 6)
+        items = [(k, keys[i - 1] if i else None, page_bytes(k, nbytes)) for i, k in enumerate(keys)]
+        assert provider.put_many(items) == [True] * 6  # parents are earlier items of the call
+        assert provider.longest_prefix(keys) == 6
+        assert provider.put_many(items[:2]) == [False, False]  # dedup
+        orphan, child = key_of("batch-orphan"), key_of("batch-orphan-child")
+        got = provider.put_many([(orphan, key_of("batch-no-parent"), page_bytes(orphan, nbytes)),
+                                 (child, orphan, page_bytes(child, nbytes))])
+        assert isinstance(got[0], UnknownKeyError)
+        assert isinstance(got[1], HostKVError)  # its parent failed
+        assert provider.present([orphan, child]) == [False, False]
+        outs = [bytearray(nbytes) for _ in range(7)]
+        assert provider.read_many([*keys, key_of("batch-miss")], outs) == [True] * 6 + [False]
+        assert [bytes(o) for o in outs[:6]] == [page_bytes(k, nbytes) for k in keys]
+        with pytest.raises(InvalidArgumentError):
+            provider.read_many(keys[:1], [bytearray(nbytes - 1)])
+        _check_budget(provider)
 
     def test_views(self, provider: Provider) -> None:
         if not isinstance(provider, SupportsViews):
