@@ -2117,9 +2117,8 @@ class MmapProvider(Provider):
                 self._files[res.file].begin_write(res.slot, res.nslots)
                 _fsutil.crash_point("mmap.reserve.after_clear")
                 by_file.setdefault(res.file, []).append((res.slot, res.nbytes, view))
-            for _, res, view in todo:
-                # the caller's buffer, hashed while it is the source (no re-read of the file)
-                res.digest = xxhash.xxh3_64_intdigest(view)
+            # the caller's buffers, hashed while they are the source (no re-read of the file)
+            digests = [xxhash.xxh3_64_intdigest(view) for _, _, view in todo]
             for fid, runs in by_file.items():
                 self._files[fid].write_runs(runs)
             for _, res, _ in todo:
@@ -2130,15 +2129,11 @@ class MmapProvider(Provider):
                 for _, res, _ in todo:
                     self._abort_locked(res)
             raise
-        prepared = []
         try:
-            for _, res, _ in todo:
-                prepared.append(self._seal_prepare(res))
+            prepared = self._put_prepare([res for _, res, _ in todo], digests, salt_tag)
         except BaseException:
-            for pr in prepared:
-                self._seal_undo(pr)
             with self._lock:
-                for _, res, _ in todo[len(prepared):]:
+                for _, res, _ in todo:
                     self._abort_locked(res)
             raise
         try:
@@ -2162,6 +2157,33 @@ class MmapProvider(Provider):
                 nbytes += view.nbytes
             self._counters["bytes_written"] += nbytes
         return results
+
+    def _put_prepare(self, reservations: Sequence[_MmapReservation], digests: Sequence[int],
+                     salt_tag: str) -> list[tuple[_MmapReservation, SlotFile, int, float, bytes, bytes]]:
+        """:meth:`_seal_prepare` of a put_many chunk (whole writes, hashed from the caller's
+        buffers): slot headers after the data, then one lock pass for the journal order."""
+        created = time.time()
+        tag = salt_tag.encode()
+        files = []
+        for res, digest in zip(reservations, digests, strict=True):
+            sf = self._files[res.file]
+            sf.write_header(res.slot, key=res.key, parent=res.parent, generation=res.gen, nbytes=res.nbytes,
+                            checksum=digest)
+            _fsutil.crash_point("mmap.seal.after_header")
+            files.append(sf)
+        with self._lock:
+            self._check_usable()
+            for res in reservations:
+                res.check_open(self)
+            seq0 = self._idx.clock + 1
+            self._idx.clock += len(reservations)
+            self._dirty_files.update(res.file for res in reservations)
+            self._unfinished += len(reservations)
+        return [(res, sf, digest, created, tag,
+                 self._encode(OP_SEAL, res.key, parent=res.parent, tag=tag, file=res.file, slot=res.slot,
+                              nslots=res.nslots, nbytes=res.nbytes, gen=res.gen, checksum=digest,
+                              created=created, seq=seq0 + j))
+                for j, (res, sf, digest) in enumerate(zip(reservations, files, digests, strict=True))]
 
     def _seal_prepare(self, reservation: Reservation) -> tuple[_MmapReservation, SlotFile, int, float, bytes, bytes]:
         """Checksum, slot header (data first, then header) and the journal record of a seal."""
@@ -2309,53 +2331,58 @@ class MmapProvider(Provider):
             raise InvalidArgumentError(f"{len(ks)} keys need as many output buffers")
         results = [False] * len(ks)
         bad: InvalidArgumentError | None = None
-        # i, row, file, slot, dst, key, gen, nbytes, checksum
-        plan: list[tuple[int, int, int, int, memoryview, Key, int, int, int]] = []
+        # per data file: the reads (slot, out, key, generation, nbytes, checksum) and, in the same
+        # order, (position in keys, row) of each
+        reads: dict[int, list[tuple[int, memoryview, bytes, int, int, int]]] = {}
+        where: dict[int, list[tuple[int, int]]] = {}
         counters = self._counters
         with self._lock:
             self._check_usable()
             idx = self._idx
-            nread = 0
+            row_of, touch = idx.row_of, idx.touch
+            nbytes_of, file_of, slot_of, gen_of, csum_of = (idx.nbytes.item, idx.file.item, idx.slot.item,
+                                                            idx.gen.item, idx.csum.item)
+            nread = hits = 0
             for i, k in enumerate(ks):
-                row = idx.row_of(k)
+                row = row_of(k)
                 if row < 0:
                     continue
-                nbytes = idx.nbytes.item(row)
+                nbytes = nbytes_of(row)
                 try:
                     dst = writable_buffer(outs[i], nbytes)
                 except InvalidArgumentError as exc:
                     bad = bad or exc
                     continue
-                idx.touch(row)
-                plan.append((i, row, idx.file.item(row), idx.slot.item(row), dst, k, idx.gen.item(row), nbytes,
-                             idx.csum.item(row)))
+                touch(row)
+                fid = file_of(row)
+                if fid not in reads:
+                    reads[fid], where[fid] = [], []
+                reads[fid].append((slot_of(row), dst, k, gen_of(row), nbytes, csum_of(row)))
+                where[fid].append((i, row))
                 nread += nbytes
-            counters["hits"] += len(plan)
-            counters["misses"] += len(ks) - len(plan)
+                hits += 1
+            counters["hits"] += hits
+            counters["misses"] += len(ks) - hits
             counters["bytes_read"] += nread
             files = self._files
-        by_file: dict[int, list[int]] = {}
-        for j, item in enumerate(plan):
-            by_file.setdefault(item[2], []).append(j)
-        outcome: list[ReadResult] = [ReadResult.STALE] * len(plan)
-        for fid, js in by_file.items():
+        failed: list[tuple[int, int, ReadResult, int]] = []  # row, generation, result, nbytes
+        for fid, batch in reads.items():
             sf = files[fid]
             try:
-                got = sf.read_runs_into([(plan[j][3], plan[j][4], plan[j][5], plan[j][6], plan[j][7], plan[j][8])
-                                         for j in js], verify=self._verify_reads)
+                got = sf.read_runs_into(batch, verify=self._verify_reads)
             except StorageIOError:
                 if not sf.closed:
                     raise
-                continue  # refresh/compaction swapped the files meanwhile: misses
-            for j, r in zip(js, got, strict=True):
-                outcome[j] = r
-        failed = [(item, r) for item, r in zip(plan, outcome, strict=True) if r is not ReadResult.OK]
+                got = [ReadResult.STALE] * len(batch)  # refresh/compaction swapped the files: misses
+            for (i, row), r, rd in zip(where[fid], got, batch, strict=True):
+                if r is ReadResult.OK:
+                    results[i] = True
+                else:
+                    failed.append((row, rd[3], r, rd[4]))
         if failed:
             with self._lock:
-                for item, r in failed:
-                    self._read_failed(idx, item[1], item[6], r, item[7])
-        for item, r in zip(plan, outcome, strict=True):
-            results[item[0]] = r is ReadResult.OK
+                for row, gen, r, n in failed:
+                    self._read_failed(idx, row, gen, r, n)
         if bad is not None:
             raise bad
         return results

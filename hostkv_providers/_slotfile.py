@@ -599,22 +599,26 @@ class SlotFile:
         results = [ReadResult.STALE] * n
         idents: list[tuple[int, bytes, bytes]] = []
         live: list[int] = []
+        sn, count = self.slot_nbytes, self.slot_count
+        ident_is, pack = self._ident_is, _IDENT_TAIL.pack
         for j, (slot, out, key, generation, nbytes, checksum) in enumerate(reads):
             if out.nbytes != nbytes:
                 raise SpanError(f"a whole-entry read into {out.nbytes} bytes of an entry of {nbytes}")
-            self._check_run(slot, run_nslots(nbytes, self.slot_nbytes))
-            hlo = FILE_HEADER_NBYTES + slot * SLOT_HEADER_NBYTES
-            idents.append((hlo, _MAGIC_BYTES + key, _IDENT_TAIL.pack(generation, nbytes, checksum)))
-            if self._ident_is(*idents[j]):
+            if slot < 0 or slot + max(1, -(-nbytes // sn)) > count:
+                self._check_run(slot, run_nslots(nbytes, sn))  # raises with the full message
+            ident = (FILE_HEADER_NBYTES + slot * SLOT_HEADER_NBYTES, _MAGIC_BYTES + key,
+                     pack(generation, nbytes, checksum))
+            idents.append(ident)
+            if ident_is(*ident):
                 live.append(j)
         if self.io == "syscall":
             for start, group in self._groups([(reads[j][0], reads[j][4]) for j in live]):
-                js = [live[g] for g in group]
-                bufs = [reads[j][1] for j in js]
-                if len(bufs) == 1:
-                    if bufs[0].nbytes:
-                        self._pread_into(bufs[0], start)
+                if len(group) == 1:
+                    out = reads[live[group[0]]][1]
+                    if out.nbytes:
+                        self._pread_into(out, start)
                     continue
+                bufs = [reads[live[g]][1] for g in group]
                 try:
                     got = os.preadv(self.fd, bufs, start)
                 except OSError as exc:
@@ -628,13 +632,13 @@ class SlotFile:
             v = self._v()
             for j in live:
                 slot, out, nbytes = reads[j][0], reads[j][1], reads[j][4]
-                lo = self.data_offset + slot * self.slot_nbytes
+                lo = self.data_offset + slot * sn
                 out[:] = v[lo : lo + nbytes]
+        digest = xxhash.xxh3_64_intdigest
         for j in live:
-            out, checksum = reads[j][1], reads[j][5]
-            if verify and xxhash.xxh3_64_intdigest(out) != checksum:
-                results[j] = ReadResult.CORRUPT if self._ident_is(*idents[j]) else ReadResult.STALE
-            elif self._ident_is(*idents[j]):
+            if verify and digest(reads[j][1]) != reads[j][5]:
+                results[j] = ReadResult.CORRUPT if ident_is(*idents[j]) else ReadResult.STALE
+            elif ident_is(*idents[j]):
                 results[j] = ReadResult.OK
         return results
 
