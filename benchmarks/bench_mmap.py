@@ -7,7 +7,9 @@ Measures, for 256 KiB pages (``--page``):
   slots freed in random order (the provider) / at random page offsets (raw);
 * sequential and random page **reads**, cold (``fsync`` + ``POSIX_FADV_DONTNEED`` on the data
   file, mappings dropped first) and page-cache warm: ``read(key, out)`` with ``verify=read``
-  (the default: XXH3 of every page) and ``verify=never``, vs ``os.preadv`` into the same buffer;
+  (the default: XXH3 of every page) and ``verify=never``, vs ``os.preadv`` into the same buffer
+  at the same file offsets in the same order ("sequential" is the provider's slot order: after
+  the random writes, page order is not slot order);
 * the same writes and reads through the **batch** path, ``put_many``/``read_many`` of 16 pages
   per call, against the per-page raw loop and against raw vectored I/O (``pwritev``/``preadv``
   of each run of adjacent pages: what the batch path does too);
@@ -138,13 +140,17 @@ def bench_io(root: str, page: int, npages: int, repeat: int,
                 for run in _runs(idx):
                     os.pwritev(fd, [data[i % 16] for i in run], run[0] * page)
 
-            def raw_read(idx: list[int], fd: int = fd, out: bytearray = out) -> None:
-                for i in idx:
-                    os.preadv(fd, [out], i * page)
+            # where page i lies in the provider's data file (slot); raw reads of page i read that
+            # position of the raw file, so both sides read the same offsets in the same order
+            pos = list(range(npages))
 
-            def raw_read_v(idx: list[int], fd: int = fd, bufs: list[bytearray] = bufs) -> None:
+            def raw_read(idx: list[int], fd: int = fd, out: bytearray = out, pos: list[int] = pos) -> None:
+                for i in idx:
+                    os.preadv(fd, [out], pos[i] * page)
+
+            def raw_read_v(idx: list[int], fd: int = fd, bufs: list[bytearray] = bufs, pos: list[int] = pos) -> None:
                 k = 0
-                for run in _runs(idx):
+                for run in _runs([pos[i] for i in idx]):
                     os.preadv(fd, bufs[k : k + len(run)], run[0] * page)
                     k += len(run)
 
@@ -200,6 +206,8 @@ def bench_io(root: str, page: int, npages: int, repeat: int,
                 interleave("write, random (into freed slots), put_many", raw_write,
                            functools.partial(put_many, keys3), rest, raw_write_v)
                 live = [keys3[i] if i in in_half else keys2[i] for i in range(npages)]
+            pos[:] = [int(p._idx.slot[p._idx.row_of(k)]) for k in live]  # one data file: slot = position
+            in_slot_order = sorted(range(npages), key=pos.__getitem__)
 
             def get(live: list[bytes], idx: list[int], p: MmapProvider = p, out: bytearray = out) -> None:
                 for i in idx:
@@ -214,7 +222,7 @@ def bench_io(root: str, page: int, npages: int, repeat: int,
             for verify in ((True, False) if io == "pread" else (True,)):
                 p._verify_reads = verify
                 vs = "" if verify else ", verify=never"
-                for kind, order in (("sequential", order_seq), ("random", order_rnd)):
+                for kind, order in (("sequential", in_slot_order), ("random", order_rnd)):
                     if io == "mmap" and kind == "random":
                         continue
                     for how, fn, rv in (("", get, None), (", read_many", get_many, raw_read_v)):
