@@ -2327,8 +2327,12 @@ class MmapProvider(Provider):
         raises ``InvalidArgumentError`` after the others were filled.
         """
         ks = self._keys(keys)
-        if isinstance(outs, (bytes, bytearray, memoryview)) or len(outs) != len(ks):
-            raise InvalidArgumentError(f"{len(ks)} keys need as many output buffers")
+        try:
+            n_outs = -1 if isinstance(outs, (bytes, bytearray, memoryview)) else len(outs)
+        except TypeError:
+            n_outs = -1
+        if n_outs != len(ks):
+            raise InvalidArgumentError(f"{len(ks)} keys need a sequence of as many output buffers")
         results = [False] * len(ks)
         bad: InvalidArgumentError | None = None
         # per data file: the reads (slot, out, key, generation, nbytes, checksum) and, in the same

@@ -222,6 +222,8 @@ def test_read_many_bad_buffers(tmp_path: Path) -> None:
         p.read_many(keys, outs[:2])
     with pytest.raises(InvalidArgumentError):
         p.read_many(keys[:1], [bytes(PAGE)])  # read-only
+    with pytest.raises(InvalidArgumentError):
+        p.read_many(keys[:1], (bytearray(PAGE) for _ in range(1)))  # type: ignore[arg-type]  # not a sequence
     p.close()
 
 
