@@ -73,20 +73,27 @@ def timed(fn: Callable[[], object]) -> float:
 
 
 class _Side:
-    """Accumulated seconds and bytes of one side of an interleaved comparison."""
+    """Per-chunk seconds and bytes of one side of an interleaved comparison."""
 
     def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-        self.nbytes: dict[str, int] = {}
+        self.chunks: dict[str, list[tuple[float, int]]] = {}
 
     def add(self, case: str, seconds: float, nbytes: int) -> None:
-        self.seconds[case] = self.seconds.get(case, 0.0) + seconds
-        self.nbytes[case] = self.nbytes.get(case, 0) + nbytes
+        self.chunks.setdefault(case, []).append((seconds, nbytes))
 
     def rate(self, case: str) -> float | None:
-        if case not in self.seconds:
+        """Median MiB/s over the chunks: a burst of load on this shared machine hits a few
+        chunks, and a median ignores them where a sum would not."""
+        if case not in self.chunks:
             return None
-        return _rate(self.nbytes[case], self.seconds[case])
+        return statistics.median(_rate(n, t) for t, n in self.chunks[case])
+
+    def ratio(self, case: str, other: _Side) -> float | None:
+        """Median over chunks of (this side's rate / ``other``'s rate of the adjacent chunk)."""
+        if case not in self.chunks or case not in other.chunks:
+            return None
+        return statistics.median(t_o / t for (t, _), (t_o, _) in zip(self.chunks[case], other.chunks[case],
+                                                                     strict=True))
 
 
 def _runs(idx: list[int]) -> list[list[int]]:
@@ -101,12 +108,14 @@ def _runs(idx: list[int]) -> list[list[int]]:
 
 
 def bench_io(root: str, page: int, npages: int, repeat: int,
-             chunk: int = 16) -> list[tuple[str, float, float, float | None]]:
-    """Rows ``(case, provider MiB/s, raw MiB/s, raw vectored MiB/s or None)``.
+             chunk: int = 16) -> list[tuple[str, float, float, float, float | None, float | None]]:
+    """Rows ``(case, provider MiB/s, raw MiB/s, ratio, raw vectored MiB/s, ratio)`` (``None``:
+    no vectored side), medians over chunks.
 
     The sides are *interleaved* in chunks of ``chunk`` pages (raw chunk, provider chunk, raw
-    chunk, ...) and their times summed, so all see the same machine load: on a busy machine a
-    sequential A-then-B comparison mostly measures the load.  Per-page cases call
+    chunk, ...), so all see the same machine load: on a busy machine a sequential A-then-B
+    comparison mostly measures the load.  Rates are medians over chunks, ratios medians of the
+    per-chunk ratios of adjacent chunks.  Per-page cases call
     ``reserve``/``write``/``seal`` and ``read`` once per page, against one ``pwrite``/``preadv``
     per page.  Batch cases (``put_many``/``read_many`` of one chunk per call) are compared with
     the same per-page raw loop *and* with raw vectored I/O (one ``pwritev``/``preadv`` per run of
@@ -236,10 +245,10 @@ def bench_io(root: str, page: int, npages: int, repeat: int,
         os.close(fd)
         os.unlink(raw_path)
     rows = []
-    for case in prov.seconds:
-        pv, rv = prov.rate(case), raw.rate(case)
-        assert pv is not None and rv is not None
-        rows.append((case, pv, rv, rawv.rate(case)))
+    for case in prov.chunks:
+        pv, rv, ratio = prov.rate(case), raw.rate(case), prov.ratio(case, raw)
+        assert pv is not None and rv is not None and ratio is not None
+        rows.append((case, pv, rv, ratio, rawv.rate(case), prov.ratio(case, rawv)))
     return rows
 
 
@@ -378,12 +387,12 @@ def main() -> None:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(f"### mmap provider vs raw file I/O ({args.page // 1024} KiB pages, {args.pages} pages per run, "
-          f"best of {args.repeat})\n")
+          f"{args.repeat} runs; medians over 16-page chunks)\n")
     print("| case | mmap provider MiB/s | raw, one call per page MiB/s | ratio | raw, vectored MiB/s | ratio |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
-    for name, pv, rv, vv in io_rows:
-        vcol = f"{vv:,.0f} | {pv / vv:.2f}x" if vv is not None else "- | -"
-        print(f"| {name} | {pv:,.0f} | {rv:,.0f} | {pv / rv:.2f}x | {vcol} |")
+    for name, pv, rv, ratio, vv, vratio in io_rows:
+        vcol = f"{vv:,.0f} | {vratio:.2f}x" if vv is not None and vratio is not None else "- | -"
+        print(f"| {name} | {pv:,.0f} | {rv:,.0f} | {ratio:.2f}x | {vcol} |")
     print("\n| seals | per second |")
     print("| --- | ---: |")
     for name, rate in seal_rows:
