@@ -20,6 +20,7 @@ from hostkv_providers._errors import (
 from hostkv_providers._keys import Key
 from hostkv_providers._mmap import MmapProvider
 from hostkv_providers.testing import chain, key_of, page_bytes, put_page
+from hostkv_providers.testing.crash import CrashHarness, Workload
 
 PAGE = 16384
 
@@ -270,3 +271,40 @@ def test_batch_threads_with_eviction(tmp_path: Path) -> None:
     assert st.used_bytes <= st.budget_bytes and st.in_flight == 0
     assert p.verify().ok
     p.close()
+
+
+# -- kill -9 with batch calls in the workload -------------------------------------------------------
+
+
+def _crash_url(path: Path, w: Workload, **opts: object) -> str:
+    base: dict[str, object] = {"budget": w.budget_bytes(3), "slot": w.page_nbytes, "snapshot_every": 32}
+    base.update(opts)
+    return f"mmap://{path}?" + "&".join(f"{k}={v}" for k, v in base.items())
+
+
+@pytest.mark.parametrize("durability", ["process", "sync"])
+def test_kill9_cycles_with_batches(tmp_path: Path, durability: str) -> None:
+    """The child mixes put_many/read_many with single-page calls and is SIGKILLed at random
+    moments: 0 wrong bytes, every page whose put_many returned True readable after reopen."""
+    w = Workload(page_nbytes=PAGE, steps=200, p_batch=0.4)
+    h = CrashHarness(_crash_url(tmp_path / "s", w, durability=durability), w, seed=4242)
+    results = h.run(40 if durability == "process" else 12, max_kill_after=0.08)
+    failed = [r.describe() for r in results if not r.ok]
+    assert not failed, failed[:3]
+    assert sum(r.acked_this_cycle for r in results) > 100
+
+
+@pytest.mark.parametrize("point", ["mmap.reserve.after_clear", "mmap.write.partial", "mmap.seal.after_header",
+                                   "mmap.seal.after_journal", "mmap.commit.after_data_sync",
+                                   "mmap.snapshot.after_snap"])
+def test_named_crash_points_in_put_many(tmp_path: Path, point: str) -> None:
+    w = Workload(page_nbytes=PAGE, steps=300, p_batch=0.8)
+    durability = "sync" if point.startswith("mmap.commit.") else "process"
+    h = CrashHarness(_crash_url(tmp_path / "s", w, durability=durability, snapshot_every=8), w, seed=5)
+    warm = h.cycle()
+    assert warm.ok, warm.describe()
+    r = h.cycle(crash_at=f"{point}:{1 if point.startswith('mmap.snapshot.') else 3}")
+    assert r.killed, f"crash point {point} was never reached: {r.describe()}"
+    assert r.ok, r.describe()
+    after = h.cycle(kill_after=0.01)
+    assert after.ok, after.describe()
