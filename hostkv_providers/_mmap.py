@@ -921,7 +921,10 @@ class MmapProvider(Provider):
 
     def _check_usable(self) -> None:
         # The base class compares os.getpid() on every call; a fork counter bumped by an
-        # at-fork hook is the same check without a system call per operation.
+        # at-fork hook is the same check without a system call per operation.  Methods call it
+        # before taking self._lock too (and again under it, for a racing close()): a forked
+        # child may have copied the lock while another thread of the parent held it, and would
+        # wait on it forever instead of raising UsedAfterForkError.
         if self._closed or _fork_generation != self._fork_gen:
             super()._check_usable()
 
@@ -1915,12 +1918,14 @@ class MmapProvider(Provider):
     # -- lookups ---------------------------------------------------------------------------------
     def present(self, keys: Sequence[bytes]) -> list[bool]:
         ks = self._keys(keys)
+        self._check_usable()
         with self._lock:
             self._check_usable()
             return [self._idx.row_of(k) >= 0 for k in ks]
 
     def longest_prefix(self, keys: Sequence[bytes]) -> int:
         ks = self._keys(keys)
+        self._check_usable()
         with self._lock:
             self._check_usable()
             n = 0
@@ -1932,12 +1937,14 @@ class MmapProvider(Provider):
 
     def in_flight(self, key: bytes) -> bool:
         k = self._key(key)
+        self._check_usable()
         with self._lock:
             self._check_usable()
             return k in self._idx.flights
 
     def entry(self, key: bytes) -> EntryInfo | None:
         k = self._key(key)
+        self._check_usable()
         with self._lock:
             self._check_usable()
             row = self._idx.row_of(k)
@@ -1952,6 +1959,7 @@ class MmapProvider(Provider):
 
     def iter_entries(self) -> Iterator[EntryInfo]:
         """Every sealed entry (a snapshot taken under the lock; order unspecified)."""
+        self._check_usable()
         with self._lock:
             self._check_usable()
             infos = [self._info(int(r)) for r in self._idx.live_rows()]
@@ -1965,6 +1973,7 @@ class MmapProvider(Provider):
 
     def reserve(self, key: bytes, parent: bytes | None, nbytes: int, *, salt_tag: str = "") -> Reservation | None:
         k, p, nbytes = self._reserve_args(key, parent, nbytes, salt_tag, tag_max=_TAG_MAX)
+        self._check_usable()
         with self._lock:
             self._check_usable()
             self._need_writer("reserve")
@@ -2093,6 +2102,7 @@ class MmapProvider(Provider):
         results: list[bool | HostKVError] = [False] * len(items)
         todo: list[tuple[int, _MmapReservation, memoryview]] = []
         mine: set[Key] = set()
+        self._check_usable()
         with self._lock:
             self._check_usable()
             self._check_failed()
@@ -2173,6 +2183,7 @@ class MmapProvider(Provider):
                             checksum=digest)
             _fsutil.crash_point("mmap.seal.after_header")
             files.append(sf)
+        self._check_usable()
         with self._lock:
             self._check_usable()
             for res in reservations:
@@ -2201,6 +2212,7 @@ class MmapProvider(Provider):
         _fsutil.crash_point("mmap.seal.after_header")
         created = time.time()
         tag = res.salt_tag.encode()
+        self._check_usable()
         with self._lock:
             self._check_usable()
             res.check_open(self)
@@ -2243,6 +2255,7 @@ class MmapProvider(Provider):
     def abort(self, reservation: Reservation) -> None:
         if not isinstance(reservation, _MmapReservation) or reservation.provider is not self:
             raise ReservationError("not a reservation of this provider")
+        self._check_usable()
         with self._lock:
             self._check_usable()
             self._abort_locked(reservation)
@@ -2267,6 +2280,7 @@ class MmapProvider(Provider):
         if span is not None and not isinstance(span, ByteSpan):
             raise InvalidArgumentError("span must be a ByteSpan")
         counters = self._counters
+        self._check_usable()
         with self._lock:
             self._check_usable()
             idx = self._idx
@@ -2342,6 +2356,7 @@ class MmapProvider(Provider):
         reads: dict[int, list[tuple[int, memoryview, bytes, int, int, int]]] = {}
         where: dict[int, list[tuple[int, int]]] = {}
         counters = self._counters
+        self._check_usable()
         with self._lock:
             self._check_usable()
             idx = self._idx
@@ -2406,6 +2421,7 @@ class MmapProvider(Provider):
         if type(nbytes) is not int or nbytes < 0:
             raise InvalidArgumentError(f"nbytes must be a non-negative int, got {nbytes!r}")
         ks = self._keys(keys) if keys is not None else None
+        self._check_usable()
         with self._lock:
             self._check_usable()
             self._need_writer("evict")
@@ -2452,6 +2468,7 @@ class MmapProvider(Provider):
         nbytes = blob.nbytes
         nslots = run_nslots(nbytes, self._slot)
         cost = nslots * self._slot
+        self._check_usable()
         with self._lock:
             self._check_usable()
             self._need_writer("put_anchor")
@@ -2509,6 +2526,7 @@ class MmapProvider(Provider):
     def get_anchor(self, key: bytes, name: str) -> bytes | None:
         k = self._key(key)
         check_anchor_name(name)
+        self._check_usable()
         with self._lock:
             self._check_usable()
             idx = self._idx
@@ -2533,6 +2551,7 @@ class MmapProvider(Provider):
 
     def list_anchors(self, key: bytes) -> dict[str, int]:
         k = self._key(key)
+        self._check_usable()
         with self._lock:
             self._check_usable()
             row = self._idx.row_of(k)
@@ -2543,6 +2562,7 @@ class MmapProvider(Provider):
     def deepest_anchor(self, keys: Sequence[bytes], name: str) -> int:
         ks = self._keys(keys)
         check_anchor_name(name)
+        self._check_usable()
         with self._lock:
             self._check_usable()
             best = 0
@@ -2557,6 +2577,7 @@ class MmapProvider(Provider):
     # -- leases ----------------------------------------------------------------------------------
     def lease(self, keys: Sequence[bytes]) -> Lease:
         ks = self._keys(keys)
+        self._check_usable()
         with self._lock:
             self._check_usable()
             idx = self._idx
@@ -2577,6 +2598,7 @@ class MmapProvider(Provider):
         """Reader processes: catch up with the writer (new manifest generation, snapshot, journal
         records, data files).  Cheap when nothing changed; returns whether anything was reloaded.
         Leases and reads in progress keep working on the previous view's rows until released."""
+        self._check_usable()
         with self._lock:
             self._check_usable()
             if not self._readonly:
@@ -2597,10 +2619,12 @@ class MmapProvider(Provider):
         from open (damaged index records, reclaimed leftovers) as ``problems``.  ``repair`` drops
         corrupt entries with their subtrees and rewrites the index (writer only)."""
         if repair:
+            self._check_usable()
             with self._lock:
                 self._check_usable()
                 self._need_writer("verify(repair=True)")
         report = VerifyReport()
+        self._check_usable()
         with self._lock:
             self._check_usable()
             rows = [int(r) for r in self._idx.live_rows()]
@@ -2658,6 +2682,7 @@ class MmapProvider(Provider):
         commit point), then delete the old one.  Crash-safe at every step; refuses in a reader
         (``readonly``) and while reservations are in flight in this process.  Another process's
         writer lock makes *opening* for compaction fail with ``LockedError`` instead."""
+        self._check_usable()
         with self._lock:
             self._check_usable()
             self._need_writer("compact")
@@ -2843,6 +2868,7 @@ class MmapProvider(Provider):
         return self._readonly
 
     def stats(self) -> ProviderStats:
+        self._check_usable()
         with self._lock:
             self._check_usable()
             idx = self._idx
