@@ -7,7 +7,12 @@ Measures, for 256 KiB pages (``--page``):
   slots freed in random order (the provider) / at random page offsets (raw);
 * sequential and random page **reads**, cold (``fsync`` + ``POSIX_FADV_DONTNEED`` on the data
   file, mappings dropped first) and page-cache warm: ``read(key, out)`` with ``verify=read``
-  (the default: XXH3 of every page) and ``verify=never``, vs ``os.preadv`` into the same buffer;
+  (the default: XXH3 of every page) and ``verify=never``, vs ``os.preadv`` into the same buffer
+  at the same file offsets in the same order ("sequential" is the provider's slot order: after
+  the random writes, page order is not slot order);
+* the same writes and reads through the **batch** path, ``put_many``/``read_many`` of 16 pages
+  per call, against the per-page raw loop and against raw vectored I/O (``pwritev``/``preadv``
+  of each run of adjacent pages: what the batch path does too);
 * **seal rate** of 16 KiB pages with ``sync`` and ``process``, from 1 and 8 threads (group
   commit: concurrent seals share one data sync and one journal sync);
 * **reopen** time of a store of 10k / 100k / 1M entries (built synthetically: slot headers and a
@@ -68,26 +73,54 @@ def timed(fn: Callable[[], object]) -> float:
 
 
 class _Side:
-    """Accumulated seconds and bytes of one side of an interleaved comparison."""
+    """Per-chunk seconds and bytes of one side of an interleaved comparison."""
 
     def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-        self.nbytes: dict[str, int] = {}
+        self.chunks: dict[str, list[tuple[float, int]]] = {}
 
     def add(self, case: str, seconds: float, nbytes: int) -> None:
-        self.seconds[case] = self.seconds.get(case, 0.0) + seconds
-        self.nbytes[case] = self.nbytes.get(case, 0) + nbytes
+        self.chunks.setdefault(case, []).append((seconds, nbytes))
 
-    def rate(self, case: str) -> float:
-        return _rate(self.nbytes[case], self.seconds[case])
+    def rate(self, case: str) -> float | None:
+        """Median MiB/s over the chunks: a burst of load on this shared machine hits a few
+        chunks, and a median ignores them where a sum would not."""
+        if case not in self.chunks:
+            return None
+        return statistics.median(_rate(n, t) for t, n in self.chunks[case])
+
+    def ratio(self, case: str, other: _Side) -> float | None:
+        """Median over chunks of (this side's rate / ``other``'s rate of the adjacent chunk)."""
+        if case not in self.chunks or case not in other.chunks:
+            return None
+        return statistics.median(t_o / t for (t, _), (t_o, _) in zip(self.chunks[case], other.chunks[case],
+                                                                     strict=True))
 
 
-def bench_io(root: str, page: int, npages: int, repeat: int, chunk: int = 16) -> list[tuple[str, float, float]]:
-    """Rows ``(case, provider MiB/s, raw MiB/s)``.
+def _runs(idx: list[int]) -> list[list[int]]:
+    """``idx`` split where consecutive pages stop being adjacent (for vectored raw I/O)."""
+    out: list[list[int]] = []
+    for i in idx:
+        if out and out[-1][-1] + 1 == i:
+            out[-1].append(i)
+        else:
+            out.append([i])
+    return out
 
-    The two sides are *interleaved* in chunks of ``chunk`` pages (raw chunk, provider chunk, raw
-    chunk, ...) and their times summed, so both see the same machine load: on a busy machine a
-    sequential A-then-B comparison mostly measures the load.
+
+def bench_io(root: str, page: int, npages: int, repeat: int,
+             chunk: int = 16) -> list[tuple[str, float, float, float, float | None, float | None]]:
+    """Rows ``(case, provider MiB/s, raw MiB/s, ratio, raw vectored MiB/s, ratio)`` (``None``:
+    no vectored side), medians over chunks.
+
+    The sides are *interleaved* in chunks of ``chunk`` pages (raw chunk, provider chunk, raw
+    chunk, ...), so all see the same machine load: on a busy machine a sequential A-then-B
+    comparison mostly measures the load.  Rates are medians over chunks, ratios medians of the
+    per-chunk ratios of adjacent chunks.  Per-page cases call
+    ``reserve``/``write``/``seal`` and ``read`` once per page, against one ``pwrite``/``preadv``
+    per page.  Batch cases (``put_many``/``read_many`` of one chunk per call) are compared with
+    the same per-page raw loop *and* with raw vectored I/O (one ``pwritev``/``preadv`` per run of
+    adjacent pages in the chunk: all 16 when sequential, one page each when random), because the
+    provider's batch path coalesces adjacent runs the same way.
     """
     rng = random.Random(0)
     data = [np.random.default_rng(i).bytes(page) for i in range(16)]
@@ -96,27 +129,39 @@ def bench_io(root: str, page: int, npages: int, repeat: int, chunk: int = 16) ->
     rng.shuffle(order_rnd)
     half = order_rnd[: npages // 2]
     in_half = set(half)
-    raw, prov = _Side(), _Side()
+    raw, rawv, prov = _Side(), _Side(), _Side()
     for rep in range(repeat):
         raw_path = os.path.join(root, "raw.bin")
         fd = os.open(raw_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         os.posix_fallocate(fd, 0, page * npages)
-        buf = bytearray(page)
-        out = bytearray(page)
+        bufs = [bytearray(page) for _ in range(chunk)]
+        out = bufs[0]
         for io in ("pread", "mmap"):
             store = os.path.join(root, f"store-{io}-{rep}")
             p = MmapProvider(store, budget_bytes=page * npages, slot_nbytes=page, file_nbytes=page * npages, io=io)
-            keys = _keys(npages, f"io-{io}-{rep}")
-            keys2 = _keys(npages, f"io2-{io}-{rep}")
             sfx = "" if io == "pread" else ", io=mmap"
 
             def raw_write(idx: list[int], fd: int = fd) -> None:
                 for i in idx:
                     os.pwrite(fd, data[i % 16], i * page)
 
-            def raw_read(idx: list[int], fd: int = fd, buf: bytearray = buf) -> None:
+            def raw_write_v(idx: list[int], fd: int = fd) -> None:
+                for run in _runs(idx):
+                    os.pwritev(fd, [data[i % 16] for i in run], run[0] * page)
+
+            # where page i lies in the provider's data file (slot); raw reads of page i read that
+            # position of the raw file, so both sides read the same offsets in the same order
+            pos = list(range(npages))
+
+            def raw_read(idx: list[int], fd: int = fd, out: bytearray = out, pos: list[int] = pos) -> None:
                 for i in idx:
-                    os.preadv(fd, [buf], i * page)
+                    os.preadv(fd, [out], pos[i] * page)
+
+            def raw_read_v(idx: list[int], fd: int = fd, bufs: list[bytearray] = bufs, pos: list[int] = pos) -> None:
+                k = 0
+                for run in _runs([pos[i] for i in idx]):
+                    os.preadv(fd, bufs[k : k + len(run)], run[0] * page)
+                    k += len(run)
 
             def put(ks: list[bytes], idx: list[int], p: MmapProvider = p) -> None:
                 for i in idx:
@@ -124,6 +169,10 @@ def bench_io(root: str, page: int, npages: int, repeat: int, chunk: int = 16) ->
                     assert res is not None
                     res.write(0, data[i % 16])
                     res.seal()
+
+            def put_many(ks: list[bytes], idx: list[int], p: MmapProvider = p) -> None:
+                if p.put_many([(ks[i], None, data[i % 16]) for i in idx]) != [True] * len(idx):
+                    raise RuntimeError("benchmark put_many failed")
 
             def cold(p: MmapProvider = p, fd: int = fd) -> None:
                 os.fsync(fd)
@@ -133,37 +182,74 @@ def bench_io(root: str, page: int, npages: int, repeat: int, chunk: int = 16) ->
                     sf.drop_cache()
 
             def interleave(case: str, raw_fn: Callable[[list[int]], None], prov_fn: Callable[[list[int]], None],
-                           idx: list[int]) -> None:
+                           idx: list[int], raw_v: Callable[[list[int]], None] | None = None) -> None:
                 for lo in range(0, len(idx), chunk):
                     part = idx[lo : lo + chunk]
                     raw.add(case, timed(lambda part=part: raw_fn(part)), page * len(part))  # type: ignore[misc]
                     prov.add(case, timed(lambda part=part: prov_fn(part)), page * len(part))  # type: ignore[misc]
+                    if raw_v is not None:
+                        rawv.add(case, timed(lambda part=part: raw_v(part)), page * len(part))  # type: ignore[misc]
 
-            interleave("write, sequential" + sfx, raw_write, functools.partial(put, keys), order_seq)
+            # Writes, per page into one half and put_many into the other: first into fresh
+            # preallocated space (on this VM the kernel's first write of an unwritten extent
+            # dominates and varies from file to file), then overwriting slots freed by eviction
+            # (raw: the same offsets again) -- where the provider's own costs show; then into
+            # slots freed in random order.
+            keys = _keys(npages, f"io-{io}-{rep}")
+            keys2 = _keys(npages, f"io2-{io}-{rep}")
+            keys3 = _keys(npages, f"io3-{io}-{rep}")
+            first, second = order_seq[: npages // 2], order_seq[npages // 2 :]
+            interleave("write, sequential, fresh space" + sfx, raw_write, functools.partial(put, keys), first)
+            interleave("write, sequential, fresh space, put_many" + sfx, raw_write,
+                       functools.partial(put_many, keys), second, raw_write_v)
+            p.evict(keys)
+            interleave("write, sequential" + sfx, raw_write, functools.partial(put, keys2), first)
+            interleave("write, sequential, put_many" + sfx, raw_write, functools.partial(put_many, keys2), second,
+                       raw_write_v)
+            live = list(keys2)
             if io == "pread":
-                p.evict([keys[i] for i in half])  # random holes in the provider's slots ...
-                interleave("write, random (into freed slots)", raw_write, functools.partial(put, keys2), half)
-            live = [keys2[i] if (io == "pread" and i in in_half) else keys[i] for i in range(npages)]
+                quarter = half[: npages // 4]
+                rest = half[npages // 4 :]
+                p.evict([keys2[i] for i in half])  # random holes in the provider's slots ...
+                interleave("write, random (into freed slots)", raw_write, functools.partial(put, keys3), quarter)
+                interleave("write, random (into freed slots), put_many", raw_write,
+                           functools.partial(put_many, keys3), rest, raw_write_v)
+                live = [keys3[i] if i in in_half else keys2[i] for i in range(npages)]
+            pos[:] = [int(p._idx.slot[p._idx.row_of(k)]) for k in live]  # one data file: slot = position
+            in_slot_order = sorted(range(npages), key=pos.__getitem__)
 
-            def get_idx(live: list[bytes], idx: list[int], p: MmapProvider = p, out: bytearray = out) -> None:
+            def get(live: list[bytes], idx: list[int], p: MmapProvider = p, out: bytearray = out) -> None:
                 for i in idx:
                     if not p.read(live[i], out):
                         raise RuntimeError("benchmark read missed")
 
+            def get_many(live: list[bytes], idx: list[int], p: MmapProvider = p,
+                         bufs: list[bytearray] = bufs) -> None:
+                if not all(p.read_many([live[i] for i in idx], bufs[: len(idx)])):
+                    raise RuntimeError("benchmark read_many missed")
+
             for verify in ((True, False) if io == "pread" else (True,)):
                 p._verify_reads = verify
                 vs = "" if verify else ", verify=never"
-                for kind, order in (("sequential", order_seq), ("random", order_rnd)):
+                for kind, order in (("sequential", in_slot_order), ("random", order_rnd)):
                     if io == "mmap" and kind == "random":
                         continue
-                    cold()
-                    interleave(f"read cold, {kind}{vs}{sfx}", raw_read, functools.partial(get_idx, live), order)
-                    interleave(f"read warm, {kind}{vs}{sfx}", raw_read, functools.partial(get_idx, live), order)
+                    for how, fn, rv in (("", get, None), (", read_many", get_many, raw_read_v)):
+                        cold()
+                        interleave(f"read cold, {kind}{vs}{how}{sfx}", raw_read, functools.partial(fn, live), order,
+                                   rv)
+                        interleave(f"read warm, {kind}{vs}{how}{sfx}", raw_read, functools.partial(fn, live), order,
+                                   rv)
             p.close()
             shutil.rmtree(store)
         os.close(fd)
         os.unlink(raw_path)
-    return [(case, prov.rate(case), raw.rate(case)) for case in prov.seconds]
+    rows = []
+    for case in prov.chunks:
+        pv, rv, ratio = prov.rate(case), raw.rate(case), prov.ratio(case, raw)
+        assert pv is not None and rv is not None and ratio is not None
+        rows.append((case, pv, rv, ratio, rawv.rate(case), prov.ratio(case, rawv)))
+    return rows
 
 
 def bench_seals(root: str, n: int) -> list[tuple[str, float]]:
@@ -301,11 +387,12 @@ def main() -> None:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(f"### mmap provider vs raw file I/O ({args.page // 1024} KiB pages, {args.pages} pages per run, "
-          f"best of {args.repeat})\n")
-    print("| case | mmap provider MiB/s | raw pwrite/preadv MiB/s | ratio |")
-    print("| --- | ---: | ---: | ---: |")
-    for name, pv, rv in io_rows:
-        print(f"| {name} | {pv:,.0f} | {rv:,.0f} | {pv / rv:.2f}x |")
+          f"{args.repeat} runs; medians over 16-page chunks)\n")
+    print("| case | mmap provider MiB/s | raw, one call per page MiB/s | ratio | raw, vectored MiB/s | ratio |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for name, pv, rv, ratio, vv, vratio in io_rows:
+        vcol = f"{vv:,.0f} | {vratio:.2f}x" if vv is not None and vratio is not None else "- | -"
+        print(f"| {name} | {pv:,.0f} | {rv:,.0f} | {ratio:.2f}x | {vcol} |")
     print("\n| seals | per second |")
     print("| --- | ---: |")
     for name, rate in seal_rows:

@@ -392,6 +392,17 @@ def reset_crash_points() -> None:
     _crash_hits.clear()
 
 
+def _crash_spec_after_fork() -> None:
+    # A forked child re-reads the environment; resetting here instead of comparing os.getpid()
+    # on every call keeps a disabled crash point at one tuple lookup (write paths pass 4 of them
+    # per page, and getpid() is a real system call).
+    global _crash_spec
+    _crash_spec = (-1, "")
+
+
+os.register_at_fork(after_in_child=_crash_spec_after_fork)
+
+
 def register_crash_points(points: dict[str, str]) -> None:
     """Declare named crash points (``name -> what has happened when it fires``) so the crash
     tests can enumerate them and check that each one is reached."""
@@ -403,9 +414,8 @@ def crash_point(name: str) -> None:
     ``HOSTKV_CRASH_AT=name:n`` (or the short ``CRASH_AT=name:n``).  A no-op otherwise (one dict
     lookup), so the points stay compiled into production code and test the real protocol."""
     global _crash_spec
-    pid = os.getpid()
-    if _crash_spec[0] != pid:  # read the environment once per process (a fork re-reads it)
-        _crash_spec = (pid, os.environ.get(CRASH_ENV) or os.environ.get("CRASH_AT") or "")
+    if _crash_spec[0] < 0:  # read the environment once per process (a fork re-reads it)
+        _crash_spec = (os.getpid(), os.environ.get(CRASH_ENV) or os.environ.get("CRASH_AT") or "")
     spec = _crash_spec[1]
     if not spec:
         return

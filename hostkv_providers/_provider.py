@@ -258,7 +258,12 @@ class Reservation:
 
     def mark_written(self, span: ByteSpan | None = None) -> None:
         """Record that ``span`` (default: everything) now holds the caller's bytes."""
-        span = ByteSpan.whole(self.nbytes) if span is None else span.validate(self.nbytes)
+        if span is None or (span.offset == 0 and span.nbytes == self.nbytes):
+            # the common whole-entry write: no interval merge (a per-page cost on every put)
+            if self.nbytes:
+                self._covered = [[0, self.nbytes]]
+            return
+        span = span.validate(self.nbytes)
         if span.nbytes == 0:
             return
         start, end = span.offset, span.end

@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 
 from .._errors import CapacityError, HostKVError, InFlightError, UnknownKeyError
 from .._keys import Key
-from .._provider import Provider, SupportsCompact, SupportsIterate, SupportsVerify
+from .._provider import Provider, SupportsBatch, SupportsCompact, SupportsIterate, SupportsVerify
 from .._registry import open_provider
 from ._pages import anchor_bytes, key_of, page_bytes
 
@@ -83,6 +83,9 @@ class Workload:
         Each cycle writes up to ``chains`` new chains of up to ``chain_len`` pages.
     p_read, p_evict, p_anchor, p_abort, p_lease, p_dedup, p_compact:
         Per-step probabilities of the other operations (a page write otherwise).
+    p_batch:
+        Per-step probability of a batch call (providers with ``SupportsBatch``): half of them
+        ``put_many`` the next pages (up to 4) of a chain, half ``read_many`` sealed pages.
     """
 
     page_nbytes: int = 16384
@@ -96,6 +99,7 @@ class Workload:
     p_lease: float = 0.03
     p_dedup: float = 0.03
     p_compact: float = 0.0
+    p_batch: float = 0.0
 
     def budget_bytes(self, keep_cycles: int, slack: float = 2.0) -> int:
         """A budget large enough that no policy eviction happens while ``keep_cycles`` cycles'
@@ -369,7 +373,7 @@ def _run_workload(provider: Provider, w: Workload, rng: random.Random, cycle: in
     written = [0] * w.chains  # sealed prefix length per chain
     sealed: list[Key] = []
     ops = [("read", w.p_read), ("evict", w.p_evict), ("anchor", w.p_anchor), ("lease", w.p_lease),
-           ("dedup", w.p_dedup), ("compact", w.p_compact)]
+           ("dedup", w.p_dedup), ("compact", w.p_compact), ("batch", w.p_batch)]
     for _ in range(w.steps):
         r = rng.random()
         op = "write"
@@ -415,6 +419,30 @@ def _run_workload(provider: Provider, w: Workload, rng: random.Random, cycle: in
             continue
         if op == "compact" and isinstance(provider, SupportsCompact):
             provider.compact()
+            continue
+        if op == "batch" and isinstance(provider, SupportsBatch):
+            if sealed and rng.random() < 0.5:
+                keys = rng.sample(sealed, min(4, len(sealed)))
+                outs = [bytearray(w.page_nbytes) for _ in keys]
+                for key, hit, out in zip(keys, provider.read_many(keys, outs), outs, strict=True):
+                    if hit and bytes(out) != page_bytes(key, w.page_nbytes):
+                        os.write(wfd, _WRONG + key)
+                continue
+            i = written[c]
+            todo = range(i, min(i + 4, w.chain_len))
+            if not todo:
+                continue
+            got = provider.put_many([(chains[c][j], chains[c][j - 1] if j else None,
+                                      page_bytes(chains[c][j], w.page_nbytes)) for j in todo])
+            for j, g in zip(todo, got, strict=True):
+                if g is True:
+                    os.write(wfd, _ACK_SEAL + chains[c][j])  # only after put_many returned
+                    sealed.append(chains[c][j])
+                elif g is not False:  # an error: the items after it failed too
+                    if isinstance(g, CapacityError):
+                        _evict_some(provider, chains, written, sealed, wfd)
+                    break
+                written[c] = j + 1
             continue
         # write the next page of chain c (or abort one)
         i = written[c]

@@ -1,0 +1,310 @@
+"""mmap provider: batched seals, reads and puts (seal_many, read_many, put_many)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+from pathlib import Path
+
+import pytest
+
+import hostkv_providers._fsutil as fsutil
+from hostkv_providers._errors import (
+    CapacityError,
+    InFlightError,
+    InvalidArgumentError,
+    StorageIOError,
+    UnknownKeyError,
+)
+from hostkv_providers._keys import Key
+from hostkv_providers._mmap import MmapProvider
+from hostkv_providers.testing import chain, key_of, page_bytes, put_page
+from hostkv_providers.testing.crash import CrashHarness, Workload
+
+PAGE = 16384
+
+
+def make(path: Path, **kw: object) -> MmapProvider:
+    kw.setdefault("budget_bytes", 64 * PAGE)
+    kw.setdefault("slot_nbytes", PAGE)
+    return MmapProvider(str(path), **kw)  # type: ignore[arg-type]
+
+
+def abandon_copy(p: MmapProvider, dest: Path) -> None:
+    """Copy an open store as a kill -9 would leave it (page-cache state, no close())."""
+    dest.mkdir(mode=0o700)
+    for name in os.listdir(p.path):
+        with open(os.path.join(p.path, name), "rb") as f:
+            data = f.read()
+        fd = os.open(dest / name, os.O_WRONLY | os.O_CREAT, 0o600)
+        os.write(fd, data)
+        os.close(fd)
+
+
+def test_snapshot_during_seal_many_keeps_every_acknowledged_seal(tmp_path: Path) -> None:
+    # The first seal of the batch to reach the index crosses snapshot_every; a snapshot taken
+    # then would rotate the journal away from the other records of the batch while their
+    # entries are not in the index yet, and a kill -9 after seal_many returned lost them.
+    p = make(tmp_path / "s", snapshot_every=1)
+    keys = [key_of(f"snap-{i}") for i in range(8)]
+    reservations = []
+    for k in keys:
+        res = p.reserve(k, None, PAGE)
+        assert res is not None
+        res.write(0, page_bytes(k, PAGE))
+        reservations.append(res)
+    p.seal_many(reservations)
+    abandon_copy(p, tmp_path / "image")
+    p.close()
+    q = make(tmp_path / "image")
+    assert q.present(keys) == [True] * 8
+    assert [q.read_bytes(k) for k in keys] == [page_bytes(k, PAGE) for k in keys]
+    q.close()
+
+
+def _chain_items(label: str, sizes: list[int]) -> tuple[list[Key], list[tuple[bytes, bytes | None, object]]]:
+    keys = chain(label, len(sizes))
+    items: list[tuple[bytes, bytes | None, object]] = [
+        (k, keys[i - 1] if i else None, page_bytes(k, n)) for i, (k, n) in enumerate(zip(keys, sizes, strict=True))]
+    return keys, items
+
+
+# sizes that exercise run coalescing: exact one slot, exact two slots, a partial last slot (the
+# next run is not adjacent to its last byte), one byte, and exact slots again
+SIZES = [PAGE, PAGE, 2 * PAGE, PAGE + PAGE // 2, PAGE, 1, PAGE, PAGE, 3 * PAGE, PAGE]
+
+
+@pytest.mark.parametrize("durability", ["sync", "process", "none"])
+def test_put_many_chain_roundtrip_reopen_and_kill(tmp_path: Path, durability: str) -> None:
+    p = make(tmp_path / "s", durability=durability)
+    keys, items = _chain_items("pm", SIZES)
+    assert p.put_many(items) == [True] * len(SIZES)
+    if durability == "sync":
+        assert p.stats().extra["syncs"] == 1  # one data sync + one journal sync for the batch
+    assert p.longest_prefix(keys) == len(keys)
+    assert [p.read_bytes(k) for k in keys] == [page_bytes(k, n) for k, n in zip(keys, SIZES, strict=True)]
+    assert [e.parent for e in map(p.entry, keys) if e is not None] == [None, *keys[:-1]]
+    if durability != "none":  # none may lose the last ~second of seals to a kill -9
+        abandon_copy(p, tmp_path / "image")
+        q = make(tmp_path / "image", durability=durability)
+        assert q.longest_prefix(keys) == len(keys)
+        assert [q.read_bytes(k) for k in keys] == [page_bytes(k, n) for k, n in zip(keys, SIZES, strict=True)]
+        q.close()
+    p.close()
+    p = make(tmp_path / "s", durability=durability)
+    assert [p.read_bytes(k) for k in keys] == [page_bytes(k, n) for k, n in zip(keys, SIZES, strict=True)]
+    p.close()
+
+
+def test_put_many_per_item_results(tmp_path: Path) -> None:
+    p = make(tmp_path / "s", budget_bytes=16 * PAGE)
+    stored = key_of("pm-stored")
+    assert put_page(p, stored, None, PAGE)
+    busy = key_of("pm-busy")
+    open_res = p.reserve(busy, None, PAGE)
+    assert open_res is not None
+    big, big_child = key_of("pm-big"), key_of("pm-big-child")
+    fine = key_of("pm-fine")
+    got = p.put_many([
+        (stored, None, page_bytes(stored, PAGE)),  # dedup
+        (busy, None, page_bytes(busy, PAGE)),  # in flight elsewhere
+        (big, None, bytes(17 * PAGE)),  # larger than the budget
+        (big_child, big, page_bytes(big_child, PAGE)),  # its parent failed
+        (fine, stored, page_bytes(fine, PAGE)),
+    ])
+    assert got[0] is False and got[4] is True
+    assert isinstance(got[1], InFlightError)
+    assert isinstance(got[2], CapacityError)
+    assert isinstance(got[3], UnknownKeyError)
+    assert p.present([big, big_child, fine]) == [False, False, True]
+    open_res.abort()
+    with pytest.raises(InvalidArgumentError):
+        p.put_many([(fine, None)])  # type: ignore[list-item]
+    with pytest.raises(InvalidArgumentError):
+        p.put_many([(key_of("pm-bad"), key_of("pm-bad"), b"x")])  # its own parent
+    st = p.stats()
+    assert st.in_flight == 0 and st.entries == 2 and st.used_bytes == 2 * PAGE
+    p.close()
+
+
+def test_put_many_chain_longer_than_the_budget(tmp_path: Path) -> None:
+    p = make(tmp_path / "s", budget_bytes=8 * PAGE)
+    keys, items = _chain_items("pm-long", [PAGE] * 12)
+    got = p.put_many(items)
+    # the whole chain is in flight at once: the ninth page finds nothing evictable
+    assert got[:8] == [True] * 8
+    assert isinstance(got[8], CapacityError)
+    assert all(isinstance(g, UnknownKeyError) for g in got[9:])
+    assert p.longest_prefix(keys) == 8
+    assert p.stats().used_bytes <= p.budget_bytes
+    # pages already stored are evicted (LRU leaves) to make room for a later batch
+    _, more = _chain_items("pm-more", [PAGE] * 4)
+    assert p.put_many(more) == [True] * 4
+    assert p.stats().used_bytes <= p.budget_bytes and p.longest_prefix(keys) == 4
+    p.close()
+
+
+@pytest.mark.parametrize("site", ["data", "journal"])
+def test_put_many_io_error_stores_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, site: str) -> None:
+    p = make(tmp_path / "s")
+    keys, items = _chain_items("pm-eio", [PAGE] * 6)
+
+    def broken(*args: object) -> int:
+        raise OSError(errno.EIO, "injected EIO")
+
+    def broken_append(*args: object) -> None:
+        raise StorageIOError("injected: appending to the index journal failed")
+
+    if site == "data":
+        monkeypatch.setattr(os, "pwritev", broken)
+    else:
+        monkeypatch.setattr(fsutil, "write_all", broken_append)
+    with pytest.raises(StorageIOError):
+        p.put_many(items)
+    monkeypatch.undo()
+    assert p.present(keys) == [False] * 6
+    st = p.stats()
+    assert (st.in_flight, st.entries, st.used_bytes) == (0, 0, 0)
+    assert p.put_many(items) == [True] * 6  # the store stays usable
+    p.close()
+    p = make(tmp_path / "s")
+    assert [p.read_bytes(k) for k in keys] == [page_bytes(k, PAGE) for k in keys]
+    p.close()
+
+
+@pytest.mark.parametrize("io", ["pread", "mmap"])
+def test_read_many_layouts(tmp_path: Path, io: str) -> None:
+    p = make(tmp_path / "s", io=io)
+    keys, items = _chain_items("rm", SIZES)
+    assert p.put_many(items) == [True] * len(SIZES)
+    miss = key_of("rm-miss")
+    outs = [bytearray(n + 3) for n in SIZES] + [bytearray(PAGE)]  # larger buffers are fine
+    assert p.read_many([*keys, miss], outs) == [True] * len(SIZES) + [False]
+    for k, n, o in zip(keys, SIZES, outs, strict=False):
+        assert bytes(o[:n]) == page_bytes(k, n)
+    # any order, repeats included
+    order = [keys[5], keys[0], keys[0], keys[9], keys[3]]
+    outs = [bytearray(SIZES[keys.index(k)]) for k in order]
+    assert p.read_many(order, outs) == [True] * 5
+    assert [bytes(o) for o in outs] == [page_bytes(k, SIZES[keys.index(k)]) for k in order]
+    st = p.stats()
+    assert st.hits == len(SIZES) + 5 and st.misses == 1
+    p.close()
+
+
+def test_read_many_corrupt_page_is_a_miss_and_dropped(tmp_path: Path) -> None:
+    p = make(tmp_path / "s")
+    keys, items = _chain_items("rm-bad", [PAGE] * 6)
+    assert p.put_many(items) == [True] * 6
+    idx = p._idx
+    row = idx.row_of(keys[3])
+    sf = p._files[int(idx.file[row])]
+    pos = sf.data_offset_of(int(idx.slot[row])) + 100
+    b = os.pread(sf.fd, 1, pos)
+    os.pwrite(sf.fd, bytes([b[0] ^ 0xFF]), pos)
+    outs = [bytearray(PAGE) for _ in keys]
+    assert p.read_many(keys, outs) == [True, True, True, False, True, True]
+    assert [bytes(o) for o in outs[:3]] == [page_bytes(k, PAGE) for k in keys[:3]]
+    assert p.stats().checksum_failures == 1
+    assert p.present(keys) == [True, True, True, False, False, False]  # dropped with its subtree
+    p.close()
+
+
+def test_read_many_bad_buffers(tmp_path: Path) -> None:
+    p = make(tmp_path / "s")
+    keys, items = _chain_items("rm-buf", [PAGE] * 3)
+    assert p.put_many(items) == [True] * 3
+    outs = [bytearray(PAGE), bytearray(PAGE - 1), bytearray(PAGE)]
+    with pytest.raises(InvalidArgumentError):
+        p.read_many(keys, outs)
+    assert bytes(outs[0]) == page_bytes(keys[0], PAGE) and bytes(outs[2]) == page_bytes(keys[2], PAGE)
+    with pytest.raises(InvalidArgumentError):
+        p.read_many(keys, outs[:2])
+    with pytest.raises(InvalidArgumentError):
+        p.read_many(keys[:1], [bytes(PAGE)])  # read-only
+    with pytest.raises(InvalidArgumentError):
+        p.read_many(keys[:1], (bytearray(PAGE) for _ in range(1)))  # type: ignore[arg-type]  # not a sequence
+    p.close()
+
+
+def test_read_many_in_a_reader_during_slot_reuse(tmp_path: Path) -> None:
+    p = make(tmp_path / "s", budget_bytes=16 * PAGE)
+    keys, items = _chain_items("rm-reader", [PAGE] * 8)
+    assert p.put_many(items) == [True] * 8
+    r = make(tmp_path / "s", readonly=True)
+    p.evict([keys[0]])
+    for i in range(3):  # the writer reuses the freed slots for other pages
+        _, more = _chain_items(f"rm-reuse-{i}", [PAGE] * 8)
+        p.put_many(more)
+    outs = [bytearray(PAGE) for _ in keys]
+    got = r.read_many(keys, outs)
+    for k, hit, o in zip(keys, got, outs, strict=True):
+        assert not hit or bytes(o) == page_bytes(k, PAGE)  # a miss, never wrong bytes
+    r.close()
+    p.close()
+
+
+def test_batch_threads_with_eviction(tmp_path: Path) -> None:
+    p = make(tmp_path / "s", budget_bytes=48 * PAGE)
+    errors: list[BaseException] = []
+
+    def worker(t: int) -> None:
+        try:
+            for j in range(12):
+                keys, items = _chain_items(f"thr-{t}-{j}", [PAGE] * 6)
+                got = p.put_many(items)
+                assert all(g is True or isinstance(g, CapacityError | UnknownKeyError) for g in got), got
+                outs = [bytearray(PAGE) for _ in keys]
+                for k, hit, o in zip(keys, p.read_many(keys, outs), outs, strict=True):
+                    assert not hit or bytes(o) == page_bytes(k, PAGE)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    st = p.stats()
+    assert st.used_bytes <= st.budget_bytes and st.in_flight == 0
+    assert p.verify().ok
+    p.close()
+
+
+# -- kill -9 with batch calls in the workload -------------------------------------------------------
+
+
+def _crash_url(path: Path, w: Workload, **opts: object) -> str:
+    base: dict[str, object] = {"budget": w.budget_bytes(3), "slot": w.page_nbytes, "snapshot_every": 32}
+    base.update(opts)
+    return f"mmap://{path}?" + "&".join(f"{k}={v}" for k, v in base.items())
+
+
+@pytest.mark.parametrize("durability", ["process", "sync"])
+def test_kill9_cycles_with_batches(tmp_path: Path, durability: str) -> None:
+    """The child mixes put_many/read_many with single-page calls and is SIGKILLed at random
+    moments: 0 wrong bytes, every page whose put_many returned True readable after reopen."""
+    w = Workload(page_nbytes=PAGE, steps=200, p_batch=0.4)
+    h = CrashHarness(_crash_url(tmp_path / "s", w, durability=durability), w, seed=4242)
+    results = h.run(40 if durability == "process" else 12, max_kill_after=0.08)
+    failed = [r.describe() for r in results if not r.ok]
+    assert not failed, failed[:3]
+    assert sum(r.acked_this_cycle for r in results) > 100
+
+
+@pytest.mark.parametrize("point", ["mmap.reserve.after_clear", "mmap.write.partial", "mmap.seal.after_header",
+                                   "mmap.seal.after_journal", "mmap.commit.after_data_sync",
+                                   "mmap.snapshot.after_snap"])
+def test_named_crash_points_in_put_many(tmp_path: Path, point: str) -> None:
+    w = Workload(page_nbytes=PAGE, steps=300, p_batch=0.8)
+    durability = "sync" if point.startswith("mmap.commit.") else "process"
+    h = CrashHarness(_crash_url(tmp_path / "s", w, durability=durability, snapshot_every=8), w, seed=5)
+    warm = h.cycle()
+    assert warm.ok, warm.describe()
+    r = h.cycle(crash_at=f"{point}:{1 if point.startswith('mmap.snapshot.') else 3}")
+    assert r.killed, f"crash point {point} was never reached: {r.describe()}"
+    assert r.ok, r.describe()
+    after = h.cycle(kill_after=0.01)
+    assert after.ok, after.describe()
