@@ -10,6 +10,7 @@ import os
 import shutil
 import socket
 import subprocess
+import tempfile
 import time
 import urllib.parse
 from dataclasses import dataclass
@@ -52,7 +53,8 @@ def server_has_tls() -> bool:
     # finding TLS support" where TLS is an optional module, as in Valkey and Redis >= 7.2).
     try:
         out = subprocess.run([binary, "--port", "0", "--tls-port", str(free_port()), "--bind", "127.0.0.1",
-                              "--save", "", "--appendonly", "no", "--daemonize", "no"],
+                              "--save", "", "--appendonly", "no", "--daemonize", "no",
+                              "--dir", tempfile.gettempdir()],
                              capture_output=True, text=True, check=False, timeout=30)
     except subprocess.TimeoutExpired:  # it started anyway (and was killed): no certificate check
         return False
