@@ -579,7 +579,10 @@ def _mp_writer(store: str, w: int, seconds: float, out: Any) -> None:
                     res.seal()
                     seals += 1
                     if rng.random() < 0.2:
-                        p.put_anchor(k, "state", anchor_bytes(k, "state", 64))
+                        try:
+                            p.put_anchor(k, "state", anchor_bytes(k, "state", 64))
+                        except (UnknownKeyError, CapacityError):
+                            break  # the other writer evicted the page right after its seal
                 parent = k
             if rng.random() < 0.1:
                 evictions += p.evict([chain(f"mp-{rng.randrange(40)}", 12)[rng.randrange(12)]]).entries
