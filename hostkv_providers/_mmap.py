@@ -874,6 +874,10 @@ class MmapProvider(Provider):
         self._queue: list[_Pending] = []
         self._leader = False
         self._failed: str | None = None  # set after a failed sync: no more acknowledgements
+        # Seals/anchors whose journal record may be written but whose entry is not in the index
+        # yet: a snapshot now would leave them out *and* rotate their records away (lost on a
+        # crash), so snapshots wait until the last of them is finished.
+        self._sealing = 0
         self._problems: list[str] = []
         self._dirty_files: set[int] = set()
         self._next_gen = 1
@@ -1804,7 +1808,7 @@ class MmapProvider(Provider):
 
     # -- snapshot --------------------------------------------------------------------------------
     def _maybe_snapshot(self) -> None:
-        if self._jrecords >= max(self._snapshot_every, self._idx.count):
+        if not self._sealing and self._jrecords >= max(self._snapshot_every, self._idx.count):
             self._snapshot()
 
     def _snapshot_records(self) -> npt.NDArray[Any]:
@@ -2039,6 +2043,7 @@ class MmapProvider(Provider):
             res.check_open(self)
             self._dirty_files.add(res.file)
             seq = self._idx.clock = self._idx.clock + 1
+            self._sealing += 1  # until _seal_finish or _seal_undo
         record = self._encode(OP_SEAL, res.key, parent=res.parent, tag=tag, file=res.file, slot=res.slot,
                               nslots=res.nslots, nbytes=res.nbytes, gen=res.gen, checksum=digest,
                               created=created, seq=seq)
@@ -2047,6 +2052,7 @@ class MmapProvider(Provider):
     def _seal_undo(self, prepared: tuple[_MmapReservation, SlotFile, int, float, bytes, bytes]) -> None:
         res, sf = prepared[0], prepared[1]
         with self._lock:
+            self._sealing -= 1
             if res.state == "open":
                 self._idx.cancel(res.key)
                 if not sf.closed:
@@ -2058,6 +2064,7 @@ class MmapProvider(Provider):
     def _seal_finish(self, prepared: tuple[_MmapReservation, SlotFile, int, float, bytes, bytes]) -> None:
         res, sf, digest, created, tag, _ = prepared
         with self._lock:
+            self._sealing -= 1
             try:
                 self._idx.commit(res.key, nbytes=res.nbytes, file=res.file, slot=res.slot, nslots=res.nslots,
                                  gen=res.gen, csum=digest, tag=tag, created=created)
@@ -2225,15 +2232,18 @@ class MmapProvider(Provider):
             rec = self._encode(OP_ANCHOR, k, name=name.encode(), file=fid, slot=slot, nslots=nslots, nbytes=nbytes,
                                gen=gen, checksum=digest, seq=idx.clock)
             self._dirty_files.add(fid)
+            self._sealing += 1  # no snapshot until the table below holds the anchor
         try:
             self._commit(rec)
         except BaseException:
             with self._lock:
+                self._sealing -= 1
                 idx.add_cost(row, -delta)
                 sf.clear(slot, nslots)
                 self._release_run(fid, slot, nslots)
             raise
         with self._lock:
+            self._sealing -= 1
             if not idx.alive[row] or idx.key_of(row) != k:  # evicted meanwhile
                 return
             table = idx.anchors.setdefault(row, {})
