@@ -957,7 +957,7 @@ class MmapProvider(Provider):
             self._adopt_dir(create)
         if not self._readonly:
             self._lockfile = _fsutil.LockFile(self._p("writer.lock"))
-        exists = os.path.lexists(manifest_path)
+        exists = _fsutil.lexists(manifest_path, f"looking for {manifest_path}")
         if not exists:
             if self._readonly or not create:
                 raise StorageIOError(f"no mmap store at {self.path} (manifest.json missing)")
@@ -1003,7 +1003,7 @@ class MmapProvider(Provider):
                 self._snapshot()
 
     def _adopt_dir(self, create: bool) -> None:
-        if not os.path.lexists(self.path):
+        if not _fsutil.lexists(self.path, f"looking for {self.path}"):
             if not create:
                 raise StorageIOError(f"no mmap store at {self.path}")
             _fsutil.ensure_private_dir(self.path)
@@ -1670,7 +1670,7 @@ class MmapProvider(Provider):
 
     def _open_journal_for_append(self) -> None:
         path = self._p(self._journal_name(self._gen))
-        if not os.path.lexists(path):
+        if not _fsutil.lexists(path, f"looking for {path}"):
             _fsutil.atomic_write(path, self._journal_header(), durable=self._durability != "none")
             self._jvalid_end = REC_NBYTES
         fd = _fsutil.open_private(path, os.O_RDWR)

@@ -269,7 +269,7 @@ class SlotFile:
             raise InvalidArgumentError(f"slot count must be a positive int, got {slot_count!r}")
         if len(store_id) != 16:
             raise InvalidArgumentError("store_id must be 16 bytes")
-        if os.path.lexists(path):
+        if _fsutil.lexists(path, f"looking for {path}"):
             raise InvalidArgumentError(f"{path} already exists")
         data_offset, total = cls.layout(slot_nbytes, slot_count)
         hdr = np.zeros(1, FILE_HEADER_DTYPE)

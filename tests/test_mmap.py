@@ -496,3 +496,38 @@ def test_seal_many_snapshot_keeps_every_record(tmp_path: Path) -> None:
         finally:
             q.close()
             p.close()
+
+
+# -- found by the EIO/ENOSPC injection (test_mmap_faults.py) ----------------------------------------
+
+
+@pytest.mark.parametrize("victim", ["manifest.json", "index.1.journal"])
+def test_eio_looking_for_a_file_is_not_missing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                victim: str) -> None:
+    """``os.path.lexists`` reads any error as "missing".  An EIO on the manifest's ``lstat`` made
+    open create a brand-new store over the existing one (new store id, and the old generation's
+    files deleted as leftovers); on the journal's, open replaced a journal full of records by an
+    empty one.  Both now raise a typed error and leave the store alone."""
+    p = make(tmp_path / "s")
+    keys = chain("lx", 4)
+    put_chain(p, keys, PAGE)
+    p.compact()  # generation 2: a new store of generation 1 would delete it as a leftover
+    put_page(p, key_of("lx-journaled"), None, PAGE)  # a record in the journal, not in the snapshot
+    p._closed = True  # kill -9: no snapshot at close, the journal holds the last record
+    p._release_all()
+    victim = victim.replace(".1.", ".2.")
+    real = os.lstat
+
+    def failing(path: object, *a: object, **kw: object) -> os.stat_result:
+        if str(path).endswith(victim):
+            raise OSError(errno.EIO, "injected EIO", str(path))
+        return real(path, *a, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "lstat", failing)
+    with pytest.raises(StorageIOError, match="I/O error"):
+        make(tmp_path / "s")
+    monkeypatch.undo()
+    q = make(tmp_path / "s")
+    assert [q.read_bytes(k) for k in keys] == [page_bytes(k, PAGE) for k in keys]
+    assert q.read_bytes(key_of("lx-journaled")) == page_bytes(key_of("lx-journaled"), PAGE)
+    q.close()
