@@ -50,6 +50,7 @@ __all__ = [
     "io_error",
     "is_temp_name",
     "lexists",
+    "listdir",
     "open_private",
     "read_small_file",
     "remove_temp_files",
@@ -94,6 +95,14 @@ def lexists(path: str, what: str) -> bool:
     except OSError as exc:
         raise io_error(exc, what) from exc
     return True
+
+
+def listdir(path: str) -> list[str]:
+    """``os.listdir`` with typed errors."""
+    try:
+        return os.listdir(path)
+    except OSError as exc:
+        raise io_error(exc, f"listing {path}") from exc
 
 
 def ensure_private_dir(path: str) -> None:

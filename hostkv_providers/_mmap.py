@@ -1016,7 +1016,7 @@ class MmapProvider(Provider):
 
             st = os.lstat(self.path)
             if (_stat.S_ISDIR(st.st_mode) and not _stat.S_ISLNK(st.st_mode) and st.st_uid == os.geteuid()
-                    and not os.listdir(self.path)):
+                    and not _fsutil.listdir(self.path)):
                 os.chmod(self.path, _fsutil.DIR_MODE)
                 _fsutil.check_private_dir(self.path)
             else:
@@ -1099,7 +1099,7 @@ class MmapProvider(Provider):
         removed = _fsutil.remove_temp_files(self.path)
         if removed:
             self._problems_note(f"removed {len(removed)} leftover temp file(s)")
-        for name in os.listdir(self.path):
+        for name in _fsutil.listdir(self.path):
             full = self._p(name)
             if os.path.islink(full):
                 raise _unsafe(f"{full} is a symlink; symlinks inside a store are refused")
@@ -1152,14 +1152,14 @@ class MmapProvider(Provider):
                 sig.append((st.st_ino, st.st_size, st.st_mtime_ns))
             except OSError:
                 sig.append(None)
-        sig.append(tuple(sorted(n for n in os.listdir(self.path) if _DATA_NAME.match(n))))
+        sig.append(tuple(sorted(n for n in _fsutil.listdir(self.path) if _DATA_NAME.match(n))))
         return tuple(sig)
 
     def _open_data_files(self) -> None:
         for sf in self._files.values():
             sf.close()
         self._files = {}
-        for name in sorted(os.listdir(self.path)):
+        for name in sorted(_fsutil.listdir(self.path)):
             m = _DATA_NAME.match(name)
             if not m or int(m.group(1)) != self._gen:
                 continue
@@ -1676,7 +1676,7 @@ class MmapProvider(Provider):
         fd = _fsutil.open_private(path, os.O_RDWR)
         self._jfd = fd
         self._jend = self._jvalid_end
-        size = os.fstat(fd).st_size
+        size = _fsutil.check_private_fd(fd, path).st_size
         self._jalloc = size
         if size > self._jend:
             # zero a torn tail so that nothing past the last valid record can ever parse
@@ -2416,7 +2416,7 @@ class MmapProvider(Provider):
                 raise ReservationError(f"cannot compact while {len(idx.flights)} reservation(s) are in flight",
                                        hint="seal or abort them first")
             self._flush_none(force=True)
-            before = sum(os.path.getsize(sf.path) for sf in self._files.values())
+            before = sum(sf.data_offset + sf.slot_count * sf.slot_nbytes for sf in self._files.values())
             rows = [int(r) for r in idx.live_rows()]
             need = sum(int(idx.nslots[r]) for r in rows) + sum(
                 a.nslots for r in rows for a in (idx.anchors.get(r) or {}).values())
@@ -2571,7 +2571,7 @@ class MmapProvider(Provider):
                 _fsutil.fsync_dir(self.path)
             if after_commit is not None:
                 raise after_commit
-            after = sum(os.path.getsize(sf.path) for sf in self._files.values())
+            after = sum(sf.data_offset + sf.slot_count * sf.slot_nbytes for sf in self._files.values())
             return CompactReport(entries=idx.count, bytes_before=before, bytes_after=after)
 
     # -- the rest --------------------------------------------------------------------------------

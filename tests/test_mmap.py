@@ -6,6 +6,7 @@ import errno
 import json
 import os
 import stat
+import sys
 import threading
 from pathlib import Path
 
@@ -530,4 +531,28 @@ def test_eio_looking_for_a_file_is_not_missing(tmp_path: Path, monkeypatch: pyte
     q = make(tmp_path / "s")
     assert [q.read_bytes(k) for k in keys] == [page_bytes(k, PAGE) for k in keys]
     assert q.read_bytes(key_of("lx-journaled")) == page_bytes(key_of("lx-journaled"), PAGE)
+    q.close()
+
+
+@pytest.mark.parametrize("call", ["listdir", "fstat"])
+def test_eio_in_open_is_a_typed_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, call: str) -> None:
+    """Listing the store directory and the journal's ``fstat`` let a bare ``OSError`` out of open
+    (and of a seal whose snapshot reopened the journal, and compact's size report)."""
+    p = make(tmp_path / "s")
+    put_page(p, key_of("t"), None, PAGE)
+    p.close()
+    real = getattr(os, call)
+    target = {"listdir": "_open_data_files", "fstat": "_open_journal_for_append"}[call]
+
+    def failing(arg: object, *a: object) -> object:
+        if target in (sys._getframe(1).f_code.co_name, sys._getframe(2).f_code.co_name):
+            raise OSError(errno.EIO, "injected EIO")
+        return real(arg, *a)
+
+    monkeypatch.setattr(os, call, failing)
+    with pytest.raises(StorageIOError, match="I/O error"):
+        make(tmp_path / "s")
+    monkeypatch.undo()
+    q = make(tmp_path / "s")
+    assert q.read_bytes(key_of("t")) == page_bytes(key_of("t"), PAGE)
     q.close()
