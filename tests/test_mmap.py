@@ -556,3 +556,38 @@ def test_eio_in_open_is_a_typed_error(tmp_path: Path, monkeypatch: pytest.Monkey
     q = make(tmp_path / "s")
     assert q.read_bytes(key_of("t")) == page_bytes(key_of("t"), PAGE)
     q.close()
+
+
+@pytest.mark.parametrize("what", ["fsync_dir", "mmap"])
+def test_failed_data_file_creation_after_its_rename(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    what: str) -> None:
+    """A new data file whose directory sync (or mapping) failed after its rename stayed under its
+    final name, unregistered: every later attempt to add it raised "already exists"
+    (InvalidArgumentError) until the store was reopened.  Now the file is removed and writes
+    resume in the same instance."""
+    p = make(tmp_path / "s", budget_bytes=16 * PAGE, file_nbytes=2 * PAGE)
+    put_page(p, key_of("d0"), None, PAGE)
+    put_page(p, key_of("d1"), None, PAGE)  # the first data file is full
+    calls = []
+    if what == "fsync_dir":
+        def failing_dir(path: str) -> None:
+            calls.append(path)
+            raise StorageIOError("injected EIO syncing the directory")
+
+        monkeypatch.setattr(fsutil, "fsync_dir", failing_dir)
+    else:
+        import mmap as mmap_mod
+
+        def failing_mmap(*a: object, **kw: object) -> object:
+            calls.append(a)
+            raise OSError(errno.EIO, "injected EIO")
+
+        monkeypatch.setattr(mmap_mod, "mmap", failing_mmap)
+    with pytest.raises(StorageIOError):
+        put_page(p, key_of("d2"), None, PAGE)
+    monkeypatch.undo()
+    assert calls
+    for i in range(2, 6):  # writes resume: new data files are added
+        put_page(p, key_of(f"d{i}"), None, PAGE)
+    assert all(p.read_bytes(key_of(f"d{i}")) == page_bytes(key_of(f"d{i}"), PAGE) for i in range(6))
+    p.close()
