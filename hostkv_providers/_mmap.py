@@ -63,6 +63,7 @@ from ._errors import (
     ReservationError,
     StorageIOError,
     UnknownKeyError,
+    UnsafeStoreError,
 )
 from ._keys import FORMAT_VERSION, KEY_ALGORITHM, KEY_NBYTES, Key
 from ._options import Options
@@ -1010,7 +1011,7 @@ class MmapProvider(Provider):
             return
         try:
             _fsutil.check_private_dir(self.path)
-        except HostKVError:
+        except UnsafeStoreError:  # not an I/O error: that one is the answer
             # An empty directory the caller made for us (loose umask): adopt it and tighten it.
             import stat as _stat
 
@@ -1650,8 +1651,19 @@ class MmapProvider(Provider):
                 raise CapacityError(f"no run of {nslots} free slots (fragmented and nothing evictable)")
             self._free_rows_storage(victims, journal=True)
 
+    def _discard_leftover(self, path: str) -> None:
+        """Remove a data file nothing refers to — one whose creation failed after its rename and
+        whose cleanup failed too — so that it can be created again (else: "already exists")."""
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise _fsutil.io_error(exc, f"removing the unused {path}") from exc
+
     def _add_data_file(self, nslots: int) -> None:
         fid = max(self._files, default=-1) + 1
+        self._discard_leftover(self._p(self._data_name(self._gen, fid)))  # never one in use: ids are max+1
         sf = SlotFile.create(self._p(self._data_name(self._gen, fid)), slot_nbytes=self._slot, slot_count=nslots,
                              file_id=fid, store_id=self._store_id, durable=self._durability != "none")
         sf.io = self._io
@@ -2431,6 +2443,7 @@ class MmapProvider(Provider):
                     fid, s = fid + 1, 0
                 if fid not in new_files:
                     size = max(nslots_file, n) if need else 1
+                    self._discard_leftover(self._p(self._data_name(new_gen, fid)))  # a failed compaction's
                     new_files[fid] = SlotFile.create(
                         self._p(self._data_name(new_gen, fid)), slot_nbytes=self._slot, slot_count=size,
                         file_id=fid, store_id=self._store_id)

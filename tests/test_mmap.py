@@ -591,3 +591,54 @@ def test_failed_data_file_creation_after_its_rename(tmp_path: Path, monkeypatch:
         put_page(p, key_of(f"d{i}"), None, PAGE)
     assert all(p.read_bytes(key_of(f"d{i}")) == page_bytes(key_of(f"d{i}"), PAGE) for i in range(6))
     p.close()
+
+
+def test_failed_creation_whose_cleanup_failed_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A device that stays broken: the new data file's directory sync fails *and* so does the
+    cleanup's unlink.  The unreferenced file under its final name must not block the next create
+    of that file id once the device works again (it did: "already exists"); the same holds for
+    a compaction retried after one that failed that way."""
+    p = make(tmp_path / "s", budget_bytes=16 * PAGE, file_nbytes=2 * PAGE)
+    put_page(p, key_of("e0"), None, PAGE)
+    put_page(p, key_of("e1"), None, PAGE)
+
+    def failing_dir(path: str) -> None:
+        raise StorageIOError("injected EIO syncing the directory")
+
+    def failing_unlink(path: object, *a: object, **kw: object) -> None:
+        raise OSError(errno.EIO, "injected EIO", str(path))
+
+    for action in (lambda: put_page(p, key_of("e2"), None, PAGE), p.compact):
+        monkeypatch.setattr(fsutil, "fsync_dir", failing_dir)
+        monkeypatch.setattr(os, "unlink", failing_unlink)
+        with pytest.raises(StorageIOError):
+            action()
+        monkeypatch.undo()
+        assert any(n.startswith("data.") for n in os.listdir(tmp_path / "s"))
+    put_page(p, key_of("e2"), None, PAGE)  # a new data file: the leftover is replaced
+    p.compact()  # into generation 2: the failed compaction's files are replaced
+    assert all(p.read_bytes(key_of(f"e{i}")) == page_bytes(key_of(f"e{i}"), PAGE) for i in range(3))
+    p.close()
+
+
+def test_eio_inspecting_the_store_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An EIO from the store directory's lstat in the permission check was taken for a
+    permission problem; the adoption path then called lstat again, and its EIO escaped as a bare
+    OSError."""
+    make(tmp_path / "s").close()
+    real = os.lstat
+    target = str(tmp_path / "s")
+    seen = []
+
+    def failing(path: object, *a: object, **kw: object) -> os.stat_result:
+        if str(path) == target:
+            seen.append(path)
+        if len(seen) > 1 and str(path) == target:  # the existence check passes, the rest fails
+            raise OSError(errno.EIO, "injected EIO", str(path))
+        return real(path, *a, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "lstat", failing)
+    with pytest.raises(StorageIOError, match="I/O error"):
+        make(tmp_path / "s")
+    monkeypatch.undo()
+    make(tmp_path / "s").close()
