@@ -1,8 +1,9 @@
 """Power-cut simulation for the mmap provider (RELIABILITY.md, "power-cut simulation").
 
 A seeded in-process workload (chains of pages written whole, in pieces and through
-``Reservation.regions()``, ``seal``/``seal_many``, aborts, explicit and policy evictions, anchors,
-snapshots, compaction, close/reopen) runs on a store watched by
+``Reservation.regions()``, with ``io=pread`` or ``io=mmap``, ``seal``/``seal_many``, aborts,
+explicit and policy evictions, anchors, snapshots, compaction, close/reopen, kill -9 and
+recovery) runs on a store watched by
 :class:`hostkv_providers.testing.powercut.PowerCut`.  At random syncs (power lost while the sync
 was in flight) and at random points between operations, an image of what the disk could hold is
 built (unsynced 512-byte sectors, file sizes and directory entries each independently old or new),
@@ -48,9 +49,9 @@ def nbytes_of(key: bytes) -> int:
     return 2048 + (key[0] % 8) * 2048 - (key[1] % 3) * 300
 
 
-def open_store(path: str, durability: str) -> MmapProvider:
+def open_store(path: str, durability: str, io: str = "pread") -> MmapProvider:
     return MmapProvider(path, durability=durability, budget_bytes=BUDGET, slot_nbytes=SLOT, file_nbytes=FILE,
-                        snapshot_every=SNAP_EVERY)
+                        snapshot_every=SNAP_EVERY, io=io)
 
 
 @dataclass
@@ -85,6 +86,7 @@ class Run:
         self.tmp = tmp
         self.seed = seed
         self.mode = durability
+        self.io = "mmap" if seed % 2 else "pread"  # page bytes through the mapping or pwrite
         self.root = str(tmp / "store")
         self.rng = random.Random(seed)
         self.img_rng = random.Random(seed * 7919 + 1)
@@ -279,17 +281,22 @@ class Run:
                 assert got is None or got == page_bytes(k, nbytes_of(k)), "live read returned wrong bytes"
         elif r < 0.96:
             p.compact()
-        else:
+        elif r < 0.98:
             self.live_at_close = self.required()
             p.close()
-            self.p = open_store(self.root, self.mode)
+            self.p = open_store(self.root, self.mode, self.io)
+        else:  # kill -9 (no snapshot, no sync), then the recovery writes under the simulator too
+            self.live_at_close = self.required()
+            p._closed = True
+            p._release_all()
+            self.p = open_store(self.root, self.mode, self.io)
 
     def run(self, steps: int) -> Tally:
         os.mkdir(self.root, 0o700)
         with PowerCut(self.root) as pc:
             self.pc = pc
             pc.on_sync = self.on_sync
-            self.p = open_store(self.root, self.mode)
+            self.p = open_store(self.root, self.mode, self.io)
             try:
                 for _ in range(steps):
                     self.step()
