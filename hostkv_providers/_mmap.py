@@ -43,6 +43,7 @@ import secrets
 import struct
 import threading
 import time
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -144,11 +145,17 @@ _KNOWN_NAME = re.compile(
     r"^(manifest\.json|writer\.lock|(data\.\d{1,9}\.\d{4,9}\.slots)|index\.\d{1,9}\.(snap|journal))$")
 
 _fork_generation = 0
+_instances: weakref.WeakSet[MmapProvider] = weakref.WeakSet()
 
 
 def _after_fork_in_child() -> None:
     global _fork_generation
     _fork_generation += 1
+    # Methods take the lock before their fork check: a lock copied while another thread of the
+    # parent held it would hang the child's first call instead of raising UsedAfterForkError.
+    for prov in list(_instances):
+        prov._lock = threading.RLock()
+        prov._commit_cv = threading.Condition(threading.Lock())
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -859,6 +866,7 @@ class MmapProvider(Provider):
         self._commit_window = float(commit_window)
         self._lock = threading.RLock()
         self._commit_cv = threading.Condition(threading.Lock())
+        _instances.add(self)
         self._counters: dict[str, int] = dict.fromkeys(
             ("hits", "misses", "seals", "aborts", "dedup", "checksum_failures", "bytes_written", "bytes_read",
              "stale_reads", "syncs", "group_commits"), 0)

@@ -642,3 +642,41 @@ def test_eio_inspecting_the_store_directory(tmp_path: Path, monkeypatch: pytest.
         make(tmp_path / "s")
     monkeypatch.undo()
     make(tmp_path / "s").close()
+
+
+def test_fork_while_another_thread_holds_the_lock(tmp_path: Path) -> None:
+    """Found while running the suite (``test_use_after_fork_while_busy`` hung now and then): the
+    provider's methods take its lock before the fork check, so a child forked while another
+    thread of the parent held the lock waited forever instead of raising ``UsedAfterForkError``.
+    The child now starts with fresh locks."""
+    import signal
+
+    p = make(tmp_path / "s")
+    put_page(p, key_of("f"), None, PAGE)
+    held, done = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with p._lock:
+            held.set()
+            done.wait(30)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    held.wait(30)
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        code = 1
+        try:
+            signal.alarm(10)  # a hang ends as SIGALRM, not as a stuck test run
+            p.present([key_of("f")])
+        except Exception as exc:
+            code = 0 if type(exc).__name__ == "UsedAfterForkError" else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    done.set()
+    t.join()
+    assert not os.WIFSIGNALED(status), "the child hung on the copied lock"
+    assert os.WEXITSTATUS(status) == 0
+    assert p.read_bytes(key_of("f")) == page_bytes(key_of("f"), PAGE)
+    p.close()
