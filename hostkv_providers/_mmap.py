@@ -1672,8 +1672,10 @@ class MmapProvider(Provider):
     def _add_data_file(self, nslots: int) -> None:
         fid = max(self._files, default=-1) + 1
         self._discard_leftover(self._p(self._data_name(self._gen, fid)))  # never one in use: ids are max+1
+        # Durable in every mode (one sync per new data file): with durability=none a power cut
+        # could leave the name on an empty or short file, and open refused the whole store.
         sf = SlotFile.create(self._p(self._data_name(self._gen, fid)), slot_nbytes=self._slot, slot_count=nslots,
-                             file_id=fid, store_id=self._store_id, durable=self._durability != "none")
+                             file_id=fid, store_id=self._store_id)
         sf.io = self._io
         self._files[fid] = sf
         self._free[fid] = np.ones(nslots, np.bool_)

@@ -323,14 +323,14 @@ def _run(tmp_path: Path, seeds: Sequence[int], durability: str, steps: int) -> l
     return tallies
 
 
-@pytest.mark.parametrize("durability", ["sync", "process"])
+@pytest.mark.parametrize("durability", ["sync", "process", "none"])
 def test_power_cut_images(tmp_path: Path, durability: str) -> None:
     tallies = _run(tmp_path, range(6), durability, steps=90)
     images = sum(t.images for t in tallies)
     print(f"{durability}: {images} images, {sum(t.at_sync for t in tallies)} at a sync, "
           f"{sum(t.read_ok for t in tallies)} pages read back, {sum(t.required for t in tallies)} required, "
           f"{sum(t.corrupt_reported for t in tallies)} reported corrupt by verify")
-    assert images >= 100
+    assert images >= (100 if durability != "none" else 50)  # none: syncs only at snapshots and compaction
 
 
 
@@ -368,3 +368,21 @@ def test_the_model_itself(tmp_path: Path) -> None:
         _fsutil.fsync_dir(str(root))
         assert pc.image(rng, p_name=0.0) == {"b": new}
         assert pc.syncs == {"file": 2, "dir": 2}
+
+
+def test_durability_none_store_opens_after_a_power_cut(tmp_path: Path) -> None:
+    """With ``durability=none`` data files were created without a sync: a power cut could leave
+    the new name on an empty file, and open refused the whole store (CorruptStoreError)."""
+    root = tmp_path / "s"
+    root.mkdir(mode=0o700)
+    with PowerCut(str(root)) as pc:
+        p = open_store(str(root), "none")
+        keys = [key_of(f"none-{i}") for i in range(40)]  # several data files
+        for k in keys:
+            p.put(k, None, page_bytes(k, nbytes_of(k)))
+        for i, p_name in enumerate((0.0, 1.0)):
+            write_image(pc.image(random.Random(i), p_new=0.0, p_name=p_name), str(tmp_path / f"img{i}"))
+            q = open_store(str(tmp_path / f"img{i}"), "none")
+            assert all(q.read_bytes(k) in (None, page_bytes(k, nbytes_of(k))) for k in keys)
+            q.close()
+        p.close()
