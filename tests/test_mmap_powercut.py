@@ -91,6 +91,7 @@ class Run:
         self.rng = random.Random(seed)
         self.img_rng = random.Random(seed * 7919 + 1)
         self.p_sync = p_sync
+        self.p_point = p_sync / 6
         self.p_step = p_step
         self.o = Oracle()
         self.tally = Tally()
@@ -137,7 +138,9 @@ class Run:
             shutil.rmtree(dest, ignore_errors=True)
 
     def on_sync(self, kind: str) -> None:
-        if self.img_rng.random() < self.p_sync:
+        # syncs are where durability is decided; named crash points (several per page) are
+        # sampled more thinly
+        if self.img_rng.random() < (self.p_point if kind.startswith("point:") else self.p_sync):
             self.capture(kind)
 
     def check_image(self, dest: str, required: set[Key]) -> None:

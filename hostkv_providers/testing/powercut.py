@@ -69,7 +69,9 @@ class PowerCut:
     ----------
     on_sync:
         ``callable(kind)`` called at every sync of the store (``kind`` is ``"file"`` or ``"dir"``)
-        before it takes effect; capture images there.  Not called re-entrantly.
+        before it takes effect, and at every named crash point the code passes
+        (:func:`hostkv_providers._fsutil.crash_point`; ``kind`` is ``"point:<name>"``): capture
+        images there.  Not called re-entrantly.
     syncs:
         Syncs seen, by kind.
     """
@@ -83,6 +85,7 @@ class PowerCut:
         self._durable: dict[int, bytes] = {}  # inode -> durable bytes (size = len)
         self._dir_durable: dict[str, int] = {}  # name -> inode, as of the last directory sync
         self._orig: tuple[Callable[[int], None], Callable[[int], None]] | None = None
+        self._orig_point: Callable[[str], None] | None = None
         self._in_hook = False
         self._root_id: tuple[int, int] | None = None
 
@@ -102,12 +105,17 @@ class PowerCut:
         self._dir_durable = dict(cur)
         _fsutil.fsync = self._fsync
         _fsutil.fdatasync = self._fdatasync
+        self._orig_point = _fsutil.crash_point
+        setattr(_fsutil, "crash_point", self._crash_point)  # noqa: B010  (a module function: mypy refuses =)
 
     def uninstall(self) -> None:
         """Restore the real syncs and close the descriptors the model holds."""
         if self._orig is not None:
             _fsutil.fsync, _fsutil.fdatasync = self._orig
             self._orig = None
+        if self._orig_point is not None:
+            setattr(_fsutil, "crash_point", self._orig_point)  # noqa: B010
+            self._orig_point = None
         for fd in self._fds.values():
             with contextlib.suppress(OSError):
                 os.close(fd)
@@ -193,6 +201,16 @@ class PowerCut:
             self._dir_durable = self._scan()
         else:
             self._durable[ino] = self._current(ino)
+
+    def _crash_point(self, name: str) -> None:
+        if self.on_sync is not None and not self._in_hook:
+            self._in_hook = True
+            try:
+                self.on_sync(f"point:{name}")  # a power cut at a named step of a protocol
+            finally:
+                self._in_hook = False
+        if self._orig_point is not None:
+            self._orig_point(name)
 
     def _fsync(self, fd: int) -> None:
         self._sync(fd, False)
