@@ -178,17 +178,22 @@ class Run:
                         f"WRONG ANCHOR {name} of {k.hex()[:12]}"
                 elif self.mode == "sync" and k in required and need:
                     raise AssertionError(f"acknowledged anchor {name} of {k.hex()[:12]} lost")
-            fresh = key_of(f"pc-fresh-{self.seed}-{self.tally.images}")
-            q.put(fresh, None, page_bytes(fresh, 5000))  # writes resume
-            assert q.read_bytes(fresh) == page_bytes(fresh, 5000)
             q.verify(repair=True)
+            if self.mode == "sync":
+                lost = [k.hex()[:12] for k in required if q.read_bytes(k) != page_bytes(k, nbytes_of(k))]
+                assert not lost, f"acknowledged pages lost by verify(repair=True): {lost}"
+            fresh = key_of(f"pc-fresh-{self.seed}-{self.tally.images}")
+            q.put(fresh, None, page_bytes(fresh, 5000))  # writes resume (may evict an LRU leaf)
+            assert q.read_bytes(fresh) == page_bytes(fresh, 5000)
+            kept = {e.key for e in q.iter_entries()}
         finally:
             q.close()
         q = open_store(dest, self.mode)
         try:
             rep = q.verify()
             assert rep.ok, f"not clean after verify(repair=True) and reopen: {rep}"
-            assert q.read_bytes(fresh) == page_bytes(fresh, 5000)
+            lost = [k.hex()[:12] for k in kept if q.read_bytes(k) is None]
+            assert not lost, f"entries lost by a clean close and reopen: {lost}"
         finally:
             q.close()
 
