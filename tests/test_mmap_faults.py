@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import os
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -118,11 +119,17 @@ class State:
             p.close()
 
     def crash(self) -> None:
-        """What kill -9 leaves: descriptors and the lock dropped, no snapshot, no sync."""
+        """What kill -9 leaves: descriptors and the lock dropped, no snapshot, no sync; plus the
+        leftovers of a crash mid-``atomic_write`` and mid-compaction, for recovery to reclaim."""
         p, self.p = self.p, None
         if p is not None:
             p._closed = True
             p._release_all()
+        for name in (".tmp-index.2.snap.1.deadbeef", "data.3.0000.slots"):
+            # builtin open and fchmod: the injector counts (and fails) only the library's calls
+            with open(os.path.join(self.root, name), "xb") as f:
+                os.fchmod(f.fileno(), 0o600)
+                f.write(b"leftover")
 
 
 def workload(s: State) -> list[tuple[str, Callable[[], object]]]:

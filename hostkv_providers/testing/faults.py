@@ -12,6 +12,9 @@ Typical use: run a workload once to count its calls, then once per index ``n`` w
 call ``n``, and check that every operation either succeeds or raises one of the library's typed
 errors, that nothing acknowledged is lost, and that writes resume after the fault.
 
+Calls a test itself makes on the store through the wrapped functions are counted (and failed)
+too: make them outside the ``with`` block, or with the builtin ``open`` and ``os.f*`` calls.
+
 ``os.close`` is tracked (to forget descriptors) but never failed: Linux frees the descriptor even
 when ``close`` reports an error, and the library only closes after it is done with a file.
 """
