@@ -49,6 +49,8 @@ __all__ = [
     "fsync_dir",
     "io_error",
     "is_temp_name",
+    "lexists",
+    "listdir",
     "open_private",
     "read_small_file",
     "remove_temp_files",
@@ -80,6 +82,27 @@ def io_error(exc: OSError, what: str) -> HostKVError:
 
 
 # -- directories ---------------------------------------------------------------------------------
+
+
+def lexists(path: str, what: str) -> bool:
+    """Whether ``path`` exists (a final symlink is not followed).  Unlike ``os.path.lexists``,
+    an error other than "no such file" raises (typed) instead of reading as "missing": an EIO on
+    the manifest's ``lstat`` once made open create a new, empty store over an existing one."""
+    try:
+        os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    except OSError as exc:
+        raise io_error(exc, what) from exc
+    return True
+
+
+def listdir(path: str) -> list[str]:
+    """``os.listdir`` with typed errors."""
+    try:
+        return os.listdir(path)
+    except OSError as exc:
+        raise io_error(exc, f"listing {path}") from exc
 
 
 def ensure_private_dir(path: str) -> None:

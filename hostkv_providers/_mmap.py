@@ -45,6 +45,7 @@ import secrets
 import struct
 import threading
 import time
+import weakref
 from collections.abc import Container, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -65,6 +66,7 @@ from ._errors import (
     ReservationError,
     StorageIOError,
     UnknownKeyError,
+    UnsafeStoreError,
 )
 from ._keys import FORMAT_VERSION, KEY_ALGORITHM, KEY_NBYTES, Key
 from ._options import Options
@@ -146,11 +148,17 @@ _KNOWN_NAME = re.compile(
     r"^(manifest\.json|writer\.lock|(data\.\d{1,9}\.\d{4,9}\.slots)|index\.\d{1,9}\.(snap|journal))$")
 
 _fork_generation = 0
+_instances: weakref.WeakSet[MmapProvider] = weakref.WeakSet()
 
 
 def _after_fork_in_child() -> None:
     global _fork_generation
     _fork_generation += 1
+    # Methods take the lock before their fork check: a lock copied while another thread of the
+    # parent held it would hang the child's first call instead of raising UsedAfterForkError.
+    for prov in list(_instances):
+        prov._lock = threading.RLock()
+        prov._commit_cv = threading.Condition(threading.Lock())
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -880,6 +888,7 @@ class MmapProvider(Provider):
         self._commit_window = float(commit_window)
         self._lock = threading.RLock()
         self._commit_cv = threading.Condition(threading.Lock())
+        _instances.add(self)
         self._counters: dict[str, int] = dict.fromkeys(
             ("hits", "misses", "seals", "aborts", "dedup", "checksum_failures", "bytes_written", "bytes_read",
              "stale_reads", "syncs", "group_commits"), 0)
@@ -906,8 +915,9 @@ class MmapProvider(Provider):
         self._torn_tail = False
         self._last_mode = 0  # durability code of the writer that wrote the journal (0: unknown)
         self._stale_at_open = 0
-        # Seals whose journal record may already be written but which are not in the index yet
-        # (between _seal_prepare and _seal_finish/_seal_undo).  A snapshot taken meanwhile would
+        # Seals and anchors whose journal record may already be written but which are not in the
+        # index yet (a seal between _seal_prepare and _seal_finish/_seal_undo, an anchor between
+        # its record and its table entry).  A snapshot taken meanwhile would
         # cover neither the entry (not in the index) nor its record (the journal is rotated), so
         # an acknowledged seal would be lost by a kill -9: snapshots wait until this is 0.
         self._unfinished = 0
@@ -983,7 +993,7 @@ class MmapProvider(Provider):
             self._adopt_dir(create)
         if not self._readonly:
             self._lockfile = _fsutil.LockFile(self._p("writer.lock"))
-        exists = os.path.lexists(manifest_path)
+        exists = _fsutil.lexists(manifest_path, f"looking for {manifest_path}")
         if not exists:
             if self._readonly or not create:
                 raise StorageIOError(f"no mmap store at {self.path} (manifest.json missing)")
@@ -1029,20 +1039,20 @@ class MmapProvider(Provider):
                 self._snapshot()
 
     def _adopt_dir(self, create: bool) -> None:
-        if not os.path.lexists(self.path):
+        if not _fsutil.lexists(self.path, f"looking for {self.path}"):
             if not create:
                 raise StorageIOError(f"no mmap store at {self.path}")
             _fsutil.ensure_private_dir(self.path)
             return
         try:
             _fsutil.check_private_dir(self.path)
-        except HostKVError:
+        except UnsafeStoreError:  # not an I/O error: that one is the answer
             # An empty directory the caller made for us (loose umask): adopt it and tighten it.
             import stat as _stat
 
             st = os.lstat(self.path)
             if (_stat.S_ISDIR(st.st_mode) and not _stat.S_ISLNK(st.st_mode) and st.st_uid == os.geteuid()
-                    and not os.listdir(self.path)):
+                    and not _fsutil.listdir(self.path)):
                 os.chmod(self.path, _fsutil.DIR_MODE)
                 _fsutil.check_private_dir(self.path)
             else:
@@ -1125,7 +1135,7 @@ class MmapProvider(Provider):
         removed = _fsutil.remove_temp_files(self.path)
         if removed:
             self._problems_note(f"removed {len(removed)} leftover temp file(s)")
-        for name in os.listdir(self.path):
+        for name in _fsutil.listdir(self.path):
             full = self._p(name)
             if os.path.islink(full):
                 raise _unsafe(f"{full} is a symlink; symlinks inside a store are refused")
@@ -1178,14 +1188,14 @@ class MmapProvider(Provider):
                 sig.append((st.st_ino, st.st_size, st.st_mtime_ns))
             except OSError:
                 sig.append(None)
-        sig.append(tuple(sorted(n for n in os.listdir(self.path) if _DATA_NAME.match(n))))
+        sig.append(tuple(sorted(n for n in _fsutil.listdir(self.path) if _DATA_NAME.match(n))))
         return tuple(sig)
 
     def _open_data_files(self) -> None:
         for sf in self._files.values():
             sf.close()
         self._files = {}
-        for name in sorted(os.listdir(self.path)):
+        for name in sorted(_fsutil.listdir(self.path)):
             m = _DATA_NAME.match(name)
             if not m or int(m.group(1)) != self._gen:
                 continue
@@ -1676,10 +1686,23 @@ class MmapProvider(Provider):
                 raise CapacityError(f"no run of {nslots} free slots (fragmented and nothing evictable)")
             self._free_rows_storage(victims, journal=True)
 
+    def _discard_leftover(self, path: str) -> None:
+        """Remove a data file nothing refers to — one whose creation failed after its rename and
+        whose cleanup failed too — so that it can be created again (else: "already exists")."""
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise _fsutil.io_error(exc, f"removing the unused {path}") from exc
+
     def _add_data_file(self, nslots: int) -> None:
         fid = max(self._files, default=-1) + 1
+        self._discard_leftover(self._p(self._data_name(self._gen, fid)))  # never one in use: ids are max+1
+        # Durable in every mode (one sync per new data file): with durability=none a power cut
+        # could leave the name on an empty or short file, and open refused the whole store.
         sf = SlotFile.create(self._p(self._data_name(self._gen, fid)), slot_nbytes=self._slot, slot_count=nslots,
-                             file_id=fid, store_id=self._store_id, durable=self._durability != "none")
+                             file_id=fid, store_id=self._store_id)
         sf.io = self._io
         self._files[fid] = sf
         self._free[fid] = np.ones(nslots, np.bool_)
@@ -1696,13 +1719,13 @@ class MmapProvider(Provider):
 
     def _open_journal_for_append(self) -> None:
         path = self._p(self._journal_name(self._gen))
-        if not os.path.lexists(path):
+        if not _fsutil.lexists(path, f"looking for {path}"):
             _fsutil.atomic_write(path, self._journal_header(), durable=self._durability != "none")
             self._jvalid_end = REC_NBYTES
         fd = _fsutil.open_private(path, os.O_RDWR)
         self._jfd = fd
         self._jend = self._jvalid_end
-        size = os.fstat(fd).st_size
+        size = _fsutil.check_private_fd(fd, path).st_size
         self._jalloc = size
         if size > self._jend:
             # zero a torn tail so that nothing past the last valid record can ever parse
@@ -2503,15 +2526,18 @@ class MmapProvider(Provider):
             rec = self._encode(OP_ANCHOR, k, name=name.encode(), file=fid, slot=slot, nslots=nslots, nbytes=nbytes,
                                gen=gen, checksum=digest, seq=idx.clock)
             self._dirty_files.add(fid)
+            self._unfinished += 1  # no snapshot until the table below holds the anchor
         try:
             self._commit(rec)
         except BaseException:
             with self._lock:
+                self._unfinished -= 1
                 idx.add_cost(row, -delta)
                 sf.clear(slot, nslots)
                 self._release_run(fid, slot, nslots)
             raise
         with self._lock:
+            self._unfinished -= 1
             if not idx.alive[row] or idx.key_of(row) != k:  # evicted meanwhile
                 return
             table = idx.anchors.setdefault(row, {})
@@ -2692,7 +2718,7 @@ class MmapProvider(Provider):
                 raise ReservationError(f"cannot compact while {len(idx.flights)} reservation(s) are in flight",
                                        hint="seal or abort them first")
             self._flush_none(force=True)
-            before = sum(os.path.getsize(sf.path) for sf in self._files.values())
+            before = sum(sf.data_offset + sf.slot_count * sf.slot_nbytes for sf in self._files.values())
             rows = [int(r) for r in idx.live_rows()]
             need = sum(int(idx.nslots[r]) for r in rows) + sum(
                 a.nslots for r in rows for a in (idx.anchors.get(r) or {}).values())
@@ -2707,6 +2733,7 @@ class MmapProvider(Provider):
                     fid, s = fid + 1, 0
                 if fid not in new_files:
                     size = max(nslots_file, n) if need else 1
+                    self._discard_leftover(self._p(self._data_name(new_gen, fid)))  # a failed compaction's
                     new_files[fid] = SlotFile.create(
                         self._p(self._data_name(new_gen, fid)), slot_nbytes=self._slot, slot_count=size,
                         file_id=fid, store_id=self._store_id)
@@ -2847,7 +2874,7 @@ class MmapProvider(Provider):
                 _fsutil.fsync_dir(self.path)
             if after_commit is not None:
                 raise after_commit
-            after = sum(os.path.getsize(sf.path) for sf in self._files.values())
+            after = sum(sf.data_offset + sf.slot_count * sf.slot_nbytes for sf in self._files.values())
             return CompactReport(entries=idx.count, bytes_before=before, bytes_after=after)
 
     # -- the rest --------------------------------------------------------------------------------

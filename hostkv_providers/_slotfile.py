@@ -273,7 +273,7 @@ class SlotFile:
             raise InvalidArgumentError(f"slot count must be a positive int, got {slot_count!r}")
         if len(store_id) != 16:
             raise InvalidArgumentError("store_id must be 16 bytes")
-        if os.path.lexists(path):
+        if _fsutil.lexists(path, f"looking for {path}"):
             raise InvalidArgumentError(f"{path} already exists")
         data_offset, total = cls.layout(slot_nbytes, slot_count)
         hdr = np.zeros(1, FILE_HEADER_DTYPE)
@@ -290,6 +290,10 @@ class SlotFile:
         raw[120:128] = xxhash.xxh3_64_intdigest(bytes(raw[:120])).to_bytes(8, "little")
         tmp = _fsutil.temp_name(path)
         fd = _fsutil.open_private(tmp, os.O_RDWR, create=True, exclusive=True)
+        # A failure after the rename (the directory sync, the mapping) must remove the file under
+        # its final name: nothing refers to it yet, and left there it made every later create
+        # of this file id fail with "already exists" until the store was reopened.
+        name = tmp
         try:
             _fsutil.fallocate(fd, 0, total, f"preallocating {total} bytes for {path}")
             _fsutil.write_all(fd, bytes(raw), 0, f"writing the header of {path}")
@@ -299,14 +303,20 @@ class SlotFile:
                 os.rename(tmp, path)
             except OSError as exc:
                 raise _fsutil.io_error(exc, f"renaming {tmp}") from exc
+            name = path
             if durable:
                 _fsutil.fsync_dir(os.path.dirname(path) or ".")
         except BaseException:
             os.close(fd)
             with contextlib.suppress(OSError):
-                os.unlink(tmp)
+                os.unlink(name)
             raise
-        return cls(path, fd, np.frombuffer(bytes(raw), FILE_HEADER_DTYPE), True)
+        try:
+            return cls(path, fd, np.frombuffer(bytes(raw), FILE_HEADER_DTYPE), True)  # closes fd on failure
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            raise
 
     @classmethod
     def open(cls, path: str, *, writable: bool, store_id: bytes | None = None,
