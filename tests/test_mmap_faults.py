@@ -98,6 +98,23 @@ class State:
         p.seal_many(batch)
         self.acked.update((r.key, None) for r in batch)
 
+    def batch_put(self, labels: list[str]) -> None:
+        """A chain through ``put_many`` (the batch path: one pwritev per run, one commit)."""
+        keys = [key_of(label) for label in labels]
+        items = [(k, keys[i - 1] if i else None, expected(k)) for i, k in enumerate(keys)]
+        for k, parent, _ in items:
+            self.written[k] = parent
+        got = self.prov().put_many(items)
+        for (k, parent, _), ok in zip(items, got, strict=True):
+            if ok is True or ok is False:  # stored now, or already stored
+                self.acked[k] = parent
+
+    def batch_read(self) -> None:
+        keys = list(self.written)
+        outs = [bytearray(nbytes_of(k)) for k in keys]
+        for k, ok, out in zip(keys, self.prov().read_many(keys, outs), outs, strict=True):
+            assert not ok or bytes(out) == expected(k), "wrong bytes from read_many"
+
     def anchor(self, key: Key, size: int) -> None:
         self.prov().put_anchor(key, "s", anchor_bytes(key, "s", size))
         self.anchors[key] = size
@@ -146,6 +163,8 @@ def workload(s: State) -> list[tuple[str, Callable[[], object]]]:
         ("read", s.read_all),
         ("anchor", lambda: s.anchor(chain[2], 9000)),
         ("seal_many", lambda: s.put_many(["f-m0", "f-m1", "f-m2"])),
+        ("put_many", lambda: s.batch_put(["f-b0", "f-b1", "f-b2"])),
+        ("read_many", s.batch_read),
         ("evict", lambda: s.evict(chain.pop())),
         ("anchor2", lambda: s.anchor(chain[1], 300)),
         ("more", lambda: put_chain(5, 9)),  # a snapshot, new data files

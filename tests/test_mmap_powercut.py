@@ -252,6 +252,18 @@ class Run:
                 self.fill(res)
                 res.seal()
                 self.o.acked.add(res.key)
+        elif r < 0.55 and self.rng.random() < 0.5:
+            # put_many: a short chain under a live chain tail (or a new root), one commit
+            ch = self.rng.choice(self.chains) if self.chains else []
+            parent: Key | None = ch[-1] if ch and p.present([ch[-1]])[0] else None
+            items = []
+            for _ in range(self.rng.randint(2, 4)):
+                k = self.new_key(parent)
+                items.append((k, parent, page_bytes(k, nbytes_of(k))))
+                parent = k
+            results = p.put_many(items)
+            self.chains.append([k for k, _, _ in items])
+            self.o.acked.update(k for (k, _, _), ok in zip(items, results, strict=True) if ok is True)
         elif r < 0.55:
             batch = [res for res in (self.reserve_next() for _ in range(self.rng.randint(2, 3))) if res is not None]
             for res in batch:
