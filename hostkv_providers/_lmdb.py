@@ -988,8 +988,12 @@ class _Shared:
                     os.unlink(path)
                 except OSError as exc:
                     raise _fsutil.io_error(exc, f"removing orphan {path}") from exc
+            # Durable in every mode (one sync per new slot file, rare): without it a power cut in
+            # process/none mode could leave the registered name on an empty or short file, which
+            # open refuses — losing recent seals is allowed there, losing the store is not (the
+            # mmap provider's power-cut images found exactly this).
             sf = SlotFile.create(path, slot_nbytes=slot_nbytes, slot_count=slot_count, file_id=file_id,
-                                 store_id=self.store_id, durable=self.durability == "sync")
+                                 store_id=self.store_id)
             self.files[file_id] = sf
             return sf
 
