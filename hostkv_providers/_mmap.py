@@ -2106,15 +2106,7 @@ class MmapProvider(Provider):
         """
         self._check_usable()
         self._need_writer("put_many")
-        if isinstance(items, (bytes, bytearray, memoryview, str)):
-            raise InvalidArgumentError("put_many items are (key, parent, data) tuples")
-        checked: list[tuple[Key, Key | None, memoryview]] = []
-        for it in items:
-            if not isinstance(it, tuple) or len(it) != 3:
-                raise InvalidArgumentError("put_many items are (key, parent, data) tuples")
-            view = readable_bytes(it[2])
-            k, p, _ = self._reserve_args(it[0], it[1], view.nbytes, salt_tag, tag_max=_TAG_MAX)
-            checked.append((k, p, view))
+        checked = self._put_many_args(items, salt_tag, tag_max=_TAG_MAX)
         out: list[bool | HostKVError] = []
         for lo in range(0, len(checked), _PUT_BATCH):
             out += self._put_chunk(checked[lo : lo + _PUT_BATCH], salt_tag)
