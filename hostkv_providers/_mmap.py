@@ -2689,7 +2689,12 @@ class MmapProvider(Provider):
             if acct != idx.sealed_cost or idx.used_cost != acct + inflight:
                 report.problems.append(f"accounting: used {idx.used_cost} != live {acct} + in flight {inflight}")
             if repair and not self._readonly:
-                self._snapshot()  # rewrites the index without the damaged records
+                # The drops are journaled already; the snapshot only compacts them.  While another
+                # thread's seal has its record journaled but not yet indexed, a snapshot would
+                # rotate that record away (an acknowledged seal lost on a crash): skip it then,
+                # the next one compacts.
+                if self._unfinished == 0:
+                    self._snapshot()
                 self._problems = []
                 if report.problems:
                     report.problems = [p + " (repaired)" for p in report.problems]
@@ -2929,7 +2934,7 @@ class MmapProvider(Provider):
             try:
                 if not self._readonly and self._failed is None and self._jfd is not None:
                     self._flush_none(force=True)
-                    if self._jrecords:
+                    if self._jrecords and self._unfinished == 0:  # else reopen replays the journal
                         self._snapshot()
                     for sf in self._files.values():
                         if not sf.closed:
