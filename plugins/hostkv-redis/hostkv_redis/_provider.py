@@ -313,6 +313,30 @@ def _pack(commands: Sequence[Sequence[Part]]) -> list[Piece]:
     return _coalesce(p for args in commands for p in _encode(args))
 
 
+def _on_connection(client: redis.Redis, run: Callable[[Any, int], T]) -> T:
+    """``run(conn, attempt)`` on a pooled connection, retried once on a fresh one when the first
+    fails with a connection error (a stale pooled connection: the server restarted).  Any failure
+    disconnects the connection, so a half-read reply stream is never reused; ``run`` may also
+    disconnect it itself.  The commands ``run`` sends must be idempotent."""
+    pool = client.connection_pool
+    for attempt in (0, 1):
+        conn: Any = pool.get_connection()  # redis-py's Connection is only partly annotated
+        try:
+            return run(conn, attempt)
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as exc:
+            conn.disconnect()
+            if attempt:
+                if isinstance(exc, OSError) and not isinstance(exc, redis.exceptions.RedisError):
+                    raise redis.exceptions.ConnectionError(str(exc)) from exc
+                raise
+        except BaseException:
+            conn.disconnect()
+            raise
+        finally:
+            pool.release(conn)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
 def _send_raw(client: redis.Redis, commands: Callable[[], Iterator[list[Piece]]], count: int,
               meanwhile: Callable[[], None] | None = None) -> list[Any]:
     """Send the ``count`` already RESP-encoded commands that ``commands()`` yields (each as a list
@@ -326,61 +350,48 @@ def _send_raw(client: redis.Redis, commands: Callable[[], Iterator[list[Piece]]]
     on the reply can wait a scheduler slice to be woken).  A stale pooled connection (the server
     restarted) is retried once on a fresh one: every command sent this way is idempotent.
     """
-    pool = client.connection_pool
-    for attempt in (0, 1):
-        conn: Any = pool.get_connection()  # redis-py's Connection is only partly annotated
-        try:
-            health = attempt == 0
-            # What _coalesce does, inlined into one pass (this loop runs a few times per page).
-            out: list[Piece] = []
-            small: list[Piece] = []
-            queued = 0
-            for pieces in commands():
-                for piece in pieces:
-                    n = piece.nbytes if isinstance(piece, memoryview) else len(piece)
-                    queued += n
-                    if n < _SMALL:
-                        small.append(piece)
-                    else:
-                        if small:
-                            out.append(b"".join(small))
-                            small = []
-                        out.append(piece)
-                if queued >= _SEND_GROUP:  # few large sendall calls, small pieces coalesced
+    def run(conn: Any, attempt: int) -> list[Any]:
+        health = attempt == 0
+        # What _coalesce does, inlined into one pass (this loop runs a few times per page).
+        out: list[Piece] = []
+        small: list[Piece] = []
+        queued = 0
+        for pieces in commands():
+            for piece in pieces:
+                n = piece.nbytes if isinstance(piece, memoryview) else len(piece)
+                queued += n
+                if n < _SMALL:
+                    small.append(piece)
+                else:
                     if small:
                         out.append(b"".join(small))
                         small = []
-                    conn.send_packed_command(out, check_health=health)
-                    health, out, queued = False, [], 0
-            if small:
-                out.append(b"".join(small))
-            if out:
+                    out.append(piece)
+            if queued >= _SEND_GROUP:  # few large sendall calls, small pieces coalesced
+                if small:
+                    out.append(b"".join(small))
+                    small = []
                 conn.send_packed_command(out, check_health=health)
-            if meanwhile is not None:
-                meanwhile()
-            sock = getattr(conn, "_sock", None)
-            if sock is None:  # pragma: no cover - an unusual connection class
-                raise redis.exceptions.ConnectionError("no socket")
-            # Replies are read by the lean reader (redis-py's parser costs about twice as much per
-            # reply, and a put_many batch has one reply per page).  An error reply is a value
-            # here, so the stream stays aligned.
-            reader = _Reply(sock)
-            replies = [reader.reply() for _ in range(count)]
-            if reader.pos != len(reader.buf):  # more bytes than replies: never reuse this stream
-                conn.disconnect()
-            return replies
-        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as exc:
+                health, out, queued = False, [], 0
+        if small:
+            out.append(b"".join(small))
+        if out:
+            conn.send_packed_command(out, check_health=health)
+        if meanwhile is not None:
+            meanwhile()
+        sock = getattr(conn, "_sock", None)
+        if sock is None:  # pragma: no cover - an unusual connection class
+            raise redis.exceptions.ConnectionError("no socket")
+        # Replies are read by the lean reader (redis-py's parser costs about twice as much per
+        # reply, and a put_many batch has one reply per page).  An error reply is a value
+        # here, so the stream stays aligned.
+        reader = _Reply(sock)
+        replies = [reader.reply() for _ in range(count)]
+        if reader.pos != len(reader.buf):  # more bytes than replies: never reuse this stream
             conn.disconnect()
-            if attempt:
-                if isinstance(exc, OSError) and not isinstance(exc, redis.exceptions.RedisError):
-                    raise redis.exceptions.ConnectionError(str(exc)) from exc
-                raise
-        except BaseException:
-            conn.disconnect()
-            raise
-        finally:
-            pool.release(conn)
-    raise AssertionError("unreachable")  # pragma: no cover
+        return replies
+
+    return _on_connection(client, run)
 
 
 class _Reply:
@@ -506,36 +517,23 @@ def _get_into(client: redis.Redis, names: Sequence[bytes], touch: Sequence[Part]
               dests: Sequence[memoryview | None]) -> list[tuple[memoryview | None, bytes | None]]:
     """Pipelined GET of ``names`` (page bytes into ``dests`` where given) followed by ``touch``."""
     packed = _pack([*([b"GET", n] for n in names), touch])
-    pool = client.connection_pool
-    for attempt in (0, 1):
-        conn: Any = pool.get_connection()
-        try:
-            conn.send_packed_command(packed, check_health=attempt == 0)
-            sock = getattr(conn, "_sock", None)
-            if sock is None:  # pragma: no cover - an unusual connection class
-                raise redis.exceptions.ConnectionError("no socket")
-            reader = _Reply(sock)
-            out = [reader.value(d) for d in dests]
-            last = reader.skip()
-            if reader.pos != len(reader.buf):  # more bytes than replies: never reuse this stream
-                conn.disconnect()
-            # The LRU refresh is best effort (the pages were read consistently), except that a
-            # server which forgot the scripts must reload them.
-            if isinstance(last, redis.exceptions.NoScriptError):
-                raise last
-            return out
-        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as exc:
+    def run(conn: Any, attempt: int) -> list[tuple[memoryview | None, bytes | None]]:
+        conn.send_packed_command(packed, check_health=attempt == 0)
+        sock = getattr(conn, "_sock", None)
+        if sock is None:  # pragma: no cover - an unusual connection class
+            raise redis.exceptions.ConnectionError("no socket")
+        reader = _Reply(sock)
+        out = [reader.value(d) for d in dests]
+        last = reader.skip()
+        if reader.pos != len(reader.buf):  # more bytes than replies: never reuse this stream
             conn.disconnect()
-            if attempt:
-                if isinstance(exc, OSError) and not isinstance(exc, redis.exceptions.RedisError):
-                    raise redis.exceptions.ConnectionError(str(exc)) from exc
-                raise
-        except BaseException:
-            conn.disconnect()
-            raise
-        finally:
-            pool.release(conn)
-    raise AssertionError("unreachable")  # pragma: no cover
+        # The LRU refresh is best effort (the pages were read consistently), except that a
+        # server which forgot the scripts must reload them.
+        if isinstance(last, redis.exceptions.NoScriptError):
+            raise last
+        return out
+
+    return _on_connection(client, run)
 
 
 class _BufferPool:
