@@ -9,7 +9,12 @@ Measures, for 256 KiB pages (``--page``):
   file, mappings dropped first) and page-cache warm: ``read(key, out)`` with ``verify=read``
   (the default: XXH3 of every page) and ``verify=never``, vs ``os.preadv`` into the same buffer
   at the same file offsets in the same order ("sequential" is the provider's slot order: after
-  the random writes, page order is not slot order);
+  the random writes, page order is not slot order).  Cold rows time *whole passes* (cache
+  dropped before each, sides alternating, ``--cold-rounds`` of each): interleaving cold reads
+  chunk by chunk would let one side's kernel read-ahead run on while the other side is timed;
+* every per-page case also against **raw + XXH3**: the same raw loop plus the XXH3-64 of each
+  page (of ``out`` after a read, of the source before a write) -- the checksum the contract
+  requires (recorded at seal, verified on read), so that ratio is the provider's own cost;
 * the same writes and reads through the **batch** path, ``put_many``/``read_many`` of 16 pages
   per call, against the per-page raw loop and against raw vectored I/O (``pwritev``/``preadv``
   of each run of adjacent pages: what the batch path does too);
@@ -107,10 +112,12 @@ def _runs(idx: list[int]) -> list[list[int]]:
     return out
 
 
-def bench_io(root: str, page: int, npages: int, repeat: int,
-             chunk: int = 16) -> list[tuple[str, float, float, float, float | None, float | None]]:
-    """Rows ``(case, provider MiB/s, raw MiB/s, ratio, raw vectored MiB/s, ratio)`` (``None``:
-    no vectored side), medians over chunks.
+Row = tuple[str, float, float, float, float | None, float | None, float | None, float | None]
+
+
+def bench_io(root: str, page: int, npages: int, repeat: int, chunk: int = 16, cold_rounds: int = 3) -> list[Row]:
+    """Rows ``(case, provider MiB/s, raw MiB/s, ratio, raw+XXH3 MiB/s, ratio, raw vectored MiB/s,
+    ratio)`` (``None``: no such side), medians over chunks (warm) or passes (cold).
 
     The sides are *interleaved* in chunks of ``chunk`` pages (raw chunk, provider chunk, raw
     chunk, ...), so all see the same machine load: on a busy machine a sequential A-then-B
@@ -129,7 +136,8 @@ def bench_io(root: str, page: int, npages: int, repeat: int,
     rng.shuffle(order_rnd)
     half = order_rnd[: npages // 2]
     in_half = set(half)
-    raw, rawv, prov = _Side(), _Side(), _Side()
+    raw, rawh, rawv, prov = _Side(), _Side(), _Side(), _Side()
+    digest = xxhash.xxh3_64_intdigest
     for rep in range(repeat):
         raw_path = os.path.join(root, "raw.bin")
         fd = os.open(raw_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -145,6 +153,11 @@ def bench_io(root: str, page: int, npages: int, repeat: int,
                 for i in idx:
                     os.pwrite(fd, data[i % 16], i * page)
 
+            def raw_write_h(idx: list[int], fd: int = fd) -> None:
+                for i in idx:
+                    digest(data[i % 16])
+                    os.pwrite(fd, data[i % 16], i * page)
+
             def raw_write_v(idx: list[int], fd: int = fd) -> None:
                 for run in _runs(idx):
                     os.pwritev(fd, [data[i % 16] for i in run], run[0] * page)
@@ -156,6 +169,11 @@ def bench_io(root: str, page: int, npages: int, repeat: int,
             def raw_read(idx: list[int], fd: int = fd, out: bytearray = out, pos: list[int] = pos) -> None:
                 for i in idx:
                     os.preadv(fd, [out], pos[i] * page)
+
+            def raw_read_h(idx: list[int], fd: int = fd, out: bytearray = out, pos: list[int] = pos) -> None:
+                for i in idx:
+                    os.preadv(fd, [out], pos[i] * page)
+                    digest(out)
 
             def raw_read_v(idx: list[int], fd: int = fd, bufs: list[bytearray] = bufs, pos: list[int] = pos) -> None:
                 k = 0
@@ -181,14 +199,38 @@ def bench_io(root: str, page: int, npages: int, repeat: int,
                     sf.sync()
                     sf.drop_cache()
 
+            def warm(p: MmapProvider = p, fd: int = fd) -> None:
+                """Bring both sides' files back into the page cache (a cold pass dropped them)."""
+                scratch = bytearray(1 << 20)
+                for f in [fd] + [sf.fd for sf in p._files.values()]:
+                    pos = 0
+                    while os.preadv(f, [scratch], pos) > 0:
+                        pos += len(scratch)
+
             def interleave(case: str, raw_fn: Callable[[list[int]], None], prov_fn: Callable[[list[int]], None],
-                           idx: list[int], raw_v: Callable[[list[int]], None] | None = None) -> None:
+                           idx: list[int], raw_v: Callable[[list[int]], None] | None = None,
+                           raw_h: Callable[[list[int]], None] | None = None) -> None:
+                sides = [(raw, raw_fn), (prov, prov_fn), (rawh, raw_h), (rawv, raw_v)]
                 for lo in range(0, len(idx), chunk):
                     part = idx[lo : lo + chunk]
-                    raw.add(case, timed(lambda part=part: raw_fn(part)), page * len(part))  # type: ignore[misc]
-                    prov.add(case, timed(lambda part=part: prov_fn(part)), page * len(part))  # type: ignore[misc]
-                    if raw_v is not None:
-                        rawv.add(case, timed(lambda part=part: raw_v(part)), page * len(part))  # type: ignore[misc]
+                    for side, fn in sides:
+                        if fn is not None:
+                            side.add(case, timed(lambda part=part, fn=fn: fn(part)), page * len(part))  # type: ignore[misc]
+
+            def passes(case: str, raw_fn: Callable[[list[int]], None], prov_fn: Callable[[list[int]], None],
+                       idx: list[int], raw_v: Callable[[list[int]], None] | None = None,
+                       raw_h: Callable[[list[int]], None] | None = None) -> None:
+                """Cold reads: whole passes over ``idx`` (in ``chunk``-page calls), the page cache
+                dropped before each, sides in a rotating order."""
+                sides = [(s, fn) for s, fn in [(raw, raw_fn), (prov, prov_fn), (rawh, raw_h), (rawv, raw_v)]
+                         if fn is not None]
+                for r in range(cold_rounds):
+                    for side, fn in sides[r % len(sides):] + sides[: r % len(sides)]:
+                        cold()
+                        t0 = time.perf_counter()
+                        for lo in range(0, len(idx), chunk):
+                            fn(idx[lo : lo + chunk])
+                        side.add(case, time.perf_counter() - t0, page * len(idx))
 
             # Writes, per page into one half and put_many into the other: first into fresh
             # preallocated space (on this VM the kernel's first write of an unwritten extent
@@ -199,21 +241,23 @@ def bench_io(root: str, page: int, npages: int, repeat: int,
             keys2 = _keys(npages, f"io2-{io}-{rep}")
             keys3 = _keys(npages, f"io3-{io}-{rep}")
             first, second = order_seq[: npages // 2], order_seq[npages // 2 :]
-            interleave("write, sequential, fresh space" + sfx, raw_write, functools.partial(put, keys), first)
+            interleave("write, sequential, fresh space" + sfx, raw_write, functools.partial(put, keys), first,
+                       raw_h=raw_write_h)
             interleave("write, sequential, fresh space, put_many" + sfx, raw_write,
-                       functools.partial(put_many, keys), second, raw_write_v)
+                       functools.partial(put_many, keys), second, raw_write_v, raw_write_h)
             p.evict(keys)
-            interleave("write, sequential" + sfx, raw_write, functools.partial(put, keys2), first)
+            interleave("write, sequential" + sfx, raw_write, functools.partial(put, keys2), first, raw_h=raw_write_h)
             interleave("write, sequential, put_many" + sfx, raw_write, functools.partial(put_many, keys2), second,
-                       raw_write_v)
+                       raw_write_v, raw_write_h)
             live = list(keys2)
             if io == "pread":
                 quarter = half[: npages // 4]
                 rest = half[npages // 4 :]
                 p.evict([keys2[i] for i in half])  # random holes in the provider's slots ...
-                interleave("write, random (into freed slots)", raw_write, functools.partial(put, keys3), quarter)
+                interleave("write, random (into freed slots)", raw_write, functools.partial(put, keys3), quarter,
+                           raw_h=raw_write_h)
                 interleave("write, random (into freed slots), put_many", raw_write,
-                           functools.partial(put_many, keys3), rest, raw_write_v)
+                           functools.partial(put_many, keys3), rest, raw_write_v, raw_write_h)
                 live = [keys3[i] if i in in_half else keys2[i] for i in range(npages)]
             pos[:] = [int(p._idx.slot[p._idx.row_of(k)]) for k in live]  # one data file: slot = position
             in_slot_order = sorted(range(npages), key=pos.__getitem__)
@@ -235,20 +279,23 @@ def bench_io(root: str, page: int, npages: int, repeat: int,
                     if io == "mmap" and kind == "random":
                         continue
                     for how, fn, rv in (("", get, None), (", read_many", get_many, raw_read_v)):
-                        cold()
-                        interleave(f"read cold, {kind}{vs}{how}{sfx}", raw_read, functools.partial(fn, live), order,
-                                   rv)
+                        # raw + XXH3 is the floor of verify=read; with verify=never it means nothing
+                        rh = raw_read_h if verify else None
+                        passes(f"read cold, {kind}{vs}{how}{sfx}", raw_read, functools.partial(fn, live), order,
+                               rv, rh)
+                        warm()
                         interleave(f"read warm, {kind}{vs}{how}{sfx}", raw_read, functools.partial(fn, live), order,
-                                   rv)
+                                   rv, rh)
             p.close()
             shutil.rmtree(store)
         os.close(fd)
         os.unlink(raw_path)
-    rows = []
+    rows: list[Row] = []
     for case in prov.chunks:
-        pv, rv, ratio = prov.rate(case), raw.rate(case), prov.ratio(case, raw)
-        assert pv is not None and rv is not None and ratio is not None
-        rows.append((case, pv, rv, ratio, rawv.rate(case), prov.ratio(case, rawv)))
+        pv, raw_rate, ratio = prov.rate(case), raw.rate(case), prov.ratio(case, raw)
+        assert pv is not None and raw_rate is not None and ratio is not None
+        rows.append((case, pv, raw_rate, ratio, rawh.rate(case), prov.ratio(case, rawh), rawv.rate(case),
+                     prov.ratio(case, rawv)))
     return rows
 
 
@@ -375,24 +422,30 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--seals", type=int, default=800)
     ap.add_argument("--reopen", default="10000,100000,1000000")
+    ap.add_argument("--cold-rounds", type=int, default=3, help="cold passes per side and case (default 3)")
     args = ap.parse_args()
     base = args.dir or tempfile.gettempdir()
     os.makedirs(base, exist_ok=True)
     root = tempfile.mkdtemp(prefix="hostkv-bench-mmap-", dir=base)
     os.chmod(root, 0o700)
     try:
-        io_rows = bench_io(root, args.page, args.pages, args.repeat)
+        io_rows = bench_io(root, args.page, args.pages, args.repeat, cold_rounds=args.cold_rounds)
         seal_rows = bench_seals(root, args.seals)
         reopen_rows = bench_reopen(root, [int(x) for x in args.reopen.split(",") if x], args.repeat)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(f"### mmap provider vs raw file I/O ({args.page // 1024} KiB pages, {args.pages} pages per run, "
-          f"{args.repeat} runs; medians over 16-page chunks)\n")
-    print("| case | mmap provider MiB/s | raw, one call per page MiB/s | ratio | raw, vectored MiB/s | ratio |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: |")
-    for name, pv, rv, ratio, vv, vratio in io_rows:
-        vcol = f"{vv:,.0f} | {vratio:.2f}x" if vv is not None and vratio is not None else "- | -"
-        print(f"| {name} | {pv:,.0f} | {rv:,.0f} | {ratio:.2f}x | {vcol} |")
+          f"{args.repeat} runs; warm: medians over 16-page chunks, cold: over {args.cold_rounds} whole passes "
+          "per run)\n")
+    print("| case | mmap provider MiB/s | raw, one call per page MiB/s | ratio | raw + XXH3 MiB/s | ratio "
+          "| raw, vectored MiB/s | ratio |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+
+    def col(rate: float | None, ratio: float | None) -> str:
+        return f"{rate:,.0f} | {ratio:.2f}x" if rate is not None and ratio is not None else "- | -"
+
+    for name, pv, rv, ratio, hv, hratio, vv, vratio in io_rows:
+        print(f"| {name} | {pv:,.0f} | {rv:,.0f} | {ratio:.2f}x | {col(hv, hratio)} | {col(vv, vratio)} |")
     print("\n| seals | per second |")
     print("| --- | ---: |")
     for name, rate in seal_rows:
