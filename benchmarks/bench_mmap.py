@@ -139,9 +139,14 @@ def bench_io(root: str, page: int, npages: int, repeat: int, chunk: int = 16, co
     raw, rawh, rawv, prov = _Side(), _Side(), _Side(), _Side()
     digest = xxhash.xxh3_64_intdigest
     for rep in range(repeat):
-        raw_path = os.path.join(root, "raw.bin")
-        fd = os.open(raw_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.posix_fallocate(fd, 0, page * npages)
+        # one file per raw side: every side then touches its own bytes once per chunk (on a
+        # machine whose L3 holds a whole run, a side re-reading bytes another side has just
+        # touched would be served from the CPU cache)
+        raw_paths = [os.path.join(root, f"raw-{name}.bin") for name in ("plain", "xxh3", "vectored")]
+        raw_fds = [os.open(rp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600) for rp in raw_paths]
+        for f in raw_fds:
+            os.posix_fallocate(f, 0, page * npages)
+        fd, fd_h, fd_v = raw_fds
         bufs = [bytearray(page) for _ in range(chunk)]
         out = bufs[0]
         for io in ("pread", "mmap"):
@@ -153,12 +158,12 @@ def bench_io(root: str, page: int, npages: int, repeat: int, chunk: int = 16, co
                 for i in idx:
                     os.pwrite(fd, data[i % 16], i * page)
 
-            def raw_write_h(idx: list[int], fd: int = fd) -> None:
+            def raw_write_h(idx: list[int], fd: int = fd_h) -> None:
                 for i in idx:
                     digest(data[i % 16])
                     os.pwrite(fd, data[i % 16], i * page)
 
-            def raw_write_v(idx: list[int], fd: int = fd) -> None:
+            def raw_write_v(idx: list[int], fd: int = fd_v) -> None:
                 for run in _runs(idx):
                     os.pwritev(fd, [data[i % 16] for i in run], run[0] * page)
 
@@ -170,12 +175,12 @@ def bench_io(root: str, page: int, npages: int, repeat: int, chunk: int = 16, co
                 for i in idx:
                     os.preadv(fd, [out], pos[i] * page)
 
-            def raw_read_h(idx: list[int], fd: int = fd, out: bytearray = out, pos: list[int] = pos) -> None:
+            def raw_read_h(idx: list[int], fd: int = fd_h, out: bytearray = out, pos: list[int] = pos) -> None:
                 for i in idx:
                     os.preadv(fd, [out], pos[i] * page)
                     digest(out)
 
-            def raw_read_v(idx: list[int], fd: int = fd, bufs: list[bytearray] = bufs, pos: list[int] = pos) -> None:
+            def raw_read_v(idx: list[int], fd: int = fd_v, bufs: list[bytearray] = bufs, pos: list[int] = pos) -> None:
                 k = 0
                 for run in _runs([pos[i] for i in idx]):
                     os.preadv(fd, bufs[k : k + len(run)], run[0] * page)
@@ -192,17 +197,18 @@ def bench_io(root: str, page: int, npages: int, repeat: int, chunk: int = 16, co
                 if p.put_many([(ks[i], None, data[i % 16]) for i in idx]) != [True] * len(idx):
                     raise RuntimeError("benchmark put_many failed")
 
-            def cold(p: MmapProvider = p, fd: int = fd) -> None:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            def cold(p: MmapProvider = p, raw_fds: list[int] = raw_fds) -> None:
+                for f in raw_fds:
+                    os.fsync(f)
+                    os.posix_fadvise(f, 0, 0, os.POSIX_FADV_DONTNEED)
                 for sf in p._files.values():
                     sf.sync()
                     sf.drop_cache()
 
-            def warm(p: MmapProvider = p, fd: int = fd) -> None:
+            def warm(p: MmapProvider = p, raw_fds: list[int] = raw_fds) -> None:
                 """Bring both sides' files back into the page cache (a cold pass dropped them)."""
                 scratch = bytearray(1 << 20)
-                for f in [fd] + [sf.fd for sf in p._files.values()]:
+                for f in raw_fds + [sf.fd for sf in p._files.values()]:
                     pos = 0
                     while os.preadv(f, [scratch], pos) > 0:
                         pos += len(scratch)
@@ -246,6 +252,9 @@ def bench_io(root: str, page: int, npages: int, repeat: int, chunk: int = 16, co
             interleave("write, sequential, fresh space, put_many" + sfx, raw_write,
                        functools.partial(put_many, keys), second, raw_write_v, raw_write_h)
             p.evict(keys)
+            for f in raw_fds:  # from here on every raw side overwrites written extents, as the provider does
+                for i in range(npages):
+                    os.pwrite(f, data[i % 16], i * page)
             interleave("write, sequential" + sfx, raw_write, functools.partial(put, keys2), first, raw_h=raw_write_h)
             interleave("write, sequential, put_many" + sfx, raw_write, functools.partial(put_many, keys2), second,
                        raw_write_v, raw_write_h)
@@ -288,8 +297,9 @@ def bench_io(root: str, page: int, npages: int, repeat: int, chunk: int = 16, co
                                    rv, rh)
             p.close()
             shutil.rmtree(store)
-        os.close(fd)
-        os.unlink(raw_path)
+        for f, rp in zip(raw_fds, raw_paths, strict=True):
+            os.close(f)
+            os.unlink(rp)
     rows: list[Row] = []
     for case in prov.chunks:
         pv, raw_rate, ratio = prov.rate(case), raw.rate(case), prov.ratio(case, raw)
