@@ -224,6 +224,27 @@ def fold64_one(raw: bytes, _unpack: Any = _REC_WORDS.unpack_from, _seed: int = i
     return h ^ (h >> 31)
 
 
+_ZERO_KEY = bytes(32)
+
+
+def _encode_seals(reservations: Sequence[_MmapReservation], digests: Sequence[int], tag: bytes, created: float,
+                  seq0: int) -> list[bytes]:
+    """The seal records of a ``put_many`` chunk, byte for byte what :meth:`MmapProvider._encode`
+    gives per record.  The fold of many records runs vectorised: 19 multiplications of Python
+    ints cost ~2.6 µs per record, numpy passes over a chunk's columns a fraction of that per
+    record from about 8 records on."""
+    pack = _REC_STRUCT.pack
+    tag16 = tag.ljust(16, b"\0")
+    bodies = [pack(OP_SEAL, 1 if r.parent is not None else 0, len(tag), 0, r.nslots, r.key, r.parent or _ZERO_KEY,
+                   tag16, 0, 0, r.file, r.slot, r.nbytes, r.gen, d, created, seq0 + j)
+              for j, (r, d) in enumerate(zip(reservations, digests, strict=True))]
+    if len(bodies) < 8:
+        return [b + fold64_one(b).to_bytes(8, "little") for b in bodies]
+    words = np.frombuffer(b"".join(bodies), dtype=np.uint64).reshape(len(bodies), _WORDS - 1)
+    folds: list[int] = fold64(words).tolist()
+    return [b + f.to_bytes(8, "little") for b, f in zip(bodies, folds, strict=True)]
+
+
 def _columns(recs: npt.NDArray[Any]) -> npt.NDArray[np.uint64]:
     """Records as a ``(_WORDS, n)`` array of uint64 columns (transposed in cache-sized chunks).
 
@@ -1640,6 +1661,10 @@ class MmapProvider(Provider):
             if size < nslots:
                 continue
             start = self._cursor.get(fid, 0) % size
+            if nslots == 1 and free.item(start):  # the common case (slots freed in order): no scan
+                free[start] = False
+                self._cursor[fid] = start + 1
+                return fid, start
             for lo, hi in ((start, size), (0, min(size, start + nslots))):
                 pos = lo
                 while pos < hi:
@@ -2139,15 +2164,20 @@ class MmapProvider(Provider):
             return results
         try:
             by_file: dict[int, list[tuple[int, int, memoryview]]] = {}
-            for _, res, view in todo:
+            where: dict[int, list[int]] = {}  # per file: positions in todo
+            for t, (_, res, view) in enumerate(todo):
                 # slot protocol step 1 for every run before any of their bytes change
                 self._files[res.file].begin_write(res.slot, res.nslots)
                 _fsutil.crash_point("mmap.reserve.after_clear")
                 by_file.setdefault(res.file, []).append((res.slot, res.nbytes, view))
+                where.setdefault(res.file, []).append(t)
             # the caller's buffers, hashed while they are the source (no re-read of the file)
-            digests = [xxhash.xxh3_64_intdigest(view) for _, _, view in todo]
+            digests = [0] * len(todo)
             for fid, runs in by_file.items():
-                self._files[fid].write_runs(runs)
+                got: list[int] = []
+                self._files[fid].write_runs(runs, got)
+                for t, d in zip(where[fid], got, strict=True):
+                    digests[t] = d
             for _, res, _ in todo:
                 res.mark_written()
             _fsutil.crash_point("mmap.write.partial")
@@ -2194,8 +2224,7 @@ class MmapProvider(Provider):
         files = []
         for res, digest in zip(reservations, digests, strict=True):
             sf = self._files[res.file]
-            sf.write_header(res.slot, key=res.key, parent=res.parent, generation=res.gen, nbytes=res.nbytes,
-                            checksum=digest)
+            sf.write_header_of(res.slot, res.key, res.parent, res.gen, res.nbytes, digest)
             _fsutil.crash_point("mmap.seal.after_header")
             files.append(sf)
         self._check_usable()
@@ -2207,11 +2236,9 @@ class MmapProvider(Provider):
             self._idx.clock += len(reservations)
             self._dirty_files.update(res.file for res in reservations)
             self._unfinished += len(reservations)
-        return [(res, sf, digest, created, tag,
-                 self._encode(OP_SEAL, res.key, parent=res.parent, tag=tag, file=res.file, slot=res.slot,
-                              nslots=res.nslots, nbytes=res.nbytes, gen=res.gen, checksum=digest,
-                              created=created, seq=seq0 + j))
-                for j, (res, sf, digest) in enumerate(zip(reservations, files, digests, strict=True))]
+        records = _encode_seals(reservations, digests, tag, created, seq0)
+        return [(res, sf, digest, created, tag, record)
+                for res, sf, digest, record in zip(reservations, files, digests, records, strict=True)]
 
     def _seal_prepare(self, reservation: Reservation) -> tuple[_MmapReservation, SlotFile, int, float, bytes, bytes]:
         """Checksum, slot header (data first, then header) and the journal record of a seal."""
@@ -2222,8 +2249,7 @@ class MmapProvider(Provider):
         # A single whole-entry write was hashed while its bytes were hot; anything else (pieces,
         # DMA into regions()) is hashed from the file.
         digest = res.digest if res.digest is not None else sf.checksum(res.slot, res.nbytes)
-        sf.write_header(res.slot, key=res.key, parent=res.parent, generation=res.gen, nbytes=res.nbytes,
-                        checksum=digest)
+        sf.write_header_of(res.slot, res.key, res.parent, res.gen, res.nbytes, digest)
         _fsutil.crash_point("mmap.seal.after_header")
         created = time.time()
         tag = res.salt_tag.encode()
@@ -2234,9 +2260,7 @@ class MmapProvider(Provider):
             self._dirty_files.add(res.file)
             seq = self._idx.clock = self._idx.clock + 1
             self._unfinished += 1
-        record = self._encode(OP_SEAL, res.key, parent=res.parent, tag=tag, file=res.file, slot=res.slot,
-                              nslots=res.nslots, nbytes=res.nbytes, gen=res.gen, checksum=digest,
-                              created=created, seq=seq)
+        record = _encode_seals((res,), (digest,), tag, created, seq)[0]
         return res, sf, digest, created, tag, record
 
     def _seal_undo(self, prepared: tuple[_MmapReservation, SlotFile, int, float, bytes, bytes]) -> None:

@@ -128,6 +128,7 @@ _IOV_MAX = 1024
 _GROUP_NBYTES = 1 << 20  # larger groups save few calls, and the verify pass then reads from farther caches
 _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 _ZERO_HEADER = bytes(SLOT_HEADER_NBYTES)
+_ZERO_KEY = bytes(KEY_NBYTES)
 
 
 class ReadResult(enum.IntEnum):
@@ -455,23 +456,35 @@ class SlotFile:
         if done < src.nbytes:
             _fsutil.write_all(fd, src[done:], file_offset + done, f"writing slot {slot} of {self.path}")
 
-    def write_runs(self, runs: Sequence[tuple[int, int, memoryview]]) -> None:
+    def write_runs(self, runs: Sequence[tuple[int, int, memoryview]], digests: list[int] | None = None) -> None:
         """Whole-entry writes ``(slot, nbytes, data)`` (``len(data) == nbytes``), each run's
         headers already zeroed (protocol step 1).  With ``io == "syscall"`` runs that lie back to
         back (an entry that fills its slots exactly, then the next run) go out in one
-        ``pwritev``: one system call for many pages instead of one each."""
+        ``pwritev``: one system call for many pages instead of one each.
+
+        ``digests``: when given, receives the XXH3-64 of every ``data`` (in ``runs`` order), each
+        group hashed right before it is written: the kernel's copy then reads bytes the hash has
+        just brought into the CPU caches (hashing a whole batch first evicts its first pages)."""
         self._need_writable()
         for slot, nbytes, data in runs:
             if data.nbytes != nbytes:
                 raise SpanError(f"a whole-entry write of {data.nbytes} bytes for an entry of {nbytes}")
             self._data_range(slot, nbytes)
+        digest = xxhash.xxh3_64_intdigest
+        if digests is not None:
+            digests[:] = [0] * len(runs)
         if self.io != "syscall":
-            for slot, nbytes, data in runs:
+            for j, (slot, nbytes, data) in enumerate(runs):
+                if digests is not None:
+                    digests[j] = digest(data)
                 lo = self.data_offset + slot * self.slot_nbytes
                 self._v()[lo : lo + nbytes] = data
             return
         for start, group in self._groups([(slot, nbytes) for slot, nbytes, _ in runs]):
             bufs = [runs[j][2] for j in group]
+            if digests is not None:
+                for j in group:
+                    digests[j] = digest(runs[j][2])
             total = sum(b.nbytes for b in bufs)
             try:
                 done = os.pwritev(self.fd, bufs, start) if len(bufs) > 1 else os.pwrite(self.fd, bufs[0], start)
@@ -519,6 +532,21 @@ class SlotFile:
         lo = FILE_HEADER_NBYTES + slot * SLOT_HEADER_NBYTES
         self._v()[lo : lo + SLOT_HEADER_NBYTES] = _encode_header(key, parent, generation, nbytes, checksum,
                                                                  flags, aux, user)
+
+    def write_header_of(self, slot: int, key: bytes, parent: bytes | None, generation: int, nbytes: int,
+                        checksum: int, _pack: Any = _HEADER_STRUCT.pack, _digest: Any = xxhash.xxh3_64_intdigest
+                        ) -> None:
+        """:meth:`write_header` for a run this file handed out (``slot``/``nbytes`` already checked
+        at reservation, ``key``/``parent`` are 32-byte keys): the per-page path of ``put_many``,
+        without the argument checks and the flag juggling."""
+        m = self._view
+        if m is None or not self.writable:
+            self._need_writable()
+            raise StorageIOError(f"slot file {self.path} is closed")
+        body = _pack(SLOT_MAGIC, key, parent or _ZERO_KEY, generation, nbytes, checksum,
+                     FLAG_HAS_PARENT if parent is not None else 0, 0, 0, 0)
+        lo = FILE_HEADER_NBYTES + slot * SLOT_HEADER_NBYTES
+        m[lo : lo + SLOT_HEADER_NBYTES] = body + _digest(body).to_bytes(8, "little")
 
     def clear(self, slot: int, nslots: int = 1) -> None:
         """Zero the headers of a run (free it on the medium; same as :meth:`begin_write`)."""
