@@ -26,7 +26,7 @@ import os
 import secrets
 import stat
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from ._errors import HostKVError, LockedError, NoSpaceError, StorageIOError, UnsafeStoreError
 
@@ -47,6 +47,7 @@ __all__ = [
     "fdatasync",
     "fsync",
     "fsync_dir",
+    "install_temp",
     "io_error",
     "is_temp_name",
     "lexists",
@@ -56,6 +57,7 @@ __all__ = [
     "remove_temp_files",
     "sync_fd",
     "temp_name",
+    "write_temp",
     "write_all",
     "TEMP_MARK",
 ]
@@ -272,23 +274,40 @@ def atomic_write(path: str, data: bytes, *, durable: bool = True) -> None:
     """Replace ``path`` with ``data`` atomically: temp file (0600), write, fsync, rename, fsync
     the directory.  A crash leaves either the old file or the new one, plus at worst a temp file
     that :func:`remove_temp_files` reclaims.  ``durable=False`` skips both syncs (tests, ``none``)."""
+    install_temp(write_temp(path, data, durable=durable), path, durable=durable)
+
+
+def write_temp(path: str, data: bytes | Sequence[bytes | memoryview], *, durable: bool = True) -> str:
+    """The first half of :func:`atomic_write`: ``data`` (or the concatenation of its parts) in a
+    fresh temp file next to ``path`` (synced when ``durable``); returns its path.  The caller
+    installs it with :func:`install_temp` or removes it; a crash leaves it for
+    :func:`remove_temp_files`."""
     tmp = temp_name(path)
     fd = open_private(tmp, os.O_WRONLY, create=True, exclusive=True)
     try:
         try:
-            write_all(fd, data, what=f"writing {tmp}")
+            for part in [data] if isinstance(data, bytes) else data:
+                write_all(fd, part, what=f"writing {tmp}")
             if durable:
                 sync_fd(fd, f"syncing {tmp}", data_only=False)
         finally:
             os.close(fd)
-        try:
-            os.rename(tmp, path)
-        except OSError as exc:
-            raise io_error(exc, f"renaming {tmp} to {path}") from exc
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+    return tmp
+
+
+def install_temp(tmp: str, path: str, *, durable: bool = True) -> None:
+    """The second half of :func:`atomic_write`: rename ``tmp`` over ``path`` (the temp file is
+    removed if that fails), then sync the directory when ``durable``."""
+    try:
+        os.rename(tmp, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise io_error(exc, f"renaming {tmp} to {path}") from exc
     if durable:
         fsync_dir(os.path.dirname(path) or ".")
 

@@ -942,6 +942,14 @@ class MmapProvider(Provider):
         # cover neither the entry (not in the index) nor its record (the journal is rotated), so
         # an acknowledged seal would be lost by a kill -9: snapshots wait until this is 0.
         self._unfinished = 0
+        # The periodic snapshot of the seal paths (_snapshot_due): due flag, one writer at a time,
+        # an epoch that every other snapshot bumps (a snapshot written meanwhile is obsolete) and
+        # the journal rotation still owed by an installed snapshot: (generation, seq, offset of
+        # the first journal record after it).
+        self._snap_due = False
+        self._snap_mutex = threading.Lock()
+        self._snap_epoch = 0
+        self._rotation: tuple[int, int, int] | None = None
         self._orphans_at_open = 0
         try:
             self._open(budget_bytes, slot_nbytes, file_nbytes, create)
@@ -1882,10 +1890,14 @@ class MmapProvider(Provider):
 
     # -- snapshot --------------------------------------------------------------------------------
     def _maybe_snapshot(self) -> None:
-        if self._unfinished == 0 and self._jrecords >= max(self._snapshot_every, self._idx.count):
-            self._snapshot()
+        """Mark the periodic snapshot due (caller holds the lock).  The seal paths write it with
+        :meth:`_snapshot_due` once they have released the lock."""
+        if self._rotation is not None or self._jrecords >= max(self._snapshot_every, self._idx.count):
+            self._snap_due = True
 
-    def _snapshot_records(self) -> npt.NDArray[Any]:
+    def _snapshot_records(self, *, fold: bool = True) -> npt.NDArray[Any]:
+        """The index as snapshot records (seals, then anchors).  ``fold=False`` leaves the seal
+        records' fold checksums to the caller (:func:`_seal_folds`, outside the lock)."""
         idx = self._idx
         rows = idx.live_rows()
         recs = np.zeros(len(rows), RECORD_DTYPE)
@@ -1918,7 +1930,8 @@ class MmapProvider(Provider):
                 extra.append(self._encode(OP_ANCHOR, idx.key[row].tobytes(), name=name.encode(), file=a.file,
                                           slot=a.slot, nslots=a.nslots, nbytes=a.nbytes, gen=a.gen,
                                           checksum=a.checksum, seq=int(idx.tick[row]) + 0))
-        _seal_folds(recs)
+        if fold:
+            _seal_folds(recs)
         if extra:
             ext = np.frombuffer(b"".join(extra), RECORD_DTYPE).copy()
             # anchors must sort after their entry's seal: give them the newest tick of the store
@@ -1927,23 +1940,37 @@ class MmapProvider(Provider):
             recs = np.concatenate([recs, ext])
         return recs
 
+    def _snapshot_blob(self) -> bytes:
+        """The snapshot of the index as it is now, stamped with a fresh seq: every journal record
+        so far has a smaller seq, every later one a larger (caller holds the lock)."""
+        head, recs = self._snapshot_capture()
+        _seal_folds(recs)
+        return head + recs.tobytes()
+
+    def _snapshot_capture(self, *, fold: bool = True) -> tuple[bytes, npt.NDArray[Any]]:
+        """:meth:`_snapshot_blob` as (padded header, records); with ``fold=False`` the seal
+        records' folds are still to be computed (:func:`_seal_folds`)."""
+        self._flush_none(force=True)
+        idx = self._idx
+        idx.clock += 1
+        seq = idx.clock
+        recs = self._snapshot_records(fold=fold)
+        head = bytearray(64)
+        head[:8] = _SNAP_MAGIC
+        head[8:24] = self._store_id
+        head[24:32] = seq.to_bytes(8, "little")
+        head[32:40] = len(recs).to_bytes(8, "little")
+        head[40:48] = self._gen.to_bytes(8, "little")
+        head[56:64] = xxhash.xxh3_64_intdigest(bytes(head[:56])).to_bytes(8, "little")
+        return bytes(head).ljust(_SNAP_HEADER, b"\0"), recs
+
     def _snapshot(self) -> None:
-        """Write a snapshot (atomically), then rotate the journal to the records after it.
-        Caller holds the lock (writer)."""
+        """Write a snapshot (atomically), then rotate the journal to the records after it, all
+        under the lock (open, close, repair).  The seal paths use :meth:`_snapshot_due`."""
         with self._lock:
-            self._flush_none(force=True)
-            idx = self._idx
-            idx.clock += 1
-            seq = idx.clock
-            recs = self._snapshot_records()
-            head = bytearray(64)
-            head[:8] = _SNAP_MAGIC
-            head[8:24] = self._store_id
-            head[24:32] = seq.to_bytes(8, "little")
-            head[32:40] = len(recs).to_bytes(8, "little")
-            head[40:48] = self._gen.to_bytes(8, "little")
-            head[56:64] = xxhash.xxh3_64_intdigest(bytes(head[:56])).to_bytes(8, "little")
-            blob = bytes(head).ljust(_SNAP_HEADER, b"\0") + recs.tobytes()
+            self._snap_epoch += 1  # a snapshot the seal path is writing meanwhile is obsolete
+            self._rotation = None
+            blob = self._snapshot_blob()
             # data referenced by the snapshot must be durable before the snapshot can replace a
             # journal that would otherwise still describe it after a power cut
             for fid in sorted(self._dirty_files):
@@ -1953,15 +1980,109 @@ class MmapProvider(Provider):
             _fsutil.atomic_write(self._p(self._snap_name(self._gen)), blob, durable=True)
             _fsutil.crash_point("mmap.snapshot.after_snap")
             # every journal record so far has seq < seq: the new journal starts empty
-            jpath = self._p(self._journal_name(self._gen))
-            _fsutil.atomic_write(jpath, self._journal_header(), durable=True)
-            if self._jfd is not None:
-                os.close(self._jfd)
-                self._jfd = None
-            self._jvalid_end = REC_NBYTES
-            self._open_journal_for_append()
-            self._jrecords = 0
-            _fsutil.crash_point("mmap.snapshot.after_rotate")
+            self._install_journal(b"")
+
+    def _install_journal(self, tail: bytes) -> None:
+        """Replace the journal by a fresh one holding ``tail`` (whole records), atomically, and
+        append to it from now on (caller holds the lock, no seal between its journal record and
+        its index entry)."""
+        jpath = self._p(self._journal_name(self._gen))
+        _fsutil.atomic_write(jpath, self._journal_header() + tail, durable=True)
+        if self._jfd is not None:
+            os.close(self._jfd)
+            self._jfd = None
+        self._jvalid_end = REC_NBYTES + len(tail)
+        self._open_journal_for_append()
+        self._jrecords = len(tail) // REC_NBYTES
+        _fsutil.crash_point("mmap.snapshot.after_rotate")
+
+    def _snapshot_due(self) -> None:
+        """Write the periodic snapshot a seal found due, holding the provider lock only to capture
+        the index and to install the file, not for the data syncs and the write (a second or
+        more at a million entries, which would stall every read, lookup and lease meanwhile).
+
+        Steps: (1) under the lock, with no seal between its journal record and its index entry,
+        the snapshot blob (stamped seq ``S``) and the journal offset it covers; (2) unlocked,
+        the data files synced and the blob written to a synced temp file; (3) under the lock,
+        the temp file renamed over the snapshot unless another snapshot or a compaction came in
+        between, then the journal rotated to the records appended since (1), all ``> S``.  The
+        rotation waits while a seal is between its record and its entry (a group commit may
+        still sync the old journal): the old journal stays valid behind the new snapshot (the
+        loader skips records ``<= S``) and a later seal rotates it.  Errors propagate to the
+        sealing caller, as the inline snapshot's did; a failed data sync poisons the store (R7).
+        """
+        if not self._snap_due or not self._snap_mutex.acquire(blocking=False):
+            return
+        try:
+            with self._lock:
+                if (not self._snap_due or self._closed or self._readonly or self._failed is not None
+                        or self._jfd is None or self._unfinished):
+                    return
+                if self._rotation is not None:
+                    self._snap_due = False
+                    self._rotate_journal()
+                    return
+                # under the lock only the gather of the live rows; folds and the write follow
+                head, recs = self._snapshot_capture(fold=False)
+                gen, epoch, cut = self._gen, self._snap_epoch, self._jend
+                seq = self._idx.clock
+                dirty = sorted(self._dirty_files)
+                files = [self._files[f] for f in dirty if f in self._files]
+                self._dirty_files.clear()
+                self._snap_due = False
+            path = self._p(self._snap_name(gen))
+            try:
+                for sf in files:
+                    try:
+                        sf.sync()
+                    except StorageIOError as exc:
+                        if not sf.closed:  # (closed: a compaction or close() replaced it meanwhile)
+                            with self._lock:
+                                if self._failed is None:
+                                    self._failed = str(exc)
+                            raise
+                nseal = int(np.count_nonzero(recs["op"] == OP_SEAL))
+                _seal_folds(recs[:nseal])  # (anchor records, after the seals, came folded)
+                tmp = _fsutil.write_temp(path, [head, memoryview(recs.view(np.uint8).data)], durable=True)
+            except BaseException:
+                with self._lock:
+                    self._dirty_files.update(dirty)
+                    self._snap_due = True
+                raise
+            with self._lock:
+                if self._snap_epoch != epoch or self._gen != gen or self._closed or self._jfd is None:
+                    with contextlib.suppress(OSError):
+                        os.unlink(tmp)  # obsolete: another snapshot or a new generation came first
+                    return
+                _fsutil.install_temp(tmp, path, durable=True)
+                _fsutil.crash_point("mmap.snapshot.after_snap")
+                self._snap_epoch += 1
+                self._rotation = (gen, seq, cut)
+                self._rotate_journal()
+        finally:
+            self._snap_mutex.release()
+
+    def _rotate_journal(self) -> None:
+        """The rotation owed by an installed snapshot: a new journal with the records appended
+        since the snapshot's cut (caller holds the lock); postponed while a seal is between its
+        journal record and its index entry."""
+        assert self._rotation is not None
+        gen, _, cut = self._rotation
+        if gen != self._gen or self._jfd is None:
+            self._rotation = None
+            return
+        if self._unfinished:
+            self._snap_due = True  # the next seal to finish tries again
+            return
+        n = self._jend - cut
+        try:
+            tail = _read_exact(self._jfd, cut, n)
+        except OSError as exc:
+            raise _fsutil.io_error(exc, "reading the journal's tail to rotate it") from exc
+        if len(tail) != n:
+            raise StorageIOError(f"the journal ends before the {n} bytes appended since the snapshot")
+        self._install_journal(tail)
+        self._rotation = None
 
     # -- lookups ---------------------------------------------------------------------------------
     def present(self, keys: Sequence[bytes]) -> list[bool]:
@@ -2084,6 +2205,7 @@ class MmapProvider(Provider):
             raise
         _fsutil.crash_point("mmap.seal.after_journal")
         self._seal_finish(prepared)
+        self._snapshot_due()
 
     def seal_many(self, reservations: Sequence[Reservation]) -> None:
         """Seal several reservations with one commit: with ``durability=sync`` one data sync and
@@ -2110,6 +2232,7 @@ class MmapProvider(Provider):
                 self._seal_finish(p)
             except UnknownKeyError as exc:  # a parent dropped (corrupt) meanwhile
                 errors.append(exc)
+        self._snapshot_due()
         if errors:
             raise errors[0]
 
@@ -2135,6 +2258,7 @@ class MmapProvider(Provider):
         out: list[bool | HostKVError] = []
         for lo in range(0, len(checked), _PUT_BATCH):
             out += self._put_chunk(checked[lo : lo + _PUT_BATCH], salt_tag)
+            self._snapshot_due()
         return out
 
     def _put_chunk(self, items: Sequence[tuple[Key, Key | None, memoryview]],
