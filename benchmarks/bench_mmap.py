@@ -45,6 +45,7 @@ from collections.abc import Callable
 import numpy as np
 import xxhash
 
+from hostkv_providers._keys import Key
 from hostkv_providers._mmap import OP_SEAL, RECORD_DTYPE, MmapProvider, _seal_folds
 from hostkv_providers._slotfile import FILE_HEADER_NBYTES, SLOT_HEADER_DTYPE, SLOT_MAGIC, SlotFile
 
@@ -424,6 +425,53 @@ def bench_reopen(root: str, counts: list[int], repeat: int) -> list[tuple[str, f
     return rows
 
 
+def bench_snapshot_stall(root: str, counts: list[int], rounds: int = 2) -> list[tuple[str, str, float, float]]:
+    """How long other threads wait while a writer snapshots its index: a thread calls
+    ``present()`` every millisecond while the writer writes a snapshot (a) the way open, close
+    and repair do, under the provider lock throughout (what the seal paths did before), and (b)
+    the way the seal paths do now (``_snapshot_due``: the lock only to capture the live rows and
+    to install the file).  Rows ``(entries, way, snapshot s, longest present() s)``, medians."""
+    rows = []
+    for n in counts:
+        store = os.path.join(root, f"stall-{n}")
+        build_synthetic(store, n)
+        p = MmapProvider(store)
+        probe = [p._idx.key_of(i) for i in range(0, n, max(1, n // 16))]
+        results: dict[str, list[tuple[float, float]]] = {"under the lock": [], "seal path (now)": []}
+        for _ in range(rounds):
+            for way in results:
+                lat: list[float] = []
+                stop = threading.Event()
+
+                def poll(lat: list[float] = lat, stop: threading.Event = stop, p: MmapProvider = p,
+                         probe: list[Key] = probe) -> None:
+                    while not stop.is_set():
+                        t0 = time.perf_counter()
+                        p.present(probe)
+                        lat.append(time.perf_counter() - t0)
+                        time.sleep(0.001)
+
+                th = threading.Thread(target=poll)
+                th.start()
+                time.sleep(0.05)
+                t0 = time.perf_counter()
+                if way == "under the lock":
+                    p._snapshot()
+                else:
+                    p._snap_due = True
+                    p._snapshot_due()
+                dt = time.perf_counter() - t0
+                time.sleep(0.05)
+                stop.set()
+                th.join()
+                results[way].append((dt, max(lat)))
+        p.close()
+        shutil.rmtree(store)
+        for way, got in results.items():
+            rows.append((f"{n:,}", way, statistics.median(t for t, _ in got), statistics.median(w for _, w in got)))
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dir", default=None, help="where to put the files (default: a temp dir in /tmp)")
@@ -433,6 +481,7 @@ def main() -> None:
     ap.add_argument("--seals", type=int, default=800)
     ap.add_argument("--reopen", default="10000,100000,1000000")
     ap.add_argument("--cold-rounds", type=int, default=3, help="cold passes per side and case (default 3)")
+    ap.add_argument("--stall", default="100000,1000000", help="entry counts for the snapshot-stall rows")
     args = ap.parse_args()
     base = args.dir or tempfile.gettempdir()
     os.makedirs(base, exist_ok=True)
@@ -442,6 +491,7 @@ def main() -> None:
         io_rows = bench_io(root, args.page, args.pages, args.repeat, cold_rounds=args.cold_rounds)
         seal_rows = bench_seals(root, args.seals)
         reopen_rows = bench_reopen(root, [int(x) for x in args.reopen.split(",") if x], args.repeat)
+        stall_rows = bench_snapshot_stall(root, [int(x) for x in args.stall.split(",") if x])
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(f"### mmap provider vs raw file I/O ({args.page // 1024} KiB pages, {args.pages} pages per run, "
@@ -464,6 +514,10 @@ def main() -> None:
     print("| ---: | ---: | ---: | ---: |")
     for n, t, tm, rt, rtm, e in reopen_rows:
         print(f"| {n} | {t:.3f} / {tm:.3f} | {rt:.3f} / {rtm:.3f} | {e:,} |")
+    print("\n| snapshot (entries) | written | snapshot s | longest present() of another thread meanwhile, s |")
+    print("| ---: | --- | ---: | ---: |")
+    for n, way, dt, wait in stall_rows:
+        print(f"| {n} | {way} | {dt:.3f} | {wait:.3f} |")
 
 
 if __name__ == "__main__":

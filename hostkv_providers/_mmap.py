@@ -245,6 +245,33 @@ def _encode_seals(reservations: Sequence[_MmapReservation], digests: Sequence[in
     return [b + f.to_bytes(8, "little") for b, f in zip(bodies, folds, strict=True)]
 
 
+def _build_records(cols: dict[str, Any]) -> npt.NDArray[Any]:
+    """Snapshot records from :meth:`MmapProvider._snapshot_columns`: the seals without their
+    fold checksums (:func:`_seal_folds` of the first ``len(cols["rows"])`` records), then the
+    anchors (folded, stamped with the newest tick: they must sort after their entry's seal)."""
+    rows = cols["rows"]
+    recs = np.zeros(len(rows), RECORD_DTYPE)
+    if len(rows):
+        par = cols["parent_row"]
+        hasp = par >= 0
+        recs["op"] = OP_SEAL
+        recs["key"] = cols["key"]
+        recs["flags"] = hasp.astype(np.uint8)
+        recs["parent"][hasp] = cols["parent_key"]
+        for name in ("tag", "tag_len", "file", "slot", "nslots", "nbytes", "gen", "checksum", "created", "seq"):
+            recs[name] = cols[name]
+        # the parent's position in this snapshot: reopening resolves parents without a search
+        pos_of_row = np.full(cols["n_rows"], -1, np.int64)
+        pos_of_row[rows] = np.arange(len(rows))
+        recs["hint"][hasp] = (pos_of_row[par[hasp]] + 1).astype(np.uint64)
+    if cols["anchors"]:
+        ext = np.frombuffer(b"".join(cols["anchors"]), RECORD_DTYPE).copy()
+        ext["seq"] = cols["clock"]
+        _seal_folds(ext)
+        recs = np.concatenate([recs, ext])
+    return recs
+
+
 def _columns(recs: npt.NDArray[Any]) -> npt.NDArray[np.uint64]:
     """Records as a ``(_WORDS, n)`` array of uint64 columns (transposed in cache-sized chunks).
 
@@ -1895,33 +1922,28 @@ class MmapProvider(Provider):
         if self._rotation is not None or self._jrecords >= max(self._snapshot_every, self._idx.count):
             self._snap_due = True
 
-    def _snapshot_records(self, *, fold: bool = True) -> npt.NDArray[Any]:
-        """The index as snapshot records (seals, then anchors).  ``fold=False`` leaves the seal
-        records' fold checksums to the caller (:func:`_seal_folds`, outside the lock)."""
+    def _snapshot_records(self) -> npt.NDArray[Any]:
+        """The index as snapshot records: seals (live rows in row order), then anchors."""
+        recs = _build_records(self._snapshot_columns())
+        _seal_folds(recs)
+        return recs
+
+    def _snapshot_columns(self) -> dict[str, Any]:
+        """What a snapshot needs of the index, copied out (caller holds the lock): the live
+        rows' columns as contiguous gathers, the parent keys, and the anchor records.  This is
+        the part of a snapshot that must see one state of the index; :func:`_build_records`
+        turns it into records anywhere (a million entries: ~0.1 s of gathers here against ~0.3
+        s of strided stores into 160-byte records there)."""
         idx = self._idx
         rows = idx.live_rows()
-        recs = np.zeros(len(rows), RECORD_DTYPE)
-        if len(rows):
-            recs["op"] = OP_SEAL
-            recs["key"] = idx.key[rows]
-            par = idx.parent[rows]
-            hasp = par >= 0
-            recs["flags"] = hasp.astype(np.uint8)
-            recs["parent"][hasp] = idx.key[par[hasp]]
-            recs["tag"] = idx.tag[rows]
-            recs["tag_len"] = idx.tag_len[rows]
-            recs["file"] = idx.file[rows]
-            recs["slot"] = idx.slot[rows]
-            recs["nslots"] = idx.nslots[rows]
-            recs["nbytes"] = idx.nbytes[rows]
-            recs["gen"] = idx.gen[rows]
-            recs["checksum"] = idx.csum[rows]
-            recs["created"] = idx.created[rows]
-            recs["seq"] = idx.tick[rows]
-            # the parent's position in this snapshot: reopening resolves parents without a search
-            pos_of_row = np.full(idx.n, -1, np.int64)
-            pos_of_row[rows] = np.arange(len(rows))
-            recs["hint"][hasp] = (pos_of_row[par[hasp]] + 1).astype(np.uint64)
+        par = idx.parent[rows]
+        hasp = par >= 0
+        cols: dict[str, Any] = {
+            "key": idx.key[rows], "parent_row": par, "parent_key": idx.key[par[hasp]], "tag": idx.tag[rows],
+            "tag_len": idx.tag_len[rows], "file": idx.file[rows], "slot": idx.slot[rows],
+            "nslots": idx.nslots[rows], "nbytes": idx.nbytes[rows], "gen": idx.gen[rows], "checksum": idx.csum[rows],
+            "created": idx.created[rows], "seq": idx.tick[rows], "rows": rows, "n_rows": idx.n,
+        }
         extra = []
         for row, table in idx.anchors.items():
             if not idx.alive[row]:
@@ -1930,39 +1952,35 @@ class MmapProvider(Provider):
                 extra.append(self._encode(OP_ANCHOR, idx.key[row].tobytes(), name=name.encode(), file=a.file,
                                           slot=a.slot, nslots=a.nslots, nbytes=a.nbytes, gen=a.gen,
                                           checksum=a.checksum, seq=int(idx.tick[row]) + 0))
-        if fold:
-            _seal_folds(recs)
-        if extra:
-            ext = np.frombuffer(b"".join(extra), RECORD_DTYPE).copy()
-            # anchors must sort after their entry's seal: give them the newest tick of the store
-            ext["seq"] = idx.clock
-            _seal_folds(ext)
-            recs = np.concatenate([recs, ext])
-        return recs
+        cols["anchors"] = extra
+        cols["clock"] = idx.clock
+        return cols
 
     def _snapshot_blob(self) -> bytes:
         """The snapshot of the index as it is now, stamped with a fresh seq: every journal record
         so far has a smaller seq, every later one a larger (caller holds the lock)."""
-        head, recs = self._snapshot_capture()
-        _seal_folds(recs)
+        head, cols = self._snapshot_capture()
+        recs = _build_records(cols)
+        _seal_folds(recs[: len(cols["rows"])])
         return head + recs.tobytes()
 
-    def _snapshot_capture(self, *, fold: bool = True) -> tuple[bytes, npt.NDArray[Any]]:
-        """:meth:`_snapshot_blob` as (padded header, records); with ``fold=False`` the seal
-        records' folds are still to be computed (:func:`_seal_folds`)."""
+    def _snapshot_capture(self) -> tuple[bytes, dict[str, Any]]:
+        """The padded snapshot header (a fresh seq) and :meth:`_snapshot_columns` (caller holds
+        the lock)."""
         self._flush_none(force=True)
         idx = self._idx
         idx.clock += 1
         seq = idx.clock
-        recs = self._snapshot_records(fold=fold)
+        cols = self._snapshot_columns()
+        nrecs = len(cols["rows"]) + len(cols["anchors"])
         head = bytearray(64)
         head[:8] = _SNAP_MAGIC
         head[8:24] = self._store_id
         head[24:32] = seq.to_bytes(8, "little")
-        head[32:40] = len(recs).to_bytes(8, "little")
+        head[32:40] = nrecs.to_bytes(8, "little")
         head[40:48] = self._gen.to_bytes(8, "little")
         head[56:64] = xxhash.xxh3_64_intdigest(bytes(head[:56])).to_bytes(8, "little")
-        return bytes(head).ljust(_SNAP_HEADER, b"\0"), recs
+        return bytes(head).ljust(_SNAP_HEADER, b"\0"), cols
 
     def _snapshot(self) -> None:
         """Write a snapshot (atomically), then rotate the journal to the records after it, all
@@ -2022,8 +2040,8 @@ class MmapProvider(Provider):
                     self._snap_due = False
                     self._rotate_journal()
                     return
-                # under the lock only the gather of the live rows; folds and the write follow
-                head, recs = self._snapshot_capture(fold=False)
+                # under the lock only the gathers of the live rows; records and the write follow
+                head, cols = self._snapshot_capture()
                 gen, epoch, cut = self._gen, self._snap_epoch, self._jend
                 seq = self._idx.clock
                 dirty = sorted(self._dirty_files)
@@ -2041,8 +2059,8 @@ class MmapProvider(Provider):
                                 if self._failed is None:
                                     self._failed = str(exc)
                             raise
-                nseal = int(np.count_nonzero(recs["op"] == OP_SEAL))
-                _seal_folds(recs[:nseal])  # (anchor records, after the seals, came folded)
+                recs = _build_records(cols)
+                _seal_folds(recs[: len(cols["rows"])])  # (the anchors after them come folded)
                 tmp = _fsutil.write_temp(path, [head, memoryview(recs.view(np.uint8).data)], durable=True)
             except BaseException:
                 with self._lock:
