@@ -2054,11 +2054,12 @@ class MmapProvider(Provider):
                     try:
                         sf.sync()
                     except StorageIOError as exc:
-                        if not sf.closed:  # (closed: a compaction or close() replaced it meanwhile)
-                            with self._lock:
-                                if self._failed is None:
-                                    self._failed = str(exc)
-                            raise
+                        if sf.closed:  # a compaction or close() replaced it: this snapshot is moot
+                            continue
+                        with self._lock:
+                            if self._failed is None:
+                                self._failed = str(exc)
+                        raise
                 recs = _build_records(cols)
                 _seal_folds(recs[: len(cols["rows"])])  # (the anchors after them come folded)
                 tmp = _fsutil.write_temp(path, [head, memoryview(recs.view(np.uint8).data)], durable=True)

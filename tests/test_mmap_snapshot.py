@@ -208,3 +208,36 @@ def test_failed_data_sync_poisons_the_store(tmp_path: Path, monkeypatch: pytest.
     assert q.present(keys) == [True] * len(keys)
     assert all(q.read_bytes(k) == page_bytes(k, PAGE) for k in keys)
     q.close()
+
+
+@pytest.mark.parametrize("what", ["close", "compact"])
+def test_close_or_compact_meanwhile(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, what: str) -> None:
+    """``close()`` or ``compact()`` from another thread while the seal path writes its snapshot:
+    that snapshot is obsolete (discarded, its temp file removed), the seal that wrote it still
+    succeeds, and the store reopens with everything."""
+    root = tmp_path / "s"
+    p = make(root)
+    keys = fill(p, "a", 6)
+    p.evict(keys[:2])  # (something for compact to move)
+    keys = keys[2:]
+
+    def other() -> None:
+        if what == "close":
+            p.close()
+        else:
+            p.compact()
+
+    written = during_snapshot_write(monkeypatch, other)
+    if what == "close":
+        p._snap_due = True
+        keys += fill(p, "b", 1)  # its seal writes the snapshot; the store closes meanwhile
+    else:
+        keys += fill(p, "b", 4)  # crosses snapshot_every; compacted meanwhile
+        p.close()
+    assert written
+    assert not [n for n in os.listdir(root) if fsutil.is_temp_name(n)], "a temp file was left behind"
+    q = MmapProvider(str(root))
+    assert q.present(keys) == [True] * len(keys)
+    assert all(q.read_bytes(k) == page_bytes(k, PAGE) for k in keys)
+    assert q.verify().ok
+    q.close()
