@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import heapq
 import json
+import logging
 import mmap
 import os
 import re
@@ -105,6 +106,8 @@ _JOURNAL_CHUNK = 256 << 10
 _MANIFEST_LIMIT = 64 * 1024
 _TAG_MAX = 16
 _PUT_BATCH = 256  # put_many items per commit: bounds the lock pass and the bytes one commit pins
+
+_log = logging.getLogger(__name__)
 
 OP_SEAL = 1
 OP_DROP = 2
@@ -939,7 +942,7 @@ class MmapProvider(Provider):
         _instances.add(self)
         self._counters: dict[str, int] = dict.fromkeys(
             ("hits", "misses", "seals", "aborts", "dedup", "checksum_failures", "bytes_written", "bytes_read",
-             "stale_reads", "syncs", "group_commits"), 0)
+             "stale_reads", "syncs", "group_commits", "snapshot_failures"), 0)
         self._files: dict[int, SlotFile] = {}
         self._free: dict[int, npt.NDArray[np.bool_]] = {}
         self._cursor: dict[int, int] = {}  # per data file: where the next free-slot search starts
@@ -977,6 +980,7 @@ class MmapProvider(Provider):
         self._snap_mutex = threading.Lock()
         self._snap_epoch = 0
         self._rotation: tuple[int, int, int] | None = None
+        self._snap_syncing: set[int] = set()  # data files its unlocked phase is syncing
         self._orphans_at_open = 0
         try:
             self._open(budget_bytes, slot_nbytes, file_nbytes, create)
@@ -1991,7 +1995,8 @@ class MmapProvider(Provider):
             blob = self._snapshot_blob()
             # data referenced by the snapshot must be durable before the snapshot can replace a
             # journal that would otherwise still describe it after a power cut
-            for fid in sorted(self._dirty_files):
+            # (and the files a seal-path snapshot took out of _dirty_files and may still be syncing)
+            for fid in sorted(self._dirty_files | self._snap_syncing):
                 if fid in self._files:
                     self._files[fid].sync()
             self._dirty_files.clear()
@@ -2005,12 +2010,27 @@ class MmapProvider(Provider):
         append to it from now on (caller holds the lock, no seal between its journal record and
         its index entry)."""
         jpath = self._p(self._journal_name(self._gen))
-        _fsutil.atomic_write(jpath, self._journal_header() + tail, durable=True)
-        if self._jfd is not None:
-            os.close(self._jfd)
-            self._jfd = None
-        self._jvalid_end = REC_NBYTES + len(tail)
-        self._open_journal_for_append()
+        tmp = _fsutil.write_temp(jpath, self._journal_header() + tail, durable=True)
+        try:
+            os.rename(tmp, jpath)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise _fsutil.io_error(exc, f"renaming {tmp} to {jpath}") from exc
+        # From here the new file is the journal: if it cannot be made durable or opened, the
+        # open descriptor still points at the old (unlinked) one and records appended there
+        # would be lost, so the store takes no more seals until it is reopened.
+        try:
+            _fsutil.fsync_dir(self.path)
+            if self._jfd is not None:
+                os.close(self._jfd)
+                self._jfd = None
+            self._jvalid_end = REC_NBYTES + len(tail)
+            self._open_journal_for_append()
+        except BaseException as exc:
+            if self._failed is None:
+                self._failed = f"the index journal could not be replaced ({exc!r})"
+            raise
         self._jrecords = len(tail) // REC_NBYTES
         _fsutil.crash_point("mmap.snapshot.after_rotate")
 
@@ -2026,60 +2046,76 @@ class MmapProvider(Provider):
         between, then the journal rotated to the records appended since (1), all ``> S``.  The
         rotation waits while a seal is between its record and its entry (a group commit may
         still sync the old journal): the old journal stays valid behind the new snapshot (the
-        loader skips records ``<= S``) and a later seal rotates it.  Errors propagate to the
-        sealing caller, as the inline snapshot's did; a failed data sync poisons the store (R7).
+        loader skips records ``<= S``) and a later seal rotates it.
+
+        Errors do not fail the seal that ran this (it is in the journal and the index already):
+        they are logged and counted, the snapshot stays due; a failed data sync poisons the store
+        (R7), so the *next* seal fails with it.
         """
         if not self._snap_due or not self._snap_mutex.acquire(blocking=False):
             return
         try:
+            self._write_due_snapshot()
+        except HostKVError as exc:
             with self._lock:
-                if (not self._snap_due or self._closed or self._readonly or self._failed is not None
-                        or self._jfd is None or self._unfinished):
-                    return
-                if self._rotation is not None:
-                    self._snap_due = False
-                    self._rotate_journal()
-                    return
-                # under the lock only the gathers of the live rows; records and the write follow
-                head, cols = self._snapshot_capture()
-                gen, epoch, cut = self._gen, self._snap_epoch, self._jend
-                seq = self._idx.clock
-                dirty = sorted(self._dirty_files)
-                files = [self._files[f] for f in dirty if f in self._files]
-                self._dirty_files.clear()
-                self._snap_due = False
-            path = self._p(self._snap_name(gen))
-            try:
-                for sf in files:
-                    try:
-                        sf.sync()
-                    except StorageIOError as exc:
-                        if sf.closed:  # a compaction or close() replaced it: this snapshot is moot
-                            continue
-                        with self._lock:
-                            if self._failed is None:
-                                self._failed = str(exc)
-                        raise
-                recs = _build_records(cols)
-                _seal_folds(recs[: len(cols["rows"])])  # (the anchors after them come folded)
-                tmp = _fsutil.write_temp(path, [head, memoryview(recs.view(np.uint8).data)], durable=True)
-            except BaseException:
-                with self._lock:
-                    self._dirty_files.update(dirty)
-                    self._snap_due = True
-                raise
-            with self._lock:
-                if self._snap_epoch != epoch or self._gen != gen or self._closed or self._jfd is None:
-                    with contextlib.suppress(OSError):
-                        os.unlink(tmp)  # obsolete: another snapshot or a new generation came first
-                    return
-                _fsutil.install_temp(tmp, path, durable=True)
-                _fsutil.crash_point("mmap.snapshot.after_snap")
-                self._snap_epoch += 1
-                self._rotation = (gen, seq, cut)
-                self._rotate_journal()
+                self._counters["snapshot_failures"] += 1
+                self._snap_due = True
+            _log.warning("mmap %s: periodic snapshot failed: %s", self.path, exc)
         finally:
             self._snap_mutex.release()
+
+    def _write_due_snapshot(self) -> None:
+        """:meth:`_snapshot_due` once its mutex is held."""
+        with self._lock:
+            if (not self._snap_due or self._closed or self._readonly or self._failed is not None
+                    or self._jfd is None or self._unfinished):
+                return
+            if self._rotation is not None:
+                self._snap_due = False
+                self._rotate_journal()
+                return
+            # under the lock only the gathers of the live rows; records and the write follow
+            head, cols = self._snapshot_capture()
+            gen, epoch, cut = self._gen, self._snap_epoch, self._jend
+            seq = self._idx.clock
+            dirty = sorted(self._dirty_files)
+            files = [self._files[f] for f in dirty if f in self._files]
+            self._dirty_files.clear()
+            self._snap_syncing = set(dirty)
+            self._snap_due = False
+        path = self._p(self._snap_name(gen))
+        try:
+            for sf in files:
+                try:
+                    sf.sync()
+                except StorageIOError as exc:
+                    if sf.closed:  # a compaction or close() replaced it: this snapshot is moot
+                        continue
+                    with self._lock:
+                        if self._failed is None:
+                            self._failed = str(exc)
+                    raise
+            recs = _build_records(cols)
+            _seal_folds(recs[: len(cols["rows"])])  # (the anchors after them come folded)
+            tmp = _fsutil.write_temp(path, [head, memoryview(recs.view(np.uint8).data)], durable=True)
+        except BaseException:
+            with self._lock:
+                self._dirty_files.update(dirty)
+                self._snap_syncing = set()
+                self._snap_due = True
+            raise
+        with self._lock:
+            self._snap_syncing = set()
+            if (self._snap_epoch != epoch or self._gen != gen or self._closed or self._jfd is None
+                    or self._failed is not None):
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)  # obsolete: another snapshot or a new generation came first
+                return
+            _fsutil.install_temp(tmp, path, durable=True)
+            _fsutil.crash_point("mmap.snapshot.after_snap")
+            self._snap_epoch += 1
+            self._rotation = (gen, seq, cut)
+            self._rotate_journal()
 
     def _rotate_journal(self) -> None:
         """The rotation owed by an installed snapshot: a new journal with the records appended
@@ -3079,7 +3115,8 @@ class MmapProvider(Provider):
                        "open_seconds": round(getattr(self, "open_seconds", 0.0), 4), "readonly": self._readonly,
                        "problems": len(self._problems), "stale_at_open": self._stale_at_open,
                        "orphans_at_open": self._orphans_at_open, "torn_tail": self._torn_tail,
-                       "stale_reads": self._counters["stale_reads"], "syncs": self._counters["syncs"]},
+                       "stale_reads": self._counters["stale_reads"], "syncs": self._counters["syncs"],
+                       "snapshot_failures": self._counters["snapshot_failures"]},
                 **{k: v for k, v in self._counters.items() if k in _STAT_FIELDS},
             )
 

@@ -175,8 +175,9 @@ def test_a_snapshot_written_meanwhile_makes_it_obsolete(tmp_path: Path, monkeypa
 
 
 def test_failed_data_sync_poisons_the_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A data file whose sync failed may have lost dirty pages (R7): the seal that ran the
-    snapshot raises and the store acknowledges nothing more until it is reopened."""
+    """A data file whose sync failed may have lost dirty pages (R7): the store acknowledges
+    nothing more until it is reopened.  The seal that ran the snapshot is already in the journal
+    and the index: it succeeds (the failure is logged and counted)."""
     root = tmp_path / "s"
     p = make(root, durability="process")  # (sync mode syncs data at every commit: nothing dirty)
     keys = fill(p, "a", 4)
@@ -198,8 +199,9 @@ def test_failed_data_sync_poisons_the_store(tmp_path: Path, monkeypatch: pytest.
 
     monkeypatch.setattr(SlotFile, "sync", sync)
     monkeypatch.setattr(MmapProvider, "_snapshot_due", due)
-    with pytest.raises(StorageIOError, match="injected"):
-        fill(p, "b", 6)
+    with pytest.raises(StorageIOError, match=r"earlier sync.*injected"):
+        keys += fill(p, "b", 6)  # stops at the first seal after the one that ran the snapshot
+    assert p.stats().extra["snapshot_failures"] == 1
     with pytest.raises(StorageIOError, match="earlier sync"):
         put_page(p, key_of("after"), None, PAGE)
     monkeypatch.undo()
@@ -240,4 +242,73 @@ def test_close_or_compact_meanwhile(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert q.present(keys) == [True] * len(keys)
     assert all(q.read_bytes(k) == page_bytes(k, PAGE) for k in keys)
     assert q.verify().ok
+    q.close()
+
+
+def test_a_snapshot_written_meanwhile_syncs_the_files_still_being_synced(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The seal path takes the changed data files out of the dirty set before it syncs them
+    unlocked; a ``verify(repair=True)`` or ``close()`` snapshot written meanwhile must sync them
+    too before it replaces the journal (else a power cut could leave a durable index over data
+    that never reached the disk)."""
+    root = tmp_path / "s"
+    p = make(root, durability="process")
+    fill(p, "a", 6)
+    synced: list[int] = []
+    real_sync = SlotFile.sync
+    in_repair = [False]
+
+    def sync(self: SlotFile) -> None:
+        if in_repair[0]:
+            synced.append(self.file_id)
+        real_sync(self)
+
+    def repair() -> None:
+        assert p._snap_syncing, "the seal path should be syncing a data file now"
+        in_repair[0] = True
+        try:
+            p.verify(repair=True)
+        finally:
+            in_repair[0] = False
+        assert set(synced) >= p._snap_syncing
+
+    monkeypatch.setattr(SlotFile, "sync", sync)
+    during_snapshot_write(monkeypatch, repair)
+    fill(p, "b", 4)
+    assert synced
+    p.close()
+
+
+def test_a_journal_replaced_but_not_reopened_poisons_the_store(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once the new journal is renamed in, a failure to sync the directory or to open it leaves
+    the writer's descriptor on the old, unlinked journal: records appended there would be lost,
+    so no later seal is acknowledged (the one that ran the rotation is already in the journal)."""
+    root = tmp_path / "s"
+    p = make(root, durability="sync")
+    keys = fill(p, "a", 4)
+    real_install, real_fsync_dir = MmapProvider._install_journal, fsutil.fsync_dir
+    armed = [False]
+
+    def install(self: MmapProvider, tail: bytes) -> None:
+        armed[0] = True
+        try:
+            real_install(self, tail)
+        finally:
+            armed[0] = False
+
+    def fsync_dir(path: str) -> None:
+        if armed[0]:
+            raise StorageIOError("injected EIO syncing the directory")
+        real_fsync_dir(path)
+
+    monkeypatch.setattr(MmapProvider, "_install_journal", install)
+    monkeypatch.setattr(fsutil, "fsync_dir", fsync_dir)
+    with pytest.raises(StorageIOError, match="could not be replaced"):
+        keys += fill(p, "b", 6)
+    assert p.stats().extra["snapshot_failures"] == 1
+    monkeypatch.undo()
+    p.close()
+    q = MmapProvider(str(root))
+    assert q.present(keys) == [True] * len(keys)
     q.close()
