@@ -845,13 +845,15 @@ class _MmapReservation(Reservation):
 
 
 class _Pending:
-    """One seal waiting for the group commit."""
+    """One seal waiting for the group commit; ``done`` once a leader's commit of it is over
+    (``error`` then says how it went)."""
 
-    __slots__ = ("error", "record")
+    __slots__ = ("done", "error", "record")
 
     def __init__(self, record: bytes) -> None:
         self.record = record
         self.error: BaseException | None = None
+        self.done = False
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1866,14 +1868,21 @@ class MmapProvider(Provider):
         mine = [_Pending(r) for r in records]
         with self._commit_cv:
             self._queue.extend(mine)
-            while self._leader and mine[0] in self._queue:
+            # Wait until a leader's commit of them is *over* (a leader takes the whole queue at
+            # once, so they go together), or until no leader runs and they are still queued:
+            # then lead.  "Taken by a leader" is not enough: woken by the previous leader's
+            # notify while a new leader was still syncing them, a seal returned before its
+            # record was written -- acknowledged, and lost to a kill -9 right then (and not
+            # failed by that leader's failed sync, R7).
+            while not mine[0].done and (self._leader or mine[0] not in self._queue):
                 self._commit_cv.wait()
-            if mine[0] not in self._queue:  # a leader took them (all at once: one extend)
+            if mine[0].done:
                 for p in mine:
                     if p.error is not None:
                         raise p.error
                 return
             self._leader = True
+        batch: list[_Pending] = []
         try:
             if self._commit_window > 0:
                 time.sleep(self._commit_window)
@@ -1907,6 +1916,10 @@ class MmapProvider(Provider):
                 p.error = err
         finally:
             with self._commit_cv:
+                for p in batch:
+                    p.done = True
+                if not batch:  # interrupted before taking the queue: withdraw our own records
+                    self._queue = [p for p in self._queue if p not in mine]
                 self._leader = False
                 self._commit_cv.notify_all()
         for p in mine:

@@ -8,6 +8,7 @@ import os
 import stat
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -227,6 +228,52 @@ def test_group_commit_shares_syncs(tmp_path: Path) -> None:
     for t in threads:
         t.join()
     assert p.stats().extra["syncs"] - before <= 64
+    p.close()
+
+
+def test_group_commit_follower_waits_for_the_leaders_commit(tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A follower whose record a leader has taken from the queue must wait until that leader's
+    commit is over.  It used to return as soon as its record had left the queue: woken by any
+    notify (the previous leader's, here the test's) while the new leader was still syncing, its
+    seal was acknowledged before its record was written (kill -9 then lost it: found by a
+    4-thread kill -9 run, 2 acknowledged seals lost in 13k) and was not failed by a failed sync
+    of that commit (R7)."""
+    p = make(tmp_path / "s", durability="sync", commit_window=0.3)
+    syncing, release = threading.Event(), threading.Event()
+    real_sync_fd = fsutil.sync_fd
+
+    def sync_fd(fd: int, what: str, *, data_only: bool = True) -> None:
+        if "journal" in what and not release.is_set():
+            syncing.set()
+            release.wait(10)  # the leader holds here, in the journal sync of the batch
+        real_sync_fd(fd, what, data_only=data_only)
+
+    monkeypatch.setattr(fsutil, "sync_fd", sync_fd)
+    done: dict[str, float] = {}
+
+    def seal(name: str) -> None:
+        put_page(p, key_of(name), None, PAGE)
+        done[name] = time.monotonic()
+
+    leader = threading.Thread(target=seal, args=("leader",))
+    leader.start()
+    time.sleep(0.1)  # inside the leader's commit window: this one queues behind it
+    follower = threading.Thread(target=seal, args=("follower",))
+    follower.start()
+    assert syncing.wait(10), "the leader never reached its journal sync"
+    for _ in range(5):  # spurious wake-ups of the follower
+        with p._commit_cv:
+            p._commit_cv.notify_all()
+        time.sleep(0.02)
+    follower.join(0.3)
+    assert "follower" not in done, "acknowledged before the leader's commit of its record was over"
+    released = time.monotonic()
+    release.set()
+    leader.join(10)
+    follower.join(10)
+    assert done["follower"] >= released and done["leader"] >= released
+    assert p.present([key_of("leader"), key_of("follower")]) == [True, True]
     p.close()
 
 
