@@ -57,6 +57,22 @@ def test_kill9_cycles_sync(tmp_path: Path) -> None:
     assert not failed, failed[:3]
 
 
+@pytest.mark.parametrize("durability", ["sync", "process"])
+def test_kill9_cycles_four_threads(tmp_path: Path, durability: str) -> None:
+    """Four threads seal at once (group commits shared between threads, the periodic snapshot
+    written while the others seal, ``put_many`` next to per-page seals).  A single-threaded
+    child cannot show the group-commit race where a follower's seal was acknowledged before its
+    leader had written the record."""
+    sync = durability == "sync"  # (sync: a few ms per seal; process: ~20x faster)
+    w = Workload(page_nbytes=4096, steps=150 if sync else 600, threads=4, p_batch=0.1)
+    h = CrashHarness(_url(tmp_path / "s", w, durability=durability, snapshot_every=16), w, seed=30)
+    results = h.run(25, max_kill_after=0.3 if sync else 0.1)
+    failed = [r.describe() for r in results if not r.ok]
+    assert not failed, failed[:3]
+    assert sum(r.killed for r in results) >= 12
+    assert sum(r.acked_this_cycle for r in results) > 1000
+
+
 def test_kill9_durability_none_never_wrong(tmp_path: Path) -> None:
     """``none`` may lose recent seals on kill -9 but never returns wrong bytes."""
     w = Workload(page_nbytes=PAGE, steps=200)

@@ -42,6 +42,7 @@ import random
 import select
 import signal
 import struct
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -86,6 +87,9 @@ class Workload:
     p_batch:
         Per-step probability of a batch call (providers with ``SupportsBatch``): half of them
         ``put_many`` the next pages (up to 4) of a chain, half ``read_many`` sealed pages.
+    threads:
+        Threads running the workload at once in the child, each on its own ``chains`` chains
+        (concurrent seals: group commit, snapshots while other threads seal).
     """
 
     page_nbytes: int = 16384
@@ -100,11 +104,12 @@ class Workload:
     p_dedup: float = 0.03
     p_compact: float = 0.0
     p_batch: float = 0.0
+    threads: int = 1
 
     def budget_bytes(self, keep_cycles: int, slack: float = 2.0) -> int:
         """A budget large enough that no policy eviction happens while ``keep_cycles`` cycles'
         chains are kept (policy eviction of acknowledged pages would read as "missing")."""
-        pages = (keep_cycles + 1) * self.chains * self.chain_len
+        pages = (keep_cycles + 1) * self.chains * self.threads * self.chain_len
         anchors = pages * (64 + 255 * 8)
         return int((pages * self.page_nbytes + anchors) * slack)
 
@@ -221,7 +226,25 @@ class CrashHarness:
             w = self.workload
             provider = self._open(self.url)
             os.write(wfd, _READY + bytes(32))
-            _run_workload(provider, w, rng, cycle, self.seed, wfd)
+            if w.threads == 1:
+                _run_workload(provider, w, rng, cycle, self.seed, wfd)
+            else:
+                errors: list[BaseException] = []
+
+                def run(t: int) -> None:
+                    try:
+                        _run_workload(provider, w, random.Random((self.seed << 24) ^ (cycle << 4) ^ t), cycle,
+                                      self.seed, wfd, first_chain=t * w.chains)
+                    except BaseException as exc:
+                        errors.append(exc)
+
+                ts = [threading.Thread(target=run, args=(t,)) for t in range(w.threads)]
+                for t in ts:
+                    t.start()
+                for t in ts:
+                    t.join()
+                if errors:
+                    raise errors[0]
             provider.close()
             os.write(wfd, _DONE + bytes(32))
         except BaseException:
@@ -316,7 +339,8 @@ class CrashHarness:
                 i += length
         # roots of this cycle's chains, for later trimming
         self._roots_by_cycle[result.cycle] = [
-            key_of(f"crash/{self.seed}/{result.cycle}/{c}/0") for c in range(self.workload.chains)
+            key_of(f"crash/{self.seed}/{result.cycle}/{c}/0")
+            for c in range(self.workload.chains * self.workload.threads)
         ]
 
     def _verify(self, result: CycleResult) -> None:
@@ -364,12 +388,15 @@ def _has_ready(buf: bytearray) -> bool:
 
 def _chain_keys_of_roots(seed: int, cycles: list[int], w: Workload) -> list[list[Key]]:
     return [[key_of(f"crash/{seed}/{cy}/{c}/{i}") for i in range(w.chain_len)]
-            for cy in cycles for c in range(w.chains)]
+            for cy in cycles for c in range(w.chains * w.threads)]
 
 
-def _run_workload(provider: Provider, w: Workload, rng: random.Random, cycle: int, seed: int, wfd: int) -> None:
-    """The child's loop (module docstring).  Reports through ``wfd``."""
-    chains = [[key_of(f"crash/{seed}/{cycle}/{c}/{i}") for i in range(w.chain_len)] for c in range(w.chains)]
+def _run_workload(provider: Provider, w: Workload, rng: random.Random, cycle: int, seed: int, wfd: int, *,
+                  first_chain: int = 0) -> None:
+    """The child's loop (module docstring) over chains ``first_chain ..`` (one thread's).  Reports
+    through ``wfd`` (records are shorter than ``PIPE_BUF``: threads' writes never interleave)."""
+    chains = [[key_of(f"crash/{seed}/{cycle}/{c}/{i}") for i in range(w.chain_len)]
+              for c in range(first_chain, first_chain + w.chains)]
     written = [0] * w.chains  # sealed prefix length per chain
     sealed: list[Key] = []
     ops = [("read", w.p_read), ("evict", w.p_evict), ("anchor", w.p_anchor), ("lease", w.p_lease),
