@@ -56,6 +56,21 @@ def test_kill9_cycles(tmp_path: Path, durability: str, inline_max: int) -> None:
     _assert_clean(store)
 
 
+@pytest.mark.parametrize("durability, inline_max", [("sync", 0), ("process", 4096)])
+def test_kill9_cycles_four_threads(tmp_path: Path, durability: str, inline_max: int) -> None:
+    """Four threads seal at once in the child (concurrent transactions, ``put_many`` next to
+    per-page seals); the single-threaded cycles above cannot show races between them."""
+    sync = durability == "sync"
+    w = Workload(page_nbytes=4096, steps=150 if sync else 600, threads=4, p_batch=0.1)
+    url = f"lmdb://{tmp_path / 'store'}?budget={w.budget_bytes(3)}&durability={durability}&inline_max={inline_max}"
+    h = CrashHarness(url, w, seed=31)
+    results = h.run(25, max_kill_after=0.3 if sync else 0.1)
+    failed = [r.describe() for r in results if not r.ok]
+    assert not failed, failed[:3]
+    assert sum(r.killed for r in results) >= 12
+    _assert_clean(tmp_path / "store")
+
+
 def test_kill9_with_compaction(tmp_path: Path) -> None:
     store = tmp_path / "store"
     w = Workload(page_nbytes=8192, steps=200, chains=3, chain_len=10, p_compact=0.02, p_evict=0.08)
