@@ -249,9 +249,8 @@ def _encode_seals(reservations: Sequence[_MmapReservation], digests: Sequence[in
 
 
 def _build_records(cols: dict[str, Any]) -> npt.NDArray[Any]:
-    """Snapshot records from :meth:`MmapProvider._snapshot_columns`: the seals without their
-    fold checksums (:func:`_seal_folds` of the first ``len(cols["rows"])`` records), then the
-    anchors (folded, stamped with the newest tick: they must sort after their entry's seal)."""
+    """Snapshot records from :meth:`MmapProvider._snapshot_columns`, folded: the seals, then
+    the anchors (stamped with the newest tick: they must sort after their entry's seal)."""
     rows = cols["rows"]
     recs = np.zeros(len(rows), RECORD_DTYPE)
     if len(rows):
@@ -267,6 +266,7 @@ def _build_records(cols: dict[str, Any]) -> npt.NDArray[Any]:
         pos_of_row = np.full(cols["n_rows"], -1, np.int64)
         pos_of_row[rows] = np.arange(len(rows))
         recs["hint"][hasp] = (pos_of_row[par[hasp]] + 1).astype(np.uint64)
+        _seal_folds(recs)
     if cols["anchors"]:
         ext = np.frombuffer(b"".join(cols["anchors"]), RECORD_DTYPE).copy()
         ext["seq"] = cols["clock"]
@@ -1941,9 +1941,7 @@ class MmapProvider(Provider):
 
     def _snapshot_records(self) -> npt.NDArray[Any]:
         """The index as snapshot records: seals (live rows in row order), then anchors."""
-        recs = _build_records(self._snapshot_columns())
-        _seal_folds(recs)
-        return recs
+        return _build_records(self._snapshot_columns())
 
     def _snapshot_columns(self) -> dict[str, Any]:
         """What a snapshot needs of the index, copied out (caller holds the lock): the live
@@ -1977,9 +1975,7 @@ class MmapProvider(Provider):
         """The snapshot of the index as it is now, stamped with a fresh seq: every journal record
         so far has a smaller seq, every later one a larger (caller holds the lock)."""
         head, cols = self._snapshot_capture()
-        recs = _build_records(cols)
-        _seal_folds(recs[: len(cols["rows"])])
-        return head + recs.tobytes()
+        return head + _build_records(cols).tobytes()
 
     def _snapshot_capture(self) -> tuple[bytes, dict[str, Any]]:
         """The padded snapshot header (a fresh seq) and :meth:`_snapshot_columns` (caller holds
@@ -2053,8 +2049,9 @@ class MmapProvider(Provider):
         more at a million entries, which would stall every read, lookup and lease meanwhile).
 
         Steps: (1) under the lock, with no seal between its journal record and its index entry,
-        the snapshot blob (stamped seq ``S``) and the journal offset it covers; (2) unlocked,
-        the data files synced and the blob written to a synced temp file; (3) under the lock,
+        the live rows' columns (the snapshot's seq ``S``) and the journal offset it covers; (2)
+        unlocked, the records built, the data files synced, the records written to a synced
+        temp file; (3) under the lock,
         the temp file renamed over the snapshot unless another snapshot or a compaction came in
         between, then the journal rotated to the records appended since (1), all ``> S``.  The
         rotation waits while a seal is between its record and its entry (a group commit may
@@ -2109,7 +2106,6 @@ class MmapProvider(Provider):
                             self._failed = str(exc)
                     raise
             recs = _build_records(cols)
-            _seal_folds(recs[: len(cols["rows"])])  # (the anchors after them come folded)
             tmp = _fsutil.write_temp(path, [head, memoryview(recs.view(np.uint8).data)], durable=True)
         except BaseException:
             with self._lock:
