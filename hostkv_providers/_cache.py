@@ -851,7 +851,12 @@ class HostKVCache:
                         ok = len(part)
                 if srcs is None:
                     # Bounce through host buffers; at most two in flight, so the read of this chunk
-                    # overlaps the copy of the previous one.
+                    # overlaps the copy of the previous one.  The provider is told of the next
+                    # chunk first: a disk-backed one reads it in while this one is read, checked
+                    # and handed to the engine.
+                    nxt = keys[i + len(part) : i + len(part) + chunk]
+                    if nxt:
+                        self.provider.prefetch(nxt)
                     while sum(1 for _h, st, _l in pending if st is not None) >= 2:
                         retire()
                     st = self._get_staging()

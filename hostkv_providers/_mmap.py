@@ -2635,6 +2635,40 @@ class MmapProvider(Provider):
             raise bad
         return results
 
+    def prefetch(self, keys: Sequence[bytes]) -> None:
+        """Start reading the data of the stored ``keys`` into the page cache: one
+        ``POSIX_FADV_WILLNEED`` per run of them that lies back to back in a data file (the
+        kernel queues the reads and returns).  A restore that prefetches its next chunk before
+        it reads, verifies and hands on the current one keeps the disk busy meanwhile; the
+        reads themselves stay what they are (header, copy, checksum).  Keys not stored are
+        ignored."""
+        ks = self._keys(keys)
+        self._check_usable()
+        with self._lock:
+            self._check_usable()
+            idx = self._idx
+            spans = []
+            for k in ks:
+                row = idx.row_of(k)
+                if row >= 0:
+                    spans.append((idx.file.item(row), idx.slot.item(row), idx.nbytes.item(row)))
+            files = dict(self._files)
+        spans.sort()
+        run: tuple[SlotFile, int, int] | None = None  # file, first byte, end
+        for fid, slot, nbytes in spans:
+            sf = files.get(fid)
+            if sf is None:
+                continue
+            lo = sf.data_offset + slot * sf.slot_nbytes
+            if run is not None and run[0] is sf and lo <= run[2]:
+                run = (sf, run[1], max(run[2], lo + nbytes))
+                continue
+            if run is not None:
+                run[0].will_need(run[1], run[2] - run[1])
+            run = (sf, lo, lo + nbytes)
+        if run is not None:
+            run[0].will_need(run[1], run[2] - run[1])
+
     def _drop_row(self, row: int) -> int:
         """Drop a corrupt/stale entry with its subtree (caller holds the lock)."""
         removed = self._idx.drop(row)

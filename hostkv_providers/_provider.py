@@ -743,6 +743,15 @@ class Provider(abc.ABC):
     def in_flight(self, key: bytes) -> bool:
         """Whether ``key`` is reserved by some writer and not yet sealed or aborted."""
 
+    def prefetch(self, keys: Sequence[bytes]) -> None:
+        """A hint that ``keys`` will be read soon.  A provider whose reads may wait on a slower
+        medium (a disk, a network) can start bringing their bytes closer now, without blocking
+        the caller, so that the caller's work on an earlier batch overlaps the medium.  Never
+        required to do anything, never an error for a key that is not stored; the default does
+        nothing.  :class:`~hostkv_providers.HostKVCache` calls it with the next chunk of a
+        staged restore before it reads the current one."""
+        return None
+
     # -- eviction ------------------------------------------------------------------------
     @abc.abstractmethod
     def evict(self, keys: Sequence[bytes] | None = None, *, nbytes: int = 0) -> EvictReport:

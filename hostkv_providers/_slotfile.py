@@ -127,6 +127,8 @@ _HSUM_AT = SLOT_HEADER_NBYTES - 8
 _IOV_MAX = 1024
 _GROUP_NBYTES = 1 << 20  # larger groups save few calls, and the verify pass then reads from farther caches
 _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
+#: The smallest per-call read-ahead clamp to expect (the kernel's default ``read_ahead_kb``).
+_WILLNEED_PIECE = 128 * 1024
 _ZERO_HEADER = bytes(SLOT_HEADER_NBYTES)
 _ZERO_KEY = bytes(KEY_NBYTES)
 
@@ -687,6 +689,23 @@ class SlotFile:
                     pos += b.nbytes
             finish(js)
         return results
+
+    def will_need(self, file_offset: int, nbytes: int) -> None:
+        """Start reading ``[file_offset, file_offset + nbytes)`` into the page cache
+        (``POSIX_FADV_WILLNEED``: the kernel queues the reads and returns).  A hint: errors
+        are ignored, as is a closed file.
+
+        In pieces of ``_WILLNEED_PIECE``: Linux reads ahead at most ``max(read_ahead_kb,
+        max_sectors_kb)`` per call, so one call over a 256 MiB range read in its first few MiB
+        only (measured: a read of the range after one call ran as cold as without it; after
+        128 KiB pieces, at page-cache speed, for ~27 ms of calls per 256 MiB)."""
+        fd = self._fd
+        if fd is None or nbytes <= 0:
+            return
+        end = file_offset + nbytes
+        with contextlib.suppress(OSError):
+            for pos in range(file_offset, end, _WILLNEED_PIECE):
+                os.posix_fadvise(fd, pos, min(_WILLNEED_PIECE, end - pos), os.POSIX_FADV_WILLNEED)
 
     def _pread_into(self, out: memoryview, file_offset: int) -> None:
         fd = self._fd

@@ -698,6 +698,18 @@ class TieredProvider(Provider):
                 out.append(exc)
         return out
 
+    def prefetch(self, keys: Sequence[bytes]) -> None:
+        """Forward the hint to the slow tier for the keys only it holds (after a restart: all)."""
+        ks = self._keys(keys)
+        self._check_usable()
+        with self._lock:
+            self._check_usable()
+            slow = [k for k in ks if (n := self._index.get(k)) is not None and n.loc.state == _SLOW]
+        if slow:
+            only_slow = [k for k, f in zip(slow, self.fast.present(slow), strict=True) if not f]
+            if only_slow:
+                self.slow.prefetch(only_slow)
+
     def read_many(self, keys: Sequence[bytes], outs: Sequence[object]) -> list[bool]:
         """Whole entries into ``outs[i]`` (:class:`~hostkv_providers.SupportsBatch`): one lock
         round for the lookups, one batch read from the fast tier, one from the slow tier for

@@ -359,6 +359,26 @@ def test_staged_restore_stops_at_a_failed_page(engine: CpuCopyEngine, wrapper: t
         prov.close()
 
 
+def test_staged_restore_prefetches_the_next_chunk(engine: CpuCopyEngine) -> None:
+    """Before reading a chunk through the bounce buffers the cache tells the provider of the
+    next one, so a disk-backed provider reads it in meanwhile."""
+    prov = BatchedNoViews(_pinned())
+    asked: list[list[bytes]] = []
+    prov.prefetch = lambda ks: asked.append([bytes(k) for k in ks])  # type: ignore[method-assign]
+    cache = HostKVCache(prov, SALT, engine, chunk_pages=4, staging_allocator=OrdinaryAllocator())
+    try:
+        src = make_planes(21)
+        ks = cache.keys(tokens(4 * 10, seed=22))
+        cache.save(ks, src, list(range(10))).wait(30)
+        dst = make_planes(None)
+        assert cache.restore(cache.lookup(ks), dst, list(range(10))).wait(30).pages == 10
+        assert asked == [[bytes(k) for k in ks[4:8]], [bytes(k) for k in ks[8:10]]]
+        assert all(page_of(dst, i) == page_of(src, i) for i in range(10))
+    finally:
+        cache.close()
+        prov.close()
+
+
 # ------------------------------------------------------------------------------------------
 # admission
 # ------------------------------------------------------------------------------------------

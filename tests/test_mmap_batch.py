@@ -308,3 +308,41 @@ def test_named_crash_points_in_put_many(tmp_path: Path, point: str) -> None:
     assert r.ok, r.describe()
     after = h.cycle(kill_after=0.01)
     assert after.ok, after.describe()
+
+
+def test_prefetch_asks_the_kernel_for_each_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One ``POSIX_FADV_WILLNEED`` per run of entries that lie back to back in a data file;
+    keys not stored are ignored; a closed file or a refusing kernel is no error (a hint)."""
+    p = make(tmp_path / "s")
+    keys = [key_of(f"pf-{i}") for i in range(6)]
+    for k in keys:
+        put_page(p, k, None, PAGE)
+    p.evict([keys[2]])
+    sf = next(iter(p._files.values()))
+    slot = {k: int(p._idx.slot[p._idx.row_of(k)]) for k in keys if p.present([k])[0]}
+    calls: list[tuple[int, int, int]] = []
+    real = os.posix_fadvise
+
+    def fadvise(fd: int, offset: int, length: int, advice: int) -> None:
+        if advice == os.POSIX_FADV_WILLNEED:
+            calls.append((fd, offset, length))
+        real(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", fadvise)
+    p.prefetch([keys[4], keys[0], keys[1], keys[3], key_of("pf-missing")])
+    runs = []
+    for k in sorted((keys[0], keys[1], keys[3], keys[4]), key=slot.__getitem__):
+        lo = sf.data_offset + slot[k] * PAGE
+        if runs and runs[-1][1] == lo:
+            runs[-1][1] = lo + PAGE
+        else:
+            runs.append([lo, lo + PAGE])
+    assert calls == [(sf.fd, lo, hi - lo) for lo, hi in runs]
+    assert len(calls) < 4  # adjacent entries coalesced
+
+    def refuse(fd: int, offset: int, length: int, advice: int) -> None:
+        raise OSError(errno.EINVAL, "no")
+
+    monkeypatch.setattr(os, "posix_fadvise", refuse)
+    p.prefetch(keys)  # no error
+    p.close()

@@ -422,3 +422,29 @@ def test_close_with_queued_write_backs_uses_no_released_lease(tmp_path: Path, sl
         assert t2.present(keys) == [True] * 6 + [False] * 6
     finally:
         t2.close()
+
+
+def test_prefetch_forwards_only_what_only_the_slow_tier_holds(tmp_path: Path) -> None:
+    from hostkv_providers._mmap import MmapProvider
+
+    keys = chain("prefetch", 6)
+
+    def slow() -> MmapProvider:
+        return MmapProvider(str(tmp_path / "s"), budget_bytes=64 * PAGE, slot_nbytes=PAGE)
+
+    t = TieredProvider(_pinned(64 * PAGE), slow())
+    put_chain(t, keys, PAGE)
+    t.flush()
+    asked: list[list[bytes]] = []
+    t.slow.prefetch = lambda ks: asked.append(list(ks))  # type: ignore[method-assign]
+    t.prefetch(keys)
+    assert asked == []  # all still in the fast tier
+    t.close()
+    t2 = TieredProvider(_pinned(64 * PAGE), slow())  # a restart: the fast tier is empty
+    try:
+        t2.slow.prefetch = lambda ks: asked.append(list(ks))  # type: ignore[method-assign]
+        t2.read_many(keys[:2], [bytearray(PAGE), bytearray(PAGE)])  # promoted: in the fast tier
+        t2.prefetch([*keys, key_of("prefetch-miss")])
+        assert asked == [keys[2:]]
+    finally:
+        t2.close()
