@@ -1246,6 +1246,17 @@ class ProviderTests:
         assert provider.present([*keys, other]) == [True, False, False, True]
         assert provider.verify().ok
 
+    def test_prefetch_is_a_harmless_hint(self, provider: Provider) -> None:
+        """``prefetch`` of stored and unknown keys returns without error and changes nothing:
+        the same entries are present and read back exactly."""
+        keys = chain("prefetch", 3)
+        put_chain(provider, keys, self._pages(1))
+        missing = key_of("prefetch-missing")
+        provider.prefetch([*keys, missing])
+        provider.prefetch([])
+        assert provider.present([*keys, missing]) == [True, True, True, False]
+        assert all(provider.read_bytes(k) == page_bytes(k, self._pages(1)) for k in keys)
+
     def test_batch_put_many_read_many(self, provider: Provider) -> None:
         if not isinstance(provider, SupportsBatch):
             pytest.skip("provider has no batch capability (put_many/read_many)")
