@@ -86,7 +86,7 @@ from ._provider import (
     readable_bytes,
     writable_buffer,
 )
-from ._slotfile import FLAG_ANCHOR, SLOT_MAGIC, ReadResult, SlotFile, run_nslots
+from ._slotfile import FLAG_ANCHOR, SLOT_MAGIC, ReadResult, SlotFile, prefetch_runs, run_nslots
 from ._span import ByteSpan
 
 __all__ = ["MMAP_FORMAT", "MMAP_FORMAT_VERSION", "RECORD_DTYPE", "MmapProvider"]
@@ -2644,30 +2644,15 @@ class MmapProvider(Provider):
         ignored."""
         ks = self._keys(keys)
         self._check_usable()
+        entries = []
         with self._lock:
             self._check_usable()
-            idx = self._idx
-            spans = []
+            idx, files = self._idx, self._files
             for k in ks:
                 row = idx.row_of(k)
-                if row >= 0:
-                    spans.append((idx.file.item(row), idx.slot.item(row), idx.nbytes.item(row)))
-            files = dict(self._files)
-        spans.sort()
-        run: tuple[SlotFile, int, int] | None = None  # file, first byte, end
-        for fid, slot, nbytes in spans:
-            sf = files.get(fid)
-            if sf is None:
-                continue
-            lo = sf.data_offset + slot * sf.slot_nbytes
-            if run is not None and run[0] is sf and lo <= run[2]:
-                run = (sf, run[1], max(run[2], lo + nbytes))
-                continue
-            if run is not None:
-                run[0].will_need(run[1], run[2] - run[1])
-            run = (sf, lo, lo + nbytes)
-        if run is not None:
-            run[0].will_need(run[1], run[2] - run[1])
+                if row >= 0 and (sf := files.get(idx.file.item(row))) is not None:
+                    entries.append((sf, idx.slot.item(row), idx.nbytes.item(row)))
+        prefetch_runs(entries)
 
     def _drop_row(self, row: int) -> int:
         """Drop a corrupt/stale entry with its subtree (caller holds the lock)."""

@@ -133,6 +133,22 @@ _ZERO_HEADER = bytes(SLOT_HEADER_NBYTES)
 _ZERO_KEY = bytes(KEY_NBYTES)
 
 
+def prefetch_runs(entries: Sequence[tuple[SlotFile, int, int]]) -> None:
+    """:meth:`SlotFile.will_need` for entries ``(file, slot, nbytes)``, one call per run of
+    them that lies back to back in a file (the ``prefetch`` of the providers on slot files)."""
+    run: tuple[SlotFile, int, int] | None = None  # file, first byte, end
+    for sf, slot, nbytes in sorted(entries, key=lambda e: (e[0].file_id, e[1])):
+        lo = sf.data_offset + slot * sf.slot_nbytes
+        if run is not None and run[0] is sf and lo <= run[2]:
+            run = (sf, run[1], max(run[2], lo + nbytes))
+            continue
+        if run is not None:
+            run[0].will_need(run[1], run[2] - run[1])
+        run = (sf, lo, lo + nbytes)
+    if run is not None:
+        run[0].will_need(run[1], run[2] - run[1])
+
+
 class ReadResult(enum.IntEnum):
     """Outcome of :meth:`SlotFile.read_into` / :meth:`SlotFile.check`."""
 

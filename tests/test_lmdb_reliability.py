@@ -887,3 +887,23 @@ def test_map_grown_by_another_process_is_adopted(tmp_path: Path) -> None:
     put_page(p, key_of("grow-parent-2"), None, 16384)
     assert p.stats().extra["map_size"] > 1 << 20
     p.close()
+
+
+def test_prefetch_asks_the_kernel_for_slot_file_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``prefetch`` issues ``POSIX_FADV_WILLNEED`` over the slot-file data of stored keys (one
+    run for adjacent slots), skips inline entries and unknown keys."""
+    import hostkv_providers._slotfile as slotfile
+    from hostkv_providers.testing import key_of, put_page
+
+    p = LmdbProvider(tmp_path / "s", budget_bytes=1 << 22, inline_max=4096)
+    big = [key_of(f"pf-big-{i}") for i in range(4)]
+    small = key_of("pf-small")
+    for k in big:
+        put_page(p, k, None, 16384)
+    put_page(p, small, None, 1000)  # inline in LMDB
+    calls: list[tuple[int, int]] = []
+    monkeypatch.setattr(slotfile.SlotFile, "will_need", lambda self, off, n: calls.append((off, n)))
+    p.prefetch([*big, small, key_of("pf-missing")])
+    assert sum(n for _, n in calls) == 4 * 16384
+    assert len(calls) < 4  # adjacent slots coalesced
+    p.close()
