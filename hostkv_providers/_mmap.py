@@ -86,7 +86,7 @@ from ._provider import (
     readable_bytes,
     writable_buffer,
 )
-from ._slotfile import FLAG_ANCHOR, SLOT_MAGIC, ReadResult, SlotFile, prefetch_runs, run_nslots
+from ._slotfile import _ZERO_KEY, FLAG_ANCHOR, SLOT_MAGIC, ReadResult, SlotFile, prefetch_runs, run_nslots
 from ._span import ByteSpan
 
 __all__ = ["MMAP_FORMAT", "MMAP_FORMAT_VERSION", "RECORD_DTYPE", "MmapProvider"]
@@ -225,9 +225,6 @@ def fold64_one(raw: bytes, _unpack: Any = _REC_WORDS.unpack_from, _seed: int = i
     for w in _unpack(raw):
         h = ((h ^ w) * _mul) & _m64
     return h ^ (h >> 31)
-
-
-_ZERO_KEY = bytes(32)
 
 
 def _encode_seals(reservations: Sequence[_MmapReservation], digests: Sequence[int], tag: bytes, created: float,
@@ -976,12 +973,12 @@ class MmapProvider(Provider):
         self._unfinished = 0
         # The periodic snapshot of the seal paths (_snapshot_due): due flag, one writer at a time,
         # an epoch that every other snapshot bumps (a snapshot written meanwhile is obsolete) and
-        # the journal rotation still owed by an installed snapshot: (generation, seq, offset of
-        # the first journal record after it).
+        # the journal rotation still owed by an installed snapshot: (generation, offset of the
+        # first journal record after it).
         self._snap_due = False
         self._snap_mutex = threading.Lock()
         self._snap_epoch = 0
-        self._rotation: tuple[int, int, int] | None = None
+        self._rotation: tuple[int, int] | None = None
         self._snap_syncing: set[int] = set()  # data files its unlocked phase is syncing
         self._orphans_at_open = 0
         try:
@@ -2020,12 +2017,7 @@ class MmapProvider(Provider):
         its index entry)."""
         jpath = self._p(self._journal_name(self._gen))
         tmp = _fsutil.write_temp(jpath, self._journal_header() + tail, durable=True)
-        try:
-            os.rename(tmp, jpath)
-        except OSError as exc:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise _fsutil.io_error(exc, f"renaming {tmp} to {jpath}") from exc
+        _fsutil.install_temp(tmp, jpath, durable=False)  # the directory sync follows, below
         # From here the new file is the journal: if it cannot be made durable or opened, the
         # open descriptor still points at the old (unlinked) one and records appended there
         # would be lost, so the store takes no more seals until it is reopened.
@@ -2087,7 +2079,6 @@ class MmapProvider(Provider):
             # under the lock only the gathers of the live rows; records and the write follow
             head, cols = self._snapshot_capture()
             gen, epoch, cut = self._gen, self._snap_epoch, self._jend
-            seq = self._idx.clock
             dirty = sorted(self._dirty_files)
             files = [self._files[f] for f in dirty if f in self._files]
             self._dirty_files.clear()
@@ -2123,7 +2114,7 @@ class MmapProvider(Provider):
             _fsutil.install_temp(tmp, path, durable=True)
             _fsutil.crash_point("mmap.snapshot.after_snap")
             self._snap_epoch += 1
-            self._rotation = (gen, seq, cut)
+            self._rotation = (gen, cut)
             self._rotate_journal()
 
     def _rotate_journal(self) -> None:
@@ -2131,7 +2122,7 @@ class MmapProvider(Provider):
         since the snapshot's cut (caller holds the lock); postponed while a seal is between its
         journal record and its index entry."""
         assert self._rotation is not None
-        gen, _, cut = self._rotation
+        gen, cut = self._rotation
         if gen != self._gen or self._jfd is None:
             self._rotation = None
             return

@@ -346,3 +346,28 @@ def test_prefetch_asks_the_kernel_for_each_run(tmp_path: Path, monkeypatch: pyte
     monkeypatch.setattr(os, "posix_fadvise", refuse)
     p.prefetch(keys)  # no error
     p.close()
+
+
+@pytest.mark.parametrize("n", [3, 20])  # the per-record fold (< 8) and the vectorised one
+def test_batch_encoded_seal_records_equal_the_per_record_encoding(tmp_path: Path, n: int) -> None:
+    """``put_many``/``seal`` encode their journal records with ``_encode_seals``; they must be
+    byte for byte what ``_encode`` (anchors, drops, the loader's format) gives."""
+    from hostkv_providers import _mmap
+
+    p = make(tmp_path / "s")
+    rs = []
+    for i in range(n):
+        r = p.reserve(key_of(f"enc-{i}"), None, PAGE)
+        assert r is not None
+        r.parent = key_of(f"enc-parent-{i}") if i % 3 else None  # (encoding only: never sealed)
+        rs.append(r)
+    digests = [(i * 0x9E3779B97F4A7C15) & ((1 << 64) - 1) for i in range(n)]
+    got = _mmap._encode_seals(rs, digests, b"tag-xyz", 1234.5, 77)
+    want = [p._encode(_mmap.OP_SEAL, r.key, parent=r.parent, tag=b"tag-xyz", file=r.file, slot=r.slot,
+                      nslots=r.nslots, nbytes=r.nbytes, gen=r.gen, checksum=d, created=1234.5, seq=77 + j)
+            for j, (r, d) in enumerate(zip(rs, digests, strict=True))]
+    assert got == want
+    for r in rs:
+        r.parent = None
+        r.abort()
+    p.close()
