@@ -37,10 +37,9 @@ from typing import Any
 import numpy as np
 
 import hostkv_providers as hk
-from hostkv_providers._cache import HostKVCache
-from hostkv_providers._copy import CpuCopyEngine, KVPlanes, default_copy_engine
-from hostkv_providers._kvmap import paged_planes
-from hostkv_providers._tiered import TieredProvider
+from hostkv_providers.cache import HostKVCache, paged_planes
+from hostkv_providers.device import CpuCopyEngine, KVPlanes, default_copy_engine
+from hostkv_providers.providers import TieredProvider
 
 FIELD_MS = 422.0
 T0 = time.perf_counter()
@@ -92,12 +91,12 @@ def restore_once(torch: Any, cache: HostKVCache, keys: list[hk.Key], planes: Pla
 def open_slow(url: str) -> hk.Provider:
     """The slow tier, built from its class directly (works without the package's entry points,
     i.e. with ``PYTHONPATH`` instead of an installed distribution)."""
-    scheme, location, options = hk.parse_url(url)
+    scheme, location, options = hk.providers.parse_url(url)
     if scheme == "mmap":
-        from hostkv_providers._mmap import MmapProvider
+        from hostkv_providers.providers import MmapProvider
 
         return MmapProvider.from_url(location, options)
-    from hostkv_providers._lmdb import LmdbProvider
+    from hostkv_providers.providers import LmdbProvider
 
     return LmdbProvider.from_url(location, options)
 
@@ -266,7 +265,7 @@ def main() -> int:
     # -- 1. pinned ---------------------------------------------------------------------------
     budget = n_pages * block + 64 * block
     t = time.perf_counter()
-    pinned = hk.PinnedProvider(budget, block=block, chunk=256 * block)
+    pinned = hk.providers.PinnedProvider(budget, block=block, chunk=256 * block)
     r["pinned_alloc_s"] = time.perf_counter() - t
     r["pinned_is_pinned"] = pinned.describe()["pinned"]
     log(f"pinned provider: {budget / 1e9:.2f} GB in {r['pinned_alloc_s']:.2f} s (pinned={r['pinned_is_pinned']})")

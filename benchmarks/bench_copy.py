@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from hostkv_providers import KVLayout, PinnedProvider, _cuda
-from hostkv_providers._copy import CudaCopyEngine, KVPlanes, page_regions, pinned_allocator
+from hostkv_providers.device import CudaCopyEngine, KVPlanes, page_regions, pinned_allocator
 
 GiB = 1 << 30
 

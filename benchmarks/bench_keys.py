@@ -55,7 +55,7 @@ def main() -> None:
 
     keys = hk.chain_keys(salt, tokens)
     page = 4096
-    with hk.PinnedProvider(len(keys) * page, block=page) as p:
+    with hk.providers.PinnedProvider(len(keys) * page, block=page) as p:
         parent = None
         blob = bytes(page)
         for k in keys:

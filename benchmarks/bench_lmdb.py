@@ -30,8 +30,8 @@ from typing import Any
 
 import lmdb
 
-from hostkv_providers._keys import Key
-from hostkv_providers._lmdb import LmdbProvider, _Counters, _Entry, _Shared
+from hostkv_providers.providers import Key
+from hostkv_providers.providers.lmdb._provider import LmdbProvider, _Counters, _Entry, _Shared
 from hostkv_providers.testing import page_bytes
 
 MiB = 1 << 20
@@ -57,7 +57,7 @@ def best_ms(fn: Callable[[], object], repeat: int) -> tuple[float, float]:
 
 def mmap_provider(path: str, budget: int, slot: int, durability: str = "process") -> Any:
     try:
-        from hostkv_providers._mmap import MmapProvider
+        from hostkv_providers.providers import MmapProvider
     except ImportError:
         return None
     return MmapProvider(path, budget_bytes=budget, slot_nbytes=slot, durability=durability)
@@ -201,7 +201,7 @@ def build_million(path: str, n: int) -> None:
     env = lmdb.open(path, map_size=4 << 30, max_dbs=16, mode=0o600, sync=False, metasync=False, writemap=False)
     dbs = {name: env.open_db(name.encode()) for name in ("meta", "entries", "children", "lru", "pages")}
     blob = bytes(16)
-    from hostkv_providers._checksum import checksum
+    from hostkv_providers.providers import checksum
 
     digest = checksum(blob)
     now = time.time()

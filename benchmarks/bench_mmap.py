@@ -45,9 +45,9 @@ from collections.abc import Callable
 import numpy as np
 import xxhash
 
-from hostkv_providers._keys import Key
-from hostkv_providers._mmap import OP_SEAL, RECORD_DTYPE, MmapProvider, _seal_folds
-from hostkv_providers._slotfile import FILE_HEADER_NBYTES, SLOT_HEADER_DTYPE, SLOT_MAGIC, SlotFile
+from hostkv_providers.providers import Key
+from hostkv_providers.providers._slotfile import FILE_HEADER_NBYTES, SLOT_HEADER_DTYPE, SLOT_MAGIC, SlotFile
+from hostkv_providers.providers.mmap._provider import OP_SEAL, RECORD_DTYPE, MmapProvider, _seal_folds
 
 MiB = 1 << 20
 

@@ -1,235 +1,89 @@
 """hostkv-providers: a host-side tier for LLM KV caches behind one pluggable storage interface.
 
-Public names are re-exported here; modules starting with ``_`` are private.
+The names here are an engine integrator's: open a store, name pages, look up, restore and save
+through :class:`HostKVCache`, and the errors to catch.  The rest lives in namespaces:
+
+* :mod:`hostkv_providers.errors` -- every error class;
+* :mod:`hostkv_providers.providers` -- the built-in providers and a provider author's kit;
+* :mod:`hostkv_providers.device` -- host memory and the copy engines;
+* :mod:`hostkv_providers.cache` -- the engine layer (admission policies, layouts, HF mappings);
+* :mod:`hostkv_providers.testing` -- the conformance suite (needs pytest).
+
+Modules and packages whose names start with ``_`` are private.  Every public name of the
+namespaces is also reachable here as an attribute (``hostkv_providers.TreeIndex``), so code
+written against the flat face keeps working; new code should import from the namespace.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import importlib
+from typing import Any
 
-from ._cache import (
-    AdmissionPolicy,
-    AdmissionRequest,
-    AdmitAll,
-    AllOf,
-    AnchorsOnly,
-    CacheHandle,
-    CacheHit,
-    CacheStats,
-    HostKVCache,
-    MinDepth,
-    RestoreResult,
-    SaveResult,
-    SeenAtLeast,
-)
-from ._checksum import CHECKSUM_ALGORITHM, checksum
-from ._copy import (
-    CopyEngine,
-    CpuCopyEngine,
-    CudaCopyEngine,
-    CudaHostAllocator,
-    KVPlanes,
-    StagedTransfer,
-    StagingPool,
-    TransferHandle,
-    cuda_available,
-    default_copy_engine,
-    page_regions,
-    pinned_allocator,
-)
-from ._errors import (
-    CapacityError,
-    ClosedError,
-    CopyArgumentError,
-    CopyEngineError,
-    CorruptStoreError,
-    HostKVError,
-    IncompatibleStoreError,
-    IncompleteWriteError,
-    InFlightError,
-    InvalidArgumentError,
-    LockedError,
-    NoSpaceError,
-    ReservationError,
-    SpanError,
-    StorageIOError,
-    UnknownKeyError,
-    UnknownProviderError,
-    UnsafeStoreError,
-    UsedAfterForkError,
-)
-from ._hostmem import HostAllocation, HostAllocator, OrdinaryAllocator
-from ._index import Node, TreeIndex
-from ._keys import FORMAT_VERSION, KEY_ALGORITHM, KEY_NBYTES, ZERO_KEY, Key, MediaItem, Salt, as_key, chain_keys
-from ._kvmap import HFCacheMap, dequantize, paged_planes, quantize
-from ._layout import DTYPE_ITEMSIZE, KVLayout, PlaneSpec
-from ._options import Options, format_size, parse_size
-from ._pinned import PinnedProvider
-from ._provider import (
-    CAPABILITY_NAMES,
-    CompactReport,
-    EntryInfo,
-    EvictReport,
-    HostRegion,
-    Lease,
-    Provider,
-    ProviderStats,
-    Reservation,
-    SupportsBatch,
-    SupportsBatchViews,
-    SupportsCompact,
-    SupportsIterate,
-    SupportsVerify,
-    SupportsViews,
-    VerifyReport,
-    check_anchor_name,
-    readable_bytes,
-    writable_buffer,
-)
-from ._registry import (
-    DISABLE_PLUGINS_ENV,
-    ENTRY_POINT_GROUP,
-    ProviderInfo,
-    available_providers,
-    open_provider,
-    parse_url,
-    provider_class,
-)
-from ._span import ByteSpan
-
-if TYPE_CHECKING:
-    from ._lmdb import LmdbProvider
-    from ._mmap import MmapProvider
-    from ._tiered import TieredProvider
-
-# Provider classes with heavier imports (py-lmdb, the file-store machinery) load on first use,
-# as the registry loads them: ``import hostkv_providers`` stays light and works where an optional
-# medium's library is missing.
-_LAZY = {
-    "LmdbProvider": "._lmdb",
-    "MmapProvider": "._mmap",
-    "TieredProvider": "._tiered",
-}
-
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'hostkv_providers' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value
-    return value
-
+from hostkv_providers import cache, device, errors, providers
+from hostkv_providers._errors import CapacityError, CorruptStoreError, HostKVError, InvalidArgumentError
+from hostkv_providers._keys import ZERO_KEY, Key, MediaItem, Salt, chain_keys
+from hostkv_providers._layout import KVLayout
+from hostkv_providers._provider import EntryInfo, Lease, Provider, ProviderStats, Reservation
+from hostkv_providers._registry import available_providers, open_provider
+from hostkv_providers._span import ByteSpan
+from hostkv_providers.cache._cache import CacheHandle, CacheHit, HostKVCache, RestoreResult, SaveResult
+from hostkv_providers.device._copy import cuda_available, default_copy_engine
 
 #: ``hostkv_providers.open(url)`` builds a provider from a URL.
 open = open_provider  # noqa: A001 - the documented entry point, shadowing is intended
 
 __version__ = "0.1.0"
 
+# Names of the namespaces reachable from the top as well (see the module docstring).
+_NAMESPACES = ("errors", "providers", "device", "cache")
+
+
+def __getattr__(name: str) -> Any:
+    for ns in _NAMESPACES:
+        module = importlib.import_module(f"hostkv_providers.{ns}")
+        if name in getattr(module, "__all__", ()):
+            value = getattr(module, name)
+            globals()[name] = value
+            return value
+    raise AttributeError(f"module 'hostkv_providers' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    names = set(globals())
+    for ns in _NAMESPACES:
+        names.update(getattr(importlib.import_module(f"hostkv_providers.{ns}"), "__all__", ()))
+    return sorted(names)
+
+
 __all__ = [
-    "AdmissionPolicy",
-    "AdmissionRequest",
-    "AdmitAll",
-    "AllOf",
-    "AnchorsOnly",
+    "ZERO_KEY",
     "ByteSpan",
-    "CAPABILITY_NAMES",
-    "CHECKSUM_ALGORITHM",
     "CacheHandle",
     "CacheHit",
-    "CacheStats",
     "CapacityError",
-    "ClosedError",
-    "CompactReport",
-    "CopyArgumentError",
-    "CopyEngine",
-    "CopyEngineError",
     "CorruptStoreError",
-    "CpuCopyEngine",
-    "CudaCopyEngine",
-    "CudaHostAllocator",
-    "DISABLE_PLUGINS_ENV",
-    "DTYPE_ITEMSIZE",
-    "ENTRY_POINT_GROUP",
     "EntryInfo",
-    "EvictReport",
-    "FORMAT_VERSION",
-    "HFCacheMap",
-    "HostAllocation",
-    "HostAllocator",
     "HostKVCache",
     "HostKVError",
-    "HostRegion",
-    "InFlightError",
-    "IncompatibleStoreError",
-    "IncompleteWriteError",
     "InvalidArgumentError",
-    "KEY_ALGORITHM",
-    "KEY_NBYTES",
     "KVLayout",
-    "KVPlanes",
     "Key",
     "Lease",
-    "LmdbProvider",
-    "LockedError",
     "MediaItem",
-    "MinDepth",
-    "MmapProvider",
-    "NoSpaceError",
-    "Node",
-    "Options",
-    "OrdinaryAllocator",
-    "PinnedProvider",
-    "PlaneSpec",
     "Provider",
-    "ProviderInfo",
     "ProviderStats",
     "Reservation",
-    "ReservationError",
     "RestoreResult",
     "Salt",
     "SaveResult",
-    "SeenAtLeast",
-    "SpanError",
-    "StagedTransfer",
-    "StagingPool",
-    "StorageIOError",
-    "SupportsBatch",
-    "SupportsCompact",
-    "SupportsIterate",
-    "SupportsVerify",
-    "SupportsBatchViews",
-    "SupportsViews",
-    "TieredProvider",
-    "TransferHandle",
-    "TreeIndex",
-    "UnknownKeyError",
-    "UnknownProviderError",
-    "UnsafeStoreError",
-    "UsedAfterForkError",
-    "VerifyReport",
-    "ZERO_KEY",
     "__version__",
-    "as_key",
     "available_providers",
+    "cache",
     "chain_keys",
-    "check_anchor_name",
-    "checksum",
     "cuda_available",
     "default_copy_engine",
-    "dequantize",
-    "format_size",
+    "device",
+    "errors",
     "open",
-    "open_provider",
-    "page_regions",
-    "paged_planes",
-    "parse_size",
-    "parse_url",
-    "pinned_allocator",
-    "provider_class",
-    "quantize",
-    "readable_bytes",
-    "writable_buffer",
+    "providers",
 ]

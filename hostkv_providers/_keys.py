@@ -20,8 +20,8 @@ import msgpack
 import numpy as np
 import numpy.typing as npt
 
-from ._errors import InvalidArgumentError
-from ._layout import KVLayout
+from hostkv_providers._errors import InvalidArgumentError
+from hostkv_providers._layout import KVLayout
 
 __all__ = [
     "FORMAT_VERSION",

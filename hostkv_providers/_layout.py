@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-from ._errors import InvalidArgumentError
+from hostkv_providers._errors import InvalidArgumentError
 
 __all__ = ["DTYPE_ITEMSIZE", "KVLayout", "PlaneSpec"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-from ._errors import InvalidArgumentError
+from hostkv_providers._errors import InvalidArgumentError
 
 __all__ = ["Options", "format_size", "parse_size"]
 

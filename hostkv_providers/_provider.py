@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
 
-from ._errors import (
+from hostkv_providers._errors import (
     ClosedError,
     HostKVError,
     IncompleteWriteError,
@@ -25,8 +25,9 @@ from ._errors import (
     UnknownKeyError,
     UsedAfterForkError,
 )
-from ._keys import KEY_NBYTES, Key, as_key
-from ._span import ByteSpan
+from hostkv_providers._keys import KEY_NBYTES, Key, as_key
+from hostkv_providers._region import HostRegion
+from hostkv_providers._span import ByteSpan
 
 __all__ = [
     "ANCHOR_NAME_MAX",
@@ -74,21 +75,6 @@ Progress = Callable[[int, int], None]
 # --------------------------------------------------------------------------------------------
 # Value types
 # --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class HostRegion:
-    """A piece of host memory holding bytes ``[offset, offset + len(view))`` of one entry.
-
-    ``address`` is the virtual address of ``view[0]`` (for DMA); ``pinned`` says whether the
-    memory is page-locked and registered with the GPU driver, so a copy engine may DMA to/from it
-    without staging.
-    """
-
-    offset: int
-    view: memoryview
-    address: int
-    pinned: bool
 
 
 @dataclass(frozen=True, slots=True)

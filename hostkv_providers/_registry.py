@@ -16,8 +16,8 @@ from importlib import metadata
 from types import MappingProxyType
 from urllib.parse import parse_qsl, urlsplit
 
-from ._errors import InvalidArgumentError, UnknownProviderError
-from ._provider import Provider
+from hostkv_providers._errors import InvalidArgumentError, UnknownProviderError
+from hostkv_providers._provider import Provider
 
 __all__ = [
     "DISABLE_PLUGINS_ENV",

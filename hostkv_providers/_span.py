@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ._errors import SpanError
+from hostkv_providers._errors import SpanError
 
 __all__ = ["ByteSpan"]
 

@@ -19,7 +19,8 @@ from hostkv_providers import (
     Provider,
     Salt,
 )
-from hostkv_providers._cache import (
+from hostkv_providers._keys import Key
+from hostkv_providers.cache._cache import (
     AdmitAll,
     AllOf,
     AnchorsOnly,
@@ -28,9 +29,8 @@ from hostkv_providers._cache import (
     MinDepth,
     SeenAtLeast,
 )
-from hostkv_providers._copy import CpuCopyEngine, KVPlanes
-from hostkv_providers._hostmem import OrdinaryAllocator
-from hostkv_providers._keys import Key
+from hostkv_providers.device._copy import CpuCopyEngine, KVPlanes
+from hostkv_providers.device._hostmem import OrdinaryAllocator
 
 # page = 2 layers x (k, v) x 4 tokens x 2 heads x 32 dims x 4 bytes = 4096 bytes
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, page_tokens=4, dtype="float32")

@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 
 from hostkv_providers import KVLayout, PinnedProvider, Provider, Salt
-from hostkv_providers._cache import HostKVCache
-from hostkv_providers._copy import CpuCopyEngine
-from hostkv_providers._hostmem import OrdinaryAllocator
-from hostkv_providers._tiered import TieredProvider
+from hostkv_providers.cache._cache import HostKVCache
+from hostkv_providers.device._copy import CpuCopyEngine
+from hostkv_providers.device._hostmem import OrdinaryAllocator
+from hostkv_providers.providers.tiered._provider import TieredProvider
 from hostkv_providers.testing._pages import key_of, page_bytes
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, page_tokens=4, dtype="uint8")  # 2 KiB pages

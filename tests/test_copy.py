@@ -22,22 +22,21 @@ from hostkv_providers import (
     KVLayout,
     OrdinaryAllocator,
     PinnedProvider,
-    _copy,
 )
-from hostkv_providers._copy import (
+from hostkv_providers._keys import Salt, chain_keys
+from hostkv_providers.cache import StagingPool
+from hostkv_providers.device import _copy, _hostmem, pinned_allocator
+from hostkv_providers.device._copy import (
     CopyArgumentError,
     CpuCopyEngine,
     CudaCopyEngine,
     KVPlanes,
-    StagingPool,
     TransferHandle,
     cuda_available,
     default_copy_engine,
     page_regions,
-    pinned_allocator,
 )
-from hostkv_providers._hostmem import buffer_address
-from hostkv_providers._keys import Salt, chain_keys
+from hostkv_providers.device._hostmem import buffer_address
 
 LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, page_tokens=4, dtype="float16")
 SCALED = KVLayout(num_layers=2, num_kv_heads=3, head_dim=5, page_tokens=3, dtype="int8", scale_dtype="float16")
@@ -417,8 +416,7 @@ def test_coalescing_never_spans_two_pinned_allocations(monkeypatch: pytest.Monke
 
 @pytest.mark.skipif(cuda_available(), reason="checks the no-CUDA fallback")
 def test_no_cuda_fallbacks() -> None:
-    from hostkv_providers import _cuda
-
+    from hostkv_providers.device import _cuda as _cuda
     assert cuda_available() is False
     assert _cuda.unavailable_reason()
     assert pinned_allocator() is None
@@ -438,7 +436,7 @@ def test_prefault_threads() -> None:
     size = 8 << 20
     mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     view = memoryview(mm)
-    _copy._prefault(buffer_address(view), size, 4)
+    _hostmem._prefault(buffer_address(view), size, 4)
     assert view[0] == 0 and view[size - 1] == 0 and view[size // 2] == 0
     view.release()
     mm.close()

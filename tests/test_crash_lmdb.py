@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from hostkv_providers import _fsutil
-from hostkv_providers._lmdb import LmdbProvider
+from hostkv_providers.providers import _fsutil as _fsutil
+from hostkv_providers.providers.lmdb._provider import LmdbProvider
 from hostkv_providers.testing.crash import CrashHarness, Workload
 
 CYCLES = int(os.environ.get("HOSTKV_CRASH_CYCLES", "200"))

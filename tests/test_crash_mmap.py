@@ -17,11 +17,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hostkv_providers import _fsutil
 from hostkv_providers._errors import HostKVError, NoSpaceError
 from hostkv_providers._keys import Key
-from hostkv_providers._mmap import REC_NBYTES, MmapProvider
-from hostkv_providers._slotfile import FILE_HEADER_NBYTES, SLOT_HEADER_NBYTES, SlotFile
+from hostkv_providers.providers import _fsutil as _fsutil
+from hostkv_providers.providers._slotfile import FILE_HEADER_NBYTES, SLOT_HEADER_NBYTES, SlotFile
+from hostkv_providers.providers.mmap._provider import REC_NBYTES, MmapProvider
 from hostkv_providers.testing import anchor_bytes, chain, key_of, page_bytes, put_chain, put_page
 from hostkv_providers.testing.crash import CrashHarness, Workload
 

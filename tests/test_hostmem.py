@@ -10,7 +10,7 @@ import time
 import pytest
 
 from hostkv_providers._errors import InvalidArgumentError
-from hostkv_providers._hostmem import (
+from hostkv_providers.device._hostmem import (
     OrdinaryAllocation,
     OrdinaryAllocator,
     advise_huge_pages,

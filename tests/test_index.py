@@ -7,7 +7,7 @@ import time
 import pytest
 
 from hostkv_providers import CapacityError, InFlightError, Key, UnknownKeyError
-from hostkv_providers._index import Node, TreeIndex
+from hostkv_providers.providers._tree import Node, TreeIndex
 from hostkv_providers.testing import chain, key_of
 
 

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from hostkv_providers import InvalidArgumentError, KVLayout, PinnedProvider, Salt
-from hostkv_providers._cache import HostKVCache
-from hostkv_providers._copy import CpuCopyEngine, KVPlanes
-from hostkv_providers._hostmem import OrdinaryAllocator
-from hostkv_providers._kvmap import HFCacheMap, cache_layers, dequantize, paged_planes, plane_dtype_name, quantize
+from hostkv_providers.cache._cache import HostKVCache
+from hostkv_providers.cache._kvmap import HFCacheMap, cache_layers, dequantize, paged_planes, plane_dtype_name, quantize
+from hostkv_providers.device._copy import CpuCopyEngine, KVPlanes
+from hostkv_providers.device._hostmem import OrdinaryAllocator
 
 torch = pytest.importorskip("torch")
 

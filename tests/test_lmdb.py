@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from hostkv_providers._keys import Key
-from hostkv_providers._lmdb import LmdbProvider
 from hostkv_providers._provider import Provider
+from hostkv_providers.providers.lmdb._provider import LmdbProvider
 from hostkv_providers.testing import ProviderTests
 
 # The documented entry record: version, flags, parent, nbytes, cost, checksum, created, last_used,

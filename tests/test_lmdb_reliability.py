@@ -18,7 +18,7 @@ import lmdb
 import msgpack
 import pytest
 
-from hostkv_providers import _fsutil, open_provider
+from hostkv_providers import open_provider
 from hostkv_providers._errors import (
     CapacityError,
     HostKVError,
@@ -31,7 +31,8 @@ from hostkv_providers._errors import (
     UnknownKeyError,
     UnsafeStoreError,
 )
-from hostkv_providers._lmdb import LmdbProvider
+from hostkv_providers.providers import _fsutil as _fsutil
+from hostkv_providers.providers.lmdb._provider import LmdbProvider
 from hostkv_providers.testing import anchor_bytes, chain, key_of, page_bytes, put_chain, put_page
 
 from .test_lmdb import ENTRY, backdoor_read
@@ -892,7 +893,7 @@ def test_map_grown_by_another_process_is_adopted(tmp_path: Path) -> None:
 def test_prefetch_asks_the_kernel_for_slot_file_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``prefetch`` issues ``POSIX_FADV_WILLNEED`` over the slot-file data of stored keys (one
     run for adjacent slots), skips inline entries and unknown keys."""
-    import hostkv_providers._slotfile as slotfile
+    import hostkv_providers.providers._slotfile as slotfile
     from hostkv_providers.testing import key_of, put_page
 
     p = LmdbProvider(tmp_path / "s", budget_bytes=1 << 22, inline_max=4096)

@@ -14,8 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import hostkv_providers._fsutil as fsutil
-from hostkv_providers import _mmap
+import hostkv_providers.providers._fsutil as fsutil
 from hostkv_providers._errors import (
     CorruptStoreError,
     IncompatibleStoreError,
@@ -25,9 +24,10 @@ from hostkv_providers._errors import (
     StorageIOError,
     UnsafeStoreError,
 )
-from hostkv_providers._mmap import MmapProvider
 from hostkv_providers._registry import open_provider
-from hostkv_providers._slotfile import SlotFile
+from hostkv_providers.providers._slotfile import SlotFile
+from hostkv_providers.providers.mmap import _provider as _mmap
+from hostkv_providers.providers.mmap._provider import MmapProvider
 from hostkv_providers.testing import anchor_bytes, chain, key_of, page_bytes, put_chain, put_page
 
 PAGE = 16384

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-import hostkv_providers._fsutil as fsutil
+import hostkv_providers.providers._fsutil as fsutil
 from hostkv_providers._errors import (
     CapacityError,
     InFlightError,
@@ -18,7 +18,7 @@ from hostkv_providers._errors import (
     UnknownKeyError,
 )
 from hostkv_providers._keys import Key
-from hostkv_providers._mmap import MmapProvider
+from hostkv_providers.providers.mmap._provider import MmapProvider
 from hostkv_providers.testing import chain, key_of, page_bytes, put_page
 from hostkv_providers.testing.crash import CrashHarness, Workload
 
@@ -352,8 +352,7 @@ def test_prefetch_asks_the_kernel_for_each_run(tmp_path: Path, monkeypatch: pyte
 def test_batch_encoded_seal_records_equal_the_per_record_encoding(tmp_path: Path, n: int) -> None:
     """``put_many``/``seal`` encode their journal records with ``_encode_seals``; they must be
     byte for byte what ``_encode`` (anchors, drops, the loader's format) gives."""
-    from hostkv_providers import _mmap
-
+    from hostkv_providers.providers.mmap import _provider as _mmap
     p = make(tmp_path / "s")
     rs = []
     for i in range(n):

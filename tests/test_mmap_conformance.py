@@ -10,9 +10,9 @@ import numpy as np
 import xxhash
 
 from hostkv_providers._keys import Key
-from hostkv_providers._mmap import MmapProvider
 from hostkv_providers._provider import Provider
-from hostkv_providers._slotfile import FLAG_ANCHOR, SLOT_MAGIC, SlotFile, header_checksums_ok
+from hostkv_providers.providers._slotfile import FLAG_ANCHOR, SLOT_MAGIC, SlotFile, header_checksums_ok
+from hostkv_providers.providers.mmap._provider import MmapProvider
 from hostkv_providers.testing import ProviderTests
 
 

@@ -35,7 +35,7 @@ import pytest
 
 from hostkv_providers._errors import HostKVError, StorageIOError
 from hostkv_providers._keys import Key
-from hostkv_providers._mmap import MmapProvider
+from hostkv_providers.providers.mmap._provider import MmapProvider
 from hostkv_providers.testing import anchor_bytes, key_of, page_bytes
 from hostkv_providers.testing.faults import IOFaults
 

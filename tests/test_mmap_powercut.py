@@ -32,8 +32,8 @@ import pytest
 
 from hostkv_providers._errors import CapacityError, HostKVError, UnknownKeyError
 from hostkv_providers._keys import Key
-from hostkv_providers._mmap import MmapProvider
 from hostkv_providers._provider import Reservation
+from hostkv_providers.providers.mmap._provider import MmapProvider
 from hostkv_providers.testing import anchor_bytes, key_of, page_bytes
 from hostkv_providers.testing.powercut import PowerCut, write_image
 
@@ -360,8 +360,7 @@ def test_the_model_itself(tmp_path: Path) -> None:
     root = tmp_path / "d"
     root.mkdir(mode=0o700)
     rng = random.Random(0)
-    from hostkv_providers import _fsutil
-
+    from hostkv_providers.providers import _fsutil as _fsutil
     with PowerCut(str(root)) as pc:
         fd = os.open(root / "a", os.O_RDWR | os.O_CREAT, 0o600)
         os.write(fd, b"x" * 4096)

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-import hostkv_providers._fsutil as fsutil
+import hostkv_providers.providers._fsutil as fsutil
 from hostkv_providers._errors import StorageIOError
 from hostkv_providers._keys import Key
-from hostkv_providers._mmap import MmapProvider
-from hostkv_providers._slotfile import SlotFile
+from hostkv_providers.providers._slotfile import SlotFile
+from hostkv_providers.providers.mmap._provider import MmapProvider
 from hostkv_providers.testing import key_of, page_bytes, put_page
 
 PAGE = 4096

@@ -32,7 +32,7 @@ from hostkv_providers import (
     UnknownKeyError,
     UsedAfterForkError,
 )
-from hostkv_providers._hostmem import HostAllocation, OrdinaryAllocator, buffer_address
+from hostkv_providers.device._hostmem import HostAllocation, OrdinaryAllocator, buffer_address
 from hostkv_providers.testing import ProviderTests, chain, key_of, page_bytes, put_chain, put_page
 
 PAGE = 4096
@@ -229,7 +229,7 @@ def test_unknown_option_names_the_accepted_ones() -> None:
 
 def test_pin_yes_without_cuda() -> None:
     try:
-        from hostkv_providers import _cuda
+        from hostkv_providers.device import _cuda as _cuda
     except ImportError:  # pragma: no cover - the copy engine is part of the package
         pytest.skip("no copy engine module")
     if _cuda.available():

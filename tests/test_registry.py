@@ -48,7 +48,7 @@ def fake_plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def test_builtins_register_through_entry_points() -> None:
     infos = {i.name: i for i in hk.available_providers()}
     assert infos["pinned"].builtin and infos["pinned"].distribution == "hostkv-providers"
-    assert infos["pinned"].target == "hostkv_providers._pinned:PinnedProvider"
+    assert infos["pinned"].target == "hostkv_providers.providers.pinned._provider:PinnedProvider"
     assert {"iterate", "verify", "pinned_views"} <= infos["pinned"].capabilities
     assert hk.provider_class("pinned") is hk.PinnedProvider
 

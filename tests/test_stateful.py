@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from hostkv_providers import CapacityError, InFlightError, Key, PinnedProvider, Provider, UnknownKeyError
-from hostkv_providers._hostmem import OrdinaryAllocator
-from hostkv_providers._index import Node, TreeIndex
+from hostkv_providers.device._hostmem import OrdinaryAllocator
+from hostkv_providers.providers._tree import Node, TreeIndex
 from hostkv_providers.testing import ProviderTests, key_of, run_provider_state_machine
 
 POOL = [key_of(f"stateful-index-{i}") for i in range(4)]

@@ -17,8 +17,8 @@ import pytest
 from hypothesis import Phase
 
 from hostkv_providers import ByteSpan, CapacityError, Key, Lease, PinnedProvider, Provider, Reservation
-from hostkv_providers._hostmem import OrdinaryAllocator
-from hostkv_providers._index import Node, TreeIndex
+from hostkv_providers.device._hostmem import OrdinaryAllocator
+from hostkv_providers.providers._tree import Node, TreeIndex
 from hostkv_providers.testing import ProviderTests
 
 PAGE = 4096

@@ -14,12 +14,12 @@ import pytest
 
 import hostkv_providers as hk
 from hostkv_providers import CapacityError, InvalidArgumentError, PinnedProvider, Provider
-from hostkv_providers._cache import HostKVCache
-from hostkv_providers._copy import CpuCopyEngine
-from hostkv_providers._hostmem import OrdinaryAllocator
 from hostkv_providers._keys import Key
 from hostkv_providers._provider import Reservation
-from hostkv_providers._tiered import TieredProvider
+from hostkv_providers.cache._cache import HostKVCache
+from hostkv_providers.device._copy import CpuCopyEngine
+from hostkv_providers.device._hostmem import OrdinaryAllocator
+from hostkv_providers.providers.tiered._provider import TieredProvider
 from hostkv_providers.testing import ProviderTests
 from hostkv_providers.testing._pages import chain, key_of, page_bytes, put_chain
 
@@ -407,7 +407,7 @@ def test_close_with_queued_write_backs_uses_no_released_lease(tmp_path: Path, sl
     budget = 32 * PAGE
     keys = chain("close-race", 12)
     t = TieredProvider(_pinned(budget), _open_slow(slow_kind, tmp_path / "slow", 2 * budget), budget_bytes=budget)
-    with caplog.at_level("WARNING", logger="hostkv_providers._tiered"):
+    with caplog.at_level("WARNING", logger="hostkv_providers.providers.tiered._provider"):
         try:
             entered, go = _pause_slow_reserve(t, keys[2])
             put_chain(t, keys, PAGE)
@@ -425,7 +425,7 @@ def test_close_with_queued_write_backs_uses_no_released_lease(tmp_path: Path, sl
 
 
 def test_prefetch_forwards_only_what_only_the_slow_tier_holds(tmp_path: Path) -> None:
-    from hostkv_providers._mmap import MmapProvider
+    from hostkv_providers.providers.mmap._provider import MmapProvider
 
     keys = chain("prefetch", 6)
 

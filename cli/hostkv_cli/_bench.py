@@ -121,7 +121,7 @@ def register(group: click.Group) -> None:
     @json_option
     def bench(url: str, pages: int, page_size: str, lookups: int, as_json: bool) -> None:
         """Page write / lookup / read figures on a scratch namespace (cleaned up after)."""
-        nbytes = hk.parse_size(page_size)
+        nbytes = hk.providers.parse_size(page_size)
         if nbytes <= 0:
             raise CLIError("--page-size must be positive")
         with (

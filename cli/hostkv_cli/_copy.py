@@ -71,7 +71,7 @@ def copy_store(src: hk.Provider, dst: hk.Provider, progress: Any = None) -> dict
         else:
             try:
                 res = dst.reserve(k, parent, e.nbytes, salt_tag=e.salt_tag)
-            except hk.InFlightError:
+            except hk.errors.InFlightError:
                 # Another writer is storing the same page right now: wait for its seal.
                 if not dst.wait_sealed(k, _WAIT_IN_FLIGHT_S):
                     raise

@@ -42,17 +42,17 @@ class CLIError(Exception):
 
 # Order matters: the first matching class wins, so subclasses come before their bases.
 _MAPPING: tuple[tuple[type[BaseException], ExitCode], ...] = (
-    (hk.LockedError, ExitCode.BUSY),
-    (hk.InFlightError, ExitCode.BUSY),
-    (hk.UnsafeStoreError, ExitCode.REFUSED),
-    (hk.IncompatibleStoreError, ExitCode.REFUSED),
+    (hk.errors.LockedError, ExitCode.BUSY),
+    (hk.errors.InFlightError, ExitCode.BUSY),
+    (hk.errors.UnsafeStoreError, ExitCode.REFUSED),
+    (hk.errors.IncompatibleStoreError, ExitCode.REFUSED),
     (hk.CorruptStoreError, ExitCode.INTEGRITY),
-    (hk.UnknownProviderError, ExitCode.USAGE),
+    (hk.errors.UnknownProviderError, ExitCode.USAGE),
     (hk.InvalidArgumentError, ExitCode.USAGE),  # SpanError included
-    (hk.UnknownKeyError, ExitCode.USAGE),
+    (hk.errors.UnknownKeyError, ExitCode.USAGE),
     (hk.CapacityError, ExitCode.USAGE),
-    (hk.NoSpaceError, ExitCode.INTERNAL),
-    (hk.StorageIOError, ExitCode.INTERNAL),
+    (hk.errors.NoSpaceError, ExitCode.INTERNAL),
+    (hk.errors.StorageIOError, ExitCode.INTERNAL),
 )
 
 

@@ -47,7 +47,7 @@ def parse_duration(text: str) -> float:
 
 
 def fmt_size(nbytes: int) -> str:
-    return hk.format_size(int(nbytes))
+    return hk.providers.format_size(int(nbytes))
 
 
 def fmt_age(seconds_since_epoch: float, now: float | None = None) -> str:

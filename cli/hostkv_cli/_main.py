@@ -103,7 +103,7 @@ def providers(as_json: bool) -> None:
         emit_json([
             {"name": p.name, "distribution": p.distribution, "version": p.version,
              "builtin": p.builtin, "target": p.target,
-             "capabilities": sorted(p.capabilities, key=hk.CAPABILITY_NAMES.index),
+             "capabilities": sorted(p.capabilities, key=hk.providers.CAPABILITY_NAMES.index),
              "error": p.error}
             for p in infos
         ])
@@ -118,7 +118,7 @@ def providers(as_json: bool) -> None:
         if p.error:
             detail = f"    error: {p.error}"
         else:
-            caps = ",".join(sorted(p.capabilities, key=hk.CAPABILITY_NAMES.index)) or "-"
+            caps = ",".join(sorted(p.capabilities, key=hk.providers.CAPABILITY_NAMES.index)) or "-"
             detail = f"    capabilities: {caps}"
         click.echo(detail if len(detail) <= 80 else detail[:79] + "…")
     if not infos:
@@ -152,14 +152,14 @@ def info(url: str, as_json: bool) -> None:
             "provider": p.name,
             "persistent": p.persistent,
             "multiprocess": p.multiprocess,
-            "capabilities": sorted(type(p).capability_names(), key=hk.CAPABILITY_NAMES.index),
+            "capabilities": sorted(type(p).capability_names(), key=hk.providers.CAPABILITY_NAMES.index),
             "describe": desc,
             "budget_bytes": p.budget_bytes,
             "used_bytes": st.used_bytes,
             "entries": st.entries,
             "anchors": st.anchors,
         }
-        if isinstance(p, hk.SupportsIterate):
+        if isinstance(p, hk.providers.SupportsIterate):
             entries = list(p.iter_entries())
             forest = Forest(entries)
             doc.update(
@@ -340,14 +340,14 @@ def _print_tree(forest: Forest, limit: int | None, as_json: bool) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
-def _require_verify(p: hk.Provider) -> hk.SupportsVerify:
-    if not isinstance(p, hk.SupportsVerify):
+def _require_verify(p: hk.Provider) -> hk.providers.SupportsVerify:
+    if not isinstance(p, hk.providers.SupportsVerify):
         raise CLIError(f"provider {p.name!r} has no verify capability",
                        hint="run `hostkv providers` to see each provider's capabilities")
     return p
 
 
-def _verify_doc(rep: hk.VerifyReport) -> dict[str, Any]:
+def _verify_doc(rep: hk.providers.VerifyReport) -> dict[str, Any]:
     return {"checked": rep.checked, "corrupt": [bytes(k).hex() for k in rep.corrupt],
             "dropped": rep.dropped, "problems": list(rep.problems), "ok": rep.ok}
 
@@ -387,7 +387,7 @@ def verify(url: str, repair: bool, as_json: bool) -> None:
         click.get_current_context().exit(int(ExitCode.INTEGRITY))
 
 
-def _print_verify(rep: hk.VerifyReport) -> None:
+def _print_verify(rep: hk.providers.VerifyReport) -> None:
     click.echo(f"checked {rep.checked} entries: "
                + ("ok" if rep.ok else f"{len(rep.corrupt)} corrupt, {len(rep.problems)} other problems"))
     for k in rep.corrupt[:20]:
@@ -440,7 +440,7 @@ def evict(url: str, to_size: str | None, salt_tag: str | None, older_than: str |
     with open_store(url, readonly=dry_run) as p:
         doc: dict[str, Any] = {"url": url, "dry_run": dry_run}
         if to_size is not None:
-            target = hk.parse_size(to_size)
+            target = hk.providers.parse_size(to_size)
             used = p.stats().used_bytes
             need = max(0, used - target)
             doc.update(policy="to", target_bytes=target, used_before=used, requested_bytes=need)
@@ -460,7 +460,7 @@ def evict(url: str, to_size: str | None, salt_tag: str | None, older_than: str |
                     doc["not_stored"] = missing
                 roots = [k for k, ok in zip(roots, present, strict=False) if ok]
                 forest = Forest(list(require_iterate(p, "evict").iter_entries())) \
-                    if isinstance(p, hk.SupportsIterate) else None
+                    if isinstance(p, hk.providers.SupportsIterate) else None
             else:
                 forest = Forest(list(require_iterate(p, "evict --salt/--older-than").iter_entries()))
                 roots = _select(forest, salt_tag, older_than)
@@ -527,7 +527,7 @@ def compact(url: str, as_json: bool) -> None:
     Refuses with exit 3 while another process holds the store's writer lock.
     """
     with open_store(url, readonly=False) as p:
-        if not isinstance(p, hk.SupportsCompact):
+        if not isinstance(p, hk.providers.SupportsCompact):
             raise CLIError(f"provider {p.name!r} has no compact capability",
                            hint="run `hostkv providers` to see each provider's capabilities")
         t0 = time.perf_counter()

@@ -61,9 +61,9 @@ def open_store(url: str, *, readonly: bool, must_exist: bool = True) -> hk.Provi
     ``must_exist`` refuses a filesystem location that does not exist yet, so that ``info`` on a
     typo'd path reports the typo instead of creating an empty store there.
     """
-    scheme, location, options = hk.parse_url(url)
+    scheme, location, options = hk.providers.parse_url(url)
     try:
-        cls = hk.provider_class(scheme)
+        cls = hk.providers.provider_class(scheme)
     except hk.HostKVError:
         raise
     except Exception as exc:  # a broken plugin: say which, never a traceback
@@ -105,9 +105,9 @@ def open_store(url: str, *, readonly: bool, must_exist: bool = True) -> hk.Provi
     return hk.open(url)
 
 
-def require_iterate(provider: hk.Provider, what: str) -> hk.SupportsIterate:
+def require_iterate(provider: hk.Provider, what: str) -> hk.providers.SupportsIterate:
     """The provider as ``SupportsIterate``, or a usage error naming the command."""
-    if not isinstance(provider, hk.SupportsIterate):
+    if not isinstance(provider, hk.providers.SupportsIterate):
         raise CLIError(
             f"provider {provider.name!r} cannot enumerate its entries, which {what} needs",
             ExitCode.USAGE,

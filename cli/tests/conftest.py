@@ -107,15 +107,15 @@ def runner() -> CliRunner:
 
 
 @pytest.fixture
-def stores(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str], hk.PinnedProvider]]:
+def stores(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str], hk.providers.PinnedProvider]]:
     """``stores(url)`` → a pinned provider that ``hk.open(url)`` will return (not closed by the CLI)."""
-    made: dict[str, hk.PinnedProvider] = {}
+    made: dict[str, hk.providers.PinnedProvider] = {}
     real_open = hk.open
 
-    def get(url: str) -> hk.PinnedProvider:
+    def get(url: str) -> hk.providers.PinnedProvider:
         if url not in made:
             p = real_open(url)
-            assert isinstance(p, hk.PinnedProvider)
+            assert isinstance(p, hk.providers.PinnedProvider)
             real_close = p.close
             p.close = lambda: None  # type: ignore[method-assign]
             p._real_close = real_close  # type: ignore[attr-defined]

@@ -18,7 +18,7 @@ URL2 = "pinned://?budget=8MiB&block=16KiB"
 
 def test_providers_lists_builtins_and_shows_broken_ones(runner: CliRunner, monkeypatch: pytest.MonkeyPatch) -> None:
     real = hk.available_providers()
-    broken = hk.ProviderInfo("broken", "hostkv-broken", "9.9", False, "nowhere:Nothing", frozenset(),
+    broken = hk.providers.ProviderInfo("broken", "hostkv-broken", "9.9", False, "nowhere:Nothing", frozenset(),
                              "ModuleNotFoundError: No module named 'nowhere'")
     monkeypatch.setattr(hk, "available_providers", lambda: [*real, broken])
     r = invoke(runner, "providers")
@@ -249,12 +249,12 @@ def test_internal_errors_are_reported_not_traced(runner: CliRunner, monkeypatch:
 
 
 @pytest.mark.parametrize(("exc", "code"), [
-    (hk.LockedError("held by pid 1"), 3),
-    (hk.UnsafeStoreError("mode 0755"), 4),
-    (hk.IncompatibleStoreError("format 9"), 4),
+    (hk.errors.LockedError("held by pid 1"), 3),
+    (hk.errors.UnsafeStoreError("mode 0755"), 4),
+    (hk.errors.IncompatibleStoreError("format 9"), 4),
     (hk.CorruptStoreError("index torn"), 1),
-    (hk.NoSpaceError("ENOSPC"), 5),
-    (hk.UnknownProviderError("no foo"), 2),
+    (hk.errors.NoSpaceError("ENOSPC"), 5),
+    (hk.errors.UnknownProviderError("no foo"), 2),
 ])
 def test_typed_errors_map_to_exit_codes(runner: CliRunner, monkeypatch: pytest.MonkeyPatch,
                                         exc: hk.HostKVError, code: int) -> None:

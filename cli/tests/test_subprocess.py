@@ -222,7 +222,7 @@ def test_locked_store_exit_3(tmp_path: Path, scheme: str) -> None:
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "ready"
         busy: list[tuple[str, ...]] = [("compact", url)]
-        if not hk.provider_class(scheme).multiprocess:
+        if not hk.providers.provider_class(scheme).multiprocess:
             busy += [("evict", "--to", "0", url), ("verify", "--repair", url)]
         for args in busy:
             proc = run_hostkv(*args)
@@ -253,7 +253,7 @@ def test_sigkill_during_compact_loses_nothing(tmp_path: Path, scheme: str) -> No
     base = {k for name in ("a", "b") for k in chains[name]}
     # How long one compaction takes here, to spread the kills over it.
     with hk.open(url) as p:
-        assert isinstance(p, hk.SupportsCompact)
+        assert isinstance(p, hk.providers.SupportsCompact)
         p.evict([bytes.fromhex(fork[-16])])
         t0 = time.perf_counter()
         p.compact()
@@ -301,7 +301,7 @@ def test_sigkill_during_compact_loses_nothing(tmp_path: Path, scheme: str) -> No
 
 def _check_store(url: str, chains: dict[str, list[str]], expect: set[str], gone: set[str]) -> None:
     with hk.open(url) as p:
-        assert isinstance(p, hk.SupportsIterate)
+        assert isinstance(p, hk.providers.SupportsIterate)
         stored = {bytes(e.key).hex() for e in p.iter_entries()}
         assert expect <= stored, f"lost {len(expect - stored)} pages"
         assert not gone & stored, f"{len(gone & stored)} evicted pages came back"

@@ -70,20 +70,20 @@ def test_salt_selection_takes_whole_subtrees_of_the_tag() -> None:
 
 
 def test_exit_codes() -> None:
-    assert exit_code_for(hk.LockedError("x")) == 3
-    assert exit_code_for(hk.InFlightError("x", key=b"k")) == 3
-    assert exit_code_for(hk.UnsafeStoreError("x")) == 4
-    assert exit_code_for(hk.IncompatibleStoreError("x")) == 4
+    assert exit_code_for(hk.errors.LockedError("x")) == 3
+    assert exit_code_for(hk.errors.InFlightError("x", key=b"k")) == 3
+    assert exit_code_for(hk.errors.UnsafeStoreError("x")) == 4
+    assert exit_code_for(hk.errors.IncompatibleStoreError("x")) == 4
     assert exit_code_for(hk.CorruptStoreError("x")) == 1
-    assert exit_code_for(hk.SpanError("x")) == 2
-    assert exit_code_for(hk.UnknownKeyError("x")) == 2
-    assert exit_code_for(hk.StorageIOError("x")) == 5
+    assert exit_code_for(hk.errors.SpanError("x")) == 2
+    assert exit_code_for(hk.errors.UnknownKeyError("x")) == 2
+    assert exit_code_for(hk.errors.StorageIOError("x")) == 5
     assert exit_code_for(ValueError("x")) == 5
     assert exit_code_for(CLIError("x", ExitCode.REFUSED)) == 4
 
 
-def _info(name: str, error: str | None) -> hk.ProviderInfo:
-    return hk.ProviderInfo(name, "hostkv-providers", "0.1.0", True, f"x:{name}", frozenset(), error)
+def _info(name: str, error: str | None) -> hk.providers.ProviderInfo:
+    return hk.providers.ProviderInfo(name, "hostkv-providers", "0.1.0", True, f"x:{name}", frozenset(), error)
 
 
 def test_demo_prefers_lmdb_and_says_when_it_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:

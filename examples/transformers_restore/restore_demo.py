@@ -32,9 +32,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import hostkv_providers as hk
-from hostkv_providers._cache import HostKVCache
-from hostkv_providers._copy import default_copy_engine
-from hostkv_providers._kvmap import HFCacheMap, cache_layers
+from hostkv_providers.cache import HFCacheMap, HostKVCache, cache_layers
+from hostkv_providers.device import default_copy_engine
 
 PAGE_TOKENS = 16
 PROMPT_TOKENS = 4100  # 256 full pages + a 4-token tail

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ._pages import anchor_bytes, chain, key_of, page_bytes, put_chain, put_page
-from ._suite import ProviderFactory, ProviderTests
+from hostkv_providers.testing._pages import anchor_bytes, chain, key_of, page_bytes, put_chain, put_page
+from hostkv_providers.testing._suite import ProviderFactory, ProviderTests
 
 if TYPE_CHECKING:
-    from ._stateful import ProviderStateMachine, run_provider_state_machine
+    from hostkv_providers.testing._stateful import ProviderStateMachine, run_provider_state_machine
 
 __all__ = [
     "ProviderFactory",
@@ -34,7 +34,6 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name in ("ProviderStateMachine", "run_provider_state_machine"):
-        from . import _stateful
-
+        from hostkv_providers.testing import _stateful
         return getattr(_stateful, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

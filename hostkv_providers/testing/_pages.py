@@ -12,8 +12,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .._keys import Key
-from .._provider import Provider
+from hostkv_providers._keys import Key
+from hostkv_providers._provider import Provider
 
 __all__ = ["anchor_bytes", "chain", "key_of", "page_bytes", "put_chain", "put_page"]
 

@@ -32,14 +32,14 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from .._errors import CapacityError, IncompleteWriteError, InFlightError, UnknownKeyError
-from .._keys import Key
-from .._provider import Lease, Provider, Reservation
-from .._span import ByteSpan
-from ._pages import key_of, page_bytes
+from hostkv_providers._errors import CapacityError, IncompleteWriteError, InFlightError, UnknownKeyError
+from hostkv_providers._keys import Key
+from hostkv_providers._provider import Lease, Provider, Reservation
+from hostkv_providers._span import ByteSpan
+from hostkv_providers.testing._pages import key_of, page_bytes
 
 if TYPE_CHECKING:
-    from ._suite import ProviderTests
+    from hostkv_providers.testing._suite import ProviderTests
 
 __all__ = ["ProviderStateMachine", "run_provider_state_machine"]
 

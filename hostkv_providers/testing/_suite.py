@@ -40,7 +40,7 @@ from typing import Any, ClassVar
 
 import pytest
 
-from .._errors import (
+from hostkv_providers._errors import (
     CapacityError,
     ClosedError,
     HostKVError,
@@ -52,8 +52,8 @@ from .._errors import (
     UnknownKeyError,
     UsedAfterForkError,
 )
-from .._keys import Key
-from .._provider import (
+from hostkv_providers._keys import Key
+from hostkv_providers._provider import (
     Lease,
     Provider,
     SupportsBatch,
@@ -62,8 +62,8 @@ from .._provider import (
     SupportsVerify,
     SupportsViews,
 )
-from .._span import ByteSpan
-from ._pages import anchor_bytes, chain, key_of, page_bytes, put_chain, put_page
+from hostkv_providers._span import ByteSpan
+from hostkv_providers.testing._pages import anchor_bytes, chain, key_of, page_bytes, put_chain, put_page
 
 __all__ = ["ProviderFactory", "ProviderTests"]
 
@@ -1367,7 +1367,7 @@ class ProviderTests:
     # ==========================================================================================
     def test_stateful(self, tmp_path: Path) -> None:
         pytest.importorskip("hypothesis", reason="the stateful model needs hypothesis (pip install hypothesis)")
-        from ._stateful import run_provider_state_machine
+        from hostkv_providers.testing._stateful import run_provider_state_machine
 
         run_provider_state_machine(self, tmp_path, **self.stateful_settings)
 

@@ -48,11 +48,11 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .._errors import CapacityError, HostKVError, InFlightError, UnknownKeyError
-from .._keys import Key
-from .._provider import Provider, SupportsBatch, SupportsCompact, SupportsIterate, SupportsVerify
-from .._registry import open_provider
-from ._pages import anchor_bytes, key_of, page_bytes
+from hostkv_providers._errors import CapacityError, HostKVError, InFlightError, UnknownKeyError
+from hostkv_providers._keys import Key
+from hostkv_providers._provider import Provider, SupportsBatch, SupportsCompact, SupportsIterate, SupportsVerify
+from hostkv_providers._registry import open_provider
+from hostkv_providers.testing._pages import anchor_bytes, key_of, page_bytes
 
 __all__ = ["ANCHOR_NAME", "CrashHarness", "CycleResult", "Workload", "verify_store"]
 

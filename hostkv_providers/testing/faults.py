@@ -1,7 +1,7 @@
 """I/O fault injection for file-backed stores (RELIABILITY.md: "ENOSPC / EIO").
 
 :class:`IOFaults` wraps the ``os`` functions a store uses (and ``mmap.mmap`` and the package's sync
-indirections :data:`hostkv_providers._fsutil.fsync`/``fdatasync``) for the duration of a ``with``
+indirections :data:`hostkv_providers.providers._fsutil.fsync`/``fdatasync``) for the duration of a ``with``
 block.  Calls that touch the store directory — by path under it, or by a descriptor that
 ``os.open`` returned for such a path — are counted, each with its kind (``"pwrite"``,
 ``"fsync"``...) and its call site (the first frame in the library outside ``testing``); every
@@ -30,7 +30,7 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
-from .. import _fsutil
+from hostkv_providers.providers import _fsutil
 
 __all__ = ["FD_KINDS", "PATH_KINDS", "IOFaults"]
 

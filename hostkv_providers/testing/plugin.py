@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import pytest
 
-from ._pages import page_bytes
+from hostkv_providers.testing._pages import page_bytes
 
 _GPU_REASON: list[str | None] = []
 
@@ -30,8 +30,7 @@ def cuda_unavailable_reason() -> str | None:
     CUDA module, which is the package's only importer of ``cuda.bindings``)."""
     if not _GPU_REASON:
         try:
-            from .. import _cuda
-
+            from hostkv_providers.device import _cuda
             reason = _cuda.unavailable_reason()
         except Exception as exc:  # an ImportError or a broken driver must skip, not crash collection
             reason = f"CUDA is not usable: {exc!r}"

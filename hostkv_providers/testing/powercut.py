@@ -14,8 +14,8 @@ would leave on the disk, faithful to Linux semantics:
   512-byte sector that differs from the durable copy independently takes its new or its old bytes,
   and a changed file size takes the new or the old size.
 
-The hooks are the package's sync indirections, :data:`hostkv_providers._fsutil.fsync` and
-:data:`~hostkv_providers._fsutil.fdatasync` (``fsync_dir`` and every ``SlotFile.sync`` call through
+The hooks are the package's sync indirections, :data:`hostkv_providers.providers._fsutil.fsync` and
+:data:`~hostkv_providers.providers._fsutil.fdatasync` (``fsync_dir`` and every ``SlotFile.sync`` call through
 them; the provider never uses ``msync``/``mmap.flush``: on Linux ``fdatasync`` of the descriptor
 writes back the pages dirtied through a shared mapping as well).  At every hook on a file of the
 store, *before* the sync takes effect (power lost while it was issued), :attr:`PowerCut.on_sync`
@@ -47,7 +47,7 @@ from types import TracebackType
 
 import numpy as np
 
-from .. import _fsutil
+from hostkv_providers.providers import _fsutil
 
 __all__ = ["SECTOR", "PowerCut", "write_image"]
 
@@ -70,7 +70,7 @@ class PowerCut:
     on_sync:
         ``callable(kind)`` called at every sync of the store (``kind`` is ``"file"`` or ``"dir"``)
         before it takes effect, and at every named crash point the code passes
-        (:func:`hostkv_providers._fsutil.crash_point`; ``kind`` is ``"point:<name>"``): capture
+        (:func:`hostkv_providers.providers._fsutil.crash_point`; ``kind`` is ``"point:<name>"``): capture
         images there.  Not called re-entrantly.
     syncs:
         Syncs seen, by kind.

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from hostkv_providers import ClosedError, HostRegion, KVLayout, OrdinaryAllocator, PinnedProvider
-from hostkv_providers._copy import (
+from hostkv_providers._keys import Salt, chain_keys
+from hostkv_providers.device._copy import (
     CopyArgumentError,
     CudaCopyEngine,
     CudaHostAllocator,
@@ -25,7 +26,6 @@ from hostkv_providers._copy import (
     page_regions,
     pinned_allocator,
 )
-from hostkv_providers._keys import Salt, chain_keys
 
 torch = pytest.importorskip("torch")
 if not cuda_available() or not torch.cuda.is_available():
@@ -254,8 +254,7 @@ def test_pinned_allocator_and_provider() -> None:
     dev_ptr = mem.device_address  # type: ignore[attr-defined]
     assert dev_ptr
     np.frombuffer(mem.view, dtype=np.uint8)[:4096] = 3
-    from hostkv_providers import _cuda
-
+    from hostkv_providers.device import _cuda as _cuda
     out = torch.zeros(4096, dtype=torch.uint8, device="cuda")
     d = _cuda.driver()
     s = torch.cuda.Stream()

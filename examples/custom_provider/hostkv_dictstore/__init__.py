@@ -23,7 +23,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import hostkv_providers as hk
-from hostkv_providers import (
+from hostkv_providers.providers import (
     ByteSpan,
     EntryInfo,
     EvictReport,
@@ -62,7 +62,7 @@ class DictProvider(Provider):
 
     @classmethod
     def from_url(cls, location: str, options: Mapping[str, str]) -> DictProvider:
-        opts = hk.Options("dict", options)
+        opts = hk.providers.Options("dict", options)
         budget = opts.size("budget", 64 << 20)
         opts.finish()
         if location not in ("", "/"):
@@ -117,7 +117,7 @@ class DictProvider(Provider):
     def write(self, reservation: Reservation, offset: int, data: object) -> None:
         self._check_usable()
         res = self._own(reservation)
-        view = hk.readable_bytes(data)
+        view = hk.providers.readable_bytes(data)
         span = res.check_write(offset, view.nbytes)
         res.buf[span.offset : span.end] = view
         res.mark_written(span)
@@ -127,7 +127,8 @@ class DictProvider(Provider):
         res = self._own(reservation)
         res.check_complete()
         blob = bytes(res.buf)
-        node = hk.Node(res.key, res.parent, res.nbytes, 0, res.salt_tag, hk.checksum(blob), None, time.time())
+        node = hk.providers.Node(res.key, res.parent, res.nbytes, 0, res.salt_tag, hk.providers.checksum(blob), None,
+                                 time.time())
         with self._locked(self._lock):
             res.check_open(self)
             try:
@@ -139,7 +140,7 @@ class DictProvider(Provider):
 
     def abort(self, reservation: Reservation) -> None:
         if not isinstance(reservation, _DictReservation) or reservation.provider is not self:
-            raise hk.ReservationError("not a reservation of this provider")
+            raise hk.errors.ReservationError("not a reservation of this provider")
         with self._locked(self._lock):
             if reservation.state != "open":
                 return  # aborting twice, or after seal, is a no-op
@@ -158,9 +159,9 @@ class DictProvider(Provider):
                 self._n["misses"] += 1
                 return False
             span = ByteSpan.whole(node.nbytes) if span is None else span.validate(node.nbytes)
-            dst = hk.writable_buffer(out, span.nbytes)
+            dst = hk.providers.writable_buffer(out, span.nbytes)
             blob = self._data[k]
-            if hk.checksum(blob) != node.checksum:  # never hand out wrong bytes
+            if hk.providers.checksum(blob) != node.checksum:  # never hand out wrong bytes
                 for dropped in self._index.drop(k):
                     del self._data[dropped.key]
                 self._n["checksum_failures"] += 1
@@ -190,12 +191,12 @@ class DictProvider(Provider):
     # -- anchors -----------------------------------------------------------------------------
     def put_anchor(self, key: bytes, name: str, data: object) -> None:
         k = self._key(key)
-        hk.check_anchor_name(name)
-        blob = bytes(hk.readable_bytes(data))
+        hk.providers.check_anchor_name(name)
+        blob = bytes(hk.providers.readable_bytes(data))
         with self._locked(self._lock):
             node = self._index.get(k)
             if node is None:
-                raise hk.UnknownKeyError(f"entry {k.hex()[:16]} is not stored")
+                raise hk.errors.UnknownKeyError(f"entry {k.hex()[:16]} is not stored")
             anchors = node.anchors if node.anchors is not None else {}
             old = anchors.get(name)
             for dropped in self._index.add_cost(node, len(blob) - (len(old) if old is not None else 0)):
@@ -205,7 +206,7 @@ class DictProvider(Provider):
 
     def get_anchor(self, key: bytes, name: str) -> bytes | None:
         k = self._key(key)
-        hk.check_anchor_name(name)
+        hk.providers.check_anchor_name(name)
         with self._locked(self._lock):
             node = self._index.get(k)
             return None if node is None or not node.anchors else node.anchors.get(name)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hostkv_providers._errors import NoSpaceError, ReservationError, StorageIOError
+from hostkv_providers.errors import NoSpaceError, ReservationError, StorageIOError
 
 __all__ = ["ReservationLostError", "ServerOutOfMemoryError", "ServerUnavailableError"]
 

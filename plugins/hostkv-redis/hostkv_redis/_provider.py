@@ -33,8 +33,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar, TypeVar
 
 import redis
-from hostkv_providers._checksum import CHECKSUM_ALGORITHM, checksum
-from hostkv_providers._errors import (
+from hostkv_providers.errors import (
     CapacityError,
     HostKVError,
     IncompatibleStoreError,
@@ -44,23 +43,28 @@ from hostkv_providers._errors import (
     StorageIOError,
     UnknownKeyError,
 )
-from hostkv_providers._keys import FORMAT_VERSION, KEY_ALGORITHM, Key
-from hostkv_providers._options import Options, parse_size
-from hostkv_providers._provider import (
+from hostkv_providers.providers import (
+    CHECKSUM_ALGORITHM,
+    FORMAT_VERSION,
+    KEY_ALGORITHM,
+    ByteSpan,
     EntryInfo,
     EvictReport,
     HostRegion,
+    Key,
     Lease,
+    Options,
     Progress,
     Provider,
     ProviderStats,
     Reservation,
     VerifyReport,
     check_anchor_name,
+    checksum,
+    parse_size,
     readable_bytes,
     writable_buffer,
 )
-from hostkv_providers._span import ByteSpan
 from redis._parsers.base import BaseParser
 from redis.backoff import ExponentialBackoff
 from redis.cluster import RedisCluster

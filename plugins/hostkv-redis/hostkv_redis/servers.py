@@ -19,7 +19,7 @@ from types import TracebackType
 from typing import Any
 
 import redis
-from hostkv_providers._errors import StorageIOError
+from hostkv_providers.errors import StorageIOError
 
 __all__ = ["RedisClusterServers", "RedisServer", "TLSFiles", "free_port", "make_tls_files", "server_binary",
            "server_has_tls", "server_version"]

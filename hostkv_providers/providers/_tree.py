@@ -22,8 +22,8 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
-from ._errors import CapacityError, InFlightError, UnknownKeyError
-from ._keys import Key
+from hostkv_providers._errors import CapacityError, InFlightError, UnknownKeyError
+from hostkv_providers._keys import Key
 
 __all__ = ["Node", "TreeIndex"]
 

@@ -20,8 +20,8 @@ import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from ._checksum import checksum_parts
-from ._errors import (
+from hostkv_providers._checksum import checksum_parts
+from hostkv_providers._errors import (
     CapacityError,
     HostKVError,
     InFlightError,
@@ -29,11 +29,9 @@ from ._errors import (
     ReservationError,
     UnknownKeyError,
 )
-from ._hostmem import HostAllocation, HostAllocator, OrdinaryAllocator, copy_bytes
-from ._index import Node, TreeIndex
-from ._keys import Key
-from ._options import Options
-from ._provider import (
+from hostkv_providers._keys import Key
+from hostkv_providers._options import Options
+from hostkv_providers._provider import (
     EntryInfo,
     EvictReport,
     HostRegion,
@@ -46,7 +44,9 @@ from ._provider import (
     readable_bytes,
     writable_buffer,
 )
-from ._span import ByteSpan
+from hostkv_providers._span import ByteSpan
+from hostkv_providers.device._hostmem import HostAllocation, HostAllocator, OrdinaryAllocator, copy_bytes
+from hostkv_providers.providers._tree import Node, TreeIndex
 
 __all__ = ["PinnedProvider"]
 
@@ -783,7 +783,7 @@ def _gather(regions: Sequence[HostRegion], span: ByteSpan, dst: memoryview) -> N
 def _default_allocator(require_pinned: bool = False) -> HostAllocator:
     """Page-locked CUDA memory when a GPU is usable, else ordinary memory."""
     try:
-        from ._copy import pinned_allocator
+        from hostkv_providers.device._hostmem import pinned_allocator
     except ImportError:  # the copy engine is optional at import time; ordinary memory still works
         pass
     else:

@@ -28,7 +28,7 @@ import stat
 import threading
 from collections.abc import Callable, Sequence
 
-from ._errors import HostKVError, LockedError, NoSpaceError, StorageIOError, UnsafeStoreError
+from hostkv_providers._errors import HostKVError, LockedError, NoSpaceError, StorageIOError, UnsafeStoreError
 
 __all__ = [
     "CRASH_ENV",

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from functools import cache
 from typing import Any
 
-from ._errors import CopyEngineError
+from hostkv_providers._errors import CopyEngineError
 
 __all__ = [
     "Device",

@@ -29,9 +29,7 @@ from __future__ import annotations
 
 import abc
 import bisect
-import contextlib
 import ctypes
-import errno
 import mmap
 import os
 import queue
@@ -43,35 +41,27 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from . import _cuda
-from ._errors import (
+from hostkv_providers._errors import (
     ClosedError,
     CopyArgumentError,
     CopyEngineError,
-    InFlightError,
-    InvalidArgumentError,
     UsedAfterForkError,
 )
-from ._hostmem import HostAllocation, HostAllocator, OrdinaryAllocator, advise_huge_pages, buffer_address
-from ._layout import KVLayout
-from ._provider import HostRegion, Provider
-from ._span import ByteSpan
+from hostkv_providers._layout import KVLayout
+from hostkv_providers._region import HostRegion
+from hostkv_providers.device import _cuda
+from hostkv_providers.device._hostmem import _REGISTERED_STARTS, CudaPinnedAllocation
 
 __all__ = [
     "CopyArgumentError",
     "CopyEngine",
     "CpuCopyEngine",
     "CudaCopyEngine",
-    "CudaHostAllocator",
-    "CudaPinnedAllocation",
     "KVPlanes",
-    "StagedTransfer",
-    "StagingPool",
     "TransferHandle",
     "cuda_available",
     "default_copy_engine",
     "page_regions",
-    "pinned_allocator",
 ]
 
 _MiB = 1 << 20
@@ -81,212 +71,6 @@ _PAGE = mmap.PAGESIZE
 def cuda_available() -> bool:
     """Whether a CUDA device is usable in this process (decided once and cached)."""
     return _cuda.available()
-
-
-# ============================================================================================
-# Pinned host memory
-# ============================================================================================
-
-_MADV_POPULATE_WRITE = 23  # Linux >= 5.14
-_libc: Any = None
-
-
-def _madvise_fn() -> Any:
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
-        _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        _libc.madvise.restype = ctypes.c_int
-    return _libc.madvise
-
-
-def _prefault(address: int, nbytes: int, threads: int) -> None:
-    """Fault in ``nbytes`` of fresh anonymous memory using up to ``threads`` threads.
-
-    First touch is what makes pinning slow (0.69 s/GiB on one thread on the H200 host, 0.22 on
-    four), so it is done in parallel *before* ``cuMemHostRegister``, which then only locks
-    already-present pages (0.04 s/GiB).  ctypes calls release the GIL, so the threads really run
-    in parallel; ``MADV_POPULATE_WRITE`` faults without touching bytes, ``memset`` is the
-    fallback on older kernels.
-    """
-    madvise = _madvise_fn()
-    piece = max(_PAGE, -(-nbytes // max(1, threads)) // _PAGE * _PAGE)
-    spans = [(address + lo, min(piece, nbytes - lo)) for lo in range(0, nbytes, piece)]
-
-    def fault(span: tuple[int, int]) -> None:
-        addr, size = span
-        if madvise(addr, size, _MADV_POPULATE_WRITE) != 0:
-            err = ctypes.get_errno()
-            if err not in (errno.EINVAL, errno.ENOSYS, errno.EPERM):
-                raise OSError(err, f"madvise(MADV_POPULATE_WRITE) failed: {errno.errorcode.get(err, err)}")
-            ctypes.memset(addr, 0, size)  # fresh anonymous memory is zero already; this only faults
-
-    if len(spans) == 1:
-        fault(spans[0])
-        return
-    errors: list[BaseException] = []
-
-    def run(span: tuple[int, int]) -> None:
-        try:
-            fault(span)
-        except BaseException as exc:
-            errors.append(exc)
-
-    workers = [threading.Thread(target=run, args=(s,), name="hostkv-prefault") for s in spans]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
-    if errors:
-        raise errors[0]
-
-
-class CudaPinnedAllocation:
-    """Page-locked host memory: pre-faulted anonymous memory registered with the driver.
-
-    Falls back to ``cuMemHostAlloc`` where registration is refused.  ``device_address`` is the
-    device-side address of the memory when it was allocated ``mapped`` (else ``None``).
-    """
-
-    def __init__(self, nbytes: int, dev: _cuda.Device, *, mapped: bool = False, threads: int = 4,
-                 huge_pages: bool = True) -> None:
-        if type(nbytes) is not int or nbytes <= 0:
-            raise InvalidArgumentError(f"allocation size must be a positive int, got {nbytes!r}")
-        self._dev = dev
-        size = -(-nbytes // _PAGE) * _PAGE
-        self._lock = threading.Lock()
-        self._map: mmap.mmap | None = None
-        self._host_alloc = False
-        self.method = "register"
-        mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        #: whether the mapping was advised to use transparent huge pages (before any fault)
-        self.huge_pages = huge_pages and advise_huge_pages(mm)
-        view = memoryview(mm)
-        address = buffer_address(view)
-        #: seconds spent pre-faulting and registering (or in cuMemHostAlloc), for benchmarks
-        self.timings: dict[str, float] = {}
-        try:
-            t0 = time.perf_counter()
-            if threads > 0:
-                _prefault(address, size, threads)
-            t1 = time.perf_counter()
-            with dev.scope():
-                _cuda.host_register(address, size, mapped=mapped)
-            self.timings = {"prefault": t1 - t0, "register": time.perf_counter() - t1}
-            self._map = mm
-        except (CopyEngineError, OSError) as exc:
-            view.release()
-            mm.close()
-            warnings.warn(f"cuMemHostRegister failed ({exc}); falling back to cuMemHostAlloc", stacklevel=3)
-            t0 = time.perf_counter()
-            with dev.scope():
-                address = _cuda.host_alloc(size, mapped=mapped)
-            self.timings = {"hostalloc": time.perf_counter() - t0}
-            view = memoryview((ctypes.c_char * size).from_address(address)).cast("B")
-            self._host_alloc = True
-            self.method = "hostalloc"
-        self._view: memoryview | None = view[:nbytes]
-        self._address = address
-        self._size = size
-        _REGISTERED_STARTS.add(address)
-        self.device_address: int | None = None
-        if mapped:
-            with dev.scope():
-                self.device_address = _cuda.host_device_pointer(address)
-        # Dropped without close(): unregister *before* the mapping goes, or a later mmap that
-        # reuses the addresses fails with CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED.
-        self._finalizer = weakref.finalize(self, _release_pinned, dev, address, self._host_alloc, self._map,
-                                           [view, self._view])
-        self._finalizer.atexit = False  # no CUDA calls during interpreter shutdown; exit frees it all
-
-    @property
-    def view(self) -> memoryview:
-        if self._view is None:
-            raise InvalidArgumentError("allocation is closed")
-        return self._view
-
-    @property
-    def address(self) -> int:
-        return self._address
-
-    @property
-    def pinned(self) -> bool:
-        return True
-
-    def close(self) -> None:
-        with self._lock:
-            self._view = None
-            self._finalizer()  # runs once
-
-
-#: Start addresses of the page-locked allocations this module made.  Two allocations can sit
-#: back to back in the address space (the pinned arena's chunks often do), but one DMA may not
-#: span two registrations (``CUDA_ERROR_INVALID_VALUE``), so host copies never merge across one.
-_REGISTERED_STARTS: set[int] = set()
-
-
-def _release_pinned(dev: _cuda.Device, address: int, host_alloc: bool, mm: mmap.mmap | None,
-                    views: list[memoryview]) -> None:
-    _REGISTERED_STARTS.discard(address)
-    for v in views:
-        with contextlib.suppress(BufferError):
-            v.release()
-    try:
-        with dev.scope():  # may run on any thread (a finalizer, a provider's filler)
-            if host_alloc:
-                _cuda.host_free(address)
-            else:
-                _cuda.host_unregister(address)
-    except Exception as exc:  # cleanup warns, it does not raise
-        warnings.warn(f"freeing pinned memory failed: {exc}", stacklevel=2)
-    if mm is not None:
-        # a caller may still hold a view; the mapping then goes when it does
-        with contextlib.suppress(BufferError):
-            mm.close()
-
-
-class CudaHostAllocator:
-    """A :class:`~hostkv_providers.HostAllocator` of page-locked memory for one CUDA device.
-
-    Parameters
-    ----------
-    device:
-        CUDA device ordinal whose primary context registers the memory (registration is
-        portable: every context may DMA to it).
-    mapped:
-        Also map the memory into the device address space (``CudaPinnedAllocation.device_address``).
-    threads:
-        Threads that pre-fault each allocation (no gain measured past 4); 0 leaves the faulting
-        to ``cuMemHostRegister`` (one thread, slower).
-    huge_pages:
-        Advise transparent huge pages before faulting (:func:`advise_huge_pages`): about half
-        the pinning time on the H200 host.  Off keeps 4 KiB pages.
-    """
-
-    pinned = True
-
-    def __init__(self, device: int = 0, *, mapped: bool = False, threads: int = 4, huge_pages: bool = True) -> None:
-        self._dev = _cuda.device(device)
-        self.mapped = mapped
-        self.threads = threads
-        self.huge_pages = huge_pages
-
-    def allocate(self, nbytes: int) -> HostAllocation:
-        return CudaPinnedAllocation(nbytes, self._dev, mapped=self.mapped, threads=self.threads,
-                                    huge_pages=self.huge_pages)
-
-
-def pinned_allocator(device: int | None = None, *, mapped: bool = False, threads: int = 4,
-                     huge_pages: bool = True) -> HostAllocator | None:
-    """A page-locked CUDA host allocator, or ``None`` when CUDA is not usable."""
-    if not _cuda.available():
-        return None
-    return CudaHostAllocator(0 if device is None else device, mapped=mapped, threads=threads, huge_pages=huge_pages)
-
-
-# ============================================================================================
-# KV planes
-# ============================================================================================
 
 
 class KVPlanes:
@@ -1378,187 +1162,3 @@ def default_copy_engine(device: int | None = None) -> CopyEngine:
 # Staging for file-backed providers
 # ============================================================================================
 
-
-@dataclass
-class StagedTransfer:
-    """Outcome of a staged provider transfer: how many pages, and the handle of their copies."""
-
-    pages: int
-    handle: TransferHandle
-
-    def wait(self, timeout: float | None = None) -> bool:
-        return self.handle.wait(timeout)
-
-
-class StagingPool:
-    """Pinned bounce buffers between a provider without device-reachable memory and the GPU.
-
-    ``buffers`` host buffers of ``pages_per_buffer`` pages each are used round-robin, so while the
-    copy engine moves chunk ``k`` between host and device, the provider reads (or writes) chunk
-    ``k+1`` in another buffer.  A buffer is reused only after the transfer that last used it is
-    done.  Calls are serialised by a lock (the buffers are shared).
-
-    Parameters
-    ----------
-    engine:
-        The copy engine that moves pages to and from the planes.
-    page_nbytes:
-        Bytes of one page (``layout.page_nbytes``).
-    allocator:
-        Where the buffers come from; default: page-locked memory for a CUDA engine, ordinary
-        memory for a CPU engine.
-    """
-
-    def __init__(self, engine: CopyEngine, page_nbytes: int, *, pages_per_buffer: int = 16, buffers: int = 2,
-                 allocator: HostAllocator | None = None) -> None:
-        if type(page_nbytes) is not int or page_nbytes <= 0:
-            raise InvalidArgumentError(f"page_nbytes must be a positive int, got {page_nbytes!r}")
-        if type(pages_per_buffer) is not int or pages_per_buffer <= 0:
-            raise InvalidArgumentError(f"pages_per_buffer must be a positive int, got {pages_per_buffer!r}")
-        if type(buffers) is not int or buffers < 2:
-            raise InvalidArgumentError(f"buffers must be an int >= 2 (double buffering), got {buffers!r}")
-        if allocator is None:
-            allocator = (pinned_allocator(engine.device) if isinstance(engine, CudaCopyEngine) else None) \
-                or OrdinaryAllocator()
-        self.engine = engine
-        self.page_nbytes = page_nbytes
-        self.pages_per_buffer = pages_per_buffer
-        self._allocs = [allocator.allocate(page_nbytes * pages_per_buffer) for _ in range(buffers)]
-        self._pages = [page_regions(a.view, a.address, page_nbytes, pages_per_buffer, pinned=a.pinned)
-                       for a in self._allocs]
-        self._pending: list[TransferHandle | None] = [None] * buffers
-        self._next = 0
-        self._lock = threading.Lock()
-        self._closed = False
-
-    def _take(self) -> int:
-        s = self._next
-        self._next = (s + 1) % len(self._allocs)
-        h = self._pending[s]
-        if h is not None:
-            h.wait()
-            self._pending[s] = None
-        return s
-
-    def _check(self, planes: KVPlanes) -> None:
-        if self._closed:
-            raise ClosedError("the staging pool is closed")
-        if planes.layout.page_nbytes != self.page_nbytes:
-            raise CopyArgumentError(
-                f"the planes' pages are {planes.layout.page_nbytes} bytes, this pool's {self.page_nbytes}")
-
-    def restore_from_provider(self, provider: Provider, keys: Sequence[bytes], planes: KVPlanes,
-                              block_ids: Sequence[int], *, before: Any = None) -> StagedTransfer:
-        """Read ``keys`` from ``provider`` and restore them into ``block_ids``, chunk by chunk.
-
-        Stops at the first miss: ``pages`` is how many leading pages were restored (hold a lease
-        on the keys so none can be evicted meanwhile).  Returns once every read is done and every
-        copy enqueued; wait on the handle (or pass ``before``) before using the blocks.
-        """
-        if len(keys) != len(block_ids):
-            raise CopyArgumentError(f"{len(keys)} keys for {len(block_ids)} block ids")
-        with self._lock:
-            self._check(planes)
-            handles: list[TransferHandle] = []
-            span = ByteSpan(0, self.page_nbytes)
-            count = 0
-            n = len(keys)
-            for lo in range(0, n, self.pages_per_buffer):
-                hi = min(n, lo + self.pages_per_buffer)
-                s = self._take()
-                regions = self._pages[s]
-                got = 0
-                for j in range(lo, hi):
-                    if not provider.read(keys[j], regions[j - lo][0].view, span):
-                        break
-                    got += 1
-                if got:
-                    h = self.engine.restore(regions[:got], planes, block_ids[lo:lo + got], before=before)
-                    self._pending[s] = h
-                    handles.append(h)
-                    count += got
-                if got < hi - lo:
-                    break
-            return StagedTransfer(count, _GroupHandle(handles))
-
-    def save_to_provider(self, provider: Provider, keys: Sequence[bytes], planes: KVPlanes,
-                         block_ids: Sequence[int], *, parent: bytes | None = None, salt_tag: str = "",
-                         after: Any = None, in_flight_timeout: float = 30.0) -> int:
-        """Save blocks ``block_ids`` as the chain ``keys`` (``keys[0]``'s parent is ``parent``).
-
-        The device→host copy of chunk ``k+1`` runs while chunk ``k`` is written and sealed.
-        Already-stored keys are skipped (dedup); a key being written by someone else is waited for
-        up to ``in_flight_timeout`` seconds.  Stops early if the chain cannot continue.  Returns the
-        number of pages that are stored afterwards, counted from the start of the chain.
-        """
-        if len(keys) != len(block_ids):
-            raise CopyArgumentError(f"{len(keys)} keys for {len(block_ids)} block ids")
-        with self._lock:
-            self._check(planes)
-            n = len(keys)
-            chunks = [(lo, min(n, lo + self.pages_per_buffer)) for lo in range(0, n, self.pages_per_buffer)]
-            inflight: list[tuple[int, int, int, TransferHandle]] = []
-
-            def issue(k: int) -> None:
-                lo, hi = chunks[k]
-                s = self._take()
-                h = self.engine.save(planes, block_ids[lo:hi], self._pages[s][: hi - lo], after=after)
-                self._pending[s] = h
-                inflight.append((lo, hi, s, h))
-
-            stored = 0
-            prev = parent
-            if chunks:
-                issue(0)
-            for k in range(len(chunks)):
-                if k + 1 < len(chunks):
-                    issue(k + 1)  # overlaps the provider writes below
-                lo, hi, s, h = inflight.pop(0)
-                h.wait()
-                for j in range(lo, hi):
-                    if not self._store_one(provider, keys[j], prev, self._pages[s][j - lo][0].view, salt_tag,
-                                           in_flight_timeout):
-                        for _lo, _hi, _s, other in inflight:
-                            other.wait()
-                        return stored
-                    stored += 1
-                    prev = keys[j]
-            return stored
-
-    def _store_one(self, provider: Provider, key: bytes, parent: bytes | None, data: memoryview, salt_tag: str,
-                   timeout: float) -> bool:
-        try:
-            res = provider.reserve(key, parent, self.page_nbytes, salt_tag=salt_tag)
-        except InFlightError:
-            return provider.wait_sealed(key, timeout)
-        if res is None:
-            return True  # dedup: already stored
-        try:
-            res.write(0, data)
-            res.seal()
-        except BaseException:
-            if res.state == "open":
-                res.abort()
-            raise
-        return True
-
-    def close(self) -> None:
-        """Wait for pending copies and free the buffers."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            for h in self._pending:
-                if h is not None:
-                    try:
-                        h.wait()
-                    except CopyEngineError as exc:
-                        warnings.warn(f"a staged transfer failed during close: {exc}", stacklevel=2)
-            for a in self._allocs:
-                a.close()
-
-    def __enter__(self) -> StagingPool:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._errors import InvalidArgumentError
-from ._layout import DTYPE_ITEMSIZE, KVLayout
+from hostkv_providers._errors import InvalidArgumentError
+from hostkv_providers._layout import DTYPE_ITEMSIZE, KVLayout
 
 if TYPE_CHECKING:
     import torch

@@ -55,9 +55,8 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
-from . import _fsutil
-from ._checksum import CHECKSUM_ALGORITHM
-from ._errors import (
+from hostkv_providers._checksum import CHECKSUM_ALGORITHM
+from hostkv_providers._errors import (
     CapacityError,
     CorruptStoreError,
     HostKVError,
@@ -69,9 +68,9 @@ from ._errors import (
     UnknownKeyError,
     UnsafeStoreError,
 )
-from ._keys import FORMAT_VERSION, KEY_ALGORITHM, KEY_NBYTES, Key
-from ._options import Options
-from ._provider import (
+from hostkv_providers._keys import FORMAT_VERSION, KEY_ALGORITHM, KEY_NBYTES, Key
+from hostkv_providers._options import Options
+from hostkv_providers._provider import (
     CompactReport,
     EntryInfo,
     EvictReport,
@@ -86,8 +85,17 @@ from ._provider import (
     readable_bytes,
     writable_buffer,
 )
-from ._slotfile import _ZERO_KEY, FLAG_ANCHOR, SLOT_MAGIC, ReadResult, SlotFile, prefetch_runs, run_nslots
-from ._span import ByteSpan
+from hostkv_providers._span import ByteSpan
+from hostkv_providers.providers import _fsutil
+from hostkv_providers.providers._slotfile import (
+    _ZERO_KEY,
+    FLAG_ANCHOR,
+    SLOT_MAGIC,
+    ReadResult,
+    SlotFile,
+    prefetch_runs,
+    run_nslots,
+)
 
 __all__ = ["MMAP_FORMAT", "MMAP_FORMAT_VERSION", "RECORD_DTYPE", "MmapProvider"]
 
@@ -836,7 +844,7 @@ class _MmapReservation(Reservation):
         self.digest = None  # the caller may overwrite anything through these
         prov: MmapProvider = self._provider  # type: ignore[assignment]
         view = prov._files[self.file].data(self.slot, self.nbytes)
-        from ._hostmem import buffer_address
+        from hostkv_providers.device._hostmem import buffer_address
 
         return [HostRegion(0, view, buffer_address(view), False)]
 
@@ -1015,7 +1023,7 @@ class MmapProvider(Provider):
         opts.finish()
         if not location:
             raise InvalidArgumentError("mmap:// needs a directory path", hint="use mmap:///var/cache/kv?budget=64GiB")
-        from ._options import parse_size
+        from hostkv_providers._options import parse_size
 
         return cls(
             os.path.expanduser(location),
@@ -3195,7 +3203,7 @@ def _read_exact(fd: int, offset: int, nbytes: int) -> bytes:
 
 
 def _unsafe(msg: str) -> HostKVError:
-    from ._errors import UnsafeStoreError
+    from hostkv_providers._errors import UnsafeStoreError
 
     return UnsafeStoreError(msg)
 

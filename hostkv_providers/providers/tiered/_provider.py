@@ -34,7 +34,7 @@ import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from ._errors import (
+from hostkv_providers._errors import (
     CapacityError,
     HostKVError,
     InFlightError,
@@ -42,10 +42,9 @@ from ._errors import (
     ReservationError,
     UnknownKeyError,
 )
-from ._index import Node, TreeIndex
-from ._keys import Key
-from ._options import Options, parse_size
-from ._provider import (
+from hostkv_providers._keys import Key
+from hostkv_providers._options import Options, parse_size
+from hostkv_providers._provider import (
     EntryInfo,
     EvictReport,
     HostRegion,
@@ -61,7 +60,8 @@ from ._provider import (
     readable_bytes,
     writable_buffer,
 )
-from ._span import ByteSpan
+from hostkv_providers._span import ByteSpan
+from hostkv_providers.providers._tree import Node, TreeIndex
 
 __all__ = ["TieredProvider"]
 
@@ -202,7 +202,7 @@ class TieredProvider(Provider):
     # -- construction ------------------------------------------------------------------------
     @classmethod
     def from_url(cls, location: str, options: Mapping[str, str]) -> TieredProvider:
-        from ._registry import open_provider
+        from hostkv_providers._registry import open_provider
 
         opts = Options("tiered", options)
         fast_url = opts.text("fast")

@@ -55,9 +55,15 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
-from . import _fsutil
-from ._errors import CorruptStoreError, IncompatibleStoreError, InvalidArgumentError, SpanError, StorageIOError
-from ._keys import KEY_NBYTES
+from hostkv_providers._errors import (
+    CorruptStoreError,
+    IncompatibleStoreError,
+    InvalidArgumentError,
+    SpanError,
+    StorageIOError,
+)
+from hostkv_providers._keys import KEY_NBYTES
+from hostkv_providers.providers import _fsutil
 
 __all__ = [
     "FILE_HEADER_DTYPE",

@@ -75,9 +75,8 @@ import msgpack
 import numpy as np
 import xxhash
 
-from . import _fsutil
-from ._checksum import CHECKSUM_ALGORITHM, checksum
-from ._errors import (
+from hostkv_providers._checksum import CHECKSUM_ALGORITHM, checksum
+from hostkv_providers._errors import (
     CapacityError,
     CorruptStoreError,
     HostKVError,
@@ -91,9 +90,9 @@ from ._errors import (
     UnknownKeyError,
     UsedAfterForkError,
 )
-from ._keys import FORMAT_VERSION, KEY_ALGORITHM, KEY_NBYTES, Key
-from ._options import Options, parse_size
-from ._provider import (
+from hostkv_providers._keys import FORMAT_VERSION, KEY_ALGORITHM, KEY_NBYTES, Key
+from hostkv_providers._options import Options, parse_size
+from hostkv_providers._provider import (
     CompactReport,
     EntryInfo,
     EvictReport,
@@ -108,8 +107,9 @@ from ._provider import (
     readable_bytes,
     writable_buffer,
 )
-from ._slotfile import ReadResult, SlotFile, prefetch_runs
-from ._span import ByteSpan
+from hostkv_providers._span import ByteSpan
+from hostkv_providers.providers import _fsutil
+from hostkv_providers.providers._slotfile import ReadResult, SlotFile, prefetch_runs
 
 __all__ = ["STORE_FORMAT", "STORE_VERSION", "LmdbProvider"]
 

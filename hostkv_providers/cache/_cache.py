@@ -43,7 +43,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ._errors import (
+from hostkv_providers._errors import (
     CapacityError,
     ClosedError,
     HostKVError,
@@ -51,10 +51,9 @@ from ._errors import (
     InvalidArgumentError,
     UnknownKeyError,
 )
-from ._hostmem import HostAllocation, HostAllocator, OrdinaryAllocator
-from ._keys import ZERO_KEY, Key, MediaItem, Salt, as_key, chain_keys
-from ._layout import KVLayout
-from ._provider import (
+from hostkv_providers._keys import ZERO_KEY, Key, MediaItem, Salt, as_key, chain_keys
+from hostkv_providers._layout import KVLayout
+from hostkv_providers._provider import (
     HostRegion,
     Lease,
     Provider,
@@ -64,6 +63,7 @@ from ._provider import (
     check_anchor_name,
     readable_bytes,
 )
+from hostkv_providers.device._hostmem import HostAllocation, HostAllocator, OrdinaryAllocator
 
 __all__ = [
     "AdmissionPolicy",
@@ -87,7 +87,7 @@ AnchorSource = Mapping[int, AnchorBlobs] | Callable[[int], AnchorBlobs | None]
 
 
 # --------------------------------------------------------------------------------------------
-# The copy engine as seen from here (hostkv_providers._copy implements it)
+# The copy engine as seen from here (hostkv_providers.device._copy implements it)
 # --------------------------------------------------------------------------------------------
 
 
@@ -108,7 +108,7 @@ class CopyEngineLike(Protocol):
 
 
 def _default_engine() -> CopyEngineLike:
-    from . import _copy  # lazily: it may import CUDA
+    from hostkv_providers.device import _copy  # lazily: it may import CUDA
 
     return _copy.default_copy_engine()
 
@@ -120,8 +120,7 @@ def _as_planes(layout: KVLayout, planes: Any) -> Any:
             raise InvalidArgumentError("the KVPlanes were built for another layout")
         return planes
     if isinstance(planes, (list, tuple)):
-        from . import _copy
-
+        from hostkv_providers.device import _copy
         if len(planes) != len(layout.planes):
             raise InvalidArgumentError(f"{len(planes)} plane tensors given, the layout has {len(layout.planes)}")
         if planes and isinstance(planes[0], np.ndarray):
@@ -136,7 +135,7 @@ def _as_planes(layout: KVLayout, planes: Any) -> Any:
 def _staging_allocator() -> HostAllocator:
     """Page-locked bounce buffers when CUDA is usable (DMA at full rate), else ordinary memory."""
     try:
-        from ._copy import pinned_allocator
+        from hostkv_providers.device._hostmem import pinned_allocator
     except ImportError:
         return OrdinaryAllocator()
     alloc = pinned_allocator()

@@ -1,0 +1,57 @@
+"""The engine layer: :class:`HostKVCache` (keys, leased lookups, async restore and save, anchors)
+and the mappings from an engine's memory (paged planes, Hugging Face caches) to packed pages.
+
+It depends on the providers and on the device layer; neither depends on it.
+"""
+
+from __future__ import annotations
+
+from hostkv_providers._keys import MediaItem, Salt, chain_keys
+from hostkv_providers._layout import DTYPE_ITEMSIZE, KVLayout, PlaneSpec
+from hostkv_providers.cache._cache import (
+    AdmissionPolicy,
+    AdmissionRequest,
+    AdmitAll,
+    AllOf,
+    AnchorsOnly,
+    CacheHandle,
+    CacheHit,
+    CacheStats,
+    HostKVCache,
+    MinDepth,
+    RestoreResult,
+    SaveResult,
+    SeenAtLeast,
+)
+from hostkv_providers.cache._kvmap import HFCacheMap, cache_layers, dequantize, paged_planes, plane_dtype_name, quantize
+from hostkv_providers.cache._staging import StagedTransfer, StagingPool
+
+__all__ = [
+    "DTYPE_ITEMSIZE",
+    "AdmissionPolicy",
+    "AdmissionRequest",
+    "AdmitAll",
+    "AllOf",
+    "AnchorsOnly",
+    "CacheHandle",
+    "CacheHit",
+    "CacheStats",
+    "HFCacheMap",
+    "HostKVCache",
+    "KVLayout",
+    "MediaItem",
+    "MinDepth",
+    "PlaneSpec",
+    "RestoreResult",
+    "Salt",
+    "SaveResult",
+    "SeenAtLeast",
+    "StagedTransfer",
+    "StagingPool",
+    "cache_layers",
+    "chain_keys",
+    "dequantize",
+    "paged_planes",
+    "plane_dtype_name",
+    "quantize",
+]

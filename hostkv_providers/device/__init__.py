@@ -1,0 +1,46 @@
+"""The device layer: host memory (ordinary and page-locked), and the copy engines.
+
+It moves bytes between an engine's KV planes and host regions and knows nothing of providers:
+the cache layer (:mod:`hostkv_providers.cache`) connects the two.  ``cuda.bindings`` is imported
+only by ``_cuda`` and only when a CUDA path is used.
+"""
+
+from __future__ import annotations
+
+from hostkv_providers._region import HostRegion
+from hostkv_providers.device._copy import (
+    CopyEngine,
+    CpuCopyEngine,
+    CudaCopyEngine,
+    KVPlanes,
+    TransferHandle,
+    cuda_available,
+    default_copy_engine,
+    page_regions,
+)
+from hostkv_providers.device._hostmem import (
+    CudaHostAllocator,
+    CudaPinnedAllocation,
+    HostAllocation,
+    HostAllocator,
+    OrdinaryAllocator,
+    pinned_allocator,
+)
+
+__all__ = [
+    "CopyEngine",
+    "CpuCopyEngine",
+    "CudaCopyEngine",
+    "CudaHostAllocator",
+    "CudaPinnedAllocation",
+    "HostAllocation",
+    "HostAllocator",
+    "HostRegion",
+    "KVPlanes",
+    "OrdinaryAllocator",
+    "TransferHandle",
+    "cuda_available",
+    "default_copy_engine",
+    "page_regions",
+    "pinned_allocator",
+]

@@ -1,0 +1,51 @@
+"""Every error the library raises, rooted at :class:`HostKVError`.
+
+Each class also inherits the matching builtin (``KeyError``, ``ValueError``, ``OSError`` ...) and
+carries a one-line ``hint`` the CLI prints.
+"""
+
+from __future__ import annotations
+
+from hostkv_providers._errors import (
+    CapacityError,
+    ClosedError,
+    CopyArgumentError,
+    CopyEngineError,
+    CorruptStoreError,
+    HostKVError,
+    IncompatibleStoreError,
+    IncompleteWriteError,
+    InFlightError,
+    InvalidArgumentError,
+    LockedError,
+    NoSpaceError,
+    ReservationError,
+    SpanError,
+    StorageIOError,
+    UnknownKeyError,
+    UnknownProviderError,
+    UnsafeStoreError,
+    UsedAfterForkError,
+)
+
+__all__ = [
+    "CapacityError",
+    "ClosedError",
+    "CopyArgumentError",
+    "CopyEngineError",
+    "CorruptStoreError",
+    "HostKVError",
+    "InFlightError",
+    "IncompatibleStoreError",
+    "IncompleteWriteError",
+    "InvalidArgumentError",
+    "LockedError",
+    "NoSpaceError",
+    "ReservationError",
+    "SpanError",
+    "StorageIOError",
+    "UnknownKeyError",
+    "UnknownProviderError",
+    "UnsafeStoreError",
+    "UsedAfterForkError",
+]

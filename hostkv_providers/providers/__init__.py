@@ -1,0 +1,124 @@
+"""The provider layer: the built-in providers, and the kit a provider author builds on.
+
+An author subclasses :class:`Provider` (the contract and its front), keeps an in-process index in
+:class:`TreeIndex` where the medium has none of its own, parses URL options with
+:class:`Options`, and proves the result with :class:`hostkv_providers.testing.ProviderTests`.
+``docs/writing-a-provider.md`` walks through it.
+
+The built-in provider classes with heavier imports (py-lmdb, the file-store machinery) load on
+first use, as the registry loads them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from hostkv_providers._checksum import CHECKSUM_ALGORITHM, checksum, checksum_parts
+from hostkv_providers._keys import FORMAT_VERSION, KEY_ALGORITHM, KEY_NBYTES, ZERO_KEY, Key, as_key
+from hostkv_providers._options import Options, format_size, parse_size
+from hostkv_providers._provider import (
+    CAPABILITY_NAMES,
+    CompactReport,
+    EntryInfo,
+    EvictReport,
+    Lease,
+    Progress,
+    Provider,
+    ProviderStats,
+    Reservation,
+    SupportsBatch,
+    SupportsBatchViews,
+    SupportsCompact,
+    SupportsIterate,
+    SupportsVerify,
+    SupportsViews,
+    VerifyReport,
+    check_anchor_name,
+    readable_bytes,
+    writable_buffer,
+)
+from hostkv_providers._region import HostRegion
+from hostkv_providers._registry import (
+    DISABLE_PLUGINS_ENV,
+    ENTRY_POINT_GROUP,
+    ProviderInfo,
+    available_providers,
+    open_provider,
+    parse_url,
+    provider_class,
+)
+from hostkv_providers._span import ByteSpan
+from hostkv_providers.providers._tree import Node, TreeIndex
+from hostkv_providers.providers.pinned import PinnedProvider
+
+if TYPE_CHECKING:
+    from hostkv_providers.providers.lmdb import LmdbProvider
+    from hostkv_providers.providers.mmap import MmapProvider
+    from hostkv_providers.providers.tiered import TieredProvider
+
+_LAZY = {
+    "LmdbProvider": "hostkv_providers.providers.lmdb",
+    "MmapProvider": "hostkv_providers.providers.mmap",
+    "TieredProvider": "hostkv_providers.providers.tiered",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+__all__ = [
+    "CAPABILITY_NAMES",
+    "CHECKSUM_ALGORITHM",
+    "DISABLE_PLUGINS_ENV",
+    "ENTRY_POINT_GROUP",
+    "FORMAT_VERSION",
+    "KEY_ALGORITHM",
+    "KEY_NBYTES",
+    "ZERO_KEY",
+    "ByteSpan",
+    "CompactReport",
+    "EntryInfo",
+    "EvictReport",
+    "HostRegion",
+    "Key",
+    "Lease",
+    "LmdbProvider",
+    "MmapProvider",
+    "Node",
+    "Options",
+    "PinnedProvider",
+    "Progress",
+    "Provider",
+    "ProviderInfo",
+    "ProviderStats",
+    "Reservation",
+    "SupportsBatch",
+    "SupportsBatchViews",
+    "SupportsCompact",
+    "SupportsIterate",
+    "SupportsVerify",
+    "SupportsViews",
+    "TieredProvider",
+    "TreeIndex",
+    "VerifyReport",
+    "as_key",
+    "available_providers",
+    "check_anchor_name",
+    "checksum",
+    "checksum_parts",
+    "format_size",
+    "open_provider",
+    "parse_size",
+    "parse_url",
+    "provider_class",
+    "readable_bytes",
+    "writable_buffer",
+]

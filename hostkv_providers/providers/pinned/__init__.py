@@ -1,0 +1,7 @@
+"""The `pinned://` provider (docs/providers/pinned.md)."""
+
+from __future__ import annotations
+
+from hostkv_providers.providers.pinned._provider import PinnedProvider
+
+__all__ = ["PinnedProvider"]
