@@ -33,6 +33,18 @@ ENTRY_POINT_GROUP = "hostkv_providers.providers"
 DISABLE_PLUGINS_ENV = "HOSTKV_DISABLE_PLUGIN_AUTOLOAD"
 _CORE_DIST = "hostkv-providers"
 
+#: The built-in providers, as the core distribution's metadata registers them.  Used as well when
+#: that metadata is absent (the library imported from a source tree on ``PYTHONPATH``): the core's
+#: own providers must open however the package was put on the path.
+_BUILTINS = {
+    "lmdb": "hostkv_providers.providers.lmdb:LmdbProvider",
+    "mmap": "hostkv_providers.providers.mmap:MmapProvider",
+    "pinned": "hostkv_providers.providers.pinned:PinnedProvider",
+    "tiered": "hostkv_providers.providers.tiered:TieredProvider",
+}
+#: Marks the fallback entry points above (they have no distribution object).
+_SOURCE_TREE = "hostkv-providers (source tree)"
+
 _lock = threading.Lock()
 _classes: dict[str, type[Provider]] = {}
 
@@ -53,6 +65,8 @@ class ProviderInfo:
 def _dist_name(ep: metadata.EntryPoint) -> tuple[str, str]:
     dist = getattr(ep, "dist", None)
     if dist is None:
+        if ep.group == ENTRY_POINT_GROUP and _BUILTINS.get(ep.name) == ep.value:
+            return _CORE_DIST, _core_version()
         return "?", "?"
     return dist.metadata["Name"] or "?", dist.version or "?"
 
@@ -74,7 +88,17 @@ def _entry_points() -> Mapping[str, metadata.EntryPoint]:
         if prior is not None and _normalize(_dist_name(prior)[0]) == _CORE_DIST:
             continue
         found[ep.name] = ep
+    for name, target in _BUILTINS.items():
+        prior = found.get(name)
+        if prior is None or _normalize(_dist_name(prior)[0]) != _CORE_DIST:
+            found[name] = metadata.EntryPoint(name, target, ENTRY_POINT_GROUP)
     return MappingProxyType(found)
+
+
+def _core_version() -> str:
+    from hostkv_providers import __version__
+
+    return __version__
 
 
 def provider_class(name: str) -> type[Provider]:
@@ -106,12 +130,15 @@ def available_providers() -> list[ProviderInfo]:
     out = []
     for name, ep in sorted(_entry_points().items()):
         dist, version = _dist_name(ep)
+        if getattr(ep, "dist", None) is None and dist == _CORE_DIST:
+            dist = _SOURCE_TREE
         try:
             caps = provider_class(name).capability_names()
             error = None
         except Exception as exc:  # a broken plugin must not hide the others
             caps, error = frozenset(), f"{type(exc).__name__}: {exc}"
-        out.append(ProviderInfo(name, dist, version, _normalize(dist) == _CORE_DIST, ep.value, caps, error))
+        builtin = dist == _SOURCE_TREE or _normalize(dist) == _CORE_DIST
+        out.append(ProviderInfo(name, dist, version, builtin, ep.value, caps, error))
     return out
 
 

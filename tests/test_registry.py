@@ -48,7 +48,7 @@ def fake_plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def test_builtins_register_through_entry_points() -> None:
     infos = {i.name: i for i in hk.available_providers()}
     assert infos["pinned"].builtin and infos["pinned"].distribution == "hostkv-providers"
-    assert infos["pinned"].target == "hostkv_providers.providers.pinned._provider:PinnedProvider"
+    assert infos["pinned"].target == "hostkv_providers.providers.pinned:PinnedProvider"
     assert {"iterate", "verify", "pinned_views"} <= infos["pinned"].capabilities
     assert hk.provider_class("pinned") is hk.PinnedProvider
 
@@ -143,3 +143,19 @@ def test_errors_have_hints_builtin_bases_and_survive_reduce() -> None:
     plain = copy.deepcopy(hk.CapacityError("full", hint="grow"))
     assert str(plain) == "full" and plain.hint == "grow"
     assert str(hk.UnknownKeyError("missing parent")) == "missing parent"
+
+
+def test_builtins_open_without_installed_metadata(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A source tree on PYTHONPATH has no entry-point metadata: the built-ins still open (issue 19)."""
+    from importlib import metadata
+
+    from hostkv_providers import _registry
+
+    monkeypatch.setattr(metadata, "entry_points", lambda **kw: [])
+    monkeypatch.setattr(_registry, "_classes", {})
+    infos = {i.name: i for i in hk.available_providers()}
+    assert set(infos) == {"lmdb", "mmap", "pinned", "tiered"}
+    assert all(i.builtin and i.error is None for i in infos.values())
+    assert infos["pinned"].distribution == "hostkv-providers (source tree)"
+    with hk.open("pinned://?budget=1MiB") as store:
+        assert store.name == "pinned"
