@@ -496,7 +496,9 @@ class HostKVCache:
         Where pages live (``hostkv_providers.open(url)``).
     salt:
         The configuration (model, layout, quantization ...) whose pages this cache stores.  A bare
-        :class:`KVLayout` is accepted together with ``model_id``.
+        :class:`KVLayout` is accepted together with ``model_id``.  Under tensor parallelism, the
+        rank's salt (``Salt(..., tp_rank=r, tp_world_size=w)``): the cache's :attr:`layout` is
+        then ``salt.local_layout``, the rank's slice of the heads.
     copy_engine:
         Moves bytes between the engine's planes and host memory; default
         ``default_copy_engine()`` (CUDA when usable, else the CPU engine).
@@ -547,8 +549,10 @@ class HostKVCache:
                 raise InvalidArgumentError(f"{name} must be an int >= {lo}, got {value!r}")
         self.provider = provider
         self.salt = salt
-        self.layout = salt.layout
-        self.page_nbytes = salt.layout.page_nbytes
+        # A tensor-parallel rank packs only its slice of the KV heads (``salt.local_layout``;
+        # the whole layout when the salt is unsharded).
+        self.layout = salt.local_layout
+        self.page_nbytes = self.layout.page_nbytes
         self.engine: CopyEngineLike = copy_engine if copy_engine is not None else _default_engine()
         self.admission: AdmissionPolicy = admission if admission is not None else AdmitAll()
         self.anchor_interval = anchor_interval
