@@ -229,6 +229,25 @@ class Salt:
             return self.layout
         return dataclasses.replace(self.layout, num_kv_heads=len(self.kv_heads))
 
+    def for_rank(self, rank: int) -> Salt:
+        """The salt of another rank of this configuration (its derived head slice).
+
+        Raises ``InvalidArgumentError`` for a salt built with an explicit head slice other than
+        the derived one: the other ranks' slices are then the engine's to say.
+        """
+        derived = dataclasses.replace(self, kv_head_start=None, kv_head_count=None)
+        if (derived.kv_head_start, derived.kv_head_count) != (self.kv_head_start, self.kv_head_count):
+            raise InvalidArgumentError(
+                "this salt has an explicit KV head slice; the other ranks' slices are not derivable",
+                hint="build each rank's Salt with its own kv_head_start/kv_head_count")
+        return dataclasses.replace(self, tp_rank=rank, kv_head_start=None, kv_head_count=None)
+
+    def rank_salts(self) -> tuple[Salt, ...]:
+        """Every rank's salt of this configuration, index = rank (``(self,)`` when unsharded)."""
+        if not self.sharded:
+            return (self,)
+        return tuple(self if r == self.tp_rank else self.for_rank(r) for r in range(self.tp_world_size))
+
     @property
     def config_tag(self) -> str:
         """The part of :attr:`tag` shared by every rank of this configuration (the whole tag
