@@ -804,7 +804,9 @@ class HostKVCache:
                 anchor = self.provider.get_anchor(own[n - 1], need_anchor)
                 if anchor is None:  # leased, so impossible; never hand out a hit without it
                     n = 0
-        if n:
+        if not n:
+            lease.release()
+        elif sum(lease.present) != world * n:  # else it pins exactly the common prefix already
             # Re-lease only the common prefix so the rest stays evictable.
             old = lease
             lease = self.provider.lease([k for c in chains for k in c[:n]])
@@ -812,8 +814,6 @@ class HostKVCache:
             if not all(lease.present):  # cannot shrink while pinned; be exact anyway
                 lease.release()
                 n = 0
-        else:
-            lease.release()
         hit = CacheHit(self, own[:n], lease if n else None, requested=pages, stored=stored,
                        anchor_name=need_anchor, anchor=anchor if n else None)
         with self._lock:
