@@ -10,11 +10,13 @@ same in every process and on every machine.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import re
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, NewType
+from typing import Any, NamedTuple, NewType, cast
 
 import msgpack
 import numpy as np
@@ -29,10 +31,13 @@ __all__ = [
     "KEY_NBYTES",
     "ZERO_KEY",
     "Key",
+    "MAX_TP_WORLD_SIZE",
     "MediaItem",
     "Salt",
+    "SaltTag",
     "as_key",
     "chain_keys",
+    "parse_salt_tag",
 ]
 
 #: Bumped whenever the page packing, key derivation or a store format changes incompatibly.
@@ -49,6 +54,16 @@ ZERO_KEY = Key(bytes(KEY_NBYTES))
 
 _PAGE_PERSON = b"hostkv-page"
 _SALT_PERSON = b"hostkv-salt"
+
+#: The largest tensor-parallel world a salt tag can name: a rank's tag is 8 hex characters of the
+#: configuration plus ``r<rank>w<world>``, and tags are at most 16 bytes (the file store keeps
+#: them in a fixed 16-byte field).
+MAX_TP_WORLD_SIZE = 999
+
+# A rank's tag: the configuration's 8 hex characters (shared by every rank), then the rank and
+# the world size.  An unsharded tag is 16 hex characters, so the two forms never collide.
+_RANK_TAG = re.compile(r"([0-9a-f]{8})r(0|[1-9][0-9]{0,2})w([1-9][0-9]{0,2})")
+_PLAIN_TAG = re.compile(r"[0-9a-f]{16}")
 
 
 def as_key(value: object, what: str = "key") -> Key:
@@ -87,6 +102,28 @@ class Salt:
         A user namespace (tenant isolation, experiment name).
     extra:
         Anything else that changes the bytes (rope scaling, attention sinks ...), canonicalized.
+    format_version:
+        The page/key format (:data:`FORMAT_VERSION`).
+    tp_rank, tp_world_size:
+        Tensor parallelism: this process's rank in ``[0, tp_world_size)`` and the number of
+        ranks (at most :data:`MAX_TP_WORLD_SIZE`).  ``layout`` is the *whole* model's geometry;
+        a rank stores only its slice of every layer's KV heads, described by
+        :attr:`local_layout`.  Every rank has its own digest, so ranks never read each other's
+        pages and one store holds every rank's pages side by side.
+    kv_head_start, kv_head_count:
+        The rank's slice of ``layout.num_kv_heads`` heads.  Left ``None`` (both), it is derived
+        as engines shard heads: ``num_kv_heads / tp_world_size`` heads from
+        ``rank * count`` when the heads divide evenly, or one replicated head
+        (``rank * num_kv_heads // tp_world_size``) when the world is a multiple of the heads
+        (GQA models on more ranks than KV heads).  Given explicitly, the slice must lie within
+        ``layout.num_kv_heads``.  After construction both fields hold the resolved slice.
+
+    The defaults (rank 0 of 1, every head) leave the digest, the keys and the tag exactly as
+    they were before tensor parallelism was added: stored pages of unsharded configurations
+    stay valid.  A sharded salt folds ``(rank, world, head slice)`` into its digest and gets the
+    tag ``<8 hex of the configuration>r<rank>w<world>`` (e.g. ``5f3c9a1br1w2``), which
+    :func:`parse_salt_tag` decodes; the 8 hex characters (:attr:`config_tag`) are the same for
+    every rank of one configuration, so an operator can list or evict one rank or all of them.
     """
 
     model_id: str
@@ -97,7 +134,12 @@ class Salt:
     namespace: str = ""
     extra: tuple[tuple[str, str], ...] = ()
     format_version: int = FORMAT_VERSION
+    tp_rank: int = 0
+    tp_world_size: int = 1
+    kv_head_start: int | None = None
+    kv_head_count: int | None = None
     digest: bytes = field(init=False, repr=False, compare=False)
+    config_digest: bytes = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name in ("model_id", "model_revision", "quantization", "speculative", "namespace"):
@@ -109,27 +151,118 @@ class Salt:
             raise InvalidArgumentError("Salt.layout must be a KVLayout")
         extra = tuple(sorted((str(k), str(v)) for k, v in self.extra))
         object.__setattr__(self, "extra", extra)
-        canonical = msgpack.packb(
-            [
-                ["format_version", self.format_version],
-                ["key_algorithm", KEY_ALGORITHM],
-                ["model_id", self.model_id],
-                ["model_revision", self.model_revision],
-                ["layout", sorted(self.layout.describe().items())],
-                ["quantization", self.quantization],
-                ["speculative", self.speculative],
-                ["namespace", self.namespace],
-                ["extra", [list(kv) for kv in extra]],
-            ],
-            use_bin_type=True,
-        )
-        digest = hashlib.blake2b(canonical, digest_size=32, person=_SALT_PERSON).digest()
-        object.__setattr__(self, "digest", digest)
+        start, count = self._resolve_heads()
+        object.__setattr__(self, "kv_head_start", start)
+        object.__setattr__(self, "kv_head_count", count)
+        fields: list[list[Any]] = [
+            ["format_version", self.format_version],
+            ["key_algorithm", KEY_ALGORITHM],
+            ["model_id", self.model_id],
+            ["model_revision", self.model_revision],
+            ["layout", sorted(self.layout.describe().items())],
+            ["quantization", self.quantization],
+            ["speculative", self.speculative],
+            ["namespace", self.namespace],
+            ["extra", [list(kv) for kv in extra]],
+        ]
+        if self.sharded:
+            # Only a sharded salt adds fields, so every unsharded digest is what it always was.
+            # The configuration digest (shared by the ranks) knows the world, not the rank.
+            config = [*fields, ["tensor_parallel", [["world_size", self.tp_world_size]]]]
+            rank = [*fields, ["tensor_parallel", [["world_size", self.tp_world_size],
+                                                   ["rank", self.tp_rank],
+                                                   ["kv_head_start", start],
+                                                   ["kv_head_count", count]]]]
+            object.__setattr__(self, "digest", _salt_digest(rank))
+            object.__setattr__(self, "config_digest", _salt_digest(config))
+        else:
+            digest = _salt_digest(fields)
+            object.__setattr__(self, "digest", digest)
+            object.__setattr__(self, "config_digest", digest)
+
+    def _resolve_heads(self) -> tuple[int, int]:
+        """Validate the tensor-parallel fields; return the rank's ``(kv_head_start, kv_head_count)``."""
+        world, rank = self.tp_world_size, self.tp_rank
+        if type(world) is not int or not 1 <= world <= MAX_TP_WORLD_SIZE:
+            raise InvalidArgumentError(f"Salt.tp_world_size must be an int in [1, {MAX_TP_WORLD_SIZE}], got {world!r}")
+        if type(rank) is not int or not 0 <= rank < world:
+            raise InvalidArgumentError(f"Salt.tp_rank must be an int in [0, {world}), got {rank!r}",
+                                       hint="the rank is this process's tensor-parallel rank, 0-based")
+        heads = self.layout.num_kv_heads
+        start, count = self.kv_head_start, self.kv_head_count
+        if start is None and count is None:
+            if heads % world == 0:
+                count = heads // world
+                return rank * count, count
+            if world % heads == 0:
+                return rank * heads // world, 1
+            raise InvalidArgumentError(
+                f"{heads} KV heads cannot be split evenly over {world} ranks",
+                hint="pass kv_head_start= and kv_head_count= for this rank's slice")
+        if type(start) is not int or type(count) is not int:
+            raise InvalidArgumentError("Salt.kv_head_start and kv_head_count must both be ints (or both None)",
+                                       hint="leave both None to derive the slice from the rank")
+        if start < 0 or count < 1 or start + count > heads:
+            raise InvalidArgumentError(
+                f"KV head slice [{start}, {start + count}) is not within the layout's {heads} heads")
+        return start, count
+
+    @property
+    def sharded(self) -> bool:
+        """True when this salt names one rank's slice of the heads (not rank 0 of 1, every head)."""
+        return self.tp_world_size != 1 or self.kv_head_count != self.layout.num_kv_heads
+
+    @property
+    def kv_heads(self) -> range:
+        """The rank's KV heads (indices into the whole model's ``layout.num_kv_heads``)."""
+        start, count = cast(int, self.kv_head_start), cast(int, self.kv_head_count)  # resolved in __post_init__
+        return range(start, start + count)
+
+    @property
+    def local_layout(self) -> KVLayout:
+        """The geometry of this rank's pages: ``layout`` with only the rank's KV heads.
+
+        This is what a rank's :class:`~hostkv_providers.HostKVCache` packs and what its pages
+        weigh; it is ``layout`` itself for an unsharded salt.
+        """
+        if self.kv_head_count == self.layout.num_kv_heads:
+            return self.layout
+        return dataclasses.replace(self.layout, num_kv_heads=len(self.kv_heads))
+
+    def for_rank(self, rank: int) -> Salt:
+        """The salt of another rank of this configuration (its derived head slice).
+
+        Raises ``InvalidArgumentError`` for a salt built with an explicit head slice other than
+        the derived one: the other ranks' slices are then the engine's to say.
+        """
+        derived = dataclasses.replace(self, kv_head_start=None, kv_head_count=None)
+        if (derived.kv_head_start, derived.kv_head_count) != (self.kv_head_start, self.kv_head_count):
+            raise InvalidArgumentError(
+                "this salt has an explicit KV head slice; the other ranks' slices are not derivable",
+                hint="build each rank's Salt with its own kv_head_start/kv_head_count")
+        return dataclasses.replace(self, tp_rank=rank, kv_head_start=None, kv_head_count=None)
+
+    def rank_salts(self) -> tuple[Salt, ...]:
+        """Every rank's salt of this configuration, index = rank (``(self,)`` when unsharded)."""
+        if not self.sharded:
+            return (self,)
+        return tuple(self if r == self.tp_rank else self.for_rank(r) for r in range(self.tp_world_size))
+
+    @property
+    def config_tag(self) -> str:
+        """The part of :attr:`tag` shared by every rank of this configuration (the whole tag
+        when unsharded)."""
+        if not self.sharded:
+            return self.tag
+        return self.config_digest[:4].hex()
 
     @property
     def tag(self) -> str:
-        """16 hex characters identifying this configuration in listings."""
-        return self.digest[:8].hex()
+        """At most 16 characters identifying this configuration (and rank) in listings: 16 hex
+        characters, or ``<config_tag>r<rank>w<world>`` for a sharded salt."""
+        if not self.sharded:
+            return self.digest[:8].hex()
+        return f"{self.config_digest[:4].hex()}r{self.tp_rank}w{self.tp_world_size}"
 
     @property
     def page_tokens(self) -> int:
@@ -137,7 +270,8 @@ class Salt:
 
     @property
     def page_nbytes(self) -> int:
-        return self.layout.page_nbytes
+        """Bytes of one of this rank's pages (:attr:`local_layout`)."""
+        return self.local_layout.page_nbytes
 
     def describe(self) -> dict[str, Any]:
         """Human-readable fields (what ``hostkv info`` shows next to the tag)."""
@@ -150,7 +284,48 @@ class Salt:
             "namespace": self.namespace,
             "format_version": self.format_version,
             "layout": self.layout.describe(),
+            "tensor_parallel": {
+                "rank": self.tp_rank,
+                "world_size": self.tp_world_size,
+                "kv_head_start": self.kv_head_start,
+                "kv_head_count": self.kv_head_count,
+                "config_tag": self.config_tag,
+            },
         }
+
+
+def _salt_digest(fields: list[list[Any]]) -> bytes:
+    canonical = msgpack.packb(fields, use_bin_type=True)
+    return hashlib.blake2b(canonical, digest_size=32, person=_SALT_PERSON).digest()
+
+
+class SaltTag(NamedTuple):
+    """A salt tag decoded by :func:`parse_salt_tag`."""
+
+    #: The part shared by every rank of one configuration (:attr:`Salt.config_tag`).
+    config: str
+    #: The tensor-parallel rank (0 for an unsharded tag).
+    tp_rank: int
+    #: The tensor-parallel world size (1 for an unsharded tag).
+    tp_world_size: int
+
+
+def parse_salt_tag(tag: str) -> SaltTag | None:
+    """Decode a tag written by :attr:`Salt.tag`; ``None`` for a tag in neither form (a caller's
+    own label, or ``""``).
+
+    ``"68253e4bcf414ee2"`` -> ``SaltTag("68253e4bcf414ee2", 0, 1)``;
+    ``"5f3c9a1br1w2"`` -> ``SaltTag("5f3c9a1b", 1, 2)``.
+    """
+    if _PLAIN_TAG.fullmatch(tag):
+        return SaltTag(tag, 0, 1)
+    m = _RANK_TAG.fullmatch(tag)
+    if m is None:
+        return None
+    rank, world = int(m.group(2)), int(m.group(3))
+    if rank >= world:
+        return None
+    return SaltTag(m.group(1), rank, world)
 
 
 @dataclass(frozen=True, slots=True)

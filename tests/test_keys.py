@@ -183,3 +183,85 @@ def test_as_key() -> None:
         hk.as_key(b"x" * 33)
     with pytest.raises(hk.InvalidArgumentError):
         hk.as_key("x" * 32)
+
+
+# --- tensor parallelism: every rank its own digest, a decodable tag, the defaults unchanged ---
+
+TP_LAYOUT = hk.KVLayout(4, 8, 64, 16)
+
+
+def test_unsharded_defaults_keep_digest_and_tag() -> None:
+    explicit = hk.Salt("golden/model", LAYOUT, model_revision="r1", tp_rank=0, tp_world_size=1,
+                       kv_head_start=0, kv_head_count=2)
+    assert explicit == SALT and explicit.digest.hex() == GOLDEN_SALT and explicit.tag == GOLDEN_SALT[:16]
+    assert not SALT.sharded and SALT.local_layout is LAYOUT and SALT.kv_heads == range(0, 2)
+    assert SALT.config_tag == SALT.tag and SALT.config_digest == SALT.digest
+    assert hk.providers.parse_salt_tag(SALT.tag) == (SALT.tag, 0, 1)
+    assert SALT.describe()["tensor_parallel"] == {"rank": 0, "world_size": 1, "kv_head_start": 0,
+                                                   "kv_head_count": 2, "config_tag": SALT.tag}
+
+
+def test_ranks_have_disjoint_keys_and_their_head_slices() -> None:
+    ranks = [hk.Salt("m", TP_LAYOUT, tp_rank=r, tp_world_size=4) for r in range(4)]
+    whole = hk.Salt("m", TP_LAYOUT)
+    assert [s.kv_heads for s in ranks] == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
+    assert all(s.local_layout == hk.KVLayout(4, 2, 64, 16) for s in ranks)
+    assert all(s.page_nbytes == TP_LAYOUT.page_nbytes // 4 for s in ranks)
+    digests = {s.digest for s in [*ranks, whole]}
+    assert len(digests) == 5
+    chains = [set(hk.chain_keys(s, list(range(64)))) for s in [*ranks, whole]]
+    assert sum(len(c) for c in chains) == len(set().union(*chains)) == 20
+    # one configuration tag for all ranks, one tag per rank, both decodable
+    assert len({s.config_tag for s in ranks}) == 1 and ranks[0].config_tag != whole.config_tag[:8]
+    for s in ranks:
+        assert len(s.tag) <= 16 and s.tag == f"{s.config_tag}r{s.tp_rank}w4"
+        assert hk.providers.parse_salt_tag(s.tag) == hk.providers.SaltTag(s.config_tag, s.tp_rank, 4)
+    # the same rank of another world size is another configuration
+    two = hk.Salt("m", TP_LAYOUT, tp_rank=0, tp_world_size=2)
+    assert two.config_tag != ranks[0].config_tag and two.digest != ranks[0].digest
+    assert two.kv_heads == range(0, 4)
+
+
+def test_derived_and_explicit_slices_agree_and_replication() -> None:
+    derived = hk.Salt("m", TP_LAYOUT, tp_rank=1, tp_world_size=2)
+    explicit = hk.Salt("m", TP_LAYOUT, tp_rank=1, tp_world_size=2, kv_head_start=4, kv_head_count=4)
+    assert derived == explicit and derived.digest == explicit.digest
+    other = hk.Salt("m", TP_LAYOUT, tp_rank=1, tp_world_size=2, kv_head_start=3, kv_head_count=5)
+    assert other.digest != derived.digest and other.local_layout.num_kv_heads == 5
+    # more ranks than KV heads (GQA): each rank holds one replicated head, still its own pages
+    gqa = [hk.Salt("m", hk.KVLayout(2, 2, 64, 16), tp_rank=r, tp_world_size=4) for r in range(4)]
+    assert [s.kv_heads for s in gqa] == [range(0, 1), range(0, 1), range(1, 2), range(1, 2)]
+    assert len({s.digest for s in gqa}) == 4
+    # one rank of one: a partial slice is sharded too
+    part = hk.Salt("m", TP_LAYOUT, kv_head_start=0, kv_head_count=4)
+    assert part.sharded and part.digest != hk.Salt("m", TP_LAYOUT).digest and part.tag.endswith("r0w1")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"tp_world_size": 0}, "tp_world_size"),
+        ({"tp_world_size": 1000}, "tp_world_size"),
+        ({"tp_world_size": True}, "tp_world_size"),
+        ({"tp_world_size": 2, "tp_rank": 2}, "tp_rank"),
+        ({"tp_world_size": 2, "tp_rank": -1}, "tp_rank"),
+        ({"tp_world_size": 2, "tp_rank": 1.0}, "tp_rank"),
+        ({"tp_world_size": 3}, "split evenly"),
+        ({"tp_world_size": 2, "kv_head_start": 0}, "both"),
+        ({"tp_world_size": 2, "kv_head_start": 6, "kv_head_count": 3}, "within"),
+        ({"tp_world_size": 2, "kv_head_start": -1, "kv_head_count": 3}, "within"),
+        ({"tp_world_size": 2, "kv_head_start": 0, "kv_head_count": 0}, "within"),
+    ],
+)
+def test_tensor_parallel_validation(kwargs: dict[str, object], match: str) -> None:
+    with pytest.raises(hk.InvalidArgumentError, match=match):
+        hk.Salt("m", TP_LAYOUT, **kwargs)  # type: ignore[arg-type]
+
+
+def test_parse_salt_tag_rejects_other_labels() -> None:
+    parse = hk.providers.parse_salt_tag
+    for tag in ("", "mine", "5f3c9a1br2w2", "5f3c9a1br01w2", "5f3c9a1bR1w2", "5F3C9A1BR1W2", "68253e4bcf414ee"):
+        assert parse(tag) is None
+    assert parse("5f3c9a1br998w999") == ("5f3c9a1b", 998, 999)
+    big = hk.Salt("m", hk.KVLayout(1, 1, 8, 4), tp_rank=998, tp_world_size=999)
+    assert len(big.tag.encode()) == 16 and parse(big.tag) == (big.config_tag, 998, 999)

@@ -30,6 +30,7 @@ from ._format import (
     parse_duration,
     table,
 )
+from ._ranks import group_key, rank_label, rank_of, rank_summary, tag_label, tag_matches
 from ._store import Forest, open_store, progress_bar, require_iterate, short
 
 __all__ = ["cli", "main"]
@@ -136,7 +137,18 @@ def _tag_summary(entries: Sequence[hk.EntryInfo]) -> list[dict[str, Any]]:
     for e in entries:
         pages[e.salt_tag] += 1
         nbytes[e.salt_tag] += e.nbytes
-    return [{"tag": t, "pages": pages[t], "nbytes": nbytes[t]} for t in sorted(pages, key=lambda t: -nbytes[t])]
+    rows: list[dict[str, Any]] = []
+    # largest first, but one tensor-parallel configuration's ranks together, in rank order
+    for t in sorted(pages, key=lambda t: -nbytes[t]):
+        st = rank_of(t)
+        rows.append({"tag": t, "pages": pages[t], "nbytes": nbytes[t],
+                     "config": None if st is None else st.config,
+                     "tp_rank": None if st is None else st.tp_rank,
+                     "tp_world_size": None if st is None else st.tp_world_size})
+    first: dict[str, int] = {}
+    for i, r in enumerate(rows):
+        first.setdefault(group_key(r["tag"])[0], i)
+    return sorted(rows, key=lambda r: (first[group_key(r["tag"])[0]], group_key(r["tag"])[1]))
 
 
 @cli.command()
@@ -171,6 +183,7 @@ def info(url: str, as_json: bool) -> None:
                 anchor_bytes=sum(sum(e.anchors.values()) for e in entries),
                 salt_tags=_tag_summary(entries),
             )
+            doc["tensor_parallel"] = rank_summary(doc["salt_tags"])
     if as_json:
         emit_json(doc)
         return
@@ -199,9 +212,19 @@ def info(url: str, as_json: bool) -> None:
     kv_lines(pairs)
     if doc.get("salt_tags"):
         click.echo("")
-        table(("SALT TAG", "PAGES", "BYTES"),
-              [(t["tag"] or "(none)", t["pages"], fmt_size(t["nbytes"])) for t in doc["salt_tags"]],
-              right=(1, 2))
+        if doc["tensor_parallel"]:
+            table(("SALT TAG", "RANK", "PAGES", "BYTES"),
+                  [(t["tag"] or "(none)", rank_label(t["tag"]), t["pages"], fmt_size(t["nbytes"]))
+                   for t in doc["salt_tags"]], right=(2, 3))
+            for g in doc["tensor_parallel"]:
+                if g["missing_ranks"]:
+                    click.echo(f"config {g['config']}: no pages of rank(s) "
+                               f"{','.join(map(str, g['missing_ranks']))} of {g['world_size']}; "
+                               "its prompts need every rank")
+        else:
+            table(("SALT TAG", "PAGES", "BYTES"),
+                  [(t["tag"] or "(none)", t["pages"], fmt_size(t["nbytes"])) for t in doc["salt_tags"]],
+                  right=(1, 2))
     elif "salt_tags" not in doc:
         click.echo(f"(provider {doc['provider']!r} cannot enumerate entries: no tree or salt-tag summary)")
 
@@ -238,30 +261,47 @@ def _anchor_text(entries: dict[bytes, hk.EntryInfo], keys: Sequence[bytes], dept
 @cli.command(name="ls")
 @click.argument("url")
 @click.option("--tree", is_flag=True, help="Draw chains as a tree (linear runs collapsed).")
-@click.option("--salt", "salt_tag", metavar="TAG", help="Only entries of this salt tag.")
+@click.option("--salt", "salt_tag", metavar="TAG",
+              help="Only entries of this salt tag (a tensor-parallel config's 8 hex: all its ranks).")
+@click.option("--rank", "tp_rank", type=click.IntRange(min=0), metavar="R",
+              help="Only entries of tensor-parallel rank R.")
 @click.option("--limit", type=click.IntRange(min=1), metavar="N",
               help="Show at most N entries (N runs with --tree).")
 @json_option
-def ls_cmd(url: str, tree: bool, salt_tag: str | None, limit: int | None, as_json: bool) -> None:
+def ls_cmd(url: str, tree: bool, salt_tag: str | None, tp_rank: int | None, limit: int | None,
+           as_json: bool) -> None:
     """List entries, or draw the chains as a tree (read-only).
 
     With --tree each line is a run of pages where the chain does not branch: its first key,
     depth range, page count, bytes and anchors (name@dDEPTH).  Branch points start new lines.
+    Entries of tensor-parallel ranks are listed grouped by configuration and rank.
     """
     with open_store(url, readonly=True) as p:
         it = require_iterate(p, "ls")
-        entries = [e for e in it.iter_entries() if salt_tag is None or e.salt_tag == salt_tag]
+        entries = [e for e in it.iter_entries()
+                   if (salt_tag is None or tag_matches(e.salt_tag, salt_tag))
+                   and (tp_rank is None or ((st := rank_of(e.salt_tag)) is not None and st.tp_rank == tp_rank))]
     forest = Forest(entries)
     if tree:
         _print_tree(forest, limit, as_json)
         return
-    keys = forest.order[:limit] if limit else forest.order
+    # group whole trees by their root's tag (ranks' chains are disjoint trees); the stable sort
+    # keeps parents before children
+    tree_of: dict[bytes, tuple[str, int]] = {}
+    for k in forest.order:
+        parent = forest.entries[k].parent
+        up = None if parent is None else tree_of.get(bytes(parent))
+        tree_of[k] = up if up is not None else group_key(forest.entries[k].salt_tag)
+    ranked = sorted(forest.order, key=tree_of.__getitem__)
+    keys = ranked[:limit] if limit else ranked
     if as_json:
         emit_json({
             "entries": [
                 {"key": k.hex(), "parent": None if (e := forest.entries[k]).parent is None
                  else bytes(e.parent).hex(), "depth": forest.depth[k], "nbytes": e.nbytes,
-                 "salt_tag": e.salt_tag, "checksum": e.checksum, "created": e.created,
+                 "salt_tag": e.salt_tag, "tp_rank": None if (st := rank_of(e.salt_tag)) is None else st.tp_rank,
+                 "tp_world_size": None if st is None else st.tp_world_size,
+                 "checksum": e.checksum, "created": e.created,
                  "last_used": e.last_used, "anchors": dict(e.anchors)}
                 for k in keys
             ],
@@ -271,12 +311,15 @@ def ls_cmd(url: str, tree: bool, salt_tag: str | None, limit: int | None, as_jso
         return
     now = time.time()
     rows = []
+    ranks = any(rank_label(forest.entries[k].salt_tag) != "-" for k in keys)
     for k in keys:
         e = forest.entries[k]
         anchors = ",".join(sorted(e.anchors))
-        rows.append((short(k), forest.depth[k], fmt_size(e.nbytes), e.salt_tag or "-",
+        rank = (rank_label(e.salt_tag),) if ranks else ()
+        rows.append((short(k), forest.depth[k], fmt_size(e.nbytes), e.salt_tag or "-", *rank,
                      fmt_age(e.last_used, now), anchors[:14]))
-    table(("KEY", "DEPTH", "SIZE", "SALT TAG", "USED", "ANCHORS"), rows, right=(1, 2))
+    table(("KEY", "DEPTH", "SIZE", "SALT TAG", *(("RANK",) if ranks else ()), "USED", "ANCHORS"), rows,
+          right=(1, 2))
     if len(keys) < len(forest.entries):
         click.echo(f"... {len(forest.entries) - len(keys)} more (of {len(forest.entries)}); "
                    "raise --limit or use --json")
@@ -320,7 +363,7 @@ def _print_tree(forest: Forest, limit: int | None, as_json: bool) -> None:
         depth = f"d{r.depth_start}" if len(r.keys) == 1 else f"d{r.depth_start}-{r.depth_end}"
         text = f"{lead}{short(r.keys[0], 12)} {depth} {len(r.keys)}p {fmt_size(r.nbytes)}"
         if many_tags:
-            text += " " + ",".join(t[:8] or "-" for t in sorted({forest.entries[k].salt_tag for k in r.keys}))
+            text += " " + ",".join(tag_label(t) for t in sorted({forest.entries[k].salt_tag for k in r.keys}))
         if r.children:
             text += f" ({len(r.children)} branches)"
         anchors = _anchor_text(forest.entries, r.keys, r.depth_start)
@@ -423,7 +466,8 @@ def _resolve_keys(p: hk.Provider, texts: Sequence[str]) -> list[bytes]:
 @cli.command()
 @click.argument("url")
 @click.option("--to", "to_size", metavar="SIZE", help="Evict LRU leaves until at most SIZE is used.")
-@click.option("--salt", "salt_tag", metavar="TAG", help="Evict every entry of this salt tag.")
+@click.option("--salt", "salt_tag", metavar="TAG",
+              help="Evict every entry of this salt tag (a tensor-parallel config's 8 hex: all its ranks).")
 @click.option("--older-than", metavar="DURATION",
               help="Evict subtrees not used for DURATION (e.g. 7d, 12h, 30m).")
 @click.option("--key", "key_hex", multiple=True, metavar="HEX",
@@ -499,7 +543,7 @@ def _select(forest: Forest, salt_tag: str | None, older_than: str | None) -> lis
     """Topmost keys whose whole subtree matches the selection (so evicting them removes only
     matching entries: a chain's newer continuation is never dropped with its old prefix)."""
     if salt_tag is not None:
-        ok = {k for k, e in forest.entries.items() if e.salt_tag == salt_tag}
+        ok = {k for k, e in forest.entries.items() if tag_matches(e.salt_tag, salt_tag)}
         # a subtree qualifies if every entry in it has the tag: compute bottom-up
         full: dict[bytes, bool] = {}
         for k in reversed(forest.order):

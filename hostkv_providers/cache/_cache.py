@@ -496,7 +496,9 @@ class HostKVCache:
         Where pages live (``hostkv_providers.open(url)``).
     salt:
         The configuration (model, layout, quantization ...) whose pages this cache stores.  A bare
-        :class:`KVLayout` is accepted together with ``model_id``.
+        :class:`KVLayout` is accepted together with ``model_id``.  Under tensor parallelism, the
+        rank's salt (``Salt(..., tp_rank=r, tp_world_size=w)``): the cache's :attr:`layout` is
+        then ``salt.local_layout``, the rank's slice of the heads.
     copy_engine:
         Moves bytes between the engine's planes and host memory; default
         ``default_copy_engine()`` (CUDA when usable, else the CPU engine).
@@ -547,8 +549,11 @@ class HostKVCache:
                 raise InvalidArgumentError(f"{name} must be an int >= {lo}, got {value!r}")
         self.provider = provider
         self.salt = salt
-        self.layout = salt.layout
-        self.page_nbytes = salt.layout.page_nbytes
+        # A tensor-parallel rank packs only its slice of the KV heads (``salt.local_layout``;
+        # the whole layout when the salt is unsharded).
+        self.layout = salt.local_layout
+        self.page_nbytes = self.layout.page_nbytes
+        self._rank_salts: tuple[Salt, ...] | None = None  # built on first use (rank_keys)
         self.engine: CopyEngineLike = copy_engine if copy_engine is not None else _default_engine()
         self.admission: AdmissionPolicy = admission if admission is not None else AdmitAll()
         self.anchor_interval = anchor_interval
@@ -704,6 +709,117 @@ class HostKVCache:
             st = self._stats
             st.lookups += 1
             st.lookup_pages += len(ks)
+            if n:
+                st.hits += 1
+                st.hit_pages += n
+                st.hit_tokens += n * self.layout.page_tokens
+            else:
+                st.misses += 1
+            st.anchor_cut_pages += stored - n
+        return hit
+
+    # -- tensor parallelism: a prompt is usable only where every rank has its pages ---------------
+    def rank_keys(
+        self,
+        tokens: Sequence[int] | Any,
+        *,
+        token_types: Sequence[int] | Any | None = None,
+        positions: Sequence[Sequence[int]] | Any | None = None,
+        media: Sequence[MediaItem] = (),
+    ) -> list[list[Key]]:
+        """Every tensor-parallel rank's chain of ``tokens``, index = rank (see :meth:`keys`).
+
+        The ranks' salts are ``salt.rank_salts()``; an unsharded cache returns one chain.  What
+        :meth:`lookup_ranks` takes.
+        """
+        if self._rank_salts is None:
+            self._rank_salts = self.salt.rank_salts() if self.salt.tp_world_size > 1 else (self.salt,)
+        return [chain_keys(s, tokens, token_types=token_types, positions=positions, media=media)
+                for s in self._rank_salts]
+
+    def lookup_ranks(self, rank_keys: Sequence[Sequence[bytes]], need_anchor: str | None = None) -> CacheHit:
+        """Lease the longest prefix that *every* tensor-parallel rank has stored.
+
+        Under tensor parallelism each rank stores its slice of the heads under its own salt, and
+        a prefix is usable only when all ranks can restore it: one rank's evicted page makes the
+        page (and all after it) a miss for every rank.  This is where that rule lives.  The
+        pages of *all* ranks up to the common depth are pinned by the returned hit's lease until
+        it is released, so the answer stays true while the ranks restore: a scheduler process
+        (or rank 0) calls this once per request, hands the hit's ``num_pages`` to the ranks, and
+        each rank restores that many pages with its own :meth:`lookup` hit (its pages cannot
+        have gone) before the scheduler releases.  Engines in which each rank looks up for
+        itself instead all-reduce the minimum of their hits' ``num_pages`` (this method's or
+        plain :meth:`lookup`'s) and restore that many pages; ranks never decide alone, since the
+        store can change between two ranks' calls.
+
+        Parameters
+        ----------
+        rank_keys:
+            One chain per rank, index = rank, all of one length (from :meth:`rank_keys`).
+        need_anchor:
+            As in :meth:`lookup`, per rank (each rank's anchors hold its own slice of the
+            state): the hit is cut back to the deepest page that carries the anchor on every
+            rank; ``hit.anchor`` is this rank's.
+
+        Returns
+        -------
+        CacheHit
+            This rank's keys of the common prefix (``hit.keys``); its lease pins every rank's
+            pages of that prefix.  It does not wait for pages being saved right now.
+        """
+        self._check_open()
+        world = self.salt.tp_world_size
+        if isinstance(rank_keys, (bytes, bytearray, memoryview)) or len(rank_keys) != world:
+            raise InvalidArgumentError(f"rank_keys must hold one chain per rank ({world})",
+                                       hint="build them with HostKVCache.rank_keys(tokens)")
+        chains = [self._chain(c) for c in rank_keys]
+        pages = len(chains[0])
+        if any(len(c) != pages for c in chains):
+            raise InvalidArgumentError("every rank's chain must have the same number of pages",
+                                       hint="key the same tokens under each rank's salt")
+        if need_anchor is not None:
+            check_anchor_name(need_anchor)
+        own = chains[self.salt.tp_rank]
+        with self._lock:
+            self._note_seen(own)
+        # One lease over all ranks' chains: per rank, the pinned prefix; the common depth is the
+        # smallest.  Pinning first and measuring after means no rank's page can go in between.
+        lease = self.provider.lease([k for c in chains for k in c])
+        n = pages
+        for r in range(world):
+            present = lease.present[r * pages : (r + 1) * pages]
+            n = min(n, present.index(False) if False in present else pages)
+        stored = n
+        anchor: bytes | None = None
+        if need_anchor is not None:
+            # the deepest depth anchored on every rank: cut to the shallowest rank's deepest
+            # anchor until all ranks agree (anchors are placed at the same depths on every rank,
+            # so this usually settles at once)
+            while n:
+                depths = [self.provider.deepest_anchor(c[:n], need_anchor) for c in chains]
+                if min(depths) == n:
+                    break
+                n = min(depths)
+            if n:
+                anchor = self.provider.get_anchor(own[n - 1], need_anchor)
+                if anchor is None:  # leased, so impossible; never hand out a hit without it
+                    n = 0
+        if not n:
+            lease.release()
+        elif sum(lease.present) != world * n:  # else it pins exactly the common prefix already
+            # Re-lease only the common prefix so the rest stays evictable.
+            old = lease
+            lease = self.provider.lease([k for c in chains for k in c[:n]])
+            old.release()
+            if not all(lease.present):  # cannot shrink while pinned; be exact anyway
+                lease.release()
+                n = 0
+        hit = CacheHit(self, own[:n], lease if n else None, requested=pages, stored=stored,
+                       anchor_name=need_anchor, anchor=anchor if n else None)
+        with self._lock:
+            st = self._stats
+            st.lookups += 1
+            st.lookup_pages += pages
             if n:
                 st.hits += 1
                 st.hit_pages += n

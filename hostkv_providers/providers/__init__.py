@@ -14,7 +14,17 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from hostkv_providers._checksum import CHECKSUM_ALGORITHM, checksum, checksum_parts
-from hostkv_providers._keys import FORMAT_VERSION, KEY_ALGORITHM, KEY_NBYTES, ZERO_KEY, Key, as_key
+from hostkv_providers._keys import (
+    FORMAT_VERSION,
+    KEY_ALGORITHM,
+    KEY_NBYTES,
+    MAX_TP_WORLD_SIZE,
+    ZERO_KEY,
+    Key,
+    SaltTag,
+    as_key,
+    parse_salt_tag,
+)
 from hostkv_providers._options import Options, format_size, parse_size
 from hostkv_providers._provider import (
     CAPABILITY_NAMES,
@@ -82,6 +92,7 @@ __all__ = [
     "FORMAT_VERSION",
     "KEY_ALGORITHM",
     "KEY_NBYTES",
+    "MAX_TP_WORLD_SIZE",
     "ZERO_KEY",
     "ByteSpan",
     "CompactReport",
@@ -100,6 +111,7 @@ __all__ = [
     "ProviderInfo",
     "ProviderStats",
     "Reservation",
+    "SaltTag",
     "SupportsBatch",
     "SupportsBatchViews",
     "SupportsCompact",
@@ -116,6 +128,7 @@ __all__ = [
     "checksum_parts",
     "format_size",
     "open_provider",
+    "parse_salt_tag",
     "parse_size",
     "parse_url",
     "provider_class",
