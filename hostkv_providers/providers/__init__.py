@@ -49,7 +49,7 @@ from hostkv_providers._registry import (
 )
 from hostkv_providers._span import ByteSpan
 from hostkv_providers.providers._tree import Node, TreeIndex
-from hostkv_providers.providers.pinned import PinnedProvider
+from hostkv_providers.providers.pinned import MappedPinnedProvider, MirrorHandle, PinnedProvider, StreamFence
 
 if TYPE_CHECKING:
     from hostkv_providers.providers.lmdb import LmdbProvider
@@ -91,6 +91,8 @@ __all__ = [
     "Key",
     "Lease",
     "LmdbProvider",
+    "MappedPinnedProvider",
+    "MirrorHandle",
     "MmapProvider",
     "Node",
     "Options",
@@ -100,6 +102,7 @@ __all__ = [
     "ProviderInfo",
     "ProviderStats",
     "Reservation",
+    "StreamFence",
     "SupportsBatch",
     "SupportsBatchViews",
     "SupportsCompact",

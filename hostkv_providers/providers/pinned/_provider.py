@@ -236,9 +236,17 @@ class PinnedProvider(Provider):
         background = opts.boolean("background", True)
         verify = opts.choice("verify", "never", ("never", "read"))
         pin = opts.choice("pin", "auto", ("auto", "yes", "no"))
+        mapped = opts.choice("mapped", "no", ("no", "yes"))  # device_mapped: providers/pinned/_mapped.py
+        device = opts.integer("device", 0)
         opts.finish()
         if location not in ("", "/"):
             raise InvalidArgumentError(f"pinned:// takes no path, got {location!r}", hint="use pinned://?budget=8GiB")
+        if mapped == "yes":
+            if pin == "no":
+                raise InvalidArgumentError("mapped=yes needs page-locked memory; drop pin=no")
+            from hostkv_providers.providers.pinned._mapped import MappedPinnedProvider
+
+            return MappedPinnedProvider(budget, block=block, chunk=chunk, device=device, verify_reads=verify == "read")
         allocator: HostAllocator | None = OrdinaryAllocator() if pin == "no" else None
         if pin == "yes":
             allocator = _default_allocator(require_pinned=True)
