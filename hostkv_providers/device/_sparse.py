@@ -493,8 +493,11 @@ class PageMover:
         self.device = table.device
         self._dev = _cuda.device(self.device)
         self._k = _Kernels.get(self._dev)
-        self.threads, self.tile_bytes = threads, tile_bytes
-        self.tiles = max(1, -(-max(s.nbytes for s in layout.planes) // tile_bytes))
+        # Balanced tiles: an 18 KiB plane slice is two 9 KiB tiles, not a 16 KiB and a 2 KiB one.
+        widest = max(s.nbytes for s in layout.planes)
+        self.tiles = max(1, -(-widest // tile_bytes))
+        per_tile = -(-widest // self.tiles)
+        self.threads, self.tile_bytes = threads, -(-per_tile // 16) * 16
         self.ctas = ctas if ctas is not None else 4 * self._dev.sm_count
         rowsz = np.array([[pool.ptrs[s.index], pool.block_strides[s.index], s.offset, s.nbytes]
                           for s in layout.planes], dtype=np.uint64)
