@@ -188,7 +188,7 @@ def main() -> None:
     torch.cuda.synchronize()
     exact_inplace = bool(torch.equal(d_map, d_hbm))
 
-    sel = torch.empty((L, width), dtype=torch.int32, device="cuda")
+    sel = torch.full((L, width), -1, dtype=torch.int32, device="cuda")  # padding until a step copies ids in
     cap = torch.cuda.Stream()
     cap.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(cap):
@@ -221,6 +221,7 @@ def main() -> None:
         pages_h = bank(hit)
         bank_h = torch.as_tensor(slot_of[pages_h].astype(np.int32), device="cuda")
         cache = SlotCache(p.num_slots, nslots, width=width, rows=L)
+        sel.fill_(-1)
         with torch.cuda.stream(cap):
             cache.resolve(sel, out_slots, fetch_ids, fetch_slots)
             fetcher.fetch(fetch_ids, fetch_slots)
