@@ -385,3 +385,53 @@ def test_slot_cache_hits_misses_and_duplicates() -> None:
 def test_slot_cache_needs_room_for_a_selection() -> None:
     with pytest.raises(CopyArgumentError):
         CpuSlotCache(10, 4, width=8)
+
+
+def test_host_mapped_url_and_retire_forms() -> None:
+    block = -(-FP8_GROUPED.page_nbytes // 4096) * 4096
+    p = open_provider(f"pinned://?mapped=yes&device=-1&budget={8 * block}&block={block}")
+    try:
+        assert isinstance(p, MappedPinnedProvider) and p.device == -1
+        store(p, FP8_GROUPED, 2)
+        lease = p.lease([key(0)])
+        p.retire(lease, after=None)  # nothing in flight: released now
+        assert lease.released and p.poll() == 0
+        lease, fence = p.lease([key(1)]), Fence()
+        p.retire(lease, after=fence)
+        with pytest.raises(InvalidArgumentError):
+            p.retire(lease, after=Fence())  # once
+        with p.lease([key(0)]) as other, pytest.raises(InvalidArgumentError):
+            p.retire(other, after=object())  # a host-mapped provider takes no streams
+        fence.passed = True  # close() waits for every fence
+    finally:
+        p.close()
+
+
+class BrokenFence:
+    def done(self) -> bool:
+        raise CopyArgumentError("the device faulted")
+
+
+def test_failed_fence_releases_with_a_warning(host_mapped: MappedPinnedProvider) -> None:
+    p = host_mapped
+    store(p, FP8_GROUPED, 1)
+    lease = p.lease([key(0)])
+    p.retire(lease, after=Fence())
+    p._retiring[0] = (BrokenFence(), lease)  # the fence's device went away
+    with pytest.warns(UserWarning, match="fence failed"):
+        assert p.poll() == 0
+    p.evict([key(0)])
+    assert not p.present([key(0)])[0]
+
+
+def test_failed_mirror_aborts_its_pages(host_mapped: MappedPinnedProvider, monkeypatch: pytest.MonkeyPatch) -> None:
+    p, lay = host_mapped, FP8_GROUPED
+    pool, _ = host_pool(lay, 2)
+    mover = CpuPageMover(lay, pool, p.page_table(), width=2)
+    h = p.mirror(mover, [(key(1), None)], [0])
+    assert h.sealed and p.present([key(1)])[0]  # host movers finish at once
+    # the kernel of the next mirror fails (a faulted device): its pages are aborted, not sealed
+    monkeypatch.setattr(p, "_launch_mirror", lambda *args: BrokenFence())
+    h2 = p.mirror(mover, [(key(2), None), (key(3), key(1))], [1, 0])
+    assert h2.sealed and all(isinstance(x, HostKVError) for x in h2.stored)
+    assert p.present([key(2), key(3)]) == [False, False] and not p.in_flight(key(2))

@@ -102,6 +102,19 @@ def _fence(after: Any, device: int) -> Any:
     return StreamFence(after, device)
 
 
+def _passed(fence: Any) -> bool:
+    """Whether a lease's fence has passed.  A fence whose query fails (a faulted CUDA context)
+    counts as passed, with a warning: the kernel it guarded can no longer read anything, and
+    keeping its pages pinned forever would only shrink the arena."""
+    try:
+        return bool(fence.done())
+    except HostKVError as exc:
+        import warnings
+
+        warnings.warn(f"a mapped-page fence failed ({exc}); releasing its lease", stacklevel=3)
+        return True
+
+
 def _fence_wait(fence: Any) -> None:
     if fence is None:
         return
@@ -277,7 +290,7 @@ class MappedPinnedProvider(PinnedProvider):
         if self._retiring:
             keep: list[tuple[Any, Lease]] = []
             for fence, lease in self._retiring:
-                if fence.done():
+                if _passed(fence):
                     self._retiring_ids.discard(id(lease))
                     PinnedProvider._release_lease(self, lease)
                     lease._released = True
@@ -287,7 +300,17 @@ class MappedPinnedProvider(PinnedProvider):
         if self._mirrors:
             waiting: list[MirrorHandle] = []
             for h in self._mirrors:
-                if h.fence.done():
+                try:
+                    finished = h.fence.done()
+                except HostKVError as exc:  # the kernel failed: nothing of these pages is trusted
+                    for res in h.reservations:
+                        if res.state == "open":
+                            self.abort(res)
+                    for pos in h.positions:
+                        h.stored[pos] = exc
+                    h.sealed = True
+                    continue
+                if finished:
                     self._seal_mirror(h)
                 else:
                     waiting.append(h)
