@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from hostkv_providers import KVLayout
-from hostkv_providers.device import KVPlanes, PageMover, SlotCache
+from hostkv_providers.device import KVPlanes, PageMover, PageTable, SlotCache
 from hostkv_providers.providers import MappedPinnedProvider
 
 GiB = 1 << 30
@@ -67,6 +67,9 @@ def main() -> None:
     ap.add_argument("--layout", choices=("latent-bf16", "fp8-group"), default="latent-bf16",
                     help="latent-bf16: 576-dim bf16 per token and layer; fp8-group: 512 fp8 codes + 4 fp32 "
                          "scales (one per 128 elements) per token and layer, two planes per layer")
+    ap.add_argument("--sweep", action="store_true", help="also time launch shapes (CTAs per SM x threads)")
+    ap.add_argument("--tokens-granular", action="store_true",
+                    help="also read 2,048 single tokens per layer (latent layout only)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
 
@@ -276,6 +279,77 @@ def main() -> None:
         cache.close()
 
     errors = inplace.errors() + hbm_mover.errors() + fetcher.errors() + mirror_mover.errors()
+
+    # -- launch shapes ----------------------------------------------------------------------
+    sm = torch.cuda.get_device_properties(0).multi_processor_count
+    if args.sweep:
+        sweep = []
+        for per_sm, threads in ((2, 256), (4, 256), (8, 256), (16, 256), (4, 512), (8, 128)):
+            m_in = PageMover(layout, small_planes, table, width=width, rows=L, per_layer=True, ctas=per_sm * sm,
+                             threads=threads)
+            m_f = PageMover(layout, cache_planes, table, width=width, rows=L, per_layer=True, ctas=per_sm * sm,
+                            threads=threads)
+            t_in = run_steps(lambda s, m=m_in: m.digest_pages(sel_slots[s], d_map))
+            t_f = run_steps(lambda s, m=m_f: m.fetch(sel_slots[s], into))
+            errors += m_in.errors() + m_f.errors()
+            sweep.append({"ctas_per_sm": per_sm, "threads": threads, "inplace_x_link": step_bytes / t_in / 1e9 / link,
+                          "fetch_x_link": step_bytes / t_f / 1e9 / link})
+            log(f"shape {per_sm}/SM x {threads}: in place {sweep[-1]['inplace_x_link']:.3f}x, "
+                f"fetch {sweep[-1]['fetch_x_link']:.3f}x link")
+            m_in.close()
+            m_f.close()
+        results["sweep"] = sweep
+
+    # -- token-granular reads: 2,048 single tokens per layer ----------------------------------
+    if args.tokens_granular and args.layout == "latent-bf16":
+        tok = KVLayout(num_layers=1, num_kv_heads=1, head_dim=576, page_tokens=1, dtype="bfloat16", kinds=("kv",))
+        tb = tok.page_nbytes  # one token of one layer
+        n_items = L * args.select
+        # table index (page * L + layer) * 16 + token -> that token's bytes in the mapped arena
+        base = table.host[slot_of].astype(np.uint64)  # per page
+        offs = (np.arange(L, dtype=np.uint64)[:, None] * np.uint64(slice_nbytes)
+                + np.arange(layout.page_tokens, dtype=np.uint64)[None, :] * np.uint64(tb)).reshape(-1)
+        tok_table = PageTable((base[:, None] + offs[None, :]).reshape(-1), 0)
+        hbase = np.array([hbm[l_].data_ptr() for l_ in range(L)], dtype=np.uint64)  # latent: one plane per layer
+        hoffs = (np.arange(npages, dtype=np.uint64)[:, None, None] * np.uint64(slice_nbytes)
+                 + np.arange(layout.page_tokens, dtype=np.uint64)[None, None, :] * np.uint64(tb))
+        hbm_table = PageTable((hbase[None, :, None] + hoffs).reshape(-1), 0)
+        tok_pool_t = torch.zeros((n_items, tb), dtype=torch.uint8, device="cuda")
+        tok_pool = KVPlanes.from_torch(tok, [tok_pool_t])
+        tok_ids = np.empty((S, n_items), np.int32)
+        for s_ in range(S):
+            for l_ in range(L):
+                t_sel = rng.choice(npages * layout.page_tokens, args.select, replace=False)
+                page, j = t_sel // layout.page_tokens, t_sel % layout.page_tokens
+                tok_ids[s_, l_ * args.select:(l_ + 1) * args.select] = (page * L + l_) * layout.page_tokens + j
+        tok_sel = torch.as_tensor(tok_ids, device="cuda")
+        tok_into = torch.arange(n_items, dtype=torch.int32, device="cuda")
+        d_t = torch.zeros(n_items, dtype=torch.int64, device="cuda")
+        d_h = torch.zeros(n_items, dtype=torch.int64, device="cuda")
+        tok_rows = []
+        for per_sm, threads in ((4, 256), (8, 128), (16, 64)):
+            m_t = PageMover(tok, tok_pool, tok_table, width=n_items, ctas=per_sm * sm, threads=threads)
+            m_h = PageMover(tok, tok_pool, hbm_table, width=n_items, ctas=per_sm * sm, threads=threads)
+            t_in = run_steps(lambda s, m=m_t: m.digest_pages(tok_sel[s], d_t))
+            t_f = run_steps(lambda s, m=m_t: m.fetch(tok_sel[s], tok_into))
+            t_h = run_steps(lambda s, m=m_h: m.digest_pages(tok_sel[s], d_h))
+            m_t.digest_pages(tok_sel[S - 1], d_t)
+            m_h.digest_pages(tok_sel[S - 1], d_h)
+            torch.cuda.synchronize()
+            exact_t = bool(torch.equal(d_t, d_h))
+            errors += m_t.errors() + m_h.errors()
+            tok_bytes = n_items * tb
+            tok_rows.append({"ctas_per_sm": per_sm, "threads": threads, "us_inplace": t_in * 1e6,
+                             "inplace_x_link": tok_bytes / t_in / 1e9 / link, "us_fetch": t_f * 1e6,
+                             "fetch_x_link": tok_bytes / t_f / 1e9 / link, "us_hbm": t_h * 1e6, "exact": exact_t})
+            log(f"tokens ({n_items} x {tb} B = {tok_bytes / 1e6:.1f} MB), shape {per_sm}/SM x {threads}: in place "
+                f"{t_in * 1e6:.0f} us ({tok_rows[-1]['inplace_x_link']:.2f}x link), fetch {t_f * 1e6:.0f} us "
+                f"({tok_rows[-1]['fetch_x_link']:.2f}x), HBM {t_h * 1e6:.0f} us, exact {exact_t}")
+            m_t.close()
+            m_h.close()
+        results["tokens"] = tok_rows
+        tok_table.close()
+        hbm_table.close()
     results.update({"rows": rows, "lru": lru_results, "exact_inplace_vs_hbm": exact_inplace, "kernel_errors": errors})
     p.retire(lease, after=torch.cuda.current_stream())
     torch.cuda.synchronize()
