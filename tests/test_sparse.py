@@ -8,6 +8,8 @@ the code under test.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -24,7 +26,8 @@ from hostkv_providers.device import (
     page_regions,
 )
 from hostkv_providers.errors import CapacityError, CopyArgumentError, HostKVError, InvalidArgumentError
-from hostkv_providers.providers import MappedPinnedProvider, open_provider
+from hostkv_providers.providers import MappedPinnedProvider, Provider, open_provider
+from hostkv_providers.testing import ProviderTests
 
 FP8_GROUPED = KVLayout(num_layers=3, num_kv_heads=2, head_dim=128, page_tokens=4, dtype="float8_e4m3fn",
                        scale_dtype="float32", scale_group=64)
@@ -177,10 +180,49 @@ def test_capability_and_slots(host_mapped: MappedPinnedProvider) -> None:
         p.slots(lease, [key(0)])  # released
 
 
-def test_entries_must_fit_one_block(host_mapped: MappedPinnedProvider) -> None:
-    with pytest.raises(InvalidArgumentError) as info:
-        host_mapped.reserve(key(1), None, host_mapped.block_nbytes + 1)
-    assert "block" in str(info.value.hint)
+def test_a_scattered_entry_has_no_slot(host_mapped: MappedPinnedProvider) -> None:
+    p, lay = host_mapped, FP8_GROUPED
+    store(p, lay, 16)
+    p.evict([key(i) for i in range(0, 16, 2)])  # free runs of one block each
+    two = 2 * p.block_nbytes
+    res = p.reserve(key(99), None, two)
+    assert res is not None and len(res.regions()) == 2  # scattered over two runs
+    res.write(0, b"x" * two)
+    p.seal(res)
+    p.evict([key(i) for i in range(1, 16, 2)])
+    res = p.reserve(key(98), None, two)
+    assert res is not None and len(res.regions()) == 1  # one contiguous run
+    res.write(0, b"y" * two)
+    p.seal(res)
+    with p.lease([key(99), key(98)]) as lease:
+        slots = p.slots(lease, [key(99), key(98)])
+        assert slots[0] == -1 and slots[1] >= 0
+        assert p.device_pointer(lease, key(99)) is None
+        assert p.device_pointer(lease, key(98)) == p.view(lease, key(98))[0].address  # type: ignore[index]
+
+
+class TestHostMappedConformance(ProviderTests):
+    """The mapped arena keeps the whole provider contract (host-mapped, so it runs on CPU)."""
+
+    @staticmethod
+    def _regions(provider: Provider, key: bytes) -> list[memoryview] | None:
+        assert isinstance(provider, MappedPinnedProvider)
+        node = provider._index.get(key)  # type: ignore[arg-type]
+        if node is None:
+            return None
+        return [r.view for r in provider._arena.regions(node.loc, node.nbytes, False)]
+
+    def backdoor_read(self, provider: Provider, key: bytes) -> bytes | None:  # type: ignore[override]
+        views = self._regions(provider, key)
+        return None if views is None else b"".join(bytes(v) for v in views)
+
+    def backdoor_corrupt(self, provider: Provider, key: bytes) -> None:  # type: ignore[override]
+        views = self._regions(provider, key)
+        assert views is not None, "backdoor_corrupt needs a stored key"
+        views[0][17] ^= 0x5A
+
+    def make_provider(self, tmp_path: Path, budget_bytes: int) -> Provider:
+        return MappedPinnedProvider(budget_bytes, block=4096, device=-1, verify_reads=True)
 
 
 def test_retired_pages_stay_until_their_fence_passes(host_mapped: MappedPinnedProvider) -> None:

@@ -2,8 +2,8 @@
 
 Every block of the arena is page-locked with ``CU_MEMHOSTREGISTER_DEVICEMAP`` (or allocated
 ``cuMemHostAlloc(DEVICEMAP)``), so it has a device address and kernels can read (and write) it in
-place over PCIe.  One entry is one block (set ``block`` to the page size): then a page is one
-contiguous region, its *slot* is its block number, and :meth:`MappedPinnedProvider.page_table`
+place over PCIe.  Set ``block`` to the page size: then every page is one block — one contiguous
+region — its *slot* is its block number, and :meth:`MappedPinnedProvider.page_table`
 — slot → device address, fixed for the provider's life — is all a kernel needs, with slot ids
 from :meth:`MappedPinnedProvider.slots`.
 
@@ -161,8 +161,9 @@ class MappedPinnedProvider(PinnedProvider):
     Parameters
     ----------
     budget_bytes, block, chunk, verify_reads:
-        As for :class:`PinnedProvider`; ``block`` should be the page size (an entry must fit one
-        block).  The whole arena is pinned and mapped before the constructor returns, so the
+        As for :class:`PinnedProvider`; ``block`` should be the page size, so that every page is
+        one contiguous block with one slot (a larger entry is stored as usual and has a slot only
+        when it got one contiguous run).  The whole arena is pinned and mapped before the constructor returns, so the
         page table is fixed from the start.
     device:
         CUDA ordinal whose address space maps the arena; ``-1``: a host-side arena for
@@ -230,7 +231,8 @@ class MappedPinnedProvider(PinnedProvider):
             return self._table
 
     def slots(self, lease: Lease, keys: Sequence[bytes]) -> np.ndarray:
-        """``int32[len(keys)]``: the slot of each leased entry (``-1``: not leased or not stored).
+        """``int32[len(keys)]``: the slot of each leased entry (``-1``: not leased, not stored, or
+        not one contiguous run — an entry larger than a block that had to be scattered).
 
         Valid until ``retire(lease, ...)``'s fence has passed; index :meth:`page_table` with them.
         """
@@ -242,7 +244,8 @@ class MappedPinnedProvider(PinnedProvider):
             get = self._index.get
             for i, k in enumerate(ks):
                 node = get(k)
-                if node is not None and k in leased:
+                # only an entry in one contiguous run has one address (always, when it fits a block)
+                if node is not None and k in leased and len(node.loc) == 1:
                     out[i] = node.loc[0][0]
         return out
 
@@ -328,10 +331,6 @@ class MappedPinnedProvider(PinnedProvider):
         return super().lease(keys)
 
     def _reserve_locked(self, k: Key, p: Key | None, nbytes: int, salt_tag: str) -> _PinnedReservation | None:
-        if nbytes > self._block:
-            raise InvalidArgumentError(
-                f"a mapped page must fit one block: {nbytes} bytes > block {self._block}",
-                hint="open pinned://?mapped=yes with block= the layout's page size")
         self._poll_locked()  # fences that passed free their blocks before anything is evicted
         return super()._reserve_locked(k, p, nbytes, salt_tag)
 
