@@ -149,6 +149,8 @@ def test_mapping_without_cuda_is_a_typed_error() -> None:
 def test_mapped_url_refuses_pageable_memory() -> None:
     with pytest.raises(InvalidArgumentError):
         open_provider("pinned://?mapped=yes&pin=no&budget=1MiB")
+    with pytest.raises(InvalidArgumentError):
+        open_provider("pinned://?device=1&budget=1MiB&pin=no")  # device= only with mapped=yes
 
 
 @pytest.fixture

@@ -374,9 +374,11 @@ class PageTable:
     """A device-resident table of page base addresses: entry ``i`` is where page ``i``'s packed
     bytes start (mapped host memory for in-place reads and fetches, or device memory).
 
-    ``0`` marks an entry that holds no page; kernels skip ids whose entry is 0 only if the caller
-    pads them with ``-1`` — the table itself is trusted, so build it from a provider
-    (:meth:`~hostkv_providers.providers.MappedPinnedProvider.page_table`) or from memory you own.
+    The kernels check every id against the table's length, but the addresses themselves are
+    trusted: each must point at a whole packed page that stays valid while kernels may read it.
+    Build the table from a provider
+    (:meth:`~hostkv_providers.providers.MappedPinnedProvider.page_table`, whose slots are all
+    mapped for its whole life) or from memory you own.
 
     Parameters
     ----------

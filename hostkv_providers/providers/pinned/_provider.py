@@ -237,11 +237,14 @@ class PinnedProvider(Provider):
         verify = opts.choice("verify", "never", ("never", "read"))
         pin = opts.choice("pin", "auto", ("auto", "yes", "no"))
         mapped = opts.choice("mapped", "no", ("no", "yes"))  # device_mapped: providers/pinned/_mapped.py
-        device = opts.integer("device", 0)
+        device = opts.integer("device", -2)  # -2: not given
         opts.finish()
         if location not in ("", "/"):
             raise InvalidArgumentError(f"pinned:// takes no path, got {location!r}", hint="use pinned://?budget=8GiB")
+        if mapped == "no" and device != -2:
+            raise InvalidArgumentError("pinned:// takes device= only with mapped=yes")
         if mapped == "yes":
+            device = 0 if device == -2 else device
             if pin == "no":
                 raise InvalidArgumentError("mapped=yes needs page-locked memory; drop pin=no")
             from hostkv_providers.providers.pinned._mapped import MappedPinnedProvider
