@@ -26,21 +26,37 @@ from hostkv_providers.device._hostmem import (
     OrdinaryAllocator,
     pinned_allocator,
 )
+from hostkv_providers.device._sparse import (
+    CpuPageMover,
+    CpuSlotCache,
+    DeviceMappingError,
+    PageMover,
+    PageTable,
+    SlotCache,
+    page_digest,
+)
 
 __all__ = [
     "CopyEngine",
     "CpuCopyEngine",
+    "CpuPageMover",
+    "CpuSlotCache",
     "CudaCopyEngine",
     "CudaHostAllocator",
     "CudaPinnedAllocation",
+    "DeviceMappingError",
     "HostAllocation",
     "HostAllocator",
     "HostRegion",
     "KVPlanes",
     "OrdinaryAllocator",
+    "PageMover",
+    "PageTable",
+    "SlotCache",
     "TransferHandle",
     "cuda_available",
     "default_copy_engine",
+    "page_digest",
     "page_regions",
     "pinned_allocator",
 ]

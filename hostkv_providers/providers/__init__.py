@@ -59,7 +59,7 @@ from hostkv_providers._registry import (
 )
 from hostkv_providers._span import ByteSpan
 from hostkv_providers.providers._tree import Node, TreeIndex
-from hostkv_providers.providers.pinned import PinnedProvider
+from hostkv_providers.providers.pinned import MappedPinnedProvider, MirrorHandle, PinnedProvider, StreamFence
 
 if TYPE_CHECKING:
     from hostkv_providers.providers.lmdb import LmdbProvider
@@ -102,6 +102,8 @@ __all__ = [
     "Key",
     "Lease",
     "LmdbProvider",
+    "MappedPinnedProvider",
+    "MirrorHandle",
     "MmapProvider",
     "Node",
     "Options",
@@ -112,6 +114,7 @@ __all__ = [
     "ProviderStats",
     "Reservation",
     "SaltTag",
+    "StreamFence",
     "SupportsBatch",
     "SupportsBatchViews",
     "SupportsCompact",

@@ -236,9 +236,20 @@ class PinnedProvider(Provider):
         background = opts.boolean("background", True)
         verify = opts.choice("verify", "never", ("never", "read"))
         pin = opts.choice("pin", "auto", ("auto", "yes", "no"))
+        mapped = opts.choice("mapped", "no", ("no", "yes"))  # device_mapped: providers/pinned/_mapped.py
+        device = opts.integer("device", -2)  # -2: not given
         opts.finish()
         if location not in ("", "/"):
             raise InvalidArgumentError(f"pinned:// takes no path, got {location!r}", hint="use pinned://?budget=8GiB")
+        if mapped == "no" and device != -2:
+            raise InvalidArgumentError("pinned:// takes device= only with mapped=yes")
+        if mapped == "yes":
+            device = 0 if device == -2 else device
+            if pin == "no":
+                raise InvalidArgumentError("mapped=yes needs page-locked memory; drop pin=no")
+            from hostkv_providers.providers.pinned._mapped import MappedPinnedProvider
+
+            return MappedPinnedProvider(budget, block=block, chunk=chunk, device=device, verify_reads=verify == "read")
         allocator: HostAllocator | None = OrdinaryAllocator() if pin == "no" else None
         if pin == "yes":
             allocator = _default_allocator(require_pinned=True)
