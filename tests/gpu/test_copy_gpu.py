@@ -14,18 +14,18 @@ import pytest
 
 from hostkv_providers import ClosedError, HostRegion, KVLayout, OrdinaryAllocator, PinnedProvider
 from hostkv_providers._keys import Salt, chain_keys
-from hostkv_providers.device._copy import (
-    CopyArgumentError,
+from hostkv_providers.cache import StagingPool
+from hostkv_providers.device import (
     CudaCopyEngine,
     CudaHostAllocator,
     KVPlanes,
-    StagingPool,
-    _check_pages,
     cuda_available,
     default_copy_engine,
     page_regions,
     pinned_allocator,
 )
+from hostkv_providers.device._copy import _check_pages
+from hostkv_providers.errors import CopyArgumentError
 
 torch = pytest.importorskip("torch")
 if not cuda_available() or not torch.cuda.is_available():
