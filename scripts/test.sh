@@ -5,8 +5,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/dev-install.sh
-python3 -m ruff check .
-python3 -m mypy --strict
-(cd cli && python3 -m pytest -q "$@")
-(cd plugins/hostkv-redis && python3 -m pytest -q "$@")
-python3 -m pytest -q "$@"
+source scripts/_env.sh
+step "ruff"
+"$PY" -m ruff check .
+step "mypy --strict"
+"$PY" -m mypy --strict
+step "pytest: cli"
+(cd cli && "$PY" -m pytest -q "$@")
+step "pytest: plugins/hostkv-redis"
+(cd plugins/hostkv-redis && "$PY" -m pytest -q "$@")
+step "pytest: core"
+"$PY" -m pytest -q "$@"
+step "all tests passed"
