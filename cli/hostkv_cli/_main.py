@@ -547,10 +547,12 @@ def compact(url: str, as_json: bool) -> None:
 # copy / bench / demo live in their own modules, which register their commands here
 # ----------------------------------------------------------------------------------------------
 
-from ._bench import register as _register_bench  # noqa: E402 - after cli exists
+from ._archive import register as _register_archive  # noqa: E402 - after cli exists
+from ._bench import register as _register_bench  # noqa: E402
 from ._copy import register as _register_copy  # noqa: E402
 from ._demo import register as _register_demo  # noqa: E402
 
 _register_copy(cli)
+_register_archive(cli)
 _register_bench(cli)
 _register_demo(cli)
