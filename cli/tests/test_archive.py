@@ -260,7 +260,7 @@ def test_cli_export_import_round_trip(runner: CliRunner, tmp_path: Path) -> None
     bad = bytearray(arc.read_bytes())
     bad[len(bad) // 2] ^= 0x40
     (tmp_path / "bad.hkv").write_bytes(bytes(bad))
-    r = invoke(runner, "import", str(tmp_path / "bad.hkv"), "pinned://?budget=16MiB")
+    r = invoke(runner, "import", "--allow-ephemeral", str(tmp_path / "bad.hkv"), "pinned://?budget=16MiB")
     assert r.exit_code == 1 and "error:" in r.output
     r = invoke(runner, "export", bare, str(tmp_path / "none.hkv"), "--salt", "nosuch")
     assert r.exit_code == 2 and "nothing matched" in r.output and not (tmp_path / "none.hkv").exists()
