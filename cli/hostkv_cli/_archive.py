@@ -448,8 +448,19 @@ def read_archive(f: BinaryIO, header: dict[str, Any] | None = None) -> Iterator[
 # --------------------------------------------------------------------------------------------
 
 
+def check_identity(h: dict[str, Any], expect_salts: Sequence[str]) -> None:
+    """Refuse an archive (its header ``h``) holding salt tags other than ``expect_salts``."""
+    if expect_salts:
+        foreign = sorted(set(h["salt_tags"]) - set(expect_salts))
+        if foreign:
+            raise ArchiveIdentityError(
+                f"the archive holds salt tag(s) {', '.join(foreign)}, not the expected "
+                f"{', '.join(sorted(expect_salts))}; nothing was imported")
+
+
 def import_archive(dst: hk.Provider, f: BinaryIO, *, expect_salts: Sequence[str] = (),
-                   dry_run: bool = False, progress: Progress | None = None) -> dict[str, Any]:
+                   dry_run: bool = False, progress: Progress | None = None,
+                   header: dict[str, Any] | None = None) -> dict[str, Any]:
     """Import an archive into ``dst``: parents first, keys already there skipped (dedup), every
     record verified before anything of it is written.
 
@@ -458,13 +469,8 @@ def import_archive(dst: hk.Provider, f: BinaryIO, *, expect_salts: Sequence[str]
     ``dst`` under another salt tag is refused too.  ``dry_run`` verifies the whole archive
     without writing.
     """
-    h = read_header(f)
-    if expect_salts:
-        foreign = sorted(set(h["salt_tags"]) - set(expect_salts))
-        if foreign:
-            raise ArchiveIdentityError(
-                f"the archive holds salt tag(s) {', '.join(foreign)}, not the expected "
-                f"{', '.join(sorted(expect_salts))}; nothing was imported")
+    h = read_header(f) if header is None else header
+    check_identity(h, expect_salts)
     imported = dedup = anchors = 0
     imported_bytes = 0
     last_key: bytes | None = None
@@ -620,11 +626,15 @@ def register(group: click.Group) -> None:
                 raise CLIError(f"no archive at {archive}")
             f = open(archive, "rb")  # noqa: SIM115 - closed below
         try:
+            # the header and the identity first: a foreign or broken archive creates no store
+            header = read_header(f)
+            check_identity(header, expect)
             with open_store(url, readonly=dry_run, must_exist=dry_run) as dst, \
                     progress_bar("importing", enabled=not as_json or sys.stderr.isatty()) as bar:
                 if not dry_run:
                     refuse_ephemeral(dst, allow_ephemeral, "import")
-                doc = import_archive(dst, f, expect_salts=expect, dry_run=dry_run, progress=bar)
+                doc = import_archive(dst, f, expect_salts=expect, dry_run=dry_run, progress=bar,
+                                     header=header)
         finally:
             if archive != "-":
                 f.close()

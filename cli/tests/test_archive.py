@@ -249,6 +249,7 @@ def test_cli_export_import_round_trip(runner: CliRunner, tmp_path: Path) -> None
     assert doc["entries"] == len(set(f.chains["a"]) | set(f.chains["fork"])) and doc["salt_tags"] == [SALT_A.tag]
     r = invoke(runner, "import", str(arc), dst_url, "--expect-salt", SALT_B.tag)
     assert r.exit_code == 4 and "not the expected" in r.output
+    assert not (tmp_path / dst_url.split("://")[1].split("?")[0]).exists()  # refused before creating it
     r = invoke(runner, "import", "--json", str(arc), dst_url, "--expect-salt", SALT_A.tag)
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["imported"] == doc["entries"]
