@@ -236,7 +236,7 @@ def stats(url: str, as_json: bool) -> None:
     counters = [k for k in d if k not in _GAUGES and k != "store_wide" and isinstance(d[k], int)
                 and not isinstance(d[k], bool) and k in hk.ProviderStats.__slots__]
     other = [k for k in d if k not in _GAUGES and k not in counters and k != "store_wide"]
-    width = min(26, max(map(len, d), default=0))
+    width = min(28, max(map(len, d), default=0) + 2)  # + 2: the indented store-wide keys
     kv_lines(((k, show(k, d[k])) for k in _GAUGES if k in d), key_width=width)
     if not persistent:  # this process's provider: every counter is the store's
         kv_lines(((k, show(k, d[k])) for k in counters + other), key_width=width)
