@@ -18,7 +18,9 @@ def test_readme_python_snippets_run() -> None:
 
 def test_readme_opens_with_demo_and_test_commands() -> None:
     blocks = re.findall(r"```bash\n(.*?)```", README.read_text(), re.S)
-    assert "hostkv demo" in blocks[0]
+    assert blocks[0].strip() == "bash scripts/demo.sh"
+    demo = (README.parent / "scripts" / "demo.sh").read_text()
+    assert "bash scripts/install.sh" in demo and " demo " in demo
     assert blocks[1].strip() == "bash scripts/test.sh"
     ci = (README.parent / ".ci" / "run").read_text()
     assert "bash scripts/test.sh" in ci

@@ -31,6 +31,12 @@ def copy_store(src: hk.Provider, dst: hk.Provider, progress: Any = None) -> dict
     # Pages the destination already has cost nothing (dedup); the rest must fit its budget.
     have = dst.present(forest.order) if forest.order else []
     need = sum(forest.entries[k].nbytes for k, ok in zip(forest.order, have, strict=False) if not ok)
+    largest = max((forest.entries[k].nbytes for k, ok in zip(forest.order, have, strict=False) if not ok),
+                  default=0)
+    if largest > dst.budget_bytes:
+        raise CLIError(f"the source has an entry of {fmt_size(largest)}, more than the destination's "
+                       f"whole budget of {fmt_size(dst.budget_bytes)}", ExitCode.USAGE,
+                       hint="open the destination with a larger budget (e.g. ?budget=...)")
     if need > dst.budget_bytes:
         raise CLIError(
             f"the source holds {fmt_size(need)} the destination lacks, more than its whole "
@@ -70,19 +76,26 @@ def copy_store(src: hk.Provider, dst: hk.Provider, progress: Any = None) -> dict
             lost_keys.append(k.hex())
         else:
             try:
-                res = dst.reserve(k, parent, e.nbytes, salt_tag=e.salt_tag)
-            except hk.errors.InFlightError:
-                # Another writer is storing the same page right now: wait for its seal.
-                if not dst.wait_sealed(k, _WAIT_IN_FLIGHT_S):
-                    raise
-                res = None
-            if res is None:
-                dedup += 1
-            else:
-                with res:
-                    res.write(0, buf)
-                copied += 1
-                copied_bytes += e.nbytes
+                try:
+                    res = dst.reserve(k, parent, e.nbytes, salt_tag=e.salt_tag)
+                except hk.errors.InFlightError:
+                    # Another writer is storing the same page right now: wait for its seal.
+                    if not dst.wait_sealed(k, _WAIT_IN_FLIGHT_S):
+                        raise
+                    res = None
+                if res is None:
+                    dedup += 1
+                else:
+                    with res:
+                        res.write(0, buf)
+                    copied += 1
+                    copied_bytes += e.nbytes
+            except hk.HostKVError as exc:
+                # Say where it stopped and that what came before is in place (each copied entry
+                # was sealed whole), instead of the destination's bare message.
+                exc.message = (f"the destination refused entry {i + 1} of {total} ({k.hex()[:16]}…, "
+                               f"{fmt_size(e.nbytes)}) after {copied} copied: {exc.message}")
+                raise
             dst_anchors = dst.list_anchors(k)
             for name, nbytes in e.anchors.items():
                 if dst_anchors.get(name) == nbytes:
@@ -97,12 +110,24 @@ def copy_store(src: hk.Provider, dst: hk.Provider, progress: Any = None) -> dict
             "anchors": anchors, "lost": lost, "lost_keys": lost_keys}
 
 
+def refuse_ephemeral(dst: hk.Provider, allowed: bool, command: str) -> None:
+    """A non-persistent destination lives in this process's memory: writing into it from the CLI
+    keeps nothing once the command exits, so it is refused unless asked for."""
+    if not dst.persistent and not allowed:
+        raise CLIError(f"{dst.name}:// is not persistent: it lives in this command's memory, so the "
+                       f"{command} would be gone when hostkv exits", ExitCode.USAGE,
+                       hint=f"{command} into a persistent store (lmdb://, mmap://, a plugin's); "
+                            "--allow-ephemeral to do it anyway (tests, benchmarks)")
+
+
 def register(group: click.Group) -> None:
     @group.command(name="copy")
     @click.argument("src_url", metavar="SRC_URL")
     @click.argument("dst_url", metavar="DST_URL")
+    @click.option("--allow-ephemeral", is_flag=True,
+                  help="Copy into a non-persistent store (pinned://) although it is gone when hostkv exits.")
     @json_option
-    def copy_cmd(src_url: str, dst_url: str, as_json: bool) -> None:
+    def copy_cmd(src_url: str, dst_url: str, allow_ephemeral: bool, as_json: bool) -> None:
         """Copy every entry and anchor of SRC_URL into DST_URL (created if needed).
 
         Parents go first, keys already in the destination are skipped (dedup), and entries the
@@ -115,6 +140,7 @@ def register(group: click.Group) -> None:
             open_store(dst_url, readonly=False, must_exist=False) as dst,
             progress_bar("copying", enabled=not as_json or sys.stderr.isatty()) as bar,
         ):
+            refuse_ephemeral(dst, allow_ephemeral, "copy")
             t0 = time.perf_counter()  # the copy itself, not opening (creating) the stores
             doc = copy_store(src, dst, bar)
             seconds = time.perf_counter() - t0

@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 import time
+import urllib.parse
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -39,6 +40,7 @@ ANCHOR_EVERY = 256
 ANCHOR_NBYTES = 16 * 1024
 DEFAULT_PATH = "./.hostkv-demo"
 DEFAULT_BUDGET = "256MiB"
+_PROGRESS_ENV = "HOSTKV_DEMO_PROGRESS"
 
 
 @dataclass(frozen=True)
@@ -91,11 +93,13 @@ def _save(p: hk.Provider, salt: hk.Salt, keys: list[hk.Key], label: str,
     """Save a chain's pages the way an engine does; time only the store calls."""
     nbytes = salt.page_nbytes
     written = dedup = 0
-    store_s = 0.0
+    store_s = compute_s = 0.0
     parent: bytes | None = None
     with progress_bar(label, enabled=not quiet) as bar:
         for i, k in enumerate(keys):
-            data = page_bytes(k, nbytes)  # the "GPU page", produced before the save starts
+            t0 = time.perf_counter()
+            data = page_bytes(k, nbytes)  # the "GPU page" (a PRNG stands in for prefill)
+            compute_s += time.perf_counter() - t0
             t0 = time.perf_counter()
             res = p.reserve(k, parent, nbytes, salt_tag=salt.tag)
             if res is None:
@@ -115,17 +119,25 @@ def _save(p: hk.Provider, salt: hk.Salt, keys: list[hk.Key], label: str,
                 anchors += 1
         anchor_s = time.perf_counter() - t0
     return {"pages": len(keys), "written": written, "dedup": dedup,
-            "written_bytes": written * nbytes, "seconds": store_s,
+            "written_bytes": written * nbytes, "seconds": store_s, "compute_seconds": compute_s,
             "ms_per_page": store_s / max(written, 1) * 1e3,
             "MB_per_s": written * nbytes / store_s / 1e6 if store_s > 0 and written else 0.0,
             "anchors_put": anchors, "anchor_seconds": anchor_s}
 
 
-def restore(plan: DemoPlan, provider: hk.Provider | None = None) -> dict[str, Any]:
+def restore(plan: DemoPlan, provider: hk.Provider | None = None, *, progress: bool = False) -> dict[str, Any]:
     """Open the store (or use ``provider``), look both chains up, read every page and check
-    every byte."""
+    every byte (with a progress bar on stderr when ``progress``)."""
     salt = plan.salt
     a, b = plan.prompts()
+    with progress_bar("restoring + verifying", enabled=progress) as bar:
+        return _restore(plan, provider, salt, a, b, bar)
+
+
+def _restore(plan: DemoPlan, provider: hk.Provider | None, salt: hk.Salt, a: np.ndarray[Any, Any],
+             b: np.ndarray[Any, Any], bar: Any) -> dict[str, Any]:
+    total = 2 * len(hk.chain_keys(salt, a))
+    done = 0
     out: dict[str, Any] = {"pid": os.getpid(), "chains": []}
     t0 = time.perf_counter()
     p = hk.open(plan.url) if provider is None else provider
@@ -149,6 +161,8 @@ def restore(plan: DemoPlan, provider: hk.Provider | None = None) -> dict[str, An
                         missing += 1
                     elif buf != page_bytes(k, salt.page_nbytes):
                         wrong += 1
+                    done += 1
+                    bar(done, total)
                 leased = len(lease.keys)
             anchors_ok = all(p.get_anchor(keys[i], ANCHOR) == _anchor_bytes(keys[i])
                              for i in _anchor_positions(len(keys)) if i < hit)
@@ -210,15 +224,18 @@ def run_demo(plan: DemoPlan, *, quiet: bool, fresh_process: bool = True) -> dict
         if need > p.budget_bytes:
             raise CLIError(f"the demo needs {fmt_size(need)} but the store's budget is "
                            f"{fmt_size(p.budget_bytes)}", hint="use fewer --tokens or a larger budget")
-        doc["save_a"] = _save(p, salt, keys_a, "saving prompt A", quiet)
+        t0 = time.perf_counter()
+        doc["cold_hit"] = p.longest_prefix(keys_a)  # what an engine finds before anything is saved
+        doc["cold_lookup_ms"] = (time.perf_counter() - t0) * 1e3
+        doc["save_a"] = _save(p, salt, keys_a, "computing + saving prompt A", quiet)
         shared = p.longest_prefix(keys_b)
         doc["fork_shared_pages"] = shared
-        doc["save_b"] = _save(p, salt, keys_b, "saving fork B", quiet)
+        doc["save_b"] = _save(p, salt, keys_b, "saving fork B (dedup)", quiet)
         doc["provider"] = p.name
         doc["describe"] = p.describe()
         if not persistent:
             # Nothing survives a restart of a memory provider: restore from the same instance.
-            doc["restore"] = restore(plan, p)
+            doc["restore"] = restore(plan, p, progress=not quiet)
             doc["restore"]["restart"] = "none: the provider is not persistent"
     finally:
         t0 = time.perf_counter()
@@ -226,17 +243,19 @@ def run_demo(plan: DemoPlan, *, quiet: bool, fresh_process: bool = True) -> dict
         close_ms = (time.perf_counter() - t0) * 1e3
     doc["close_ms"] = close_ms
     if persistent and fresh_process:
+        # The child draws its progress bar on our stderr (inherited) when we draw ours.
         proc = subprocess.run(
             [sys.executable, "-m", "hostkv_cli._demo", json.dumps(asdict(plan))],
-            capture_output=True, text=True, check=False,
+            stdout=subprocess.PIPE, stderr=None if not quiet else subprocess.PIPE, text=True, check=False,
+            env={**os.environ, _PROGRESS_ENV: "0" if quiet else "1"},
         )
         if proc.returncode != 0:
-            raise CLIError(f"the restore process failed (exit {proc.returncode}): "
-                           f"{proc.stderr.strip()[-800:]}", ExitCode.INTERNAL)
+            why = (proc.stderr or "").strip()[-800:] or "see its messages above"
+            raise CLIError(f"the restore process failed (exit {proc.returncode}): {why}", ExitCode.INTERNAL)
         doc["restore"] = json.loads(proc.stdout)
         doc["restore"]["restart"] = "fresh process"
     elif persistent:
-        doc["restore"] = restore(plan)
+        doc["restore"] = restore(plan, progress=not quiet)
         doc["restore"]["restart"] = "fresh provider instance in this process"
     return doc
 
@@ -247,61 +266,88 @@ def _ok(doc: dict[str, Any]) -> bool:
                and c["anchors_ok"] for c in r["chains"])
 
 
+def _read_url(url: str) -> str:
+    """The store's URL for the read-only commands suggested after the demo: every option kept
+    (a plugin's namespace=, a host, TLS settings) but the write-only ``budget``, which a
+    read-only open refuses."""
+    base, _, query = url.partition("?")
+    pairs = [(k, v) for k, v in urllib.parse.parse_qsl(query, keep_blank_values=True) if k != "budget"]
+    if not pairs:
+        return base
+    return base + "?" + urllib.parse.urlencode(pairs, safe="/:%")
+
+
+def _rate(nbytes: int, seconds: float) -> str:
+    return f"{nbytes / seconds / 1e6:,.0f} MB/s" if seconds > 0 and nbytes else "-"
+
+
 def _print(doc: dict[str, Any], note: str | None) -> None:
     plan = doc["plan"]
     pn = doc["page_nbytes"]
     sa, sb = doc["save_a"], doc["save_b"]
-    e = click.echo
-    e(f"hostkv demo: an engine-like session on the {doc['provider']} provider")
-    e(f"store     {plan['url']}")
-    if note:
-        e(f"note: {note}")
-    e(f"model     toy: {plan['num_layers']} layers x {plan['num_kv_heads']} KV heads x "
-      f"{plan['head_dim']} head dim, {plan['dtype']}")
-    e(f"pages     {plan['page_tokens']} tokens = {fmt_size(pn)} per page; salt tag {doc['salt_tag']}")
-    if doc["evicted_previous"]:
-        e(f"(evicted {doc['evicted_previous']} pages left by a previous demo run)")
-    e(f"1. prompt A: {plan['tokens']} tokens -> {sa['pages']} page keys "
-      f"(keying both prompts: {doc['keying_ms']:.0f} ms)")
-    e(f"   saved {sa['written']} pages ({fmt_size(sa['written_bytes'])}) in {sa['seconds']:.2f} s: "
-      f"{sa['MB_per_s']:.0f} MB/s, {sa['ms_per_page']:.2f} ms/page")
-    e(f"   + '{ANCHOR}' anchor ({fmt_size(ANCHOR_NBYTES)}) on {sa['anchors_put']} pages "
-      f"(every {ANCHOR_EVERY}th and the last)")
-    e(f"2. fork B: A's first {plan['fork_tokens']} tokens + {plan['tokens'] - plan['fork_tokens']} "
-      f"new ones -> {sb['pages']} pages")
-    e(f"   dedup: {sb['dedup']} pages already stored, skipped; {sb['written']} new pages")
-    e(f"   written ({fmt_size(sb['written_bytes'])}) in {sb['seconds']:.2f} s: {sb['MB_per_s']:.0f} MB/s, "
-      f"{sb['ms_per_page']:.2f} ms/page")
     r = doc["restore"]
+    ca, cb = r["chains"]
+    e = click.echo
+    e(click.style("hostkv demo", bold=True) + f": an engine's KV cache across a restart ({doc['provider']})")
+    e(f"  store  {plan['url']}")
+    if note:
+        e(f"  note   {note}")
+    e(f"  model  toy {plan['num_layers']}x{plan['num_kv_heads']}x{plan['head_dim']} {plan['dtype']}, "
+      f"{plan['page_tokens']}-token pages of {fmt_size(pn)}, salt {doc['salt_tag']}")
+    if doc["evicted_previous"]:
+        e(f"  (cleared {doc['evicted_previous']} pages left by an earlier demo run)")
+    e("")
+    rows: list[tuple[str, str, str, str, str]] = [
+        (f"1 cold lookup A, {plan['tokens']} tok", f"{doc['cold_hit']}/{sa['pages']}", "-",
+         f"{doc['cold_lookup_ms']:.1f} ms", "all to prefill"),
+        ("  compute A (PRNG: prefill)", str(sa["pages"]), fmt_size(sa["pages"] * pn),
+         f"{sa['compute_seconds']:.2f} s", _rate(sa["pages"] * pn, sa["compute_seconds"])),
+        ("  save A", str(sa["written"]), fmt_size(sa["written_bytes"]), f"{sa['seconds']:.2f} s",
+         _rate(sa["written_bytes"], sa["seconds"])),
+        ("2 save fork B", f"{sb['written']} new", fmt_size(sb["written_bytes"]), f"{sb['seconds']:.2f} s",
+         f"{sb['dedup']} shared: dedup"),
+    ]
     if r["restart"].startswith("none"):
-        e("3. no restart: the provider is not persistent; restoring from the same instance")
-        e("4. restore")
+        rows.append(("3 no restart (not persistent)", "-", "-", "-", "same instance"))
     else:
-        e(f"3. closed the store (the restart) in {doc['close_ms']:.0f} ms")
-        where = (f"a fresh process (pid {r['pid']})" if r["restart"] == "fresh process"
-                 else "a fresh provider instance")
-        e(f"4. reopened it in {where} in {r['open_ms']:.0f} ms")
-    for c in r["chains"]:
-        e(f"   {c['name']}: longest_prefix {c['hit']}/{c['pages']} pages ({c['lookup_ms']:.2f} ms), "
-          f"deepest anchor: page {c['deepest_anchor']}")
-        e(f"      read {fmt_size(c['read_bytes'])} under a lease of {c['leased']} pages in "
-          f"{c['read_seconds']:.2f} s: {c['MB_per_s']:.0f} MB/s")
-    st = r["store"]
+        where = "fresh process" if r["restart"] == "fresh process" else "fresh instance"
+        rows.append((f"3 restart ({where})", "-", "-",
+                     f"{(doc['close_ms'] + r['open_ms']) / 1e3:.2f} s", f"pid {r['pid']}"))
+    for c in (ca, cb):
+        rows.append((f"4 lookup + restore {c['name']}", f"{c['hit']}/{c['pages']}",
+                     fmt_size(c["read_bytes"]), f"{c['read_seconds'] + c['lookup_ms'] / 1e3:.2f} s",
+                     _rate(c["read_bytes"], c["read_seconds"])))
+    widths = [max(len(row[i]) for row in rows) for i in range(5)]
+    head = ("phase", "pages", "bytes", "time", "")
+    widths = [max(w, len(h)) for w, h in zip(widths, head, strict=True)]
+    right = {1, 2, 3}
+    for row in [head, *rows]:
+        cells = [c.rjust(widths[i]) if i in right else c.ljust(widths[i]) for i, c in enumerate(row)]
+        e("  " + "  ".join(cells).rstrip())
+    e("")
     total = sum(c["read_bytes"] for c in r["chains"])
     wrong = sum(c["wrong_pages"] for c in r["chains"])
     missing = sum(c["missing_pages"] for c in r["chains"])
     anchors = "ok" if all(c["anchors_ok"] for c in r["chains"]) else "WRONG"
-    e(f"5. verified {fmt_size(total)} against pages recomputed from their keys:")
-    e(f"   {'every byte matched' if _ok(doc) else 'MISMATCH'} ({wrong} wrong, {missing} missing pages; "
-      f"anchors {anchors})")
-    e(f"store     {st['entries']} pages, {fmt_size(st['used_bytes'])} of {fmt_size(st['budget_bytes'])}, "
+    verdict = (click.style("every byte matched", fg="green", bold=True) if _ok(doc)
+               else click.style("MISMATCH", fg="red", bold=True))
+    e(f"  5 checked {fmt_size(total)} against pages rebuilt from their keys: {verdict}")
+    e(f"    {wrong} wrong, {missing} missing pages; '{ANCHOR}' anchors {anchors} "
+      f"(deepest at page {ca['deepest_anchor']}/{ca['pages']})")
+    cold = sa["compute_seconds"] + sa["seconds"]
+    warm = ca["read_seconds"] + ca["lookup_ms"] / 1e3
+    speed = f" ({cold / warm:.1f}x)" if warm > 0 else ""
+    e(f"  cold A {cold:.2f} s (compute+save) -> restored {warm:.2f} s{speed}; "
+      f"fork: {sb['written']}/{sb['pages']} pages")
+    st = r["store"]
+    e(f"  store  {st['entries']} pages, {fmt_size(st['used_bytes'])} of {fmt_size(st['budget_bytes'])}, "
       f"{st['anchors']} anchors")
     if r["restart"].startswith("none"):
         return
-    url = plan["url"].split("?")[0]
-    e(f"next      hostkv info {url}")
-    e(f"          hostkv ls --tree {url}")
-    e(f"          hostkv verify {url}")
+    url = _read_url(plan["url"])
+    e(f"  next   hostkv info '{url}'")
+    e(f"         hostkv ls --tree '{url}'")
+    e(f"         hostkv verify '{url}'")
 
 
 def register(group: click.Group) -> None:
@@ -339,7 +385,7 @@ def register(group: click.Group) -> None:
 def _child(argv: list[str]) -> int:
     """``python -m hostkv_cli._demo PLAN_JSON``: the restore half, in a fresh process."""
     plan = DemoPlan(**json.loads(argv[0]))
-    print(json.dumps(restore(plan), default=str))
+    print(json.dumps(restore(plan, progress=os.environ.get(_PROGRESS_ENV) == "1"), default=str))
     return 0
 
 

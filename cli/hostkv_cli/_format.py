@@ -73,9 +73,14 @@ def emit_json(obj: Any) -> None:
     click.echo(json.dumps(obj, indent=2, sort_keys=False, default=default))
 
 
-def kv_lines(pairs: Iterable[tuple[str, Any]], key_width: int = 18) -> None:
-    """``key ........ value`` lines, the value wrapped/truncated to fit the terminal width."""
-    for k, v in pairs:
+def kv_lines(pairs: Iterable[tuple[str, Any]], key_width: int | None = None) -> None:
+    """``key ........ value`` lines, the value truncated to fit the terminal width.  The key
+    column is as wide as the longest key (at least 18, at most 32), so long keys
+    (``last_recovery.by_pid``) keep the values aligned."""
+    items = list(pairs)
+    if key_width is None:
+        key_width = min(32, max([18, *(len(str(k)) for k, _ in items)]))
+    for k, v in items:
         text = str(v)
         room = WIDTH - key_width - 2
         if len(text) > room:

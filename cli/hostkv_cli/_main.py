@@ -229,18 +229,53 @@ def info(url: str, as_json: bool) -> None:
         click.echo(f"(provider {doc['provider']!r} cannot enumerate entries: no tree or salt-tag summary)")
 
 
+#: ProviderStats fields that are gauges of the store (read from the medium), not counters.
+_GAUGES = ("name", "entries", "used_bytes", "budget_bytes", "anchors", "leased", "in_flight")
+
+
 @cli.command()
 @click.argument("url")
 @json_option
 def stats(url: str, as_json: bool) -> None:
-    """Counters and gauges of a store (read-only)."""
+    """Gauges and counters of a store (read-only).
+
+    Gauges (entries, bytes, anchors, leases) are the store's.  Counters are the store's where the
+    provider keeps them in the store (listed under ``store_wide``; lmdb: evictions, evicted
+    bytes, checksum failures); the others count the calls of the process that makes them, so
+    they are 0 here: an engine's come from its Prometheus collector (docs/operations.md).
+    """
     with open_store(url, readonly=True) as p:
-        d = p.stats().as_dict()
+        st = p.stats()
+        persistent = p.persistent
+    d = st.as_dict()
+    store_wide = [k for k in d.get("store_wide", []) if k in d]
     if as_json:
-        emit_json(d)
+        emit_json({**d, "store_wide": store_wide, "persistent": persistent})
         return
-    kv_lines(((k, fmt_size(v) if k.endswith("_bytes") and isinstance(v, int) and not isinstance(v, bool)
-               else v) for k, v in d.items()), key_width=min(26, max(map(len, d), default=0)))
+
+    def show(k: str, v: Any) -> Any:
+        return fmt_size(v) if k.endswith("_bytes") and isinstance(v, int) and not isinstance(v, bool) else v
+
+    counters = [k for k in d if k not in _GAUGES and k != "store_wide" and isinstance(d[k], int)
+                and not isinstance(d[k], bool) and k in hk.ProviderStats.__slots__]
+    other = [k for k in d if k not in _GAUGES and k not in counters and k != "store_wide"]
+    width = min(28, max(map(len, d), default=0) + 2)  # + 2: the indented store-wide keys
+    kv_lines(((k, show(k, d[k])) for k in _GAUGES if k in d), key_width=width)
+    if not persistent:  # this process's provider: every counter is the store's
+        kv_lines(((k, show(k, d[k])) for k in counters + other), key_width=width)
+        return
+    kv_lines(((k, show(k, d[k])) for k in other if k not in store_wide), key_width=width)
+    if store_wide:
+        click.echo("")
+        click.echo("kept in the store (every process, since it was created):")
+        kv_lines(((f"  {k}", show(k, d[k])) for k in store_wide), key_width=width)
+    per_process = [k for k in counters if k not in store_wide]
+    if per_process:
+        click.echo("")
+        click.echo("counted per process (this command's own calls, so 0 here; an engine's come")
+        click.echo("from its Prometheus collector, see docs/operations.md):")
+        for i in range(0, len(per_process), 4):
+            click.echo("  " + ", ".join(per_process[i:i + 4]))
 
 
 def _anchor_text(entries: dict[bytes, hk.EntryInfo], keys: Sequence[bytes], depth0: int) -> str:
@@ -278,9 +313,12 @@ def ls_cmd(url: str, tree: bool, salt_tag: str | None, tp_rank: int | None, limi
     """
     with open_store(url, readonly=True) as p:
         it = require_iterate(p, "ls")
-        entries = [e for e in it.iter_entries()
-                   if (salt_tag is None or tag_matches(e.salt_tag, salt_tag))
-                   and (tp_rank is None or ((st := rank_of(e.salt_tag)) is not None and st.tp_rank == tp_rank))]
+        every = list(it.iter_entries())
+    entries = [e for e in every
+               if (salt_tag is None or tag_matches(e.salt_tag, salt_tag))
+               and (tp_rank is None or ((st := rank_of(e.salt_tag)) is not None and st.tp_rank == tp_rank))]
+    if salt_tag is not None and not any(tag_matches(e.salt_tag, salt_tag) for e in every):
+        _nothing_matched(f"no entry has salt tag {salt_tag!r}", every)
     forest = Forest(entries)
     if tree:
         _print_tree(forest, limit, as_json)
@@ -509,6 +547,9 @@ def evict(url: str, to_size: str | None, salt_tag: str | None, older_than: str |
                 forest = Forest(list(require_iterate(p, "evict --salt/--older-than").iter_entries()))
                 roots = _select(forest, salt_tag, older_than)
                 doc["policy"] = "salt" if salt_tag is not None else "older_than"
+                if salt_tag is not None and not roots:
+                    _nothing_matched(f"nothing to evict: no entry has salt tag {salt_tag!r}",
+                                     list(forest.entries.values()))
             selected = ({k for r in roots for k in forest.subtree_keys(r)} if forest is not None
                         else set(roots))
             doc.update(selected_roots=len(roots), selected_entries=len(selected),
@@ -537,6 +578,14 @@ def evict(url: str, to_size: str | None, salt_tag: str | None, older_than: str |
         click.echo(f"not stored: {k}")
     if "used_after" in doc:
         click.echo(f"used now {fmt_size(doc['used_after'])}")
+
+
+def _nothing_matched(message: str, entries: Sequence[hk.EntryInfo]) -> NoReturn:
+    """A selection that names nothing is a usage error (exit 2): usually a mistyped tag."""
+    tags = sorted({e.salt_tag or "(none)" for e in entries})
+    shown = ", ".join(tags[:6]) + (f" and {len(tags) - 6} more" if len(tags) > 6 else "")
+    raise CLIError(message, ExitCode.USAGE,
+                   hint=f"the store's salt tags: {shown}" if tags else "the store is empty")
 
 
 def _select(forest: Forest, salt_tag: str | None, older_than: str | None) -> list[bytes]:
@@ -591,10 +640,12 @@ def compact(url: str, as_json: bool) -> None:
 # copy / bench / demo live in their own modules, which register their commands here
 # ----------------------------------------------------------------------------------------------
 
-from ._bench import register as _register_bench  # noqa: E402 - after cli exists
+from ._archive import register as _register_archive  # noqa: E402 - after cli exists
+from ._bench import register as _register_bench  # noqa: E402
 from ._copy import register as _register_copy  # noqa: E402
 from ._demo import register as _register_demo  # noqa: E402
 
 _register_copy(cli)
+_register_archive(cli)
 _register_bench(cli)
 _register_demo(cli)

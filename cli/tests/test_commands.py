@@ -175,7 +175,7 @@ def test_unknown_key_prefix_and_missing_key(runner: CliRunner, stores) -> None: 
 def test_copy_parents_first_with_anchors_and_dedup(runner: CliRunner, stores) -> None:  # type: ignore[no-untyped-def]
     src, dst = stores(URL), stores(URL2)
     f = fill(src)
-    r = invoke(runner, "copy", "--json", URL, URL2)
+    r = invoke(runner, "copy", "--allow-ephemeral", "--json", URL, URL2)
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
     assert doc["copied"] == len(f.keys) and doc["dedup"] == 0 and doc["anchors"] == 3
@@ -184,13 +184,13 @@ def test_copy_parents_first_with_anchors_and_dedup(runner: CliRunner, stores) ->
         d, s = dst.entry(k), src.entry(k)
         assert d is not None and s is not None and d.salt_tag == s.salt_tag
     assert dst.get_anchor(f.chains["b"][-1], "ssm_state") == src.get_anchor(f.chains["b"][-1], "ssm_state")
-    again = json.loads(invoke(runner, "copy", "--json", URL, URL2).stdout)
+    again = json.loads(invoke(runner, "copy", "--allow-ephemeral", "--json", URL, URL2).stdout)
     assert again["copied"] == 0 and again["dedup"] == len(f.keys) and again["anchors"] == 0
 
 
 def test_copy_refuses_more_than_the_destination_budget(runner: CliRunner, stores) -> None:  # type: ignore[no-untyped-def]
     fill(stores(URL), pages=200)
-    r = invoke(runner, "copy", URL, "pinned://?budget=1MiB&block=16KiB")
+    r = invoke(runner, "copy", "--allow-ephemeral", URL, "pinned://?budget=1MiB&block=16KiB")
     assert r.exit_code == 2 and "budget" in r.output
 
 
@@ -200,7 +200,7 @@ def test_copy_skips_unreadable_subtrees(runner: CliRunner, stores) -> None:  # t
     f = fill(src, keep_reservations=True)
     victim = f.chains["b"][2]
     next(r for r in f.reservations if r.key == victim)._regions[0].view[0] ^= 1
-    r = invoke(runner, "copy", "pinned://?budget=16MiB&block=16KiB&verify=read", URL2)
+    r = invoke(runner, "copy", "--allow-ephemeral", "pinned://?budget=16MiB&block=16KiB&verify=read", URL2)
     assert r.exit_code == 1 and "NOT copied: 3" in r.output
     assert dst.longest_prefix(f.chains["b"]) == 2 and dst.longest_prefix(f.chains["a"]) == 24
 

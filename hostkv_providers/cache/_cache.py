@@ -64,6 +64,7 @@ from hostkv_providers._provider import (
     readable_bytes,
 )
 from hostkv_providers.device._hostmem import HostAllocation, HostAllocator, OrdinaryAllocator
+from hostkv_providers.metrics import LatencyHistogram, ProviderCollector
 
 __all__ = [
     "AdmissionPolicy",
@@ -418,11 +419,13 @@ class _Latency:
         self.count = 0
         self.total = 0.0
         self.recent: collections.deque[float] = collections.deque(maxlen=window)
+        self.histogram = LatencyHistogram()  # all samples, in buckets (for Prometheus)
 
     def add(self, seconds: float) -> None:
         self.count += 1
         self.total += seconds
         self.recent.append(seconds)
+        self.histogram.observe(seconds)
 
     def quantile(self, q: float) -> float:
         if not self.recent:
@@ -571,6 +574,7 @@ class HostKVCache:
         self._stats = CacheStats()
         self._save_lat = _Latency()
         self._restore_lat = _Latency()
+        self._lookup_lat = _Latency()
         self._evictions0 = self._provider_evictions()
         self._alloc = staging_allocator if staging_allocator is not None else _staging_allocator()
         self._staging_free: list[_Staging] = []
@@ -655,6 +659,7 @@ class HostKVCache:
             (or restore it with ``release=True``).
         """
         self._check_open()
+        t_lookup = time.perf_counter()
         ks = self._chain(keys)
         if need_anchor is not None:
             check_anchor_name(need_anchor)
@@ -716,6 +721,7 @@ class HostKVCache:
             else:
                 st.misses += 1
             st.anchor_cut_pages += stored - n
+            self._lookup_lat.add(time.perf_counter() - t_lookup)
         return hit
 
     # -- tensor parallelism: a prompt is usable only where every rank has its pages ---------------
@@ -1416,11 +1422,15 @@ class HostKVCache:
             st.extra = {"in_flight_save_pages": len(self._claims), "in_flight_restores": len(self._restores)}
         return st
 
-    def prometheus_collector(self, prefix: str = "hostkv_cache", labels: Mapping[str, str] | None = None) -> Any:
-        """A ``prometheus_client`` collector exporting :meth:`stats` (register it yourself, or use
-        :meth:`register_prometheus`).  Needs the ``prometheus`` extra."""
+    def prometheus_collector(self, prefix: str = "hostkv_cache", labels: Mapping[str, str] | None = None,
+                             *, provider: bool = True) -> Any:
+        """A ``prometheus_client`` collector exporting :meth:`stats`, latency histograms of
+        lookups, saves and restores (``{prefix}_{op}_seconds``), and, with ``provider``, the
+        provider's and its tiers' metrics (:class:`hostkv_providers.metrics.ProviderCollector`,
+        prefix ``hostkv``).  Register it yourself, or use :meth:`register_prometheus`.  Needs the
+        ``prometheus`` extra."""
         try:
-            from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
+            from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
         except ImportError as exc:  # pragma: no cover - depends on the environment
             raise InvalidArgumentError("prometheus_client is not installed",
                                        hint="pip install 'hostkv-providers[prometheus]'") from exc
@@ -1430,6 +1440,7 @@ class HostKVCache:
         counters = ("lookups", "hits", "misses", "lookup_pages", "hit_pages", "hit_tokens", "saves", "saved_pages",
                     "dedup_pages", "coalesced_pages", "rejected_pages", "failed_pages", "anchors_saved", "restores",
                     "restored_pages", "coalesced_restores", "bytes_out", "bytes_in", "evictions")
+        inner = ProviderCollector(self.provider, labels=labels) if provider else None
 
         class _Collector:
             def collect(self) -> Iterator[Any]:
@@ -1439,10 +1450,14 @@ class HostKVCache:
                                               labels=names)
                     fam.add_metric(values, getattr(st, name))
                     yield fam
+                for op, lat in (("lookup", cache._lookup_lat), ("save", cache._save_lat),
+                                ("restore", cache._restore_lat)):
+                    hist = HistogramMetricFamily(f"{prefix}_{op}_seconds", f"HostKVCache {op} latency",
+                                                 labels=names)
+                    h = lat.histogram
+                    hist.add_metric(values, h.buckets(), h.total)
+                    yield hist
                 for op in ("save", "restore"):
-                    summ = SummaryMetricFamily(f"{prefix}_{op}_seconds", f"HostKVCache {op} latency", labels=names)
-                    summ.add_metric(values, getattr(st, f"{op}_seconds_count"), getattr(st, f"{op}_seconds_sum"))
-                    yield summ
                     for q in ("p50", "p99"):
                         g = GaugeMetricFamily(f"{prefix}_{op}_seconds_{q}", f"HostKVCache {op} latency {q}",
                                               labels=names)
@@ -1451,6 +1466,8 @@ class HostKVCache:
                 g = GaugeMetricFamily(f"{prefix}_in_flight_save_pages", "pages being saved", labels=names)
                 g.add_metric(values, st.extra["in_flight_save_pages"])
                 yield g
+                if inner is not None:
+                    yield from inner.collect()
 
             def describe(self) -> Iterator[Any]:
                 return iter(())

@@ -42,3 +42,20 @@ cp -a kv kv-old; python3 - <<'PY'
 import json; p = "kv-old/manifest.json"; d = json.load(open(p)); d["format_version"] = 999; open(p, "w").write(json.dumps(d))
 PY
 r hostkv info mmap://./kv-old
+# selections that match nothing, a destination that keeps nothing
+r hostkv ls --salt nosuch lmdb://./.hostkv-demo
+r hostkv evict --salt xyz mmap://./kv
+r hostkv copy lmdb://./.hostkv-demo "'pinned://?budget=1GiB'"
+# export / import
+TAG2=$(hostkv info --json lmdb://./.hostkv-demo | python3 -c "import json,sys; print(json.load(sys.stdin)['salt_tags'][0]['tag'])")
+r hostkv export lmdb://./.hostkv-demo demo.hkv --salt $TAG2
+r hostkv import demo.hkv "'lmdb://./kv-imported?budget=256MiB'" --expect-salt $TAG2
+r hostkv import demo.hkv "'lmdb://./kv-imported?budget=256MiB'"
+r hostkv import demo.hkv "'mmap://./kv-other?budget=256MiB'" --expect-salt 0123456789abcdef
+FORK=$(hostkv ls --tree --json lmdb://./.hostkv-demo | python3 -c "import json,sys; print(json.load(sys.stdin)['runs'][2]['last'])")
+r hostkv export --json lmdb://./.hostkv-demo fork.hkv --key $FORK
+python3 - <<'PY'
+b = bytearray(open("demo.hkv", "rb").read()); b[len(b) // 3] ^= 0x10; open("bad.hkv", "wb").write(bytes(b))
+PY
+r hostkv import bad.hkv "'mmap://./kv-bad?budget=256MiB'"
+r hostkv import --dry-run demo.hkv lmdb://./kv-imported

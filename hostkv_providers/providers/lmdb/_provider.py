@@ -2408,7 +2408,10 @@ class LmdbProvider(Provider):
             in_flight=flights,
             evictions=c.evictions,
             evicted_bytes=c.evicted_bytes,
-            extra={"store_checksum_failures": c.checksum_failures, "sealed_bytes": c.sealed,
+            # store_wide: the counters kept in the meta db (every process, since creation);
+            # the others count this instance's own calls (hostkv stats tells them apart)
+            extra={"store_wide": ["evictions", "evicted_bytes", "store_checksum_failures"],
+                   "store_checksum_failures": c.checksum_failures, "sealed_bytes": c.sealed,
                    "map_size": int(info["map_size"]), "map_max": s.map_max, "slot_files": c.next_file,
                    "durability": self._durability},
             **counters,
