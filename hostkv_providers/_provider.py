@@ -20,6 +20,7 @@ from hostkv_providers._errors import (
     ClosedError,
     HostKVError,
     IncompleteWriteError,
+    InFlightError,
     InvalidArgumentError,
     ReservationError,
     UnknownKeyError,
@@ -40,6 +41,7 @@ __all__ = [
     "Provider",
     "ProviderStats",
     "Reservation",
+    "ReservedChain",
     "SupportsBatch",
     "SupportsCompact",
     "SupportsIterate",
@@ -453,6 +455,59 @@ class SupportsBatch(Protocol):
     def read_many(self, keys: Sequence[bytes], outs: Sequence[object]) -> list[bool]: ...
 
 
+@dataclass(slots=True)
+class ReservedChain:
+    """What :meth:`Provider.reserve_many` reserved: a *prefix* of the keys asked for.
+
+    ``reservations[i]`` is the reservation of ``keys[i]``, or ``None`` where that key is already
+    sealed (dedup: nothing to write, and later keys may name it as their parent).  When fewer
+    than all keys were reserved, ``error`` is the typed error of the first key that was not
+    (``CapacityError``, ``InFlightError``, ``UnknownKeyError``); nothing after it was reserved.
+    """
+
+    reservations: list[Reservation | None]
+    error: HostKVError | None = None
+
+    def __len__(self) -> int:
+        return len(self.reservations)
+
+
+class _DeferredReservation(Reservation):
+    """The base class's chain reservation for a provider without its own: the bytes wait in an
+    ordinary host buffer and are stored by ``seal_many`` (reserve, write, seal, in that call).
+    Nothing is visible or accounted before that; capacity is found short only then."""
+
+    __slots__ = ("_buf", "_view")
+
+    def __init__(self, provider: Provider, key: Key, parent: Key | None, nbytes: int, salt_tag: str) -> None:
+        super().__init__(provider, key, parent, nbytes, salt_tag)
+        self._buf = bytearray(nbytes)
+        self._view = memoryview(self._buf)
+
+    def regions(self) -> Sequence[HostRegion]:
+        self.check_open(self._provider)
+        import ctypes  # only here: the address of the buffer for a copy engine
+
+        address = ctypes.addressof(ctypes.c_char.from_buffer(self._buf))
+        return [HostRegion(0, self._view, address, False)]
+
+    def write(self, offset: int, data: object) -> None:
+        self.check_open(self._provider)
+        view = readable_bytes(data)
+        span = self.check_write(offset, view.nbytes)
+        self._view[span.offset : span.end] = view
+        self.mark_written(span)
+
+    def seal(self) -> None:
+        err = self._provider.seal_many([self])[0]
+        if err is not None:
+            raise err
+
+    def abort(self) -> None:
+        if self._state == "open":
+            self._finish("aborted")
+
+
 # --------------------------------------------------------------------------------------------
 # The ABC
 # --------------------------------------------------------------------------------------------
@@ -804,6 +859,90 @@ class Provider(abc.ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    # -- chain reservation (added verbs; defaults work for every provider) ------------------
+    def reserve_many(self, keys: Sequence[bytes], parents: Sequence[bytes | None], nbytes: int, *,
+                     salt_tag: str = "") -> ReservedChain:
+        """Reserve a whole chain (or a run of one) at once, so a copy engine can write every page
+        straight into provider memory before any of them is sealed.
+
+        Parameters
+        ----------
+        keys, parents:
+            The pages, root first, and each one's parent: ``None`` (a root), a sealed key, an
+            earlier key of this call, or a key still in flight in an earlier ``reserve_many`` of
+            the same writer (a long chain reserved run by run).
+        nbytes:
+            The size of every entry (pages of one layout are all the same size).
+        salt_tag:
+            As for :meth:`reserve`.
+
+        Returns
+        -------
+        ReservedChain
+            All or a prefix: the first key that cannot be reserved ends the call, with its error
+            in ``error``; nothing after it is reserved.  Nothing of any entry is visible before
+            its seal; seal with :meth:`seal_many` (root first) or abort each reservation.
+
+        The default keeps the bytes in ordinary host buffers and stores each page when it is
+        sealed (capacity and in-flight conflicts then surface at seal); providers with memory
+        a copy engine can reach (``pinned``, ``tiered``) override it with real reservations.
+        """
+        ks = self._keys(keys)
+        if isinstance(parents, (bytes, bytearray, memoryview, str)) or len(parents) != len(ks):
+            raise InvalidArgumentError(f"{len(parents)} parents for {len(ks)} keys; give one per key")
+        self._check_usable()
+        out: list[Reservation | None] = []
+        batch: set[Key] = set()
+        present = self.present(ks) if ks else []
+        for k, parent, here in zip(ks, parents, present, strict=True):
+            k, p, n = self._reserve_args(k, parent, nbytes, salt_tag)
+            if here:
+                out.append(None)
+                batch.add(k)
+                continue
+            if self.in_flight(k):
+                return ReservedChain(out, InFlightError(f"key {k.hex()[:16]} is being written by another writer",
+                                                        key=k))
+            if p is not None and p not in batch and not self.present([p])[0] and not self.in_flight(p):
+                return ReservedChain(out, UnknownKeyError(f"parent {p.hex()[:16]} is not stored"))
+            out.append(_DeferredReservation(self, k, p, n, salt_tag))
+            batch.add(k)
+        return ReservedChain(out)
+
+    def seal_many(self, reservations: Sequence[Reservation]) -> list[HostKVError | None]:
+        """Seal reservations root first (a parent before its children); per reservation ``None``
+        (sealed) or the typed error that stopped it (it is then aborted, and so is every later
+        one of the call whose parent failed here: ``UnknownKeyError``).  Raises only for misuse
+        (a reservation of another provider) and I/O faults."""
+        out: list[HostKVError | None] = []
+        failed: set[Key] = set()
+        for res in reservations:
+            if not isinstance(res, Reservation) or res.provider is not self:
+                raise InvalidArgumentError("seal_many() takes reservations of this provider")
+            orphan = self._failed_parent(res.parent, failed, res.key)
+            if orphan is not None:
+                with contextlib.suppress(HostKVError):
+                    res.abort()
+                out.append(orphan)
+                continue
+            try:
+                if isinstance(res, _DeferredReservation):
+                    res.check_open(self)
+                    res.check_complete()
+                    self.put(res.key, res.parent, res._view, salt_tag=res.salt_tag)
+                    res._finish("sealed")
+                else:
+                    self.seal(res)
+                out.append(None)
+            except (IncompleteWriteError, ReservationError):
+                raise
+            except HostKVError as exc:
+                failed.add(res.key)
+                with contextlib.suppress(HostKVError):
+                    res.abort()
+                out.append(exc)
+        return out
 
     @staticmethod
     def _key(value: object, what: str = "key") -> Key:

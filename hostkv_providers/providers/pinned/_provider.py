@@ -13,6 +13,7 @@ next chunk before it evicts anything.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import threading
 import time
@@ -39,6 +40,7 @@ from hostkv_providers._provider import (
     Provider,
     ProviderStats,
     Reservation,
+    ReservedChain,
     VerifyReport,
     check_anchor_name,
     readable_bytes,
@@ -331,8 +333,10 @@ class PinnedProvider(Provider):
         with self._usable():
             return self._reserve_locked(k, p, nbytes, salt_tag)
 
-    def _reserve_locked(self, k: Key, p: Key | None, nbytes: int, salt_tag: str) -> _PinnedReservation | None:
-        """Reserve under the provider lock (``None``: already stored)."""
+    def _reserve_locked(self, k: Key, p: Key | None, nbytes: int, salt_tag: str,
+                        chained: bool = False) -> _PinnedReservation | None:
+        """Reserve under the provider lock (``None``: already stored); ``chained``: the parent may
+        be in flight (``reserve_many``)."""
         nblocks = -(-nbytes // self._block)
         cost = nblocks * self._block
         if cost > self._budget:
@@ -343,7 +347,7 @@ class PinnedProvider(Provider):
             self._ready.wait(0.5)
             self._check_usable()
         try:
-            ok, evicted = self._index.begin(k, p, cost)
+            ok, evicted = (self._index.begin_chained if chained else self._index.begin)(k, p, cost)
         except CapacityError as exc:
             if self._pinning_error is None:
                 raise
@@ -395,6 +399,46 @@ class PinnedProvider(Provider):
         res._finish("sealed")
         self._counters["seals"] += 1
         return node
+
+    # -- chain reservation -------------------------------------------------------------------
+    def reserve_many(self, keys: Sequence[bytes], parents: Sequence[bytes | None], nbytes: int, *,
+                     salt_tag: str = "") -> ReservedChain:
+        """Arena reservations for a chain run in one lock round (see ``Provider.reserve_many``):
+        a parent may be in flight (reserved earlier in this call or an earlier one), so a copy
+        engine DMAs a whole chain straight into the arena before the first seal."""
+        ks = self._keys(keys)
+        if isinstance(parents, (bytes, bytearray, memoryview, str)) or len(parents) != len(ks):
+            raise InvalidArgumentError(f"{len(parents)} parents for {len(ks)} keys; give one per key")
+        checked = [self._reserve_args(k, p, nbytes, salt_tag) for k, p in zip(ks, parents, strict=True)]
+        out: list[Reservation | None] = []
+        with self._usable():
+            for k, p, n in checked:
+                try:
+                    out.append(self._reserve_locked(k, p, n, salt_tag, chained=True))
+                except (CapacityError, InFlightError, UnknownKeyError) as exc:
+                    return ReservedChain(out, exc)
+        return ReservedChain(out)
+
+    def seal_many(self, reservations: Sequence[Reservation]) -> list[HostKVError | None]:
+        """Seal arena reservations root first: the checksums run on a few threads without the
+        lock (XXH3 releases the GIL), the commits in one lock round."""
+        own = [self._own(r) for r in reservations]
+        for r in own:
+            r.check_complete()
+        digests = _checksums([r._regions for r in own])
+        out: list[HostKVError | None] = []
+        with self._usable():
+            for r, digest in zip(own, digests, strict=True):
+                if r.state != "open":
+                    out.append(UnknownKeyError(f"reservation {r.key.hex()[:16]} is {r.state}"))
+                    continue
+                try:
+                    self._commit_locked(r, digest)
+                    self._counters["bytes_written"] += r.nbytes
+                    out.append(None)
+                except UnknownKeyError as exc:  # its parent was not sealed (failed or aborted)
+                    out.append(exc)
+        return out
 
     # -- batches -----------------------------------------------------------------------------
     def put_many(self, items: Sequence[tuple[bytes, bytes | None, object]], *,
@@ -778,6 +822,29 @@ def _gather(regions: Sequence[HostRegion], span: ByteSpan, dst: memoryview) -> N
         hi = min(span.end, r.offset + len(r.view))
         if lo < hi:
             copy_bytes(dst[lo - span.offset : hi - span.offset], r.view[lo - r.offset : hi - r.offset])
+
+
+_HASH_THREADS = 4
+_hash_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_hash_pool_lock = threading.Lock()
+
+
+def _checksums(entries: Sequence[Sequence[HostRegion]]) -> list[int]:
+    """Seal checksums of many entries; large batches are split over a few threads (one task per
+    thread, not per page: no per-page futures)."""
+    global _hash_pool
+    total = sum(sum(r.view.nbytes for r in regs) for regs in entries)
+    if len(entries) < 2 or total < (8 << 20):
+        return [checksum_parts(r.view for r in regs) for regs in entries]
+    with _hash_pool_lock:
+        if _hash_pool is None:
+            _hash_pool = concurrent.futures.ThreadPoolExecutor(_HASH_THREADS, thread_name_prefix="hostkv-hash")
+        pool = _hash_pool
+    step = -(-len(entries) // _HASH_THREADS)
+    parts = [entries[i : i + step] for i in range(0, len(entries), step)]
+    futures = [pool.submit(lambda part: [checksum_parts(r.view for r in regs) for regs in part], part)
+               for part in parts]
+    return [d for f in futures for d in f.result()]
 
 
 def _default_allocator(require_pinned: bool = False) -> HostAllocator:
