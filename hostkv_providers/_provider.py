@@ -11,6 +11,7 @@ import contextlib
 import os
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -498,14 +499,30 @@ class _DeferredReservation(Reservation):
         self._view[span.offset : span.end] = view
         self.mark_written(span)
 
+    def _store(self) -> None:
+        self.check_open(self._provider)
+        self.check_complete()
+        try:
+            self._provider.put(self.key, self.parent, self._view, salt_tag=self.salt_tag)
+        except BaseException:
+            self.abort()
+            raise
+        self._finish("sealed")
+
     def seal(self) -> None:
-        err = self._provider.seal_many([self])[0]
-        if err is not None:
-            raise err
+        self._provider.seal_many([self])
 
     def abort(self) -> None:
         if self._state == "open":
             self._finish("aborted")
+
+    def _finish(self, state: str) -> None:
+        super()._finish(state)
+        _DEFERRED.pop((id(self._provider), self.key), None)
+
+
+# Open deferred reservations by (provider id, key): a later reserve_many may chain onto them.
+_DEFERRED: weakref.WeakValueDictionary[tuple[int, Key], _DeferredReservation] = weakref.WeakValueDictionary()
 
 
 # --------------------------------------------------------------------------------------------
@@ -904,45 +921,37 @@ class Provider(abc.ABC):
             if self.in_flight(k):
                 return ReservedChain(out, InFlightError(f"key {k.hex()[:16]} is being written by another writer",
                                                         key=k))
-            if p is not None and p not in batch and not self.present([p])[0] and not self.in_flight(p):
+            if (p is not None and p not in batch and (id(self), p) not in _DEFERRED
+                    and not self.present([p])[0] and not self.in_flight(p)):
                 return ReservedChain(out, UnknownKeyError(f"parent {p.hex()[:16]} is not stored"))
-            out.append(_DeferredReservation(self, k, p, n, salt_tag))
+            res = _DeferredReservation(self, k, p, n, salt_tag)
+            _DEFERRED[(id(self), k)] = res
+            out.append(res)
             batch.add(k)
         return ReservedChain(out)
 
-    def seal_many(self, reservations: Sequence[Reservation]) -> list[HostKVError | None]:
-        """Seal reservations root first (a parent before its children); per reservation ``None``
-        (sealed) or the typed error that stopped it (it is then aborted, and so is every later
-        one of the call whose parent failed here: ``UnknownKeyError``).  Raises only for misuse
-        (a reservation of another provider) and I/O faults."""
-        out: list[HostKVError | None] = []
-        failed: set[Key] = set()
+    def seal_many(self, reservations: Sequence[Reservation]) -> None:
+        """Seal reservations root first (a parent before its children), as one batch.
+
+        On failure the first error is raised; the reservations sealed by then are a prefix of
+        ``reservations`` (possibly none: a provider that commits a batch at once seals all or
+        nothing) and every other one is aborted.  A reservation whose parent was not sealed
+        (aborted, or failed here) fails with ``UnknownKeyError``; one with unwritten bytes with
+        ``IncompleteWriteError``."""
         for res in reservations:
             if not isinstance(res, Reservation) or res.provider is not self:
                 raise InvalidArgumentError("seal_many() takes reservations of this provider")
-            orphan = self._failed_parent(res.parent, failed, res.key)
-            if orphan is not None:
-                with contextlib.suppress(HostKVError):
-                    res.abort()
-                out.append(orphan)
-                continue
+        for i, res in enumerate(reservations):
             try:
                 if isinstance(res, _DeferredReservation):
-                    res.check_open(self)
-                    res.check_complete()
-                    self.put(res.key, res.parent, res._view, salt_tag=res.salt_tag)
-                    res._finish("sealed")
+                    res._store()
                 else:
                     self.seal(res)
-                out.append(None)
-            except (IncompleteWriteError, ReservationError):
+            except BaseException:
+                for rest in reservations[i:]:
+                    with contextlib.suppress(HostKVError):
+                        rest.abort()
                 raise
-            except HostKVError as exc:
-                failed.add(res.key)
-                with contextlib.suppress(HostKVError):
-                    res.abort()
-                out.append(exc)
-        return out
 
     @staticmethod
     def _key(value: object, what: str = "key") -> Key:

@@ -1353,19 +1353,21 @@ class HostKVCache:
             real = [r for r in ress if r is not None]
             for res in real:
                 res.mark_written()
-            errs = prov.seal_many(real) if real else []
-            j = 0
+            failure: HostKVError | None = None
+            if real:
+                try:
+                    prov.seal_many(real)
+                except HostKVError as exc:  # a prefix is sealed, the rest aborted
+                    failure = exc
             for m, r in enumerate(ress):
                 i = lo + m
                 if r is None:
                     result.dedup += 1
-                else:
-                    err = errs[j]
-                    j += 1
-                    if err is not None:
-                        return f"page {i}: {err}"
+                elif r.state == "sealed":
                     result.stored += 1
                     result.nbytes += P
+                else:
+                    return f"capacity: {failure}" if isinstance(failure, CapacityError) else f"page {i}: {failure}"
                 if i in blobs:
                     why = self._attach(ks[i], i, blobs, result)
                     if why is not None:

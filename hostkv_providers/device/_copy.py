@@ -705,7 +705,7 @@ class CpuCopyEngine(CopyEngine):
         if stream is None or isinstance(stream, StreamMark):
             return stream
         if not isinstance(stream, HostStream):
-            raise CopyArgumentError("CpuCopyEngine orders against a HostStream (or None), "
+            raise CopyArgumentError("CpuCopyEngine has no CUDA streams: it orders against a HostStream (or None), "
                                     f"got {type(stream).__name__}")
         return _HostMark(stream)
 
@@ -713,7 +713,7 @@ class CpuCopyEngine(CopyEngine):
         if stream is None:
             return _NoGate()
         if not isinstance(stream, HostStream):
-            raise CopyArgumentError("CpuCopyEngine orders against a HostStream (or None), "
+            raise CopyArgumentError("CpuCopyEngine has no CUDA streams: it orders against a HostStream (or None), "
                                     f"got {type(stream).__name__}")
         return _HostGate(stream, self._workers["restore"])
 

@@ -419,26 +419,25 @@ class PinnedProvider(Provider):
                     return ReservedChain(out, exc)
         return ReservedChain(out)
 
-    def seal_many(self, reservations: Sequence[Reservation]) -> list[HostKVError | None]:
-        """Seal arena reservations root first: the checksums run on a few threads without the
-        lock (XXH3 releases the GIL), the commits in one lock round."""
+    def seal_many(self, reservations: Sequence[Reservation]) -> None:
+        """Seal arena reservations root first (see ``Provider.seal_many``): the checksums run on
+        a few threads without the lock (XXH3 releases the GIL), the commits in one lock round."""
         own = [self._own(r) for r in reservations]
-        for r in own:
-            r.check_complete()
-        digests = _checksums([r._regions for r in own])
-        out: list[HostKVError | None] = []
-        with self._usable():
-            for r, digest in zip(own, digests, strict=True):
-                if r.state != "open":
-                    out.append(UnknownKeyError(f"reservation {r.key.hex()[:16]} is {r.state}"))
-                    continue
-                try:
-                    self._commit_locked(r, digest)
+        try:
+            for r in own:
+                r.check_complete()
+            digests = _checksums([r._regions for r in own])
+            with self._usable():
+                for r, digest in zip(own, digests, strict=True):
+                    r.check_open(self)
+                    self._commit_locked(r, digest)  # UnknownKeyError: its parent was not sealed
                     self._counters["bytes_written"] += r.nbytes
-                    out.append(None)
-                except UnknownKeyError as exc:  # its parent was not sealed (failed or aborted)
-                    out.append(exc)
-        return out
+        except BaseException:
+            for r in own:  # the sealed ones are a prefix; the rest go
+                if r.state == "open":
+                    with contextlib.suppress(HostKVError):
+                        self.abort(r)
+            raise
 
     # -- batches -----------------------------------------------------------------------------
     def put_many(self, items: Sequence[tuple[bytes, bytes | None, object]], *,
