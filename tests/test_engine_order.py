@@ -109,7 +109,7 @@ def test_restore_before_orders_the_stream_on_every_path(provider: Provider, stre
             ids = list(range(20 + trial, 20 + trial + PAGES))
             hit = cache.lookup(keys)
             handle = cache.restore(hit, dst, ids, before=stream)
-            stream.enqueue(lambda ids=ids, dst=dst: seen.append(pages_of(dst, ids)))  # the "kernel"
+            stream.enqueue(lambda ids=ids, dst=dst, seen=seen: seen.append(pages_of(dst, ids)))  # the "kernel"
             assert stream.synchronize(10)
             assert seen == [expect], f"trial {trial}: the stream read the blocks before the restore"
             assert handle.wait().pages == PAGES

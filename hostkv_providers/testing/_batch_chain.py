@@ -74,7 +74,7 @@ class BatchChainTests:
         assert provider.present(keys) == [False] * 6
         assert provider.longest_prefix(keys) == 0
         assert provider.read_bytes(keys[0]) is None
-        assert provider.seal_many([r for r in rc.reservations if r is not None]) is None
+        provider.seal_many([r for r in rc.reservations if r is not None])
         assert all(r is not None and r.state == "sealed" for r in rc.reservations)
         assert provider.present(keys) == [True] * 6
         for k in keys:
