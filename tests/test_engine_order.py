@@ -268,3 +268,46 @@ def test_cpu_engine_gates_and_marks(stream: HostStream) -> None:
     g.open_now()  # idempotent
     assert stream.synchronize(10)
     engine.close()
+
+
+def test_host_pages_coalesce_and_validation() -> None:
+    from hostkv_providers.device import HostPages
+    from hostkv_providers.device._copy import _coalesce_pages
+
+    a = np.array([4096, 8192, 12288, 40960, 45056, 4096 * 100], dtype=np.uint64)
+    assert _coalesce_pages(a, 4096) == [(0, 4096, 3 * 4096), (3 * 4096, 40960, 2 * 4096), (5 * 4096, 409600, 4096)]
+    assert _coalesce_pages(a[:0], 4096) == []
+    hp = HostPages(a, 4096, pinned=False, readonly=True)
+    assert len(hp) == 6 and len(hp[1:3]) == 2
+    assert next(iter(hp)) == ((0,), (4096,), (4096,))
+    for bad in ([[1, 2]], [0, 4096]):
+        with pytest.raises(hk.InvalidArgumentError):
+            HostPages(np.array(bad, dtype=np.uint64), 4096, pinned=False, readonly=True)
+    engine = CpuCopyEngine()
+    ps = planes(fill=0)
+    from hostkv_providers.device import KVPlanes
+
+    kv = KVPlanes.from_arrays(LAYOUT, ps)
+    with pytest.raises(hk.errors.CopyArgumentError):  # read-only pages cannot take a save
+        engine.save(kv, [0], HostPages(a[:1], PAGE, pinned=False, readonly=True))
+    with pytest.raises(hk.errors.CopyArgumentError):  # wrong page size
+        engine.restore(HostPages(a[:1], 4096 * 2, pinned=False, readonly=True), kv, [0])
+    engine.close()
+
+
+def test_pinned_view_pages() -> None:
+    provider = PinnedProvider(1 << 20, block=PAGE, allocator=OrdinaryAllocator(huge_pages=False))
+    try:
+        keys = [bytes([i]) * 32 for i in range(1, 5)]
+        parent = None
+        for k in keys:
+            provider.put(k, parent, bytes([k[0]]) * PAGE)
+            parent = k
+        with provider.lease(keys) as lease:
+            hp = provider.view_pages(lease, keys)
+            assert hp is not None and len(hp) == 4 and hp.readonly
+            views = provider.views(lease, keys)
+            assert [int(a) for a in hp.addresses] == [v[0].address for v in views]  # type: ignore[index]
+            assert provider.view_pages(lease, [*keys, b"\x09" * 32]) is None  # not leased, not stored
+    finally:
+        provider.close()

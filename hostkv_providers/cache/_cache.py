@@ -64,6 +64,7 @@ from hostkv_providers._provider import (
     check_anchor_name,
     readable_bytes,
 )
+from hostkv_providers._region import HostPages
 from hostkv_providers.device._hostmem import HostAllocation, HostAllocator, OrdinaryAllocator
 
 __all__ = [
@@ -104,7 +105,7 @@ class CopyEngineLike(Protocol):
     def save(self, planes: Any, block_ids: Sequence[int], dst: Sequence[Sequence[HostRegion]], *,
              after: Any = None) -> Any: ...
 
-    def restore(self, src: Sequence[Sequence[HostRegion]], planes: Any, block_ids: Sequence[int], *,
+    def restore(self, src: Sequence[Sequence[HostRegion]] | HostPages, planes: Any, block_ids: Sequence[int], *,
                 before: Any = None) -> Any: ...
 
 
@@ -618,6 +619,7 @@ class HostKVCache:
         self.lookup_wait_timeout = float(lookup_wait_timeout)
         self._views = isinstance(provider, SupportsViews)
         self._batch_views = isinstance(provider, SupportsBatchViews)
+        self._page_views = callable(getattr(provider, "view_pages", None))
         self._batch = isinstance(provider, SupportsBatch)
         # Providers with their own chain reservation take saves straight into their memory.
         self._direct_saves = type(provider).reserve_many is not Provider.reserve_many
@@ -900,18 +902,26 @@ class HostKVCache:
             i = 0
             while i < len(keys):
                 part = keys[i : i + chunk]
-                srcs: list[Sequence[HostRegion]] | None = None
+                srcs: list[Sequence[HostRegion]] | HostPages | None = None
                 if self._views and hit.lease is not None:
                     # Small leases for the views (the hit's lease already pins the pages):
                     # providers may search the lease's keys on every view() call.
                     vleases: list[Lease] = []
                     srcs = []
                     # A provider that batches views takes the whole chunk in one call.
-                    step = len(part) if self._batch_views else _VIEW_LEASE_PAGES
+                    step = len(part) if self._batch_views or self._page_views else _VIEW_LEASE_PAGES
                     for lo in range(0, len(part), step):
                         sub = part[lo : lo + step]
                         vlease = self.provider.lease(sub)
                         vleases.append(vlease)
+                        if self._page_views:
+                            # One address array for the chunk: no Python object per page.
+                            pages = self.provider.view_pages(vlease, sub)  # type: ignore[attr-defined]
+                            if pages is None:
+                                srcs = None
+                                break
+                            srcs = pages
+                            continue
                         if self._batch_views:
                             got = self.provider.views(vlease, sub)  # type: ignore[attr-defined]
                         else:
@@ -919,7 +929,7 @@ class HostKVCache:
                         if any(regs is None for regs in got):
                             srcs = None
                             break
-                        srcs.extend(got)
+                        srcs.extend(got)  # type: ignore[union-attr]
                     if srcs is None:
                         for vlease in vleases:
                             vlease.release()
@@ -1419,7 +1429,7 @@ class HostKVCache:
                         continue
                     stop = f"capacity: {err}" if isinstance(err, CapacityError) else f"page {pos}: {err}"
                     break
-                while len(inflight) > 1 and stop is None:  # two chunks in flight: copy one, seal one
+                while len(inflight) > 2 and stop is None:  # copies of two chunks queued while one is sealed
                     stop = seal_oldest()
             while inflight and stop is None:
                 stop = seal_oldest()

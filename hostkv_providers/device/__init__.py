@@ -7,7 +7,7 @@ only by ``_cuda`` and only when a CUDA path is used.
 
 from __future__ import annotations
 
-from hostkv_providers._region import HostRegion
+from hostkv_providers._region import HostPages, HostRegion
 from hostkv_providers.device._copy import (
     CopyEngine,
     CpuCopyEngine,
@@ -39,6 +39,7 @@ __all__ = [
     "Gate",
     "HostAllocation",
     "HostAllocator",
+    "HostPages",
     "HostRegion",
     "HostStream",
     "KVPlanes",

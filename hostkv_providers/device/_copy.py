@@ -49,7 +49,7 @@ from hostkv_providers._errors import (
     UsedAfterForkError,
 )
 from hostkv_providers._layout import KVLayout
-from hostkv_providers._region import HostRegion
+from hostkv_providers._region import HostPages, HostRegion
 from hostkv_providers.device import _cuda
 from hostkv_providers.device._hostmem import _REGISTERED_STARTS, CudaPinnedAllocation
 
@@ -481,6 +481,8 @@ def _open_leaked(open_fn: Callable[[], None]) -> None:
 # One host page of a request: its regions as parallel (offsets, addresses, sizes) tuples.  A plain
 # tuple, not a dataclass: a 4,096-page request builds 4,096 of them on the caller's thread.
 _Page = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
+# A request's host pages: per-page tuples, or one HostPages (chunk-level, no per-page objects).
+_Pages = list[_Page] | HostPages
 
 
 def _check_ids(planes: KVPlanes, block_ids: Sequence[int]) -> list[int]:
@@ -494,7 +496,16 @@ def _check_ids(planes: KVPlanes, block_ids: Sequence[int]) -> list[int]:
     return ids
 
 
-def _check_pages(layout: KVLayout, pages: Sequence[Any], count: int, *, writable: bool) -> list[_Page]:
+def _check_pages(layout: KVLayout, pages: Sequence[Any] | HostPages, count: int, *, writable: bool) -> _Pages:
+    if isinstance(pages, HostPages):
+        if len(pages) != count:
+            raise CopyArgumentError(f"{len(pages)} host pages given for {count} block ids")
+        if pages.page_nbytes != layout.page_nbytes:
+            raise CopyArgumentError(
+                f"host pages of {pages.page_nbytes} bytes, the layout's page is {layout.page_nbytes}")
+        if writable and pages.readonly:
+            raise CopyArgumentError("a save needs writable host pages")
+        return pages
     if isinstance(pages, (bytes, bytearray, memoryview, HostRegion)):
         raise CopyArgumentError("host pages must be a sequence with one entry (regions) per block id")
     if len(pages) != count:
@@ -588,7 +599,7 @@ class CopyEngine(abc.ABC):
                                      hint="create the copy engine in the child process after fork()")
 
     @abc.abstractmethod
-    def save(self, planes: KVPlanes, block_ids: Sequence[int], dst: Sequence[Any], *,
+    def save(self, planes: KVPlanes, block_ids: Sequence[int], dst: Sequence[Any] | HostPages, *,
              after: Any = None) -> TransferHandle:
         """Gather page ``i`` (block ``block_ids[i]`` of every plane) into host regions ``dst[i]``.
 
@@ -613,7 +624,7 @@ class CopyEngine(abc.ABC):
         """
 
     @abc.abstractmethod
-    def restore(self, src: Sequence[Any], planes: KVPlanes, block_ids: Sequence[int], *,
+    def restore(self, src: Sequence[Any] | HostPages, planes: KVPlanes, block_ids: Sequence[int], *,
                 before: Any = None) -> TransferHandle:
         """Scatter host page ``src[i]`` into block ``block_ids[i]`` of every plane.
 
@@ -717,7 +728,7 @@ class CpuCopyEngine(CopyEngine):
                                     f"got {type(stream).__name__}")
         return _HostGate(stream, self._workers["restore"])
 
-    def save(self, planes: KVPlanes, block_ids: Sequence[int], dst: Sequence[Any], *,
+    def save(self, planes: KVPlanes, block_ids: Sequence[int], dst: Sequence[Any] | HostPages, *,
              after: Any = None) -> TransferHandle:
         self._check_open()
         self._check_planes(planes)
@@ -726,7 +737,7 @@ class CpuCopyEngine(CopyEngine):
         pages = _check_pages(planes.layout, dst, len(ids), writable=True)
         return self._submit("save", planes, ids, pages, dst, wait_for=mark)
 
-    def restore(self, src: Sequence[Any], planes: KVPlanes, block_ids: Sequence[int], *,
+    def restore(self, src: Sequence[Any] | HostPages, planes: KVPlanes, block_ids: Sequence[int], *,
                 before: Any = None) -> TransferHandle:
         self._check_open()
         self._check_planes(planes)
@@ -740,7 +751,7 @@ class CpuCopyEngine(CopyEngine):
         gate.open_after([handle])
         return handle
 
-    def _submit(self, direction: str, planes: KVPlanes, ids: list[int], pages: list[_Page],
+    def _submit(self, direction: str, planes: KVPlanes, ids: list[int], pages: _Pages,
                 keep: object, wait_for: StreamMark | None = None) -> TransferHandle:
         handle = _CpuHandle(len(ids) * planes.layout.page_nbytes)
         gather = direction == "save"
@@ -771,7 +782,7 @@ class CpuCopyEngine(CopyEngine):
             w.stop()
 
 
-def _host_copy(planes: KVPlanes, ids: list[int], pages: list[_Page], gather: bool) -> None:
+def _host_copy(planes: KVPlanes, ids: list[int], pages: _Pages, gather: bool) -> None:
     """Move plane slices between host planes and host pages with ``memmove`` (GIL released)."""
     memmove = ctypes.memmove
     specs = planes.layout.planes
@@ -976,6 +987,26 @@ class _CudaHandle(_JobHandle):
         ev = self.event
         with self._dev.scope():
             _cuda.check(_cuda.driver().cuStreamWaitEvent(s, ev, 0), "cuStreamWaitEvent")
+
+
+def _coalesce_pages(addresses: Any, page_nbytes: int) -> list[tuple[int, int, int]]:
+    """:meth:`CudaCopyEngine._coalesce` for whole pages given by address (numpy, no per-page
+    objects): runs of adjacent pages that do not cross into another pinned allocation."""
+    import numpy as np
+
+    k = int(addresses.size)
+    if not k:
+        return []
+    brk = np.ones(k, dtype=bool)
+    if k > 1:
+        brk[1:] = addresses[1:] != addresses[:-1] + np.uint64(page_nbytes)
+        if _REGISTERED_STARTS:
+            starts = np.array(list(_REGISTERED_STARTS), dtype=np.uint64)  # a copy: it may grow meanwhile
+            brk[1:] |= np.isin(addresses[1:], starts)
+    first = np.flatnonzero(brk)
+    lengths = np.diff(np.append(first, k))
+    return [(int(i) * page_nbytes, int(addresses[i]), int(n) * page_nbytes)
+            for i, n in zip(first.tolist(), lengths.tolist(), strict=True)]
 
 
 def _destroy_events(dev: _cuda.Device, events: list[Any]) -> None:
@@ -1282,7 +1313,7 @@ class CudaCopyEngine(CopyEngine):
         return self._flags.gate(s)
 
     # -- the verbs -----------------------------------------------------------------------------
-    def save(self, planes: KVPlanes, block_ids: Sequence[int], dst: Sequence[Any], *,
+    def save(self, planes: KVPlanes, block_ids: Sequence[int], dst: Sequence[Any] | HostPages, *,
              after: Any = None) -> TransferHandle:
         self._check_open()
         self._check_planes(planes)
@@ -1297,7 +1328,7 @@ class CudaCopyEngine(CopyEngine):
         self._submit("save", handle, lambda: self._issue_save(handle, planes, ids, pages, after_ev))
         return handle
 
-    def restore(self, src: Sequence[Any], planes: KVPlanes, block_ids: Sequence[int], *,
+    def restore(self, src: Sequence[Any] | HostPages, planes: KVPlanes, block_ids: Sequence[int], *,
                 before: Any = None) -> TransferHandle:
         self._check_open()
         self._check_planes(planes)
@@ -1353,10 +1384,12 @@ class CudaCopyEngine(CopyEngine):
                                                   ctypes.addressof(params), 0), "pack kernel launch")
 
     @staticmethod
-    def _coalesce(pages: Sequence[_Page], lo: int, hi: int, page_nbytes: int) -> list[tuple[int, int, int]]:
+    def _coalesce(pages: _Pages, lo: int, hi: int, page_nbytes: int) -> list[tuple[int, int, int]]:
         """``(staging_offset, host_address, nbytes)`` copies for pages ``[lo, hi)``, merged when both
         sides are contiguous (page-major staging + adjacent host pages = one large DMA) and the
         host side does not cross into another pinned allocation."""
+        if isinstance(pages, HostPages):
+            return _coalesce_pages(pages.addresses[lo:hi], page_nbytes)
         out: list[tuple[int, int, int]] = []
         s = a = m = -1  # the copy being extended
         base = 0
@@ -1374,7 +1407,7 @@ class CudaCopyEngine(CopyEngine):
             out.append((s, a, m))
         return out
 
-    def _issue_save(self, handle: _CudaHandle, planes: KVPlanes, ids: list[int], pages: list[_Page],
+    def _issue_save(self, handle: _CudaHandle, planes: KVPlanes, ids: list[int], pages: _Pages,
                     after_ev: Any) -> None:
         d = _cuda.driver()
         dev = self._dev
@@ -1409,7 +1442,7 @@ class CudaCopyEngine(CopyEngine):
                 _cuda.check(d.cuEventRecord(freed, dma), "cuEventRecord")
         _cuda.check(d.cuEventRecord(done, dma), "cuEventRecord")
 
-    def _issue_restore(self, handle: _CudaHandle, planes: KVPlanes, ids: list[int], pages: list[_Page]) -> None:
+    def _issue_restore(self, handle: _CudaHandle, planes: KVPlanes, ids: list[int], pages: _Pages) -> None:
         d = _cuda.driver()
         dev = self._dev
         dma, scatter = self._streams["restore_dma"], self._streams["restore_scatter"]

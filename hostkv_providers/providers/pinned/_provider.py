@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import os
 import threading
 import time
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
+
+import numpy as np
 
 from hostkv_providers._checksum import checksum_parts
 from hostkv_providers._errors import (
@@ -46,6 +49,7 @@ from hostkv_providers._provider import (
     readable_bytes,
     writable_buffer,
 )
+from hostkv_providers._region import HostPages
 from hostkv_providers._span import ByteSpan
 from hostkv_providers.device._hostmem import HostAllocation, HostAllocator, OrdinaryAllocator, copy_bytes
 from hostkv_providers.providers._tree import Node, TreeIndex
@@ -620,6 +624,30 @@ class PinnedProvider(Provider):
                     out.append(regions(node.loc, node.nbytes, pinned, readonly=True))
         return out
 
+    def view_pages(self, lease: Lease, keys: Sequence[bytes]) -> HostPages | None:
+        """:meth:`views` as one :class:`HostPages` (an address per page, no per-page objects), or
+        ``None`` unless every key is leased, of one size and in one contiguous run of the arena
+        (always so when ``block`` is the page size)."""
+        ks = self._keys(keys)
+        if not isinstance(lease, Lease) or lease.released or lease.token is None or lease._provider is not self:
+            raise InvalidArgumentError("view_pages() needs an unreleased lease of this provider")
+        leased = lease.keys if len(ks) == 1 else frozenset(lease.keys)
+        addrs = np.empty(len(ks), dtype=np.uint64)
+        nbytes = 0
+        with self._usable():
+            get, arena = self._index.get, self._arena
+            bpc, block, chunks = arena.bpc, arena.block, arena.chunks
+            for i, k in enumerate(ks):
+                node = get(k)
+                if node is None or k not in leased or len(node.loc) != 1 or (nbytes and node.nbytes != nbytes):
+                    return None
+                nbytes = node.nbytes
+                start = node.loc[0][0]
+                addrs[i] = chunks[start // bpc].address + (start % bpc) * block
+        if not nbytes:
+            return None
+        return HostPages(addrs, nbytes, pinned=self._allocator.pinned, readonly=True, keepalive=lease)
+
     # -- eviction ----------------------------------------------------------------------------
     def evict(self, keys: Sequence[bytes] | None = None, *, nbytes: int = 0) -> EvictReport:
         if (keys is None) == (not nbytes):
@@ -823,7 +851,7 @@ def _gather(regions: Sequence[HostRegion], span: ByteSpan, dst: memoryview) -> N
             copy_bytes(dst[lo - span.offset : hi - span.offset], r.view[lo - r.offset : hi - r.offset])
 
 
-_HASH_THREADS = 4
+_HASH_THREADS = max(2, min(8, (os.cpu_count() or 2) // 2))
 _hash_pool: concurrent.futures.ThreadPoolExecutor | None = None
 _hash_pool_lock = threading.Lock()
 
