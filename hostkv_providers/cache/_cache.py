@@ -1536,7 +1536,7 @@ class HostKVCache:
     def _chain(self, keys: Sequence[bytes]) -> list[Key]:
         if isinstance(keys, (bytes, bytearray, memoryview, str)) or not isinstance(keys, Sequence):
             raise InvalidArgumentError("keys must be a sequence of 32-byte keys (a chain), not one key")
-        return [as_key(k) for k in keys]
+        return list(Provider._keys(keys))  # the common case (all 32-byte bytes) validated at C speed
 
     @staticmethod
     def _block_ids(block_ids: Sequence[int], limit: int, what: str, exact: bool = False) -> list[int]:
