@@ -1429,8 +1429,18 @@ class HostKVCache:
                         continue
                     stop = f"capacity: {err}" if isinstance(err, CapacityError) else f"page {pos}: {err}"
                     break
-                while len(inflight) > 2 and stop is None:  # copies of two chunks queued while one is sealed
+                # Seal what the DMA has finished (root first) without waiting: the copies of the
+                # whole run are queued as fast as they can be reserved, so the link never idles
+                # behind the host's sealing (hashing) of earlier chunks.
+                while stop is None and inflight and (inflight[0][2] is None or inflight[0][2].done()):
                     stop = seal_oldest()
+            if stop is None and pos >= n:
+                # Copies of one direction complete in order: the last chunk's done means every
+                # block is copied out, and the engine may reuse them while the seals finish.
+                last = next((h for _lo, _r, h in reversed(inflight) if h is not None), None)
+                if last is not None:
+                    last.wait()
+                job.handle._copied.set()
             while inflight and stop is None:
                 stop = seal_oldest()
         finally:
