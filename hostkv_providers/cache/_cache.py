@@ -1358,8 +1358,6 @@ class HostKVCache:
             lo, ress, h = inflight.popleft()
             if h is not None:
                 h.wait()
-            if pos >= n and not inflight:
-                job.handle._copied.set()  # every block is copied out: the engine may reuse them
             real = [r for r in ress if r is not None]
             for res in real:
                 res.mark_written()
@@ -1436,11 +1434,21 @@ class HostKVCache:
                     stop = seal_oldest()
             if stop is None and pos >= n:
                 # Copies of one direction complete in order: the last chunk's done means every
-                # block is copied out, and the engine may reuse them while the seals finish.
+                # block is copied out, and the engine may reuse them while the seals finish.  A
+                # waiter (the wait releases the GIL) reports it, so the seals below overlap the
+                # copies still running instead of starting behind the last of them.
                 last = next((h for _lo, _r, h in reversed(inflight) if h is not None), None)
-                if last is not None:
-                    last.wait()
-                job.handle._copied.set()
+                if last is None:
+                    job.handle._copied.set()
+                else:
+                    copied = job.handle._copied
+
+                    def report(h: Any = last) -> None:
+                        with contextlib.suppress(Exception):
+                            h.wait()
+                        copied.set()
+
+                    threading.Thread(target=report, name="hostkv-save-copied", daemon=True).start()
             while inflight and stop is None:
                 stop = seal_oldest()
         finally:
