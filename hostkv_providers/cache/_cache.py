@@ -15,17 +15,23 @@ Saves:
 * skip pages already stored (dedup) and pages another save of this cache is writing (coalescing:
   the later save waits for the earlier one instead of copying the page twice; a page being written
   by another process is waited for through ``Provider.wait_sealed``);
-* copy the remaining pages device → host into bounce buffers (double-buffered chunks), then
-  reserve, fill and seal each page parent before child — a child can only be reserved once its
-  parent is sealed (the provider contract), so bytes cannot be DMA'd straight into reservations of
-  a whole chain;
+* copy the remaining pages device → host straight into the provider's own reservations where it
+  has a chain reservation (``reserve_many``/``seal_many``: ``pinned``), chunk by chunk, each
+  chunk sealed root first once its DMA is done; otherwise into bounce buffers (double-buffered
+  chunks), then store each run with ``put_many`` (or reserve, fill and seal page by page);
 * attach anchors (named blobs: recurrent state, boundary hidden state) to the pages the engine
   gives them for: the terminal page, checkpoint pages and every ``anchor_interval`` pages
   (:meth:`HostKVCache.anchor_positions`).
 
 Restores read pinned host memory in place where the provider offers zero-copy views
-(``SupportsViews``) and otherwise stage pages through bounce buffers, reading the next chunk while
-the previous one is copied.  A hit for a hybrid model (``need_anchor``) is cut back to the deepest
+(``view_pages``: one address array per chunk; ``SupportsViews``) and otherwise stage pages through
+bounce buffers, reading the next chunk while the previous one is copied.
+
+Stream order (R9): ``restore(before=stream)`` gates the stream on the caller's thread (the copy
+engine's :meth:`~hostkv_providers.device.CopyEngine.gate`) and opens it behind every copy the
+restore thread issues later, so each kernel enqueued on the stream after the call sees the
+restored bytes; ``save(after=stream)`` marks the stream's position at the call
+(:meth:`~hostkv_providers.device.CopyEngine.mark`).  A hit for a hybrid model (``need_anchor``) is cut back to the deepest
 page carrying that anchor: KV beyond it cannot be used without the recurrent state at that point.
 """
 

@@ -10,10 +10,12 @@ each an array of blocks.  A stored page is the slice of one block of every plane
 
 Both return a :class:`TransferHandle` at once; the bytes move on the engine's own threads and
 (for CUDA) its own non-blocking streams.  Ordering against the inference engine's compute stream
-uses CUDA events only: a save waits on an event recorded on the ``after`` stream at call time (so
-it sees every kernel queued there before the call); a restore makes the ``before`` stream wait on
-its completion event (so every kernel queued there after the call sees the restored bytes).
-Nothing here ever synchronises the device.
+uses CUDA events and stream memory operations only: a save waits on an event recorded on the
+``after`` stream at call time (:meth:`CopyEngine.mark`: it sees every kernel queued there before
+the call); a restore gates the ``before`` stream at the call (:meth:`CopyEngine.gate`: a wait on a
+device-visible flag, set behind the copies), so every kernel queued there after the call sees the
+restored bytes, without the caller's thread waiting for the worker.  Nothing here ever
+synchronises the device.
 
 :class:`CudaCopyEngine` packs pages on the device with one fused gather/scatter kernel (compiled
 at run time by NVRTC) into double-buffered device staging, and moves the packed, page-major
@@ -629,8 +631,9 @@ class CopyEngine(abc.ABC):
         """Scatter host page ``src[i]`` into block ``block_ids[i]`` of every plane.
 
         ``before``: a compute stream that must not run past this point until the restore is
-        complete; it is made to wait on the restore's completion event (no host blocking beyond
-        enqueueing the copies).  Block ids must be distinct (two writes to one block race).
+        complete; it is gated at the call (:meth:`gate`) and opened behind the copies, with no
+        host blocking.  ``src`` may be a :class:`~hostkv_providers.device.HostPages`.  Block ids
+        must be distinct (two writes to one block race).
         """
 
     def mark(self, stream: Any) -> StreamMark | None:
