@@ -31,8 +31,10 @@ Stream order (R9): ``restore(before=stream)`` gates the stream on the caller's t
 engine's :meth:`~hostkv_providers.device.CopyEngine.gate`) and opens it behind every copy the
 restore thread issues later, so each kernel enqueued on the stream after the call sees the
 restored bytes; ``save(after=stream)`` marks the stream's position at the call
-(:meth:`~hostkv_providers.device.CopyEngine.mark`).  A hit for a hybrid model (``need_anchor``) is cut back to the deepest
-page carrying that anchor: KV beyond it cannot be used without the recurrent state at that point.
+(:meth:`~hostkv_providers.device.CopyEngine.mark`).
+
+A hit for a hybrid model (``need_anchor``) is cut back to the deepest page carrying that anchor:
+KV beyond it cannot be used without the recurrent state at that point.
 """
 
 from __future__ import annotations
