@@ -851,6 +851,10 @@ def _gather(regions: Sequence[HostRegion], span: ByteSpan, dst: memoryview) -> N
             copy_bytes(dst[lo - span.offset : hi - span.offset], r.view[lo - r.offset : hi - r.offset])
 
 
+# Seal-time hashing of large batches (zero-copy saves): XXH3 releases the GIL, so a few threads
+# scale it.  H200 host, 13.4 GB chain: 8 threads hash at 45 GB/s and the save seals in 474 ms
+# (DMA done at 313 ms); 12 threads hash at 56 GB/s alone but slow the DMA they overlap (528 /
+# 386 ms), so the count stays at 8.
 _HASH_THREADS = max(2, min(8, (os.cpu_count() or 2) // 2))
 _hash_pool: concurrent.futures.ThreadPoolExecutor | None = None
 _hash_pool_lock = threading.Lock()
