@@ -11,6 +11,7 @@ import contextlib
 import os
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -20,6 +21,7 @@ from hostkv_providers._errors import (
     ClosedError,
     HostKVError,
     IncompleteWriteError,
+    InFlightError,
     InvalidArgumentError,
     ReservationError,
     UnknownKeyError,
@@ -40,6 +42,7 @@ __all__ = [
     "Provider",
     "ProviderStats",
     "Reservation",
+    "ReservedChain",
     "SupportsBatch",
     "SupportsCompact",
     "SupportsIterate",
@@ -453,6 +456,75 @@ class SupportsBatch(Protocol):
     def read_many(self, keys: Sequence[bytes], outs: Sequence[object]) -> list[bool]: ...
 
 
+@dataclass(slots=True)
+class ReservedChain:
+    """What :meth:`Provider.reserve_many` reserved: a *prefix* of the keys asked for.
+
+    ``reservations[i]`` is the reservation of ``keys[i]``, or ``None`` where that key is already
+    sealed (dedup: nothing to write, and later keys may name it as their parent).  When fewer
+    than all keys were reserved, ``error`` is the typed error of the first key that was not
+    (``CapacityError``, ``InFlightError``, ``UnknownKeyError``); nothing after it was reserved.
+    """
+
+    reservations: list[Reservation | None]
+    error: HostKVError | None = None
+
+    def __len__(self) -> int:
+        return len(self.reservations)
+
+
+class _DeferredReservation(Reservation):
+    """The base class's chain reservation for a provider without its own: the bytes wait in an
+    ordinary host buffer and are stored by ``seal_many`` (reserve, write, seal, in that call).
+    Nothing is visible or accounted before that; capacity is found short only then."""
+
+    __slots__ = ("_buf", "_view")
+
+    def __init__(self, provider: Provider, key: Key, parent: Key | None, nbytes: int, salt_tag: str) -> None:
+        super().__init__(provider, key, parent, nbytes, salt_tag)
+        self._buf = bytearray(nbytes)
+        self._view = memoryview(self._buf)
+
+    def regions(self) -> Sequence[HostRegion]:
+        self.check_open(self._provider)
+        import ctypes  # only here: the address of the buffer for a copy engine
+
+        address = ctypes.addressof(ctypes.c_char.from_buffer(self._buf))
+        return [HostRegion(0, self._view, address, False)]
+
+    def write(self, offset: int, data: object) -> None:
+        self.check_open(self._provider)
+        view = readable_bytes(data)
+        span = self.check_write(offset, view.nbytes)
+        self._view[span.offset : span.end] = view
+        self.mark_written(span)
+
+    def _store(self) -> None:
+        self.check_open(self._provider)
+        self.check_complete()
+        try:
+            self._provider.put(self.key, self.parent, self._view, salt_tag=self.salt_tag)
+        except BaseException:
+            self.abort()
+            raise
+        self._finish("sealed")
+
+    def seal(self) -> None:
+        self._provider.seal_many([self])
+
+    def abort(self) -> None:
+        if self._state == "open":
+            self._finish("aborted")
+
+    def _finish(self, state: str) -> None:
+        super()._finish(state)
+        _DEFERRED.pop((id(self._provider), self.key), None)
+
+
+# Open deferred reservations by (provider id, key): a later reserve_many may chain onto them.
+_DEFERRED: weakref.WeakValueDictionary[tuple[int, Key], _DeferredReservation] = weakref.WeakValueDictionary()
+
+
 # --------------------------------------------------------------------------------------------
 # The ABC
 # --------------------------------------------------------------------------------------------
@@ -804,6 +876,82 @@ class Provider(abc.ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    # -- chain reservation (added verbs; defaults work for every provider) ------------------
+    def reserve_many(self, keys: Sequence[bytes], parents: Sequence[bytes | None], nbytes: int, *,
+                     salt_tag: str = "") -> ReservedChain:
+        """Reserve a whole chain (or a run of one) at once, so a copy engine can write every page
+        straight into provider memory before any of them is sealed.
+
+        Parameters
+        ----------
+        keys, parents:
+            The pages, root first, and each one's parent: ``None`` (a root), a sealed key, an
+            earlier key of this call, or a key still in flight in an earlier ``reserve_many`` of
+            the same writer (a long chain reserved run by run).
+        nbytes:
+            The size of every entry (pages of one layout are all the same size).
+        salt_tag:
+            As for :meth:`reserve`.
+
+        Returns
+        -------
+        ReservedChain
+            All or a prefix: the first key that cannot be reserved ends the call, with its error
+            in ``error``; nothing after it is reserved.  Nothing of any entry is visible before
+            its seal; seal with :meth:`seal_many` (root first) or abort each reservation.
+
+        The default keeps the bytes in ordinary host buffers and stores each page when it is
+        sealed (capacity and in-flight conflicts then surface at seal); providers with memory
+        a copy engine can reach (``pinned``, ``tiered``) override it with real reservations.
+        """
+        ks = self._keys(keys)
+        if isinstance(parents, (bytes, bytearray, memoryview, str)) or len(parents) != len(ks):
+            raise InvalidArgumentError(f"{len(parents)} parents for {len(ks)} keys; give one per key")
+        self._check_usable()
+        out: list[Reservation | None] = []
+        batch: set[Key] = set()
+        present = self.present(ks) if ks else []
+        for k, parent, here in zip(ks, parents, present, strict=True):
+            k, p, n = self._reserve_args(k, parent, nbytes, salt_tag)
+            if here:
+                out.append(None)
+                batch.add(k)
+                continue
+            if self.in_flight(k):
+                return ReservedChain(out, InFlightError(f"key {k.hex()[:16]} is being written by another writer",
+                                                        key=k))
+            if (p is not None and p not in batch and (id(self), p) not in _DEFERRED
+                    and not self.present([p])[0] and not self.in_flight(p)):
+                return ReservedChain(out, UnknownKeyError(f"parent {p.hex()[:16]} is not stored"))
+            res = _DeferredReservation(self, k, p, n, salt_tag)
+            _DEFERRED[(id(self), k)] = res
+            out.append(res)
+            batch.add(k)
+        return ReservedChain(out)
+
+    def seal_many(self, reservations: Sequence[Reservation]) -> None:
+        """Seal reservations root first (a parent before its children), as one batch.
+
+        On failure the first error is raised; the reservations sealed by then are a prefix of
+        ``reservations`` (possibly none: a provider that commits a batch at once seals all or
+        nothing) and every other one is aborted.  A reservation whose parent was not sealed
+        (aborted, or failed here) fails with ``UnknownKeyError``; one with unwritten bytes with
+        ``IncompleteWriteError``."""
+        for res in reservations:
+            if not isinstance(res, Reservation) or res.provider is not self:
+                raise InvalidArgumentError("seal_many() takes reservations of this provider")
+        for i, res in enumerate(reservations):
+            try:
+                if isinstance(res, _DeferredReservation):
+                    res._store()
+                else:
+                    self.seal(res)
+            except BaseException:
+                for rest in reservations[i:]:
+                    with contextlib.suppress(HostKVError):
+                        rest.abort()
+                raise
 
     @staticmethod
     def _key(value: object, what: str = "key") -> Key:

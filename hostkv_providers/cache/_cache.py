@@ -15,18 +15,26 @@ Saves:
 * skip pages already stored (dedup) and pages another save of this cache is writing (coalescing:
   the later save waits for the earlier one instead of copying the page twice; a page being written
   by another process is waited for through ``Provider.wait_sealed``);
-* copy the remaining pages device → host into bounce buffers (double-buffered chunks), then
-  reserve, fill and seal each page parent before child — a child can only be reserved once its
-  parent is sealed (the provider contract), so bytes cannot be DMA'd straight into reservations of
-  a whole chain;
+* copy the remaining pages device → host straight into the provider's own reservations where it
+  has a chain reservation (``reserve_many``/``seal_many``: ``pinned``), chunk by chunk, each
+  chunk sealed root first once its DMA is done; otherwise into bounce buffers (double-buffered
+  chunks), then store each run with ``put_many`` (or reserve, fill and seal page by page);
 * attach anchors (named blobs: recurrent state, boundary hidden state) to the pages the engine
   gives them for: the terminal page, checkpoint pages and every ``anchor_interval`` pages
   (:meth:`HostKVCache.anchor_positions`).
 
 Restores read pinned host memory in place where the provider offers zero-copy views
-(``SupportsViews``) and otherwise stage pages through bounce buffers, reading the next chunk while
-the previous one is copied.  A hit for a hybrid model (``need_anchor``) is cut back to the deepest
-page carrying that anchor: KV beyond it cannot be used without the recurrent state at that point.
+(``view_pages``: one address array per chunk; ``SupportsViews``) and otherwise stage pages through
+bounce buffers, reading the next chunk while the previous one is copied.
+
+Stream order (R9): ``restore(before=stream)`` gates the stream on the caller's thread (the copy
+engine's :meth:`~hostkv_providers.device.CopyEngine.gate`) and opens it behind every copy the
+restore thread issues later, so each kernel enqueued on the stream after the call sees the
+restored bytes; ``save(after=stream)`` marks the stream's position at the call
+(:meth:`~hostkv_providers.device.CopyEngine.mark`).
+
+A hit for a hybrid model (``need_anchor``) is cut back to the deepest page carrying that anchor:
+KV beyond it cannot be used without the recurrent state at that point.
 """
 
 from __future__ import annotations
@@ -57,12 +65,14 @@ from hostkv_providers._provider import (
     HostRegion,
     Lease,
     Provider,
+    Reservation,
     SupportsBatch,
     SupportsBatchViews,
     SupportsViews,
     check_anchor_name,
     readable_bytes,
 )
+from hostkv_providers._region import HostPages
 from hostkv_providers.device._hostmem import HostAllocation, HostAllocator, OrdinaryAllocator
 from hostkv_providers.metrics import LatencyHistogram, ProviderCollector
 
@@ -104,7 +114,7 @@ class CopyEngineLike(Protocol):
     def save(self, planes: Any, block_ids: Sequence[int], dst: Sequence[Sequence[HostRegion]], *,
              after: Any = None) -> Any: ...
 
-    def restore(self, src: Sequence[Sequence[HostRegion]], planes: Any, block_ids: Sequence[int], *,
+    def restore(self, src: Sequence[Sequence[HostRegion]] | HostPages, planes: Any, block_ids: Sequence[int], *,
                 before: Any = None) -> Any: ...
 
 
@@ -285,10 +295,18 @@ class RestoreResult:
 
 class CacheHandle:
     """An asynchronous save or restore.  ``done()`` polls, ``wait()`` blocks and returns the
-    :class:`SaveResult` / :class:`RestoreResult` (or raises the error the transfer hit)."""
+    :class:`SaveResult` / :class:`RestoreResult` (or raises the error the transfer hit).
 
-    def __init__(self, kind: str) -> None:
+    Stream order without blocking the host: :meth:`wait_on` makes a stream wait for the
+    transfer's device copies (a restore: every kernel enqueued on that stream afterwards sees
+    the restored bytes; a save: the blocks may be overwritten by kernels enqueued afterwards),
+    also when the copies have not been issued yet.  :attr:`event` is the completion event of the
+    copies (a ``CUevent``; ``None`` for host copies), available once they are issued.
+    """
+
+    def __init__(self, kind: str, engine: Any = None) -> None:
         self.kind = kind
+        self._engine = engine
         self._done = threading.Event()
         self._copied = threading.Event()
         self._result: Any = None
@@ -297,6 +315,10 @@ class CacheHandle:
         self._t1: float | None = None
         self._callbacks: list[Callable[[CacheHandle], None]] = []
         self._lock = threading.Lock()
+        # device-copy ordering: transfers issued so far, gates waiting for the last of them
+        self._transfers: list[Any] = []
+        self._issued_evt = threading.Event()
+        self._gates: list[Any] = []
 
     def done(self) -> bool:
         """Whether the transfer has finished (successfully or not)."""
@@ -319,6 +341,53 @@ class CacheHandle:
         if self._error is not None:
             raise self._error
         return self._result
+
+    def wait_on(self, stream: Any) -> None:
+        """Order ``stream`` after this transfer's device copies, without blocking the host.
+
+        Work enqueued on ``stream`` after this call runs only once the copies are complete,
+        whether or not they have been issued yet (the stream is gated until they are).  With a
+        copy engine that cannot gate streams, this waits until the copies are issued.
+        ``stream=None`` waits for the whole transfer (:meth:`wait`)."""
+        if stream is None:
+            self.wait()
+            return
+        gate_fn = getattr(self._engine, "gate", None)
+        with self._lock:
+            if not self._issued_evt.is_set() and gate_fn is not None:
+                self._gates.append(gate_fn(stream))
+                return
+        self._issued_evt.wait()
+        if gate_fn is not None:
+            gate_fn(stream).open_after(list(self._transfers))
+        else:
+            for t in list(self._transfers):
+                t.wait_on(stream)
+
+    @property
+    def event(self) -> Any:
+        """The completion event of the device copies (blocks until they are issued, not until
+        they are done); ``None`` for host copies or when nothing was copied."""
+        self._issued_evt.wait()
+        for t in reversed(self._transfers):
+            ev = getattr(t, "event", None)
+            if ev is not None:
+                return ev  # copies of one direction complete in order: the last one's is enough
+        return None
+
+    def _add_transfer(self, transfer: Any) -> None:
+        self._transfers.append(transfer)
+
+    def _all_issued(self) -> None:
+        """Every copy of this transfer is issued (or none will be): open the gates behind them."""
+        with self._lock:
+            if self._issued_evt.is_set():
+                return
+            self._issued_evt.set()
+            gates, self._gates = self._gates, []
+        transfers = list(self._transfers)
+        for g in gates:
+            g.open_after(transfers)
 
     @property
     def error(self) -> BaseException | None:
@@ -344,6 +413,7 @@ class CacheHandle:
         fn(self)
 
     def _finish(self, result: Any, error: BaseException | None = None) -> None:
+        self._all_issued()
         self._result = result
         self._error = error
         self._t1 = time.perf_counter()
@@ -565,7 +635,10 @@ class HostKVCache:
         self.lookup_wait_timeout = float(lookup_wait_timeout)
         self._views = isinstance(provider, SupportsViews)
         self._batch_views = isinstance(provider, SupportsBatchViews)
+        self._page_views = callable(getattr(provider, "view_pages", None))
         self._batch = isinstance(provider, SupportsBatch)
+        # Providers with their own chain reservation take saves straight into their memory.
+        self._direct_saves = type(provider).reserve_many is not Provider.reserve_many
         self._lock = threading.Lock()
         self._claims: dict[Key, _SaveJob] = {}
         self._restores: dict[tuple[Any, ...], CacheHandle] = {}
@@ -837,7 +910,7 @@ class HostKVCache:
 
     # -- restore ------------------------------------------------------------------------------
     def restore(self, hit: CacheHit, into: Any, block_ids: Sequence[int], *, before: Any = None,
-                release: bool = True) -> CacheHandle:
+                release: bool = True, first_page: int = 0) -> CacheHandle:
         """Copy the hit's pages into the engine's KV blocks, asynchronously.
 
         Parameters
@@ -848,12 +921,21 @@ class HostKVCache:
             The engine's planes: a ``KVPlanes`` or a list of per-plane tensors in
             ``layout.planes`` order (see :func:`paged_planes`, :meth:`HFCacheMap.empty_planes`).
         block_ids:
-            ``block_ids[i]`` receives page ``i`` of the hit; at most ``hit.num_pages`` of them.
+            ``block_ids[i]`` receives page ``first_page + i`` of the hit; at most
+            ``hit.num_pages - first_page`` of them.
         before:
-            Passed to the copy engine: what the copies must wait for (e.g. a CUDA event
-            recorded after the blocks were freed by their previous user).
+            The engine's compute stream (``torch.cuda.Stream``, a raw ``CUstream``, a
+            :class:`~hostkv_providers.device.HostStream` for the CPU engine, or ``None``): every
+            kernel enqueued on it after this call returns runs only once the restored bytes are
+            in the blocks — on every path (zero-copy views and bounce buffers), although the
+            copies are issued later on the cache's own thread.  The host is not blocked: the
+            stream waits on a device-visible flag that the restore sets behind its copies.
+            (:meth:`CacheHandle.wait_on` orders further streams the same way.)
         release:
             Release the hit's lease when the restore finishes.
+        first_page:
+            A ranged restore: start at page ``first_page`` of the hit (pages
+            ``[first_page, first_page + len(block_ids))``).
 
         Returns
         -------
@@ -866,27 +948,40 @@ class HostKVCache:
         self._check_open()
         if not isinstance(hit, CacheHit) or hit._cache is not self:
             raise InvalidArgumentError("restore() needs a CacheHit from this cache's lookup()")
-        if not hit.num_pages:  # a miss restores nothing; a finished handle keeps callers uniform
+        if type(first_page) is not int or not 0 <= first_page <= hit.num_pages:
+            raise InvalidArgumentError(f"first_page must be an int in [0, {hit.num_pages}], got {first_page!r}")
+        if not hit.num_pages or first_page == hit.num_pages:
+            # nothing to restore; a finished handle keeps callers uniform
             self._block_ids(block_ids, 0, "hit pages")
-            done = CacheHandle("restore")
+            done = CacheHandle("restore", self.engine)
             done._finish(RestoreResult())
             return done
         if hit.released:
             raise InvalidArgumentError("the hit was released; look it up again")
-        bids = self._block_ids(block_ids, hit.num_pages, "hit pages")
+        bids = self._block_ids(block_ids, hit.num_pages - first_page, "hit pages")
         planes = _as_planes(self.layout, into)
         self._check_blocks(planes, bids)
-        ident = (hit.keys[: len(bids)], planes.ptrs, planes.block_strides, tuple(bids))
+        keys = hit.keys[first_page : first_page + len(bids)]
+        ident = (keys, planes.ptrs, planes.block_strides, tuple(bids))
         with self._lock:
             prior = self._restores.get(ident)
             if prior is not None and not prior.done():
                 self._stats.coalesced_restores += 1
                 if release:
                     prior.add_done_callback(lambda _h: hit.release())
+                if before is not None:  # the caller's stream is ordered behind the shared copies
+                    prior.wait_on(before)
                 return prior
-            handle = CacheHandle("restore")
+            handle = CacheHandle("restore", self.engine)
             self._restores[ident] = handle
-        keys = hit.keys[: len(bids)]
+            if before is not None:
+                try:
+                    # Gated now, on the caller's thread: kernels the caller enqueues from here on
+                    # wait for the copies the restore thread issues later.
+                    handle.wait_on(before)
+                except BaseException:
+                    del self._restores[ident]
+                    raise
 
         def finish(h: CacheHandle) -> None:
             with self._lock:
@@ -902,22 +997,22 @@ class HostKVCache:
                 hit.release()
 
         handle.add_done_callback(finish)
-        self._restore_pool.submit(self._run_restore, handle, hit, keys, planes, bids, before)
+        self._restore_pool.submit(self._run_restore, handle, hit, keys, planes, bids)
         return handle
 
     def _run_restore(self, handle: CacheHandle, hit: CacheHit, keys: Sequence[Key], planes: Any,
-                     bids: Sequence[int], before: Any) -> None:
+                     bids: Sequence[int]) -> None:
         result = RestoreResult()
         handle._result = result
         try:
-            self._restore_pages(result, hit, keys, planes, bids, before)
+            self._restore_pages(handle, result, hit, keys, planes, bids)
         except BaseException as exc:
             handle._finish(result, exc)
             return
         handle._finish(result)
 
-    def _restore_pages(self, result: RestoreResult, hit: CacheHit, keys: Sequence[Key], planes: Any,
-                       bids: Sequence[int], before: Any) -> None:
+    def _restore_pages(self, handle: CacheHandle, result: RestoreResult, hit: CacheHit, keys: Sequence[Key],
+                       planes: Any, bids: Sequence[int]) -> None:
         chunk = self.chunk_pages
         P = self.page_nbytes
         # in-flight engine transfers with what they read from: a bounce buffer or view leases
@@ -937,18 +1032,26 @@ class HostKVCache:
             i = 0
             while i < len(keys):
                 part = keys[i : i + chunk]
-                srcs: list[Sequence[HostRegion]] | None = None
+                srcs: list[Sequence[HostRegion]] | HostPages | None = None
                 if self._views and hit.lease is not None:
                     # Small leases for the views (the hit's lease already pins the pages):
                     # providers may search the lease's keys on every view() call.
                     vleases: list[Lease] = []
                     srcs = []
                     # A provider that batches views takes the whole chunk in one call.
-                    step = len(part) if self._batch_views else _VIEW_LEASE_PAGES
+                    step = len(part) if self._batch_views or self._page_views else _VIEW_LEASE_PAGES
                     for lo in range(0, len(part), step):
                         sub = part[lo : lo + step]
                         vlease = self.provider.lease(sub)
                         vleases.append(vlease)
+                        if self._page_views:
+                            # One address array for the chunk: no Python object per page.
+                            pages = self.provider.view_pages(vlease, sub)  # type: ignore[attr-defined]
+                            if pages is None:
+                                srcs = None
+                                break
+                            srcs = pages
+                            continue
                         if self._batch_views:
                             got = self.provider.views(vlease, sub)  # type: ignore[attr-defined]
                         else:
@@ -956,17 +1059,18 @@ class HostKVCache:
                         if any(regs is None for regs in got):
                             srcs = None
                             break
-                        srcs.extend(got)
+                        srcs.extend(got)  # type: ignore[union-attr]
                     if srcs is None:
                         for vlease in vleases:
                             vlease.release()
                     else:
                         try:
-                            h = self.engine.restore(srcs, planes, bids[i : i + len(part)], before=before)
+                            h = self.engine.restore(srcs, planes, bids[i : i + len(part)])
                         except BaseException:
                             for vlease in vleases:
                                 vlease.release()
                             raise
+                        handle._add_transfer(h)
                         pending.append((h, None, vleases))
                         result.viewed += len(part)
                         ok = len(part)
@@ -994,10 +1098,11 @@ class HostKVCache:
                     if ok:
                         regs = [st.region(j) for j in range(ok)]
                         try:
-                            h = self.engine.restore(regs, planes, bids[i : i + ok], before=before)
+                            h = self.engine.restore(regs, planes, bids[i : i + ok])
                         except BaseException:
                             self._put_staging(st)
                             raise
+                        handle._add_transfer(h)
                         pending.append((h, st, []))
                         result.staged += ok
                     else:
@@ -1010,6 +1115,10 @@ class HostKVCache:
                 i += len(part)
                 time.sleep(0)  # let a waiting engine thread take the GIL between chunks
         finally:
+            # Open the gated streams behind every copy issued (also after a failure: the copies
+            # issued must be complete before the engine touches those blocks again), then wait
+            # for the copies to release bounce buffers and leases.
+            handle._all_issued()
             while pending:
                 retire()
 
@@ -1046,8 +1155,10 @@ class HostKVCache:
             :meth:`anchor_positions` (terminal, ``checkpoints``, every ``anchor_interval`` pages).
             Anchors are attached even to pages that were already stored.
         after:
-            Passed to the copy engine: what the device reads must wait for (e.g. a CUDA event
-            recorded on the compute stream after the blocks were written).
+            The engine's compute stream (or ``None``): the save reads the blocks as they are once
+            every kernel enqueued on it *before this call* has run — the stream's position is
+            captured now, on the caller's thread (an event), however late the copies are issued;
+            kernels enqueued after the call are not waited for.
 
         Returns
         -------
@@ -1066,7 +1177,9 @@ class HostKVCache:
         if (par is None) != (start_page == 0):
             raise InvalidArgumentError("give parent= and start_page= together (a continuation), or neither")
         blobs = self._anchor_blobs(anchors, len(ks), checkpoints, start_page)
-        handle = CacheHandle("save")
+        mark_fn = getattr(self.engine, "mark", None)
+        mark = mark_fn(after) if mark_fn is not None and after is not None else after
+        handle = CacheHandle("save", self.engine)
         result = SaveResult(requested=len(ks))
         handle._result = result
         with self._lock:
@@ -1111,7 +1224,7 @@ class HostKVCache:
             # Queued under the same lock as the claims: a save that depends on an earlier one's
             # claims is then always behind it on the (single, FIFO) save thread.
             try:
-                self._save_pool.submit(self._run_save, job, planes, bids, par, present, blobs, after)
+                self._save_pool.submit(self._run_save, job, planes, bids, par, present, blobs, mark)
             except RuntimeError:  # pool shut down by close() racing this call
                 refused = True
         if refused:
@@ -1148,7 +1261,10 @@ class HostKVCache:
                   present: Sequence[bool], blobs: Mapping[int, Mapping[str, bytes]], after: Any) -> None:
         result: SaveResult = job.handle._result
         try:
-            self._save_pages(job, result, planes, bids, parent, present, blobs, after)
+            if self._direct_saves and self._direct_run(job, present) is not None:
+                self._save_direct(job, result, planes, bids, parent, present, blobs, after)
+            else:
+                self._save_pages(job, result, planes, bids, parent, present, blobs, after)
         except BaseException as exc:
             job.handle._finish(result, exc)
             return
@@ -1180,7 +1296,10 @@ class HostKVCache:
                 self._put_staging(st)
                 raise
             issued.append((next_chunk, h, st))
+            job.handle._add_transfer(h)
             next_chunk += 1
+            if next_chunk == len(chunks):
+                job.handle._all_issued()
 
         current: tuple[int, _Staging] | None = None
         stop: str | None = None
@@ -1285,6 +1404,196 @@ class HostKVCache:
             job.handle._copied.set()
         result.stopped = stop
 
+    # -- zero-copy saves (providers with their own chain reservation) --------------------------
+    @staticmethod
+    def _direct_run(job: _SaveJob, present: Sequence[bool]) -> int | None:
+        """Where the run of pages this save writes itself starts, when it is one run to the end
+        of the chain with nothing of another save's after it (the common case: a stored or
+        in-flight prefix, then new pages); ``None`` sends the save down the bounce path."""
+        c = job.claimed
+        if not c or c[-1] != len(job.keys) - 1 or c[-1] - c[0] + 1 != len(c):
+            return None
+        s = c[0]
+        if any(i >= s for i in job.deps):
+            return None
+        return s
+
+    def _attach(self, k: Key, i: int, blobs: Mapping[int, Mapping[str, bytes]], result: SaveResult) -> str | None:
+        for name, blob in blobs.get(i, {}).items():
+            try:
+                self.provider.put_anchor(k, name, blob)
+            except (UnknownKeyError, CapacityError) as exc:
+                return f"anchor {name!r} of page {i}: {exc}"
+            result.anchors += 1
+        return None
+
+    def _save_direct(self, job: _SaveJob, result: SaveResult, planes: Any, bids: Sequence[int],
+                     parent: Key | None, present: Sequence[bool], blobs: Mapping[int, Mapping[str, bytes]],
+                     after: Any) -> None:
+        """A save whose device→host copies land in the provider's own reservations.
+
+        The run of new pages is reserved chunk by chunk with ``reserve_many`` (a chunk's first
+        parent is the previous chunk's last page, still in flight), the copy engine DMAs each
+        chunk straight into its reservations, and ``seal_many`` publishes a chunk root first once
+        its DMA is done — while the next chunk is being copied.  No bounce buffer, no host copy."""
+        ks = job.keys
+        prov = self.provider
+        s = self._direct_run(job, present)
+        assert s is not None
+        stop: str | None = None
+        prev = parent
+        held: Lease | None = prov.lease([parent]) if parent is not None else None
+        try:
+            for i in range(s):  # the prefix: stored already, or by an earlier save of this cache
+                k = ks[i]
+                dep = job.deps.get(i)
+                if dep is not None:
+                    dep.done.wait(self.wait_timeout)
+                nl = prov.lease([k])
+                if not nl.prefix_len:
+                    nl.release()
+                    stop = f"page {i} was not stored when its children were to be saved"
+                    break
+                if held is not None:
+                    held.release()
+                held = nl
+                if present[i]:
+                    result.dedup += 1
+                else:
+                    result.coalesced += 1
+                stop = self._attach(k, i, blobs, result)
+                if stop is not None:
+                    break
+                prev = k
+            if stop is None:
+                stop = self._direct_chunks(job, result, planes, bids, s, prev, blobs, after)
+        finally:
+            if held is not None:
+                held.release()
+            job.handle._all_issued()
+            job.handle._copied.set()
+        result.stopped = stop
+
+    def _direct_chunks(self, job: _SaveJob, result: SaveResult, planes: Any, bids: Sequence[int], s: int,
+                       prev: Key | None, blobs: Mapping[int, Mapping[str, bytes]], after: Any) -> str | None:
+        ks = job.keys
+        n = len(ks)
+        prov = self.provider
+        P = self.page_nbytes
+        tag = self.salt.tag
+        inflight: collections.deque[tuple[int, list[Reservation | None], Any]] = collections.deque()
+        pos = s
+
+        def seal_oldest() -> str | None:
+            lo, ress, h = inflight.popleft()
+            if h is not None:
+                h.wait()
+            real = [r for r in ress if r is not None]
+            for res in real:
+                res.mark_written()
+            failure: HostKVError | None = None
+            if real:
+                try:
+                    prov.seal_many(real)
+                except HostKVError as exc:  # a prefix is sealed, the rest aborted
+                    failure = exc
+            for m, r in enumerate(ress):
+                i = lo + m
+                if r is None:
+                    result.dedup += 1
+                elif r.state == "sealed":
+                    result.stored += 1
+                    result.nbytes += P
+                else:
+                    return f"capacity: {failure}" if isinstance(failure, CapacityError) else f"page {i}: {failure}"
+                if i in blobs:
+                    why = self._attach(ks[i], i, blobs, result)
+                    if why is not None:
+                        return why
+            return None
+
+        stop: str | None = None
+        try:
+            while pos < n and stop is None:
+                hi = min(n, pos + self.chunk_pages)
+                chunk_keys = ks[pos:hi]
+                rc = prov.reserve_many(chunk_keys, [prev, *chunk_keys[:-1]], P, salt_tag=tag)
+                ress = rc.reservations
+                if ress:
+                    idx = [pos + m for m, r in enumerate(ress) if r is not None]
+                    h = None
+                    if idx:
+                        try:
+                            h = self.engine.save(planes, [bids[i] for i in idx],
+                                                 [r.regions() for r in ress if r is not None], after=after)
+                        except BaseException:
+                            for r in ress:
+                                if r is not None:
+                                    with contextlib.suppress(HostKVError):
+                                        prov.abort(r)
+                            raise
+                        job.handle._add_transfer(h)
+                    inflight.append((pos, ress, h))
+                    prev = chunk_keys[len(ress) - 1]
+                    pos += len(ress)
+                if pos >= n:
+                    job.handle._all_issued()
+                err = rc.error
+                if err is not None:
+                    while inflight and stop is None:
+                        stop = seal_oldest()
+                    if stop is not None:
+                        break
+                    if isinstance(err, InFlightError):
+                        # another writer is storing this page: wait for its seal, then go on
+                        k = ks[pos]
+                        if not prov.wait_sealed(k, self.wait_timeout):
+                            stop = f"page {k.hex()[:16]} stayed in flight at another writer"
+                            break
+                        result.coalesced += 1
+                        stop = self._attach(k, pos, blobs, result)
+                        prev = k
+                        pos += 1
+                        continue
+                    stop = f"capacity: {err}" if isinstance(err, CapacityError) else f"page {pos}: {err}"
+                    break
+                # Seal what the DMA has finished (root first) without waiting: the copies of the
+                # whole run are queued as fast as they can be reserved, so the link never idles
+                # behind the host's sealing (hashing) of earlier chunks.
+                while stop is None and inflight and (inflight[0][2] is None or inflight[0][2].done()):
+                    stop = seal_oldest()
+            if stop is None and pos >= n:
+                # Copies of one direction complete in order: the last chunk's done means every
+                # block is copied out, and the engine may reuse them while the seals finish.  A
+                # waiter (the wait releases the GIL) reports it, so the seals below overlap the
+                # copies still running instead of starting behind the last of them.
+                last = next((h for _lo, _r, h in reversed(inflight) if h is not None), None)
+                if last is None:
+                    job.handle._copied.set()
+                else:
+                    copied = job.handle._copied
+
+                    def report(h: Any = last) -> None:
+                        with contextlib.suppress(Exception):
+                            h.wait()
+                        copied.set()
+
+                    threading.Thread(target=report, name="hostkv-save-copied", daemon=True).start()
+            while inflight and stop is None:
+                stop = seal_oldest()
+        finally:
+            # What was reserved but not sealed (after a stop or an error) is aborted once its DMA
+            # is over: freeing arena blocks a copy still writes into would corrupt their next user.
+            for _lo, ress, h in inflight:
+                if h is not None:
+                    with contextlib.suppress(Exception):
+                        h.wait()
+                for r in ress:
+                    if r is not None and r.state == "open":
+                        with contextlib.suppress(HostKVError):
+                            prov.abort(r)
+        return stop
+
     def _store_run(self, ks: Sequence[Key], run: Sequence[int], parent: Key | None, st: _Staging,
                    slots: Sequence[int], result: SaveResult) -> tuple[str | None, int]:
         """Store pages ``ks[run[0]] .. ks[run[-1]]`` (consecutive, ``ks[run[0]]`` under ``parent``)
@@ -1375,7 +1684,7 @@ class HostKVCache:
     def _chain(self, keys: Sequence[bytes]) -> list[Key]:
         if isinstance(keys, (bytes, bytearray, memoryview, str)) or not isinstance(keys, Sequence):
             raise InvalidArgumentError("keys must be a sequence of 32-byte keys (a chain), not one key")
-        return [as_key(k) for k in keys]
+        return list(Provider._keys(keys))  # the common case (all 32-byte bytes) validated at C speed
 
     @staticmethod
     def _block_ids(block_ids: Sequence[int], limit: int, what: str, exact: bool = False) -> list[int]:

@@ -7,12 +7,15 @@ only by ``_cuda`` and only when a CUDA path is used.
 
 from __future__ import annotations
 
-from hostkv_providers._region import HostRegion
+from hostkv_providers._region import HostPages, HostRegion
 from hostkv_providers.device._copy import (
     CopyEngine,
     CpuCopyEngine,
     CudaCopyEngine,
+    Gate,
+    HostStream,
     KVPlanes,
+    StreamMark,
     TransferHandle,
     cuda_available,
     default_copy_engine,
@@ -45,14 +48,18 @@ __all__ = [
     "CudaHostAllocator",
     "CudaPinnedAllocation",
     "DeviceMappingError",
+    "Gate",
     "HostAllocation",
     "HostAllocator",
+    "HostPages",
     "HostRegion",
+    "HostStream",
     "KVPlanes",
     "OrdinaryAllocator",
     "PageMover",
     "PageTable",
     "SlotCache",
+    "StreamMark",
     "TransferHandle",
     "cuda_available",
     "default_copy_engine",

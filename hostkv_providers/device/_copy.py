@@ -10,10 +10,12 @@ each an array of blocks.  A stored page is the slice of one block of every plane
 
 Both return a :class:`TransferHandle` at once; the bytes move on the engine's own threads and
 (for CUDA) its own non-blocking streams.  Ordering against the inference engine's compute stream
-uses CUDA events only: a save waits on an event recorded on the ``after`` stream at call time (so
-it sees every kernel queued there before the call); a restore makes the ``before`` stream wait on
-its completion event (so every kernel queued there after the call sees the restored bytes).
-Nothing here ever synchronises the device.
+uses CUDA events and stream memory operations only: a save waits on an event recorded on the
+``after`` stream at call time (:meth:`CopyEngine.mark`: it sees every kernel queued there before
+the call); a restore gates the ``before`` stream at the call (:meth:`CopyEngine.gate`: a wait on a
+device-visible flag, set behind the copies), so every kernel queued there after the call sees the
+restored bytes, without the caller's thread waiting for the worker.  Nothing here ever
+synchronises the device.
 
 :class:`CudaCopyEngine` packs pages on the device with one fused gather/scatter kernel (compiled
 at run time by NVRTC) into double-buffered device staging, and moves the packed, page-major
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import abc
 import bisect
+import contextlib
 import ctypes
 import mmap
 import os
@@ -48,13 +51,16 @@ from hostkv_providers._errors import (
     UsedAfterForkError,
 )
 from hostkv_providers._layout import KVLayout
-from hostkv_providers._region import HostRegion
+from hostkv_providers._region import HostPages, HostRegion
 from hostkv_providers.device import _cuda
 from hostkv_providers.device._hostmem import _REGISTERED_STARTS, CudaPinnedAllocation
 
 __all__ = [
     "CopyArgumentError",
     "CopyEngine",
+    "Gate",
+    "HostStream",
+    "StreamMark",
     "CpuCopyEngine",
     "CudaCopyEngine",
     "KVPlanes",
@@ -328,6 +334,148 @@ class _GroupHandle(TransferHandle):
 
 
 # ============================================================================================
+# Stream order: marks (a stream's position, captured now) and gates (a stream held back)
+# ============================================================================================
+
+
+class StreamMark:
+    """A position in a stream's work, captured on the caller's thread at call time.
+
+    A save handed ``after=mark`` reads the blocks as every kernel queued on that stream before
+    the mark left them, however late the save's copies are issued.  Built by
+    :meth:`CopyEngine.mark`.
+    """
+
+    def wait_in(self, stream: Any) -> None:  # pragma: no cover - abstract
+        """Engine side: make the engine's own ``stream`` (or worker) wait for the mark."""
+        raise NotImplementedError
+
+
+class Gate:
+    """Holds a stream back: work enqueued on it after :meth:`CopyEngine.gate` returned runs only
+    once the gate is opened.  The caller's thread never blocks on it.
+
+    The side that issues the copies calls :meth:`open_after` with their handles (the stream then
+    waits for those copies to be complete) or, when there is nothing to wait for,
+    :meth:`open_now`.  Every gate must be opened exactly once: a gate that is garbage-collected
+    shut is opened with a warning (a stream held forever would hang the engine).
+    """
+
+    def __init__(self) -> None:
+        self._opened = False
+        self._lock = threading.Lock()
+
+    @property
+    def opened(self) -> bool:
+        return self._opened
+
+    def _claim(self) -> bool:
+        with self._lock:
+            if self._opened:
+                return False
+            self._opened = True
+            return True
+
+    def open_after(self, handles: Sequence[TransferHandle]) -> None:
+        """Open once every transfer in ``handles`` is complete (non-blocking)."""
+        if self._claim():
+            self._open_after(list(handles))
+
+    def open_now(self) -> None:
+        """Open at once (nothing to wait for, or the transfers could not be issued)."""
+        if self._claim():
+            self._open_now()
+
+    def _open_after(self, handles: list[TransferHandle]) -> None:
+        raise NotImplementedError
+
+    def _open_now(self) -> None:
+        raise NotImplementedError
+
+
+class _NoGate(Gate):
+    """The gate of ``stream=None``: there is nothing to hold back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._opened = True
+
+    def _open_after(self, handles: list[TransferHandle]) -> None:
+        pass
+
+    def _open_now(self) -> None:
+        pass
+
+
+class HostStream:
+    """A FIFO of host jobs run in order on one thread: the CPU copy engine's stand-in for a CUDA
+    stream, so the cache's ordering logic (``restore(before=)``, ``save(after=)``) runs and is
+    tested without a GPU.  ``enqueue(fn)`` queues a job (a "kernel"); ``synchronize()`` waits
+    for everything queued so far.  A job that raises is recorded in ``errors``."""
+
+    def __init__(self, name: str = "hostkv-host-stream") -> None:
+        self._worker = _Worker(name)
+        self.errors: list[BaseException] = []
+
+    def enqueue(self, fn: Callable[[], object]) -> None:
+        def job() -> None:
+            try:
+                fn()
+            except BaseException as exc:  # a failed job must not stop the stream
+                self.errors.append(exc)
+
+        self._worker.submit(job)
+
+    def synchronize(self, timeout: float | None = None) -> bool:
+        done = threading.Event()
+        self._worker.submit(done.set)
+        return done.wait(timeout)
+
+    def close(self) -> None:
+        self._worker.stop()
+
+
+class _HostMark(StreamMark):
+    def __init__(self, stream: HostStream) -> None:
+        self.reached = threading.Event()
+        stream.enqueue(self.reached.set)
+
+    def wait_in(self, stream: Any) -> None:
+        self.reached.wait()
+
+
+class _HostGate(Gate):
+    def __init__(self, stream: HostStream, worker: _Worker) -> None:
+        super().__init__()
+        self._event = threading.Event()
+        self._worker = worker
+        ev = self._event
+        stream.enqueue(ev.wait)
+        self._finalizer = weakref.finalize(self, _open_leaked, ev.set)
+
+    def _open_after(self, handles: list[TransferHandle]) -> None:
+        self._finalizer.detach()
+        ev = self._event
+
+        def job() -> None:
+            for h in handles:
+                with contextlib.suppress(Exception):  # a failed copy still opens the stream
+                    h.wait()
+            ev.set()
+
+        self._worker.submit(job)  # behind the copies on the same FIFO worker
+
+    def _open_now(self) -> None:
+        self._finalizer.detach()
+        self._event.set()
+
+
+def _open_leaked(open_fn: Callable[[], None]) -> None:
+    warnings.warn("a stream gate was dropped without being opened; opened now", RuntimeWarning, stacklevel=2)
+    open_fn()
+
+
+# ============================================================================================
 # Request validation (shared by both engines)
 # ============================================================================================
 
@@ -335,6 +483,8 @@ class _GroupHandle(TransferHandle):
 # One host page of a request: its regions as parallel (offsets, addresses, sizes) tuples.  A plain
 # tuple, not a dataclass: a 4,096-page request builds 4,096 of them on the caller's thread.
 _Page = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
+# A request's host pages: per-page tuples, or one HostPages (chunk-level, no per-page objects).
+_Pages = list[_Page] | HostPages
 
 
 def _check_ids(planes: KVPlanes, block_ids: Sequence[int]) -> list[int]:
@@ -348,7 +498,16 @@ def _check_ids(planes: KVPlanes, block_ids: Sequence[int]) -> list[int]:
     return ids
 
 
-def _check_pages(layout: KVLayout, pages: Sequence[Any], count: int, *, writable: bool) -> list[_Page]:
+def _check_pages(layout: KVLayout, pages: Sequence[Any] | HostPages, count: int, *, writable: bool) -> _Pages:
+    if isinstance(pages, HostPages):
+        if len(pages) != count:
+            raise CopyArgumentError(f"{len(pages)} host pages given for {count} block ids")
+        if pages.page_nbytes != layout.page_nbytes:
+            raise CopyArgumentError(
+                f"host pages of {pages.page_nbytes} bytes, the layout's page is {layout.page_nbytes}")
+        if writable and pages.readonly:
+            raise CopyArgumentError("a save needs writable host pages")
+        return pages
     if isinstance(pages, (bytes, bytearray, memoryview, HostRegion)):
         raise CopyArgumentError("host pages must be a sequence with one entry (regions) per block id")
     if len(pages) != count:
@@ -442,7 +601,7 @@ class CopyEngine(abc.ABC):
                                      hint="create the copy engine in the child process after fork()")
 
     @abc.abstractmethod
-    def save(self, planes: KVPlanes, block_ids: Sequence[int], dst: Sequence[Any], *,
+    def save(self, planes: KVPlanes, block_ids: Sequence[int], dst: Sequence[Any] | HostPages, *,
              after: Any = None) -> TransferHandle:
         """Gather page ``i`` (block ``block_ids[i]`` of every plane) into host regions ``dst[i]``.
 
@@ -467,14 +626,33 @@ class CopyEngine(abc.ABC):
         """
 
     @abc.abstractmethod
-    def restore(self, src: Sequence[Any], planes: KVPlanes, block_ids: Sequence[int], *,
+    def restore(self, src: Sequence[Any] | HostPages, planes: KVPlanes, block_ids: Sequence[int], *,
                 before: Any = None) -> TransferHandle:
         """Scatter host page ``src[i]`` into block ``block_ids[i]`` of every plane.
 
         ``before``: a compute stream that must not run past this point until the restore is
-        complete; it is made to wait on the restore's completion event (no host blocking beyond
-        enqueueing the copies).  Block ids must be distinct (two writes to one block race).
+        complete; it is gated at the call (:meth:`gate`) and opened behind the copies, with no
+        host blocking.  ``src`` may be a :class:`~hostkv_providers.device.HostPages`.  Block ids
+        must be distinct (two writes to one block race).
         """
+
+    def mark(self, stream: Any) -> StreamMark | None:
+        """Capture ``stream``'s current position on the caller's thread (``None`` for ``None``);
+        hand it to :meth:`save` as ``after=`` to order a save issued later against the work
+        queued on the stream before this call (and nothing queued after it)."""
+        if stream is None or isinstance(stream, StreamMark):
+            return stream
+        raise CopyArgumentError(f"{type(self).__name__} cannot mark a {type(stream).__name__}")
+
+    def gate(self, stream: Any) -> Gate:
+        """Hold ``stream`` back from now on until the returned gate is opened (non-blocking).
+
+        This is how a restore issued later, on another thread, still orders every kernel
+        enqueued on the engine's stream after the caller's call: the stream waits on the gate,
+        and the restore opens it after its copies (:meth:`Gate.open_after`)."""
+        if stream is None:
+            return _NoGate()
+        raise CopyArgumentError(f"{type(self).__name__} cannot gate a {type(stream).__name__}")
 
     @abc.abstractmethod
     def close(self) -> None:
@@ -520,8 +698,10 @@ class CpuCopyEngine(CopyEngine):
     """The copy engine for planes in host memory (``KVPlanes.device == -1``).
 
     Same contract as :class:`CudaCopyEngine`; copies run on one worker thread per direction, so
-    handles are genuinely asynchronous.  ``after``/``before`` must be ``None`` (host memory has no
-    streams; host ordering is ``handle.wait()``).
+    handles are genuinely asynchronous.  ``after``/``before`` are ``None`` or a
+    :class:`HostStream` (a FIFO of host jobs standing in for a CUDA stream, with the same
+    ordering rules: a save sees the stream's jobs queued before the call, jobs queued after a
+    restore see its bytes).
     """
 
     def __init__(self) -> None:
@@ -535,37 +715,55 @@ class CpuCopyEngine(CopyEngine):
             raise CopyArgumentError(f"CpuCopyEngine needs host planes, these are on cuda:{planes.device}",
                                     hint="use CudaCopyEngine for device planes")
 
-    def save(self, planes: KVPlanes, block_ids: Sequence[int], dst: Sequence[Any], *,
+    def mark(self, stream: Any) -> StreamMark | None:
+        if stream is None or isinstance(stream, StreamMark):
+            return stream
+        if not isinstance(stream, HostStream):
+            raise CopyArgumentError("CpuCopyEngine has no CUDA streams: it orders against a HostStream (or None), "
+                                    f"got {type(stream).__name__}")
+        return _HostMark(stream)
+
+    def gate(self, stream: Any) -> Gate:
+        if stream is None:
+            return _NoGate()
+        if not isinstance(stream, HostStream):
+            raise CopyArgumentError("CpuCopyEngine has no CUDA streams: it orders against a HostStream (or None), "
+                                    f"got {type(stream).__name__}")
+        return _HostGate(stream, self._workers["restore"])
+
+    def save(self, planes: KVPlanes, block_ids: Sequence[int], dst: Sequence[Any] | HostPages, *,
              after: Any = None) -> TransferHandle:
         self._check_open()
         self._check_planes(planes)
-        if after is not None:
-            raise CopyArgumentError("CpuCopyEngine has no streams: pass after=None")
+        mark = self.mark(after)  # a host stream: the copy waits until the stream reached this point
         ids = _check_ids(planes, block_ids)
         pages = _check_pages(planes.layout, dst, len(ids), writable=True)
-        return self._submit("save", planes, ids, pages, dst)
+        return self._submit("save", planes, ids, pages, dst, wait_for=mark)
 
-    def restore(self, src: Sequence[Any], planes: KVPlanes, block_ids: Sequence[int], *,
+    def restore(self, src: Sequence[Any] | HostPages, planes: KVPlanes, block_ids: Sequence[int], *,
                 before: Any = None) -> TransferHandle:
         self._check_open()
         self._check_planes(planes)
-        if before is not None:
-            raise CopyArgumentError("CpuCopyEngine has no streams: pass before=None")
         if planes.readonly:
             raise CopyArgumentError("restore into read-only planes")
         ids = _check_ids(planes, block_ids)
         _check_distinct(ids)
         pages = _check_pages(planes.layout, src, len(ids), writable=False)
-        return self._submit("restore", planes, ids, pages, src)
+        gate = self.gate(before)
+        handle = self._submit("restore", planes, ids, pages, src)
+        gate.open_after([handle])
+        return handle
 
-    def _submit(self, direction: str, planes: KVPlanes, ids: list[int], pages: list[_Page],
-                keep: object) -> TransferHandle:
+    def _submit(self, direction: str, planes: KVPlanes, ids: list[int], pages: _Pages,
+                keep: object, wait_for: StreamMark | None = None) -> TransferHandle:
         handle = _CpuHandle(len(ids) * planes.layout.page_nbytes)
         gather = direction == "save"
 
         def job() -> None:
             _ = keep  # the host buffers stay alive until the copy ran
             try:
+                if wait_for is not None:
+                    wait_for.wait_in(None)
                 t0 = time.perf_counter()
                 _host_copy(planes, ids, pages, gather)
                 handle._seconds = time.perf_counter() - t0
@@ -587,7 +785,7 @@ class CpuCopyEngine(CopyEngine):
             w.stop()
 
 
-def _host_copy(planes: KVPlanes, ids: list[int], pages: list[_Page], gather: bool) -> None:
+def _host_copy(planes: KVPlanes, ids: list[int], pages: _Pages, gather: bool) -> None:
     """Move plane slices between host planes and host pages with ``memmove`` (GIL released)."""
     memmove = ctypes.memmove
     specs = planes.layout.planes
@@ -794,6 +992,26 @@ class _CudaHandle(_JobHandle):
             _cuda.check(_cuda.driver().cuStreamWaitEvent(s, ev, 0), "cuStreamWaitEvent")
 
 
+def _coalesce_pages(addresses: Any, page_nbytes: int) -> list[tuple[int, int, int]]:
+    """:meth:`CudaCopyEngine._coalesce` for whole pages given by address (numpy, no per-page
+    objects): runs of adjacent pages that do not cross into another pinned allocation."""
+    import numpy as np
+
+    k = int(addresses.size)
+    if not k:
+        return []
+    brk = np.ones(k, dtype=bool)
+    if k > 1:
+        brk[1:] = addresses[1:] != addresses[:-1] + np.uint64(page_nbytes)
+        if _REGISTERED_STARTS:
+            starts = np.array(list(_REGISTERED_STARTS), dtype=np.uint64)  # a copy: it may grow meanwhile
+            brk[1:] |= np.isin(addresses[1:], starts)
+    first = np.flatnonzero(brk)
+    lengths = np.diff(np.append(first, k))
+    return [(int(i) * page_nbytes, int(addresses[i]), int(n) * page_nbytes)
+            for i, n in zip(first.tolist(), lengths.tolist(), strict=True)]
+
+
 def _destroy_events(dev: _cuda.Device, events: list[Any]) -> None:
     # Destroying an event whose record is still pending is allowed: the driver frees it later.
     try:
@@ -811,6 +1029,139 @@ class _Table:
     dev_ptr: int
     host: Any  # pinned host copy, kept until the engine closes (the upload reads it asynchronously)
     event: Any
+
+
+class _CudaMark(StreamMark):
+    """An event recorded on the caller's stream at call time (destroyed with the mark)."""
+
+    def __init__(self, dev: _cuda.Device, event: Any) -> None:
+        self.event = event
+        self._finalizer = weakref.finalize(self, _destroy_events, dev, [event])
+        self._finalizer.atexit = False
+
+    def wait_in(self, stream: Any) -> None:
+        _cuda.check(_cuda.driver().cuStreamWaitEvent(stream, self.event, 0), "cuStreamWaitEvent(mark)")
+
+
+_FLAG_SLOTS = 1024
+
+
+class _FlagPool:
+    """32-bit flags in mapped, page-locked host memory for :class:`_CudaGate`.
+
+    A gated stream waits (``cuStreamWaitValue32``, GEQ 1) on its slot; the gate is opened by
+    ``cuStreamWriteValue32`` on the gate stream behind the copies' completion events (a write
+    with the default memory barrier: every copy before it is complete and visible), or by a plain
+    host store when there is nothing to wait for.  Host memory, not device memory, so that the
+    host can always open a gate (failure paths need no CUDA call) and see which ones are open.
+    A slot is reused only once the waiting stream has passed its wait (an event recorded right
+    behind the wait on that stream): resetting it earlier would hold that stream forever.
+    """
+
+    def __init__(self, dev: _cuda.Device) -> None:
+        self._dev = dev
+        self._lock = threading.Lock()
+        self._blocks: list[tuple[int, Any]] = []  # (host address, ctypes array)
+        self._free: list[tuple[Any, int, int]] = []  # (array, slot, device address)
+        self._busy: list[tuple[Any, int, int, Any]] = []  # (array, slot, device address, passed event)
+        self.stream = dev.stream(low_priority=False)  # opens gates: must not queue behind copies
+
+    def _grow(self) -> None:
+        with self._dev.scope():
+            host = _cuda.host_alloc(4 * _FLAG_SLOTS, mapped=True)
+            dptr = _cuda.host_device_pointer(host)
+        arr = (ctypes.c_uint32 * _FLAG_SLOTS).from_address(host)
+        self._blocks.append((host, arr))
+        self._free.extend((arr, i, dptr + 4 * i) for i in range(_FLAG_SLOTS))
+
+    def _recycle(self) -> None:
+        d = _cuda.driver()
+        keep = []
+        for item in self._busy:
+            arr, slot, dptr, passed = item
+            if arr[slot] == 0:
+                keep.append(item)
+                continue
+            (err,) = d.cuEventQuery(passed)
+            if int(err) == int(d.CUresult.CUDA_SUCCESS):
+                d.cuEventDestroy(passed)
+                self._free.append((arr, slot, dptr))
+            else:
+                keep.append(item)
+        self._busy = keep
+
+    def gate(self, stream: int) -> _CudaGate:
+        d = _cuda.driver()
+        with self._lock, self._dev.scope():
+            if len(self._busy) >= 64:
+                self._recycle()
+            if not self._free:
+                self._recycle()
+                if not self._free:
+                    self._grow()
+            arr, slot, dptr = self._free.pop()
+            arr[slot] = 0
+            try:
+                _cuda.check(d.cuStreamWaitValue32(stream, dptr, 1,
+                                                  int(d.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)),
+                            "cuStreamWaitValue32")
+            except CopyEngineError:
+                self._free.append((arr, slot, dptr))
+                raise
+            passed = self._dev.event()
+            _cuda.check(d.cuEventRecord(passed, stream), "cuEventRecord(gate)")
+            self._busy.append((arr, slot, dptr, passed))
+        return _CudaGate(self, arr, slot, dptr)
+
+    def close(self, problems: list[str]) -> None:
+        d = _cuda.driver()
+        with self._lock:
+            for arr, slot, _dptr, _passed in self._busy:
+                arr[slot] = 1  # never leave a stream of the engine's held by a closed engine
+            (err,) = d.cuStreamSynchronize(self.stream)
+            if int(err):
+                problems.append(f"gate stream: {_cuda._error_text(err)}")
+            for *_rest, passed in self._busy:
+                d.cuEventDestroy(passed)
+            self._busy.clear()
+            d.cuStreamDestroy(self.stream)
+            # The flag memory stays mapped: a stream of the engine's may still read a slot.
+
+
+class _CudaGate(Gate):
+    def __init__(self, pool: _FlagPool, arr: Any, slot: int, dptr: int) -> None:
+        super().__init__()
+        self._pool = pool
+        self._arr = arr
+        self._slot = slot
+        self._dptr = dptr
+        self._finalizer = weakref.finalize(self, _open_leaked, self._open_now)
+        self._finalizer.atexit = False
+
+    def _open_now(self) -> None:
+        self._finalizer.detach()
+        self._arr[self._slot] = 1
+
+    def _open_after(self, handles: list[TransferHandle]) -> None:
+        self._finalizer.detach()
+        d = _cuda.driver()
+        pool = self._pool
+        flat: list[TransferHandle] = []
+        for h in handles:
+            flat.extend(h.handles if isinstance(h, _GroupHandle) else [h])
+        try:
+            events = [h.event for h in flat]
+            with pool._dev.scope(), pool._lock:
+                for ev in events:
+                    if ev is not None:
+                        _cuda.check(d.cuStreamWaitEvent(pool.stream, ev, 0), "cuStreamWaitEvent(gate)")
+                _cuda.check(d.cuStreamWriteValue32(pool.stream, self._dptr, 1,
+                                                   int(d.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT)),
+                            "cuStreamWriteValue32")
+        except Exception:
+            # A failed copy (or a broken context): the engine's stream must not hang.  What was
+            # copied is reported by the handles' errors.
+            self._arr[self._slot] = 1
 
 
 class CudaCopyEngine(CopyEngine):
@@ -893,6 +1244,7 @@ class CudaCopyEngine(CopyEngine):
         self._table_lock = threading.Lock()
         self._checked: set[tuple[Any, ...]] = set()
         self._workers = {"save": _Worker("hostkv-cuda-save"), "restore": _Worker("hostkv-cuda-restore")}
+        self._flags = _FlagPool(dev)
 
     # -- validation ----------------------------------------------------------------------------
     def _check_planes(self, planes: KVPlanes) -> None:
@@ -944,41 +1296,58 @@ class CudaCopyEngine(CopyEngine):
         _cuda.check(d.cuEventRecord(ev, self._streams["aux"]), "cuEventRecord")
         return _Table(dev_ptr, host, ev)
 
+    # -- stream order ----------------------------------------------------------------------------
+    def mark(self, stream: Any) -> StreamMark | None:
+        if stream is None or isinstance(stream, StreamMark):
+            return stream
+        s = _stream_handle(stream, "after")
+        assert s is not None
+        ev = self._dev.event()
+        with self._dev.scope():
+            _cuda.check(_cuda.driver().cuEventRecord(ev, s), "cuEventRecord(mark)")
+        return _CudaMark(self._dev, ev)
+
+    def gate(self, stream: Any) -> Gate:
+        if stream is None:
+            return _NoGate()
+        s = _stream_handle(stream, "before")
+        assert s is not None
+        self._check_open()
+        return self._flags.gate(s)
+
     # -- the verbs -----------------------------------------------------------------------------
-    def save(self, planes: KVPlanes, block_ids: Sequence[int], dst: Sequence[Any], *,
+    def save(self, planes: KVPlanes, block_ids: Sequence[int], dst: Sequence[Any] | HostPages, *,
              after: Any = None) -> TransferHandle:
         self._check_open()
         self._check_planes(planes)
         ids = _check_ids(planes, block_ids)
         pages = _check_pages(planes.layout, dst, len(ids), writable=True)
-        after_s = _stream_handle(after, "after")
-        after_ev = None
-        if after_s is not None:
-            # Recorded now, on the caller's thread: the save sees exactly the work queued so far.
-            after_ev = self._dev.event()
-            with self._dev.scope():
-                _cuda.check(_cuda.driver().cuEventRecord(after_ev, after_s), "cuEventRecord(after)")
+        # Recorded now, on the caller's thread: the save sees exactly the work queued so far.  A
+        # mark made earlier (HostKVCache.save marks at its own call) is used as it is.
+        mark = self.mark(after)
         handle = _CudaHandle(len(ids) * planes.layout.page_nbytes, self)
-        handle.keep = (planes, dst)
+        handle.keep = (planes, dst, mark)
+        after_ev = mark.event if isinstance(mark, _CudaMark) else None
         self._submit("save", handle, lambda: self._issue_save(handle, planes, ids, pages, after_ev))
         return handle
 
-    def restore(self, src: Sequence[Any], planes: KVPlanes, block_ids: Sequence[int], *,
+    def restore(self, src: Sequence[Any] | HostPages, planes: KVPlanes, block_ids: Sequence[int], *,
                 before: Any = None) -> TransferHandle:
         self._check_open()
         self._check_planes(planes)
         ids = _check_ids(planes, block_ids)
         _check_distinct(ids)
         pages = _check_pages(planes.layout, src, len(ids), writable=False)
-        before_s = _stream_handle(before, "before")
+        # The stream is held back from now on (a wait on a device-visible flag); the worker opens
+        # it behind the copies.  The caller's thread does not wait for the worker.
+        gate = self.gate(before)
         handle = _CudaHandle(len(ids) * planes.layout.page_nbytes, self)
         handle.keep = (planes, src)
-        self._submit("restore", handle, lambda: self._issue_restore(handle, planes, ids, pages))
-        if before_s is not None:
-            handle.wait_on(before_s)  # waits for the enqueue only, then orders the stream by event
+        self._submit("restore", handle, lambda: self._issue_restore(handle, planes, ids, pages), gate)
         return handle
 
-    def _submit(self, direction: str, handle: _CudaHandle, issue: Callable[[], None]) -> None:
+    def _submit(self, direction: str, handle: _CudaHandle, issue: Callable[[], None],
+                gate: Gate | None = None) -> None:
         def job() -> None:
             try:
                 self._dev.activate()
@@ -986,6 +1355,11 @@ class CudaCopyEngine(CopyEngine):
                 handle._issued.set()
             except BaseException as exc:
                 handle._fail(exc)
+            if gate is not None:
+                if handle._error is None:
+                    gate.open_after([handle])
+                else:
+                    gate.open_now()
 
         with self._lock:
             self._check_open()
@@ -1013,10 +1387,12 @@ class CudaCopyEngine(CopyEngine):
                                                   ctypes.addressof(params), 0), "pack kernel launch")
 
     @staticmethod
-    def _coalesce(pages: Sequence[_Page], lo: int, hi: int, page_nbytes: int) -> list[tuple[int, int, int]]:
+    def _coalesce(pages: _Pages, lo: int, hi: int, page_nbytes: int) -> list[tuple[int, int, int]]:
         """``(staging_offset, host_address, nbytes)`` copies for pages ``[lo, hi)``, merged when both
         sides are contiguous (page-major staging + adjacent host pages = one large DMA) and the
         host side does not cross into another pinned allocation."""
+        if isinstance(pages, HostPages):
+            return _coalesce_pages(pages.addresses[lo:hi], page_nbytes)
         out: list[tuple[int, int, int]] = []
         s = a = m = -1  # the copy being extended
         base = 0
@@ -1034,7 +1410,7 @@ class CudaCopyEngine(CopyEngine):
             out.append((s, a, m))
         return out
 
-    def _issue_save(self, handle: _CudaHandle, planes: KVPlanes, ids: list[int], pages: list[_Page],
+    def _issue_save(self, handle: _CudaHandle, planes: KVPlanes, ids: list[int], pages: _Pages,
                     after_ev: Any) -> None:
         d = _cuda.driver()
         dev = self._dev
@@ -1042,12 +1418,8 @@ class CudaCopyEngine(CopyEngine):
         start, done = dev.event(timing=True), dev.event(timing=True)
         handle._set_events(start, done)
         first = dma if self.mode == "memcpy" else pack
-        try:
-            if after_ev is not None:
-                _cuda.check(d.cuStreamWaitEvent(first, after_ev, 0), "cuStreamWaitEvent(after)")
-        finally:
-            if after_ev is not None:
-                d.cuEventDestroy(after_ev)  # safe while the wait is pending
+        if after_ev is not None:  # the mark owns the event (destroyed with it)
+            _cuda.check(d.cuStreamWaitEvent(first, after_ev, 0), "cuStreamWaitEvent(after)")
         _cuda.check(d.cuEventRecord(start, first), "cuEventRecord")
         layout = planes.layout
         if self.mode == "memcpy":
@@ -1073,7 +1445,7 @@ class CudaCopyEngine(CopyEngine):
                 _cuda.check(d.cuEventRecord(freed, dma), "cuEventRecord")
         _cuda.check(d.cuEventRecord(done, dma), "cuEventRecord")
 
-    def _issue_restore(self, handle: _CudaHandle, planes: KVPlanes, ids: list[int], pages: list[_Page]) -> None:
+    def _issue_restore(self, handle: _CudaHandle, planes: KVPlanes, ids: list[int], pages: _Pages) -> None:
         d = _cuda.driver()
         dev = self._dev
         dma, scatter = self._streams["restore_dma"], self._streams["restore_scatter"]
@@ -1146,6 +1518,7 @@ class CudaCopyEngine(CopyEngine):
                 d.cuEventDestroy(b)
         for s in self._streams.values():
             attempt(d.cuStreamDestroy(s), "cuStreamDestroy")
+        self._flags.close(problems)
         self._tables.clear()
         if problems:
             warnings.warn("closing the CUDA copy engine: " + "; ".join(problems), stacklevel=2)

@@ -79,12 +79,15 @@ class _Flight:
     # ``pnode`` is the parent *node* the reservation holds, not just its key: if that node is
     # dropped (checksum failure) and the key sealed again, the new node never received this
     # reservation's hold, so commit/cancel must not release a hold on it.
-    __slots__ = ("cost", "parent", "pnode")
+    # A *chained* flight (``begin_chained``) names a parent that was itself in flight: ``pnode``
+    # stays ``None`` until the parent's commit hands it the parent's new node (with a hold).
+    __slots__ = ("chained", "cost", "parent", "pnode")
 
-    def __init__(self, parent: Key | None, pnode: Node | None, cost: int) -> None:
+    def __init__(self, parent: Key | None, pnode: Node | None, cost: int, chained: bool = False) -> None:
         self.parent = parent
         self.pnode = pnode
         self.cost = cost
+        self.chained = chained
 
 
 class TreeIndex:
@@ -100,6 +103,8 @@ class TreeIndex:
         self.evicted_cost = 0
         self._tick = 0
         self._heap: list[tuple[int, Key]] = []
+        # in-flight parent key -> keys of chained flights waiting for its commit
+        self._waiting: dict[Key, list[Key]] = {}
 
     # -- lookups -----------------------------------------------------------------------------
     def get(self, key: Key) -> Node | None:
@@ -138,12 +143,46 @@ class TreeIndex:
             pnode.hold += 1
         return True, evicted
 
+    def begin_chained(self, key: Key, parent: Key | None, cost: int) -> tuple[bool, list[Node]]:
+        """:meth:`begin`, where ``parent`` may also be a key *in flight* (a chain reserved in one
+        go, root first).  Such a flight commits only after its parent did (else
+        ``UnknownKeyError``); until the parent commits nothing of the chain is visible or
+        evictable, and from the parent's commit on the parent node is held for it."""
+        if parent is None or parent in self.nodes or parent not in self.flights:
+            return self.begin(key, parent, cost)
+        if key in self.nodes:
+            return False, []
+        if key in self.flights:
+            raise InFlightError(f"key {key.hex()[:16]} is being written by another writer", key=key)
+        evicted = self.make_room(cost)
+        self.flights[key] = _Flight(parent, None, cost, chained=True)
+        self._waiting.setdefault(parent, []).append(key)
+        self.used += cost
+        return True, evicted
+
+    def _adopt_children(self, key: Key, node: Node | None) -> None:
+        """Chained flights waiting for ``key``: hand them ``node`` (held once per child), or, when
+        ``key`` was cancelled (``node is None``), leave them orphaned (their commit fails)."""
+        for child in self._waiting.pop(key, ()):
+            cf = self.flights.get(child)
+            if cf is not None and cf.chained and cf.pnode is None and node is not None:
+                cf.pnode = node
+                node.hold += 1
+
     def commit(self, key: Key, node: Node) -> None:
         """Turn the in-flight reservation ``key`` into the sealed ``node``."""
         flight = self.flights.pop(key)
         pnode = flight.pnode
+        if flight.chained and pnode is None:
+            self.used -= flight.cost
+            self._adopt_children(key, None)
+            raise UnknownKeyError(
+                f"parent {flight.parent.hex()[:16] if flight.parent else '?'} was not sealed before this page",
+                hint="seal a chain root first (seal_many does)",
+            )
         if pnode is not None and pnode.dead:
             self.used -= flight.cost
+            self._adopt_children(key, None)
             raise UnknownKeyError(
                 f"parent {pnode.key.hex()[:16]} was dropped (corrupt) before the seal",
                 hint="save the chain again from its first missing page",
@@ -154,6 +193,8 @@ class TreeIndex:
         if pnode is not None:
             pnode.children += 1
             self._release(pnode)
+        if self._waiting:
+            self._adopt_children(key, node)
         self.touch(node)
 
     def cancel(self, key: Key) -> None:
@@ -163,6 +204,14 @@ class TreeIndex:
         self.used -= flight.cost
         if flight.pnode is not None and not flight.pnode.dead:
             self._release(flight.pnode)
+        if flight.chained and flight.pnode is None and flight.parent is not None:
+            waiting = self._waiting.get(flight.parent)
+            if waiting is not None and key in waiting:
+                waiting.remove(key)
+                if not waiting:
+                    del self._waiting[flight.parent]
+        if self._waiting:
+            self._adopt_children(key, None)
 
     # -- budget ------------------------------------------------------------------------------
     def make_room(self, cost: int, protect: Node | None = None) -> list[Node]:

@@ -63,6 +63,7 @@ from hostkv_providers._provider import (
     SupportsViews,
 )
 from hostkv_providers._span import ByteSpan
+from hostkv_providers.testing._batch_chain import BatchChainTests
 from hostkv_providers.testing._pages import anchor_bytes, chain, key_of, page_bytes, put_chain, put_page
 
 __all__ = ["ProviderFactory", "ProviderTests"]
@@ -70,7 +71,7 @@ __all__ = ["ProviderFactory", "ProviderTests"]
 ProviderFactory = Callable[..., Provider]
 
 
-class ProviderTests:
+class ProviderTests(BatchChainTests):
     """Base class of a provider's conformance tests (not collected itself: no ``Test`` prefix).
 
     Subclasses implement :meth:`make_provider` and, for persistent providers, set

@@ -2274,6 +2274,10 @@ class MmapProvider(Provider):
         """Seal several reservations with one commit: with ``durability=sync`` one data sync and
         one journal sync cover all of them.  All or nothing at the commit: if it fails, every one
         of them is aborted and the error is raised."""
+        if any(not isinstance(r, _MmapReservation) for r in reservations):
+            # reservations of the contract's default reserve_many (bytes held until the seal)
+            super().seal_many(reservations)
+            return
         prepared = []
         try:
             for r in reservations:

@@ -330,9 +330,10 @@ class MappedPinnedProvider(PinnedProvider):
             self._poll_locked()
         return super().lease(keys)
 
-    def _reserve_locked(self, k: Key, p: Key | None, nbytes: int, salt_tag: str) -> _PinnedReservation | None:
+    def _reserve_locked(self, k: Key, p: Key | None, nbytes: int, salt_tag: str,
+                        chained: bool = False) -> _PinnedReservation | None:
         self._poll_locked()  # fences that passed free their blocks before anything is evicted
-        return super()._reserve_locked(k, p, nbytes, salt_tag)
+        return super()._reserve_locked(k, p, nbytes, salt_tag, chained)
 
     # -- the write-through mirror ----------------------------------------------------------------
     def mirror(self, mover: PageMover | CpuPageMover, items: Sequence[tuple[bytes, bytes | None]],

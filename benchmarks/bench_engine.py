@@ -1,0 +1,528 @@
+"""The engine data path, engine-like, in one run: saves and restores through ``HostKVCache`` on
+the CUDA copy engine against bulk copies measured in the same run, a decode step (graph-captured
+and eager) while restores or saves run back to back, a restart restore from ``mmap://`` with the
+page cache dropped against a cold sequential read of the same files, and the tiered cliff case.
+
+    python3 benchmarks/bench_engine.py [--pages 6400] [--out DIR] [--phases bulk,pinned,decode,restart,cliff]
+    python3 benchmarks/bench_engine.py --phases cliff          # CPU only: tiered 2,000 x 4 KiB pages
+
+Pool: 32 layers of vLLM-style ``[2, blocks, 16, 8, 128]`` bf16 caches, 16-token pages of 2 MiB
+(64 planes of 32 KiB); the chain is ``--pages`` pages (6,400 = 102,400 tokens = 13.42 GB).
+
+Decode step: per layer three 4096x4096 bf16 GEMVs, a SiLU gate, an RMS norm and a paged gather
+attention over the sequence's blocks of that layer's K/V cache (index_select of a 400-block table,
+dot products, softmax, weighted sum), host-synchronised every step like a sampler; captured as a
+CUDA graph and also run eagerly.  Step times are host wall times per step (what a scheduler sees:
+GIL stalls and GC pauses included), default GC settings unless a row says otherwise.
+
+Results print as a markdown table and go to ``bench_engine.json`` / ``bench_engine.md`` in ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import urllib.parse
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+import hostkv_providers as hk
+from hostkv_providers.cache import HostKVCache, paged_planes
+from hostkv_providers.device import CpuCopyEngine, KVPlanes
+
+T0 = time.perf_counter()
+LAYERS, HEADS, DIM, TOKENS = 32, 8, 128, 16
+
+
+def log(*args: object) -> None:
+    print(f"[{time.perf_counter() - T0:7.1f}s]", *args, flush=True)
+
+
+def pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+class GcWatch:
+    """Longest and total time of the collector's passes (gc.callbacks), by generation."""
+
+    def __init__(self) -> None:
+        self.t: float | None = None
+        self.passes: list[tuple[int, float]] = []
+
+    def __call__(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self.t = time.perf_counter()
+        elif self.t is not None:
+            self.passes.append((int(info["generation"]), (time.perf_counter() - self.t) * 1e3))
+            self.t = None
+
+    def summary(self) -> dict[str, float]:
+        full = [ms for g, ms in self.passes if g == 2]
+        longest = max((ms for _, ms in self.passes), default=0.0)
+        return {"gc_passes": len(self.passes), "gc_full": len(full), "gc_max_ms": round(longest, 2)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--pages", type=int, default=6400)
+    ap.add_argument("--restart-pages", type=int, default=2000)
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--phases", default="bulk,pinned,decode,restart,cliff")
+    ap.add_argument("--dir", default=None, help="where mmap stores go (default: a temp dir)")
+    ap.add_argument("--out", default=".")
+    args = ap.parse_args()
+    phases = set(args.phases.split(","))
+    results: dict[str, Any] = {"argv": sys.argv, "pages": args.pages}
+    os.makedirs(args.out, exist_ok=True)
+
+    def dump() -> None:
+        with open(os.path.join(args.out, "bench_engine.json"), "w") as f:
+            json.dump(results, f, indent=1)
+        with open(os.path.join(args.out, "bench_engine.md"), "w") as f:
+            f.write(render(results))
+
+    if "cliff" in phases:
+        results["cliff"] = tiered_cliff(args.dir)
+        log("cliff", results["cliff"])
+        dump()
+    if phases & {"bulk", "pinned", "decode", "restart"}:
+        import torch
+
+        gpu_phases(torch, args, phases, results, dump)
+    dump()
+    print(render(results))
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------
+def gpu_phases(torch: Any, args: Any, phases: set[str], results: dict[str, Any], dump: Callable[[], None]) -> None:
+    from hostkv_providers.device import CudaCopyEngine
+
+    layout = hk.KVLayout(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM, page_tokens=TOKENS, dtype="bfloat16")
+    P = layout.page_nbytes
+    n = args.pages
+    nblocks = 2 * n + 8
+    caches = [torch.empty((2, nblocks, TOKENS, HEADS, DIM), dtype=torch.bfloat16, device="cuda") for _ in range(LAYERS)]
+    for c in caches:
+        c.view(torch.uint8).random_(0, 256)
+    planes = KVPlanes.from_torch(layout, paged_planes(layout, caches))
+    torch.cuda.synchronize()
+    nbytes = n * P
+    results["chain"] = {"pages": n, "page_nbytes": P, "gb": round(nbytes / 1e9, 2)}
+    log(f"pool: {nblocks} blocks, chain {nbytes / 1e9:.2f} GB")
+    engine = CudaCopyEngine(0)
+    src, dst = list(range(n)), list(range(n, 2 * n))
+
+    if "bulk" in phases or "pinned" in phases:
+        results["bulk"] = bulk(torch, min(nbytes, 4 << 30))
+        log("bulk", results["bulk"])
+        dump()
+
+    provider = None
+    cache = None
+    keys: list[hk.Key] = []
+    if phases & {"pinned", "decode"}:
+        t = time.perf_counter()
+        provider = hk.open(f"pinned://?budget={n * P + (64 << 20)}&block={P}&background=false")
+        results["pinned_open_s"] = round(time.perf_counter() - t, 2)
+        cache = HostKVCache(provider, hk.Salt("bench/engine", layout), engine)
+        keys = cache.keys(np.arange(n * TOKENS) % 50_000 + 7)
+    if "pinned" in phases and cache is not None:
+        results["pinned"] = pinned_phase(torch, cache, provider, keys, caches, planes, src, dst, nbytes,
+                                         results["bulk"])
+        log("pinned", results["pinned"])
+        dump()
+    if "decode" in phases and cache is not None:
+        if "pinned" not in phases:
+            cache.save(keys, planes, src).wait()
+        results["decode"] = decode_phase(torch, cache, keys, caches, planes, src, dst, args.steps, n)
+        dump()
+    if cache is not None:
+        cache.close()
+    if provider is not None:
+        provider.close()
+    if "restart" in phases:
+        results["restart"] = restart_phase(torch, engine, layout, planes, caches, min(args.restart_pages, n), args.dir)
+        log("restart", results["restart"])
+        dump()
+    engine.close()
+
+
+def bulk(torch: Any, nbytes: int) -> dict[str, float]:
+    """One large copy each way between a device buffer and page-locked host memory (the link)."""
+    d = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    h = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    out = {}
+    for name, fn in (("d2h", lambda: h.copy_(d, non_blocking=True)), ("h2d", lambda: d.copy_(h, non_blocking=True))):
+        best = 1e9
+        for _ in range(3):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            best = min(best, a.elapsed_time(b) / 1e3)
+        out[f"{name}_gbps"] = round(nbytes / best / 1e9, 2)
+    return out
+
+
+def pinned_phase(torch: Any, cache: HostKVCache, provider: Any, keys: list[hk.Key], caches: list[Any], planes: Any,
+                 src: list[int], dst: list[int], nbytes: int, bulk_r: dict[str, float]) -> dict[str, Any]:
+    d2h_ms = nbytes / (bulk_r["d2h_gbps"] * 1e9) * 1e3
+    h2d_ms = nbytes / (bulk_r["h2d_gbps"] * 1e9) * 1e3
+    saves = []
+    for rep in range(2):
+        if rep:
+            provider.evict(keys[:1])  # the whole chain goes (subtree): the second save stores it again
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        h = cache.save(keys, planes, src)
+        issue = time.perf_counter() - t
+        h.wait_copied()
+        copied = time.perf_counter() - t
+        res = h.wait()
+        sealed = time.perf_counter() - t
+        saves.append({"issue_ms": round(issue * 1e3, 1), "copied_ms": round(copied * 1e3, 1),
+                      "sealed_ms": round(sealed * 1e3, 1), "stored": res.stored, "stopped": res.stopped})
+    best = min(saves, key=lambda s: s["sealed_ms"])
+    # the host's seal-time hashing rate over the arena (XXH3 on the provider's hash threads)
+    from hostkv_providers.providers.pinned import _provider as pinned_impl
+
+    with provider.lease(keys) as lease:
+        views = provider.views(lease, keys)
+        t = time.perf_counter()
+        pinned_impl._checksums(views)
+        hash_gbps = round(nbytes / (time.perf_counter() - t) / 1e9, 1)
+    restores = []
+    for _ in range(4):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        hit = cache.lookup(keys)
+        t_lookup = time.perf_counter() - t
+        r = cache.restore(hit, planes, dst).wait()
+        restores.append({"ms": round((time.perf_counter() - t) * 1e3, 1), "lookup_ms": round(t_lookup * 1e3, 1),
+                         "pages": r.pages, "viewed": r.viewed})
+    torch.cuda.synchronize()
+    ok = all(same(torch, c, src[:64], dst[:64]) and same(torch, c, src[-64:], dst[-64:]) for c in caches)
+    rbest = min(r["ms"] for r in restores)
+    rmed = statistics.median(r["ms"] for r in restores)
+    # ranged restore: the first 1/32 of the hit (what a layer-wise restore would deliver first)
+    hit = cache.lookup(keys)
+    t = time.perf_counter()
+    part = len(keys) // LAYERS
+    cache.restore(hit, planes, dst[:part], release=False).wait()
+    ranged_ms = (time.perf_counter() - t) * 1e3
+    hit.release()
+    return {"bulk_d2h_ms": round(d2h_ms, 1), "bulk_h2d_ms": round(h2d_ms, 1), "saves": saves,
+            "seal_hash_gbps": hash_gbps, "hash_threads": pinned_impl._HASH_THREADS,
+            "save_sealed_x_bulk": round(d2h_ms / best["sealed_ms"], 3),
+            "save_copied_x_bulk": round(d2h_ms / best["copied_ms"], 3),
+            "restores": restores, "restore_best_x_bulk": round(h2d_ms / rbest, 3),
+            "restore_median_x_bulk": round(h2d_ms / rmed, 3), "bytes_ok": ok,
+            "ranged_first_1_32_ms": round(ranged_ms, 1), "ranged_goal_ms": round(rbest / LAYERS + 1, 1)}
+
+
+def same(torch: Any, cache: Any, a: list[int], b: list[int]) -> bool:
+    """Blocks ``a`` and ``b`` hold the same bytes (compared as bytes: random bf16 bits hold NaNs)."""
+    u = cache.view(torch.uint8)
+    return bool(torch.equal(u[:, a], u[:, b]))
+
+
+def decode_step(torch: Any, caches: list[Any], table: Any) -> tuple[Callable[[], None], Any]:
+    hidden = 4096
+    g = torch.Generator(device="cuda").manual_seed(1)
+    ws = [torch.randn(3, hidden, hidden, device="cuda", dtype=torch.bfloat16, generator=g) * 0.01
+          for _ in range(LAYERS)]
+    x0 = torch.randn(1, hidden, device="cuda", dtype=torch.bfloat16, generator=g)
+    out = torch.empty_like(x0)
+    scale = DIM ** -0.5
+
+    def body() -> None:
+        x = x0
+        for li, w in enumerate(ws):
+            a = x @ w[0]
+            b = torch.nn.functional.silu(x @ w[1])
+            x = x + (a * b) @ w[2]
+            x = x / (x.float().pow(2).mean().sqrt().to(x.dtype) + 1)
+            q = x.view(HEADS * 4, DIM)[:HEADS]  # [8, 128]
+            k = caches[li][0].index_select(0, table).view(-1, HEADS, DIM)
+            v = caches[li][1].index_select(0, table).view(-1, HEADS, DIM)
+            att = ((k * q).sum(-1).float() * scale).softmax(0).to(v.dtype)  # [tokens, 8]
+            o = (att.unsqueeze(-1) * v).sum(0)  # [8, 128]
+            x = x + o.reshape(1, -1).repeat(1, 4)
+        out.copy_(x)
+
+    return body, out
+
+
+def decode_phase(torch: Any, cache: HostKVCache, keys: list[hk.Key], caches: list[Any], planes: Any,
+                 src: list[int], dst: list[int], steps: int, n: int) -> dict[str, Any]:
+    cs = torch.cuda.Stream()
+    table = torch.arange(0, min(400, n), device="cuda")  # the decoding sequence's blocks (not restored into)
+    body, _out = decode_step(torch, caches, table)
+    with torch.cuda.stream(cs):
+        body()
+        body()
+    cs.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=cs):
+        body()
+    cs.synchronize()
+
+    def eager() -> None:
+        with torch.cuda.stream(cs):
+            body()
+        cs.synchronize()
+
+    def replay() -> None:
+        with torch.cuda.stream(cs):
+            graph.replay()
+        cs.synchronize()
+
+    save_keys = [cache.keys(np.arange(n * TOKENS) % 50_000 + 1000 * (i + 1)) for i in range(2)]
+    stop = threading.Event()
+    counts = {"restores": 0, "saves": 0}
+
+    def restores() -> None:
+        # One lookup, then restores back to back (the lookup of a chain runs on the scheduler's
+        # own thread in an engine; the pinned phase times it on its own).
+        hit = cache.lookup(keys)
+        try:
+            while not stop.is_set():
+                cache.restore(hit, planes, dst, release=False).wait()
+                counts["restores"] += 1
+        finally:
+            hit.release()
+
+    def saves() -> None:
+        i = 0
+        while not stop.is_set():
+            ks = save_keys[i % 2]
+            cache.save(ks, planes, src).wait()  # the other chain is evicted to make room (LRU)
+            counts["saves"] += 1
+            i += 1
+
+    def measure(step: Callable[[], None], load: Callable[[], None] | None, nsteps: int) -> dict[str, Any]:
+        watch = GcWatch()
+        gc.callbacks.append(watch)
+        th = None
+        counts.update(restores=0, saves=0)
+        if load is restores and cache.provider.longest_prefix(keys) < n:  # evicted by the saves
+            cache.save(keys, planes, src).wait()
+        if load is not None:
+            stop.clear()
+            th = threading.Thread(target=load, daemon=True)
+            th.start()
+            time.sleep(0.2)
+        xs = []
+        for _ in range(nsteps):
+            t = time.perf_counter()
+            step()
+            xs.append((time.perf_counter() - t) * 1e3)
+        if th is not None:
+            stop.set()
+            th.join()
+        gc.callbacks.remove(watch)
+        return {"p50_ms": round(pct(xs, 0.5), 3), "p99_ms": round(pct(xs, 0.99), 3), "max_ms": round(max(xs), 2),
+                "steps": nsteps, **counts, **watch.summary()}
+
+    out: dict[str, Any] = {}
+    for mode, step in (("graph", replay), ("eager", eager)):
+        base = measure(step, None, steps)
+        out[f"{mode}_alone"] = base
+        for name, load in (("restores", restores), ("saves", saves)):
+            r = measure(step, load, steps)
+            r["p50_x"] = round(r["p50_ms"] / base["p50_ms"], 3)
+            r["p99_x"] = round(r["p99_ms"] / base["p99_ms"], 3)
+            out[f"{mode}_{name}"] = r
+            log(f"decode {mode} during {name}", r)
+    # the engine-side settings that used to be needed
+    old = sys.getswitchinterval()
+    gc.freeze()
+    sys.setswitchinterval(0.0005)
+    try:
+        for name, load in (("restores", restores), ("saves", saves)):
+            r = measure(replay, load, steps)
+            r["p50_x"] = round(r["p50_ms"] / out["graph_alone"]["p50_ms"], 3)
+            r["p99_x"] = round(r["p99_ms"] / out["graph_alone"]["p99_ms"], 3)
+            out[f"graph_{name}_freeze_switch"] = r
+            log(f"decode graph during {name}, gc.freeze + switch interval 0.5 ms", r)
+    finally:
+        sys.setswitchinterval(old)
+        gc.unfreeze()
+    return out
+
+
+def _files(root: str) -> list[str]:
+    out = []
+    for dirpath, _dirs, files in os.walk(root):
+        out += [os.path.join(dirpath, f) for f in files]
+    return sorted(out)
+
+
+def drop_caches(root: str) -> None:
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+    except OSError:  # not root: evict the store's files only
+        for path in _files(root):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def cold_read(root: str, limit: int) -> float:
+    """Seconds to read the first ``limit`` bytes of the store's data files cold (16 MiB reads)."""
+    drop_caches(root)
+    buf = bytearray(16 << 20)
+    data = [p for p in _files(root) if os.path.basename(p).startswith("data")] or _files(root)
+    n = 0
+    t = time.perf_counter()
+    for path in data:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            while n < limit:
+                k = os.readv(fd, [buf])
+                if not k:
+                    break
+                n += k
+        finally:
+            os.close(fd)
+    return time.perf_counter() - t
+
+
+def restart_phase(torch: Any, engine: Any, layout: hk.KVLayout, planes: Any, caches: list[Any], n: int,
+                  where: str | None) -> dict[str, Any]:
+    root = tempfile.mkdtemp(prefix="bench-engine-", dir=where)
+    P = layout.page_nbytes
+    url = f"mmap://{root}/store?budget={n * P + (256 << 20)}&durability=none"
+    src, dst = list(range(n)), list(range(n, 2 * n))
+    try:
+        p = hk.open(url)
+        with HostKVCache(p, hk.Salt("bench/restart", layout), engine) as cache:
+            keys = cache.keys(np.arange(n * TOKENS) % 50_000 + 3)
+            t = time.perf_counter()
+            cache.save(keys, planes, src).wait()
+            save_s = time.perf_counter() - t
+        p.close()
+        runs = []
+        for _ in range(2):
+            drop_caches(root)
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            p = hk.open(url)
+            with HostKVCache(p, hk.Salt("bench/restart", layout), engine) as cache:
+                hit = cache.lookup(keys)
+                r = cache.restore(hit, planes, dst).wait()
+            restore_s = time.perf_counter() - t
+            p.close()
+            read_s = cold_read(root, n * P)
+            runs.append({"open_lookup_restore_s": round(restore_s, 2), "pages": r.pages,
+                         "cold_read_s": round(read_s, 2), "x_cold_read": round(read_s / restore_s, 3)})
+        torch.cuda.synchronize()
+        ok = all(same(torch, c, src[:32], dst[:32]) for c in caches)
+        return {"pages": n, "gb": round(n * P / 1e9, 2), "save_s": round(save_s, 2), "runs": runs, "bytes_ok": ok}
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def tiered_cliff(where: str | None, n: int = 2000) -> dict[str, Any]:
+    """tiered:// (pinned over mmap) save of a 2,000 x 4 KiB chain through HostKVCache on the CPU
+    copy engine: a fast tier that holds it (64 MiB) against one that does not (2 MiB)."""
+    layout = hk.KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, page_tokens=4, dtype="float32")  # 4 KiB
+    shape = (n, layout.page_tokens, layout.num_kv_heads, layout.head_dim)
+    arrays = [np.random.default_rng(0).standard_normal(shape, dtype=np.float32) for _ in layout.planes]
+    out: dict[str, Any] = {}
+    for label, fast_budget in (("fits_64MiB", "64MiB"), ("small_2MiB", "2MiB")):
+        root = tempfile.mkdtemp(prefix="bench-cliff-", dir=where)
+        fast = urllib.parse.quote(f"pinned://?budget={fast_budget}&block=4096&background=false&pin=no", safe="")
+        slow = urllib.parse.quote(f"mmap://{root}/s?budget=64MiB&slot=4KiB&durability=none", safe="")
+        p = hk.open(f"tiered://?fast={fast}&slow={slow}")
+        eng = CpuCopyEngine()
+        try:
+            with HostKVCache(p, hk.Salt("bench/cliff", layout), eng) as c:
+                keys = c.keys(list(range(n * layout.page_tokens)))
+                t = time.perf_counter()
+                r = c.save(keys, arrays, list(range(n))).wait()
+                save_s = time.perf_counter() - t
+                p.flush()  # type: ignore[attr-defined]
+                total_s = time.perf_counter() - t
+            out[label] = {"stored": r.stored, "save_s": round(save_s, 3), "with_write_back_s": round(total_s, 3)}
+        finally:
+            p.close()
+            eng.close()
+            shutil.rmtree(root, ignore_errors=True)
+    out["save_x"] = round(out["small_2MiB"]["save_s"] / out["fits_64MiB"]["save_s"], 3)
+    out["with_write_back_x"] = round(out["small_2MiB"]["with_write_back_s"] / out["fits_64MiB"]["with_write_back_s"], 3)
+    return out
+
+
+def render(r: dict[str, Any]) -> str:
+    lines = ["| what | measured | same-run baseline | ratio |", "| --- | --- | --- | --- |"]
+    pin = r.get("pinned")
+    if pin:
+        best = min(pin["saves"], key=lambda s: s["sealed_ms"])
+        lines.append(f"| save of the chain to pinned:// until sealed (copied) | {best['sealed_ms']} ms "
+                     f"({best['copied_ms']} ms; issue {best['issue_ms']} ms; seal hashing {pin['seal_hash_gbps']} GB/s "
+                     f"on {pin['hash_threads']} threads) | bulk D2H {pin['bulk_d2h_ms']} ms | "
+                     f"{pin['save_sealed_x_bulk']}x ({pin['save_copied_x_bulk']}x) |")
+        rb = min(x["ms"] for x in pin["restores"])
+        lk = min(x["lookup_ms"] for x in pin["restores"])
+        lines.append(f"| lookup + restore of the chain from pinned:// (best / median; lookup {lk} ms) | {rb} ms | "
+                     f"bulk H2D "
+                     f"{pin['bulk_h2d_ms']} ms | {pin['restore_best_x_bulk']}x / {pin['restore_median_x_bulk']}x |")
+        lines.append(f"| ranged restore of the first 1/32 of the hit | {pin['ranged_first_1_32_ms']} ms | goal "
+                     f"{pin['ranged_goal_ms']} ms | |")
+    dec = r.get("decode")
+    if dec:
+        for mode in ("graph", "eager"):
+            base = dec[f"{mode}_alone"]
+            for load in ("restores", "saves"):
+                x = dec[f"{mode}_{load}"]
+                lines.append(f"| {mode} decode step during back-to-back {load} (p50 / p99; {x[load]} done; "
+                             f"GC passes {x['gc_passes']}, full {x['gc_full']}, max {x['gc_max_ms']} ms) | "
+                             f"{x['p50_ms']} / {x['p99_ms']} ms | alone {base['p50_ms']} / {base['p99_ms']} ms | "
+                             f"{x['p50_x']}x / {x['p99_x']}x |")
+        for load in ("restores", "saves"):
+            x = dec.get(f"graph_{load}_freeze_switch")
+            if x:
+                alone = dec["graph_alone"]
+                lines.append(f"| graph decode during {load}, gc.freeze() + 0.5 ms switch interval (GC full "
+                             f"{x['gc_full']}) | {x['p50_ms']} / {x['p99_ms']} ms | alone {alone['p50_ms']} / "
+                             f"{alone['p99_ms']} ms | {x['p50_x']}x / {x['p99_x']}x |")
+    rs = r.get("restart")
+    if rs:
+        for i, run in enumerate(rs["runs"]):
+            lines.append(f"| restart: open + lookup + restore from mmap://, page cache dropped "
+                         f"({rs['gb']} GB, run {i + 1}) | "
+                         f"{run['open_lookup_restore_s']} s | cold sequential read {run['cold_read_s']} s | "
+                         f"{run['x_cold_read']}x |")
+    cl = r.get("cliff")
+    if cl:
+        lines.append(f"| tiered:// save of 2,000 x 4 KiB pages, fast tier 2 MiB vs 64 MiB (CPU engine) | "
+                     f"{cl['small_2MiB']['save_s']} s (with write-back {cl['small_2MiB']['with_write_back_s']} s) | "
+                     f"{cl['fits_64MiB']['save_s']} s ({cl['fits_64MiB']['with_write_back_s']} s) | "
+                     f"{cl['save_x']}x ({cl['with_write_back_x']}x) |")
+    bulk_r = r.get("bulk")
+    if bulk_r:
+        lines.append(f"| bulk copies (4 GiB, pinned) | D2H {bulk_r['d2h_gbps']} GB/s, "
+                     f"H2D {bulk_r['h2d_gbps']} GB/s | | |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

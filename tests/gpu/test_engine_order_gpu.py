@@ -1,0 +1,196 @@
+"""R9 on a real GPU: ``HostKVCache.restore(before=stream)`` and ``save(after=stream)`` through
+the CUDA copy engine, for every provider kind (pinned: zero-copy views and direct saves; mmap and
+lmdb: bounce buffers; tiered: fast tier views, then slow-tier staging after a restart).
+
+Each restore trial poisons the destination blocks, restores with ``before=cs`` and enqueues, on
+``cs`` right after ``restore()`` returns and with no host synchronisation in between, a kernel
+that compares the blocks with the expected pages and counts mismatching bytes into a device
+counter.  The provider's side of the restore is slowed down (a sleep in its view/read calls), so
+a stream that ran ahead would read poison; a negative control without ``before=`` shows that it
+does.  Saves: a slow kernel writes the blocks on ``cs``, ``save(after=cs)`` is called at once,
+``handle.wait_on(cs)``, then the blocks are overwritten on ``cs``: the stored pages must be the
+first contents.
+"""
+
+from __future__ import annotations
+
+import time
+import urllib.parse
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import hostkv_providers as hk
+from hostkv_providers.cache import HostKVCache, paged_planes
+from hostkv_providers.device import CudaCopyEngine, cuda_available
+
+torch = pytest.importorskip("torch")
+if not cuda_available() or not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+
+pytestmark = pytest.mark.gpu
+
+LAYOUT = hk.KVLayout(num_layers=8, num_kv_heads=8, head_dim=128, page_tokens=16, dtype="bfloat16")  # 512 KiB
+SALT = hk.Salt("test/gpu-order", LAYOUT)
+PAGE = LAYOUT.page_nbytes
+NBLOCKS = 256
+PAGES = 48
+TRIALS = 100
+KINDS = ["pinned", "mmap", "lmdb", "tiered"]
+
+
+def open_kind(kind: str, root: Path) -> hk.Provider:
+    if kind == "pinned":
+        return hk.open(f"pinned://?budget=128MiB&block={PAGE}&background=false")
+    if kind == "mmap":
+        return hk.open(f"mmap://{root}/mmap?budget=128MiB&durability=none")
+    if kind == "lmdb":
+        return hk.open(f"lmdb://{root}/lmdb?budget=128MiB&durability=none")
+    fast = urllib.parse.quote(f"pinned://?budget=128MiB&block={PAGE}&background=false", safe="")
+    slow = urllib.parse.quote(f"mmap://{root}/slow?budget=256MiB&durability=none", safe="")
+    return hk.open(f"tiered://?fast={fast}&slow={slow}")
+
+
+def slowed(fn: Callable[..., Any], seconds: float) -> Callable[..., Any]:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(seconds)
+        return fn(*args, **kwargs)
+
+    return call
+
+
+class Pool:
+    """vLLM-style per-layer ``[2, blocks, 16, 8, 128]`` bf16 caches on the device."""
+
+    def __init__(self) -> None:
+        self.caches = [torch.empty((2, NBLOCKS, LAYOUT.page_tokens, LAYOUT.num_kv_heads, LAYOUT.head_dim),
+                                   dtype=torch.bfloat16, device="cuda") for _ in range(LAYOUT.num_layers)]
+        self.planes = paged_planes(LAYOUT, self.caches)
+        self.bytes = [c.view(torch.uint8) for c in self.caches]
+
+    def fill_random(self, blocks: list[int], seed: int) -> None:
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        idx = torch.tensor(blocks, device="cuda")
+        for b in self.bytes:
+            b[:, idx] = torch.randint(0, 256, (2, len(blocks), *b.shape[2:]), dtype=torch.uint8, device="cuda",
+                                      generator=g)
+
+    def poison(self, blocks: list[int]) -> None:
+        idx = torch.tensor(blocks, device="cuda")
+        for b in self.bytes:
+            b[:, idx] = 0xEE
+
+    def gather(self, blocks: list[int]) -> list[Any]:
+        idx = torch.tensor(blocks, device="cuda")
+        return [b[:, idx].clone() for b in self.bytes]
+
+    def mismatches(self, blocks: list[int], expect: list[Any]) -> Any:
+        """Bytes of ``blocks`` that differ from ``expect``, as a 0-d device tensor (enqueued only)."""
+        idx = torch.tensor(blocks, device="cuda")
+        return sum((b[:, idx] != e).sum() for b, e in zip(self.bytes, expect, strict=True))
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[CudaCopyEngine]:
+    e = CudaCopyEngine(0)
+    yield e
+    e.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_restore_before_stream_never_reads_stale_blocks(kind: str, engine: CudaCopyEngine, tmp_path: Path) -> None:
+    pool = Pool()
+    cs = torch.cuda.Stream()
+    provider = open_kind(kind, tmp_path)
+    src = list(range(PAGES))
+    try:
+        with HostKVCache(provider, SALT, engine, chunk_pages=16) as cache:
+            keys = cache.keys(list(range(PAGES * LAYOUT.page_tokens)))
+            pool.fill_random(src, seed=7)
+            torch.cuda.synchronize()
+            assert cache.save(keys, pool.planes, src).wait().stored == PAGES
+            if kind == "tiered":
+                provider.flush()  # type: ignore[attr-defined]
+            expect = pool.gather(src)
+            for name in ("views", "read_many"):
+                if hasattr(provider, name):
+                    setattr(provider, name, slowed(getattr(provider, name), 0.002))
+            dst = list(range(PAGES, 2 * PAGES))
+            counts = []
+            for _trial in range(TRIALS):
+                with torch.cuda.stream(cs):
+                    pool.poison(dst)
+                cs.synchronize()  # the poison is in place before the restore's copies start
+                handle = cache.restore(cache.lookup(keys), pool.planes, dst, before=cs)
+                with torch.cuda.stream(cs):  # the engine's next kernel, enqueued at once
+                    counts.append(pool.mismatches(dst, expect))
+                handle.wait()
+            cs.synchronize()
+            stale = sum(int(c.item()) > 0 for c in counts)
+            assert stale == 0, f"{kind}: {stale} of {TRIALS} trials read the blocks before the restore"
+            assert all(handle.wait().pages == PAGES for _ in [0])
+            # negative control: without before= the same kernel runs ahead of the copies
+            control = []
+            for _trial in range(5):
+                with torch.cuda.stream(cs):
+                    pool.poison(dst)
+                cs.synchronize()
+                handle = cache.restore(cache.lookup(keys), pool.planes, dst)
+                with torch.cuda.stream(cs):
+                    control.append(pool.mismatches(dst, expect))
+                handle.wait()
+            cs.synchronize()
+            assert sum(int(c.item()) > 0 for c in control) > 0, "the control never saw poison"
+            # the handle's event orders another stream the same way
+            other = torch.cuda.Stream()
+            with torch.cuda.stream(cs):
+                pool.poison(dst)
+            cs.synchronize()
+            handle = cache.restore(cache.lookup(keys), pool.planes, dst)
+            handle.wait_on(other)
+            with torch.cuda.stream(other):
+                late = pool.mismatches(dst, expect)
+            other.synchronize()
+            assert int(late.item()) == 0
+            assert handle.event is not None
+    finally:
+        provider.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_save_after_stream_reads_blocks_as_of_the_call(kind: str, engine: CudaCopyEngine, tmp_path: Path) -> None:
+    pool = Pool()
+    cs = torch.cuda.Stream()
+    provider = open_kind(kind, tmp_path)
+    blocks = list(range(PAGES))
+    first = list(range(PAGES, 2 * PAGES))
+    try:
+        with HostKVCache(provider, SALT, engine, chunk_pages=16) as cache:
+            pool.fill_random(first, seed=11)  # the contents the save must see
+            torch.cuda.synchronize()
+            x = pool.gather(first)
+            bad = 0
+            for trial in range(20):
+                keys = cache.keys([trial * 100_000 + t for t in range(PAGES * LAYOUT.page_tokens)])
+                with torch.cuda.stream(cs):
+                    pool.poison(blocks)
+                    torch.cuda._sleep(2_000_000)  # a slow prefill ...
+                    for b, src in zip(pool.bytes, x, strict=True):  # ... that writes the pages
+                        b[:, torch.tensor(blocks, device="cuda")] = src
+                handle = cache.save(keys, pool.planes, blocks, after=cs)
+                handle.wait_on(cs)
+                with torch.cuda.stream(cs):  # the blocks' next user overwrites them
+                    pool.poison(blocks)
+                res = handle.wait()
+                assert res.stored == PAGES, res
+                assert handle.copied()
+                cs.synchronize()
+                out = list(range(2 * PAGES, 3 * PAGES))
+                assert cache.restore(cache.lookup(keys), pool.planes, out).wait().pages == PAGES
+                torch.cuda.synchronize()
+                bad += any(not torch.equal(a, b) for a, b in zip(pool.gather(out), x, strict=True))
+            assert bad == 0, f"{kind}: {bad} of 20 saves stored other bytes than the blocks held at the call"
+    finally:
+        provider.close()
