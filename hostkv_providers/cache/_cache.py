@@ -63,6 +63,7 @@ from hostkv_providers._provider import (
     check_anchor_name,
     readable_bytes,
 )
+from hostkv_providers.cache._hybrid import HybridState, make_hybrid
 from hostkv_providers.device._hostmem import HostAllocation, HostAllocator, OrdinaryAllocator
 
 __all__ = [
@@ -105,6 +106,14 @@ class CopyEngineLike(Protocol):
 
     def restore(self, src: Sequence[Sequence[HostRegion]], planes: Any, block_ids: Sequence[int], *,
                 before: Any = None) -> Any: ...
+
+
+def _check_max_pages(max_pages: object) -> int:
+    """Validate ``lookup(max_pages=)`` (hybrid hook, cache/_hybrid.py)."""
+    if type(max_pages) is not int or max_pages < 0:
+        raise InvalidArgumentError(f"max_pages must be an int >= 0, got {max_pages!r}",
+                                   hint="prefill_pages_cap(num_tokens, page_tokens) keeps >= 1 token to prefill")
+    return max_pages
 
 
 def _default_engine() -> CopyEngineLike:
@@ -280,6 +289,11 @@ class RestoreResult:
     viewed: int = 0  # pages copied straight from provider memory (zero-copy views)
     staged: int = 0  # pages read through bounce buffers
     stopped: str | None = None  # set when fewer pages than asked were restored
+    # hybrid caches (required_anchors=, cache/_hybrid.py): the anchors of page anchor_page, the
+    # last usable one; anchor groups not restorable there (the engine resets that state)
+    anchors: dict[str, memoryview] = field(default_factory=dict)
+    anchor_page: int | None = None
+    invalidated: tuple[str, ...] = ()
 
 
 class CacheHandle:
@@ -377,6 +391,7 @@ class CacheHit:
         self.anchor_name = anchor_name
         self.anchor = anchor
         self._released = lease is None
+        self.hybrid: Any = None  # hybrid hook (cache/_hybrid.py): the prefill this miss produces
 
     @property
     def num_pages(self) -> int:
@@ -533,6 +548,9 @@ class HostKVCache:
         lookup_wait_timeout: float = 5.0,
         model_id: str | None = None,
         staging_allocator: HostAllocator | None = None,
+        required_anchors: Iterable[str] | None = None,
+        anchor_groups: Mapping[str, Iterable[str]] | None = None,
+        coalesce_prefills: bool = False,
     ) -> None:
         if not isinstance(provider, Provider):
             raise InvalidArgumentError(f"provider must be a Provider, got {type(provider).__name__}")
@@ -581,6 +599,8 @@ class HostKVCache:
         self._restore_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="hostkv-restore")
         self._closed = False
         self._finalizer = weakref.finalize(self, _shutdown_pools, self._save_pool, self._restore_pool)
+        # hybrid hook (cache/_hybrid.py): required anchors, anchor records, coalesced prefills
+        self._hybrid: HybridState | None = make_hybrid(self, required_anchors, anchor_groups, coalesce_prefills)
 
     # -- keys ---------------------------------------------------------------------------------
     def keys(
@@ -632,7 +652,8 @@ class HostKVCache:
         with self._lock:
             return self._seen.get(as_key(key), 0)
 
-    def lookup(self, keys: Sequence[bytes], need_anchor: str | None = None, *, wait: bool = True) -> CacheHit:
+    def lookup(self, keys: Sequence[bytes], need_anchor: str | None = None, *, wait: bool = True,
+               max_pages: int | None = None) -> CacheHit:
         """Lease the longest stored prefix of ``keys``.
 
         Parameters
@@ -646,7 +667,11 @@ class HostKVCache:
         wait:
             When the next page of the prefix is being saved right now (by this cache or, through
             the provider, by another writer), wait for that save (at most
-            ``lookup_wait_timeout`` seconds) instead of reporting a shorter hit.
+            ``lookup_wait_timeout`` seconds) instead of reporting a shorter hit.  With
+            ``coalesce_prefills``, also when another request that missed is prefilling it.
+        max_pages:
+            Never hit more than this many pages (``prefill_pages_cap(num_tokens, page_tokens)``
+            keeps at least one token for the engine to prefill).
 
         Returns
         -------
@@ -658,6 +683,9 @@ class HostKVCache:
         ks = self._chain(keys)
         if need_anchor is not None:
             check_anchor_name(need_anchor)
+        hyb = self._hybrid
+        if max_pages is not None:  # hybrid hook: a capped hit (cache/_hybrid.py)
+            ks = ks[: _check_max_pages(max_pages)]
         with self._lock:
             self._note_seen(ks)
         deadline = time.monotonic() + self.lookup_wait_timeout
@@ -682,10 +710,17 @@ class HostKVCache:
                 lease = self.provider.lease(ks)
                 n = lease.prefix_len
                 continue
+            if hyb is not None and hyb.wait_for_prefill(nxt, deadline):  # hybrid hook: a twin prefills it
+                lease.release()
+                lease = self.provider.lease(ks)
+                n = lease.prefix_len
+                continue
             break
         stored = n
         anchor: bytes | None = None
-        if need_anchor is not None and n:
+        if hyb is not None and hyb.binding:  # hybrid hook: cut to the deepest fully anchored page
+            n = hyb.deepest([ks], n, need_anchor)
+        elif need_anchor is not None and n:
             usable = self.provider.deepest_anchor(ks[:n], need_anchor)
             if usable:
                 anchor = self.provider.get_anchor(ks[usable - 1], need_anchor)
@@ -705,6 +740,8 @@ class HostKVCache:
                        anchor_name=need_anchor, anchor=anchor if n else None)
         if not n and lease is not None:
             lease.release()
+        if hyb is not None:  # hybrid hook: this request now produces the missing pages
+            hyb.note_miss(hit, ks)
         with self._lock:
             st = self._stats
             st.lookups += 1
@@ -780,6 +817,7 @@ class HostKVCache:
         if need_anchor is not None:
             check_anchor_name(need_anchor)
         own = chains[self.salt.tp_rank]
+        hyb = self._hybrid
         with self._lock:
             self._note_seen(own)
         # One lease over all ranks' chains: per rank, the pinned prefix; the common depth is the
@@ -791,7 +829,9 @@ class HostKVCache:
             n = min(n, present.index(False) if False in present else pages)
         stored = n
         anchor: bytes | None = None
-        if need_anchor is not None:
+        if hyb is not None and hyb.binding:  # hybrid hook: every rank's page carries every anchor
+            n = hyb.deepest(chains, n, need_anchor)
+        elif need_anchor is not None:
             # the deepest depth anchored on every rank: cut to the shallowest rank's deepest
             # anchor until all ranks agree (anchors are placed at the same depths on every rank,
             # so this usually settles at once)
@@ -831,7 +871,7 @@ class HostKVCache:
 
     # -- restore ------------------------------------------------------------------------------
     def restore(self, hit: CacheHit, into: Any, block_ids: Sequence[int], *, before: Any = None,
-                release: bool = True) -> CacheHandle:
+                release: bool = True, anchors_into: Mapping[str, Any] | None = None) -> CacheHandle:
         """Copy the hit's pages into the engine's KV blocks, asynchronously.
 
         Parameters
@@ -848,6 +888,9 @@ class HostKVCache:
             recorded after the blocks were freed by their previous user).
         release:
             Release the hit's lease when the restore finishes.
+        anchors_into:
+            Hybrid caches: ``{name: writable buffer}`` the anchors are copied into (once, on the
+            restore thread); ``result.anchors[name]`` then views that buffer.
 
         Returns
         -------
@@ -881,6 +924,8 @@ class HostKVCache:
             handle = CacheHandle("restore")
             self._restores[ident] = handle
         keys = hit.keys[: len(bids)]
+        if self._hybrid is not None:  # hybrid hook: where the anchors go
+            self._hybrid.note_restore(handle, anchors_into)
 
         def finish(h: CacheHandle) -> None:
             with self._lock:
@@ -905,6 +950,8 @@ class HostKVCache:
         handle._result = result
         try:
             self._restore_pages(result, hit, keys, planes, bids, before)
+            if self._hybrid is not None:  # hybrid hook: anchors read with the restore, cut back
+                self._hybrid.finish_restore(handle, result, keys)
         except BaseException as exc:
             handle._finish(result, exc)
             return
@@ -1060,6 +1107,8 @@ class HostKVCache:
         if (par is None) != (start_page == 0):
             raise InvalidArgumentError("give parent= and start_page= together (a continuation), or neither")
         blobs = self._anchor_blobs(anchors, len(ks), checkpoints, start_page)
+        if self._hybrid is not None:  # hybrid hook: anchor records bound to depth and format
+            blobs = self._hybrid.seal_blobs(blobs, start_page)
         handle = CacheHandle("save")
         result = SaveResult(requested=len(ks))
         handle._result = result
@@ -1086,6 +1135,8 @@ class HostKVCache:
                 st.failed_pages += res.admitted - res.stored - res.dedup - res.coalesced
                 self._save_lat.add(h.seconds)
             job.done.set()
+            if self._hybrid is not None:  # hybrid hook: wake the twins of this prefill
+                self._hybrid.saved(ks)
 
         handle.add_done_callback(finish)
         refused = False
@@ -1143,6 +1194,8 @@ class HostKVCache:
         result: SaveResult = job.handle._result
         try:
             self._save_pages(job, result, planes, bids, parent, present, blobs, after)
+            if self._hybrid is not None:  # hybrid hook: roll back pages a failed anchor strands
+                self._hybrid.after_save(job.keys, job.claimed, result)
         except BaseException as exc:
             job.handle._finish(result, exc)
             return
