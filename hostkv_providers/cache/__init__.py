@@ -23,6 +23,7 @@ from hostkv_providers.cache._cache import (
     SaveResult,
     SeenAtLeast,
 )
+from hostkv_providers.cache._hfhybrid import HybridCacheMap
 from hostkv_providers.cache._hybrid import (
     ANCHOR_HEADER_NBYTES,
     AnchorMismatchError,
@@ -52,6 +53,7 @@ __all__ = [
     "CacheStats",
     "HFCacheMap",
     "HostKVCache",
+    "HybridCacheMap",
     "KVLayout",
     "MediaItem",
     "MinDepth",
