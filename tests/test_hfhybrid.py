@@ -75,9 +75,9 @@ def cache() -> Iterator[HostKVCache]:
 
 def test_plain_map_refuses_hybrid_caches_with_a_hint(model: Any) -> None:
     _l, past = run(model, torch.randint(0, 256, (1, 16)), None)
-    with pytest.raises(InvalidArgumentError, match="hybrid|non-attention"):
+    with pytest.raises(InvalidArgumentError, match=r"hybrid|non-attention"):
         HFCacheMap(LAYOUT).pack(past)
-    with pytest.raises(InvalidArgumentError, match="hybrid|non-attention"):
+    with pytest.raises(InvalidArgumentError, match=r"hybrid|non-attention"):
         HFCacheMap(LAYOUT).to_dynamic_cache(HFCacheMap(LAYOUT).empty_planes(1), config=model.config)
     with pytest.raises(InvalidArgumentError, match="attention layers"):
         HybridCacheMap(KVLayout(num_layers=4, num_kv_heads=2, head_dim=16, page_tokens=PT, dtype="float32"),
