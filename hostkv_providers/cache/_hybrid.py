@@ -84,10 +84,7 @@ def seal_anchor_record(payload: object, *, depth: int, tag: bytes) -> bytes:
     """``header + payload`` for an anchor at page ``depth`` (0-based) with format ``tag``."""
     mv = readable_bytes(payload)
     head = _HEADER.pack(_MAGIC, 1, 0, depth, mv.nbytes, checksum(mv), tag)
-    out = bytearray(len(head) + mv.nbytes)
-    out[: len(head)] = head
-    out[len(head):] = mv
-    return bytes(out)
+    return b"".join((head, mv))  # one copy of the payload
 
 
 def _parse(blob: object) -> tuple[int, bytes, memoryview] | None:
@@ -276,7 +273,9 @@ class HybridState:
             return
         prov = self.cache.provider
         got_pages = result.pages
-        j = self.deepest([keys], got_pages)
+        # The hit ends at a page carrying every required anchor (lookup made sure), so a full
+        # restore reads them straight away; only a short one walks back to an anchored page.
+        j = got_pages if got_pages == len(keys) else self.deepest([keys], got_pages)
         anchors: dict[str, memoryview] = {}
         while j:
             anchors = {}
