@@ -106,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         print("| provider | operation | best ms | median ms |\n| --- | --- | ---: | ---: |")
         for url in urls:
             for name, b, m in run(url, state, args.repeat):
-                print(f"| {url.split(':')[0]} | {name} | {b * 1e3:.1f} | {m * 1e3:.1f} |")
+                med = "— (1 run)" if m != m else f"{m * 1e3:.1f}"  # NaN: a one-shot row
+                print(f"| {url.split(':')[0]} | {name} | {b * 1e3:.1f} | {med} |")
     return 0
 
 
