@@ -21,6 +21,7 @@ from hostkv_providers.cache import (
     abandon_prefill,
     anchor_depths,
     prefill_pages_cap,
+    prefill_pending,
     put_anchor,
 )
 from hostkv_providers.device._copy import CpuCopyEngine
@@ -311,6 +312,25 @@ def test_concurrent_identical_requests_cost_one_prefill(provider: Provider, engi
         # a producer that gives up wakes its twins at once
         ks = c.keys(tokens(2 * 4, seed=11))
         miss = c.lookup(ks)
-        assert not miss and miss.hybrid is not None
+        assert not miss and miss.hybrid is not None and prefill_pending(miss) is None
+        twin = c.lookup(ks, wait=False)
+        pending = prefill_pending(twin)
+        assert pending is not None and not pending.is_set()
+        abandon_prefill(twin)  # only the producer can abandon
+        assert not pending.is_set()
         abandon_prefill(miss)
-        assert not c.lookup(ks, wait=False)
+        assert pending.is_set()
+
+
+def test_single_threaded_scheduler_defers_twins(provider: Provider, engine: CpuCopyEngine) -> None:
+    # one thread for every request: lookups must not block; the twin is deferred, then restores
+    with hcache(provider, engine, coalesce_prefills=True) as c:
+        ks = c.keys(tokens(3 * 4, seed=12))
+        producer = c.lookup(ks, wait=False)
+        twin = c.lookup(ks, wait=False)
+        pending = prefill_pending(twin)
+        assert not producer and not twin and pending is not None and prefill_pending(producer) is None
+        c.save(ks, make_planes(12), [0, 1, 2], anchors={2: state(2)}).wait(30)
+        assert pending.is_set()
+        with c.lookup(ks, wait=False) as again:
+            assert again.num_pages == 3 and prefill_pending(again) is None

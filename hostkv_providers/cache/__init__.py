@@ -30,6 +30,7 @@ from hostkv_providers.cache._hybrid import (
     abandon_prefill,
     anchor_depths,
     prefill_pages_cap,
+    prefill_pending,
     put_anchor,
 )
 from hostkv_providers.cache._kvmap import HFCacheMap, cache_layers, dequantize, paged_planes, plane_dtype_name, quantize
@@ -41,6 +42,7 @@ __all__ = [
     "abandon_prefill",
     "anchor_depths",
     "prefill_pages_cap",
+    "prefill_pending",
     "put_anchor",
     "DTYPE_ITEMSIZE",
     "AdmissionPolicy",

@@ -710,7 +710,7 @@ class HostKVCache:
                 lease = self.provider.lease(ks)
                 n = lease.prefix_len
                 continue
-            if hyb is not None and hyb.wait_for_prefill(nxt, deadline):  # hybrid hook: a twin prefills it
+            if hyb is not None and hyb.wait_for_prefill(ks, n, deadline):  # hybrid hook: a twin prefills it
                 lease.release()
                 lease = self.provider.lease(ks)
                 n = lease.prefix_len

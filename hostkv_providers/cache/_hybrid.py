@@ -56,6 +56,7 @@ __all__ = [
     "anchor_depths",
     "open_anchor_record",
     "prefill_pages_cap",
+    "prefill_pending",
     "put_anchor",
     "seal_anchor_record",
 ]
@@ -131,6 +132,9 @@ class _Intent:
 
     keys: tuple[Key, ...]
     expires: float
+    owner: int  # the thread of the lookup that claimed them (a lookup runs on one thread)
+    attached: bool = False  # handed to that lookup's hit (CacheHit.hybrid)
+    hit_id: int = 0  # id() of the producer's hit
     done: threading.Event = field(default_factory=threading.Event)
 
 
@@ -325,42 +329,61 @@ class HybridState:
         result.invalidated = tuple(invalidated)
 
     # -- prefill coalescing -----------------------------------------------------------------------
-    def wait_for_prefill(self, key: Key, deadline: float) -> bool:
-        """If another request is producing ``key``, wait for its save (until ``deadline``);
-        True when there was such a request."""
+    def wait_for_prefill(self, keys: Sequence[Key], n: int, deadline: float) -> bool:
+        """If another request is producing ``keys[n]``, wait for its save (until ``deadline``) and
+        return True.  Otherwise claim ``keys[n:]`` for this lookup's request *now*, under the
+        lock (so of N identical lookups arriving together exactly one becomes the producer),
+        and return False."""
         if not self.coalesce:
             return False
+        key = keys[n]
+        me = threading.get_ident()
         with self._lock:
             intent = self._intents.get(key)
-            now = time.monotonic()
-            if intent is not None and intent.expires <= now:
+            if intent is not None and intent.expires <= time.monotonic():
                 self._drop(intent)
                 intent = None
-        if intent is None:
-            return False
+            if intent is None or (intent.owner == me and not intent.attached):
+                if intent is None:
+                    self._register(tuple(keys[n:]), me)
+                return False
         intent.done.wait(max(0.0, min(deadline, intent.expires) - time.monotonic()))
         with self._lock:
             if not intent.done.is_set() and intent.expires <= time.monotonic():
                 self._drop(intent)
         return True
 
+    def _register(self, rest: tuple[Key, ...], owner: int) -> _Intent:
+        intent = _Intent(rest, time.monotonic() + self.cache.lookup_wait_timeout, owner)
+        for k in rest:
+            self._intents.setdefault(k, intent)
+        return intent
+
     def note_miss(self, hit: CacheHit, keys: Sequence[Key]) -> None:
-        """Register ``keys[hit.num_pages:]`` as being produced by this request's prefill."""
-        if not self.coalesce or hit.num_pages >= len(keys):
+        """Give the request whose lookup did not cover ``keys`` the claim on the missing pages
+        (made by :meth:`wait_for_prefill`, or now), unless a twin already holds it."""
+        if not self.coalesce:
             return
-        rest = tuple(keys[hit.num_pages:])
+        me = threading.get_ident()
         with self._lock:
-            if rest[0] in self._intents:
-                return  # a twin already produces them (we waited and timed out): do not steal
-            intent = _Intent(rest, time.monotonic() + self.cache.lookup_wait_timeout)
-            for k in rest:
-                self._intents.setdefault(k, intent)
+            if hit.stored >= len(keys):
+                return
+            intent = self._intents.get(keys[hit.stored])
+            if intent is None:
+                intent = self._register(tuple(keys[hit.stored:]), me)
+            elif intent.owner != me or intent.attached:
+                # a twin produces them (we did not wait, or timed out): do not steal its claim;
+                # the hit tells the scheduler so (prefill_pending)
+                hit.hybrid = intent
+                return
+            intent.attached = True
+            intent.hit_id = id(hit)
         hit.hybrid = intent
 
     def abandon(self, hit: CacheHit) -> None:
         """The request that missed will not save (it failed or was cancelled): wake its twins."""
         intent = hit.hybrid
-        if isinstance(intent, _Intent):
+        if isinstance(intent, _Intent) and intent.hit_id == id(hit):
             with self._lock:
                 self._drop(intent)
 
@@ -400,6 +423,20 @@ def abandon_prefill(hit: CacheHit) -> None:
     hyb = hit._cache._hybrid
     if hyb is not None:
         hyb.abandon(hit)
+
+
+def prefill_pending(hit: CacheHit) -> threading.Event | None:
+    """For a ``coalesce_prefills`` cache: when the pages ``hit`` lacks are being produced by
+    another request's prefill, the event set when that request's save (pages and anchors) is
+    done or abandoned; ``None`` otherwise (this request is the producer, or nobody is).
+
+    A scheduler that must not block (one thread for all requests) looks up with
+    ``wait=False``, defers a request whose hit has a pending prefill, and looks it up again once
+    the event is set: the twin then restores instead of prefilling the same tokens."""
+    intent = hit.hybrid
+    if isinstance(intent, _Intent) and intent.hit_id != id(hit) and not intent.done.is_set():
+        return intent.done
+    return None
 
 
 def make_hybrid(cache: HostKVCache, required_anchors: Iterable[str] | None,
