@@ -137,3 +137,19 @@ def test_save_restore_generates_like_a_cold_prefill(model: Any, cache: HostKVCac
         dropped.layers[li].update(k, v)
     logits, dc = run(model, ids[:, 8 * PT:], dropped)
     assert greedy(model, logits, dc) != cold
+
+
+def test_prompt_of_exactly_full_pages_keeps_a_token(model: Any, cache: HostKVCache) -> None:
+    # trap 5: a prompt of exactly N full pages hit in full left nothing to prefill (no logits)
+    hm = HybridCacheMap(LAYOUT, model.config)
+    ids = torch.randint(0, 256, (1, 8 * PT), generator=torch.Generator().manual_seed(2))
+    keys = cache.keys(ids[0].numpy())
+    _out, past, states = hm.prefill(model, ids, [1, 3, 5, 7])
+    cache.save(keys, hm.pack(past), list(range(8)), anchors={d: {"state": s} for d, s in states.items()}).wait(30)
+    hit = cache.lookup(keys, max_pages=prefill_pages_cap(ids.shape[1], PT))
+    assert hit.num_pages == 6  # capped at 7, cut back to the anchor at page 5
+    planes = hm.empty_planes(hit.num_pages)
+    rr = cache.restore(hit, planes, list(range(hit.num_pages))).wait(30)
+    logits, _c = run(model, ids[:, rr.pages * PT:], hm.to_dynamic_cache(planes, rr.anchors["state"]))
+    cold, _p = run(model, ids, None)
+    torch.testing.assert_close(logits, cold, atol=1e-4, rtol=1e-4)
