@@ -532,6 +532,12 @@ class HostKVCache:
         now (it then reports what is stored; a scheduler should not stall longer).
     model_id:
         Only with a bare layout: the model id for the salt.
+    required_anchors, anchor_groups, coalesce_prefills:
+        Hybrid models (``cache/_hybrid.py``, docs/integration.md "Hybrid models"): the anchor
+        names every hit must carry at its last page (each lookup is cut back, anchors become
+        checked records bound to depth and ``salt.state_format``, restores hand them out);
+        optional groups restored whole or reported in ``RestoreResult.invalidated`` (drafter
+        state); identical cold lookups waiting for one request's prefill.
     """
 
     def __init__(
