@@ -110,6 +110,11 @@ class Salt:
         a rank stores only its slice of every layer's KV heads, described by
         :attr:`local_layout`.  Every rank has its own digest, so ranks never read each other's
         pages and one store holds every rank's pages side by side.
+    state_format:
+        For hybrid models: the format of the recurrent/conv state stored as anchors (e.g.
+        ``"qwen3next-gdn/v1:bfloat16"``).  Folded into the digest only when set, and bound into
+        every anchor record a hybrid :class:`~hostkv_providers.HostKVCache` writes, so a state
+        of another format reads as a miss.
     kv_head_start, kv_head_count:
         The rank's slice of ``layout.num_kv_heads`` heads.  Left ``None`` (both), it is derived
         as engines shard heads: ``num_kv_heads / tp_world_size`` heads from
@@ -138,11 +143,12 @@ class Salt:
     tp_world_size: int = 1
     kv_head_start: int | None = None
     kv_head_count: int | None = None
+    state_format: str = ""
     digest: bytes = field(init=False, repr=False, compare=False)
     config_digest: bytes = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        for name in ("model_id", "model_revision", "quantization", "speculative", "namespace"):
+        for name in ("model_id", "model_revision", "quantization", "speculative", "namespace", "state_format"):
             if not isinstance(getattr(self, name), str):
                 raise InvalidArgumentError(f"Salt.{name} must be a str")
         if not self.model_id:
@@ -165,6 +171,9 @@ class Salt:
             ["namespace", self.namespace],
             ["extra", [list(kv) for kv in extra]],
         ]
+        if self.state_format:
+            # Only a hybrid model's salt adds the field, so every other digest is unchanged.
+            fields.append(["state_format", self.state_format])
         if self.sharded:
             # Only a sharded salt adds fields, so every unsharded digest is what it always was.
             # The configuration digest (shared by the ranks) knows the world, not the rank.

@@ -23,10 +23,27 @@ from hostkv_providers.cache._cache import (
     SaveResult,
     SeenAtLeast,
 )
+from hostkv_providers.cache._hfhybrid import HybridCacheMap
+from hostkv_providers.cache._hybrid import (
+    ANCHOR_HEADER_NBYTES,
+    AnchorMismatchError,
+    abandon_prefill,
+    anchor_depths,
+    prefill_pages_cap,
+    prefill_pending,
+    put_anchor,
+)
 from hostkv_providers.cache._kvmap import HFCacheMap, cache_layers, dequantize, paged_planes, plane_dtype_name, quantize
 from hostkv_providers.cache._staging import StagedTransfer, StagingPool
 
 __all__ = [
+    "ANCHOR_HEADER_NBYTES",
+    "AnchorMismatchError",
+    "abandon_prefill",
+    "anchor_depths",
+    "prefill_pages_cap",
+    "prefill_pending",
+    "put_anchor",
     "DTYPE_ITEMSIZE",
     "AdmissionPolicy",
     "AdmissionRequest",
@@ -38,6 +55,7 @@ __all__ = [
     "CacheStats",
     "HFCacheMap",
     "HostKVCache",
+    "HybridCacheMap",
     "KVLayout",
     "MediaItem",
     "MinDepth",

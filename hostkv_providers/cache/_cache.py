@@ -73,6 +73,7 @@ from hostkv_providers._provider import (
     readable_bytes,
 )
 from hostkv_providers._region import HostPages
+from hostkv_providers.cache._hybrid import HybridState, make_hybrid
 from hostkv_providers.device._hostmem import HostAllocation, HostAllocator, OrdinaryAllocator
 from hostkv_providers.metrics import LatencyHistogram, ProviderCollector
 
@@ -116,6 +117,14 @@ class CopyEngineLike(Protocol):
 
     def restore(self, src: Sequence[Sequence[HostRegion]] | HostPages, planes: Any, block_ids: Sequence[int], *,
                 before: Any = None) -> Any: ...
+
+
+def _check_max_pages(max_pages: object) -> int:
+    """Validate ``lookup(max_pages=)`` (hybrid hook, cache/_hybrid.py)."""
+    if type(max_pages) is not int or max_pages < 0:
+        raise InvalidArgumentError(f"max_pages must be an int >= 0, got {max_pages!r}",
+                                   hint="prefill_pages_cap(num_tokens, page_tokens) keeps >= 1 token to prefill")
+    return max_pages
 
 
 def _default_engine() -> CopyEngineLike:
@@ -291,6 +300,11 @@ class RestoreResult:
     viewed: int = 0  # pages copied straight from provider memory (zero-copy views)
     staged: int = 0  # pages read through bounce buffers
     stopped: str | None = None  # set when fewer pages than asked were restored
+    # hybrid caches (required_anchors=, cache/_hybrid.py): the anchors of page anchor_page, the
+    # last usable one; anchor groups not restorable there (the engine resets that state)
+    anchors: dict[str, memoryview] = field(default_factory=dict)
+    anchor_page: int | None = None
+    invalidated: tuple[str, ...] = ()
 
 
 class CacheHandle:
@@ -448,6 +462,7 @@ class CacheHit:
         self.anchor_name = anchor_name
         self.anchor = anchor
         self._released = lease is None
+        self.hybrid: Any = None  # hybrid hook (cache/_hybrid.py): the prefill this miss produces
 
     @property
     def num_pages(self) -> int:
@@ -590,6 +605,12 @@ class HostKVCache:
         now (it then reports what is stored; a scheduler should not stall longer).
     model_id:
         Only with a bare layout: the model id for the salt.
+    required_anchors, anchor_groups, coalesce_prefills:
+        Hybrid models (``cache/_hybrid.py``, docs/integration.md "Hybrid models"): the anchor
+        names every hit must carry at its last page (each lookup is cut back, anchors become
+        checked records bound to depth and ``salt.state_format``, restores hand them out);
+        optional groups restored whole or reported in ``RestoreResult.invalidated`` (drafter
+        state); identical cold lookups waiting for one request's prefill.
     """
 
     def __init__(
@@ -606,6 +627,9 @@ class HostKVCache:
         lookup_wait_timeout: float = 5.0,
         model_id: str | None = None,
         staging_allocator: HostAllocator | None = None,
+        required_anchors: Iterable[str] | None = None,
+        anchor_groups: Mapping[str, Iterable[str]] | None = None,
+        coalesce_prefills: bool = False,
     ) -> None:
         if not isinstance(provider, Provider):
             raise InvalidArgumentError(f"provider must be a Provider, got {type(provider).__name__}")
@@ -658,6 +682,8 @@ class HostKVCache:
         self._restore_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="hostkv-restore")
         self._closed = False
         self._finalizer = weakref.finalize(self, _shutdown_pools, self._save_pool, self._restore_pool)
+        # hybrid hook (cache/_hybrid.py): required anchors, anchor records, coalesced prefills
+        self._hybrid: HybridState | None = make_hybrid(self, required_anchors, anchor_groups, coalesce_prefills)
 
     # -- keys ---------------------------------------------------------------------------------
     def keys(
@@ -709,7 +735,8 @@ class HostKVCache:
         with self._lock:
             return self._seen.get(as_key(key), 0)
 
-    def lookup(self, keys: Sequence[bytes], need_anchor: str | None = None, *, wait: bool = True) -> CacheHit:
+    def lookup(self, keys: Sequence[bytes], need_anchor: str | None = None, *, wait: bool = True,
+               max_pages: int | None = None) -> CacheHit:
         """Lease the longest stored prefix of ``keys``.
 
         Parameters
@@ -723,7 +750,11 @@ class HostKVCache:
         wait:
             When the next page of the prefix is being saved right now (by this cache or, through
             the provider, by another writer), wait for that save (at most
-            ``lookup_wait_timeout`` seconds) instead of reporting a shorter hit.
+            ``lookup_wait_timeout`` seconds) instead of reporting a shorter hit.  With
+            ``coalesce_prefills``, also when another request that missed is prefilling it.
+        max_pages:
+            Never hit more than this many pages (``prefill_pages_cap(num_tokens, page_tokens)``
+            keeps at least one token for the engine to prefill).
 
         Returns
         -------
@@ -736,6 +767,9 @@ class HostKVCache:
         ks = self._chain(keys)
         if need_anchor is not None:
             check_anchor_name(need_anchor)
+        hyb = self._hybrid
+        if max_pages is not None:  # hybrid hook: a capped hit (cache/_hybrid.py)
+            ks = ks[: _check_max_pages(max_pages)]
         with self._lock:
             self._note_seen(ks)
         deadline = time.monotonic() + self.lookup_wait_timeout
@@ -760,10 +794,17 @@ class HostKVCache:
                 lease = self.provider.lease(ks)
                 n = lease.prefix_len
                 continue
+            if hyb is not None and hyb.wait_for_prefill(ks, n, deadline):  # hybrid hook: a twin prefills it
+                lease.release()
+                lease = self.provider.lease(ks)
+                n = lease.prefix_len
+                continue
             break
         stored = n
         anchor: bytes | None = None
-        if need_anchor is not None and n:
+        if hyb is not None and hyb.binding:  # hybrid hook: cut to the deepest fully anchored page
+            n = hyb.deepest([ks], n, need_anchor)
+        elif need_anchor is not None and n:
             usable = self.provider.deepest_anchor(ks[:n], need_anchor)
             if usable:
                 anchor = self.provider.get_anchor(ks[usable - 1], need_anchor)
@@ -783,6 +824,8 @@ class HostKVCache:
                        anchor_name=need_anchor, anchor=anchor if n else None)
         if not n and lease is not None:
             lease.release()
+        if hyb is not None:  # hybrid hook: this request now produces the missing pages
+            hyb.note_miss(hit, ks)
         with self._lock:
             st = self._stats
             st.lookups += 1
@@ -859,6 +902,7 @@ class HostKVCache:
         if need_anchor is not None:
             check_anchor_name(need_anchor)
         own = chains[self.salt.tp_rank]
+        hyb = self._hybrid
         with self._lock:
             self._note_seen(own)
         # One lease over all ranks' chains: per rank, the pinned prefix; the common depth is the
@@ -870,7 +914,9 @@ class HostKVCache:
             n = min(n, present.index(False) if False in present else pages)
         stored = n
         anchor: bytes | None = None
-        if need_anchor is not None:
+        if hyb is not None and hyb.binding:  # hybrid hook: every rank's page carries every anchor
+            n = hyb.deepest(chains, n, need_anchor)
+        elif need_anchor is not None:
             # the deepest depth anchored on every rank: cut to the shallowest rank's deepest
             # anchor until all ranks agree (anchors are placed at the same depths on every rank,
             # so this usually settles at once)
@@ -910,7 +956,8 @@ class HostKVCache:
 
     # -- restore ------------------------------------------------------------------------------
     def restore(self, hit: CacheHit, into: Any, block_ids: Sequence[int], *, before: Any = None,
-                release: bool = True, first_page: int = 0) -> CacheHandle:
+                release: bool = True, first_page: int = 0,
+                anchors_into: Mapping[str, Any] | None = None) -> CacheHandle:
         """Copy the hit's pages into the engine's KV blocks, asynchronously.
 
         Parameters
@@ -936,6 +983,9 @@ class HostKVCache:
         first_page:
             A ranged restore: start at page ``first_page`` of the hit (pages
             ``[first_page, first_page + len(block_ids))``).
+        anchors_into:
+            Hybrid caches: ``{name: writable buffer}`` the anchors are copied into (once, on the
+            restore thread); ``result.anchors[name]`` then views that buffer.
 
         Returns
         -------
@@ -950,6 +1000,11 @@ class HostKVCache:
             raise InvalidArgumentError("restore() needs a CacheHit from this cache's lookup()")
         if type(first_page) is not int or not 0 <= first_page <= hit.num_pages:
             raise InvalidArgumentError(f"first_page must be an int in [0, {hit.num_pages}], got {first_page!r}")
+        if first_page and self._hybrid is not None:
+            # the anchors that make a hybrid hit usable belong to the hit's last page; a range that
+            # starts inside the hit gives the engine no state to continue from
+            raise InvalidArgumentError("ranged restores (first_page > 0) are not supported on hybrid caches",
+                                       hint="restore the whole hit (first_page=0)")
         if not hit.num_pages or first_page == hit.num_pages:
             # nothing to restore; a finished handle keeps callers uniform
             self._block_ids(block_ids, 0, "hit pages")
@@ -982,6 +1037,8 @@ class HostKVCache:
                 except BaseException:
                     del self._restores[ident]
                     raise
+        if self._hybrid is not None:  # hybrid hook: where the anchors go
+            self._hybrid.note_restore(handle, anchors_into)
 
         def finish(h: CacheHandle) -> None:
             with self._lock:
@@ -1006,6 +1063,8 @@ class HostKVCache:
         handle._result = result
         try:
             self._restore_pages(handle, result, hit, keys, planes, bids)
+            if self._hybrid is not None:  # hybrid hook: anchors read with the restore, cut back
+                self._hybrid.finish_restore(handle, result, keys)
         except BaseException as exc:
             handle._finish(result, exc)
             return
@@ -1177,6 +1236,8 @@ class HostKVCache:
         if (par is None) != (start_page == 0):
             raise InvalidArgumentError("give parent= and start_page= together (a continuation), or neither")
         blobs = self._anchor_blobs(anchors, len(ks), checkpoints, start_page)
+        if self._hybrid is not None:  # hybrid hook: anchor records bound to depth and format
+            blobs = self._hybrid.seal_blobs(blobs, start_page)
         mark_fn = getattr(self.engine, "mark", None)
         mark = mark_fn(after) if mark_fn is not None and after is not None else after
         handle = CacheHandle("save", self.engine)
@@ -1205,6 +1266,8 @@ class HostKVCache:
                 st.failed_pages += res.admitted - res.stored - res.dedup - res.coalesced
                 self._save_lat.add(h.seconds)
             job.done.set()
+            if self._hybrid is not None:  # hybrid hook: wake the twins of this prefill
+                self._hybrid.saved(ks)
 
         handle.add_done_callback(finish)
         refused = False
@@ -1265,6 +1328,8 @@ class HostKVCache:
                 self._save_direct(job, result, planes, bids, parent, present, blobs, after)
             else:
                 self._save_pages(job, result, planes, bids, parent, present, blobs, after)
+            if self._hybrid is not None:  # hybrid hook: roll back pages a failed anchor strands
+                self._hybrid.after_save(job.keys, job.claimed, result)
         except BaseException as exc:
             job.handle._finish(result, exc)
             return

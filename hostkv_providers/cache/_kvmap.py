@@ -247,6 +247,10 @@ def cache_layers(cache: object) -> list[tuple[torch.Tensor, torch.Tensor]]:
         out = []
         for i, layer in enumerate(layers):
             k, v = getattr(layer, "keys", None), getattr(layer, "values", None)
+            if (k is None or not hasattr(k, "shape")) and hasattr(layer, "recurrent_states"):
+                raise InvalidArgumentError(
+                    f"cache layer {i} is a linear-attention layer (a hybrid model): its state is not KV",
+                    hint="map hybrid caches with HybridCacheMap(layout, model.config)")
             if k is None or v is None or not hasattr(k, "shape"):
                 raise InvalidArgumentError(f"cache layer {i} holds no key/value tensors (not initialised?)")
             out.append((k, v))
@@ -392,6 +396,11 @@ class HFCacheMap:
         """A ``transformers.DynamicCache`` holding the restored pages (prefix of a prompt)."""
         from transformers import DynamicCache
 
+        types = getattr(config, "layer_types", None) or ()
+        if any(t not in ("full_attention", "sliding_attention", "chunked_attention") for t in types):
+            raise InvalidArgumentError(
+                f"the model has non-attention layers ({sorted(set(types))}): KV pages alone cannot rebuild its cache",
+                hint="map hybrid caches with HybridCacheMap(layout, model.config), which restores the state too")
         try:
             cache = DynamicCache(config=config) if config is not None else DynamicCache()
         except TypeError:  # transformers before 4.56 takes no config (and needs none here)

@@ -1,0 +1,289 @@
+"""Hugging Face hybrid caches (Qwen3-Next and other linear-attention + full-attention models).
+
+A transformers 5.x ``DynamicCache`` built with a hybrid config holds two kinds of layers: full
+attention layers (``DynamicLayer``: per-layer key/value tensors, which become KV pages) and linear
+attention layers (``LinearAttentionLayer``: a conv state and a recurrent state per layer, which
+together are the *state* a hit must resume from).  :class:`HybridCacheMap` maps both:
+
+* :meth:`HybridCacheMap.pack` / :meth:`unpack` move the full-attention layers' K/V (only those:
+  the layout's ``num_layers`` is the number of attention layers) exactly like
+  :class:`~hostkv_providers.cache.HFCacheMap`;
+* :meth:`HybridCacheMap.state_bytes` / :meth:`load_state` serialize every linear layer's conv and
+  recurrent state (one batch row) into one blob — the anchor — and back, checking the shapes and
+  dtypes against the model's config;
+* :meth:`HybridCacheMap.to_dynamic_cache` rebuilds a cache the model accepts from restored planes
+  *and* a state, and refuses to build one without the state;
+* :meth:`HybridCacheMap.prefill` runs a prefill in segments that end at anchor pages and captures
+  the state at each (the recipe for interval anchors; its cost is measured in
+  ``examples/hybrid_restore``).
+
+The state's format string (:meth:`HybridCacheMap.state_format`) goes into ``Salt(state_format=)``
+so the anchor records a hybrid ``HostKVCache`` writes are bound to it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import struct
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from hostkv_providers._errors import InvalidArgumentError
+from hostkv_providers._layout import KVLayout
+from hostkv_providers.cache._kvmap import HFCacheMap, plane_dtype_name
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["HybridCacheMap"]
+
+_STATE_MAGIC = b"HKS1"
+_STATE_HEAD = struct.Struct("<4sI")  # magic, descriptor length (JSON follows, then raw tensors)
+
+#: Layer types of ``config.layer_types`` whose cache holds key/value tensors.
+_ATTENTION_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+#: Layer types whose cache holds a conv + recurrent state.
+_LINEAR_TYPES = ("linear_attention", "mamba", "mamba2", "gated_deltanet")
+
+
+def _layer_types(config: Any) -> list[str]:
+    cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    types = getattr(cfg, "layer_types", None)
+    if not types:
+        raise InvalidArgumentError("the config has no layer_types: not a hybrid model config",
+                                   hint="a plain transformer's cache maps with HFCacheMap")
+    return [str(t) for t in types]
+
+
+class HybridCacheMap:
+    """Pages and state of a hybrid transformers cache.
+
+    Parameters
+    ----------
+    layout:
+        The page layout of the *attention* layers: ``num_layers`` must equal the number of full
+        attention layers of the model (the linear layers have no KV), kinds ``("k", "v")``.
+    config:
+        The model's config (``model.config``): its ``layer_types`` say which layers are which,
+        and it is what :meth:`to_dynamic_cache` builds the cache from.
+    """
+
+    def __init__(self, layout: KVLayout, config: Any) -> None:
+        types = _layer_types(config)
+        unknown = sorted({t for t in types if t not in _ATTENTION_TYPES + _LINEAR_TYPES})
+        if unknown:
+            raise InvalidArgumentError(f"layer types {unknown} are neither attention nor linear attention")
+        self.config = config
+        self.layer_types = types
+        self.attention_layers = [i for i, t in enumerate(types) if t in _ATTENTION_TYPES]
+        self.linear_layers = [i for i, t in enumerate(types) if t in _LINEAR_TYPES]
+        if not self.linear_layers:
+            raise InvalidArgumentError("the config has no linear-attention layers",
+                                       hint="a plain transformer's cache maps with HFCacheMap")
+        if layout.num_layers != len(self.attention_layers):
+            raise InvalidArgumentError(
+                f"the layout has {layout.num_layers} layers, the model {len(self.attention_layers)} attention layers",
+                hint="KVLayout(num_layers=<number of full-attention layers>, ...)")
+        self.kv = HFCacheMap(layout)
+        self.layout = layout
+
+    # -- KV pages ---------------------------------------------------------------------------------
+    def _kv_pairs(self, cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        layers = getattr(cache, "layers", None)
+        if layers is None or len(layers) != len(self.layer_types):
+            raise InvalidArgumentError(
+                f"expected a transformers Cache with {len(self.layer_types)} layers, got {type(cache).__name__}")
+        out = []
+        for i in self.attention_layers:
+            k, v = getattr(layers[i], "keys", None), getattr(layers[i], "values", None)
+            if k is None or v is None or not hasattr(k, "shape") or k.dim() != 4:
+                raise InvalidArgumentError(f"attention layer {i} holds no key/value tensors (not prefilled?)")
+            out.append((k, v))
+        return out
+
+    def num_pages(self, cache: Any) -> int:
+        """Full pages held by the cache's attention layers."""
+        return int(self._kv_pairs(cache)[0][0].shape[-2]) // self.layout.page_tokens
+
+    def pack(self, cache: Any, *, start_page: int = 0, num_pages: int | None = None,
+             batch_index: int = 0) -> list[torch.Tensor]:
+        """Staging planes of the attention layers' pages (see :meth:`HFCacheMap.pack`)."""
+        return self.kv.pack(self._kv_pairs(cache), start_page=start_page, num_pages=num_pages,
+                            batch_index=batch_index)
+
+    def empty_planes(self, num_pages: int, device: object = "cpu") -> list[torch.Tensor]:
+        """Zeroed staging planes to restore ``num_pages`` pages into."""
+        return self.kv.empty_planes(num_pages, device)
+
+    def unpack(self, planes: Sequence[torch.Tensor], *,
+               dtype: torch.dtype | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per attention layer ``(key, value)`` from restored planes."""
+        return self.kv.unpack(planes, dtype=dtype)
+
+    # -- state --------------------------------------------------------------------------------------
+    def _state_tensors(self, cache: Any, batch_index: int) -> list[tuple[str, torch.Tensor]]:
+        layers = getattr(cache, "layers", None)
+        if layers is None or len(layers) != len(self.layer_types):
+            raise InvalidArgumentError("expected a transformers Cache built from this model's config")
+        out: list[tuple[str, torch.Tensor]] = []
+        for i in self.linear_layers:
+            layer = layers[i]
+            convs, recs = getattr(layer, "conv_states", None), getattr(layer, "recurrent_states", None)
+            if not isinstance(convs, dict) or not isinstance(recs, dict):
+                raise InvalidArgumentError(f"layer {i} is not a linear-attention cache layer")
+            for s in sorted(convs):
+                for kind, t in (("conv", convs[s]), ("recurrent", recs.get(s))):
+                    if t is None:
+                        raise InvalidArgumentError(f"layer {i} has no {kind} state {s} (not prefilled?)",
+                                                   hint="prefill the prompt before capturing its state")
+                    if not 0 <= batch_index < int(t.shape[0]):
+                        raise InvalidArgumentError(f"batch_index {batch_index} outside batch of {int(t.shape[0])}")
+                    out.append((f"{i}.{s}.{kind}", t[batch_index: batch_index + 1]))
+        return out
+
+    def state_bytes(self, cache: Any, *, batch_index: int = 0) -> bytes:
+        """Every linear layer's conv and recurrent state of one batch row, as one blob (the
+        anchor).  Call it right after the forward that ended at the anchor page."""
+        import torch
+
+        parts = self._state_tensors(cache, batch_index)
+        desc = [[name, plane_dtype_name(t), list(t.shape)] for name, t in parts]
+        head = json.dumps({"v": 1, "tensors": desc}, separators=(",", ":")).encode()
+        raw = [t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy() for _n, t in parts]
+        out = bytearray(_STATE_HEAD.size + len(head) + sum(r.nbytes for r in raw))
+        _STATE_HEAD.pack_into(out, 0, _STATE_MAGIC, len(head))
+        pos = _STATE_HEAD.size
+        out[pos: pos + len(head)] = head
+        pos += len(head)
+        for r in raw:
+            out[pos: pos + r.nbytes] = r.tobytes()
+            pos += r.nbytes
+        return bytes(out)
+
+    def state_format(self, dtype: str) -> str:
+        """A format string for ``Salt(state_format=)``: the state's layout and dtype, so an anchor
+        of another model shape or dtype can never be taken for this one."""
+        cfg = self.config.get_text_config(decoder=True) if hasattr(self.config, "get_text_config") else self.config
+        fields = {k: getattr(cfg, k, None) for k in (
+            "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+            "linear_conv_kernel_dim", "hidden_size")}
+        digest = hashlib.blake2b(json.dumps([self.layer_types, fields], sort_keys=True).encode(),
+                                 digest_size=8).hexdigest()
+        return f"hf-linear-attn/v1:{dtype}:{digest}"
+
+    def _parse_state(self, blob: object) -> list[tuple[str, str, list[int], memoryview]]:
+        mv = memoryview(blob).cast("B")  # type: ignore[arg-type]
+        if mv.nbytes < _STATE_HEAD.size:
+            raise InvalidArgumentError("not a hybrid state blob (too short)")
+        magic, hlen = _STATE_HEAD.unpack_from(mv)
+        if magic != _STATE_MAGIC or _STATE_HEAD.size + hlen > mv.nbytes:
+            raise InvalidArgumentError("not a hybrid state blob (bad header)",
+                                       hint="pass the anchor written by HybridCacheMap.state_bytes")
+        try:
+            desc = json.loads(bytes(mv[_STATE_HEAD.size: _STATE_HEAD.size + hlen]))["tensors"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise InvalidArgumentError(f"hybrid state blob: unreadable descriptor ({exc})") from exc
+        from hostkv_providers._layout import DTYPE_ITEMSIZE
+
+        pos = _STATE_HEAD.size + hlen
+        out = []
+        for name, dtype, shape in desc:
+            n = DTYPE_ITEMSIZE.get(dtype, 0) * int(_prod(shape))
+            if not n or pos + n > mv.nbytes:
+                raise InvalidArgumentError(f"hybrid state blob: tensor {name} ({dtype}{shape}) is truncated")
+            out.append((str(name), str(dtype), [int(d) for d in shape], mv[pos: pos + n]))
+            pos += n
+        if pos != mv.nbytes:
+            raise InvalidArgumentError("hybrid state blob: trailing bytes")
+        expect = {f"{i}.0.{k}" for i in self.linear_layers for k in ("conv", "recurrent")}
+        if not expect <= {name for name, *_ in out}:
+            raise InvalidArgumentError("the state blob does not hold every linear layer of this model",
+                                       hint="the anchor belongs to another model (check Salt.state_format)")
+        return out
+
+    def load_state(self, cache: Any, blob: object, *, device: object = "cpu") -> None:
+        """Install a state blob (from :meth:`state_bytes`) into ``cache``'s linear layers, marking
+        them as holding a previous state (so the next forward continues it, not restarts)."""
+        import torch
+
+        from hostkv_providers.cache._kvmap import _torch_dtype
+
+        layers = getattr(cache, "layers", None)
+        if layers is None or len(layers) != len(self.layer_types):
+            raise InvalidArgumentError("expected a transformers Cache built from this model's config")
+        for name, dtype, shape, raw in self._parse_state(blob):
+            li_s, s_s, kind = name.split(".")
+            li, s = int(li_s), int(s_s)
+            if li not in self.linear_layers:
+                raise InvalidArgumentError(f"state for layer {li}, which is not a linear layer of this model")
+            t = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(_torch_dtype(dtype)).reshape(shape)
+            t = t.to(device)  # type: ignore[call-overload]
+            layer = layers[li]
+            if kind == "conv":
+                layer.lazy_initialization(conv_states=t, state_idx=s, conv_kernel_size=int(shape[-1]))
+                layer.conv_states[s].copy_(t)
+                layer.has_previous_state[s] = True
+            else:
+                layer.lazy_initialization(recurrent_states=t, state_idx=s)
+                layer.recurrent_states[s].copy_(t)
+
+    def to_dynamic_cache(self, planes: Sequence[torch.Tensor], state: object, *,
+                         dtype: torch.dtype | None = None, device: object = "cpu") -> Any:
+        """A ``DynamicCache`` for this model holding the restored pages and the state after the
+        last of them.  ``state`` is required: KV pages without their state would make the model
+        continue from a zero state (wrong tokens, silently)."""
+        from transformers import DynamicCache
+
+        if state is None:
+            raise InvalidArgumentError("a hybrid cache needs the state of its last restored page",
+                                       hint="use RestoreResult.anchors from a cache with required_anchors=")
+        cache: Any = DynamicCache(config=self.config)
+        pairs = self.unpack(planes, dtype=dtype)
+        for li, (k, v) in zip(self.attention_layers, pairs, strict=True):
+            cache.layers[li].update(k.to(device), v.to(device))  # type: ignore[call-overload]
+        self.load_state(cache, state, device=device)
+        return cache
+
+    # -- chunked prefill with interval anchors -----------------------------------------------------
+    def prefill(self, model: Any, input_ids: torch.Tensor, anchor_pages: Iterable[int], *,
+                cache: Any = None, start_page: int = 0, **forward_kw: Any) -> tuple[Any, Any, dict[int, bytes]]:
+        """Prefill ``input_ids`` (continuing ``cache``, which holds ``start_page`` pages, or from
+        scratch) in segments that end after each of ``anchor_pages`` (absolute depths, e.g. from
+        ``anchor_depths``), capturing the state there.
+
+        Returns ``(output of the last segment, cache, {depth: state blob})``: pass the blobs to
+        ``HostKVCache.save(..., anchors={depth - start_page: {"state": blob}})``.  Splitting the
+        prefill costs time (more, smaller forwards); ``examples/hybrid_restore`` measures it.
+        """
+        from transformers import DynamicCache
+
+        pt = self.layout.page_tokens
+        total = int(input_ids.shape[-1])
+        cuts = sorted({(p + 1 - start_page) * pt for p in anchor_pages})
+        if any(c <= 0 or c > total for c in cuts):
+            raise InvalidArgumentError(f"anchor pages {sorted(anchor_pages)} outside the tokens given "
+                                       f"(pages {start_page}..{start_page + total // pt - 1})")
+        if cache is None:
+            if start_page:
+                raise InvalidArgumentError("start_page > 0 needs the cache holding those pages")
+            cache = DynamicCache(config=self.config)
+        bounds = [0, *[c for c in cuts if c < total], total]
+        states: dict[int, bytes] = {}
+        out = None
+        for lo, hi in itertools.pairwise(bounds):
+            if hi <= lo:
+                continue
+            out = model(input_ids=input_ids[:, lo:hi], cache=cache, use_cache=True, **forward_kw)
+            cache = out.past_key_values
+            if hi in cuts:
+                states[start_page + hi // pt - 1] = self.state_bytes(cache)
+        return out, cache, states
+
+
+def _prod(shape: Iterable[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
