@@ -47,7 +47,8 @@ import xxhash
 
 from hostkv_providers.providers import Key
 from hostkv_providers.providers._slotfile import FILE_HEADER_NBYTES, SLOT_HEADER_DTYPE, SLOT_MAGIC, SlotFile
-from hostkv_providers.providers.mmap._provider import OP_SEAL, RECORD_DTYPE, MmapProvider, _seal_folds
+from hostkv_providers.providers.mmap._format import OP_SEAL, RECORD_DTYPE, _seal_folds
+from hostkv_providers.providers.mmap._provider import MmapProvider
 
 MiB = 1 << 20
 
