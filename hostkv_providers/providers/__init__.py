@@ -18,7 +18,9 @@ from hostkv_providers._keys import FORMAT_VERSION, KEY_ALGORITHM, KEY_NBYTES, ZE
 from hostkv_providers._options import Options, format_size, parse_size
 from hostkv_providers._provider import (
     CAPABILITY_NAMES,
+    COUNTED,
     CompactReport,
+    Corrupt,
     EntryInfo,
     EvictReport,
     Lease,
@@ -76,6 +78,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "CAPABILITY_NAMES",
+    "COUNTED",
     "CHECKSUM_ALGORITHM",
     "DISABLE_PLUGINS_ENV",
     "ENTRY_POINT_GROUP",
@@ -85,6 +88,7 @@ __all__ = [
     "ZERO_KEY",
     "ByteSpan",
     "CompactReport",
+    "Corrupt",
     "EntryInfo",
     "EvictReport",
     "HostRegion",
