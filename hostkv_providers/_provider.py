@@ -9,6 +9,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import os
+import re
 import threading
 import time
 import warnings
@@ -32,7 +33,9 @@ from hostkv_providers._span import ByteSpan
 
 __all__ = [
     "ANCHOR_NAME_MAX",
+    "CAPABILITY_FLAGS",
     "CAPABILITY_NAMES",
+    "CAPABILITY_PROTOCOLS",
     "COUNTED",
     "CompactReport",
     "Corrupt",
@@ -48,6 +51,7 @@ __all__ = [
     "SupportsIterate",
     "SupportsVerify",
     "SupportsBatchViews",
+    "SupportsPinnedViews",
     "SupportsViews",
     "VerifyReport",
     "check_anchor_name",
@@ -56,18 +60,6 @@ __all__ = [
 ]
 
 ANCHOR_NAME_MAX = 64
-
-#: Every capability a provider may declare, in display order.
-CAPABILITY_NAMES = (
-    "persistent",
-    "multiprocess",
-    "pinned_views",
-    "device_mapped",
-    "compact",
-    "verify",
-    "iterate",
-    "batch",
-)
 
 _R = TypeVar("_R", bound="Reservation")
 
@@ -405,6 +397,16 @@ class SupportsViews(Protocol):
 
 
 @runtime_checkable
+class SupportsPinnedViews(SupportsViews, Protocol):
+    """:class:`SupportsViews` in page-locked host memory: a copy engine DMAs straight to and from
+    the regions (each says so in ``HostRegion.pinned``; ``views_pinned`` is ``False`` for an
+    instance that had to fall back to ordinary memory, e.g. without CUDA)."""
+
+    @property
+    def views_pinned(self) -> bool: ...
+
+
+@runtime_checkable
 class SupportsBatchViews(Protocol):
     """:class:`SupportsViews` for many keys in one call: ``views(lease, keys)[i]`` is what
     ``view(lease, keys[i])`` would return.  One lock round and one lease check for the whole
@@ -457,6 +459,38 @@ class SupportsBatch(Protocol):
 
 
 # --------------------------------------------------------------------------------------------
+# Capability names (derived from the Protocols; two class flags)
+# --------------------------------------------------------------------------------------------
+
+
+def _capability_name(proto: type) -> str:
+    """``SupportsBatchViews`` -> ``"batch_views"``."""
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", proto.__name__.removeprefix("Supports")).lower()
+
+
+def _protocol_members(proto: type) -> frozenset[str]:
+    names: set[str] = set()
+    for base in proto.__mro__:
+        if base in (Protocol, object) or not getattr(base, "_is_protocol", False):
+            continue
+        names.update(n for n in vars(base) if not n.startswith("_"))
+    return frozenset(names)
+
+
+#: The optional powers, each a runtime-checkable Protocol (``isinstance(provider, SupportsX)``),
+#: in display order; a provider class has one when it implements every member of its Protocol.
+CAPABILITY_PROTOCOLS: tuple[type, ...] = (
+    SupportsViews, SupportsPinnedViews, SupportsBatchViews, SupportsCompact, SupportsVerify, SupportsIterate,
+    SupportsBatch,
+)
+#: The two powers that are class flags (``Provider.persistent``, ``Provider.multiprocess``).
+CAPABILITY_FLAGS = ("persistent", "multiprocess")
+#: Every capability name a provider may report, in display order (flags, then the Protocols').
+CAPABILITY_NAMES: tuple[str, ...] = CAPABILITY_FLAGS + tuple(_capability_name(p) for p in CAPABILITY_PROTOCOLS)
+_MEMBERS = {_capability_name(p): _protocol_members(p) for p in CAPABILITY_PROTOCOLS}
+
+
+# --------------------------------------------------------------------------------------------
 # The front and its drivers
 # --------------------------------------------------------------------------------------------
 
@@ -470,7 +504,7 @@ class Corrupt:
     """What a driver's ``_read`` returns when the entry's bytes fail their checksum.
 
     ``token`` names the version that was read (a node, a generation), so that
-    :meth:`Provider._drop_corrupt` drops that version only — never an entry sealed again since.
+    :meth:`Provider._drop_damaged` drops that version only — never an entry sealed again since.
     """
 
     __slots__ = ("token",)
@@ -560,8 +594,8 @@ class Provider(abc.ABC, metaclass=_ProviderMeta):
     def __init__(self) -> None:
         self._pid = os.getpid()
         self._closed = False
-        self._counters: dict[str, int] = dict.fromkeys(COUNTED, 0)
-        self._counter_lock = threading.Lock()
+        self._stat_counts: dict[str, int] = dict.fromkeys(COUNTED, 0)
+        self._stat_lock = threading.Lock()
 
     # -- construction --------------------------------------------------------------------
     @classmethod
@@ -576,24 +610,11 @@ class Provider(abc.ABC, metaclass=_ProviderMeta):
 
     @classmethod
     def capability_names(cls) -> frozenset[str]:
-        """The optional powers this provider class has (see ``CAPABILITY_NAMES``)."""
-        caps = set()
-        if cls.persistent:
-            caps.add("persistent")
-        if cls.multiprocess:
-            caps.add("multiprocess")
-        if _has_method(cls, "view"):
-            caps.add("pinned_views")
-        if _has_method(cls, "iter_entries"):
-            caps.add("iterate")
-        if _has_method(cls, "verify"):
-            caps.add("verify")
-        if _has_method(cls, "compact"):
-            caps.add("compact")
-        if _has_method(cls, "device_pointer"):
-            caps.add("device_mapped")
-        if _has_method(cls, "put_many") and _has_method(cls, "read_many"):
-            caps.add("batch")
+        """The optional powers this provider class has: the flags it sets and the capability
+        Protocols whose every member it implements (see ``CAPABILITY_NAMES``)."""
+        caps = {flag for flag in CAPABILITY_FLAGS if getattr(cls, flag)}
+        caps.update(name for name, members in _MEMBERS.items()
+                    if all(getattr(cls, m, None) is not None for m in members))
         return frozenset(caps)
 
     # -- lifecycle checks ----------------------------------------------------------------
@@ -692,15 +713,15 @@ class Provider(abc.ABC, metaclass=_ProviderMeta):
     #: Bound on the salt tag's UTF-8 length for media that store it in a fixed field (``None``: any).
     _tag_max: ClassVar[int | None] = None
 
-    def _counts(self) -> dict[str, Any]:
-        """A consistent copy of the front's counters (``ProviderStats(**self._counts(), ...)``)."""
-        with self._counter_lock:
-            return {k: self._counters.get(k, 0) for k in COUNTED}
+    def _tallies(self) -> dict[str, Any]:
+        """A consistent copy of the front's counters (``ProviderStats(**self._tallies(), ...)``)."""
+        with self._stat_lock:
+            return {k: self._stat_counts.get(k, 0) for k in COUNTED}
 
-    def _count(self, name: str, n: int = 1) -> None:
+    def _tally(self, name: str, n: int = 1) -> None:
         """Add ``n`` to the front's counter ``name`` (``stats()`` reports them)."""
-        with self._counter_lock:
-            self._counters[name] = self._counters.get(name, 0) + n
+        with self._stat_lock:
+            self._stat_counts[name] = self._stat_counts.get(name, 0) + n
 
     # -- lookups -------------------------------------------------------------------------
     @_front
@@ -765,7 +786,7 @@ class Provider(abc.ABC, metaclass=_ProviderMeta):
         self._check_usable()
         res = self._reserve(k, p, n, salt_tag)
         if res is None:
-            self._count("dedup")
+            self._tally("dedup")
         return res
 
     @_front
@@ -780,7 +801,7 @@ class Provider(abc.ABC, metaclass=_ProviderMeta):
         span = res.check_write(offset, view.nbytes)
         self._write(res, span, view)
         res.mark_written(span)
-        self._count("bytes_written", span.nbytes)
+        self._tally("bytes_written", span.nbytes)
 
     @_front
     def seal(self, reservation: Reservation) -> None:
@@ -792,7 +813,7 @@ class Provider(abc.ABC, metaclass=_ProviderMeta):
         res = self._own_reservation(reservation, self._reservation_type)
         res.check_complete()
         self._seal(res)
-        self._count("seals")
+        self._tally("seals")
 
     @_front
     def abort(self, reservation: Reservation) -> None:
@@ -806,7 +827,7 @@ class Provider(abc.ABC, metaclass=_ProviderMeta):
         if reservation.state != "open":
             return
         if self._abort(reservation):
-            self._count("aborts")
+            self._tally("aborts")
 
     # -- reads ---------------------------------------------------------------------------
     @_front
@@ -824,18 +845,18 @@ class Provider(abc.ABC, metaclass=_ProviderMeta):
         self._check_usable()
         got = self._read(k, out, span)
         if type(got) is int:
-            self._count_hit(got)
+            self._tally_hit(got)
             return True
-        if isinstance(got, Corrupt) and self._drop_corrupt(k, got.token):
+        if isinstance(got, Corrupt) and self._drop_damaged(k, got.token):
             # never wrong bytes: the first reader to see the mismatch drops the entry with its
             # subtree (a racing reader or a seal of the key since then leaves nothing to drop)
-            self._count("checksum_failures")
-        self._count("misses")
+            self._tally("checksum_failures")
+        self._tally("misses")
         return False
 
-    def _count_hit(self, nbytes: int) -> None:
-        with self._counter_lock:
-            c = self._counters
+    def _tally_hit(self, nbytes: int) -> None:
+        with self._stat_lock:
+            c = self._stat_counts
             c["hits"] = c.get("hits", 0) + 1
             c["bytes_read"] = c.get("bytes_read", 0) + nbytes
 
@@ -1004,15 +1025,15 @@ class Provider(abc.ABC, metaclass=_ProviderMeta):
         """Required: copy the entry (or ``span``: validate it against the entry's size) into
         ``out`` (``writable_buffer(out, n)``).  Returns the bytes copied (a hit), ``None`` (a
         miss) or :class:`Corrupt` when the bytes fail their checksum — then the front calls
-        :meth:`_drop_corrupt` and reports a miss.  Never hands out bytes that failed."""
+        :meth:`_drop_damaged` and reports a miss.  Never hands out bytes that failed."""
         raise NotImplementedError
 
-    def _drop_corrupt(self, key: Key, token: object) -> bool:
+    def _drop_damaged(self, key: Key, token: object) -> bool:
         """Drop the entry ``key`` with its subtree after its bytes failed their checksum, if the
         version ``token`` (from :class:`Corrupt`) is still the stored one; ``True`` if this call
         dropped it (the front counts a checksum failure).  Required when ``_read`` can return
         :class:`Corrupt`."""
-        raise NotImplementedError(f"{type(self).__name__}._read returned Corrupt but has no _drop_corrupt")
+        raise NotImplementedError(f"{type(self).__name__}._read returned Corrupt but has no _drop_damaged")
 
     @_driver
     def _evict(self, keys: list[Key] | None, nbytes: int) -> EvictReport:
@@ -1106,7 +1127,4 @@ class Provider(abc.ABC, metaclass=_ProviderMeta):
             return keys  # type: ignore[return-value]  # validated above: every item is a Key
         return [as_key(v) for v in keys]
 
-
-def _has_method(cls: type, name: str) -> bool:
-    return callable(getattr(cls, name, None))
 

@@ -17,7 +17,9 @@ from hostkv_providers._checksum import CHECKSUM_ALGORITHM, checksum, checksum_pa
 from hostkv_providers._keys import FORMAT_VERSION, KEY_ALGORITHM, KEY_NBYTES, ZERO_KEY, Key, as_key
 from hostkv_providers._options import Options, format_size, parse_size
 from hostkv_providers._provider import (
+    CAPABILITY_FLAGS,
     CAPABILITY_NAMES,
+    CAPABILITY_PROTOCOLS,
     COUNTED,
     CompactReport,
     Corrupt,
@@ -32,6 +34,7 @@ from hostkv_providers._provider import (
     SupportsBatchViews,
     SupportsCompact,
     SupportsIterate,
+    SupportsPinnedViews,
     SupportsVerify,
     SupportsViews,
     VerifyReport,
@@ -77,7 +80,9 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "CAPABILITY_FLAGS",
     "CAPABILITY_NAMES",
+    "CAPABILITY_PROTOCOLS",
     "COUNTED",
     "CHECKSUM_ALGORITHM",
     "DISABLE_PLUGINS_ENV",
@@ -108,6 +113,7 @@ __all__ = [
     "SupportsBatchViews",
     "SupportsCompact",
     "SupportsIterate",
+    "SupportsPinnedViews",
     "SupportsVerify",
     "SupportsViews",
     "TieredProvider",

@@ -110,12 +110,12 @@ class DictProvider(hp.Provider):
             span = hp.ByteSpan.whole(node.nbytes) if span is None else span.validate(node.nbytes)
             dst, blob = hp.writable_buffer(out, span.nbytes), self._data[key]
             if hp.checksum(blob) != node.checksum:
-                return hp.Corrupt(node)  # the front drops it (_drop_corrupt), counts it, reports a miss
+                return hp.Corrupt(node)  # the front drops it (_drop_damaged), counts it, reports a miss
             self._index.touch(node)
         dst[:] = memoryview(blob)[span.offset : span.end]  # bytes are immutable: no lock needed
         return span.nbytes
 
-    def _drop_corrupt(self, key: hk.Key, token: object) -> bool:
+    def _drop_damaged(self, key: hk.Key, token: object) -> bool:
         with self._locked(self._lock):
             if self._index.get(key) is not token:
                 return False  # another reader dropped it first
@@ -170,7 +170,7 @@ class DictProvider(hp.Provider):
                 name=self.name, entries=len(idx.nodes), used_bytes=idx.used, budget_bytes=self._budget,
                 anchors=sum(len(n.anchors or ()) for n in idx), leased=sum(1 for n in idx if n.hold),
                 in_flight=len(idx.flights), evictions=idx.evictions, evicted_bytes=idx.evicted_cost,
-                **self._counts())
+                **self._tallies())
 
     def close(self) -> None:
         with self._lock:

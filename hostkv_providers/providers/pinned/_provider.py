@@ -278,6 +278,11 @@ class PinnedProvider(Provider):
         return self._block
 
     @property
+    def views_pinned(self) -> bool:
+        """Whether the arena (and so every view) is page-locked (``SupportsPinnedViews``)."""
+        return self._allocator.pinned
+
+    @property
     def ready_bytes(self) -> int:
         """Bytes of the arena allocated (and pinned) so far."""
         return self._arena.total * self._block

@@ -282,6 +282,11 @@ class TieredProvider(Provider):
     def budget_bytes(self) -> int:
         return self._budget
 
+    @property
+    def views_pinned(self) -> bool:
+        """Views come from the fast tier: page-locked when its are (``SupportsPinnedViews``)."""
+        return bool(getattr(self.fast, "views_pinned", False))
+
     # -- lookups -----------------------------------------------------------------------------
     def present(self, keys: Sequence[bytes]) -> list[bool]:
         ks = self._keys(keys)
