@@ -26,12 +26,12 @@ from hostkv_providers._errors import (
     HostKVError,
     InFlightError,
     InvalidArgumentError,
-    ReservationError,
     UnknownKeyError,
 )
 from hostkv_providers._keys import Key
 from hostkv_providers._options import Options
 from hostkv_providers._provider import (
+    Corrupt,
     EntryInfo,
     EvictReport,
     HostRegion,
@@ -40,8 +40,6 @@ from hostkv_providers._provider import (
     ProviderStats,
     Reservation,
     VerifyReport,
-    check_anchor_name,
-    readable_bytes,
     writable_buffer,
 )
 from hostkv_providers._span import ByteSpan
@@ -176,6 +174,7 @@ class PinnedProvider(Provider):
     """
 
     name = "pinned"
+    _reservation_type = _PinnedReservation
 
     def __init__(
         self,
@@ -209,9 +208,6 @@ class PinnedProvider(Provider):
         self._index = TreeIndex(0)
         self._lease_tokens: dict[int, list[Node | None]] = {}  # live leases, by id of their token
         self._limbo: dict[int, tuple[Node, int]] = {}  # dropped but still leased: node, lease count
-        self._counters: dict[str, int] = dict.fromkeys(
-            ("hits", "misses", "seals", "aborts", "dedup", "checksum_failures", "bytes_written", "bytes_read"), 0
-        )
         total_blocks = budget_bytes // block
         self._plan = [min(chunk // block, total_blocks - i) for i in range(0, total_blocks, chunk // block)]
         self._pinning_error: BaseException | None = None
@@ -305,22 +301,21 @@ class PinnedProvider(Provider):
             yield
 
     # -- lookups -----------------------------------------------------------------------------
-    def present(self, keys: Sequence[bytes]) -> list[bool]:
+    # (the public verbs are the front's, in Provider; these are the drivers it calls)
+    def _present(self, keys: list[Key]) -> list[bool]:
         with self._usable():
-            return self._membership(keys, self._index.nodes.__contains__)
+            return list(map(self._index.nodes.__contains__, keys))
 
-    def longest_prefix(self, keys: Sequence[bytes]) -> int:
+    def _longest_prefix(self, keys: list[Key]) -> int:
         with self._usable():
-            hits = self._membership(keys, self._index.nodes.__contains__)
+            hits = list(map(self._index.nodes.__contains__, keys))
         return hits.index(False) if False in hits else len(hits)
 
-    def in_flight(self, key: bytes) -> bool:
-        k = self._key(key)
+    def _in_flight(self, k: Key) -> bool:
         with self._usable():
             return k in self._index.flights
 
-    def entry(self, key: bytes) -> EntryInfo | None:
-        k = self._key(key)
+    def _entry(self, k: Key) -> EntryInfo | None:
         with self._usable():
             node = self._index.get(k)
             return None if node is None else _info(node)
@@ -331,8 +326,7 @@ class PinnedProvider(Provider):
         return iter(infos)
 
     # -- writes ------------------------------------------------------------------------------
-    def reserve(self, key: bytes, parent: bytes | None, nbytes: int, *, salt_tag: str = "") -> Reservation | None:
-        k, p, nbytes = self._reserve_args(key, parent, nbytes, salt_tag)
+    def _reserve(self, k: Key, p: Key | None, nbytes: int, salt_tag: str) -> Reservation | None:
         with self._usable():
             return self._reserve_locked(k, p, nbytes, salt_tag)
 
@@ -359,31 +353,17 @@ class PinnedProvider(Provider):
                 hint="lower the budget or free host memory (pinned memory is limited by ulimit -l)",
             ) from self._pinning_error
         if not ok:
-            self._counters["dedup"] += 1
-            return None
+            return None  # dedup (counted by the caller)
         self._free_nodes(evicted)
         runs = self._arena.allocate(nblocks)
         regions = self._arena.regions(runs, nbytes, self._allocator.pinned)
         return _PinnedReservation(self, k, p, nbytes, salt_tag, runs, regions)
 
-    def _own(self, reservation: Reservation) -> _PinnedReservation:
-        return self._own_reservation(reservation, _PinnedReservation)
-
-    def write(self, reservation: Reservation, offset: int, data: object) -> None:
-        view = readable_bytes(data)
-        self._check_usable()
-        res = self._own(reservation)
-        span = res.check_write(offset, view.nbytes)
+    def _write(self, res: _PinnedReservation, span: ByteSpan, view: memoryview) -> None:
         # No provider lock: the reservation's blocks are private to its writer until seal.
         _scatter(res._regions, span, view)
-        res.mark_written(span)
-        with self._lock:
-            self._counters["bytes_written"] += span.nbytes
 
-    def seal(self, reservation: Reservation) -> None:
-        self._check_usable()
-        res = self._own(reservation)
-        res.check_complete()
+    def _seal(self, res: _PinnedReservation) -> None:
         digest = checksum_parts(r.view for r in res._regions)
         with self._usable():
             res.check_open(self)
@@ -398,7 +378,6 @@ class PinnedProvider(Provider):
             res._finish("aborted")
             raise
         res._finish("sealed")
-        self._counters["seals"] += 1
         return node
 
     # -- batches -----------------------------------------------------------------------------
@@ -431,6 +410,7 @@ class PinnedProvider(Provider):
                         self._index.release_nodes(held)
                         held = self._index.hold_keys([k]) if res is None else []
                     if res is None:
+                        self._tally("dedup")
                         out.append(False)
                         continue
                     try:
@@ -442,8 +422,9 @@ class PinnedProvider(Provider):
                     with self._usable():
                         res.check_open(self)
                         self._commit_locked(res, digest)
-                        self._counters["bytes_written"] += view.nbytes
                         held = self._index.hold_keys([k])
+                    self._tally("seals")
+                    self._tally("bytes_written", view.nbytes)
                     out.append(True)
                 except (CapacityError, InFlightError, UnknownKeyError) as exc:
                     failed.add(k)
@@ -482,48 +463,42 @@ class PinnedProvider(Provider):
                 state[i] = not self._verify_reads or checksum_parts((dst,)) == node.checksum
         finally:
             got = [False] * len(ks)
+            hits = nbytes = failures = 0
             with self._lock:
                 self._index.release_nodes(held)
                 for i, (node, st) in enumerate(zip(nodes, state, strict=True)):
                     if node is not None and st is True and not node.dead:
                         got[i] = True
-                        self._counters["hits"] += 1
-                        self._counters["bytes_read"] += node.nbytes
+                        hits += 1
+                        nbytes += node.nbytes
                         continue
                     if node is not None and st is False and not node.dead:
                         # first to see the corruption: drop the entry with its subtree
-                        self._counters["checksum_failures"] += 1
+                        failures += 1
                         self._drop(node.key)
-                    self._counters["misses"] += 1
+            self._tally("hits", hits)
+            self._tally("bytes_read", nbytes)
+            self._tally("checksum_failures", failures)
+            self._tally("misses", len(ks) - hits)
         if short is not None:
             raise short
         return got
 
-    def abort(self, reservation: Reservation) -> None:
-        if not isinstance(reservation, _PinnedReservation) or reservation.provider is not self:
-            raise ReservationError("not a reservation of this provider")
-        # After close or in a forked child the arena is gone or not ours: refuse with a typed
-        # error (Reservation.__exit__ turns that into a warning during exception cleanup).
-        self._check_usable()
+    def _abort(self, reservation: _PinnedReservation) -> bool:
         with self._usable():
             if reservation.state != "open":
-                return  # aborting twice (or after seal) is a no-op
+                return False  # a racing seal or abort finished it
             self._index.cancel(reservation.key)
             self._arena.release(reservation.runs)
             reservation._finish("aborted")
-            self._counters["aborts"] += 1
+            return True
 
     # -- reads -------------------------------------------------------------------------------
-    def read(self, key: bytes, out: object, span: ByteSpan | None = None) -> bool:
-        k = self._key(key)
-        if span is not None and not isinstance(span, ByteSpan):
-            raise InvalidArgumentError("span must be a ByteSpan")
-        writable_buffer(out, 0)  # a bad buffer is misuse even when the key is a miss
+    def _read(self, k: Key, out: object, span: ByteSpan | None) -> int | Corrupt | None:
         with self._usable():
             node = self._index.get(k)
             if node is None:
-                self._counters["misses"] += 1
-                return False
+                return None
             span = ByteSpan.whole(node.nbytes) if span is None else span.validate(node.nbytes)
             dst = writable_buffer(out, span.nbytes)
             held = self._index.hold_keys([k])
@@ -550,15 +525,16 @@ class PinnedProvider(Provider):
             raise
         with self._lock:
             self._index.release_nodes(held)
-            if ok and not node.dead:
-                self._counters["hits"] += 1
-                self._counters["bytes_read"] += span.nbytes
-                return True
-            if not node.dead:  # first to see the corruption: drop the entry with its subtree
-                self._counters["checksum_failures"] += 1
-                self._drop(k)
-            self._counters["misses"] += 1
-            return False
+            if node.dead:
+                return None  # dropped or evicted meanwhile: a miss
+            return span.nbytes if ok else Corrupt(node)
+
+    def _drop_damaged(self, k: Key, token: object) -> bool:
+        with self._lock:
+            if self._closed or not isinstance(token, Node) or token.dead:
+                return False  # another reader (or verify) dropped it first
+            self._drop(k)
+            return True
 
     def view(self, lease: Lease, key: bytes) -> Sequence[HostRegion] | None:
         """Read-only host regions of a leased entry (valid while the lease is held)."""
@@ -583,12 +559,7 @@ class PinnedProvider(Provider):
         return out
 
     # -- eviction ----------------------------------------------------------------------------
-    def evict(self, keys: Sequence[bytes] | None = None, *, nbytes: int = 0) -> EvictReport:
-        if (keys is None) == (not nbytes):
-            raise InvalidArgumentError("give exactly one of keys or nbytes")
-        if type(nbytes) is not int or nbytes < 0:
-            raise InvalidArgumentError(f"nbytes must be a non-negative int, got {nbytes!r}")
-        ks = self._keys(keys) if keys is not None else None
+    def _evict(self, ks: list[Key] | None, nbytes: int) -> EvictReport:
         with self._usable():
             if ks is not None:
                 removed, skipped = self._index.evict_keys(ks)
@@ -632,10 +603,7 @@ class PinnedProvider(Provider):
         return self._block * sum(int(length) for _, length in node.loc)
 
     # -- anchors -----------------------------------------------------------------------------
-    def put_anchor(self, key: bytes, name: str, data: object) -> None:
-        k = self._key(key)
-        check_anchor_name(name)
-        blob = bytes(readable_bytes(data))
+    def _put_anchor(self, k: Key, name: str, blob: bytes) -> None:
         with self._usable():
             node = self._index.get(k)
             if node is None:
@@ -647,9 +615,7 @@ class PinnedProvider(Provider):
                 node.anchors = {}
             node.anchors[name] = blob
 
-    def get_anchor(self, key: bytes, name: str) -> bytes | None:
-        k = self._key(key)
-        check_anchor_name(name)
+    def _get_anchor(self, k: Key, name: str) -> bytes | None:
         with self._usable():
             node = self._index.get(k)
             if node is None or not node.anchors:
@@ -657,17 +623,14 @@ class PinnedProvider(Provider):
             blob = node.anchors.get(name)
             return None if blob is None else bytes(blob)
 
-    def list_anchors(self, key: bytes) -> dict[str, int]:
-        k = self._key(key)
+    def _list_anchors(self, k: Key) -> dict[str, int]:
         with self._usable():
             node = self._index.get(k)
             if node is None or not node.anchors:
                 return {}
             return {n: len(b) for n, b in node.anchors.items()}
 
-    def deepest_anchor(self, keys: Sequence[bytes], name: str) -> int:
-        ks = self._keys(keys)
-        check_anchor_name(name)
+    def _deepest_anchor(self, ks: list[Key], name: str) -> int:
         with self._usable():
             best = 0
             for i, k in enumerate(ks):
@@ -679,8 +642,7 @@ class PinnedProvider(Provider):
             return best
 
     # -- leases ------------------------------------------------------------------------------
-    def lease(self, keys: Sequence[bytes]) -> Lease:
-        ks = self._keys(keys)
+    def _lease(self, ks: list[Key]) -> Lease:
         with self._usable():
             held = self._index.hold_keys(ks)
             self._lease_tokens[id(held)] = held
@@ -742,7 +704,7 @@ class PinnedProvider(Provider):
                 evicted_bytes=idx.evicted_cost,
                 extra={"ready_bytes": self.ready_bytes, "block_nbytes": self._block, "limbo_entries": len(self._limbo),
                        "pinned": self._allocator.pinned, "free_blocks": self._arena.free},
-                **self._counters,
+                **self._tallies(),
             )
 
     def describe(self) -> dict[str, Any]:
