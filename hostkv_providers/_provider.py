@@ -727,16 +727,14 @@ class Provider(abc.ABC, metaclass=_ProviderMeta):
     @_front
     def present(self, keys: Sequence[bytes]) -> list[bool]:
         """Whether each key is sealed.  In-flight reservations are not present."""
-        ks = self._keys(keys)
         self._check_usable()
-        return self._present(ks)
+        return self._present(self._key_batch(keys))
 
     @_front
     def longest_prefix(self, keys: Sequence[bytes]) -> int:
         """How many leading keys of a chain are stored (0 when the first is missing)."""
-        ks = self._keys(keys)
         self._check_usable()
-        return self._longest_prefix(ks)
+        return self._longest_prefix(self._key_batch(keys))
 
     @_front
     def entry(self, key: bytes) -> EntryInfo | None:
@@ -977,11 +975,18 @@ class Provider(abc.ABC, metaclass=_ProviderMeta):
     # matching public verb.
 
     @_driver
-    def _present(self, keys: list[Key]) -> list[bool]:
-        """Required: whether each key is sealed."""
+    def _present(self, keys: Sequence[bytes]) -> list[bool]:
+        """Required: whether each key is sealed.
+
+        The one driver that validates its own keys: a chain lookup of 8,192 keys runs on every
+        request, and validating them all first costs more than the lookup (measured 420 against
+        250 us); so the front checks only the batch's shape and the driver validates as it looks
+        up — ``self._membership(keys, contains)`` checks only the keys that miss (a hit equals a
+        stored, hence valid, key) — or calls ``self._keys(keys)`` first.
+        """
         raise NotImplementedError
 
-    def _longest_prefix(self, keys: list[Key]) -> int:
+    def _longest_prefix(self, keys: Sequence[bytes]) -> int:
         """How many leading keys are stored; the default counts the hits of :meth:`present`."""
         hits = self.present(keys)
         return hits.index(False) if False in hits else len(hits)
@@ -1113,6 +1118,19 @@ class Provider(abc.ABC, metaclass=_ProviderMeta):
                 if not hit:
                     as_key(key)
         return hits
+
+    @staticmethod
+    def _key_batch(keys: Sequence[bytes]) -> Sequence[bytes]:
+        """The shape check of a batch of keys (a sequence, not one key); the keys themselves are
+        validated by ``_membership`` or ``_keys``."""
+        if isinstance(keys, (bytes, bytearray, memoryview, str)):
+            raise InvalidArgumentError("keys must be a sequence of keys, not one key")
+        if not isinstance(keys, Sequence):
+            try:
+                keys = list(keys)
+            except TypeError:
+                raise InvalidArgumentError(f"keys must be a sequence, got {type(keys).__name__}") from None
+        return keys
 
     @staticmethod
     def _keys(values: Sequence[bytes]) -> list[Key]:

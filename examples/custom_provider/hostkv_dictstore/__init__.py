@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 
 import hostkv_providers as hk
 from hostkv_providers import providers as hp
@@ -52,9 +52,9 @@ class DictProvider(hp.Provider):
     def budget_bytes(self) -> int:
         return self._budget
 
-    def _present(self, keys: list[hk.Key]) -> list[bool]:
-        with self._locked(self._lock):
-            return [k in self._index.nodes for k in keys]
+    def _present(self, keys: Sequence[bytes]) -> list[bool]:
+        with self._locked(self._lock):  # validates the keys that miss (a hit is a stored key)
+            return self._membership(keys, self._index.nodes.__contains__)
 
     def _in_flight(self, key: hk.Key) -> bool:
         with self._locked(self._lock):

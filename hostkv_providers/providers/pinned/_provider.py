@@ -302,13 +302,13 @@ class PinnedProvider(Provider):
 
     # -- lookups -----------------------------------------------------------------------------
     # (the public verbs are the front's, in Provider; these are the drivers it calls)
-    def _present(self, keys: list[Key]) -> list[bool]:
+    def _present(self, keys: Sequence[bytes]) -> list[bool]:
         with self._usable():
-            return list(map(self._index.nodes.__contains__, keys))
+            return self._membership(keys, self._index.nodes.__contains__)
 
-    def _longest_prefix(self, keys: list[Key]) -> int:
+    def _longest_prefix(self, keys: Sequence[bytes]) -> int:
         with self._usable():
-            hits = list(map(self._index.nodes.__contains__, keys))
+            hits = self._membership(keys, self._index.nodes.__contains__)
         return hits.index(False) if False in hits else len(hits)
 
     def _in_flight(self, k: Key) -> bool:
