@@ -811,7 +811,8 @@ class Provider(abc.ABC, metaclass=_ProviderMeta):
         res = self._own_reservation(reservation, self._reservation_type)
         res.check_complete()
         self._seal(res)
-        self._tally("seals")
+        if res.state == "sealed":  # (a seal that lost a race with close finishes it "aborted")
+            self._tally("seals")
 
     @_front
     def abort(self, reservation: Reservation) -> None:
