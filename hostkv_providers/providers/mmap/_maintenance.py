@@ -83,7 +83,7 @@ class _Maintenance(_Recovery):
                                                         flags=_REC_DELETE)])
                 if bad:
                     report.corrupt.append(key)
-                    self._counters["checksum_failures"] += 1
+                    self._tally("checksum_failures")
                     if repair:
                         report.dropped += self._drop_row(row)
             if progress is not None:

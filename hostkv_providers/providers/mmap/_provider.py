@@ -51,20 +51,18 @@ from hostkv_providers._errors import (
     HostKVError,
     InFlightError,
     InvalidArgumentError,
-    ReservationError,
     StorageIOError,
     UnknownKeyError,
 )
 from hostkv_providers._keys import Key
 from hostkv_providers._options import Options
 from hostkv_providers._provider import (
+    Corrupt,
     EntryInfo,
     EvictReport,
     Lease,
     ProviderStats,
     Reservation,
-    check_anchor_name,
-    readable_bytes,
     writable_buffer,
 )
 from hostkv_providers._span import ByteSpan
@@ -142,6 +140,8 @@ class MmapProvider(_Maintenance):
     """
 
     name = "mmap"
+    _reservation_type = _MmapReservation
+    _tag_max = _TAG_MAX
     persistent = True
     multiprocess = True
 
@@ -185,9 +185,9 @@ class MmapProvider(_Maintenance):
         self._lock = threading.RLock()
         self._commit_cv = threading.Condition(threading.Lock())
         _instances.add(self)
+        # the store's own counters (the contract's are the front's: _tally)
         self._counters: dict[str, int] = dict.fromkeys(
-            ("hits", "misses", "seals", "aborts", "dedup", "checksum_failures", "bytes_written", "bytes_read",
-             "stale_reads", "syncs", "group_commits", "snapshot_failures"), 0)
+            ("stale_reads", "syncs", "group_commits", "snapshot_failures"), 0)
         self._files: dict[int, SlotFile] = {}
         self._free: dict[int, npt.NDArray[np.bool_]] = {}
         self._cursor: dict[int, int] = {}  # per data file: where the next free-slot search starts
@@ -268,16 +268,15 @@ class MmapProvider(_Maintenance):
         )
 
     # -- lookups ---------------------------------------------------------------------------------
-    def present(self, keys: Sequence[bytes]) -> list[bool]:
+    # (the public verbs are the front's, in Provider; these are the drivers it calls)
+    def _present(self, keys: Sequence[bytes]) -> list[bool]:
         ks = self._keys(keys)
-        self._check_usable()
         with self._lock:
             self._check_usable()
             return [self._idx.row_of(k) >= 0 for k in ks]
 
-    def longest_prefix(self, keys: Sequence[bytes]) -> int:
+    def _longest_prefix(self, keys: Sequence[bytes]) -> int:
         ks = self._keys(keys)
-        self._check_usable()
         with self._lock:
             self._check_usable()
             n = 0
@@ -287,16 +286,12 @@ class MmapProvider(_Maintenance):
                 n += 1
             return n
 
-    def in_flight(self, key: bytes) -> bool:
-        k = self._key(key)
-        self._check_usable()
+    def _in_flight(self, k: Key) -> bool:
         with self._lock:
             self._check_usable()
             return k in self._idx.flights
 
-    def entry(self, key: bytes) -> EntryInfo | None:
-        k = self._key(key)
-        self._check_usable()
+    def _entry(self, k: Key) -> EntryInfo | None:
         with self._lock:
             self._check_usable()
             row = self._idx.row_of(k)
@@ -323,9 +318,7 @@ class MmapProvider(_Maintenance):
             raise InvalidArgumentError(f"{what}: this mmap store is open read-only (readonly=true)",
                                        hint="open it without readonly=true in the one writer process")
 
-    def reserve(self, key: bytes, parent: bytes | None, nbytes: int, *, salt_tag: str = "") -> Reservation | None:
-        k, p, nbytes = self._reserve_args(key, parent, nbytes, salt_tag, tag_max=_TAG_MAX)
-        self._check_usable()
+    def _reserve(self, k: Key, p: Key | None, nbytes: int, salt_tag: str) -> Reservation | None:
         with self._lock:
             self._check_usable()
             self._need_writer("reserve")
@@ -349,8 +342,7 @@ class MmapProvider(_Maintenance):
             raise CapacityError(f"{nbytes} bytes exceed the whole budget of {self._budget}")
         ok, evicted, prow = self._idx.begin(k, p, cost, pending_ok)
         if not ok:
-            self._counters["dedup"] += 1
-            return None
+            return None  # dedup (counted by the caller)
         try:
             self._free_rows_storage(evicted, journal=True)
             fid, slot = self._allocate(nslots, prow)
@@ -364,23 +356,16 @@ class MmapProvider(_Maintenance):
     def _own(self, reservation: Reservation) -> _MmapReservation:
         return self._own_reservation(reservation, _MmapReservation)
 
-    def write(self, reservation: Reservation, offset: int, data: object) -> None:
-        view = readable_bytes(data)
-        self._check_usable()
-        res = self._own(reservation)
-        span = res.check_write(offset, view.nbytes)
+    def _write(self, res: _MmapReservation, span: ByteSpan, view: memoryview) -> None:
         # No provider lock: the run is private to its reservation until seal.
         whole = span.offset == 0 and span.nbytes == res.nbytes
         digest = xxhash.xxh3_64_intdigest(view) if whole else None
         self._files[res.file].write(res.slot, res.nbytes, span.offset, view)
         res.digest = digest
-        res.mark_written(span)
         _fsutil.crash_point("mmap.write.partial")
-        with self._lock:
-            self._counters["bytes_written"] += span.nbytes
 
-    def seal(self, reservation: Reservation) -> None:
-        prepared = self._seal_prepare(reservation)
+    def _seal(self, res: _MmapReservation) -> None:
+        prepared = self._seal_prepare(res)
         try:
             self._commit(prepared[-1])
         except BaseException:
@@ -415,6 +400,7 @@ class MmapProvider(_Maintenance):
                 self._seal_finish(p)
             except UnknownKeyError as exc:  # a parent dropped (corrupt) meanwhile
                 errors.append(exc)
+        self._tally("seals", len(prepared) - len(errors))
         self._snapshot_due()
         if errors:
             raise errors[0]
@@ -463,9 +449,10 @@ class MmapProvider(_Maintenance):
                     if res is not None:
                         mine.add(k)
                         todo.append((i, res, view))
+                    else:
+                        self._tally("dedup")
             except BaseException:
-                for _, res, _ in todo:
-                    self._abort_locked(res)
+                self._tally("aborts", sum(self._abort_locked(res) for _, res, _ in todo))
                 raise
         if not todo:
             return results
@@ -490,15 +477,13 @@ class MmapProvider(_Maintenance):
             _fsutil.crash_point("mmap.write.partial")
         except BaseException:
             with self._lock:
-                for _, res, _ in todo:
-                    self._abort_locked(res)
+                self._tally("aborts", sum(self._abort_locked(res) for _, res, _ in todo))
             raise
         try:
             prepared = self._put_prepare([res for _, res, _ in todo], digests, salt_tag)
         except BaseException:
             with self._lock:
-                for _, res, _ in todo:
-                    self._abort_locked(res)
+                self._tally("aborts", sum(self._abort_locked(res) for _, res, _ in todo))
             raise
         try:
             self._commit([pr[-1] for pr in prepared])
@@ -519,7 +504,8 @@ class MmapProvider(_Maintenance):
                     continue
                 results[i] = True
                 nbytes += view.nbytes
-            self._counters["bytes_written"] += nbytes
+        self._tally("seals", sum(r is True for r in results))
+        self._tally("bytes_written", nbytes)
         return results
 
     def _put_prepare(self, reservations: Sequence[_MmapReservation], digests: Sequence[int],
@@ -580,7 +566,7 @@ class MmapProvider(_Maintenance):
                     sf.clear(res.slot, res.nslots)
                 self._release_run(res.file, res.slot, res.nslots)
                 res._finish("aborted")
-                self._counters["aborts"] += 1
+                self._tally("aborts")
 
     def _seal_finish(self, prepared: tuple[_MmapReservation, SlotFile, int, float, bytes, bytes]) -> None:
         res, sf, digest, created, tag, _ = prepared
@@ -595,45 +581,36 @@ class MmapProvider(_Maintenance):
                 res._finish("aborted")
                 raise
             res._finish("sealed")
-            self._counters["seals"] += 1
             self._maybe_snapshot()
 
-    def abort(self, reservation: Reservation) -> None:
-        if not isinstance(reservation, _MmapReservation) or reservation.provider is not self:
-            raise ReservationError("not a reservation of this provider")
-        self._check_usable()
+    def _abort(self, reservation: _MmapReservation) -> bool:
         with self._lock:
             self._check_usable()
-            self._abort_locked(reservation)
+            return self._abort_locked(reservation)
 
-    def _abort_locked(self, reservation: _MmapReservation) -> None:
+    def _abort_locked(self, reservation: _MmapReservation) -> bool:
+        """Release an open reservation (caller holds the lock); ``False`` if it was not open."""
         if reservation.state != "open":
-            return
+            return False
         self._idx.cancel(reservation.key)
         sf = self._files.get(reservation.file)
         if sf is not None and not sf.closed:
             sf.clear(reservation.slot, reservation.nslots)
         self._release_run(reservation.file, reservation.slot, reservation.nslots)
         reservation._finish("aborted")
-        self._counters["aborts"] += 1
+        return True
 
     # -- reads -----------------------------------------------------------------------------------
-    def read(self, key: bytes, out: object, span: ByteSpan | None = None) -> bool:
+    def _read(self, k: Key, out: object, span: ByteSpan | None) -> int | Corrupt | None:
         # The per-page hot path: a warm 256 KiB copy takes ~20 us, so steps of 0.1-1 us show.
         # Hence no ByteSpan objects and no numpy scalars (``.item`` is 2x cheaper than
         # ``int(a[i])``).
-        k = self._key(key)
-        if span is not None and not isinstance(span, ByteSpan):
-            raise InvalidArgumentError("span must be a ByteSpan")
-        counters = self._counters
-        self._check_usable()
         with self._lock:
             self._check_usable()
             idx = self._idx
             row = idx.row_of(k)
             if row < 0:
-                counters["misses"] += 1
-                return False
+                return None
             nbytes = idx.nbytes.item(row)
             if span is None:
                 offset, n = 0, nbytes
@@ -644,9 +621,6 @@ class MmapProvider(_Maintenance):
             fid, slot, gen, csum = idx.file.item(row), idx.slot.item(row), idx.gen.item(row), idx.csum.item(row)
             idx.touch(row)
             sf = self._files[fid]
-            # counted as a hit now (one lock round trip per read); undone below on a failure
-            counters["hits"] += 1
-            counters["bytes_read"] += n
         # No hold: the copy runs unlocked and the slot's generation-stamped header is checked
         # before and after it (a seqlock), so an eviction + reuse racing this read is a miss.
         try:
@@ -657,26 +631,28 @@ class MmapProvider(_Maintenance):
                 raise
             result = ReadResult.STALE  # refresh/compaction swapped the files meanwhile: a miss
         if result is ReadResult.OK:
-            return True
-        with self._lock:
-            self._read_failed(idx, row, gen, result, n)
-        return False
+            return n
+        return Corrupt((idx, row, gen, result))
 
-    def _read_failed(self, idx: _Index, row: int, gen: int, result: ReadResult, n: int) -> None:
-        """Undo the hit of a read whose copy did not verify, and drop the entry if its record is
-        still current (caller holds the lock)."""
-        self._counters["hits"] -= 1
-        self._counters["bytes_read"] -= n
-        self._counters["misses"] += 1
+    def _drop_damaged(self, k: Key, token: object) -> bool:
+        tok: tuple[_Index, int, int, ReadResult] = token  # type: ignore[assignment]  # what _read returned
+        idx, row, gen, result = tok
+        with self._lock:
+            return self._read_failed(idx, row, gen, result)
+
+    def _read_failed(self, idx: _Index, row: int, gen: int, result: ReadResult) -> bool:
+        """A read whose copy did not verify: drop the entry if its record is still current;
+        ``True`` when that is a checksum failure, ``False`` for a stale read (counted here; the
+        caller counts the miss).  Caller holds the lock."""
         still = bool(idx is self._idx and idx.alive[row] and int(idx.gen[row]) == gen)
-        if result is ReadResult.CORRUPT or (still and not self._readonly):
-            # the record is still current and its slot disagrees: corruption (in the writer
-            # nobody else reuses slots; in a reader a mismatch may be the writer's reuse)
-            self._counters["checksum_failures"] += 1
-        else:
+        # the record is still current and its slot disagrees: corruption (in the writer nobody
+        # else reuses slots; in a reader a mismatch may be the writer's reuse)
+        corrupt = result is ReadResult.CORRUPT or (still and not self._readonly)
+        if not corrupt:
             self._counters["stale_reads"] += 1
         if still:
             self._drop_row(row)
+        return corrupt
 
     def read_many(self, keys: Sequence[bytes], outs: Sequence[object]) -> list[bool]:
         """Read whole entries into ``outs[i]``: one lock pass for the lookups, then the copies,
@@ -701,7 +677,6 @@ class MmapProvider(_Maintenance):
         # order, (position in keys, row) of each
         reads: dict[int, list[tuple[int, memoryview, bytes, int, int, int]]] = {}
         where: dict[int, list[tuple[int, int]]] = {}
-        counters = self._counters
         self._check_usable()
         with self._lock:
             self._check_usable()
@@ -728,9 +703,6 @@ class MmapProvider(_Maintenance):
                 where[fid].append((i, row))
                 nread += nbytes
                 hits += 1
-            counters["hits"] += hits
-            counters["misses"] += len(ks) - hits
-            counters["bytes_read"] += nread
             files = self._files
         failed: list[tuple[int, int, ReadResult, int]] = []  # row, generation, result, nbytes
         for fid, batch in reads.items():
@@ -746,10 +718,17 @@ class MmapProvider(_Maintenance):
                     results[i] = True
                 else:
                     failed.append((row, rd[3], r, rd[4]))
+        failures = 0
         if failed:
             with self._lock:
                 for row, gen, r, n in failed:
-                    self._read_failed(idx, row, gen, r, n)
+                    failures += self._read_failed(idx, row, gen, r)
+                    hits -= 1
+                    nread -= n
+        self._tally("hits", hits)
+        self._tally("misses", len(ks) - hits)
+        self._tally("bytes_read", nread)
+        self._tally("checksum_failures", failures)
         if bad is not None:
             raise bad
         return results
@@ -780,13 +759,7 @@ class MmapProvider(_Maintenance):
         return len(removed)
 
     # -- eviction --------------------------------------------------------------------------------
-    def evict(self, keys: Sequence[bytes] | None = None, *, nbytes: int = 0) -> EvictReport:
-        if (keys is None) == (not nbytes):
-            raise InvalidArgumentError("give exactly one of keys or nbytes")
-        if type(nbytes) is not int or nbytes < 0:
-            raise InvalidArgumentError(f"nbytes must be a non-negative int, got {nbytes!r}")
-        ks = self._keys(keys) if keys is not None else None
-        self._check_usable()
+    def _evict(self, ks: list[Key] | None, nbytes: int) -> EvictReport:
         with self._lock:
             self._check_usable()
             self._need_writer("evict")
@@ -826,14 +799,10 @@ class MmapProvider(_Maintenance):
         idx.recycle(rows)
 
     # -- anchors ---------------------------------------------------------------------------------
-    def put_anchor(self, key: bytes, name: str, data: object) -> None:
-        k = self._key(key)
-        check_anchor_name(name)
-        blob = readable_bytes(data)
-        nbytes = blob.nbytes
+    def _put_anchor(self, k: Key, name: str, blob: bytes) -> None:
+        nbytes = len(blob)
         nslots = run_nslots(nbytes, self._slot)
         cost = nslots * self._slot
-        self._check_usable()
         with self._lock:
             self._check_usable()
             self._need_writer("put_anchor")
@@ -891,10 +860,7 @@ class MmapProvider(_Maintenance):
                 self._release_run(prev.file, prev.slot, prev.nslots)
             table[name] = _Anchor(fid, slot, nslots, nbytes, gen, digest, cost)
 
-    def get_anchor(self, key: bytes, name: str) -> bytes | None:
-        k = self._key(key)
-        check_anchor_name(name)
-        self._check_usable()
+    def _get_anchor(self, k: Key, name: str) -> bytes | None:
         with self._lock:
             self._check_usable()
             idx = self._idx
@@ -909,7 +875,7 @@ class MmapProvider(_Maintenance):
                                                 checksum=a.checksum, verify=True)
             if res is ReadResult.OK:
                 return bytes(out)
-            self._counters["checksum_failures"] += 1
+            self._tally("checksum_failures")
             idx.anchors[row].pop(name, None)
             if not self._readonly:
                 idx.add_cost(row, -a.cost)
@@ -917,9 +883,7 @@ class MmapProvider(_Maintenance):
                 self._release_run(a.file, a.slot, a.nslots)
             return None
 
-    def list_anchors(self, key: bytes) -> dict[str, int]:
-        k = self._key(key)
-        self._check_usable()
+    def _list_anchors(self, k: Key) -> dict[str, int]:
         with self._lock:
             self._check_usable()
             row = self._idx.row_of(k)
@@ -927,10 +891,7 @@ class MmapProvider(_Maintenance):
                 return {}
             return {n: a.nbytes for n, a in (self._idx.anchors.get(row) or {}).items()}
 
-    def deepest_anchor(self, keys: Sequence[bytes], name: str) -> int:
-        ks = self._keys(keys)
-        check_anchor_name(name)
-        self._check_usable()
+    def _deepest_anchor(self, ks: list[Key], name: str) -> int:
         with self._lock:
             self._check_usable()
             best = 0
@@ -943,9 +904,7 @@ class MmapProvider(_Maintenance):
             return best
 
     # -- leases ----------------------------------------------------------------------------------
-    def lease(self, keys: Sequence[bytes]) -> Lease:
-        ks = self._keys(keys)
-        self._check_usable()
+    def _lease(self, ks: list[Key]) -> Lease:
         with self._lock:
             self._check_usable()
             idx = self._idx
@@ -1021,7 +980,7 @@ class MmapProvider(_Maintenance):
                        "orphans_at_open": self._orphans_at_open, "torn_tail": self._torn_tail,
                        "stale_reads": self._counters["stale_reads"], "syncs": self._counters["syncs"],
                        "snapshot_failures": self._counters["snapshot_failures"]},
-                **{k: v for k, v in self._counters.items() if k in _STAT_FIELDS},
+                **self._tallies(),
             )
 
     def describe(self) -> dict[str, Any]:
@@ -1063,5 +1022,3 @@ class MmapProvider(_Maintenance):
             self._lockfile = None
 
 
-_STAT_FIELDS = frozenset(("hits", "misses", "seals", "aborts", "dedup", "checksum_failures", "bytes_written",
-                          "bytes_read"))
