@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from hostkv_providers._checksum import CHECKSUM_ALGORITHM, checksum, checksum_parts
 from hostkv_providers._keys import FORMAT_VERSION, KEY_ALGORITHM, KEY_NBYTES, ZERO_KEY, Key, as_key
-from hostkv_providers._options import Options, format_size, parse_size
+from hostkv_providers._options import Option, Options, OptionSet, format_size, parse_size
 from hostkv_providers._provider import (
     CAPABILITY_FLAGS,
     CAPABILITY_NAMES,
@@ -102,6 +102,8 @@ __all__ = [
     "LmdbProvider",
     "MmapProvider",
     "Node",
+    "Option",
+    "OptionSet",
     "Options",
     "PinnedProvider",
     "Progress",

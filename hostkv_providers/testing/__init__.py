@@ -13,15 +13,42 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from hostkv_providers.testing._pages import anchor_bytes, chain, key_of, page_bytes, put_chain, put_page
-from hostkv_providers.testing._suite import ProviderFactory, ProviderTests
+from hostkv_providers.testing._suite import (
+    AnchorTests,
+    BasicTests,
+    CapabilityTests,
+    ChecksumTests,
+    EvictionTests,
+    LeaseTests,
+    LifecycleTests,
+    MisuseTests,
+    PersistenceTests,
+    ProviderFactory,
+    ProviderTests,
+    StatefulTests,
+    SuiteBase,
+    WriteTests,
+)
 
 if TYPE_CHECKING:
     from hostkv_providers.testing._stateful import ProviderStateMachine, run_provider_state_machine
 
 __all__ = [
+    "AnchorTests",
+    "BasicTests",
+    "CapabilityTests",
+    "ChecksumTests",
+    "EvictionTests",
+    "LeaseTests",
+    "LifecycleTests",
+    "MisuseTests",
+    "PersistenceTests",
     "ProviderFactory",
     "ProviderStateMachine",
     "ProviderTests",
+    "StatefulTests",
+    "SuiteBase",
+    "WriteTests",
     "anchor_bytes",
     "chain",
     "key_of",

@@ -82,7 +82,7 @@ from hostkv_providers._errors import (
     UnknownKeyError,
 )
 from hostkv_providers._keys import KEY_NBYTES, Key
-from hostkv_providers._options import Options, parse_size
+from hostkv_providers._options import Option, OptionSet
 from hostkv_providers._provider import (
     CompactReport,
     EntryInfo,
@@ -225,6 +225,18 @@ class LmdbProvider(Provider):
     """
 
     name = "lmdb"
+    #: The URL options (``docs/providers/lmdb.md``'s table is checked against this).
+    OPTIONS = OptionSet(
+        "lmdb",
+        Option("budget", "size", None, "stored (1GiB for a new store)"),
+        Option("durability", "choice", "process", "`process`", DURABILITY_MODES),
+        Option("inline_max", "size", _DEFAULT_INLINE_MAX, "2KiB"),
+        Option("map_size", "size", _DEFAULT_MAP_SIZE, "32MiB"),
+        Option("map_max", "size", _DEFAULT_MAP_MAX, "64GiB"),
+        Option("file_size", "size", _DEFAULT_FILE_NBYTES, "256MiB"),
+        Option("lease_ttl", "number", _DEFAULT_LEASE_TTL, "3600"),
+        Option("readonly", "bool", False, "false"),
+    )
     persistent = True
     multiprocess = True
 
@@ -281,21 +293,12 @@ class LmdbProvider(Provider):
     # -- construction ------------------------------------------------------------------------
     @classmethod
     def from_url(cls, location: str, options: Mapping[str, str]) -> LmdbProvider:
-        opts = Options("lmdb", options)
-        budget = opts.text("budget")
-        durability = opts.choice("durability", "process", DURABILITY_MODES)
-        inline_max = opts.size("inline_max", _DEFAULT_INLINE_MAX)
-        map_size = opts.size("map_size", _DEFAULT_MAP_SIZE)
-        map_max = opts.size("map_max", _DEFAULT_MAP_MAX)
-        file_nbytes = opts.size("file_size", _DEFAULT_FILE_NBYTES)
-        lease_ttl = opts.number("lease_ttl", _DEFAULT_LEASE_TTL)
-        readonly = opts.boolean("readonly", False)
-        opts.finish()
+        o = cls.OPTIONS.parse(options)
         if not location or location == "/":
             raise InvalidArgumentError("lmdb:// needs a directory path", hint="use lmdb:///var/cache/kv?budget=64GiB")
-        return cls(location, budget_bytes=None if budget is None else parse_size(budget), durability=durability,
-                   inline_max=inline_max, map_size=map_size, map_max=map_max, file_nbytes=file_nbytes,
-                   lease_ttl=lease_ttl, readonly=readonly)
+        return cls(location, budget_bytes=o["budget"], durability=o["durability"], inline_max=o["inline_max"],
+                   map_size=o["map_size"], map_max=o["map_max"], file_nbytes=o["file_size"],
+                   lease_ttl=o["lease_ttl"], readonly=o["readonly"])
 
     @property
     def path(self) -> str:

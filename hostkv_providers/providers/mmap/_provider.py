@@ -55,7 +55,7 @@ from hostkv_providers._errors import (
     UnknownKeyError,
 )
 from hostkv_providers._keys import Key
-from hostkv_providers._options import Options
+from hostkv_providers._options import Option, OptionSet
 from hostkv_providers._provider import (
     Corrupt,
     EntryInfo,
@@ -140,6 +140,19 @@ class MmapProvider(_Maintenance):
     """
 
     name = "mmap"
+    #: The URL options (``docs/providers/mmap.md``'s table is checked against this).
+    OPTIONS = OptionSet(
+        "mmap",
+        Option("budget", "size", None, "the budget the last writer used (1GiB for a new store)"),
+        Option("durability", "choice", "process", "`process`", ("sync", "process", "none")),
+        Option("slot", "size", None, "256KiB (new store); the store's (existing)"),
+        Option("file_size", "size", None, "`min(budget, 1GiB)`"),
+        Option("verify", "choice", "read", "`read`", ("read", "never")),
+        Option("readonly", "bool", False, "false"),
+        Option("snapshot_every", "int", _SNAPSHOT_MIN, "65536"),
+        Option("commit_window_us", "int", 0, "0"),
+        Option("io", "choice", "pread", "`pread`", ("pread", "mmap")),
+    )
     _reservation_type = _MmapReservation
     _tag_max = _TAG_MAX
     persistent = True
@@ -239,32 +252,20 @@ class MmapProvider(_Maintenance):
     def from_url(cls, location: str, options: Mapping[str, str]) -> MmapProvider:
         """``mmap:///path?budget=..&durability=sync|process|none&slot=..&file_size=..&verify=read|never
         &readonly=false&snapshot_every=..&commit_window_us=..``"""
-        opts = Options("mmap", options)
-        raw_budget = opts.text("budget")
-        durability = opts.choice("durability", "process", ("sync", "process", "none"))
-        raw_slot = opts.text("slot")
-        raw_file = opts.text("file_size")
-        verify = opts.choice("verify", "read", ("read", "never"))
-        readonly = opts.boolean("readonly", False)
-        snapshot_every = opts.integer("snapshot_every", _SNAPSHOT_MIN)
-        window_us = opts.integer("commit_window_us", 0)
-        io = opts.choice("io", "pread", ("pread", "mmap"))
-        opts.finish()
+        o = cls.OPTIONS.parse(options)
         if not location:
             raise InvalidArgumentError("mmap:// needs a directory path", hint="use mmap:///var/cache/kv?budget=64GiB")
-        from hostkv_providers._options import parse_size
-
         return cls(
             os.path.expanduser(location),
-            budget_bytes=None if raw_budget is None else parse_size(raw_budget),
-            durability=durability,
-            slot_nbytes=None if raw_slot is None else parse_size(raw_slot),
-            file_nbytes=None if raw_file is None else parse_size(raw_file),
-            verify=verify,
-            readonly=readonly,
-            snapshot_every=snapshot_every,
-            commit_window=max(0, window_us) / 1e6,
-            io=io,
+            budget_bytes=o["budget"],
+            durability=o["durability"],
+            slot_nbytes=o["slot"],
+            file_nbytes=o["file_size"],
+            verify=o["verify"],
+            readonly=o["readonly"],
+            snapshot_every=o["snapshot_every"],
+            commit_window=max(0, o["commit_window_us"]) / 1e6,
+            io=o["io"],
         )
 
     # -- lookups ---------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from hostkv_providers._errors import (
     UnknownKeyError,
 )
 from hostkv_providers._keys import Key
-from hostkv_providers._options import Options
+from hostkv_providers._options import Option, OptionSet
 from hostkv_providers._provider import (
     Corrupt,
     EntryInfo,
@@ -174,6 +174,16 @@ class PinnedProvider(Provider):
     """
 
     name = "pinned"
+    #: The URL options (``docs/providers/pinned.md``'s table is checked against this).
+    OPTIONS = OptionSet(
+        "pinned",
+        Option("budget", "size", 1 << 30, "1GiB"),
+        Option("block", "size", _DEFAULT_BLOCK, "64KiB"),
+        Option("chunk", "size", _DEFAULT_CHUNK, "256MiB"),
+        Option("background", "bool", True, "true"),
+        Option("verify", "choice", "never", "never", ("never", "read")),
+        Option("pin", "choice", "auto", "auto", ("auto", "yes", "no")),
+    )
     _reservation_type = _PinnedReservation
 
     def __init__(
@@ -225,14 +235,9 @@ class PinnedProvider(Provider):
     # -- construction ------------------------------------------------------------------------
     @classmethod
     def from_url(cls, location: str, options: Mapping[str, str]) -> PinnedProvider:
-        opts = Options("pinned", options)
-        budget = opts.size("budget", 1 << 30)
-        block = opts.size("block", _DEFAULT_BLOCK)
-        chunk = opts.size("chunk", _DEFAULT_CHUNK)
-        background = opts.boolean("background", True)
-        verify = opts.choice("verify", "never", ("never", "read"))
-        pin = opts.choice("pin", "auto", ("auto", "yes", "no"))
-        opts.finish()
+        o = cls.OPTIONS.parse(options)
+        budget, block, chunk, background, verify, pin = (o["budget"], o["block"], o["chunk"], o["background"],
+                                                         o["verify"], o["pin"])
         if location not in ("", "/"):
             raise InvalidArgumentError(f"pinned:// takes no path, got {location!r}", hint="use pinned://?budget=8GiB")
         allocator: HostAllocator | None = OrdinaryAllocator() if pin == "no" else None

@@ -43,7 +43,7 @@ from hostkv_providers._errors import (
     UnknownKeyError,
 )
 from hostkv_providers._keys import Key
-from hostkv_providers._options import Options, parse_size
+from hostkv_providers._options import Option, OptionSet
 from hostkv_providers._provider import (
     Corrupt,
     EntryInfo,
@@ -142,6 +142,15 @@ class TieredProvider(Provider):
     """
 
     name = "tiered"
+    #: The URL options (``docs/providers/tiered.md``'s table is checked against this).
+    OPTIONS = OptionSet(
+        "tiered",
+        Option("fast", "text", None, "required"),
+        Option("slow", "text", None, "required"),
+        Option("budget", "size", None, "the slow tier's budget"),
+        Option("queue", "int", 1024, "1024"),
+        Option("promote", "bool", True, "true"),
+    )
     _reservation_type = _TieredReservation
     persistent = True  # the slow tier is
 
@@ -203,13 +212,8 @@ class TieredProvider(Provider):
     def from_url(cls, location: str, options: Mapping[str, str]) -> TieredProvider:
         from hostkv_providers._registry import open_provider
 
-        opts = Options("tiered", options)
-        fast_url = opts.text("fast")
-        slow_url = opts.text("slow")
-        budget = opts.text("budget")
-        queue_pages = opts.integer("queue", 1024)
-        promote = opts.boolean("promote", True)
-        opts.finish()
+        o = cls.OPTIONS.parse(options)
+        fast_url, slow_url, budget, queue_pages, promote = o["fast"], o["slow"], o["budget"], o["queue"], o["promote"]
         if location not in ("", "/"):
             raise InvalidArgumentError(f"tiered:// takes no path, got {location!r}",
                                        hint="tiered://?fast=<url-encoded URL>&slow=<url-encoded URL>")
@@ -226,7 +230,7 @@ class TieredProvider(Provider):
             fast.close()
             raise
         try:
-            return cls(fast, slow, budget_bytes=None if budget is None else parse_size(budget),
+            return cls(fast, slow, budget_bytes=budget,
                        queue_pages=queue_pages, promote=promote, own_tiers=True)
         except BaseException:
             fast.close()
