@@ -85,6 +85,7 @@ from hostkv_providers._keys import KEY_NBYTES, Key
 from hostkv_providers._options import Option, OptionSet
 from hostkv_providers._provider import (
     CompactReport,
+    Corrupt,
     EntryInfo,
     EvictReport,
     HostRegion,
@@ -94,8 +95,6 @@ from hostkv_providers._provider import (
     ProviderStats,
     Reservation,
     VerifyReport,
-    check_anchor_name,
-    readable_bytes,
     writable_buffer,
 )
 from hostkv_providers._span import ByteSpan
@@ -225,6 +224,8 @@ class LmdbProvider(Provider):
     """
 
     name = "lmdb"
+    _reservation_type = _LmdbReservation
+    _tag_max = _TAG_MAX
     #: The URL options (``docs/providers/lmdb.md``'s table is checked against this).
     OPTIONS = OptionSet(
         "lmdb",
@@ -280,8 +281,6 @@ class LmdbProvider(Provider):
         self._open_res: dict[int, _LmdbReservation] = {}
         self._leases: dict[bytes, Lease] = {}
         self._lease_seq = 0
-        self._counters: dict[str, int] = dict.fromkeys(
-            ("hits", "misses", "seals", "aborts", "dedup", "checksum_failures", "bytes_written", "bytes_read"), 0)
         if readonly and budget_bytes is not None:
             raise InvalidArgumentError("a read-only open cannot set the budget", hint="drop budget= or readonly=")
         self._s = _Shared.acquire(self._path, durability=durability, map_size=map_size, map_max=map_max,
@@ -325,14 +324,10 @@ class LmdbProvider(Provider):
         with self._s.read() as txn:
             return _Counters(txn.get(b"counters", db=self._s.dbs["meta"]))
 
-    def _count(self, name: str, n: int = 1) -> None:
-        with self._lock:
-            self._counters[name] += n
-
     # -- lookups -----------------------------------------------------------------------------
-    def present(self, keys: Sequence[bytes]) -> list[bool]:
+    # (the public verbs are the front's, in Provider; these are the drivers it calls)
+    def _present(self, keys: Sequence[bytes]) -> list[bool]:
         ks = self._keys(keys)
-        self._check_usable()
         if not ks:
             return []
         with self._s.read() as txn:
@@ -397,25 +392,20 @@ class LmdbProvider(Provider):
         self._cache_add(new, epoch)
         return n
 
-    def longest_prefix(self, keys: Sequence[bytes]) -> int:
+    def _longest_prefix(self, keys: Sequence[bytes]) -> int:
         ks = self._keys(keys)
-        self._check_usable()
         if not ks:
             return 0
         with self._s.read() as txn:
             return self._prefix_len(txn, ks)
 
-    def in_flight(self, key: bytes) -> bool:
-        k = self._key(key)
-        self._check_usable()
+    def _in_flight(self, k: Key) -> bool:
         with self._s.read() as txn:
             raw = txn.get(k, db=self._s.dbs["flights"])
         # A dead writer's reservation is not in flight: nobody will seal it (reclaimed lazily).
         return raw is not None and len(raw) >= 20 and _alive(bytes(raw[:20]))
 
-    def entry(self, key: bytes) -> EntryInfo | None:
-        k = self._key(key)
-        self._check_usable()
+    def _entry(self, k: Key) -> EntryInfo | None:
         with self._s.read() as txn:
             raw = txn.get(k, db=self._s.dbs["entries"])
             if raw is None:
@@ -463,9 +453,7 @@ class LmdbProvider(Provider):
                 return
 
     # -- writes ------------------------------------------------------------------------------
-    def reserve(self, key: bytes, parent: bytes | None, nbytes: int, *, salt_tag: str = "") -> Reservation | None:
-        k, p, nbytes = self._reserve_args(key, parent, nbytes, salt_tag, tag_max=_TAG_MAX)
-        self._check_usable()
+    def _reserve(self, k: Key, p: Key | None, nbytes: int, salt_tag: str) -> Reservation | None:
         self._writable("reserve")
         inline = nbytes <= self._inline_max
         slot_nbytes = _slot_nbytes(nbytes)
@@ -505,8 +493,7 @@ class LmdbProvider(Provider):
                 raise
             got = self._s.submit(op)  # a dead process's leases or reservations were in the way
         if got is None:
-            self._count("dedup")
-            return None
+            return None  # dedup (the front counts it)
         gen, fid, slot = got
         _crash("lmdb.reserve.after_commit")
         sf = None
@@ -524,14 +511,7 @@ class LmdbProvider(Provider):
             self._open_res[id(res)] = res
         return res
 
-    def _own(self, reservation: Reservation) -> _LmdbReservation:
-        return self._own_reservation(reservation, _LmdbReservation)
-
-    def write(self, reservation: Reservation, offset: int, data: object) -> None:
-        view = readable_bytes(data)
-        self._check_usable()
-        res = self._own(reservation)
-        span = res.check_write(offset, view.nbytes)
+    def _write(self, res: _LmdbReservation, span: ByteSpan, view: memoryview) -> None:
         # No lock: the slot (or buffer) is private to its reservation until the seal.
         if res.file is not None:
             res.file.write(res.slot, res.nbytes, span.offset, view)
@@ -543,13 +523,8 @@ class LmdbProvider(Provider):
         else:
             assert res.buf is not None
             res.buf[span.offset : span.end] = view
-        res.mark_written(span)
-        self._count("bytes_written", span.nbytes)
 
-    def seal(self, reservation: Reservation) -> None:
-        self._check_usable()
-        res = self._own(reservation)
-        res.check_complete()
+    def _seal(self, res: _LmdbReservation) -> None:
         k, p, gen, nbytes, tag = res.key, res.parent, res.gen, res.nbytes, res.salt_tag
         sync_files: tuple[SlotFile, ...] = ()
         if res.file is not None:
@@ -608,7 +583,6 @@ class LmdbProvider(Provider):
             self._finish(res, "aborted")
             raise
         self._finish(res, "sealed")
-        self._count("seals")
 
     def _finish(self, res: _LmdbReservation, state: str) -> None:
         res._finish(state)
@@ -625,29 +599,19 @@ class LmdbProvider(Provider):
 
         return op
 
-    def abort(self, reservation: Reservation) -> None:
-        if not isinstance(reservation, _LmdbReservation) or reservation.provider is not self:
-            raise ReservationError("not a reservation of this provider")
-        self._check_usable()
-        if reservation.state != "open":
-            return  # aborting twice (or after seal) is a no-op
+    def _abort(self, reservation: _LmdbReservation) -> bool:
         self._s.submit(self._abort_op(reservation.key, reservation.gen), frees=True)
         self._finish(reservation, "aborted")
-        self._count("aborts")
+        return True
 
     # -- reads -------------------------------------------------------------------------------
-    def read(self, key: bytes, out: object, span: ByteSpan | None = None) -> bool:
-        k = self._key(key)
-        if span is not None and not isinstance(span, ByteSpan):
-            raise InvalidArgumentError("span must be a ByteSpan")
-        self._check_usable()
+    def _read(self, k: Key, out: object, span: ByteSpan | None) -> int | Corrupt | None:
         ok = False
         e: _Entry | None = None
         with self._s.read(buffers=True) as txn:
             raw = txn.get(k, db=self._s.dbs["entries"])
             if raw is None:
-                self._count("misses")
-                return False
+                return None
             with contextlib.suppress(_BadRecord):
                 e = _Entry.unpack(k, raw)
             if e is not None:
@@ -666,16 +630,15 @@ class LmdbProvider(Provider):
             except (StorageIOError, CorruptStoreError):
                 ok = False  # a file compacted away meanwhile, or damaged: confirmed below
         if not ok or span is None:
-            if self._confirm_corrupt(k, None if e is None else e.gen):
-                self._count("checksum_failures")
-            self._count("misses")
-            return False
+            # confirmed in a write transaction by _drop_damaged (a slot another process freed and
+            # reused is a plain miss there, never a false corruption)
+            return Corrupt(None if e is None else e.gen)
         if not self._readonly:
             self._s.touch(k)
-        with self._lock:
-            self._counters["hits"] += 1
-            self._counters["bytes_read"] += span.nbytes
-        return True
+        return span.nbytes
+
+    def _drop_damaged(self, k: Key, token: object) -> bool:
+        return self._confirm_corrupt(k, token if isinstance(token, int) else None)
 
     def prefetch(self, keys: Sequence[bytes]) -> None:
         """Start reading the slot-file data of the stored ``keys`` into the page cache (as the
@@ -772,17 +735,11 @@ class LmdbProvider(Provider):
                 view = sf.data(e.slot, e.nbytes).toreadonly()
                 return [HostRegion(0, view, _address(view), False)]
         if self._confirm_corrupt(k, None if e is None else e.gen):
-            self._count("checksum_failures")
+            self._tally("checksum_failures")
         return None
 
     # -- eviction ----------------------------------------------------------------------------
-    def evict(self, keys: Sequence[bytes] | None = None, *, nbytes: int = 0) -> EvictReport:
-        if (keys is None) == (not nbytes):
-            raise InvalidArgumentError("give exactly one of keys or nbytes")
-        if type(nbytes) is not int or nbytes < 0:
-            raise InvalidArgumentError(f"nbytes must be a non-negative int, got {nbytes!r}")
-        ks = self._keys(keys) if keys is not None else None
-        self._check_usable()
+    def _evict(self, ks: list[Key] | None, nbytes: int) -> EvictReport:
         self._writable("evict")
 
         def op(tx: _Tx) -> EvictReport:
@@ -794,11 +751,7 @@ class LmdbProvider(Provider):
         return self._s.submit(op, frees=True)  # type: ignore[no-any-return]
 
     # -- anchors -----------------------------------------------------------------------------
-    def put_anchor(self, key: bytes, name: str, data: object) -> None:
-        k = self._key(key)
-        check_anchor_name(name)
-        blob = bytes(readable_bytes(data))
-        self._check_usable()
+    def _put_anchor(self, k: Key, name: str, blob: bytes) -> None:
         self._writable("put_anchor")
         akey = k + name.encode("ascii")
         record = checksum(blob).to_bytes(8, "little") + blob
@@ -825,10 +778,7 @@ class LmdbProvider(Provider):
 
         self._s.submit(op)
 
-    def get_anchor(self, key: bytes, name: str) -> bytes | None:
-        k = self._key(key)
-        check_anchor_name(name)
-        self._check_usable()
+    def _get_anchor(self, k: Key, name: str) -> bytes | None:
         akey = k + name.encode("ascii")
         with self._s.read() as txn:
             raw = txn.get(akey, db=self._s.dbs["anchors"])
@@ -853,19 +803,14 @@ class LmdbProvider(Provider):
             return True
 
         if self._readonly or self._s.submit(op, frees=True):
-            self._count("checksum_failures")
+            self._tally("checksum_failures")
         return None
 
-    def list_anchors(self, key: bytes) -> dict[str, int]:
-        k = self._key(key)
-        self._check_usable()
+    def _list_anchors(self, k: Key) -> dict[str, int]:
         with self._s.read() as txn:
             return self._anchor_sizes(txn, k)
 
-    def deepest_anchor(self, keys: Sequence[bytes], name: str) -> int:
-        ks = self._keys(keys)
-        check_anchor_name(name)
-        self._check_usable()
+    def _deepest_anchor(self, ks: list[Key], name: str) -> int:
         if not ks:
             return 0
         suffix = name.encode("ascii")
@@ -878,9 +823,7 @@ class LmdbProvider(Provider):
         return 0
 
     # -- leases ------------------------------------------------------------------------------
-    def lease(self, keys: Sequence[bytes]) -> Lease:
-        ks = self._keys(keys)
-        self._check_usable()
+    def _lease(self, ks: list[Key]) -> Lease:
         self._writable("lease")
         with self._lock:
             self._lease_seq += 1
@@ -1076,8 +1019,7 @@ class LmdbProvider(Provider):
                     leased.update(k for k, _ in _unpack_lease(v)[2])
             info = s.env.info()
         self._budget = c.budget
-        with self._lock:
-            counters = dict(self._counters)
+        counters = self._tallies()
         return ProviderStats(
             name=self.name,
             entries=entries,

@@ -13,19 +13,18 @@ import numpy as np
 import pytest
 
 from hostkv_providers import ClosedError, HostRegion, KVLayout, OrdinaryAllocator, PinnedProvider
+from hostkv_providers._errors import CopyArgumentError
 from hostkv_providers._keys import Salt, chain_keys
+from hostkv_providers.cache._staging import StagingPool
 from hostkv_providers.device._copy import (
-    CopyArgumentError,
     CudaCopyEngine,
-    CudaHostAllocator,
     KVPlanes,
-    StagingPool,
     _check_pages,
     cuda_available,
     default_copy_engine,
     page_regions,
-    pinned_allocator,
 )
+from hostkv_providers.device._hostmem import CudaHostAllocator, pinned_allocator
 
 torch = pytest.importorskip("torch")
 if not cuda_available() or not torch.cuda.is_available():
