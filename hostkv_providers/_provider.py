@@ -799,7 +799,8 @@ class Provider(abc.ABC, metaclass=_ProviderMeta):
         span = res.check_write(offset, view.nbytes)
         self._write(res, span, view)
         res.mark_written(span)
-        self._tally("bytes_written", span.nbytes)
+        with self._stat_lock:  # (inlined _tally: this runs once per page)
+            self._stat_counts["bytes_written"] += span.nbytes
 
     @_front
     def seal(self, reservation: Reservation) -> None:
@@ -812,7 +813,8 @@ class Provider(abc.ABC, metaclass=_ProviderMeta):
         res.check_complete()
         self._seal(res)
         if res.state == "sealed":  # (a seal that lost a race with close finishes it "aborted")
-            self._tally("seals")
+            with self._stat_lock:
+                self._stat_counts["seals"] += 1
 
     @_front
     def abort(self, reservation: Reservation) -> None:
@@ -840,16 +842,19 @@ class Provider(abc.ABC, metaclass=_ProviderMeta):
         k = as_key(key)
         if span is not None and not isinstance(span, ByteSpan):
             raise InvalidArgumentError("span must be a ByteSpan")
-        writable_buffer(out, 0)  # a bad buffer is misuse even when the key is a miss
         self._check_usable()
         got = self._read(k, out, span)
-        if type(got) is int:
-            self._tally_hit(got)
+        if type(got) is int:  # a hit: the driver validated ``out`` (writable_buffer) to copy into it
+            with self._stat_lock:  # (inlined _tally: this runs once per page)
+                c = self._stat_counts
+                c["hits"] += 1
+                c["bytes_read"] += got
             return True
         if isinstance(got, Corrupt) and self._drop_damaged(k, got.token):
             # never wrong bytes: the first reader to see the mismatch drops the entry with its
             # subtree (a racing reader or a seal of the key since then leaves nothing to drop)
             self._tally("checksum_failures")
+        writable_buffer(out, 0)  # a bad buffer is misuse even when the key is a miss
         self._tally("misses")
         return False
 

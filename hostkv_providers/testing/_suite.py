@@ -31,7 +31,7 @@ key (:func:`page_bytes`), so a wrong byte anywhere is caught by recomputation.
 from __future__ import annotations
 
 from hostkv_providers.testing._families._anchors import AnchorTests
-from hostkv_providers.testing._families._base import ProviderFactory, SuiteBase
+from hostkv_providers.testing._families._base import SuiteBase
 from hostkv_providers.testing._families._basics import BasicTests
 from hostkv_providers.testing._families._checksums import ChecksumTests
 from hostkv_providers.testing._families._eviction import EvictionTests
@@ -42,23 +42,6 @@ from hostkv_providers.testing._families._model import StatefulTests
 from hostkv_providers.testing._families._persistence import PersistenceTests
 from hostkv_providers.testing._families._powers import CapabilityTests
 from hostkv_providers.testing._families._writes import WriteTests
-
-__all__ = [
-    "AnchorTests",
-    "BasicTests",
-    "CapabilityTests",
-    "ChecksumTests",
-    "EvictionTests",
-    "LeaseTests",
-    "LifecycleTests",
-    "MisuseTests",
-    "PersistenceTests",
-    "ProviderFactory",
-    "ProviderTests",
-    "StatefulTests",
-    "SuiteBase",
-    "WriteTests",
-]
 
 
 class ProviderTests(

@@ -366,7 +366,7 @@ class MmapProvider(_Maintenance):
         _fsutil.crash_point("mmap.write.partial")
 
     def _seal(self, res: _MmapReservation) -> None:
-        prepared = self._seal_prepare(res)
+        prepared = self._seal_prepare(res, checked=True)
         try:
             self._commit(prepared[-1])
         except BaseException:
@@ -534,11 +534,16 @@ class MmapProvider(_Maintenance):
         return [(res, sf, digest, created, tag, record)
                 for res, sf, digest, record in zip(reservations, files, digests, records, strict=True)]
 
-    def _seal_prepare(self, reservation: Reservation) -> tuple[_MmapReservation, SlotFile, int, float, bytes, bytes]:
-        """Checksum, slot header (data first, then header) and the journal record of a seal."""
-        self._check_usable()
-        res = self._own(reservation)
-        res.check_complete()
+    def _seal_prepare(self, reservation: Reservation, *, checked: bool = False
+                      ) -> tuple[_MmapReservation, SlotFile, int, float, bytes, bytes]:
+        """Checksum, slot header (data first, then header) and the journal record of a seal
+        (``checked``: the front already checked usability, ownership and completeness)."""
+        if checked:
+            res: _MmapReservation = reservation  # type: ignore[assignment]
+        else:
+            self._check_usable()
+            res = self._own(reservation)
+            res.check_complete()
         sf = self._files[res.file]
         # A single whole-entry write was hashed while its bytes were hot; anything else (pieces,
         # DMA into regions()) is hashed from the file.

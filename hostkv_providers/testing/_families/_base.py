@@ -13,13 +13,9 @@ from typing import Any, ClassVar, NoReturn
 
 import pytest
 
-from hostkv_providers._errors import (
-    HostKVError,
-)
+from hostkv_providers._errors import HostKVError
 from hostkv_providers._keys import Key
-from hostkv_providers._provider import (
-    Provider,
-)
+from hostkv_providers._provider import Provider
 
 ProviderFactory = Callable[..., Provider]
 

@@ -6,21 +6,10 @@ import itertools
 
 import pytest
 
-from hostkv_providers._errors import (
-    InvalidArgumentError,
-    SpanError,
-)
-from hostkv_providers._provider import (
-    Provider,
-)
+from hostkv_providers._errors import InvalidArgumentError, SpanError
+from hostkv_providers._provider import Provider
 from hostkv_providers._span import ByteSpan
-from hostkv_providers.testing._pages import (
-    chain,
-    key_of,
-    page_bytes,
-    put_chain,
-    put_page,
-)
+from hostkv_providers.testing._pages import chain, key_of, page_bytes, put_chain, put_page
 
 from ._base import SuiteBase, _check_budget
 

@@ -7,19 +7,10 @@ from typing import Any
 
 import pytest
 
-from hostkv_providers._errors import (
-    InvalidArgumentError,
-    UnknownKeyError,
-)
-from hostkv_providers._provider import (
-    Provider,
-)
+from hostkv_providers._errors import InvalidArgumentError, UnknownKeyError
+from hostkv_providers._provider import Provider
 from hostkv_providers._span import ByteSpan
-from hostkv_providers.testing._pages import (
-    key_of,
-    page_bytes,
-    put_page,
-)
+from hostkv_providers.testing._pages import key_of, page_bytes, put_page
 
 from ._base import SuiteBase
 

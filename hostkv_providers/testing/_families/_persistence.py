@@ -4,17 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from hostkv_providers._provider import (
-    Provider,
-)
-from hostkv_providers.testing._pages import (
-    anchor_bytes,
-    chain,
-    key_of,
-    page_bytes,
-    put_chain,
-    put_page,
-)
+from hostkv_providers._provider import Provider
+from hostkv_providers.testing._pages import anchor_bytes, chain, key_of, page_bytes, put_chain, put_page
 
 from ._base import ProviderFactory, SuiteBase, _check_budget
 

@@ -4,11 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hostkv_providers._errors import (
-    HostKVError,
-    InvalidArgumentError,
-    UnknownKeyError,
-)
+from hostkv_providers._errors import HostKVError, InvalidArgumentError, UnknownKeyError
 from hostkv_providers._provider import (
     Provider,
     SupportsBatch,
@@ -17,13 +13,7 @@ from hostkv_providers._provider import (
     SupportsVerify,
     SupportsViews,
 )
-from hostkv_providers.testing._pages import (
-    chain,
-    key_of,
-    page_bytes,
-    put_chain,
-    put_page,
-)
+from hostkv_providers.testing._pages import chain, key_of, page_bytes, put_chain, put_page
 
 from ._base import SuiteBase, _check_budget
 

@@ -14,14 +14,8 @@ from hostkv_providers._errors import (
     ReservationError,
     SpanError,
 )
-from hostkv_providers._provider import (
-    Provider,
-)
-from hostkv_providers.testing._pages import (
-    key_of,
-    page_bytes,
-    put_page,
-)
+from hostkv_providers._provider import Provider
+from hostkv_providers.testing._pages import key_of, page_bytes, put_page
 
 from ._base import ProviderFactory, SuiteBase
 
