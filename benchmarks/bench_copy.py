@@ -32,8 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from hostkv_providers import KVLayout, PinnedProvider, _cuda
-from hostkv_providers.device import CudaCopyEngine, KVPlanes, page_regions, pinned_allocator
+from hostkv_providers import KVLayout, PinnedProvider
+from hostkv_providers.device import CudaCopyEngine, KVPlanes, cuda_available, page_regions, pinned_allocator
 
 GiB = 1 << 30
 
@@ -54,9 +54,25 @@ def make_planes(torch: Any, layout: KVLayout, nblocks: int) -> tuple[KVPlanes, l
     return KVPlanes.from_torch(layout, tensors), owners
 
 
+def cu() -> Any:
+    """The bare CUDA driver API (``cuda.bindings.driver``): the raw baselines measure the driver
+    itself, not the library's wrapper of it."""
+    from cuda.bindings import driver
+
+    return driver
+
+
+def check(result: Any, what: str) -> Any:
+    """Unwrap a driver result tuple ``(status, *outputs)``; raise on a failed status."""
+    if int(result[0]) != 0:
+        raise RuntimeError(f"{what} failed: {result[0]!r}")
+    rest = result[1:]
+    return None if not rest else rest[0] if len(rest) == 1 else rest
+
+
 def raw_copy(d: Any, dst: int, src: int, nbytes: int, stream: Any, kind: str) -> None:
     fn = {"d2h": d.cuMemcpyDtoHAsync, "h2d": d.cuMemcpyHtoDAsync}[kind]
-    _cuda.check(fn(dst, src, nbytes, stream), "raw copy")
+    check(fn(dst, src, nbytes, stream), "raw copy")
 
 
 def time_raw(torch: Any, d: Any, dev_buf: Any, host_a: Any, host_b: Any, nbytes: int, reps: int) -> dict[str, float]:
@@ -178,7 +194,7 @@ def slowdown(torch: Any, kind: str, window: float, loads: dict[str, Callable[[An
 def interference_loads(torch: Any, engines: dict[str, CudaCopyEngine], planes: KVPlanes, ids_save: list[int],
                        pages_a: list[Any], ids_restore: list[int], pages_b: list[Any],
                        raw_src: tuple[int, int, int]) -> dict[str, Callable[[Any], None]]:
-    d = _cuda.driver()
+    d = cu()
     copy_stream = torch.cuda.Stream()
     host, dev_ptr, nbytes = raw_src
 
@@ -246,9 +262,9 @@ def pinning(gib: float, provider_gib: float) -> dict[str, Any]:
                            "phases": {}}
     for _ in range(2):
         t0 = time.perf_counter()
-        ptr = _cuda.host_alloc(nbytes, mapped=False)
+        ptr = int(check(cu().cuMemHostAlloc(nbytes, cu().CU_MEMHOSTALLOC_PORTABLE), f"cuMemHostAlloc({nbytes})"))
         out["hostalloc_s_per_gib"].append((time.perf_counter() - t0) / gib)
-        _cuda.host_free(ptr)
+        check(cu().cuMemFreeHost(ptr), "cuMemFreeHost")
         for threads, key, huge in ((4, "ours_s_per_gib", True), (8, "ours8_s_per_gib", True),
                                    (1, "ours1_s_per_gib", True), (0, "register_only_s_per_gib", True),
                                    (4, "small_pages_s_per_gib", False)):
@@ -282,16 +298,18 @@ def main() -> int:
     args = ap.parse_args()
     import torch
 
-    if not _cuda.available() or not torch.cuda.is_available():
-        log("no CUDA device:", _cuda.unavailable_reason())
+    if not cuda_available() or not torch.cuda.is_available():
+        log("no CUDA device")
         return 2
     if args.quick:
         args.pages, args.reps = min(args.pages, 512), 1
-    d = _cuda.driver()
-    dev = _cuda.device(0)
+    torch.zeros(1, device="cuda")  # the primary context, current on this thread for the raw driver calls
+    d = cu()
+    check(d.cuInit(0), "cuInit")
+    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
     results: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "command": " ".join(sys.argv),
                                "pages": args.pages}
-    log("device", results["device"], "SMs", dev.sm_count)
+    log("device", results["device"], "SMs", sm_count)
 
     only_interference = args.only in ("interference", "tune")
     if not only_interference:

@@ -197,12 +197,13 @@ def pinned_phase(torch: Any, cache: HostKVCache, provider: Any, keys: list[hk.Ke
                       "sealed_ms": round(sealed * 1e3, 1), "stored": res.stored, "stopped": res.stopped})
     best = min(saves, key=lambda s: s["sealed_ms"])
     # the host's seal-time hashing rate over the arena (XXH3 on the provider's hash threads)
-    from hostkv_providers.providers.pinned import _provider as pinned_impl
+    from hostkv_providers.providers.pinned import SEAL_HASH_THREADS as seal_threads
+    from hostkv_providers.providers.pinned import seal_checksums
 
     with provider.lease(keys) as lease:
         views = provider.views(lease, keys)
         t = time.perf_counter()
-        pinned_impl._checksums(views)
+        seal_checksums(views)
         hash_gbps = round(nbytes / (time.perf_counter() - t) / 1e9, 1)
     restores = []
     for _ in range(4):
@@ -225,7 +226,7 @@ def pinned_phase(torch: Any, cache: HostKVCache, provider: Any, keys: list[hk.Ke
     ranged_ms = (time.perf_counter() - t) * 1e3
     hit.release()
     return {"bulk_d2h_ms": round(d2h_ms, 1), "bulk_h2d_ms": round(h2d_ms, 1), "saves": saves,
-            "seal_hash_gbps": hash_gbps, "hash_threads": pinned_impl._HASH_THREADS,
+            "seal_hash_gbps": hash_gbps, "hash_threads": seal_threads,
             "save_sealed_x_bulk": round(d2h_ms / best["sealed_ms"], 3),
             "save_copied_x_bulk": round(d2h_ms / best["copied_ms"], 3),
             "restores": restores, "restore_best_x_bulk": round(h2d_ms / rbest, 3),

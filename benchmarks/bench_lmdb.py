@@ -30,8 +30,8 @@ from typing import Any
 
 import lmdb
 
-from hostkv_providers.providers import Key
-from hostkv_providers.providers.lmdb._provider import LmdbProvider, _Counters, _Entry, _Shared
+from hostkv_providers.providers import Key, LmdbProvider
+from hostkv_providers.providers.lmdb.format import Counters, Entry
 from hostkv_providers.testing import page_bytes
 
 MiB = 1 << 20
@@ -214,7 +214,7 @@ def build_million(path: str, n: int) -> None:
             parent = None
             for i, k in enumerate(keys_of(f"m{c}", chain_len)):
                 tick += 1
-                e = _Entry(k, parent, 16, 16, digest, now, tick, tick, 0, 0, "bench")
+                e = Entry(k, parent, 16, 16, digest, now, tick, tick, 0, 0, "bench")
                 e.children = 0 if i == chain_len - 1 else 1
                 entries.append((k, e.pack()))
                 pages.append((k, blob))
@@ -229,7 +229,7 @@ def build_million(path: str, n: int) -> None:
                 items.sort()
                 txn.cursor(db=dbs[db]).putmulti(items)
     with env.begin(write=True) as txn:
-        c = _Counters(txn.get(b"counters", db=dbs["meta"]))
+        c = Counters(txn.get(b"counters", db=dbs["meta"]))
         c.used = c.sealed = sealed
         c.tick = c.gen = tick
         txn.put(b"counters", c.pack(), db=dbs["meta"])
@@ -246,7 +246,7 @@ def bench_open(root: str, rows: list[tuple[str, ...]], n: int) -> None:
     times = []
     first = []
     for _ in range(5):
-        _Shared._registry.clear()
+        # (the closed provider released this process's environment: this open is a cold one)
         t0 = time.perf_counter()
         p = LmdbProvider(path)
         times.append((time.perf_counter() - t0) * 1e3)

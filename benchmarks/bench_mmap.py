@@ -45,9 +45,16 @@ from collections.abc import Callable
 import numpy as np
 import xxhash
 
-from hostkv_providers.providers import Key
-from hostkv_providers.providers._slotfile import FILE_HEADER_NBYTES, SLOT_HEADER_DTYPE, SLOT_MAGIC, SlotFile
-from hostkv_providers.providers.mmap._provider import OP_SEAL, RECORD_DTYPE, MmapProvider, _seal_folds
+from hostkv_providers.providers import Key, MmapProvider
+from hostkv_providers.providers.mmap.format import (
+    FILE_HEADER_NBYTES,
+    OP_SEAL,
+    RECORD_DTYPE,
+    SLOT_HEADER_DTYPE,
+    SLOT_MAGIC,
+    SlotFile,
+    fold_records,
+)
 
 MiB = 1 << 20
 
@@ -382,7 +389,7 @@ def build_synthetic(store: str, n: int, chain_len: int = 16) -> None:
     recs["checksum"] = csum
     recs["created"] = time.time()
     recs["seq"] = idx + 1
-    _seal_folds(recs)
+    fold_records(recs)
     with open(os.path.join(store, "manifest.json"), encoding="utf-8") as mf:
         man_store_id = bytes.fromhex(json.load(mf)["store_id"])
     head = bytearray(64)

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
 
 from hostkv_providers._errors import InvalidArgumentError
 
-__all__ = ["Options", "format_size", "parse_size"]
+__all__ = ["Option", "OptionSet", "Options", "format_size", "parse_size"]
 
 _UNITS = {
     "": 1, "b": 1,
@@ -106,3 +108,80 @@ class Options:
                 f"{self._provider}: unknown option(s) {', '.join(sorted(self._left))}",
                 hint=f"accepted options: {', '.join(self._known)}",
             )
+
+
+# --------------------------------------------------------------------------------------------
+# Declarations: one per option, the single source of parsing, describe() and the docs' tables
+# --------------------------------------------------------------------------------------------
+
+_KINDS = ("size", "int", "number", "bool", "choice", "text")
+
+
+@dataclass(frozen=True)
+class Option:
+    """One URL option of a provider: its name, kind, parsed default and how the docs show it.
+
+    ``kind`` is ``size`` (``8GiB``), ``int``, ``number``, ``bool``, ``choice`` (one of
+    ``choices``) or ``text``.  ``default`` is the parsed value used when the URL omits the
+    option (``None``: the provider decides, e.g. from the store); ``shown`` is the default
+    column of the provider's options table in ``docs/providers/<name>.md`` (the test
+    ``tests/test_options_docs.py`` compares the two).
+    """
+
+    name: str
+    kind: str
+    default: Any
+    shown: str
+    choices: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.kind not in _KINDS:
+            raise ValueError(f"option {self.name}: unknown kind {self.kind!r}")
+        if (self.kind == "choice") != bool(self.choices):
+            raise ValueError(f"option {self.name}: choices go with kind='choice'")
+
+
+class OptionSet:
+    """The options of one provider, declared once: ``parse`` is its ``from_url`` parsing,
+    ``names``/``defaults`` what ``describe()`` and the docs' options table show."""
+
+    def __init__(self, provider: str, *options: Option) -> None:
+        self.provider = provider
+        self.options: tuple[Option, ...] = options
+        names = [o.name for o in options]
+        if len(set(names)) != len(names):
+            raise ValueError(f"{provider}: an option is declared twice")
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(o.name for o in self.options)
+
+    def shown_defaults(self) -> dict[str, str]:
+        """``{name: default as the docs table shows it}``, in declaration order."""
+        return {o.name: o.shown for o in self.options}
+
+    def parse(self, options: Mapping[str, str]) -> dict[str, Any]:
+        """The parsed value of every declared option (its default where the URL omits it);
+        unknown options raise ``InvalidArgumentError`` naming the accepted ones."""
+        opts = Options(self.provider, options)
+        out: dict[str, Any] = {}
+        late: dict[str, str | None] = {}
+        for o in self.options:
+            if o.kind == "size" and o.default is None:
+                late[o.name] = opts.text(o.name)  # parsed after the unknown-option check
+            elif o.kind == "size":
+                out[o.name] = opts.size(o.name, o.default)
+            elif o.kind == "int":
+                out[o.name] = opts.integer(o.name, o.default)
+            elif o.kind == "number":
+                out[o.name] = opts.number(o.name, o.default)
+            elif o.kind == "bool":
+                out[o.name] = opts.boolean(o.name, o.default)
+            elif o.kind == "choice":
+                out[o.name] = opts.choice(o.name, o.default, o.choices)
+            else:
+                out[o.name] = opts.text(o.name, o.default)
+        opts.finish()
+        for name, raw in late.items():
+            out[name] = None if raw is None else parse_size(raw)
+        return {o.name: out[o.name] for o in self.options}

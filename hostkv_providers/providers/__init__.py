@@ -25,10 +25,14 @@ from hostkv_providers._keys import (
     as_key,
     parse_salt_tag,
 )
-from hostkv_providers._options import Options, format_size, parse_size
+from hostkv_providers._options import Option, Options, OptionSet, format_size, parse_size
 from hostkv_providers._provider import (
+    CAPABILITY_FLAGS,
     CAPABILITY_NAMES,
+    CAPABILITY_PROTOCOLS,
+    COUNTED,
     CompactReport,
+    Corrupt,
     EntryInfo,
     EvictReport,
     Lease,
@@ -40,7 +44,9 @@ from hostkv_providers._provider import (
     SupportsBatch,
     SupportsBatchViews,
     SupportsCompact,
+    SupportsDeviceMapped,
     SupportsIterate,
+    SupportsPinnedViews,
     SupportsVerify,
     SupportsViews,
     VerifyReport,
@@ -86,7 +92,10 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "CAPABILITY_FLAGS",
     "CAPABILITY_NAMES",
+    "CAPABILITY_PROTOCOLS",
+    "COUNTED",
     "CHECKSUM_ALGORITHM",
     "DISABLE_PLUGINS_ENV",
     "ENTRY_POINT_GROUP",
@@ -97,6 +106,7 @@ __all__ = [
     "ZERO_KEY",
     "ByteSpan",
     "CompactReport",
+    "Corrupt",
     "EntryInfo",
     "EvictReport",
     "HostRegion",
@@ -107,6 +117,8 @@ __all__ = [
     "MirrorHandle",
     "MmapProvider",
     "Node",
+    "Option",
+    "OptionSet",
     "Options",
     "PinnedProvider",
     "Progress",
@@ -120,7 +132,9 @@ __all__ = [
     "SupportsBatch",
     "SupportsBatchViews",
     "SupportsCompact",
+    "SupportsDeviceMapped",
     "SupportsIterate",
+    "SupportsPinnedViews",
     "SupportsVerify",
     "SupportsViews",
     "TieredProvider",

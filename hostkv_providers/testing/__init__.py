@@ -12,16 +12,40 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from hostkv_providers.testing._families._anchors import AnchorTests
+from hostkv_providers.testing._families._base import ProviderFactory, SuiteBase
+from hostkv_providers.testing._families._basics import BasicTests
+from hostkv_providers.testing._families._checksums import ChecksumTests
+from hostkv_providers.testing._families._eviction import EvictionTests
+from hostkv_providers.testing._families._leases import LeaseTests
+from hostkv_providers.testing._families._lifecycle import LifecycleTests
+from hostkv_providers.testing._families._misuse import MisuseTests
+from hostkv_providers.testing._families._model import StatefulTests
+from hostkv_providers.testing._families._persistence import PersistenceTests
+from hostkv_providers.testing._families._powers import CapabilityTests
+from hostkv_providers.testing._families._writes import WriteTests
 from hostkv_providers.testing._pages import anchor_bytes, chain, key_of, page_bytes, put_chain, put_page
-from hostkv_providers.testing._suite import ProviderFactory, ProviderTests
+from hostkv_providers.testing._suite import ProviderTests
 
 if TYPE_CHECKING:
     from hostkv_providers.testing._stateful import ProviderStateMachine, run_provider_state_machine
 
 __all__ = [
+    "AnchorTests",
+    "BasicTests",
+    "CapabilityTests",
+    "ChecksumTests",
+    "EvictionTests",
+    "LeaseTests",
+    "LifecycleTests",
+    "MisuseTests",
+    "PersistenceTests",
     "ProviderFactory",
     "ProviderStateMachine",
     "ProviderTests",
+    "StatefulTests",
+    "SuiteBase",
+    "WriteTests",
     "anchor_bytes",
     "chain",
     "key_of",

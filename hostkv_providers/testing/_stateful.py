@@ -39,7 +39,7 @@ from hostkv_providers._span import ByteSpan
 from hostkv_providers.testing._pages import key_of, page_bytes
 
 if TYPE_CHECKING:
-    from hostkv_providers.testing._suite import ProviderTests
+    from hostkv_providers.testing._families._base import SuiteBase
 
 __all__ = ["ProviderStateMachine", "run_provider_state_machine"]
 
@@ -83,7 +83,7 @@ class _Sealed:
 class ProviderStateMachine(RuleBasedStateMachine):
     """The model; :func:`run_provider_state_machine` binds it to a suite and a directory."""
 
-    suite: ProviderTests
+    suite: SuiteBase
     workdir: Path
     counter = 0
 
@@ -414,7 +414,7 @@ class ProviderStateMachine(RuleBasedStateMachine):
             self.p.close()
 
 
-def run_provider_state_machine(suite: ProviderTests, workdir: Path, **overrides: Any) -> None:
+def run_provider_state_machine(suite: SuiteBase, workdir: Path, **overrides: Any) -> None:
     """Run :class:`ProviderStateMachine` against ``suite.make_provider`` (deterministic seed)."""
     machine = type("BoundProviderStateMachine", (ProviderStateMachine,), {"suite": suite, "workdir": workdir})
     opts: dict[str, Any] = {

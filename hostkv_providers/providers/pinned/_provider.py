@@ -30,12 +30,12 @@ from hostkv_providers._errors import (
     HostKVError,
     InFlightError,
     InvalidArgumentError,
-    ReservationError,
     UnknownKeyError,
 )
 from hostkv_providers._keys import Key
-from hostkv_providers._options import Options
+from hostkv_providers._options import Option, OptionSet
 from hostkv_providers._provider import (
+    Corrupt,
     EntryInfo,
     EvictReport,
     HostRegion,
@@ -45,8 +45,6 @@ from hostkv_providers._provider import (
     Reservation,
     ReservedChain,
     VerifyReport,
-    check_anchor_name,
-    readable_bytes,
     writable_buffer,
 )
 from hostkv_providers._region import HostPages
@@ -182,6 +180,19 @@ class PinnedProvider(Provider):
     """
 
     name = "pinned"
+    #: The URL options (``docs/providers/pinned.md``'s table is checked against this).
+    OPTIONS = OptionSet(
+        "pinned",
+        Option("budget", "size", 1 << 30, "1GiB"),
+        Option("block", "size", _DEFAULT_BLOCK, "64KiB"),
+        Option("chunk", "size", _DEFAULT_CHUNK, "256MiB"),
+        Option("background", "bool", True, "true"),
+        Option("verify", "choice", "never", "never", ("never", "read")),
+        Option("pin", "choice", "auto", "auto", ("auto", "yes", "no")),
+        Option("mapped", "choice", "no", "no", ("no", "yes")),
+        Option("device", "int", None, "0"),  # None: not given (only mapped=yes takes it)
+    )
+    _reservation_type = _PinnedReservation
 
     def __init__(
         self,
@@ -215,9 +226,6 @@ class PinnedProvider(Provider):
         self._index = TreeIndex(0)
         self._lease_tokens: dict[int, list[Node | None]] = {}  # live leases, by id of their token
         self._limbo: dict[int, tuple[Node, int]] = {}  # dropped but still leased: node, lease count
-        self._counters: dict[str, int] = dict.fromkeys(
-            ("hits", "misses", "seals", "aborts", "dedup", "checksum_failures", "bytes_written", "bytes_read"), 0
-        )
         total_blocks = budget_bytes // block
         self._plan = [min(chunk // block, total_blocks - i) for i in range(0, total_blocks, chunk // block)]
         self._pinning_error: BaseException | None = None
@@ -235,22 +243,16 @@ class PinnedProvider(Provider):
     # -- construction ------------------------------------------------------------------------
     @classmethod
     def from_url(cls, location: str, options: Mapping[str, str]) -> PinnedProvider:
-        opts = Options("pinned", options)
-        budget = opts.size("budget", 1 << 30)
-        block = opts.size("block", _DEFAULT_BLOCK)
-        chunk = opts.size("chunk", _DEFAULT_CHUNK)
-        background = opts.boolean("background", True)
-        verify = opts.choice("verify", "never", ("never", "read"))
-        pin = opts.choice("pin", "auto", ("auto", "yes", "no"))
-        mapped = opts.choice("mapped", "no", ("no", "yes"))  # device_mapped: providers/pinned/_mapped.py
-        device = opts.integer("device", -2)  # -2: not given
-        opts.finish()
+        o = cls.OPTIONS.parse(options)
+        budget, block, chunk, background, verify, pin = (o["budget"], o["block"], o["chunk"], o["background"],
+                                                         o["verify"], o["pin"])
+        mapped, device = o["mapped"], o["device"]  # device_mapped: providers/pinned/_mapped.py
         if location not in ("", "/"):
             raise InvalidArgumentError(f"pinned:// takes no path, got {location!r}", hint="use pinned://?budget=8GiB")
-        if mapped == "no" and device != -2:
+        if mapped == "no" and device is not None:
             raise InvalidArgumentError("pinned:// takes device= only with mapped=yes")
         if mapped == "yes":
-            device = 0 if device == -2 else device
+            device = 0 if device is None else device
             if pin == "no":
                 raise InvalidArgumentError("mapped=yes needs page-locked memory; drop pin=no")
             from hostkv_providers.providers.pinned._mapped import MappedPinnedProvider
@@ -295,6 +297,11 @@ class PinnedProvider(Provider):
         return self._block
 
     @property
+    def views_pinned(self) -> bool:
+        """Whether the arena (and so every view) is page-locked (``SupportsPinnedViews``)."""
+        return self._allocator.pinned
+
+    @property
     def ready_bytes(self) -> int:
         """Bytes of the arena allocated (and pinned) so far."""
         return self._arena.total * self._block
@@ -317,22 +324,21 @@ class PinnedProvider(Provider):
             yield
 
     # -- lookups -----------------------------------------------------------------------------
-    def present(self, keys: Sequence[bytes]) -> list[bool]:
+    # (the public verbs are the front's, in Provider; these are the drivers it calls)
+    def _present(self, keys: Sequence[bytes]) -> list[bool]:
         with self._usable():
             return self._membership(keys, self._index.nodes.__contains__)
 
-    def longest_prefix(self, keys: Sequence[bytes]) -> int:
+    def _longest_prefix(self, keys: Sequence[bytes]) -> int:
         with self._usable():
             hits = self._membership(keys, self._index.nodes.__contains__)
         return hits.index(False) if False in hits else len(hits)
 
-    def in_flight(self, key: bytes) -> bool:
-        k = self._key(key)
+    def _in_flight(self, k: Key) -> bool:
         with self._usable():
             return k in self._index.flights
 
-    def entry(self, key: bytes) -> EntryInfo | None:
-        k = self._key(key)
+    def _entry(self, k: Key) -> EntryInfo | None:
         with self._usable():
             node = self._index.get(k)
             return None if node is None else _info(node)
@@ -343,8 +349,7 @@ class PinnedProvider(Provider):
         return iter(infos)
 
     # -- writes ------------------------------------------------------------------------------
-    def reserve(self, key: bytes, parent: bytes | None, nbytes: int, *, salt_tag: str = "") -> Reservation | None:
-        k, p, nbytes = self._reserve_args(key, parent, nbytes, salt_tag)
+    def _reserve(self, k: Key, p: Key | None, nbytes: int, salt_tag: str) -> Reservation | None:
         with self._usable():
             return self._reserve_locked(k, p, nbytes, salt_tag)
 
@@ -373,31 +378,17 @@ class PinnedProvider(Provider):
                 hint="lower the budget or free host memory (pinned memory is limited by ulimit -l)",
             ) from self._pinning_error
         if not ok:
-            self._counters["dedup"] += 1
-            return None
+            return None  # dedup (counted by the caller)
         self._free_nodes(evicted)
         runs = self._arena.allocate(nblocks)
         regions = self._arena.regions(runs, nbytes, self._allocator.pinned)
         return _PinnedReservation(self, k, p, nbytes, salt_tag, runs, regions)
 
-    def _own(self, reservation: Reservation) -> _PinnedReservation:
-        return self._own_reservation(reservation, _PinnedReservation)
-
-    def write(self, reservation: Reservation, offset: int, data: object) -> None:
-        view = readable_bytes(data)
-        self._check_usable()
-        res = self._own(reservation)
-        span = res.check_write(offset, view.nbytes)
+    def _write(self, res: _PinnedReservation, span: ByteSpan, view: memoryview) -> None:
         # No provider lock: the reservation's blocks are private to its writer until seal.
         _scatter(res._regions, span, view)
-        res.mark_written(span)
-        with self._lock:
-            self._counters["bytes_written"] += span.nbytes
 
-    def seal(self, reservation: Reservation) -> None:
-        self._check_usable()
-        res = self._own(reservation)
-        res.check_complete()
+    def _seal(self, res: _PinnedReservation) -> None:
         digest = checksum_parts(r.view for r in res._regions)
         with self._usable():
             res.check_open(self)
@@ -412,7 +403,6 @@ class PinnedProvider(Provider):
             res._finish("aborted")
             raise
         res._finish("sealed")
-        self._counters["seals"] += 1
         return node
 
     # -- chain reservation -------------------------------------------------------------------
@@ -437,7 +427,7 @@ class PinnedProvider(Provider):
     def seal_many(self, reservations: Sequence[Reservation]) -> None:
         """Seal arena reservations root first (see ``Provider.seal_many``): the checksums run on
         a few threads without the lock (XXH3 releases the GIL), the commits in one lock round."""
-        own = [self._own(r) for r in reservations]
+        own = [self._own_reservation(r, _PinnedReservation) for r in reservations]
         try:
             for r in own:
                 r.check_complete()
@@ -446,7 +436,9 @@ class PinnedProvider(Provider):
                 for r, digest in zip(own, digests, strict=True):
                     r.check_open(self)
                     self._commit_locked(r, digest)  # UnknownKeyError: its parent was not sealed
-                    self._counters["bytes_written"] += r.nbytes
+                    # (bytes are counted where they are written: write(), or not at all for a
+                    # DMA straight into the arena; a seal is counted here as the front's seal does)
+                    self._tally("seals")
         except BaseException:
             for r in own:  # the sealed ones are a prefix; the rest go
                 if r.state == "open":
@@ -484,6 +476,7 @@ class PinnedProvider(Provider):
                         self._index.release_nodes(held)
                         held = self._index.hold_keys([k]) if res is None else []
                     if res is None:
+                        self._tally("dedup")
                         out.append(False)
                         continue
                     try:
@@ -495,8 +488,9 @@ class PinnedProvider(Provider):
                     with self._usable():
                         res.check_open(self)
                         self._commit_locked(res, digest)
-                        self._counters["bytes_written"] += view.nbytes
                         held = self._index.hold_keys([k])
+                    self._tally("seals")
+                    self._tally("bytes_written", view.nbytes)
                     out.append(True)
                 except (CapacityError, InFlightError, UnknownKeyError) as exc:
                     failed.add(k)
@@ -535,48 +529,42 @@ class PinnedProvider(Provider):
                 state[i] = not self._verify_reads or checksum_parts((dst,)) == node.checksum
         finally:
             got = [False] * len(ks)
+            hits = nbytes = failures = 0
             with self._lock:
                 self._index.release_nodes(held)
                 for i, (node, st) in enumerate(zip(nodes, state, strict=True)):
                     if node is not None and st is True and not node.dead:
                         got[i] = True
-                        self._counters["hits"] += 1
-                        self._counters["bytes_read"] += node.nbytes
+                        hits += 1
+                        nbytes += node.nbytes
                         continue
                     if node is not None and st is False and not node.dead:
                         # first to see the corruption: drop the entry with its subtree
-                        self._counters["checksum_failures"] += 1
+                        failures += 1
                         self._drop(node.key)
-                    self._counters["misses"] += 1
+            self._tally("hits", hits)
+            self._tally("bytes_read", nbytes)
+            self._tally("checksum_failures", failures)
+            self._tally("misses", len(ks) - hits)
         if short is not None:
             raise short
         return got
 
-    def abort(self, reservation: Reservation) -> None:
-        if not isinstance(reservation, _PinnedReservation) or reservation.provider is not self:
-            raise ReservationError("not a reservation of this provider")
-        # After close or in a forked child the arena is gone or not ours: refuse with a typed
-        # error (Reservation.__exit__ turns that into a warning during exception cleanup).
-        self._check_usable()
+    def _abort(self, reservation: _PinnedReservation) -> bool:
         with self._usable():
             if reservation.state != "open":
-                return  # aborting twice (or after seal) is a no-op
+                return False  # a racing seal or abort finished it
             self._index.cancel(reservation.key)
             self._arena.release(reservation.runs)
             reservation._finish("aborted")
-            self._counters["aborts"] += 1
+            return True
 
     # -- reads -------------------------------------------------------------------------------
-    def read(self, key: bytes, out: object, span: ByteSpan | None = None) -> bool:
-        k = self._key(key)
-        if span is not None and not isinstance(span, ByteSpan):
-            raise InvalidArgumentError("span must be a ByteSpan")
-        writable_buffer(out, 0)  # a bad buffer is misuse even when the key is a miss
+    def _read(self, k: Key, out: object, span: ByteSpan | None) -> int | Corrupt | None:
         with self._usable():
             node = self._index.get(k)
             if node is None:
-                self._counters["misses"] += 1
-                return False
+                return None
             span = ByteSpan.whole(node.nbytes) if span is None else span.validate(node.nbytes)
             dst = writable_buffer(out, span.nbytes)
             held = self._index.hold_keys([k])
@@ -603,15 +591,16 @@ class PinnedProvider(Provider):
             raise
         with self._lock:
             self._index.release_nodes(held)
-            if ok and not node.dead:
-                self._counters["hits"] += 1
-                self._counters["bytes_read"] += span.nbytes
-                return True
-            if not node.dead:  # first to see the corruption: drop the entry with its subtree
-                self._counters["checksum_failures"] += 1
-                self._drop(k)
-            self._counters["misses"] += 1
-            return False
+            if node.dead:
+                return None  # dropped or evicted meanwhile: a miss
+            return span.nbytes if ok else Corrupt(node)
+
+    def _drop_damaged(self, k: Key, token: object) -> bool:
+        with self._lock:
+            if self._closed or not isinstance(token, Node) or token.dead:
+                return False  # another reader (or verify) dropped it first
+            self._drop(k)
+            return True
 
     def view(self, lease: Lease, key: bytes) -> Sequence[HostRegion] | None:
         """Read-only host regions of a leased entry (valid while the lease is held)."""
@@ -660,12 +649,7 @@ class PinnedProvider(Provider):
         return HostPages(addrs, nbytes, pinned=self._allocator.pinned, readonly=True, keepalive=lease)
 
     # -- eviction ----------------------------------------------------------------------------
-    def evict(self, keys: Sequence[bytes] | None = None, *, nbytes: int = 0) -> EvictReport:
-        if (keys is None) == (not nbytes):
-            raise InvalidArgumentError("give exactly one of keys or nbytes")
-        if type(nbytes) is not int or nbytes < 0:
-            raise InvalidArgumentError(f"nbytes must be a non-negative int, got {nbytes!r}")
-        ks = self._keys(keys) if keys is not None else None
+    def _evict(self, ks: list[Key] | None, nbytes: int) -> EvictReport:
         with self._usable():
             if ks is not None:
                 removed, skipped = self._index.evict_keys(ks)
@@ -709,10 +693,7 @@ class PinnedProvider(Provider):
         return self._block * sum(int(length) for _, length in node.loc)
 
     # -- anchors -----------------------------------------------------------------------------
-    def put_anchor(self, key: bytes, name: str, data: object) -> None:
-        k = self._key(key)
-        check_anchor_name(name)
-        blob = bytes(readable_bytes(data))
+    def _put_anchor(self, k: Key, name: str, blob: bytes) -> None:
         with self._usable():
             node = self._index.get(k)
             if node is None:
@@ -724,9 +705,7 @@ class PinnedProvider(Provider):
                 node.anchors = {}
             node.anchors[name] = blob
 
-    def get_anchor(self, key: bytes, name: str) -> bytes | None:
-        k = self._key(key)
-        check_anchor_name(name)
+    def _get_anchor(self, k: Key, name: str) -> bytes | None:
         with self._usable():
             node = self._index.get(k)
             if node is None or not node.anchors:
@@ -734,17 +713,14 @@ class PinnedProvider(Provider):
             blob = node.anchors.get(name)
             return None if blob is None else bytes(blob)
 
-    def list_anchors(self, key: bytes) -> dict[str, int]:
-        k = self._key(key)
+    def _list_anchors(self, k: Key) -> dict[str, int]:
         with self._usable():
             node = self._index.get(k)
             if node is None or not node.anchors:
                 return {}
             return {n: len(b) for n, b in node.anchors.items()}
 
-    def deepest_anchor(self, keys: Sequence[bytes], name: str) -> int:
-        ks = self._keys(keys)
-        check_anchor_name(name)
+    def _deepest_anchor(self, ks: list[Key], name: str) -> int:
         with self._usable():
             best = 0
             for i, k in enumerate(ks):
@@ -756,8 +732,7 @@ class PinnedProvider(Provider):
             return best
 
     # -- leases ------------------------------------------------------------------------------
-    def lease(self, keys: Sequence[bytes]) -> Lease:
-        ks = self._keys(keys)
+    def _lease(self, ks: list[Key]) -> Lease:
         with self._usable():
             held = self._index.hold_keys(ks)
             self._lease_tokens[id(held)] = held
@@ -819,7 +794,7 @@ class PinnedProvider(Provider):
                 evicted_bytes=idx.evicted_cost,
                 extra={"ready_bytes": self.ready_bytes, "block_nbytes": self._block, "limbo_entries": len(self._limbo),
                        "pinned": self._allocator.pinned, "free_blocks": self._arena.free},
-                **self._counters,
+                **self._tallies(),
             )
 
     def describe(self) -> dict[str, Any]:

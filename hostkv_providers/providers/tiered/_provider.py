@@ -43,8 +43,9 @@ from hostkv_providers._errors import (
     UnknownKeyError,
 )
 from hostkv_providers._keys import Key
-from hostkv_providers._options import Options, parse_size
+from hostkv_providers._options import Option, OptionSet
 from hostkv_providers._provider import (
+    Corrupt,
     EntryInfo,
     EvictReport,
     HostRegion,
@@ -56,8 +57,6 @@ from hostkv_providers._provider import (
     SupportsBatchViews,
     SupportsIterate,
     SupportsViews,
-    check_anchor_name,
-    readable_bytes,
     writable_buffer,
 )
 from hostkv_providers._span import ByteSpan
@@ -143,6 +142,16 @@ class TieredProvider(Provider):
     """
 
     name = "tiered"
+    #: The URL options (``docs/providers/tiered.md``'s table is checked against this).
+    OPTIONS = OptionSet(
+        "tiered",
+        Option("fast", "text", None, "required"),
+        Option("slow", "text", None, "required"),
+        Option("budget", "size", None, "the slow tier's budget"),
+        Option("queue", "int", 1024, "1024"),
+        Option("promote", "bool", True, "true"),
+    )
+    _reservation_type = _TieredReservation
     persistent = True  # the slow tier is
 
     def __init__(self, fast: Provider, slow: Provider, *, budget_bytes: int | None = None, queue_pages: int = 1024,
@@ -192,9 +201,8 @@ class TieredProvider(Provider):
         self._fast_views = isinstance(fast, SupportsViews)  # a Protocol check is slow: once
         self._fast_batch_views = isinstance(fast, SupportsBatchViews)
         self._fast_batch = isinstance(fast, SupportsBatch)
-        self._counters: dict[str, int] = dict.fromkeys(
-            ("hits", "misses", "seals", "aborts", "dedup", "checksum_failures", "bytes_written", "bytes_read",
-             "promotions", "write_backs", "write_back_failures", "write_through", "fast_hits", "slow_hits"), 0)
+        # the tiering's own counters (the contract's are the front's: _tally)
+        self._counters: dict[str, int] = dict.fromkeys(_EXTRA_COUNTERS, 0)
         self._rebuild()
         self._writer = threading.Thread(target=self._write_back_loop, name="hostkv-tiered-writeback", daemon=True)
         self._writer.start()
@@ -204,13 +212,8 @@ class TieredProvider(Provider):
     def from_url(cls, location: str, options: Mapping[str, str]) -> TieredProvider:
         from hostkv_providers._registry import open_provider
 
-        opts = Options("tiered", options)
-        fast_url = opts.text("fast")
-        slow_url = opts.text("slow")
-        budget = opts.text("budget")
-        queue_pages = opts.integer("queue", 1024)
-        promote = opts.boolean("promote", True)
-        opts.finish()
+        o = cls.OPTIONS.parse(options)
+        fast_url, slow_url, budget, queue_pages, promote = o["fast"], o["slow"], o["budget"], o["queue"], o["promote"]
         if location not in ("", "/"):
             raise InvalidArgumentError(f"tiered:// takes no path, got {location!r}",
                                        hint="tiered://?fast=<url-encoded URL>&slow=<url-encoded URL>")
@@ -227,7 +230,7 @@ class TieredProvider(Provider):
             fast.close()
             raise
         try:
-            return cls(fast, slow, budget_bytes=None if budget is None else parse_size(budget),
+            return cls(fast, slow, budget_bytes=budget,
                        queue_pages=queue_pages, promote=promote, own_tiers=True)
         except BaseException:
             fast.close()
@@ -282,8 +285,14 @@ class TieredProvider(Provider):
     def budget_bytes(self) -> int:
         return self._budget
 
+    @property
+    def views_pinned(self) -> bool:
+        """Views come from the fast tier: page-locked when its are (``SupportsPinnedViews``)."""
+        return bool(getattr(self.fast, "views_pinned", False))
+
     # -- lookups -----------------------------------------------------------------------------
-    def present(self, keys: Sequence[bytes]) -> list[bool]:
+    # (the public verbs are the front's, in Provider; these are the drivers it calls)
+    def _present(self, keys: Sequence[bytes]) -> list[bool]:
         ks = self._keys(keys)
         self._check_usable()  # before the lock: a forked child must not wait on a copied lock
         with self._lock:
@@ -291,7 +300,7 @@ class TieredProvider(Provider):
             nodes = self._index.nodes
             return [k in nodes for k in ks]
 
-    def longest_prefix(self, keys: Sequence[bytes]) -> int:
+    def _longest_prefix(self, keys: Sequence[bytes]) -> int:
         ks = self._keys(keys)
         self._check_usable()  # before the lock: a forked child must not wait on a copied lock
         with self._lock:
@@ -304,8 +313,7 @@ class TieredProvider(Provider):
                 n += 1
             return n
 
-    def entry(self, key: bytes) -> EntryInfo | None:
-        k = self._key(key)
+    def _entry(self, k: Key) -> EntryInfo | None:
         self._check_usable()  # before the lock: a forked child must not wait on a copied lock
         with self._lock:
             self._check_usable()
@@ -319,16 +327,14 @@ class TieredProvider(Provider):
             infos = [_info(n) for n in self._index]
         return iter(infos)
 
-    def in_flight(self, key: bytes) -> bool:
-        k = self._key(key)
+    def _in_flight(self, k: Key) -> bool:
         self._check_usable()  # before the lock: a forked child must not wait on a copied lock
         with self._lock:
             self._check_usable()
             return k in self._index.flights
 
     # -- writes ------------------------------------------------------------------------------
-    def reserve(self, key: bytes, parent: bytes | None, nbytes: int, *, salt_tag: str = "") -> Reservation | None:
-        k, p, nbytes = self._reserve_args(key, parent, nbytes, salt_tag)
+    def _reserve(self, k: Key, p: Key | None, nbytes: int, salt_tag: str) -> Reservation | None:
         self._check_usable()  # before the lock: a forked child must not wait on a copied lock
         with self._lock:
             self._check_usable()
@@ -336,7 +342,6 @@ class TieredProvider(Provider):
                 raise CapacityError(f"{nbytes} bytes exceed the whole budget of {self._budget}")
             ok, evicted = self._index.begin(k, p, nbytes)
             if not ok:
-                self._counters["dedup"] += 1
                 return None
             self._drop_from_tiers(evicted)
         try:
@@ -376,26 +381,10 @@ class TieredProvider(Provider):
             self._counters["write_through"] += 1
         return res
 
-    def _own_res(self, reservation: Reservation) -> _TieredReservation:
-        if not isinstance(reservation, _TieredReservation) or reservation.provider is not self:
-            raise ReservationError("not a reservation of this provider")
-        reservation.check_open(self)
-        return reservation
+    def _write(self, res: _TieredReservation, span: ByteSpan, view: memoryview) -> None:
+        res.inner.provider.write(res.inner, span.offset, view)
 
-    def write(self, reservation: Reservation, offset: int, data: object) -> None:
-        view = readable_bytes(data)
-        self._check_usable()
-        res = self._own_res(reservation)
-        span = res.check_write(offset, view.nbytes)
-        res.inner.provider.write(res.inner, offset, view)
-        Reservation.mark_written(res, span)
-        with self._lock:
-            self._counters["bytes_written"] += span.nbytes
-
-    def seal(self, reservation: Reservation) -> None:
-        self._check_usable()
-        res = self._own_res(reservation)
-        res.check_complete()
+    def _seal(self, res: _TieredReservation) -> None:
         inner = res.inner
         through = inner.provider is self.slow
         # Back-pressure: wait (without any lock held) while the write-back queue is full.
@@ -423,24 +412,20 @@ class TieredProvider(Provider):
                     inner.provider.evict([res.key])
                 raise
             res._finish("sealed")
-            self._counters["seals"] += 1
             if not through:
                 with self._room:
                     self._queued_pages += 1
                 self._queue.put(("page", node))
 
-    def abort(self, reservation: Reservation) -> None:
-        self._check_usable()
-        if not isinstance(reservation, _TieredReservation) or reservation.provider is not self:
-            raise ReservationError("not a reservation of this provider")
+    def _abort(self, reservation: _TieredReservation) -> bool:
         with self._lock:
             if reservation.state != "open":
-                return
+                return False
             self._index.cancel(reservation.key)
             reservation._finish("aborted")
-            self._counters["aborts"] += 1
         with contextlib.suppress(HostKVError):
             reservation.inner.provider.abort(reservation.inner)
+        return True
 
     # -- the write-back thread ---------------------------------------------------------------
     def _write_back_loop(self) -> None:
@@ -616,17 +601,13 @@ class TieredProvider(Provider):
         return True
 
     # -- reads -------------------------------------------------------------------------------
-    def read(self, key: bytes, out: object, span: ByteSpan | None = None) -> bool:
-        k = self._key(key)
-        if span is not None and not isinstance(span, ByteSpan):
-            raise InvalidArgumentError("span must be a ByteSpan")
+    def _read(self, k: Key, out: object, span: ByteSpan | None) -> int | Corrupt | None:
         self._check_usable()  # before the lock: a forked child must not wait on a copied lock
         with self._lock:
             self._check_usable()
             node = self._index.get(k)
             if node is None:
-                self._counters["misses"] += 1
-                return False
+                return None
             span = ByteSpan.whole(node.nbytes) if span is None else span.validate(node.nbytes)
             dst = writable_buffer(out, span.nbytes)
             held = self._index.hold_keys([k])
@@ -644,23 +625,23 @@ class TieredProvider(Provider):
                 if got and self._promote and span.nbytes == node.nbytes:
                     self._promote_one(node, dst)
             if not got:
-                with self._lock:
-                    # the only copies failed their checksums (or vanished): a miss, never wrong bytes
-                    self._counters["checksum_failures"] += 1
-                    self._counters["misses"] += 1
-                    self._index.release_nodes(held)
-                    held = []
-                    self._drop_from_tiers(self._index.drop(k))
-                return False
+                # the only copies failed their checksums (or vanished): the front drops the
+                # entry (_drop_damaged) and reports a miss, never wrong bytes
+                return Corrupt(node)
         finally:
             if held:
                 with self._lock:
                     self._index.release_nodes(held)
         with self._lock:
-            self._counters["hits"] += 1
             self._counters[which] += 1
-            self._counters["bytes_read"] += span.nbytes
-        return True
+        return span.nbytes
+
+    def _drop_damaged(self, k: Key, token: object) -> bool:
+        with self._lock:
+            if self._closed or self._index.get(k) is not token:
+                return False  # another reader dropped it first (or the key was sealed again)
+            self._drop_from_tiers(self._index.drop(k))
+            return True
 
     # -- batches -----------------------------------------------------------------------------
     def put_many(self, items: Sequence[tuple[bytes, bytes | None, object]], *,
@@ -747,14 +728,13 @@ class TieredProvider(Provider):
                     node = nodes[i]
                     assert node is not None
                     if got[i]:
-                        self._counters["hits"] += 1
+                        self._tally_hit(node.nbytes)
                         self._counters[which[i]] += 1
-                        self._counters["bytes_read"] += node.nbytes
                     elif not node.dead:
                         # the only copies failed their checksums (or vanished): a miss, never wrong bytes
-                        self._counters["checksum_failures"] += 1
+                        self._tally("checksum_failures")
                         self._drop_from_tiers(self._index.drop(node.key))
-                self._counters["misses"] += sum(1 for g in got if not g)
+                self._tally("misses", sum(1 for g in got if not g))
         if short is not None:
             raise short
         return got
@@ -838,12 +818,7 @@ class TieredProvider(Provider):
         return regions
 
     # -- eviction ----------------------------------------------------------------------------
-    def evict(self, keys: Sequence[bytes] | None = None, *, nbytes: int = 0) -> EvictReport:
-        if (keys is None) == (not nbytes):
-            raise InvalidArgumentError("give exactly one of keys or nbytes")
-        if type(nbytes) is not int or nbytes < 0:
-            raise InvalidArgumentError(f"nbytes must be a non-negative int, got {nbytes!r}")
-        ks = self._keys(keys) if keys is not None else None
+    def _evict(self, ks: list[Key] | None, nbytes: int) -> EvictReport:
         self._check_usable()  # before the lock: a forked child must not wait on a copied lock
         with self._lock:
             self._check_usable()
@@ -885,10 +860,7 @@ class TieredProvider(Provider):
                 self._doomed.update(k for k, there in zip(slow_keys, still, strict=True) if there)
 
     # -- anchors -----------------------------------------------------------------------------
-    def put_anchor(self, key: bytes, name: str, data: object) -> None:
-        k = self._key(key)
-        check_anchor_name(name)
-        blob = bytes(readable_bytes(data))
+    def _put_anchor(self, k: Key, name: str, blob: bytes) -> None:
         self._check_usable()  # before the lock: a forked child must not wait on a copied lock
         with self._lock:
             self._check_usable()
@@ -907,9 +879,7 @@ class TieredProvider(Provider):
                 self.slow.put_anchor(k, name, blob)
             loc.anchors[name] = len(blob)
 
-    def get_anchor(self, key: bytes, name: str) -> bytes | None:
-        k = self._key(key)
-        check_anchor_name(name)
+    def _get_anchor(self, k: Key, name: str) -> bytes | None:
         self._check_usable()  # before the lock: a forked child must not wait on a copied lock
         with self._lock:
             self._check_usable()
@@ -919,17 +889,14 @@ class TieredProvider(Provider):
             blob = node.loc.unsynced.get(name)
             return blob if blob is not None else self.slow.get_anchor(k, name)
 
-    def list_anchors(self, key: bytes) -> dict[str, int]:
-        k = self._key(key)
+    def _list_anchors(self, k: Key) -> dict[str, int]:
         self._check_usable()  # before the lock: a forked child must not wait on a copied lock
         with self._lock:
             self._check_usable()
             node = self._index.get(k)
             return {} if node is None else dict(node.loc.anchors)
 
-    def deepest_anchor(self, keys: Sequence[bytes], name: str) -> int:
-        ks = self._keys(keys)
-        check_anchor_name(name)
+    def _deepest_anchor(self, ks: list[Key], name: str) -> int:
         self._check_usable()  # before the lock: a forked child must not wait on a copied lock
         with self._lock:
             self._check_usable()
@@ -943,8 +910,7 @@ class TieredProvider(Provider):
             return best
 
     # -- leases ------------------------------------------------------------------------------
-    def lease(self, keys: Sequence[bytes]) -> Lease:
-        ks = self._keys(keys)
+    def _lease(self, ks: list[Key]) -> Lease:
         self._check_usable()  # before the lock: a forked child must not wait on a copied lock
         with self._lock:
             self._check_usable()
@@ -985,8 +951,8 @@ class TieredProvider(Provider):
                 evictions=idx.evictions,
                 evicted_bytes=idx.evicted_cost,
                 extra={"pending_write_back": pending, "fast": self.fast.name, "slow": self.slow.name,
-                       **{k: v for k, v in self._counters.items() if k in _EXTRA_COUNTERS}},
-                **{k: v for k, v in self._counters.items() if k not in _EXTRA_COUNTERS},
+                       **self._counters},
+                **self._tallies(),
             )
 
     def describe(self) -> dict[str, Any]:

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from hostkv_providers import ClosedError, HostRegion, KVLayout, OrdinaryAllocator, PinnedProvider
+from hostkv_providers._errors import CopyArgumentError
 from hostkv_providers._keys import Salt, chain_keys
 from hostkv_providers.cache import StagingPool
 from hostkv_providers.device._copy import (
-    CopyArgumentError,
     CudaCopyEngine,
     KVPlanes,
     _check_pages,
