@@ -70,7 +70,7 @@ from redis.backoff import ExponentialBackoff
 from redis.cluster import RedisCluster
 from redis.retry import Retry
 
-from ._errors import ReservationLostError, ServerOutOfMemoryError, ServerUnavailableError
+from ._errors import NotReplicatedError, ReservationLostError, ServerOutOfMemoryError, ServerUnavailableError
 from ._scripts import SCRIPTS, TRAILER_NBYTES
 
 __all__ = [
@@ -125,7 +125,8 @@ class _Link:
     lost reply cannot double-apply.
     """
 
-    def __init__(self, url: str, cluster: bool, meta_key: str, timeout: float, retries: int) -> None:
+    def __init__(self, url: str, cluster: bool, meta_key: str, timeout: float, retries: int,
+                 shared: RedisCluster | None = None) -> None:
         self.url = url
         self.cluster = cluster
         self.meta_key = meta_key
@@ -139,8 +140,11 @@ class _Link:
         self._shas: dict[str, str] = {}
         self._cluster: RedisCluster | None = None
         self._client: redis.Redis | None = None
+        self._owns_cluster = shared is None
         try:
-            if cluster:
+            if shared is not None:  # one cluster client (and one pool per node) for many stores
+                self._cluster = shared
+            elif cluster:
                 self._cluster = RedisCluster.from_url(url, **kwargs)
             else:
                 self._client = redis.Redis.from_url(url, **kwargs)
@@ -219,6 +223,16 @@ class _Link:
                     on_nostore(self.client())
                     last = exc
                     continue
+                if self.cluster and _transient_cluster_error(msg):
+                    # A script stopped by the migration guard (its slot is MIGRATING: it wrote
+                    # nothing), or the cluster is down during a failover: retry after a refresh.
+                    last = exc
+                    if attempt + 1 < attempts:
+                        self.refresh()
+                        _sleep_backoff(attempt)
+                        continue
+                    raise ServerUnavailableError(f"redis cluster {_redact(self.url)}: {msg}",
+                                                 hint="a slot is migrating or a failover is under way; retry") from exc
                 raise StorageIOError(f"redis: {msg}") from exc
             except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as exc:
                 last = exc
@@ -241,7 +255,8 @@ class _Link:
     def close(self) -> None:
         try:
             if self._cluster is not None:
-                self._cluster.close()
+                if self._owns_cluster:
+                    self._cluster.close()
             elif self._client is not None:
                 self._client.close()
         except Exception as exc:  # cleanup warns, never raises
@@ -255,6 +270,15 @@ def _whole(out: object) -> memoryview:
     except TypeError:
         size = 0
     return writable_buffer(out, size)
+
+
+_TRANSIENT = ("non local key", "cluster is down", "TRYAGAIN", "CLUSTERDOWN", "MOVED ", "ASK ", "LOADING",
+              "MASTERDOWN", "READONLY")
+
+
+def _transient_cluster_error(msg: str) -> bool:
+    """An error reply that means "not here, not now" in a cluster (never a verdict on the data)."""
+    return any(t in msg for t in _TRANSIENT)
 
 
 def _sleep_backoff(attempt: int) -> None:
@@ -656,6 +680,9 @@ class RedisProvider(Provider):
         verify_reads: bool = True,
         resize: bool = False,
         keepalive: bool = True,
+        wait_replicas: int = 0,
+        wait_timeout: float = 2.0,
+        _shared_cluster: RedisCluster | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(url, str) or "://" not in url:
@@ -669,6 +696,12 @@ class RedisProvider(Provider):
                 raise InvalidArgumentError(f"{what} must be seconds in (0, 86400], got {value!r}")
         if type(retries) is not int or not 0 <= retries <= 100:
             raise InvalidArgumentError(f"retries must be an int in [0, 100], got {retries!r}")
+        if type(wait_replicas) is not int or not 0 <= wait_replicas <= 16:
+            raise InvalidArgumentError(f"wait_replicas must be an int in [0, 16], got {wait_replicas!r}")
+        if not isinstance(wait_timeout, (int, float)) or isinstance(wait_timeout, bool) or not 0 < wait_timeout <= 3600:
+            raise InvalidArgumentError(f"wait_timeout must be seconds in (0, 3600], got {wait_timeout!r}")
+        self._wait = wait_replicas
+        self._wait_ms = max(1, int(wait_timeout * 1000))
         self._namespace = namespace
         self._prefix = f"hkv:{{{namespace}}}:"
         self._meta = self._prefix + "m"
@@ -687,7 +720,7 @@ class RedisProvider(Provider):
         self._want_budget = budget_bytes
         self._resize = resize
         self._budget = budget_bytes or DEFAULT_BUDGET
-        self._link = _Link(url, cluster, self._meta, float(timeout), retries)
+        self._link = _Link(url, cluster, self._meta, float(timeout), retries, _shared_cluster)
         self._keepalive = keepalive
         self._pool = _BufferPool(256 << 20)
         self._renew_every = min(lease_ttl, reservation_ttl) / 3
@@ -702,7 +735,7 @@ class RedisProvider(Provider):
 
     # -- construction ------------------------------------------------------------------------
     @classmethod
-    def from_url(cls, location: str, options: Mapping[str, str]) -> RedisProvider:
+    def from_url(cls, location: str, options: Mapping[str, str]) -> Provider:
         opts = Options(cls.name, options)
         budget_raw = opts.text("budget")
         budget = None if budget_raw is None else parse_size(budget_raw)
@@ -713,6 +746,14 @@ class RedisProvider(Provider):
         retries = opts.integer("retries", 3)
         verify = opts.choice("verify", "read", ("read", "never"))
         resize = opts.boolean("resize", False)
+        wait_replicas = opts.integer("wait_replicas", 0)
+        wait_timeout = opts.number("wait_timeout", 2.0)
+        shards, group = 1, 1
+        if cls._cluster_mode:
+            from ._sharded import DEFAULT_GROUP, DEFAULT_SHARDS
+
+            shards = opts.integer("shards", DEFAULT_SHARDS)
+            group = opts.integer("group", DEFAULT_GROUP)
         # TLS: handed to redis-py's SSL connection in the URL it parses (files by path).
         tls: dict[str, str] = {}
         for name in ("ssl_ca_certs", "ssl_ca_path", "ssl_certfile", "ssl_keyfile"):
@@ -734,9 +775,18 @@ class RedisProvider(Provider):
             raise InvalidArgumentError(f"{', '.join(sorted(tls))}: TLS options on a {cls.name}:// URL",
                                        hint=f"use {cls.name.replace('redis', 'rediss', 1)}:// for TLS")
         query = "?" + urllib.parse.urlencode(tls) if tls else ""
-        return cls(f"{cls._url_scheme}://{location}{query}", budget_bytes=budget, namespace=namespace,
+        url = f"{cls._url_scheme}://{location}{query}"
+        if shards != 1:
+            from ._sharded import RedisShardedProvider
+
+            return RedisShardedProvider(url, budget_bytes=budget, namespace=namespace, shards=shards, group=group,
+                                        lease_ttl=lease_ttl, reservation_ttl=reservation_ttl, timeout=timeout,
+                                        retries=retries, verify_reads=verify == "read", resize=resize,
+                                        wait_replicas=wait_replicas, wait_timeout=wait_timeout)
+        return cls(url, budget_bytes=budget, namespace=namespace,
                    cluster=cls._cluster_mode, lease_ttl=lease_ttl, reservation_ttl=reservation_ttl,
-                   timeout=timeout, retries=retries, verify_reads=verify == "read", resize=resize)
+                   timeout=timeout, retries=retries, verify_reads=verify == "read", resize=resize,
+                   wait_replicas=wait_replicas, wait_timeout=wait_timeout)
 
     def _init_store(self, client: redis.Redis) -> None:
         """Create the store's metadata, or check that it matches this build (R4)."""
@@ -773,6 +823,17 @@ class RedisProvider(Provider):
     def _eval(self, script: str, *args: Any) -> Any:
         sha = self._link.sha(script)
         return self._run(lambda c: c.evalsha(sha, 1, self._meta, *args))
+
+    def _wait_command(self) -> list[Piece]:
+        """``WAIT`` on the pipeline's own connection (it covers that connection's writes only)."""
+        return _encode([b"WAIT", b"%d" % self._wait, b"%d" % self._wait_ms])
+
+    def _unreplicated(self, reply: Any) -> NotReplicatedError | None:
+        """The error for seals that fewer than ``wait_replicas`` replicas confirmed, or ``None``."""
+        if isinstance(reply, int) and reply >= self._wait:
+            return None
+        return NotReplicatedError(f"{reply!r} of {self._wait} replicas confirmed the write within "
+                                  f"{self._wait_ms} ms; the page is not acknowledged")
 
     def _next_id(self, kind: str) -> str:
         return f"{self._client_id}.{kind}{next(self._ids):x}"
@@ -972,15 +1033,20 @@ class RedisProvider(Provider):
                 yield _encode([b"SET", f"{self._prefix}w:{res.hex}:{res.rid}".encode(), (data, trailer), b"PX", px])
                 args += [res.hex.encode(), res.rid.encode(), str(digest).encode()]
             yield _encode(args)
+            if self._wait:
+                yield self._wait_command()
+
+        extra = 1 if self._wait else 0
 
         def go(client: redis.Redis) -> list[Any]:
-            replies = _send_raw(client, commands, len(batch) + 1)
-            if isinstance(replies[-1], BaseException):
-                raise replies[-1]
+            replies = _send_raw(client, commands, len(batch) + 1 + extra)
+            if isinstance(replies[len(batch)], BaseException):
+                raise replies[len(batch)]
             return replies
 
         results = self._run(go)
-        statuses = results[-1]
+        statuses = results[len(batch)]
+        unreplicated = self._unreplicated(results[-1]) if extra else None
         out: list[HostKVError | None] = []
         sealed = 0
         for i, (res, raw) in enumerate(zip(batch, statuses, strict=True)):
@@ -993,7 +1059,7 @@ class RedisProvider(Provider):
             if st == "ok":
                 res._finish("sealed")
                 sealed += 1
-                out.append(None)
+                out.append(unreplicated)
                 continue
             res._finish("aborted")
             if st == "noparent":
@@ -1184,9 +1250,13 @@ class RedisProvider(Provider):
                 cmd = _encode(head)
                 cmd[0] = b"*%d\r\n" % (len(head) + 4 * len(group))
                 yield [*cmd, *items]
+            if self._wait:
+                yield self._wait_command()
+
+        extra = 1 if self._wait else 0
 
         def go(client: redis.Redis) -> list[Any]:
-            replies = _send_raw(client, commands, len(ship) + len(groups))
+            replies = _send_raw(client, commands, len(ship) + len(groups) + extra)
             pos = 0
             for group in groups:  # a script's error (NOSCRIPT, HKV_NOSTORE ...) is retried by run()
                 pos += len(group)
@@ -1196,6 +1266,7 @@ class RedisProvider(Provider):
             return replies
 
         results = self._run(go)
+        unreplicated = self._unreplicated(results[-1]) if extra else None
         out: list[HostKVError | bool | None] = []
         stored = nbytes = 0
         pos = 0
@@ -1207,7 +1278,7 @@ class RedisProvider(Provider):
                 if st == "ok":
                     stored += 1
                     nbytes += n
-                    out.append(None)
+                    out.append(unreplicated)
                 elif st == "dup":
                     out.append(False)
                 elif st == "busy":

@@ -47,6 +47,13 @@ local FZ = P .. 'fz'
 local LZ = P .. 'lz'
 local TRAILER = 56
 
+-- Migration guard: in a Redis Cluster slot that is being migrated (MIGRATING), any access to a
+-- key the node does not hold makes the script fail *at that command* ("non local key"), with the
+-- writes before it already applied (Redis has no rollback).  Touching a key that never exists
+-- as the very first command makes every script of a migrating slot fail before it writes
+-- anything; the client retries once the slot has moved.  Outside a migration it is one EXISTS.
+redis.call('EXISTS', P .. 'never')
+
 local function E(h) return P .. 'e:' .. h end
 local function D(h) return P .. 'd:' .. h end
 local function C(h) return P .. 'c:' .. h end
@@ -837,6 +844,28 @@ reap(now_ms())
 return redis.call('EXISTS', F(ARGV[1]))
 """
 
+# ARGV: group, hexes... -> per key -1 (not stored here) or its depth inside its placement group
+# (the sharded cluster store: a group's first page is a local root, so this walks at most
+# ``group`` parent links).  Lets a client place the child of a page it has not seen in a chain.
+_LOCATE = r"""
+local g = tonumber(ARGV[1])
+local out = {}
+for i = 2, #ARGV do
+  local h = ARGV[i]
+  local d = -1
+  local p = redis.call('HGET', E(h), 'p')
+  if p then
+    d = 0
+    while p ~= '' and d < g do
+      d = d + 1
+      p = redis.call('HGET', E(p), 'p') or ''
+    end
+  end
+  out[#out + 1] = d
+end
+return out
+"""
+
 _BODIES = {
     "init": _INIT,
     "reserve": _RESERVE,
@@ -859,6 +888,7 @@ _BODIES = {
     "deepest_anchor": _DEEPEST_ANCHOR,
     "info": _INFO,
     "in_flight": _IN_FLIGHT,
+    "locate": _LOCATE,
 }
 
 #: name -> full Lua source (prelude + body); loaded with SCRIPT LOAD, called with EVALSHA.
