@@ -333,7 +333,7 @@ class RedisClusterServers:
 
     @staticmethod
     def _owns_slots(c: redis.Redis) -> bool:
-        raw = c.execute_command("CLUSTER", "NODES")
+        raw = c.execute_command("CLUSTER", "NODES")  # type: ignore[no-untyped-call]
         text = raw.decode() if isinstance(raw, bytes) else str(raw)
         for line in text.splitlines():
             parts = line.split()
