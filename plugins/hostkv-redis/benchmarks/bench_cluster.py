@@ -11,7 +11,8 @@ Three measurements, each on throw-away loopback clusters started by this script:
 * ``skew``: a shared ``--shared``-page prompt then 1,000 distinct 32-page continuations; bytes
   held by the most loaded master over the mean.
 
-    python3 plugins/hostkv-redis/benchmarks/bench_cluster.py scaling --masters 1,2,3 --procs 3 --page 1MiB --total 768MiB
+    python3 plugins/hostkv-redis/benchmarks/bench_cluster.py scaling --masters 1,2,3 --procs 3 \
+        --page 1MiB --total 384MiB --repeat 2
     python3 plugins/hostkv-redis/benchmarks/bench_cluster.py prefix
     python3 plugins/hostkv-redis/benchmarks/bench_cluster.py skew --shared 32,30
 """
@@ -82,7 +83,8 @@ def scaling(args: argparse.Namespace) -> list[dict[str, Any]]:
                 per = total // page // args.procs // args.chain * args.chain
                 barrier = ctx.Barrier(args.procs)
                 q = ctx.Queue()
-                procs = [ctx.Process(target=_client, args=(cl.url, ns, i, per, page, args.batch, args.chain, barrier, q))
+                procs = [ctx.Process(target=_client,
+                                     args=(cl.url, ns, i, per, page, args.batch, args.chain, barrier, q))
                          for i in range(args.procs)]
                 for pr in procs:
                     pr.start()
@@ -144,7 +146,8 @@ def skew(args: argparse.Namespace) -> list[dict[str, Any]]:
                 p.put_many(items)
                 load = p.load_by_master()
                 mean = sum(load.values()) / len(load)
-                row = {"shared": shared, "group": group, "shards": SHARDS, "max_over_mean": round(max(load.values()) / mean, 3),
+                row = {"shared": shared, "group": group, "shards": SHARDS,
+                       "max_over_mean": round(max(load.values()) / mean, 3),
                        "per_master_KiB": sorted(v // 1024 for v in load.values())}
                 print(json.dumps(row), flush=True)
                 rows.append(row)

@@ -277,7 +277,8 @@ class RedisShardedProvider(Provider):
         for s in shards:
             try:
                 name = str(self._node_of(s).name)
-            except (redis.exceptions.RedisError, OSError, AttributeError):  # topology in flux
+            except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException, OSError,
+                    AttributeError):  # topology in flux: the shard's own retries sort it out
                 name = f"?{s}"
             groups.setdefault(name, []).append(s)
         return groups
@@ -309,8 +310,8 @@ class RedisShardedProvider(Provider):
                         failed.append(i)
                     else:
                         out[i] = rep
-            except (redis.exceptions.RedisError, OSError, AttributeError):
-                pass
+            except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException, OSError, AttributeError):
+                pass  # the whole pipeline failed: every call takes the slow path
             for i in failed:
                 s, name, args = calls[i]
                 out[i] = self._shards[s]._eval(name, *args)
@@ -445,8 +446,10 @@ class RedisShardedProvider(Provider):
         k, p, n = self._reserve_args(key, parent, nbytes, salt_tag, tag_max=128)
         self._check_usable()
         c = self._place([(k, p)])[0]
-        if c < 0:
-            assert p is not None
+        if p is not None and (c < 0 or (c % self._group == 0 and not self.present([p])[0])):
+            # A group's first page: its parent is in another shard, whose scripts cannot check
+            # it; ask that shard first (a parent evicted after this check leaves an orphan that
+            # lookups never count, see the module docstring).
             raise UnknownKeyError(f"parent {p.hex()[:16]} is not stored")
         res = self._shards[c // self._group].reserve(k, p if c % self._group else None, n, salt_tag=salt_tag)
         if res is not None:
@@ -487,10 +490,18 @@ class RedisShardedProvider(Provider):
         codes = self._place(checked)
         g = self._group
         out: list[bool | HostKVError | None] = [None] * len(items)
+        # Parents outside this call of pages that start a group live in another shard, whose
+        # scripts cannot see them: check them here first (one round trip per master).
+        in_call = {k for k, _ in checked}
+        outside = list(dict.fromkeys(p for (k, p), c in zip(checked, codes, strict=True)
+                                     if p is not None and c >= 0 and c % g == 0 and p not in in_call))
+        gone = {p for p, here in zip(outside, self.present(outside), strict=True) if not here} if outside else set()
+        bad: set[Key] = set()
         work: dict[int, list[int]] = {}
         for i, c in enumerate(codes):
-            if c < 0:
-                p = checked[i][1]
+            k, p = checked[i]
+            if c < 0 or (p is not None and (p in gone or p in bad)):
+                bad.add(k)
                 out[i] = UnknownKeyError(f"parent {p.hex()[:16] if p else '?'} is not stored")
             else:
                 work.setdefault(c // g, []).append(i)
@@ -579,7 +590,18 @@ class RedisShardedProvider(Provider):
         ks = self._keys(keys)
         self._check_usable()
         work, _ = self._group_keys(ks)
-        subs = self._each(work, lambda s, idx: s.lease([ks[i] for i in idx]))
+        subs: dict[int, Lease] = {}
+
+        def take(s: RedisProvider, idx: list[int]) -> None:
+            subs[s_index[id(s)]] = s.lease([ks[i] for i in idx])
+
+        s_index = {id(sp): i for i, sp in enumerate(self._shards)}
+        try:
+            self._each(work, take)
+        except BaseException:
+            for lz in subs.values():  # a shard failed: give back what the others pinned
+                lz.release()
+            raise
         present = [False] * len(ks)
         for s, idx in work.items():
             for i, b in zip(idx, subs[s].present, strict=True):
