@@ -12,7 +12,8 @@ client-generated reservation/lease ids)::
     hkv:{ns}:e:<h>        hash    sealed entry: p parent-hex, n nbytes, c cost, g salt tag,
                                   k checksum, ct created ms, lu last-used ms, t LRU tick,
                                   r generation (the rid that sealed it), ch children,
-                                  lc lease count, fc in-flight children, na anchors
+                                  lc lease count, fc in-flight children, na anchors,
+                                  xp (sharded stores) the parent that lives in another shard
     hkv:{ns}:d:<h>        string  page bytes + 56-byte trailer (key echo, checksum, nbytes, magic)
     hkv:{ns}:c:<h>        set     children hexes (subtree removal)
     hkv:{ns}:a:<h>        hash    anchors: name -> blob
@@ -346,6 +347,9 @@ local budget, used, pending = mget('budget'), mget('used'), 0
 for k = 1, n do
   local h, p, cost, nb, tag, rid = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2]), ARGV[i + 3], ARGV[i + 4], ARGV[i + 5]
   i = i + 6
+  -- '>' + parent: the parent lives in another shard of a sharded store (recorded, not linked)
+  local xp = ''
+  if string.sub(p, 1, 1) == '>' then xp, p = string.sub(p, 2), '' end
   local st
   if redis.call('EXISTS', E(h)) == 1 then
     st = 'dup'
@@ -379,7 +383,8 @@ for k = 1, n do
         if not fits then
           st = 'cap ' .. budget .. ' ' .. used .. ' ' .. mget('sealed')
         else
-          redis.call('HSET', F(h), 'r', rid, 'cl', cl, 'p', p, 'pg', pg, 'c', cost, 'n', nb, 'g', tag, 'fk', 0)
+          redis.call('HSET', F(h), 'r', rid, 'cl', cl, 'p', p, 'pg', pg, 'c', cost, 'n', nb, 'g', tag, 'fk', 0,
+                     'xp', xp)
           redis.call('ZADD', FZ, now + ttl, h)
           used = used + cost
           pending = pending + cost
@@ -414,7 +419,7 @@ for k = 1, n do
   local h, rid, ck = ARGV[i], ARGV[i + 1], ARGV[i + 2]
   i = i + 3
   local st
-  local f = redis.call('HMGET', F(h), 'r', 'p', 'pg', 'c', 'n', 'g', 'fk')
+  local f = redis.call('HMGET', F(h), 'r', 'p', 'pg', 'c', 'n', 'g', 'fk', 'xp')
   if f[1] ~= rid then
     if redis.call('HGET', E(h), 'r') == rid then st = 'ok' else st = 'lost' end
   else
@@ -432,6 +437,7 @@ for k = 1, n do
       local fk = tonumber(f[7])
       redis.call('HSET', E(h), 'p', f[2], 'n', f[5], 'c', f[4], 'g', f[6], 'k', ck, 'ct', now, 'lu', now,
                  't', t, 'r', rid, 'ch', 0, 'lc', 0, 'fc', fk, 'na', 0)
+      if f[8] and f[8] ~= '' then redis.call('HSET', E(h), 'xp', f[8]) end
       if fk == 0 then redis.call('ZADD', LRU, t, h) end
       if f[2] ~= '' then
         redis.call('SADD', C(f[2]), h)
@@ -510,6 +516,8 @@ for k = 1, n do
   local h, p, nbs, ck = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
   local nb = tonumber(nbs)
   i = i + 4
+  local xp = ''
+  if string.sub(p, 1, 1) == '>' then xp, p = string.sub(p, 2), '' end  -- a parent in another shard
   local rid = base .. '.' .. k
   local w = W(h, rid)
   local st
@@ -548,7 +556,7 @@ for k = 1, n do
       -- per-page outcome, not an error that would abort the script halfway.
       if not redis.pcall('RENAME', w, D(h)).err then
         redis.call('PERSIST', D(h))  -- RENAME keeps the staging key's TTL: a page must not expire
-        mine[h] = {p, nbs, ck, t0 + k, rid, 0}
+        mine[h] = {p, nbs, ck, t0 + k, rid, 0, xp}
         order[#order + 1] = h
         if p ~= '' then
           redis.call('SADD', C(p), h)
@@ -577,6 +585,7 @@ for _, h in ipairs(order) do
   local e = mine[h]
   redis.call('HSET', E(h), 'p', e[1], 'n', e[2], 'c', e[2], 'g', tag, 'k', e[3], 'ct', now, 'lu', now,
              't', e[4], 'r', e[5], 'ch', e[6], 'lc', 0, 'fc', 0, 'na', 0)
+  if e[7] ~= '' then redis.call('HSET', E(h), 'xp', e[7]) end
   if e[6] == 0 then
     z[#z + 1] = e[4]
     z[#z + 1] = h
@@ -823,8 +832,10 @@ _INFO = r"""
 local out = {}
 for i = 1, #ARGV do
   local h = ARGV[i]
-  local v = redis.call('HMGET', E(h), 'p', 'n', 'g', 'k', 'ct', 'lu', 'r')
+  local v = redis.call('HMGET', E(h), 'p', 'n', 'g', 'k', 'ct', 'lu', 'r', 'xp')
   if v[2] then
+    if v[1] == '' and v[8] then v[1] = v[8] end  -- the parent in another shard (sharded stores)
+    v[8] = nil
     for _, name in ipairs(redis.call('HKEYS', A(h))) do
       v[#v + 1] = name
       v[#v + 1] = redis.call('HSTRLEN', A(h), name)

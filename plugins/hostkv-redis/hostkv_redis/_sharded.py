@@ -178,8 +178,9 @@ class RedisShardedProvider(Provider):
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="hostkv-redis-shard")
         try:
             self._check_layout()
-            per = None if budget_bytes is None else budget_bytes // shards
-            for tag in self._tags:
+            for i, tag in enumerate(self._tags):
+                # budget / shards each, the remainder spread over the first shards: the sum is exact
+                per = None if budget_bytes is None else budget_bytes // shards + (i < budget_bytes % shards)
                 self._shards.append(RedisProvider(
                     url, budget_bytes=per, namespace=tag, cluster=True, lease_ttl=lease_ttl,
                     reservation_ttl=reservation_ttl, timeout=timeout, retries=retries,
@@ -222,12 +223,25 @@ class RedisShardedProvider(Provider):
         heads: np.ndarray = keys[:, :8].copy().view("<u8")[:, 0] % np.uint64(self._nshards)
         return heads
 
-    def _chain_shards(self, keys: Sequence[Key]) -> np.ndarray:
-        """Shard of each key of a chain that starts at a root (array ops, no per-page objects)."""
+    def _chain_shards(self, keys: Sequence[Key], first: int | None = None) -> np.ndarray:
+        """Shard of each key of a chain (array ops, no per-page objects).  ``first`` is the first
+        key's placement code (``None``: it starts a group, as a root does)."""
         n = len(keys)
+        g = self._group
+        pos0 = 0 if first is None else first % g
         arr = np.frombuffer(b"".join(keys), dtype=np.uint8).reshape(n, 32)
-        heads = self._head_shard(arr[:: self._group])
-        return np.repeat(heads, self._group)[:n].astype(np.int64)
+        start = (g - pos0) % g  # index of the first group boundary after keys[0]
+        out = np.empty(n, dtype=np.int64)
+        lead = n if start == 0 and pos0 else min(start, n)
+        if pos0:
+            assert first is not None
+            out[:lead] = first // g
+        else:
+            lead = 0
+        if lead < n:
+            heads = self._head_shard(arr[lead::g]).astype(np.int64)
+            out[lead:] = np.repeat(heads, g)[: n - lead]
+        return out
 
     def _remember(self, keys: Sequence[Key], codes: Sequence[int]) -> None:
         with self._memo_lock:
@@ -235,9 +249,9 @@ class RedisShardedProvider(Provider):
                 self._memo.clear()
             self._memo.update(zip(keys, codes, strict=True))
 
-    def _chain_codes(self, keys: Sequence[Key], shards: np.ndarray) -> list[int]:
+    def _chain_codes(self, keys: Sequence[Key], shards: np.ndarray, first: int) -> list[int]:
         g = self._group
-        codes: list[int] = (shards * g + np.arange(len(keys)) % g).tolist()
+        codes: list[int] = (shards * g + (np.arange(len(keys)) + first % g) % g).tolist()
         return codes
 
     def _locate(self, keys: Sequence[Key]) -> list[int]:
@@ -352,24 +366,42 @@ class RedisShardedProvider(Provider):
         self._check_usable()
         if not ks:
             return 0
-        bits = self._chain_present(ks)
-        n = int(np.argmin(bits)) if not bits.all() else len(ks)
-        return n
+        bits, _ = self._chain_present(ks)
+        return int(np.argmin(bits)) if not bits.all() else len(ks)
 
-    def _chain_present(self, ks: Sequence[Key]) -> np.ndarray:
-        shards = self._chain_shards(ks)
-        order = np.argsort(shards, kind="stable")
-        cuts = np.flatnonzero(np.diff(shards[order])) + 1
-        groups = np.split(order, cuts)
-        calls = [(int(shards[grp[0]]), "present", [ks[i].hex() for i in grp.tolist()]) for grp in groups]
-        replies = self._fan(calls)
-        bits = np.zeros(len(ks), dtype=bool)
-        for grp, rep in zip(groups, replies, strict=True):
-            bits[grp] = np.frombuffer(rep, dtype=np.uint8) == 0x31
-        n = int(np.argmin(bits)) if not bits.all() else len(ks)
-        if n:
-            self._remember(ks[:n], self._chain_codes(ks[:n], shards[:n]))
-        return bits
+    def _chain_present(self, ks: Sequence[Key]) -> tuple[np.ndarray, int | None]:
+        """Presence of each key of a chain, and the first key's placement code.
+
+        A chain usually starts at a root, or at a key this client placed before: then one
+        ``present`` script per shard touched, plus a ``locate`` of the first key in the same
+        pipelines, which confirms that it starts a group.  A chain that starts inside a group
+        (a suffix of a longer chain) is re-placed from the first key's located position."""
+        first = self._memo.get(ks[0])
+        for _ in range(2):
+            shards = self._chain_shards(ks, first)
+            order = np.argsort(shards, kind="stable")
+            cuts = np.flatnonzero(np.diff(shards[order])) + 1
+            groups = np.split(order, cuts)
+            calls = [(int(shards[grp[0]]), "present", [ks[i].hex() for i in grp.tolist()]) for grp in groups]
+            if first is None:
+                calls.append((int(shards[0]), "locate", [str(self._group), ks[0].hex()]))
+            replies = self._fan(calls)
+            if first is None:
+                d = int(replies.pop()[0])
+                if d != 0:  # not a group's first page where a root's would be: find where it is
+                    first = self._locate([ks[0]])[0]
+                    if first < 0:
+                        return np.zeros(len(ks), dtype=bool), None
+                    continue
+                first = int(shards[0]) * self._group
+            bits = np.zeros(len(ks), dtype=bool)
+            for grp, rep in zip(groups, replies, strict=True):
+                bits[grp] = np.frombuffer(rep, dtype=np.uint8) == 0x31
+            n = int(np.argmin(bits)) if not bits.all() else len(ks)
+            if n:
+                self._remember(ks[:n], self._chain_codes(ks[:n], shards[:n], first))
+            return bits, first
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def present(self, keys: Sequence[bytes]) -> list[bool]:
         ks = self._keys(keys)
@@ -451,7 +483,8 @@ class RedisShardedProvider(Provider):
             # it; ask that shard first (a parent evicted after this check leaves an orphan that
             # lookups never count, see the module docstring).
             raise UnknownKeyError(f"parent {p.hex()[:16]} is not stored")
-        res = self._shards[c // self._group].reserve(k, p if c % self._group else None, n, salt_tag=salt_tag)
+        res = self._shards[c // self._group].reserve(k, p, n, salt_tag=salt_tag,
+                                                      _remote_parent=p is not None and c % self._group == 0)
         if res is not None:
             self._remember([k], [c])
         return res
@@ -507,8 +540,10 @@ class RedisShardedProvider(Provider):
                 work.setdefault(c // g, []).append(i)
 
         def put(shard: RedisProvider, idx: list[int]) -> list[bool | HostKVError]:
-            sub = [(checked[i][0], checked[i][1] if codes[i] % g else None, items[i][2]) for i in idx]
-            return shard.put_many(sub, salt_tag=salt_tag)
+            sub = [(checked[i][0], checked[i][1], items[i][2]) for i in idx]
+            # a group's first page: its parent is recorded (field xp), not linked in this shard
+            remote = frozenset(checked[i][0] for i in idx if codes[i] % g == 0 and checked[i][1] is not None)
+            return shard.put_many(sub, salt_tag=salt_tag, _remote=remote)
 
         for s, res in self._each(work, put).items():
             for i, got in zip(work[s], res, strict=True):
@@ -675,10 +710,13 @@ class RedisShardedProvider(Provider):
         ks = self._keys(keys)
         check_anchor_name(name)
         self._check_usable()
-        n = self.longest_prefix(ks) if ks else 0
+        if not ks:
+            return 0
+        bits, first = self._chain_present(ks)
+        n = int(np.argmin(bits)) if not bits.all() else len(ks)
         if not n:
             return 0
-        shards = self._chain_shards(ks[:n])
+        shards = self._chain_shards(ks[:n], first)
         work: dict[int, list[int]] = {}
         for i, s in enumerate(shards.tolist()):
             work.setdefault(s, []).append(i)
