@@ -39,9 +39,15 @@ SHARDS = 48
 GROUP = 4
 
 
+def _open(url: str, ns: str, single: bool, budget: int | None = None) -> RedisProvider | RedisShardedProvider:
+    if single:  # the single-slot layout: the whole store on one master
+        return RedisProvider(url, namespace=ns, budget_bytes=budget, cluster=True, retries=8)
+    return RedisShardedProvider(url, namespace=ns, budget_bytes=budget, shards=SHARDS, group=GROUP, retries=8)
+
+
 def _client(url: str, ns: str, idx: int, npages: int, page: int, batch: int, chain_len: int,
-            barrier: Any, results: Any) -> None:
-    p = RedisShardedProvider(url, namespace=ns, shards=SHARDS, group=GROUP, retries=8)
+            barrier: Any, results: Any, single: bool) -> None:
+    p = _open(url, ns, single)
     blob = os.urandom(page)
     keys_all = []
     items_all = []
@@ -79,12 +85,12 @@ def scaling(args: argparse.Namespace) -> list[dict[str, Any]]:
         for rep in range(args.repeat):
             with tempfile.TemporaryDirectory() as d, RedisClusterServers(d, masters=m) as cl:
                 ns = f"scale{m}r{rep}"
-                RedisShardedProvider(cl.url, namespace=ns, budget_bytes=4 * total, shards=SHARDS, group=GROUP).close()
+                _open(cl.url, ns, args.single, 4 * total).close()
                 per = total // page // args.procs // args.chain * args.chain
                 barrier = ctx.Barrier(args.procs)
                 q = ctx.Queue()
                 procs = [ctx.Process(target=_client,
-                                     args=(cl.url, ns, i, per, page, args.batch, args.chain, barrier, q))
+                                     args=(cl.url, ns, i, per, page, args.batch, args.chain, barrier, q, args.single))
                          for i in range(args.procs)]
                 for pr in procs:
                     pr.start()
@@ -94,7 +100,8 @@ def scaling(args: argparse.Namespace) -> list[dict[str, Any]]:
                 nbytes = sum(g[5] for g in got)
                 w.append(nbytes / (max(g[2] for g in got) - min(g[1] for g in got)) / 1e9)
                 r.append(nbytes / (max(g[4] for g in got) - min(g[3] for g in got)) / 1e9)
-        row = {"masters": m, "procs": args.procs, "page": page, "bytes": nbytes,
+        row = {"layout": "single-slot" if args.single else f"sharded {SHARDS}x{GROUP}", "masters": m,
+               "procs": args.procs, "page": page, "bytes": nbytes,
                "write_GBps": round(statistics.median(w), 3), "read_GBps": round(statistics.median(r), 3),
                "write_rounds": [round(x, 3) for x in w], "read_rounds": [round(x, 3) for x in r]}
         print(json.dumps(row), flush=True)
@@ -166,6 +173,7 @@ def main() -> None:
     s.add_argument("--batch", type=int, default=32)
     s.add_argument("--chain", type=int, default=32)
     s.add_argument("--repeat", type=int, default=1)
+    s.add_argument("--single", action="store_true", help="the single-slot layout (shards=1) instead")
     sub.add_parser("prefix")
     k = sub.add_parser("skew")
     k.add_argument("--shared", default="32,30")
