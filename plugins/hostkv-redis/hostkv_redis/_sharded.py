@@ -184,7 +184,7 @@ class RedisShardedProvider(Provider):
                 self._shards.append(RedisProvider(
                     url, budget_bytes=per, namespace=tag, cluster=True, lease_ttl=lease_ttl,
                     reservation_ttl=reservation_ttl, timeout=timeout, retries=retries,
-                    verify_reads=verify_reads, resize=resize, keepalive=keepalive,
+                    verify_reads=verify_reads, resize=resize, keepalive=False,
                     wait_replicas=wait_replicas, wait_timeout=wait_timeout, _shared_cluster=self._cluster))
         except BaseException:
             for s in self._shards:
@@ -193,6 +193,23 @@ class RedisShardedProvider(Provider):
             self._cluster.close()
             raise
         self._sha = {name: self._shards[0]._link.sha(name) for name in ("present", "locate", "deepest_anchor")}
+        # One renewal thread for all shards (each shard's own would be `shards` threads).
+        self._stop = threading.Event()
+        self._keeper: threading.Thread | None = None
+        if keepalive:
+            self._keeper = threading.Thread(target=self._keep, args=(min(lease_ttl, reservation_ttl) / 3,),
+                                            name="hostkv-redis-renew", daemon=True)
+            self._keeper.start()
+
+    def _keep(self, every: float) -> None:
+        while not self._stop.wait(every):
+            for s in self._shards:
+                if self._stop.is_set():
+                    return
+                try:
+                    s.renew()  # no round trip for a shard with nothing to renew
+                except HostKVError:
+                    continue  # unreachable now (or closed); expiry takes over if it lasts
 
     def _check_layout(self) -> None:
         """Record (shards, group) on first open; refuse another layout (placement depends on it)."""
@@ -799,6 +816,9 @@ class RedisShardedProvider(Provider):
     def close(self) -> None:
         if self._closed:
             return
+        self._stop.set()
+        if self._keeper is not None and self._keeper is not threading.current_thread():
+            self._keeper.join(timeout=5)
         for s in self._shards:
             s.close()
         self._closed = True

@@ -177,3 +177,19 @@ def test_put_many_error_in_a_parent_group_fails_its_descendants(sharded: Any) ->
                       *[(k, keys[i], page_bytes(k, PAGE)) for i, k in enumerate(keys[1:])]])
     assert all(isinstance(r, UnknownKeyError) for r in out)
     assert p.present(keys) == [False] * 6
+
+
+def test_one_renewal_thread_keeps_every_shards_leases(sharded: Any) -> None:
+    import threading
+    import time
+
+    p = sharded(shards=6, group=2, lease_ttl=1.0)
+    assert sum(t.name == "hostkv-redis-renew" for t in threading.enumerate()) >= 1
+    keys = chain("renew", 12)
+    p.put_many(_items(keys))
+    with p.lease(keys) as lz:
+        assert lz.prefix_len == 12
+        assert len({p.shard_of(k) for k in keys}) >= 3
+        time.sleep(2.5)  # past the TTL: only renewal keeps the pins
+        assert p.evict(keys=keys).entries == 0
+    assert p.evict(keys=[keys[0], keys[1]]).entries == 2
