@@ -947,7 +947,7 @@ class RedisProvider(Provider):
 
     # -- writes ------------------------------------------------------------------------------
     def reserve(self, key: bytes, parent: bytes | None, nbytes: int, *, salt_tag: str = "",
-                _remote_parent: bool = False) -> Reservation | None:
+                _remote_parent: str = "") -> Reservation | None:
         item = self._check_item(key, parent, nbytes, salt_tag)
         self._check_usable()
         res = self._reserve_batch([item], salt_tag, _remote_parent)[0]
@@ -959,15 +959,17 @@ class RedisProvider(Provider):
         return self._reserve_args(key, parent, nbytes, salt_tag, tag_max=_SALT_TAG_MAX)
 
     def _reserve_batch(self, items: Sequence[tuple[Key, Key | None, int]], salt_tag: str,
-                       remote: bool = False) -> list[_RedisReservation | HostKVError | None]:
+                       remote: str = "") -> list[_RedisReservation | HostKVError | None]:
         """Reserve many entries in one script call; per item a reservation, ``None`` (already
         stored) or the error for that item; each reservation gets a pooled buffer for ``write``."""
         rids = [self._next_id("r") for _ in items]
         allow = "0"  # a parent must be sealed (the script can also accept this client's in-flight one)
         args: list[Any] = [self._client_id, str(self._flight_ms), allow, str(len(items))]
         for (k, p, n), rid in zip(items, rids, strict=True):
-            # '>' + parent: the sharded store's group-first page, whose parent is in another shard
-            args += [k.hex(), "" if p is None else (">" if remote else "") + p.hex(), str(n), str(n), salt_tag, rid]
+            # '>' parent ' ' shard ' ' pin: the sharded store's group-first page, whose parent is in
+            # another shard (``remote`` is "<shard> <pin>", see _scripts._XPIN)
+            ph = "" if p is None else (f">{p.hex()} {remote}" if remote else p.hex())
+            args += [k.hex(), ph, str(n), str(n), salt_tag, rid]
         statuses = self._eval("reserve", *args)
         out: list[_RedisReservation | HostKVError | None] = []
         for (k, p, n), rid, raw in zip(items, rids, statuses, strict=True):
@@ -1102,7 +1104,7 @@ class RedisProvider(Provider):
                           stacklevel=2)
 
     def put_many(self, items: Sequence[tuple[bytes, bytes | None, object]], *,
-                 salt_tag: str = "", _remote: frozenset[Key] = frozenset()) -> list[bool | HostKVError]:
+                 salt_tag: str = "", _remote: Mapping[Key, str] | None = None) -> list[bool | HostKVError]:
         """Store many pages in two round trips per batch (at most 1,024 pages and 64 MiB).
 
         ``items`` are ``(key, parent, data)``; a parent may be an earlier item of the same call
@@ -1139,12 +1141,12 @@ class RedisProvider(Provider):
             while hi < len(checked) and hi - lo < _BATCH and staged + checked[hi][2] <= _BATCH_BYTES:
                 staged += checked[hi][2]
                 hi += 1
-            out += self._put_chunk(checked[lo:hi], views[lo:hi], salt_tag, failed, _remote)
+            out += self._put_chunk(checked[lo:hi], views[lo:hi], salt_tag, failed, _remote or {})
             lo = hi
         return out
 
     def _put_chunk(self, checked: Sequence[tuple[Key, Key | None, int]], views: Sequence[memoryview],
-                   salt_tag: str, failed: set[Key], remote: frozenset[Key] = frozenset()) -> list[bool | HostKVError]:
+                   salt_tag: str, failed: set[Key], remote: Mapping[Key, str]) -> list[bool | HostKVError]:
         hexes = [k.hex() for k, _, _ in checked]
         probe_cmd = _encode([b"EVALSHA", self._link.sha("probe").encode(), b"1", self._meta.encode()])
         probe_cmd[0] = b"*%d\r\n" % (4 + 2 * len(checked))
@@ -1201,7 +1203,7 @@ class RedisProvider(Provider):
 
     def _publish(self, checked: Sequence[tuple[Key, Key | None, int]], views: Sequence[memoryview],
                  hexes: Sequence[str], ship: Sequence[int], salt_tag: str,
-                 digests: Mapping[int, int], remote: frozenset[Key] = frozenset()) -> list[HostKVError | bool | None]:
+                 digests: Mapping[int, int], remote: Mapping[Key, str]) -> list[HostKVError | bool | None]:
         """One pipeline: ``SET`` each shipped page to its staging key, with a ``put`` script after
         every group of pages; per shipped item ``None`` (stored), ``False`` (stored meanwhile by
         another writer) or its error.
@@ -1247,7 +1249,9 @@ class RedisProvider(Provider):
                     yield [b"*5\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(name), name, n + TRAILER_NBYTES),
                            view, _TRAILER.pack(k, digest, n, _MAGIC) + set_tail]
                     ns, ds = b"%d" % n, b"%d" % digest
-                    ph = b"" if p is None else (b">" if k in remote else b"") + p.hex().encode()
+                    tok = remote.get(k)
+                    ph = (b"" if p is None else b">%s %s" % (p.hex().encode(), tok.encode()) if tok
+                          else p.hex().encode())
                     items.append(b"$%d\r\n%s\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n" % (
                         len(hexes[i]), hexes[i].encode(), len(ph), ph, len(ns), ns, len(ds), ds))
                 cmd = _encode(head)

@@ -40,7 +40,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import itertools
+import os
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar, TypeVar
 
@@ -192,7 +195,12 @@ class RedisShardedProvider(Provider):
             self._pool.shutdown(wait=False)
             self._cluster.close()
             raise
-        self._sha = {name: self._shards[0]._link.sha(name) for name in ("present", "locate", "deepest_anchor")}
+        self._sha = {name: self._shards[0]._link.sha(name)
+                     for name in ("present", "locate", "deepest_anchor", "xpin", "xunpin", "xout", "xack",
+                                  "xsub", "xlist", "xheld")}
+        self._nonce = os.urandom(6).hex()
+        self._pins = itertools.count()
+        self._pin_grace_ms = int(2 * reservation_ttl * 1000)
         # One renewal thread for all shards (each shard's own would be `shards` threads).
         self._stop = threading.Event()
         self._keeper: threading.Thread | None = None
@@ -202,7 +210,15 @@ class RedisShardedProvider(Provider):
             self._keeper.start()
 
     def _keep(self, every: float) -> None:
-        while not self._stop.wait(every):
+        # Renewals every `every`; the outboxes of cross-shard pin releases once a second (a
+        # parent whose child group went stays pinned until then: the safe side).
+        last = time.monotonic()
+        while not self._stop.wait(min(every, 1.0)):
+            with contextlib.suppress(HostKVError):
+                self._drain()
+            if time.monotonic() - last < every:
+                continue
+            last = time.monotonic()
             for s in self._shards:
                 if self._stop.is_set():
                     return
@@ -495,16 +511,67 @@ class RedisShardedProvider(Provider):
         k, p, n = self._reserve_args(key, parent, nbytes, salt_tag, tag_max=128)
         self._check_usable()
         c = self._place([(k, p)])[0]
-        if p is not None and (c < 0 or (c % self._group == 0 and not self.present([p])[0])):
-            # A group's first page: its parent is in another shard, whose scripts cannot check
-            # it; ask that shard first (a parent evicted after this check leaves an orphan that
-            # lookups never count, see the module docstring).
+        if p is not None and c < 0:
             raise UnknownKeyError(f"parent {p.hex()[:16]} is not stored")
-        res = self._shards[c // self._group].reserve(k, p, n, salt_tag=salt_tag,
-                                                      _remote_parent=p is not None and c % self._group == 0)
+        g = self._group
+        s = c // g
+        if p is None or c % g:
+            res = self._shards[s].reserve(k, p, n, salt_tag=salt_tag)
+        else:
+            # A group's first page: its parent is in another shard, whose scripts cannot see
+            # this one.  Pin the parent there first (that fails if it is gone), then reserve;
+            # the pin is released if the reservation is not taken (or later, through this
+            # shard's outbox, when it is aborted, expires or the page is removed).
+            ps = self._memo.get(p, -1) // g
+            token = self._pin_token(s, k)
+            if self._fan([(ps, "xpin", ["1", p.hex(), token])])[0] != b"1":
+                raise UnknownKeyError(f"parent {p.hex()[:16]} is not stored")
+            try:
+                res = self._shards[s].reserve(k, p, n, salt_tag=salt_tag, _remote_parent=f"{ps} {token}")
+            except BaseException:
+                self._unpin([(ps, p, token)])
+                raise
+            if res is None:
+                self._unpin([(ps, p, token)])
         if res is not None:
             self._remember([k], [c])
         return res
+
+    # -- cross-shard pins (see _scripts._XPIN) -----------------------------------------------
+    def _pin_token(self, shard: int, key: Key) -> str:
+        """A pin of the group-first page ``key`` (in ``shard``) on its parent: unique per write
+        attempt, so a failed attempt releases only its own pin, never another writer's."""
+        return f"{shard}:{key.hex()}:{self._nonce}.{next(self._pins):x}"
+
+    def _unpin(self, pins: Sequence[tuple[int, Key | str, str]]) -> None:
+        """Release pins ``(parent shard, parent, pin)`` (idempotent), one call per shard."""
+        by: dict[int, list[str]] = {}
+        for ps, p, token in pins:
+            by.setdefault(ps, []).extend([p if isinstance(p, str) else p.hex(), token])
+        if by:
+            self._fan([(ps, "xunpin", args) for ps, args in by.items()])
+
+    def _drain(self, shards: Sequence[int] | None = None) -> int:
+        """Apply the queued pin releases of ``shards`` (all: ``None``) in the parents' shards,
+        then drop them from the outboxes.  Idempotent: a crash in between repeats a release."""
+        todo = list(range(self._nshards)) if shards is None else list(dict.fromkeys(shards))
+        done = 0
+        while todo:
+            replies = self._fan([(s, "xout", ["256"]) for s in todo])
+            pins: list[tuple[int, str, str]] = []
+            acks: dict[int, list[bytes]] = {}
+            for s, rep in zip(todo, replies, strict=True):
+                for raw in rep:
+                    ps, ph, token = raw.decode().split(" ", 2)
+                    pins.append((int(ps), ph, token))
+                    acks.setdefault(s, []).append(raw)
+            if not pins:
+                break
+            self._unpin(pins)
+            self._fan([(s, "xack", [x.decode() for x in xs]) for s, xs in acks.items()])
+            done += len(pins)
+            todo = [s for s, rep in zip(todo, replies, strict=True) if len(rep) >= 256]
+        return done
 
     def _res_shard(self, reservation: Reservation) -> RedisProvider:
         owner = reservation.provider if isinstance(reservation, Reservation) else None
@@ -519,10 +586,21 @@ class RedisShardedProvider(Provider):
 
     def seal(self, reservation: Reservation) -> None:
         self._check_usable()
-        self._res_shard(reservation).seal(reservation)
+        shard = self._res_shard(reservation)
+        try:
+            shard.seal(reservation)
+        except HostKVError:
+            # a failed seal cancels the reservation; a group-first page's pin is in the outbox
+            with contextlib.suppress(HostKVError):
+                self._drain([self._shards.index(shard)])
+            raise
 
     def abort(self, reservation: Reservation) -> None:
-        self._res_shard(reservation).abort(reservation)
+        shard = self._res_shard(reservation)
+        shard.abort(reservation)
+        if not self._closed:
+            with contextlib.suppress(HostKVError):
+                self._drain([self._shards.index(shard)])
 
     def put_many(self, items: Sequence[tuple[bytes, bytes | None, object]], *,
                  salt_tag: str = "") -> list[bool | HostKVError]:
@@ -540,17 +618,32 @@ class RedisShardedProvider(Provider):
         codes = self._place(checked)
         g = self._group
         out: list[bool | HostKVError | None] = [None] * len(items)
-        # Parents outside this call of pages that start a group live in another shard, whose
-        # scripts cannot see them: check them here first (one round trip per master).
-        in_call = {k for k, _ in checked}
-        outside = list(dict.fromkeys(p for (k, p), c in zip(checked, codes, strict=True)
-                                     if p is not None and c >= 0 and c % g == 0 and p not in in_call))
-        gone = {p for p, here in zip(outside, self.present(outside), strict=True) if not here} if outside else set()
+        # A page that starts a group pins its parent in the parent's shard before it is
+        # published (one xpin call per shard, a round trip per master): strictly for a parent
+        # outside this call (it must be stored: else the page fails), ahead of its creation for a
+        # parent that is an earlier item (published in parallel; its put counts the pin).
+        in_call = {k: c for (k, _), c in zip(checked, codes, strict=True)}
+        pins: dict[int, tuple[int, Key, str]] = {}  # item -> (parent shard, parent, pin)
+        calls: dict[tuple[int, str], list[int]] = {}
+        for i, ((k, p), c) in enumerate(zip(checked, codes, strict=True)):
+            if p is not None and c >= 0 and c % g == 0:
+                pc = in_call.get(p, self._memo.get(p, -1))
+                if pc < 0:
+                    continue  # placed from a located parent that the memo lost: treated as gone
+                pins[i] = (pc // g, p, self._pin_token(c // g, k))
+                calls.setdefault((pc // g, "0" if p in in_call else "1"), []).append(i)
+        gone: set[int] = set()
+        if calls:
+            order = list(calls.items())
+            replies = self._fan([(ps, "xpin", [strict, *(x for i in idx for x in (pins[i][1].hex(), pins[i][2]))])
+                                 for (ps, strict), idx in order])
+            for (_, idx), rep in zip(order, replies, strict=True):
+                gone.update(i for i, b in zip(idx, rep, strict=True) if b != 0x31)
         bad: set[Key] = set()
         work: dict[int, list[int]] = {}
         for i, c in enumerate(codes):
             k, p = checked[i]
-            if c < 0 or (p is not None and (p in gone or p in bad)):
+            if c < 0 or i in gone or (p is not None and c % g == 0 and i not in pins) or (p is not None and p in bad):
                 bad.add(k)
                 out[i] = UnknownKeyError(f"parent {p.hex()[:16] if p else '?'} is not stored")
             else:
@@ -558,13 +651,19 @@ class RedisShardedProvider(Provider):
 
         def put(shard: RedisProvider, idx: list[int]) -> list[bool | HostKVError]:
             sub = [(checked[i][0], checked[i][1], items[i][2]) for i in idx]
-            # a group's first page: its parent is recorded (field xp), not linked in this shard
-            remote = frozenset(checked[i][0] for i in idx if codes[i] % g == 0 and checked[i][1] is not None)
+            # a group's first page: its parent is recorded (xp, xs) with its pin (xm), not linked
+            remote = {checked[i][0]: f"{pins[i][0]} {pins[i][2]}" for i in idx if i in pins}
             return shard.put_many(sub, salt_tag=salt_tag, _remote=remote)
 
-        for s, res in self._each(work, put).items():
-            for i, got in zip(work[s], res, strict=True):
-                out[i] = got
+        try:
+            for s, res in self._each(work, put).items():
+                for i, got in zip(work[s], res, strict=True):
+                    out[i] = got
+        finally:
+            # pins of pages not published now (already stored by another writer, failed, or the
+            # call raised) are released; a published page keeps its pin
+            with contextlib.suppress(HostKVError):
+                self._unpin([pins[i] for i in pins if out[i] is not True])
         # A page whose parent (an earlier item) failed did not get a valid chain above it.
         failed: set[Key] = set()
         orphans: dict[int, list[Key]] = {}
@@ -578,8 +677,9 @@ class RedisShardedProvider(Provider):
                     orphans.setdefault(codes[i] // g, []).append(k)
                 out[i] = UnknownKeyError(f"parent {p.hex()[:16]} was not stored")
         if orphans:
-            with contextlib.suppress(HostKVError):  # best effort: an unreachable orphan is never a hit
-                self._each(orphans, lambda s, ks: s.evict(ks))
+            # best effort: an unreachable orphan is never a hit; its pin goes with it (outbox)
+            with contextlib.suppress(HostKVError):
+                self._evict_subtrees(orphans)
         stored = [(checked[i][0], codes[i]) for i in range(len(items)) if out[i] is True or out[i] is False]
         if stored:
             self._remember([k for k, _ in stored], [c for _, c in stored])
@@ -685,16 +785,45 @@ class RedisShardedProvider(Provider):
         if keys is not None:
             ks = self._keys(keys)
             work, _ = self._group_keys(ks)
-            parts = self._each(work, lambda s, idx: s.evict([ks[i] for i in idx])).values()
-        else:
-            used = self._each(dict.fromkeys(range(self._nshards), 0), lambda s, _: s.stats().used_bytes)
-            total = sum(used.values())
-            if not total:
-                return report
-            share = {s: -(-nbytes * u // total) for s, u in used.items() if u}
-            parts = self._each(share, lambda s, n: s.evict(nbytes=n)).values()
-        for r in parts:
+            return self._evict_subtrees({s: [ks[i] for i in idx] for s, idx in work.items()})
+        self._drain()  # released pins first, so that their parents count as leaves
+        used = self._each(dict.fromkeys(range(self._nshards), 0), lambda s, _: s.stats().used_bytes)
+        total = sum(used.values())
+        if not total:
+            return report
+        share = {s: -(-nbytes * u // total) for s, u in used.items() if u}
+        parts = self._each(share, lambda s, n: s.evict(nbytes=n))
+        for r in parts.values():
             report = EvictReport(report.entries + r.entries, report.nbytes + r.nbytes, report.skipped + r.skipped)
+        self._drain(list(parts))  # the evicted group-first pages' pins
+        return report
+
+    def _evict_subtrees(self, roots: Mapping[int, Sequence[Key | str]]) -> EvictReport:
+        """Remove the subtrees of ``roots`` (per shard) across shards: the child groups pinned on
+        them are found level by level (one ``xsub`` per shard per level, a round trip per master)
+        and removed deepest level first; after each level its pins are released, so that the
+        level above is a leaf again when its turn comes.  Held pages (leased, in flight, or with a
+        child group pinned meanwhile by a concurrent writer) are skipped with their ancestors."""
+        levels: list[dict[int, list[str]]] = []
+        cur = {s: [k if isinstance(k, str) else k.hex() for k in ks] for s, ks in roots.items() if ks}
+        seen: set[tuple[int, str]] = set()
+        while cur:
+            levels.append(cur)
+            order = list(cur.items())
+            nxt: dict[int, list[str]] = {}
+            for rep in self._fan([(s, "xsub", hs) for s, hs in order]):
+                for raw in rep:
+                    cs, ch, _ = raw.decode().split(":", 2)
+                    if (int(cs), ch) not in seen:
+                        seen.add((int(cs), ch))
+                        nxt.setdefault(int(cs), []).append(ch)
+            cur = nxt
+        report = EvictReport()
+        for lvl in reversed(levels):
+            parts = self._each(lvl, lambda s, hs: s._eval("evict_keys", *hs))
+            for n, b, skipped in parts.values():
+                report = EvictReport(report.entries + int(n), report.nbytes + int(b), report.skipped + int(skipped))
+            self._drain(list(lvl))
         return report
 
     # -- anchors -----------------------------------------------------------------------------
@@ -788,6 +917,8 @@ class RedisShardedProvider(Provider):
         return (info for s in self._shards for info in s.iter_entries())
 
     def verify(self, *, repair: bool = False, progress: Progress | None = None) -> VerifyReport:
+        """Every shard's :meth:`RedisProvider.verify`; with ``repair``, also the cross-shard pins
+        reconciled (:meth:`reconcile_pins`)."""
         self._check_usable()
         report = VerifyReport()
         for s in self._shards:
@@ -797,7 +928,39 @@ class RedisShardedProvider(Provider):
             report.dropped += r.dropped
             if progress is not None:
                 progress(report.checked, report.checked)
+        if repair:
+            self.reconcile_pins()
         return report
+
+    def reconcile_pins(self) -> int:
+        """Release pins that no page holds any more; returns how many.
+
+        First every outbox is drained (releases queued by removed group-first pages).  Then each
+        pin (``x:`` hashes, one SCAN per shard) is checked against its child's shard: a pin that
+        neither the sealed child nor its live reservation holds, and that is older than twice
+        ``reservation_ttl`` (a younger one may belong to a write still under way), is released.
+        Leftovers come from a client that died between pinning and publishing, or between a
+        removal and the drain of its outbox (both leave a parent pinned: never a punctured chain)."""
+        self._check_usable()
+        self._drain()
+        lists = self._fan([(s, "xlist", []) for s in range(self._nshards)])
+        cand: list[tuple[int, str, str]] = []
+        for ps, rep in enumerate(lists):
+            now = int(rep[0])
+            for j in range(1, len(rep), 3):
+                ph, token, ms = rep[j].decode(), rep[j + 1].decode(), int(rep[j + 2])
+                if now - ms > self._pin_grace_ms:
+                    cand.append((ps, ph, token))
+        by: dict[int, list[int]] = {}
+        for i, (_, _, token) in enumerate(cand):
+            by.setdefault(int(token.split(":", 1)[0]), []).append(i)
+        order = list(by.items())
+        held = self._fan([(cs, "xheld", [x for i in idx for x in (cand[i][2].split(":")[1], cand[i][2])])
+                          for cs, idx in order])
+        dead = [cand[i] for (_, idx), rep in zip(order, held, strict=True)
+                for i, b in zip(idx, rep, strict=True) if b != 0x31]
+        self._unpin(dead)
+        return len(dead)
 
     def renew(self) -> list[str]:
         self._check_usable()

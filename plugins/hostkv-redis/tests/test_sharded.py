@@ -127,23 +127,27 @@ def test_chain_across_shards(sharded: Any) -> None:
     # a lease pins what it found, shard by shard
     with p.lease(keys) as lz:
         assert lz.prefix_len == 40
+        # the leased page stays; its subtree in the other shards (6 pages) goes
         assert p.evict(keys=[keys[39]]).skipped >= 1
     st = p.stats()
-    assert st.entries == 46 and st.used_bytes == 46 * PAGE
+    assert st.entries == 40 and st.used_bytes == 40 * PAGE
+    assert p.present(more + [nxt]) == [False] * 6
 
 
-def test_an_evicted_group_tail_cuts_every_hit_there(sharded: Any) -> None:
-    """A page whose parent (in another shard) is gone is never part of a hit."""
+def test_evict_keys_at_a_group_tail_takes_the_later_groups(sharded: Any) -> None:
+    """``evict(keys)`` of a group's last page removes its subtree in the other shards too."""
     p = sharded(shards=24, group=4)
     keys = chain("cut", 16)
     p.put_many(_items(keys))
-    assert p.evict(keys=[keys[7]]).entries == 1  # the last page of group 1: a local leaf
+    assert p.evict(keys=[keys[7]]).entries == 9  # keys[7] and the two groups below it
+    assert p.stats().entries == 7
+    assert p.present(keys) == [True] * 7 + [False] * 9
     assert p.longest_prefix(keys) == 7
     with p.lease(keys) as lz:
         assert lz.prefix_len == 7
     assert p.deepest_anchor(keys, "state") == 0
-    # put back: the chain is whole again (the later groups were never touched)
-    assert p.put_many([(keys[7], keys[6], page_bytes(keys[7], PAGE))]) == [True]
+    # put back: the chain is whole again
+    assert p.put_many(_items(keys[7:], parent=keys[6])) == [True] * 9
     assert p.longest_prefix(keys) == 16
     p.put_anchor(keys[13], "state", b"s" * 10)
     assert p.deepest_anchor(keys, "state") == 14
@@ -192,4 +196,4 @@ def test_one_renewal_thread_keeps_every_shards_leases(sharded: Any) -> None:
         assert len({p.shard_of(k) for k in keys}) >= 3
         time.sleep(2.5)  # past the TTL: only renewal keeps the pins
         assert p.evict(keys=keys).entries == 0
-    assert p.evict(keys=[keys[0], keys[1]]).entries == 2
+    assert p.evict(keys=[keys[0], keys[1]]).entries == 12  # the whole chain, across shards
