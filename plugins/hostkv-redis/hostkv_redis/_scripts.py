@@ -17,6 +17,7 @@ client-generated reservation/lease ids)::
                                   xs its shard, xm the pin this page holds on it (below),
                                   xc pins held on this page by child groups in other shards
     hkv:{ns}:x:<h>        hash    pins on h by child groups in other shards: pin -> ms
+    hkv:{ns}:xz           zset    pages with pins (x:<h> not empty) by first pin time (ms)
     hkv:{ns}:xo           list    outbox: "<shard> <parent> <pin>" releases still to apply there
     hkv:{ns}:d:<h>        string  page bytes + 56-byte trailer (key echo, checksum, nbytes, magic)
     hkv:{ns}:c:<h>        set     children hexes (subtree removal)
@@ -68,6 +69,7 @@ local function W(h, rid) return P .. 'w:' .. h .. ':' .. rid end
 local function L(lid) return P .. 'l:' .. lid end
 local function X(h) return P .. 'x:' .. h end
 local XO = P .. 'xo'
+local XZ = P .. 'xz'
 
 -- A parent argument '>' .. parent .. ' ' .. its shard .. ' ' .. pin: the sharded store's
 -- group-first page, whose parent lives in another shard (recorded as xp/xs, not linked here) and
@@ -929,9 +931,12 @@ for i = 2, #ARGV, 2 do
   if strict and not here then
     out[#out + 1] = '0'
   else
-    if redis.call('HSET', X(p), m, now) == 1 and here then
-      redis.call('HINCRBY', E(p), 'xc', 1)
-      redis.call('ZREM', LRU, p)
+    if redis.call('HSET', X(p), m, now) == 1 then
+      redis.call('ZADD', XZ, 'NX', now, p)
+      if here then
+        redis.call('HINCRBY', E(p), 'xc', 1)
+        redis.call('ZREM', LRU, p)
+      end
     end
     out[#out + 1] = '1'
   end
@@ -947,6 +952,7 @@ for i = 1, #ARGV, 2 do
   local p, m = ARGV[i], ARGV[i + 1]
   if redis.call('HDEL', X(p), m) == 1 then
     n = n + 1
+    if redis.call('EXISTS', X(p)) == 0 then redis.call('ZREM', XZ, p) end
     if redis.call('EXISTS', E(p)) == 1 then
       redis.call('HINCRBY', E(p), 'xc', -1)
       maybe_leaf(p)
@@ -954,6 +960,16 @@ for i = 1, #ARGV, 2 do
   end
 end
 return n
+"""
+
+# ARGV: n -> the pins on the (up to) n pages of this shard pinned longest: the child groups to
+# evict when this shard is full of pages that only their pins hold (the budget is per shard).
+_XHOT = r"""
+local out = {}
+for _, p in ipairs(redis.call('ZRANGE', XZ, 0, tonumber(ARGV[1]) - 1)) do
+  for _, m in ipairs(redis.call('HKEYS', X(p))) do out[#out + 1] = m end
+end
+return out
 """
 
 # ARGV: max -> the first `max` outbox entries ("<parent shard> <parent hex> <pin>").
@@ -1041,6 +1057,7 @@ _BODIES = {
     "xsub": _XSUB,
     "xlist": _XLIST,
     "xheld": _XHELD,
+    "xhot": _XHOT,
 }
 
 #: name -> full Lua source (prelude + body); loaded with SCRIPT LOAD, called with EVALSHA.

@@ -50,6 +50,7 @@ from typing import Any, ClassVar, TypeVar
 import numpy as np
 import redis
 from hostkv_providers.errors import (
+    CapacityError,
     HostKVError,
     IncompatibleStoreError,
     InvalidArgumentError,
@@ -197,7 +198,7 @@ class RedisShardedProvider(Provider):
             raise
         self._sha = {name: self._shards[0]._link.sha(name)
                      for name in ("present", "locate", "deepest_anchor", "xpin", "xunpin", "xout", "xack",
-                                  "xsub", "xlist", "xheld")}
+                                  "xsub", "xlist", "xheld", "xhot")}
         self._nonce = os.urandom(6).hex()
         self._pins = itertools.count()
         self._pin_grace_ms = int(2 * reservation_ttl * 1000)
@@ -516,7 +517,7 @@ class RedisShardedProvider(Provider):
         g = self._group
         s = c // g
         if p is None or c % g:
-            res = self._shards[s].reserve(k, p, n, salt_tag=salt_tag)
+            res = self._roomy(s, lambda: self._shards[s].reserve(k, p, n, salt_tag=salt_tag))
         else:
             # A group's first page: its parent is in another shard, whose scripts cannot see
             # this one.  Pin the parent there first (that fails if it is gone), then reserve;
@@ -527,7 +528,8 @@ class RedisShardedProvider(Provider):
             if self._fan([(ps, "xpin", ["1", p.hex(), token])])[0] != b"1":
                 raise UnknownKeyError(f"parent {p.hex()[:16]} is not stored")
             try:
-                res = self._shards[s].reserve(k, p, n, salt_tag=salt_tag, _remote_parent=f"{ps} {token}")
+                res = self._roomy(s, lambda: self._shards[s].reserve(k, p, n, salt_tag=salt_tag,
+                                                                     _remote_parent=f"{ps} {token}"))
             except BaseException:
                 self._unpin([(ps, p, token)])
                 raise
@@ -538,6 +540,31 @@ class RedisShardedProvider(Provider):
         return res
 
     # -- cross-shard pins (see _scripts._XPIN) -----------------------------------------------
+    def _roomy(self, shard: int, fn: Callable[[], R]) -> R:
+        """``fn()``; on ``CapacityError``, :meth:`_make_room_in` the shard and try once more."""
+        try:
+            return fn()
+        except CapacityError:
+            if not self._make_room_in([shard]):
+                raise
+        return fn()
+
+    def _make_room_in(self, shards: Sequence[int], pinned: int = 8) -> int:
+        """Evict the child groups (in other shards) of the ``pinned`` pages pinned longest in each
+        of ``shards``, so that those pages become leaves there again.
+
+        A shard's budget is its own: it can be full of pages that nothing holds *there* but the
+        pins of child groups elsewhere (a group's tail and the group above it), while the rest of
+        the store has leaves.  Its scripts cannot evict across shards, so the client does, from
+        the bottom of those subtrees up (never a punctured chain).  Not LRU order: the subtrees
+        are chosen by pin age.  Returns the number of entries evicted."""
+        roots: dict[int, list[str]] = {}
+        for rep in self._fan([(s, "xhot", [str(pinned)]) for s in dict.fromkeys(shards)]):
+            for raw in rep:
+                cs, ch, _ = raw.decode().split(":", 2)
+                roots.setdefault(int(cs), []).append(ch)
+        return self._evict_subtrees(roots).entries if roots else 0
+
     def _pin_token(self, shard: int, key: Key) -> str:
         """A pin of the group-first page ``key`` (in ``shard``) on its parent: unique per write
         attempt, so a failed attempt releases only its own pin, never another writer's."""
@@ -604,6 +631,20 @@ class RedisShardedProvider(Provider):
 
     def put_many(self, items: Sequence[tuple[bytes, bytes | None, object]], *,
                  salt_tag: str = "") -> list[bool | HostKVError]:
+        """:meth:`RedisProvider.put_many` over the shards (see :meth:`_put_many`); pages that did
+        not fit their shard are tried once more after :meth:`_make_room_in` that shard."""
+        out, codes = self._put_many(items, salt_tag)
+        full = [i for i, r in enumerate(out) if isinstance(r, CapacityError)]
+        if not full or not self._make_room_in([codes[i] // self._group for i in full]):
+            return out
+        again = [i for i, r in enumerate(out) if r is not True and r is not False]
+        second, _ = self._put_many([items[i] for i in again], salt_tag)
+        for i, r in zip(again, second, strict=True):
+            out[i] = r
+        return out
+
+    def _put_many(self, items: Sequence[tuple[bytes, bytes | None, object]],
+                  salt_tag: str) -> tuple[list[bool | HostKVError], list[int]]:
         """:meth:`RedisProvider.put_many` over the shards: each shard's pages in one call (its
         probe and put pipeline), masters in parallel.  Per item ``True``/``False``/its error; a
         page whose parent failed fails too (a group head published meanwhile in another shard is
@@ -683,7 +724,7 @@ class RedisShardedProvider(Provider):
         stored = [(checked[i][0], codes[i]) for i in range(len(items)) if out[i] is True or out[i] is False]
         if stored:
             self._remember([k for k, _ in stored], [c for _, c in stored])
-        return [r if r is not None else StorageIOError("internal: no result") for r in out]
+        return [r if r is not None else StorageIOError("internal: no result") for r in out], codes
 
     # -- reads -------------------------------------------------------------------------------
     def _group_keys(self, ks: Sequence[Key]) -> tuple[dict[int, list[int]], list[int]]:

@@ -131,7 +131,7 @@ def test_chain_across_shards(sharded: Any) -> None:
         assert p.evict(keys=[keys[39]]).skipped >= 1
     st = p.stats()
     assert st.entries == 40 and st.used_bytes == 40 * PAGE
-    assert p.present(more + [nxt]) == [False] * 6
+    assert p.present([*more, nxt]) == [False] * 6
 
 
 def test_evict_keys_at_a_group_tail_takes_the_later_groups(sharded: Any) -> None:
