@@ -17,7 +17,7 @@ client-generated reservation/lease ids)::
                                   xs its shard, xm the pin this page holds on it (below),
                                   xc pins held on this page by child groups in other shards
     hkv:{ns}:x:<h>        hash    pins on h by child groups in other shards: pin -> ms
-    hkv:{ns}:xz           zset    pages with pins (x:<h> not empty) by first pin time (ms)
+    hkv:{ns}:xz           zset    pages with pins (x:<h> not empty) by LRU tick
     hkv:{ns}:xo           list    outbox: "<shard> <parent> <pin>" releases still to apply there
     hkv:{ns}:d:<h>        string  page bytes + 56-byte trailer (key echo, checksum, nbytes, magic)
     hkv:{ns}:c:<h>        set     children hexes (subtree removal)
@@ -470,6 +470,7 @@ for k = 1, n do
                  't', t, 'r', rid, 'ch', 0, 'lc', 0, 'fc', fk, 'na', 0, 'xc', xc)
       if f[8] and f[8] ~= '' then redis.call('HSET', E(h), 'xp', f[8], 'xs', f[9], 'xm', f[10]) end
       if fk == 0 and xc == 0 then redis.call('ZADD', LRU, t, h) end
+      if xc > 0 then redis.call('ZADD', XZ, t, h) end
       if f[2] ~= '' then
         redis.call('SADD', C(f[2]), h)
         redis.call('HINCRBY', E(f[2]), 'ch', 1)
@@ -618,6 +619,7 @@ for _, h in ipairs(order) do
   redis.call('HSET', E(h), 'p', e[1], 'n', e[2], 'c', e[2], 'g', tag, 'k', e[3], 'ct', now, 'lu', now,
              't', e[4], 'r', e[5], 'ch', e[6], 'lc', 0, 'fc', 0, 'na', 0, 'xc', xc)
   if e[7] ~= '' then redis.call('HSET', E(h), 'xp', e[7], 'xs', e[8], 'xm', e[9]) end
+  if xc > 0 then redis.call('ZADD', XZ, e[4], h) end
   if e[6] == 0 and xc == 0 then
     z[#z + 1] = e[4]
     z[#z + 1] = h
@@ -669,6 +671,7 @@ for i = 3, #ARGV do
     end
     redis.call('HINCRBY', E(h), 'lc', 1)
     redis.call('HSET', E(h), 't', t0 + i - 2, 'lu', now)
+    redis.call('ZADD', XZ, 'XX', t0 + i - 2, h)  -- a pinned page's LRU position (sharded stores)
     bits[#bits + 1] = '1'
     items[#items + 1] = h
     items[#items + 1] = v[1]
@@ -748,6 +751,7 @@ for i = 1, n do
   local h = ARGV[i]
   if redis.call('EXISTS', E(h)) == 1 then
     redis.call('HSET', E(h), 't', t0 + i, 'lu', now)
+    redis.call('ZADD', XZ, 'XX', t0 + i, h)  -- a pinned page's LRU position (sharded stores)
     redis.call('ZADD', LRU, 'XX', t0 + i, h)
   end
 end
@@ -932,7 +936,8 @@ for i = 2, #ARGV, 2 do
     out[#out + 1] = '0'
   else
     if redis.call('HSET', X(p), m, now) == 1 then
-      redis.call('ZADD', XZ, 'NX', now, p)
+      -- XZ: pinned pages by their LRU tick (0 until the page is created; seal/put set it)
+      redis.call('ZADD', XZ, 'NX', tonumber(redis.call('HGET', E(p), 't') or '0'), p)
       if here then
         redis.call('HINCRBY', E(p), 'xc', 1)
         redis.call('ZREM', LRU, p)
@@ -962,8 +967,8 @@ end
 return n
 """
 
-# ARGV: n -> the pins on the (up to) n pages of this shard pinned longest: the child groups to
-# evict when this shard is full of pages that only their pins hold (the budget is per shard).
+# ARGV: n -> the pins on the (up to) n least recently used pinned pages of this shard: the child
+# groups to evict when this shard is full of pages that only their pins hold (per-shard budget).
 _XHOT = r"""
 local out = {}
 for _, p in ipairs(redis.call('ZRANGE', XZ, 0, tonumber(ARGV[1]) - 1)) do

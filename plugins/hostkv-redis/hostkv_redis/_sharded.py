@@ -19,16 +19,22 @@ atomic together lives together:
   slot ranges: a cluster whose masters own contiguous, equal slot ranges (what ``redis-cli
   --cluster create`` and ``CLUSTER ADDSLOTSRANGE`` splits give) gets ``shards / masters`` shards
   each, and a reshard moves whole shards.
-* **Cross-shard links** are not kept by any script (none can span slots).  The rule instead:
-  every chain lookup (``longest_prefix``, ``lease``, ``deepest_anchor``) checks *every* key of the
-  chain, shard by shard, so a hit never includes a page whose ancestor is gone; a group whose
-  parent group was evicted is an unreachable orphan that is never a hit and ages out of its
-  shard's LRU.  Per-key verbs (``present``, ``read``) answer per key: the bytes are right (a key
-  certifies its whole prefix), but ``present(child)`` can be true while a parent in another
-  shard is gone.
+* **Cross-shard links are pins** (no script can span slots): a group's first page in shard B
+  pins its parent in shard A (``xpin``, a member of ``x:<parent>`` counted in ``xc``) *before* it
+  is published, which fails if the parent is gone (the write then fails typed); a pinned page is
+  no leaf in A (never LRU-evicted, skipped by ``evict(keys)``).  Removing the child queues the
+  release in B's outbox in the same script; clients drain outboxes into idempotent releases in
+  A (the renewal thread each second; ``evict``/``abort``/a failed ``seal`` at once).  A crash
+  in between leaves A's page pinned longer, the safe side; :meth:`reconcile_pins` cleans up.
+  ``evict(keys)`` follows the pins into the other shards and removes deepest level first.
+  Every chain lookup (``longest_prefix``, ``lease``, ``deepest_anchor``) still checks *every*
+  key of the chain, shard by shard, so a hit never includes a page whose ancestor is gone even
+  where no pin could help (a page deleted behind the library's back).
 * **Budget per shard**: ``budget / shards`` each, enforced atomically by the shard's scripts, so
   the store never exceeds ``budget`` in total without a cross-slot counter (there is none).
-  Eviction is LRU-leaf order within a shard, not across shards.
+  Eviction takes leaves only (store-wide), in LRU order within a shard, not across shards; a
+  shard full of pages held only by pins evicts the pinning child groups elsewhere
+  (least recently used first).
 
 Locating a key whose depth the client does not know (``present`` of loose keys, the parent of a
 ``put_many`` that starts mid-chain) costs one ``locate`` script per shard, pipelined per master;
@@ -549,15 +555,16 @@ class RedisShardedProvider(Provider):
                 raise
         return fn()
 
-    def _make_room_in(self, shards: Sequence[int], pinned: int = 8) -> int:
-        """Evict the child groups (in other shards) of the ``pinned`` pages pinned longest in each
-        of ``shards``, so that those pages become leaves there again.
+    def _make_room_in(self, shards: Sequence[int], pinned: int = 2) -> int:
+        """Evict the child groups (in other shards) of the ``pinned`` least recently used pinned
+        pages in each of ``shards``, so that those pages become leaves there again.
 
         A shard's budget is its own: it can be full of pages that nothing holds *there* but the
         pins of child groups elsewhere (a group's tail and the group above it), while the rest of
         the store has leaves.  Its scripts cannot evict across shards, so the client does, from
-        the bottom of those subtrees up (never a punctured chain).  Not LRU order: the subtrees
-        are chosen by pin age.  Returns the number of entries evicted."""
+        the bottom of those subtrees up (never a punctured chain).  Not exact LRU order: the
+        subtrees are chosen by their pinned page's LRU position, not by their own.
+        Returns the number of entries evicted."""
         roots: dict[int, list[str]] = {}
         for rep in self._fan([(s, "xhot", [str(pinned)]) for s in dict.fromkeys(shards)]):
             for raw in rep:
@@ -814,9 +821,9 @@ class RedisShardedProvider(Provider):
 
     # -- eviction ----------------------------------------------------------------------------
     def evict(self, keys: Sequence[bytes] | None = None, *, nbytes: int = 0) -> EvictReport:
-        """``keys``: each key's subtree *within its shard* (descendants in later groups live in
-        other shards: unreachable orphans that age out).  ``nbytes``: LRU leaves from every
-        shard in proportion to its used bytes."""
+        """``keys``: each key's subtree, across shards (:meth:`_evict_subtrees`).  ``nbytes``:
+        LRU leaves (store-wide leaves: pinned pages are none) from every shard in proportion to
+        its used bytes."""
         if (keys is None) == (not nbytes):
             raise InvalidArgumentError("give exactly one of keys or nbytes")
         if type(nbytes) is not int or nbytes < 0:
