@@ -529,7 +529,12 @@ class RedisShardedProvider(Provider):
             # this one.  Pin the parent there first (that fails if it is gone), then reserve;
             # the pin is released if the reservation is not taken (or later, through this
             # shard's outbox, when it is aborted, expires or the page is removed).
-            ps = self._memo.get(p, -1) // g
+            pc = self._memo.get(p)
+            if pc is None:  # placed moments ago, but the bounded memo was cleared since
+                pc = self._locate([p])[0]
+            if pc < 0:
+                raise UnknownKeyError(f"parent {p.hex()[:16]} is not stored")
+            ps = pc // g
             token = self._pin_token(s, k)
             if self._fan([(ps, "xpin", ["1", p.hex(), token])])[0] != b"1":
                 raise UnknownKeyError(f"parent {p.hex()[:16]} is not stored")
