@@ -61,7 +61,7 @@ def _entry(p: RedisShardedProvider, key: Any) -> dict[str, str]:
     s = p.shard_of(key)
     assert s is not None
     shard = p.shard_providers[s]
-    raw = shard._link.client().hgetall(f"hkv:{{{shard.namespace}}}:e:{key.hex()}")
+    raw: dict[bytes, bytes] = shard._link.client().hgetall(f"hkv:{{{shard.namespace}}}:e:{key.hex()}")  # type: ignore[assignment]
     return {k.decode(): v.decode() for k, v in raw.items()}
 
 
