@@ -7,7 +7,7 @@ Installing this distribution registers the ``redis``, ``rediss``, ``redis+cluste
 
 from __future__ import annotations
 
-from ._errors import ReservationLostError, ServerOutOfMemoryError, ServerUnavailableError
+from ._errors import NotReplicatedError, ReservationLostError, ServerOutOfMemoryError, ServerUnavailableError
 from ._provider import (
     DEFAULT_BUDGET,
     RedisClusterProvider,
@@ -16,18 +16,24 @@ from ._provider import (
     RedissProvider,
 )
 from ._scripts import TRAILER_NBYTES
+from ._sharded import DEFAULT_GROUP, DEFAULT_SHARDS, RedisShardedProvider, shard_tags
 
 __version__ = "0.1.0"
 
 __all__ = [
     "DEFAULT_BUDGET",
+    "DEFAULT_GROUP",
+    "DEFAULT_SHARDS",
     "TRAILER_NBYTES",
+    "NotReplicatedError",
     "RedisClusterProvider",
     "RedisProvider",
+    "RedisShardedProvider",
     "RedissClusterProvider",
     "RedissProvider",
     "ReservationLostError",
     "ServerOutOfMemoryError",
     "ServerUnavailableError",
     "__version__",
+    "shard_tags",
 ]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from hostkv_providers.errors import NoSpaceError, ReservationError, StorageIOError
 
-__all__ = ["ReservationLostError", "ServerOutOfMemoryError", "ServerUnavailableError"]
+__all__ = ["NotReplicatedError", "ReservationLostError", "ServerOutOfMemoryError", "ServerUnavailableError"]
 
 
 class ServerUnavailableError(StorageIOError):
@@ -30,3 +30,13 @@ class ReservationLostError(ReservationError):
     """
 
     default_hint = "save the page again; raise reservation_ttl if writers stall longer than it"
+
+
+class NotReplicatedError(StorageIOError):
+    """``wait_replicas`` replicas did not confirm a seal within ``wait_timeout`` (``WAIT``).
+
+    The page may be stored on the master (and read back later), but it is *not acknowledged*:
+    a failover could lose it.  Save it again, or check the replicas' health.
+    """
+
+    default_hint = "check that the master's replicas are connected (INFO replication); save the page again"

@@ -70,7 +70,7 @@ from redis.backoff import ExponentialBackoff
 from redis.cluster import RedisCluster
 from redis.retry import Retry
 
-from ._errors import ReservationLostError, ServerOutOfMemoryError, ServerUnavailableError
+from ._errors import NotReplicatedError, ReservationLostError, ServerOutOfMemoryError, ServerUnavailableError
 from ._scripts import SCRIPTS, TRAILER_NBYTES
 
 __all__ = [
@@ -125,7 +125,8 @@ class _Link:
     lost reply cannot double-apply.
     """
 
-    def __init__(self, url: str, cluster: bool, meta_key: str, timeout: float, retries: int) -> None:
+    def __init__(self, url: str, cluster: bool, meta_key: str, timeout: float, retries: int,
+                 shared: RedisCluster | None = None) -> None:
         self.url = url
         self.cluster = cluster
         self.meta_key = meta_key
@@ -139,8 +140,11 @@ class _Link:
         self._shas: dict[str, str] = {}
         self._cluster: RedisCluster | None = None
         self._client: redis.Redis | None = None
+        self._owns_cluster = shared is None
         try:
-            if cluster:
+            if shared is not None:  # one cluster client (and one pool per node) for many stores
+                self._cluster = shared
+            elif cluster:
                 self._cluster = RedisCluster.from_url(url, **kwargs)
             else:
                 self._client = redis.Redis.from_url(url, **kwargs)
@@ -219,6 +223,16 @@ class _Link:
                     on_nostore(self.client())
                     last = exc
                     continue
+                if self.cluster and _transient_cluster_error(msg):
+                    # A script stopped by the migration guard (its slot is MIGRATING: it wrote
+                    # nothing), or the cluster is down during a failover: retry after a refresh.
+                    last = exc
+                    if attempt + 1 < attempts:
+                        self.refresh()
+                        _sleep_backoff(attempt)
+                        continue
+                    raise ServerUnavailableError(f"redis cluster {_redact(self.url)}: {msg}",
+                                                 hint="a slot is migrating or a failover is under way; retry") from exc
                 raise StorageIOError(f"redis: {msg}") from exc
             except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as exc:
                 last = exc
@@ -241,7 +255,8 @@ class _Link:
     def close(self) -> None:
         try:
             if self._cluster is not None:
-                self._cluster.close()
+                if self._owns_cluster:
+                    self._cluster.close()
             elif self._client is not None:
                 self._client.close()
         except Exception as exc:  # cleanup warns, never raises
@@ -255,6 +270,15 @@ def _whole(out: object) -> memoryview:
     except TypeError:
         size = 0
     return writable_buffer(out, size)
+
+
+_TRANSIENT = ("non local key", "cluster is down", "TRYAGAIN", "CLUSTERDOWN", "MOVED ", "ASK ", "LOADING",
+              "MASTERDOWN", "READONLY")
+
+
+def _transient_cluster_error(msg: str) -> bool:
+    """An error reply that means "not here, not now" in a cluster (never a verdict on the data)."""
+    return any(t in msg for t in _TRANSIENT)
 
 
 def _sleep_backoff(attempt: int) -> None:
@@ -656,6 +680,9 @@ class RedisProvider(Provider):
         verify_reads: bool = True,
         resize: bool = False,
         keepalive: bool = True,
+        wait_replicas: int = 0,
+        wait_timeout: float = 2.0,
+        _shared_cluster: RedisCluster | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(url, str) or "://" not in url:
@@ -669,6 +696,12 @@ class RedisProvider(Provider):
                 raise InvalidArgumentError(f"{what} must be seconds in (0, 86400], got {value!r}")
         if type(retries) is not int or not 0 <= retries <= 100:
             raise InvalidArgumentError(f"retries must be an int in [0, 100], got {retries!r}")
+        if type(wait_replicas) is not int or not 0 <= wait_replicas <= 16:
+            raise InvalidArgumentError(f"wait_replicas must be an int in [0, 16], got {wait_replicas!r}")
+        if not isinstance(wait_timeout, (int, float)) or isinstance(wait_timeout, bool) or not 0 < wait_timeout <= 3600:
+            raise InvalidArgumentError(f"wait_timeout must be seconds in (0, 3600], got {wait_timeout!r}")
+        self._wait = wait_replicas
+        self._wait_ms = max(1, int(wait_timeout * 1000))
         self._namespace = namespace
         self._prefix = f"hkv:{{{namespace}}}:"
         self._meta = self._prefix + "m"
@@ -687,7 +720,7 @@ class RedisProvider(Provider):
         self._want_budget = budget_bytes
         self._resize = resize
         self._budget = budget_bytes or DEFAULT_BUDGET
-        self._link = _Link(url, cluster, self._meta, float(timeout), retries)
+        self._link = _Link(url, cluster, self._meta, float(timeout), retries, _shared_cluster)
         self._keepalive = keepalive
         self._pool = _BufferPool(256 << 20)
         self._renew_every = min(lease_ttl, reservation_ttl) / 3
@@ -702,7 +735,7 @@ class RedisProvider(Provider):
 
     # -- construction ------------------------------------------------------------------------
     @classmethod
-    def from_url(cls, location: str, options: Mapping[str, str]) -> RedisProvider:
+    def from_url(cls, location: str, options: Mapping[str, str]) -> Provider:
         opts = Options(cls.name, options)
         budget_raw = opts.text("budget")
         budget = None if budget_raw is None else parse_size(budget_raw)
@@ -713,6 +746,14 @@ class RedisProvider(Provider):
         retries = opts.integer("retries", 3)
         verify = opts.choice("verify", "read", ("read", "never"))
         resize = opts.boolean("resize", False)
+        wait_replicas = opts.integer("wait_replicas", 0)
+        wait_timeout = opts.number("wait_timeout", 2.0)
+        shards, group = 1, 1
+        if cls._cluster_mode:
+            from ._sharded import DEFAULT_GROUP, DEFAULT_SHARDS
+
+            shards = opts.integer("shards", DEFAULT_SHARDS)
+            group = opts.integer("group", DEFAULT_GROUP)
         # TLS: handed to redis-py's SSL connection in the URL it parses (files by path).
         tls: dict[str, str] = {}
         for name in ("ssl_ca_certs", "ssl_ca_path", "ssl_certfile", "ssl_keyfile"):
@@ -734,9 +775,18 @@ class RedisProvider(Provider):
             raise InvalidArgumentError(f"{', '.join(sorted(tls))}: TLS options on a {cls.name}:// URL",
                                        hint=f"use {cls.name.replace('redis', 'rediss', 1)}:// for TLS")
         query = "?" + urllib.parse.urlencode(tls) if tls else ""
-        return cls(f"{cls._url_scheme}://{location}{query}", budget_bytes=budget, namespace=namespace,
+        url = f"{cls._url_scheme}://{location}{query}"
+        if shards != 1:
+            from ._sharded import RedisShardedProvider
+
+            return RedisShardedProvider(url, budget_bytes=budget, namespace=namespace, shards=shards, group=group,
+                                        lease_ttl=lease_ttl, reservation_ttl=reservation_ttl, timeout=timeout,
+                                        retries=retries, verify_reads=verify == "read", resize=resize,
+                                        wait_replicas=wait_replicas, wait_timeout=wait_timeout)
+        return cls(url, budget_bytes=budget, namespace=namespace,
                    cluster=cls._cluster_mode, lease_ttl=lease_ttl, reservation_ttl=reservation_ttl,
-                   timeout=timeout, retries=retries, verify_reads=verify == "read", resize=resize)
+                   timeout=timeout, retries=retries, verify_reads=verify == "read", resize=resize,
+                   wait_replicas=wait_replicas, wait_timeout=wait_timeout)
 
     def _init_store(self, client: redis.Redis) -> None:
         """Create the store's metadata, or check that it matches this build (R4)."""
@@ -773,6 +823,17 @@ class RedisProvider(Provider):
     def _eval(self, script: str, *args: Any) -> Any:
         sha = self._link.sha(script)
         return self._run(lambda c: c.evalsha(sha, 1, self._meta, *args))
+
+    def _wait_command(self) -> list[Piece]:
+        """``WAIT`` on the pipeline's own connection (it covers that connection's writes only)."""
+        return _encode([b"WAIT", b"%d" % self._wait, b"%d" % self._wait_ms])
+
+    def _unreplicated(self, reply: Any) -> NotReplicatedError | None:
+        """The error for seals that fewer than ``wait_replicas`` replicas confirmed, or ``None``."""
+        if isinstance(reply, int) and reply >= self._wait:
+            return None
+        return NotReplicatedError(f"{reply!r} of {self._wait} replicas confirmed the write within "
+                                  f"{self._wait_ms} ms; the page is not acknowledged")
 
     def _next_id(self, kind: str) -> str:
         return f"{self._client_id}.{kind}{next(self._ids):x}"
@@ -885,10 +946,11 @@ class RedisProvider(Provider):
                 return
 
     # -- writes ------------------------------------------------------------------------------
-    def reserve(self, key: bytes, parent: bytes | None, nbytes: int, *, salt_tag: str = "") -> Reservation | None:
+    def reserve(self, key: bytes, parent: bytes | None, nbytes: int, *, salt_tag: str = "",
+                _remote_parent: str = "") -> Reservation | None:
         item = self._check_item(key, parent, nbytes, salt_tag)
         self._check_usable()
-        res = self._reserve_batch([item], salt_tag)[0]
+        res = self._reserve_batch([item], salt_tag, _remote_parent)[0]
         if isinstance(res, BaseException):
             raise res
         return res
@@ -896,15 +958,18 @@ class RedisProvider(Provider):
     def _check_item(self, key: object, parent: object, nbytes: object, salt_tag: object) -> tuple[Key, Key | None, int]:
         return self._reserve_args(key, parent, nbytes, salt_tag, tag_max=_SALT_TAG_MAX)
 
-    def _reserve_batch(self, items: Sequence[tuple[Key, Key | None, int]],
-                       salt_tag: str) -> list[_RedisReservation | HostKVError | None]:
+    def _reserve_batch(self, items: Sequence[tuple[Key, Key | None, int]], salt_tag: str,
+                       remote: str = "") -> list[_RedisReservation | HostKVError | None]:
         """Reserve many entries in one script call; per item a reservation, ``None`` (already
         stored) or the error for that item; each reservation gets a pooled buffer for ``write``."""
         rids = [self._next_id("r") for _ in items]
         allow = "0"  # a parent must be sealed (the script can also accept this client's in-flight one)
         args: list[Any] = [self._client_id, str(self._flight_ms), allow, str(len(items))]
         for (k, p, n), rid in zip(items, rids, strict=True):
-            args += [k.hex(), "" if p is None else p.hex(), str(n), str(n), salt_tag, rid]
+            # '>' parent ' ' shard ' ' pin: the sharded store's group-first page, whose parent is in
+            # another shard (``remote`` is "<shard> <pin>", see _scripts._XPIN)
+            ph = "" if p is None else (f">{p.hex()} {remote}" if remote else p.hex())
+            args += [k.hex(), ph, str(n), str(n), salt_tag, rid]
         statuses = self._eval("reserve", *args)
         out: list[_RedisReservation | HostKVError | None] = []
         for (k, p, n), rid, raw in zip(items, rids, statuses, strict=True):
@@ -972,15 +1037,20 @@ class RedisProvider(Provider):
                 yield _encode([b"SET", f"{self._prefix}w:{res.hex}:{res.rid}".encode(), (data, trailer), b"PX", px])
                 args += [res.hex.encode(), res.rid.encode(), str(digest).encode()]
             yield _encode(args)
+            if self._wait:
+                yield self._wait_command()
+
+        extra = 1 if self._wait else 0
 
         def go(client: redis.Redis) -> list[Any]:
-            replies = _send_raw(client, commands, len(batch) + 1)
-            if isinstance(replies[-1], BaseException):
-                raise replies[-1]
+            replies = _send_raw(client, commands, len(batch) + 1 + extra)
+            if isinstance(replies[len(batch)], BaseException):
+                raise replies[len(batch)]
             return replies
 
         results = self._run(go)
-        statuses = results[-1]
+        statuses = results[len(batch)]
+        unreplicated = self._unreplicated(results[-1]) if extra else None
         out: list[HostKVError | None] = []
         sealed = 0
         for i, (res, raw) in enumerate(zip(batch, statuses, strict=True)):
@@ -993,7 +1063,7 @@ class RedisProvider(Provider):
             if st == "ok":
                 res._finish("sealed")
                 sealed += 1
-                out.append(None)
+                out.append(unreplicated)
                 continue
             res._finish("aborted")
             if st == "noparent":
@@ -1034,7 +1104,7 @@ class RedisProvider(Provider):
                           stacklevel=2)
 
     def put_many(self, items: Sequence[tuple[bytes, bytes | None, object]], *,
-                 salt_tag: str = "") -> list[bool | HostKVError]:
+                 salt_tag: str = "", _remote: Mapping[Key, str] | None = None) -> list[bool | HostKVError]:
         """Store many pages in two round trips per batch (at most 1,024 pages and 64 MiB).
 
         ``items`` are ``(key, parent, data)``; a parent may be an earlier item of the same call
@@ -1071,17 +1141,17 @@ class RedisProvider(Provider):
             while hi < len(checked) and hi - lo < _BATCH and staged + checked[hi][2] <= _BATCH_BYTES:
                 staged += checked[hi][2]
                 hi += 1
-            out += self._put_chunk(checked[lo:hi], views[lo:hi], salt_tag, failed)
+            out += self._put_chunk(checked[lo:hi], views[lo:hi], salt_tag, failed, _remote or {})
             lo = hi
         return out
 
     def _put_chunk(self, checked: Sequence[tuple[Key, Key | None, int]], views: Sequence[memoryview],
-                   salt_tag: str, failed: set[Key]) -> list[bool | HostKVError]:
+                   salt_tag: str, failed: set[Key], remote: Mapping[Key, str]) -> list[bool | HostKVError]:
         hexes = [k.hex() for k, _, _ in checked]
         probe_cmd = _encode([b"EVALSHA", self._link.sha("probe").encode(), b"1", self._meta.encode()])
         probe_cmd[0] = b"*%d\r\n" % (4 + 2 * len(checked))
-        for h, (_, p, _) in zip(hexes, checked, strict=True):  # (key, parent) pairs, one step each
-            probe_cmd.append(b"$64\r\n%s\r\n$0\r\n\r\n" % h.encode() if p is None
+        for h, (k, p, _) in zip(hexes, checked, strict=True):  # (key, parent) pairs, one step each
+            probe_cmd.append(b"$64\r\n%s\r\n$0\r\n\r\n" % h.encode() if p is None or k in remote
                              else b"$64\r\n%s\r\n$64\r\n%s\r\n" % (h.encode(), p.hex().encode()))
         # Checksums the put pipeline needs anyway are computed while the probe is on the wire
         # (up to _HASH_AHEAD bytes; the rest overlap the pages' transfer, in _publish).
@@ -1119,7 +1189,8 @@ class RedisProvider(Provider):
                 out.append(True)
         dedup = len(checked) - len(ship) - sum(isinstance(x, HostKVError) for x in out)
         if ship:
-            for i, err in zip(ship, self._publish(checked, views, hexes, ship, salt_tag, digests), strict=True):
+            for i, err in zip(ship, self._publish(checked, views, hexes, ship, salt_tag, digests, remote),
+                              strict=True):
                 if err is None:
                     continue
                 if err is False:
@@ -1132,7 +1203,7 @@ class RedisProvider(Provider):
 
     def _publish(self, checked: Sequence[tuple[Key, Key | None, int]], views: Sequence[memoryview],
                  hexes: Sequence[str], ship: Sequence[int], salt_tag: str,
-                 digests: Mapping[int, int]) -> list[HostKVError | bool | None]:
+                 digests: Mapping[int, int], remote: Mapping[Key, str]) -> list[HostKVError | bool | None]:
         """One pipeline: ``SET`` each shipped page to its staging key, with a ``put`` script after
         every group of pages; per shipped item ``None`` (stored), ``False`` (stored meanwhile by
         another writer) or its error.
@@ -1178,15 +1249,21 @@ class RedisProvider(Provider):
                     yield [b"*5\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(name), name, n + TRAILER_NBYTES),
                            view, _TRAILER.pack(k, digest, n, _MAGIC) + set_tail]
                     ns, ds = b"%d" % n, b"%d" % digest
-                    ph = b"" if p is None else p.hex().encode()
+                    tok = remote.get(k)
+                    ph = (b"" if p is None else b">%s %s" % (p.hex().encode(), tok.encode()) if tok
+                          else p.hex().encode())
                     items.append(b"$%d\r\n%s\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n" % (
                         len(hexes[i]), hexes[i].encode(), len(ph), ph, len(ns), ns, len(ds), ds))
                 cmd = _encode(head)
                 cmd[0] = b"*%d\r\n" % (len(head) + 4 * len(group))
                 yield [*cmd, *items]
+            if self._wait:
+                yield self._wait_command()
+
+        extra = 1 if self._wait else 0
 
         def go(client: redis.Redis) -> list[Any]:
-            replies = _send_raw(client, commands, len(ship) + len(groups))
+            replies = _send_raw(client, commands, len(ship) + len(groups) + extra)
             pos = 0
             for group in groups:  # a script's error (NOSCRIPT, HKV_NOSTORE ...) is retried by run()
                 pos += len(group)
@@ -1196,6 +1273,7 @@ class RedisProvider(Provider):
             return replies
 
         results = self._run(go)
+        unreplicated = self._unreplicated(results[-1]) if extra else None
         out: list[HostKVError | bool | None] = []
         stored = nbytes = 0
         pos = 0
@@ -1207,7 +1285,7 @@ class RedisProvider(Provider):
                 if st == "ok":
                     stored += 1
                     nbytes += n
-                    out.append(None)
+                    out.append(unreplicated)
                 elif st == "dup":
                     out.append(False)
                 elif st == "busy":

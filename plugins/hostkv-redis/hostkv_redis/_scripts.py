@@ -12,7 +12,13 @@ client-generated reservation/lease ids)::
     hkv:{ns}:e:<h>        hash    sealed entry: p parent-hex, n nbytes, c cost, g salt tag,
                                   k checksum, ct created ms, lu last-used ms, t LRU tick,
                                   r generation (the rid that sealed it), ch children,
-                                  lc lease count, fc in-flight children, na anchors
+                                  lc lease count, fc in-flight children, na anchors,
+                                  xp (sharded stores) the parent that lives in another shard,
+                                  xs its shard, xm the pin this page holds on it (below),
+                                  xc pins held on this page by child groups in other shards
+    hkv:{ns}:x:<h>        hash    pins on h by child groups in other shards: pin -> ms
+    hkv:{ns}:xz           zset    pages with pins (x:<h> not empty) by LRU tick
+    hkv:{ns}:xo           list    outbox: "<shard> <parent> <pin>" releases still to apply there
     hkv:{ns}:d:<h>        string  page bytes + 56-byte trailer (key echo, checksum, nbytes, magic)
     hkv:{ns}:c:<h>        set     children hexes (subtree removal)
     hkv:{ns}:a:<h>        hash    anchors: name -> blob
@@ -47,6 +53,13 @@ local FZ = P .. 'fz'
 local LZ = P .. 'lz'
 local TRAILER = 56
 
+-- Migration guard: in a Redis Cluster slot that is being migrated (MIGRATING), any access to a
+-- key the node does not hold makes the script fail *at that command* ("non local key"), with the
+-- writes before it already applied (Redis has no rollback).  Touching a key that never exists
+-- as the very first command makes every script of a migrating slot fail before it writes
+-- anything; the client retries once the slot has moved.  Outside a migration it is one EXISTS.
+redis.call('EXISTS', P .. 'never')
+
 local function E(h) return P .. 'e:' .. h end
 local function D(h) return P .. 'd:' .. h end
 local function C(h) return P .. 'c:' .. h end
@@ -54,6 +67,26 @@ local function A(h) return P .. 'a:' .. h end
 local function F(h) return P .. 'f:' .. h end
 local function W(h, rid) return P .. 'w:' .. h .. ':' .. rid end
 local function L(lid) return P .. 'l:' .. lid end
+local function X(h) return P .. 'x:' .. h end
+local XO = P .. 'xo'
+local XZ = P .. 'xz'
+
+-- A parent argument '>' .. parent .. ' ' .. its shard .. ' ' .. pin: the sharded store's
+-- group-first page, whose parent lives in another shard (recorded as xp/xs, not linked here) and
+-- holds the pin `xm` (a member of that parent's x: hash, placed there before this page is).
+-- Returns local parent, xp, xs, xm.
+local function remote(p)
+  if string.sub(p, 1, 1) ~= '>' then return p, '', '', '' end
+  local xp, xs, xm = string.match(p, '^>(%x+) ?(%d*) ?(.*)$')
+  return '', xp, xs, xm
+end
+
+-- A group-first page (or its reservation) that holds a pin on a parent in another shard is
+-- going away: queue the release.  No script can reach the other shard; a client drains this
+-- outbox into idempotent releases there (until then the parent stays pinned: the safe side).
+local function xrelease(xs, xp, xm)
+  if xm and xm ~= '' then redis.call('RPUSH', XO, xs .. ' ' .. xp .. ' ' .. xm) end
+end
 
 local function need_store()
   if redis.call('HEXISTS', M, 'budget') == 0 then
@@ -69,11 +102,12 @@ end
 local function mget(field) return tonumber(redis.call('HGET', M, field) or '0') end
 local function mincr(field, d) if d ~= 0 then redis.call('HINCRBY', M, field, d) end end
 
--- Keep LRU = exactly the sealed entries with no children, no leases, no in-flight children.
+-- Keep LRU = exactly the sealed entries with no children, no leases, no in-flight children and
+-- no pins from child groups in other shards (xc, sharded stores).
 local function maybe_leaf(h)
-  local v = redis.call('HMGET', E(h), 'ch', 'lc', 'fc', 't')
+  local v = redis.call('HMGET', E(h), 'ch', 'lc', 'fc', 't', 'xc')
   if not v[4] then return end
-  if tonumber(v[1]) == 0 and tonumber(v[2]) == 0 and tonumber(v[3]) == 0 then
+  if tonumber(v[1]) == 0 and tonumber(v[2]) == 0 and tonumber(v[3]) == 0 and tonumber(v[5] or '0') == 0 then
     redis.call('ZADD', LRU, v[4], h)
   else
     redis.call('ZREM', LRU, h)
@@ -82,10 +116,13 @@ end
 
 -- Remove one sealed entry (a leaf, or forced by a subtree drop that goes deepest first).
 local function remove_entry(h)
-  local v = redis.call('HMGET', E(h), 'p', 'c', 'na', 'lc')
+  local v = redis.call('HMGET', E(h), 'p', 'c', 'na', 'lc', 'xs', 'xp', 'xm')
   if not v[2] then return 0 end
   local c = tonumber(v[2])
+  -- X(h) (pins of child groups in other shards) stays: empty unless this is a forced drop, and
+  -- then those children still name h; a page sealed again under the key inherits them.
   redis.call('DEL', E(h), D(h), A(h), C(h))
+  xrelease(v[5], v[6], v[7])
   redis.call('ZREM', LRU, h)
   mincr('used', -c)
   mincr('sealed', -c)
@@ -104,11 +141,12 @@ end
 -- Release an in-flight reservation: its cost, and the hold on its parent (matched by generation
 -- so a stale reservation can never unpin a parent that was dropped and sealed again).
 local function cancel_flight(h)
-  local f = redis.call('HMGET', F(h), 'r', 'p', 'pg', 'c')
+  local f = redis.call('HMGET', F(h), 'r', 'p', 'pg', 'c', 'xs', 'xp', 'xm')
   if not f[1] then
     redis.call('ZREM', FZ, h)
     return
   end
+  xrelease(f[5], f[6], f[7])
   mincr('used', -tonumber(f[4]))
   local p = f[2]
   if p ~= '' then
@@ -212,8 +250,9 @@ local function plan(need, protect, partial)
         local p = v[2]
         if p ~= '' and p ~= protect then
           gone[p] = (gone[p] or 0) + 1
-          local pv = redis.call('HMGET', E(p), 'ch', 'lc', 'fc', 't')
-          if pv[4] and tonumber(pv[1]) == gone[p] and tonumber(pv[2]) == 0 and tonumber(pv[3]) == 0 then
+          local pv = redis.call('HMGET', E(p), 'ch', 'lc', 'fc', 't', 'xc')
+          if pv[4] and tonumber(pv[1]) == gone[p] and tonumber(pv[2]) == 0 and tonumber(pv[3]) == 0
+             and tonumber(pv[5] or '0') == 0 then
             heap_push(H, tonumber(pv[4]), p)
           end
         end
@@ -339,6 +378,8 @@ local budget, used, pending = mget('budget'), mget('used'), 0
 for k = 1, n do
   local h, p, cost, nb, tag, rid = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2]), ARGV[i + 3], ARGV[i + 4], ARGV[i + 5]
   i = i + 6
+  local xp, xs, xm
+  p, xp, xs, xm = remote(p)  -- '>' ...: the parent lives in another shard (recorded, not linked)
   local st
   if redis.call('EXISTS', E(h)) == 1 then
     st = 'dup'
@@ -372,7 +413,8 @@ for k = 1, n do
         if not fits then
           st = 'cap ' .. budget .. ' ' .. used .. ' ' .. mget('sealed')
         else
-          redis.call('HSET', F(h), 'r', rid, 'cl', cl, 'p', p, 'pg', pg, 'c', cost, 'n', nb, 'g', tag, 'fk', 0)
+          redis.call('HSET', F(h), 'r', rid, 'cl', cl, 'p', p, 'pg', pg, 'c', cost, 'n', nb, 'g', tag, 'fk', 0,
+                     'xp', xp, 'xs', xs, 'xm', xm)
           redis.call('ZADD', FZ, now + ttl, h)
           used = used + cost
           pending = pending + cost
@@ -407,7 +449,7 @@ for k = 1, n do
   local h, rid, ck = ARGV[i], ARGV[i + 1], ARGV[i + 2]
   i = i + 3
   local st
-  local f = redis.call('HMGET', F(h), 'r', 'p', 'pg', 'c', 'n', 'g', 'fk')
+  local f = redis.call('HMGET', F(h), 'r', 'p', 'pg', 'c', 'n', 'g', 'fk', 'xp', 'xs', 'xm')
   if f[1] ~= rid then
     if redis.call('HGET', E(h), 'r') == rid then st = 'ok' else st = 'lost' end
   else
@@ -423,9 +465,12 @@ for k = 1, n do
       redis.call('PERSIST', D(h))  -- RENAME keeps the staging key's TTL: a page must not expire
       local t = t0 + k
       local fk = tonumber(f[7])
+      local xc = redis.call('HLEN', X(h))  -- child groups already pinned this key (sharded stores)
       redis.call('HSET', E(h), 'p', f[2], 'n', f[5], 'c', f[4], 'g', f[6], 'k', ck, 'ct', now, 'lu', now,
-                 't', t, 'r', rid, 'ch', 0, 'lc', 0, 'fc', fk, 'na', 0)
-      if fk == 0 then redis.call('ZADD', LRU, t, h) end
+                 't', t, 'r', rid, 'ch', 0, 'lc', 0, 'fc', fk, 'na', 0, 'xc', xc)
+      if f[8] and f[8] ~= '' then redis.call('HSET', E(h), 'xp', f[8], 'xs', f[9], 'xm', f[10]) end
+      if fk == 0 and xc == 0 then redis.call('ZADD', LRU, t, h) end
+      if xc > 0 then redis.call('ZADD', XZ, t, h) end
       if f[2] ~= '' then
         redis.call('SADD', C(f[2]), h)
         redis.call('HINCRBY', E(f[2]), 'ch', 1)
@@ -503,6 +548,8 @@ for k = 1, n do
   local h, p, nbs, ck = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
   local nb = tonumber(nbs)
   i = i + 4
+  local xp, xs, xm
+  p, xp, xs, xm = remote(p)  -- '>' ...: a parent in another shard
   local rid = base .. '.' .. k
   local w = W(h, rid)
   local st
@@ -541,7 +588,7 @@ for k = 1, n do
       -- per-page outcome, not an error that would abort the script halfway.
       if not redis.pcall('RENAME', w, D(h)).err then
         redis.call('PERSIST', D(h))  -- RENAME keeps the staging key's TTL: a page must not expire
-        mine[h] = {p, nbs, ck, t0 + k, rid, 0}
+        mine[h] = {p, nbs, ck, t0 + k, rid, 0, xp, xs, xm}
         order[#order + 1] = h
         if p ~= '' then
           redis.call('SADD', C(p), h)
@@ -568,9 +615,12 @@ end
 local z = {}
 for _, h in ipairs(order) do
   local e = mine[h]
+  local xc = redis.call('HLEN', X(h))  -- child groups already pinned this key (sharded stores)
   redis.call('HSET', E(h), 'p', e[1], 'n', e[2], 'c', e[2], 'g', tag, 'k', e[3], 'ct', now, 'lu', now,
-             't', e[4], 'r', e[5], 'ch', e[6], 'lc', 0, 'fc', 0, 'na', 0)
-  if e[6] == 0 then
+             't', e[4], 'r', e[5], 'ch', e[6], 'lc', 0, 'fc', 0, 'na', 0, 'xc', xc)
+  if e[7] ~= '' then redis.call('HSET', E(h), 'xp', e[7], 'xs', e[8], 'xm', e[9]) end
+  if xc > 0 then redis.call('ZADD', XZ, e[4], h) end
+  if e[6] == 0 and xc == 0 then
     z[#z + 1] = e[4]
     z[#z + 1] = h
     if #z >= 2000 then
@@ -621,6 +671,7 @@ for i = 3, #ARGV do
     end
     redis.call('HINCRBY', E(h), 'lc', 1)
     redis.call('HSET', E(h), 't', t0 + i - 2, 'lu', now)
+    redis.call('ZADD', XZ, 'XX', t0 + i - 2, h)  -- a pinned page's LRU position (sharded stores)
     bits[#bits + 1] = '1'
     items[#items + 1] = h
     items[#items + 1] = v[1]
@@ -700,6 +751,7 @@ for i = 1, n do
   local h = ARGV[i]
   if redis.call('EXISTS', E(h)) == 1 then
     redis.call('HSET', E(h), 't', t0 + i, 'lu', now)
+    redis.call('ZADD', XZ, 'XX', t0 + i, h)  -- a pinned page's LRU position (sharded stores)
     redis.call('ZADD', LRU, 'XX', t0 + i, h)
   end
 end
@@ -745,9 +797,9 @@ local order = subtree(roots)
 local n, b, skipped = 0, 0, 0
 for i = #order, 1, -1 do
   local h = order[i]
-  local v = redis.call('HMGET', E(h), 'ch', 'lc', 'fc')
+  local v = redis.call('HMGET', E(h), 'ch', 'lc', 'fc', 'xc')
   if v[1] then
-    if tonumber(v[1]) > 0 or tonumber(v[2]) > 0 or tonumber(v[3]) > 0 then
+    if tonumber(v[1]) > 0 or tonumber(v[2]) > 0 or tonumber(v[3]) > 0 or tonumber(v[4] or '0') > 0 then
       skipped = skipped + 1
     else
       b = b + remove_entry(h)
@@ -816,8 +868,10 @@ _INFO = r"""
 local out = {}
 for i = 1, #ARGV do
   local h = ARGV[i]
-  local v = redis.call('HMGET', E(h), 'p', 'n', 'g', 'k', 'ct', 'lu', 'r')
+  local v = redis.call('HMGET', E(h), 'p', 'n', 'g', 'k', 'ct', 'lu', 'r', 'xp')
   if v[2] then
+    if v[1] == '' and v[8] then v[1] = v[8] end  -- the parent in another shard (sharded stores)
+    v[8] = nil
     for _, name in ipairs(redis.call('HKEYS', A(h))) do
       v[#v + 1] = name
       v[#v + 1] = redis.call('HSTRLEN', A(h), name)
@@ -835,6 +889,147 @@ _IN_FLIGHT = r"""
 need_store()
 reap(now_ms())
 return redis.call('EXISTS', F(ARGV[1]))
+"""
+
+# ARGV: group, hexes... -> per key -1 (not stored here) or its depth inside its placement group
+# (the sharded cluster store: a group's first page is a local root, so this walks at most
+# ``group`` parent links).  Lets a client place the child of a page it has not seen in a chain.
+_LOCATE = r"""
+local g = tonumber(ARGV[1])
+local out = {}
+for i = 2, #ARGV do
+  local h = ARGV[i]
+  local d = -1
+  local p = redis.call('HGET', E(h), 'p')
+  if p then
+    d = 0
+    while p ~= '' and d < g do
+      d = d + 1
+      p = redis.call('HGET', E(p), 'p') or ''
+    end
+  end
+  out[#out + 1] = d
+end
+return out
+"""
+
+# -- cross-shard pins (sharded stores) ------------------------------------------------------
+# A group-first page in shard B whose parent P lives in shard A holds a *pin* on P: a member
+# ``<B>:<child hex>:<nonce>`` of the hash x:<P> in A (value: ms when pinned), counted in P's
+# field xc, which makes P a non-leaf here (never LRU-evicted, skipped by evict_keys).  The pin is
+# placed *before* the child is published (so a child never exists unpinned, except after a
+# client crash between the two steps of put_many's in-call parents, see _XPIN) and released
+# after the child is gone (via B's outbox, drained by clients: a crash in between leaves P
+# pinned longer, the safe side; verify(repair=True) reconciles).
+
+# ARGV: strict 0/1, then pairs (parent hex, pin).  Per pair '1' (pinned) or '0' (strict and the
+# parent is not sealed here: the child's write must fail).  Non-strict pins a parent that is not
+# stored yet (an earlier item of the same put_many, published in parallel): the seal or put that
+# creates it counts the pins already there.  Idempotent per pin.
+_XPIN = r"""
+local strict, now = ARGV[1] == '1', now_ms()
+local out = {}
+for i = 2, #ARGV, 2 do
+  local p, m = ARGV[i], ARGV[i + 1]
+  local here = redis.call('EXISTS', E(p)) == 1
+  if strict and not here then
+    out[#out + 1] = '0'
+  else
+    if redis.call('HSET', X(p), m, now) == 1 then
+      -- XZ: pinned pages by their LRU tick (0 until the page is created; seal/put set it)
+      redis.call('ZADD', XZ, 'NX', tonumber(redis.call('HGET', E(p), 't') or '0'), p)
+      if here then
+        redis.call('HINCRBY', E(p), 'xc', 1)
+        redis.call('ZREM', LRU, p)
+      end
+    end
+    out[#out + 1] = '1'
+  end
+end
+return table.concat(out)
+"""
+
+# ARGV: pairs (parent hex, pin).  Releases the pins (idempotent); a parent left with no pin and
+# nothing else holding it becomes an LRU leaf again.
+_XUNPIN = r"""
+local n = 0
+for i = 1, #ARGV, 2 do
+  local p, m = ARGV[i], ARGV[i + 1]
+  if redis.call('HDEL', X(p), m) == 1 then
+    n = n + 1
+    if redis.call('EXISTS', X(p)) == 0 then redis.call('ZREM', XZ, p) end
+    if redis.call('EXISTS', E(p)) == 1 then
+      redis.call('HINCRBY', E(p), 'xc', -1)
+      maybe_leaf(p)
+    end
+  end
+end
+return n
+"""
+
+# ARGV: n -> the pins on the (up to) n least recently used pinned pages of this shard: the child
+# groups to evict when this shard is full of pages that only their pins hold (per-shard budget).
+_XHOT = r"""
+local out = {}
+for _, p in ipairs(redis.call('ZRANGE', XZ, 0, tonumber(ARGV[1]) - 1)) do
+  for _, m in ipairs(redis.call('HKEYS', X(p))) do out[#out + 1] = m end
+end
+return out
+"""
+
+# ARGV: max -> the first `max` outbox entries ("<parent shard> <parent hex> <pin>").
+_XOUT = r"""
+return redis.call('LRANGE', XO, 0, tonumber(ARGV[1]) - 1)
+"""
+
+# ARGV: entries... -> removes each (once) from the outbox, after its release was applied.
+_XACK = r"""
+for i = 1, #ARGV do redis.call('LREM', XO, 1, ARGV[i]) end
+return #ARGV
+"""
+
+# ARGV: hexes... -> the pins held on every page of their subtrees here: the child groups in
+# other shards (evict(keys) follows them there, deepest first).
+_XSUB = r"""
+local roots = {}
+for i = 1, #ARGV do roots[i] = ARGV[i] end
+local out = {}
+for _, h in ipairs(subtree(roots)) do
+  for _, m in ipairs(redis.call('HKEYS', X(h))) do out[#out + 1] = m end
+end
+return out
+"""
+
+# ARGV: -> {server ms now, then parent hex, pin, pinned ms, ...} of every pin in this shard
+# (verify's reconciliation; one SCAN of the node, so not for a hot path).
+_XLIST = r"""
+local out, cur = {tostring(now_ms())}, '0'
+repeat
+  local r = redis.call('SCAN', cur, 'MATCH', P .. 'x:*', 'COUNT', 1000)
+  cur = r[1]
+  for _, name in ipairs(r[2]) do
+    local p = string.sub(name, #P + 3)
+    local kv = redis.call('HGETALL', name)
+    for j = 1, #kv, 2 do
+      out[#out + 1] = p
+      out[#out + 1] = kv[j]
+      out[#out + 1] = kv[j + 1]
+    end
+  end
+until cur == '0'
+return out
+"""
+
+# ARGV: pairs (child hex, pin) -> per pair '1' if a sealed entry or a live reservation of that
+# key here holds exactly that pin, else '0'.
+_XHELD = r"""
+local out = {}
+for i = 1, #ARGV, 2 do
+  local h, m = ARGV[i], ARGV[i + 1]
+  local held = redis.call('HGET', E(h), 'xm') == m or redis.call('HGET', F(h), 'xm') == m
+  out[#out + 1] = held and '1' or '0'
+end
+return table.concat(out)
 """
 
 _BODIES = {
@@ -859,6 +1054,15 @@ _BODIES = {
     "deepest_anchor": _DEEPEST_ANCHOR,
     "info": _INFO,
     "in_flight": _IN_FLIGHT,
+    "locate": _LOCATE,
+    "xpin": _XPIN,
+    "xunpin": _XUNPIN,
+    "xout": _XOUT,
+    "xack": _XACK,
+    "xsub": _XSUB,
+    "xlist": _XLIST,
+    "xheld": _XHELD,
+    "xhot": _XHOT,
 }
 
 #: name -> full Lua source (prelude + body); loaded with SCRIPT LOAD, called with EVALSHA.

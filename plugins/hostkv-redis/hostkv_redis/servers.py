@@ -199,19 +199,28 @@ class RedisServer:
 
 
 class RedisClusterServers:
-    """A Redis Cluster of ``masters`` masters (no replicas) on loopback ports."""
+    """A Redis Cluster of ``masters`` masters, each with ``replicas`` replicas, on loopback ports.
 
-    def __init__(self, workdir: Path | str, masters: int = 3) -> None:
+    ``servers[:masters]`` start as the masters (slots split into equal contiguous ranges),
+    ``servers[masters:]`` as their replicas (replica ``j`` of master ``i`` is
+    ``servers[masters + i * replicas + j]``).  After a failover the roles move: ask
+    :meth:`masters_now`.
+    """
+
+    def __init__(self, workdir: Path | str, masters: int = 3, replicas: int = 0,
+                 node_timeout_ms: int = 2000) -> None:
         self.workdir = Path(workdir)
+        self.masters = masters
+        self.replicas = replicas
         self.servers: list[RedisServer] = []
-        for i in range(masters):
+        for i in range(masters * (1 + replicas)):
             port = free_port(cluster_bus=True)
             while any(s.port == port for s in self.servers):
                 port = free_port(cluster_bus=True)
             d = self.workdir / f"node{i}"
             self.servers.append(RedisServer(d, port=port, extra_args=(
                 "--cluster-enabled", "yes", "--cluster-config-file", str(d / "nodes.conf"),
-                "--cluster-node-timeout", "2000")))
+                "--cluster-node-timeout", str(node_timeout_ms))))
 
     @property
     def url(self) -> str:
@@ -235,9 +244,9 @@ class RedisClusterServers:
     def _create(self) -> None:
         # Assign slots directly (CLUSTER ADDSLOTSRANGE + MEET): no redis-cli needed, and it is
         # deterministic; redis-cli --cluster create does the same plus interactive checks.
-        n = len(self.servers)
+        n = self.masters
         per = 16384 // n
-        for i, s in enumerate(self.servers):
+        for i, s in enumerate(self.servers[:n]):
             lo = i * per
             hi = 16383 if i == n - 1 else (i + 1) * per - 1
             with s.client() as c:
@@ -245,15 +254,106 @@ class RedisClusterServers:
         with self.servers[0].client() as c:
             for s in self.servers[1:]:
                 c.execute_command("CLUSTER", "MEET", "127.0.0.1", s.port)
+        if not self.replicas:
+            return
+        ids = [self.node_id(s) for s in self.servers[:n]]
+        deadline = time.monotonic() + 30
+        for i in range(n):
+            for j in range(self.replicas):
+                replica = self.servers[n + i * self.replicas + j]
+                while True:  # the replica must have learnt its master's id through MEET first
+                    try:
+                        with replica.client() as c:
+                            c.execute_command("CLUSTER", "REPLICATE", ids[i])
+                        break
+                    except redis.exceptions.ResponseError:
+                        if time.monotonic() > deadline:
+                            raise
+                        time.sleep(0.1)
+
+    @staticmethod
+    def node_id(server: RedisServer) -> str:
+        with server.client() as c:
+            out = c.execute_command("CLUSTER", "MYID")
+        return out.decode() if isinstance(out, bytes) else str(out)
 
     def _ok(self) -> bool:
         for s in self.servers:
-            with s.client() as c:
-                info = c.execute_command("CLUSTER", "INFO")
-                text = info.decode() if isinstance(info, bytes) else str(info)
-                if "cluster_state:ok" not in text or f"cluster_known_nodes:{len(self.servers)}" not in text:
-                    return False
+            if s.proc is None:
+                continue
+            try:
+                with s.client(socket_timeout=2) as c:
+                    info = c.execute_command("CLUSTER", "INFO")
+                    if self.replicas and s in self.servers[self.masters:]:
+                        repl = c.info("replication")
+                        if repl.get("role") == "slave" and repl.get("master_link_status") != "up":
+                            return False
+            except redis.exceptions.RedisError:
+                return False
+            text = info.decode() if isinstance(info, bytes) else str(info)
+            if "cluster_state:ok" not in text or f"cluster_known_nodes:{len(self.servers)}" not in text:
+                return False
         return True
+
+    def wait_ok(self, timeout: float = 30.0) -> None:
+        """Wait until every running node reports ``cluster_state:ok`` (e.g. after a failover)."""
+        deadline = time.monotonic() + timeout
+        while not self._ok_running():
+            if time.monotonic() > deadline:
+                raise StorageIOError("the redis cluster did not return to cluster_state:ok")
+            time.sleep(0.1)
+
+    def _ok_running(self) -> bool:
+        for s in self.servers:
+            if s.proc is None:
+                continue
+            try:
+                with s.client(socket_timeout=2) as c:
+                    info = c.execute_command("CLUSTER", "INFO")
+            except redis.exceptions.RedisError:
+                return False
+            text = info.decode() if isinstance(info, bytes) else str(info)
+            if "cluster_state:ok" not in text:
+                return False
+        return True
+
+    def masters_now(self) -> list[RedisServer]:
+        """The running nodes that are masters owning slots now (roles move on failover)."""
+        out = []
+        for s in self.servers:
+            if s.proc is None:
+                continue
+            try:
+                with s.client(socket_timeout=2) as c:
+                    if c.info("replication").get("role") == "master" and self._owns_slots(c):
+                        out.append(s)
+            except redis.exceptions.RedisError:
+                continue
+        return out
+
+    @staticmethod
+    def _owns_slots(c: redis.Redis) -> bool:
+        raw = c.execute_command("CLUSTER", "NODES")  # type: ignore[no-untyped-call]
+        text = raw.decode() if isinstance(raw, bytes) else str(raw)
+        for line in text.splitlines():
+            parts = line.split()
+            if len(parts) > 2 and "myself" in parts[2]:
+                return len(parts) > 8
+        return False
+
+    def replica_of(self, master: RedisServer) -> RedisServer | None:
+        """A running replica of ``master`` (by the replicas' own view of their master)."""
+        for s in self.servers:
+            if s is master or s.proc is None:
+                continue
+            try:
+                with s.client(socket_timeout=2) as c:
+                    repl = c.info("replication")
+            except redis.exceptions.RedisError:
+                continue
+            if repl.get("role") == "slave" and int(repl.get("master_port", -1)) == master.port:
+                return s
+        return None
 
     def stop(self) -> None:
         for s in self.servers:

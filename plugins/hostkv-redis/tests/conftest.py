@@ -74,3 +74,12 @@ def make_redis(redis_server: RedisServer) -> Iterator[object]:
     yield make
     for p in made:
         p.close()
+
+
+@pytest.fixture(scope="module")
+def redis_cluster_ha(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClusterServers]:
+    """A 3-master Redis Cluster with one replica per master (1 s node timeout, for failovers).
+    Module-scoped: the failover test kills a master, so no other module shares it."""
+    with RedisClusterServers(tmp_path_factory.mktemp("cluster-ha"), masters=3, replicas=1,
+                             node_timeout_ms=1000) as cluster:
+        yield cluster

@@ -74,11 +74,15 @@ def fsck(client: Any, namespace: str, *, quiescent: bool = True) -> list[str]:
         pipe.smembers(p + "c:" + h)
         pipe.hgetall(p + "a:" + h)
         pipe.get(p + "d:" + h)
+        pipe.hlen(p + "x:" + h)
     fetched = pipe.execute() if order else []
     leased = 0
     for i, h in enumerate(order):
         e = entries[h]
-        stored_children, anchors, value = fetched[3 * i], fetched[3 * i + 1], fetched[3 * i + 2]
+        stored_children, anchors, value, pins = fetched[4 * i : 4 * i + 4]
+        # pins of child groups in other shards (sharded stores): counted exactly, hold the entry
+        if int(e.get("xc", "0")) != pins:
+            problems.append(f"{h[:12]} xc {e.get('xc', '0')} != {pins} pins")
         if int(e["ch"]) != len(children[h]):
             problems.append(f"{h[:12]} ch {e['ch']} != {len(children[h])}")
         if {x.decode() for x in stored_children} != children[h]:
@@ -88,7 +92,7 @@ def fsck(client: Any, namespace: str, *, quiescent: bool = True) -> list[str]:
         if quiescent and int(e["fc"]) != fchildren.get(h, 0):
             problems.append(f"{h[:12]} fc {e['fc']} != {fchildren.get(h, 0)}")
         leased += int(e["lc"]) > 0
-        evictable = e["ch"] == "0" and e["lc"] == "0" and e["fc"] == "0"
+        evictable = e["ch"] == "0" and e["lc"] == "0" and e["fc"] == "0" and e.get("xc", "0") == "0"
         if evictable != (h in lru):
             problems.append(f"{h[:12]} evictable={evictable} but in LRU={h in lru}")
         if int(e["c"]) != int(e["n"]) + sum(len(v) for v in anchors.values()):

@@ -29,7 +29,7 @@ def test_stores_spread_over_masters_by_namespace(redis_cluster: RedisClusterServ
         owners = {_owner(rc, ns).port for ns in names}
         assert len(owners) >= 2  # 12 hash tags over 3 masters
         for ns in names[:3]:
-            url = f"redis+cluster://127.0.0.1:{redis_cluster.servers[0].port}?namespace={ns}&budget=1MiB"
+            url = f"redis+cluster://127.0.0.1:{redis_cluster.servers[0].port}?namespace={ns}&budget=1MiB&shards=1"
             with hostkv_providers.open(url) as p:
                 assert isinstance(p, RedisClusterProvider)
                 keys = chain(ns, 20)
