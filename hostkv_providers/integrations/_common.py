@@ -181,17 +181,18 @@ def store_pages(
     orphans = 0
     for key, parent, data in batch:
         if parent is not None and parent in absent:
-            parent = None
             orphans += 1
-        fixed.append((key, parent, data))
+            fixed.append((key, None, data))
+        else:
+            fixed.append((key, parent, data))
     results: list[bool | HostKVError]
     if isinstance(provider, SupportsBatch):
         results = provider.put_many(fixed, salt_tag=salt_tag)
     else:
         results = []
-        for key, parent, data in fixed:
+        for raw_key, raw_parent, data in fixed:
             try:
-                results.append(provider.put(key, parent, data, salt_tag=salt_tag))
+                results.append(provider.put(raw_key, raw_parent, data, salt_tag=salt_tag))
             except HostKVError as exc:
                 results.append(exc)
     ok = [r is True or r is False for r in results]
@@ -228,7 +229,10 @@ def read_pages(
         hits = [provider.read(k, o) for k, o in zip(keys, outs, strict=True)]
     if stats is not None:
         n = sum(hits)
-        nbytes = sum(memoryview(o).nbytes for o, h in zip(outs, hits, strict=True) if h)  # type: ignore[arg-type]
+        nbytes = 0
+        for o, h in zip(outs, hits, strict=True):
+            if h:
+                nbytes += memoryview(o).nbytes  # type: ignore[arg-type]
         stats.add(loaded_pages=n, load_misses=len(hits) - n, loaded_bytes=nbytes)
     return hits
 

@@ -42,7 +42,6 @@ from typing import Any
 
 import numpy as np
 import torch
-
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
@@ -95,13 +94,14 @@ def salt_from_metadata(metadata: Any, extra_config: dict[str, Any] | None = None
     """The salt of one LMCache worker (``LMCacheMetadata``) and the plugin's extra config."""
     extra_cfg = extra_config or {}
     shape = tuple(int(x) for x in metadata.kv_shape)  # (layers, 2 or 1, chunk tokens, heads, head size)
-    layers, kv, chunk, heads, head = (shape + (1, 1, 1, 1, 1))[:5]
+    layers, kv, chunk, heads, head = (*shape, 1, 1, 1, 1, 1)[:5]
     dtype = str(metadata.kv_dtype).replace("torch.", "")
     mla = bool(getattr(metadata, "use_mla", False))
     world, rank = int(metadata.world_size), int(metadata.worker_id)
     layout = KVLayout(num_layers=max(layers, 1), num_kv_heads=max(heads, 1) * (1 if mla else world),
                       head_dim=max(head, 1), page_tokens=int(getattr(metadata, "chunk_size", chunk) or chunk),
-                      dtype=dtype if dtype in DTYPE_ITEMSIZE else "uint8", kinds=("kv",) if mla or kv == 1 else ("k", "v"))
+                      dtype=dtype if dtype in DTYPE_ITEMSIZE else "uint8",
+                      kinds=("kv",) if mla or kv == 1 else ("k", "v"))
     return engine_salt(
         engine="lmcache",
         model_id=str(metadata.model_name),
@@ -189,8 +189,10 @@ class HostKVBackend(StoragePluginInterface):
             return self._key(key) in self._inflight
 
     # -- puts (asynchronous) -----------------------------------------------------------------
-    def batched_submit_put_task(self, keys: Sequence[CacheEngineKey], objs: list[MemoryObj], transfer_spec: Any = None,
-                                on_complete_callback: Callable[[CacheEngineKey], None] | None = None) -> list[Future[Any]] | None:
+    def batched_submit_put_task(
+        self, keys: Sequence[CacheEngineKey], objs: list[MemoryObj], transfer_spec: Any = None,
+        on_complete_callback: Callable[[CacheEngineKey], None] | None = None,
+    ) -> list[Future[Any]] | None:
         if len(keys) != len(objs):
             raise InvalidArgumentError(f"{len(keys)} keys but {len(objs)} memory objects")
         ours = [self._key(k) for k in keys]

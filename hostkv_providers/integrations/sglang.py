@@ -27,7 +27,6 @@ from typing import Any
 
 import numpy as np
 import torch
-
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
 from hostkv_providers._errors import InvalidArgumentError

@@ -32,12 +32,11 @@ import hashlib
 import logging
 import threading
 import time
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import numpy.typing as npt
-
 from vllm.v1.kv_offload.base import (
     LookupResult,
     Medium,
@@ -299,14 +298,16 @@ class HostKVTier(SecondaryTierManager):
         return ("hostkv_salt_tag",)
 
     # -- the I/O threads -------------------------------------------------------------------
-    def _run_store(self, job_id: int, pairs: Sequence[tuple[Key, Key | None]], chunk_ids: npt.NDArray[np.int64]) -> None:
+    def _run_store(self, job_id: int, pairs: Sequence[tuple[Key, Key | None]],
+                   chunk_ids: npt.NDArray[np.int64]) -> None:
         t0 = time.monotonic()
         ok = True
         try:
             rows = self._rows
             for start in range(0, len(pairs), self._batch):
                 part = pairs[start:start + self._batch]
-                items = [(k, p, rows[int(c)]) for (k, p), c in zip(part, chunk_ids[start:start + self._batch], strict=True)]
+                ids = chunk_ids[start:start + self._batch]
+                items = [(k, p, rows[int(c)]) for (k, p), c in zip(part, ids, strict=True)]
                 ok = all(store_pages(self.provider, items, salt_tag=self.salt.tag, stats=self.stats)) and ok
         except Exception:
             logger.exception("hostkv store job %d failed", job_id)

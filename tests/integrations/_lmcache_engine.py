@@ -17,7 +17,6 @@ from typing import Any
 
 import numpy as np
 import torch
-
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.config import LMCacheEngineConfig
 from lmcache.v1.event_manager import EventManager

@@ -19,7 +19,6 @@ from typing import Any
 
 import numpy as np
 import torch
-
 from sglang.srt.mem_cache.hicache_storage import STORAGE_BATCH_SIZE, HiCacheStorageConfig, HiCacheStorageExtraInfo
 from sglang.srt.mem_cache.storage import StorageBackendFactory
 from sglang.srt.mem_cache.utils import get_hash_str

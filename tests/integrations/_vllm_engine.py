@@ -22,7 +22,6 @@ import uuid
 from typing import Any
 
 import numpy as np
-
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_utils import hash_block_tokens, init_none_hash
 from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext, ScheduleEndContext, make_offload_key

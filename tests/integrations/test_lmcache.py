@@ -9,11 +9,11 @@ import pytest
 
 pytest.importorskip("lmcache.v1.storage_backend.storage_manager")
 
-import _lmcache_engine as eng  # noqa: E402
-import torch  # noqa: E402
-from _helpers import corrupt_page, run_engine  # noqa: E402
+import _lmcache_engine as eng
+import torch
+from _helpers import corrupt_page, run_engine
 
-from hostkv_providers.integrations.lmcache import HEADER_NBYTES, HostKVBackend  # noqa: E402
+from hostkv_providers.integrations.lmcache import HEADER_NBYTES, HostKVBackend
 
 
 def _url(tmp_path: Path, name: str = "kv") -> str:

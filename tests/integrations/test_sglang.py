@@ -10,10 +10,10 @@ import torch
 
 pytest.importorskip("sglang.srt.mem_cache.hicache_storage")
 
-import _sglang_engine as eng  # noqa: E402
-from _helpers import corrupt_page, run_engine  # noqa: E402
+import _sglang_engine as eng
+from _helpers import corrupt_page, run_engine
 
-from hostkv_providers.integrations.sglang import HostKVStorage  # noqa: E402
+from hostkv_providers.integrations.sglang import HostKVStorage
 
 
 def _url(tmp_path: Path, name: str = "kv") -> str:
@@ -89,7 +89,8 @@ def test_tp_ranks_are_isolated_and_mla_is_shared(tmp_path: Path) -> None:
         finally:
             b.close()
     # MLA KV is replicated across TP ranks: one copy, written by rank 0, read by every rank.
-    m0, m1 = eng.make_backend(url, tp_rank=0, tp_size=2, mla=True), eng.make_backend(url, tp_rank=1, tp_size=2, mla=True)
+    m0 = eng.make_backend(url, tp_rank=0, tp_size=2, mla=True)
+    m1 = eng.make_backend(url, tp_rank=1, tp_size=2, mla=True)
     try:
         assert _inner(m0).salt.tag == _inner(m1).salt.tag
         assert eng.backup(m1, hashes) == 20 and eng.hit_query(m0, hashes) == 0  # rank 1 is not a writer
@@ -129,7 +130,7 @@ def test_concurrent_prefetch_and_backup_threads(tmp_path: Path) -> None:
     def writer(hashes: list[str]) -> None:
         try:
             assert eng.backup(b, hashes) == 40
-        except BaseException as exc:  # noqa: BLE001 - reported below
+        except BaseException as exc:
             errors.append(exc)
 
     def reader(hashes: list[str]) -> None:
@@ -138,7 +139,7 @@ def test_concurrent_prefetch_and_backup_threads(tmp_path: Path) -> None:
                 n = eng.hit_query(b, hashes)
                 loaded, equal = eng.fetch(b, hashes[:n])
                 assert all(equal) and loaded <= n
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:
             errors.append(exc)
 
     try:

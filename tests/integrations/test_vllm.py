@@ -9,10 +9,10 @@ import pytest
 
 pytest.importorskip("vllm.v1.kv_offload.tiering.manager")
 
-import _vllm_engine as eng  # noqa: E402
-from _helpers import corrupt_page, run_engine  # noqa: E402
+import _vllm_engine as eng
+from _helpers import corrupt_page, run_engine
 
-from hostkv_providers.integrations.vllm import HostKVTier  # noqa: E402
+from hostkv_providers.integrations.vllm import HostKVTier
 
 
 def _url(tmp_path: Path, name: str = "kv") -> str:
