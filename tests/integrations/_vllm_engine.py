@@ -46,14 +46,14 @@ init_none_hash(_HASH)
 
 def make_config(tier: dict[str, Any] | None, *, tp_size: int = 1, model: str = "meta-llama/Llama-3.1-8B",
                 dtype: str = "bfloat16", cpu_chunks: int = 64, tiers: list[dict[str, Any]] | None = None,
-                engine_id: str | None = None) -> OffloadingConfig:
-    extra: dict[str, Any] = {"cpu_bytes_to_use": cpu_chunks * WORKER_BLOCK_BYTES * tp_size,
+                engine_id: str | None = None, worker_block_bytes: int = WORKER_BLOCK_BYTES) -> OffloadingConfig:
+    extra: dict[str, Any] = {"cpu_bytes_to_use": cpu_chunks * worker_block_bytes * tp_size,
                              "secondary_tiers": tiers if tiers is not None else ([tier] if tier else [])}
     return OffloadingConfig(
         groups=(OffloadingGroupConfig(tokens_per_block=BLOCK_TOKENS,
                                       layer_names=tuple(f"model.layers.{i}.self_attn" for i in range(LAYERS)),
                                       group_id=0),),
-        worker_kv_bytes_per_block=WORKER_BLOCK_BYTES,
+        worker_kv_bytes_per_block=worker_block_bytes,
         enable_kv_cache_events=False,
         extra_config=extra,
         # The primary tier's shared region is named after the engine id: one per manager.
@@ -138,12 +138,13 @@ def store(manager: TieringOffloadingManager, req_id: str, keys: list[OffloadKey]
     settle(manager)
 
 
-def load(manager: TieringOffloadingManager, req_id: str, keys: list[OffloadKey]) -> tuple[int, list[bool]]:
+def load(manager: TieringOffloadingManager, req_id: str, keys: list[OffloadKey],
+         *, max_steps: int = 200) -> tuple[int, list[bool]]:
     """The scheduler's load path: lookups (promotions from the secondary tier), steps until the
     promotions finish, then prepare_load of the hit prefix and the rows a CPU->GPU copy would
     read.  Returns the hit prefix length and, per hit block, whether its bytes are the stored ones."""
     ctx = new_request(manager, req_id, keys)
-    for _ in range(200):
+    for _ in range(max_steps):
         results = [manager.lookup(k, ctx) for k in keys]
         end_step(manager, (req_id,))
         if not any(r in (LookupResult.HIT_PENDING, LookupResult.RETRY) for r in results):
