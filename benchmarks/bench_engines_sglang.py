@@ -27,6 +27,11 @@ import _sglang_engine as eng
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 from sglang.srt.mem_cache.storage import StorageBackendFactory
 
+# A realistic page (the tests use tiny ones): 64 tokens x 8 layers x K/V x 8 heads x 128 dims
+# bf16 = 2 MiB, the host pool's flat page_first page.
+eng.PAGE, eng.LAYERS, eng.HEADS, eng.DIM = 64, 8, 8, 128
+eng.PAGE_ELEMS = eng.LAYERS * 2 * eng.PAGE * eng.HEADS * eng.DIM
+
 # The payload generator (a PRNG per page) is memoized and warmed before timing, so the figures
 # are the engine path and the store, not the PRNG.
 _memo: dict[object, object] = {}
@@ -82,7 +87,7 @@ def main() -> None:
     args = ap.parse_args()
     base = Path(args.dir or tempfile.mkdtemp(prefix="bench-sglang-"))
     n = args.mib * 1024 * 1024 // (eng.PAGE_ELEMS * 2)
-    url = f"mmap://{base / 'hostkv'}?budget={2 * args.mib}MiB&slot=32KiB"
+    url = f"mmap://{base / 'hostkv'}?budget={2 * args.mib}MiB&slot=2MiB"
     rows = {"hostkv mmap": run(lambda: eng.make_backend(url), n),
             "SGLang HiCacheFile": run(lambda: file_backend(str(base / "file")), n)}
     print(f"| SGLang 0.5.23 L3 ({n} pages, {rows['hostkv mmap']['GB']:.2f} GB) | store GB/s | load GB/s "

@@ -31,7 +31,7 @@ MODEL = "mistralai/Mistral-7B-Instruct-v0.3"
 
 
 def make_manager(url: str | None, *, worker: int = 0, world: int = 1, model: str = MODEL, disk: str | None = None,
-                 local_cpu: bool = False, **extra: Any) -> StorageManager:
+                 local_cpu: bool = False, cpu_gb: float = 0.25, **extra: Any) -> StorageManager:
     extra_config: dict[str, Any] = {}
     plugins: list[str] = []
     if url is not None:
@@ -43,7 +43,7 @@ def make_manager(url: str | None, *, worker: int = 0, world: int = 1, model: str
         kw = {"local_disk": disk, "max_local_disk_size": 1.0}
     # sha256_cbor: chunk hashes reproducible across processes (LMCache's default, Python's
     # hash(), is only with a fixed PYTHONHASHSEED), so a restarted engine finds its chunks.
-    config = LMCacheEngineConfig.from_defaults(chunk_size=CHUNK, local_cpu=local_cpu, max_local_cpu_size=0.25,
+    config = LMCacheEngineConfig.from_defaults(chunk_size=CHUNK, local_cpu=local_cpu, max_local_cpu_size=cpu_gb,
                                                pre_caching_hash_algorithm="sha256_cbor",
                                                storage_plugins=plugins or None,
                                                extra_config=extra_config or None, **kw)
