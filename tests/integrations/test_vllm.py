@@ -173,3 +173,44 @@ def test_bad_tier_config_is_a_typed_error() -> None:
     with pytest.raises(InvalidArgumentError):
         eng.make_manager(eng.make_config({"type": "HostKVTier", "module_path": "hostkv_providers.integrations.vllm"}))
     assert np is not None
+
+
+def _redis_url(tmp_path: Path) -> tuple[str, object]:
+    servers = pytest.importorskip("hostkv_redis.servers")
+    if servers.server_binary() is None:
+        pytest.skip("redis-server is not installed (CI installs it)")
+    server = servers.RedisServer(tmp_path / "redis").start()
+    url = server.url
+    sep = "&" if "?" in url else "?"
+    return f"{url}{sep}budget=64MiB&namespace=vllm-test", server
+
+
+@pytest.mark.parametrize("kind", ["lmdb", "tiered", "redis"])
+def test_every_provider_url_is_a_tier(tmp_path: Path, kind: str) -> None:
+    """The same tier over the other URL kinds: store, a new manager (restart), all bytes back."""
+    import urllib.parse
+
+    server = None
+    if kind == "lmdb":
+        url = f"lmdb://{tmp_path / 'kv'}?budget=64MiB"
+    elif kind == "tiered":
+        fast = urllib.parse.quote("pinned://?budget=8MiB", safe="")
+        slow = urllib.parse.quote(f"lmdb://{tmp_path / 'slow'}?budget=64MiB", safe="")
+        url = f"tiered://?fast={fast}&slow={slow}"
+    else:
+        url, server = _redis_url(tmp_path)
+    try:
+        keys = eng.prompt_keys(21, 12)
+        m = eng.make_manager(eng.make_config(eng.hostkv_tier(url)))
+        try:
+            eng.store(m, "s", keys)
+        finally:
+            m.shutdown()
+        m = eng.make_manager(eng.make_config(eng.hostkv_tier(url)))
+        try:
+            assert eng.load(m, "l", keys) == (12, [True] * 12)
+        finally:
+            m.shutdown()
+    finally:
+        if server is not None:
+            server.stop()  # type: ignore[attr-defined]
