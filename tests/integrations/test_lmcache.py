@@ -11,7 +11,7 @@ pytest.importorskip("lmcache.v1.storage_backend.storage_manager")
 
 import _lmcache_engine as eng
 import torch
-from _helpers import corrupt_page, run_engine
+from _engine_helpers import corrupt_page, run_engine
 
 from hostkv_providers.integrations.lmcache import HEADER_NBYTES, HostKVBackend
 

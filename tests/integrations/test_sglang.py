@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("sglang.srt.mem_cache.hicache_storage")
 
 import _sglang_engine as eng
-from _helpers import corrupt_page, run_engine
+from _engine_helpers import corrupt_page, run_engine
 
 from hostkv_providers.integrations.sglang import HostKVStorage
 

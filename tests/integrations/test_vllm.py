@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("vllm.v1.kv_offload.tiering.manager")
 
 import _vllm_engine as eng
-from _helpers import corrupt_page, run_engine
+from _engine_helpers import corrupt_page, run_engine
 
 from hostkv_providers.integrations.vllm import HostKVTier
 
