@@ -1,0 +1,251 @@
+"""SGLang: any hostkv store as HiCache's L3 storage (``--hicache-storage-backend dynamic``).
+
+::
+
+    python -m sglang.launch_server --model-path meta-llama/Llama-3.1-8B-Instruct \\
+      --enable-hierarchical-cache --hicache-storage-backend dynamic \\
+      --hicache-storage-backend-extra-config '{"backend_name": "hostkv",
+        "module_path": "hostkv_providers.integrations.sglang", "class_name": "HostKVStorage",
+        "url": "mmap:///nvme/hostkv?budget=256GiB", "interface_v1": 1}'
+
+SGLang's ``StorageBackendFactory`` builds :class:`HostKVStorage` with its ``HiCacheStorageConfig``
+(one instance per TP rank), registers the host memory pool, and its cache controller calls the
+storage from its prefetch and backup threads.  Keys: SGLang's page hashes (SHA-256 chained over
+the prompt, seeded by the request namespace) mapped under a salt of the model, the TP rank and
+size (MLA KV is replicated: one shared salt), pipeline and context-parallel shards, the page
+size, the host pool's KV geometry and dtype, and the ``namespace``/``model_revision`` of the
+extra config.  Parents come from SGLang's chain: ``extra_info.prefix_keys`` precede a batch's
+keys, so a page's parent is the page before it.  See ``docs/engines/sglang.md``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
+
+from hostkv_providers._errors import InvalidArgumentError
+from hostkv_providers._keys import Key, Salt
+from hostkv_providers._layout import DTYPE_ITEMSIZE, KVLayout
+from hostkv_providers._provider import Provider, SupportsIterate
+from hostkv_providers.integrations._common import (
+    AdapterStats,
+    EngineKeyer,
+    engine_salt,
+    open_store,
+    read_pages,
+    store_pages,
+)
+
+__all__ = ["HostKVStorage", "salt_from_storage_config"]
+
+logger = logging.getLogger(__name__)
+
+
+def _dtype_name(dtype: object) -> str:
+    name = str(dtype).replace("torch.", "")
+    return name if name in DTYPE_ITEMSIZE else "uint8"
+
+
+def salt_from_storage_config(
+    config: HiCacheStorageConfig,
+    *,
+    layout: KVLayout | None = None,
+    host_layout: str = "",
+) -> Salt:
+    """The salt of one SGLang HiCache storage configuration (one TP rank).
+
+    ``layout`` is the host pool's KV geometry (known once SGLang registers its host pool);
+    before that, the extra config's ``kv_dtype``/``page_size``/``num_layers``/``head_num``/
+    ``head_dim`` describe it.
+    """
+    extra_cfg = dict(config.extra_config or {})
+    if layout is None:
+        layout = KVLayout(
+            num_layers=int(extra_cfg.get("num_layers", 1)),
+            num_kv_heads=int(extra_cfg.get("head_num", 1)) * (1 if config.is_mla_model else int(config.tp_size)),
+            head_dim=int(extra_cfg.get("head_dim", 1)),
+            page_tokens=int(extra_cfg.get("page_size", config.logical_page_size or 1)),
+            dtype=_dtype_name(extra_cfg.get("kv_dtype", "bfloat16")),
+            kinds=("kv",) if config.is_mla_model else ("k", "v"),
+        )
+    # MLA KV is replicated over TP ranks: every rank reads the one copy (SGLang lets only the
+    # DCP writers store it); MHA shards heads, so each rank has its own salt.
+    tp_world = 1 if config.is_mla_model else int(config.tp_size)
+    tp_rank = 0 if config.is_mla_model else int(config.tp_rank)
+    extra: dict[str, object] = {
+        "sglang.pp": f"{config.pp_rank}/{config.pp_size}",
+        "sglang.attn_cp": f"{config.attn_cp_rank}/{config.attn_cp_size}",
+        "sglang.dcp": f"{config.dcp_rank}/{config.dcp_size}",
+        "sglang.mla": bool(config.is_mla_model),
+        "sglang.host_layout": host_layout or ("page_first" if config.is_page_first_layout else "layer_first"),
+        "sglang.split_heads": bool(config.should_split_heads),
+    }
+    if config.is_mla_model:
+        extra["sglang.tp_size"] = config.tp_size
+    return engine_salt(
+        engine="sglang",
+        model_id=config.model_name or str(extra_cfg.get("model_name", "")),
+        layout=layout,
+        model_revision=str(extra_cfg.get("model_revision", "")),
+        quantization=str(extra_cfg.get("quantization", "none")),
+        namespace=str(extra_cfg.get("namespace", "")),
+        tp_rank=tp_rank,
+        tp_world_size=tp_world,
+        extra=extra,
+    )
+
+
+def _as_bytes(t: torch.Tensor) -> np.ndarray:
+    if t.device.type != "cpu":
+        raise InvalidArgumentError(f"HostKVStorage moves host pages; got a tensor on {t.device}")
+    return t.contiguous().view(torch.uint8).reshape(-1).numpy()
+
+
+class HostKVStorage(HiCacheStorage):
+    """SGLang HiCache L3 storage over any hostkv provider.
+
+    Extra config keys (besides ``backend_name``/``module_path``/``class_name``): ``url``
+    (required), ``namespace``, ``model_revision``, ``quantization``, ``interface_v1`` (1: the
+    controller uses the zero-copy ``batch_get_v1``/``batch_set_v1`` against the registered host
+    pool).  All calls are synchronous, as HiCache expects: the controller calls them from its own
+    prefetch and backup threads, concurrently; the provider is thread-safe.
+    """
+
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None) -> None:
+        extra = dict(storage_config.extra_config or {})
+        url = extra.get("url")
+        if not url:
+            raise InvalidArgumentError("HostKVStorage needs 'url' in the HiCache storage extra config",
+                                       hint='"url": "mmap:///nvme/hostkv?budget=256GiB"')
+        self.storage_config = storage_config
+        self._owns_provider = not isinstance(url, Provider)
+        self.provider = open_store(url)
+        self._lock = threading.Lock()
+        self.salt = salt_from_storage_config(storage_config)
+        self._keyer = EngineKeyer(self.salt, "sglang")
+        self.stats = AdapterStats()
+        # MLA replicas: only SGLang's designated writer stores (the others would write the
+        # same bytes under the same keys).
+        self._writer = bool(storage_config.is_storage_writer)
+
+    # -- host pool registration: the salt takes the pool's real geometry -------------------
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        super().register_mem_pool_host(mem_pool_host)
+        pool = mem_pool_host
+        cfg = self.storage_config
+        heads = int(getattr(pool, "head_num", 1) or 1)
+        layout = KVLayout(
+            num_layers=int(getattr(pool, "layer_num", 1) or 1),
+            num_kv_heads=heads * (1 if cfg.is_mla_model else int(cfg.tp_size)),
+            head_dim=int(getattr(pool, "head_dim", getattr(pool, "kv_cache_dim", 1)) or 1),
+            page_tokens=int(pool.page_size),
+            dtype=_dtype_name(getattr(pool, "dtype", "uint8")),
+            kinds=("kv",) if cfg.is_mla_model else ("k", "v"),
+        )
+        salt = salt_from_storage_config(cfg, layout=layout, host_layout=str(getattr(pool, "layout", "")))
+        with self._lock:
+            self.salt = salt
+            self._keyer = EngineKeyer(salt, "sglang")
+
+    # -- keys --------------------------------------------------------------------------------
+    def _chain(self, keys: Sequence[str], extra_info: HiCacheStorageExtraInfo | None) -> list[tuple[Key, Key | None]]:
+        keyer = self._keyer
+        ours = keyer.keys(list(keys))
+        prefix = extra_info.prefix_keys if extra_info is not None else None
+        parent: Key | None = keyer.key(prefix[-1]) if prefix else None
+        out: list[tuple[Key, Key | None]] = []
+        for k in ours:
+            out.append((k, parent))
+            parent = k
+        return out
+
+    # -- the generic interface (tensors in, tensors out) -----------------------------------
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
+        got = self.batch_get([key], [target_location])
+        return got[0] if isinstance(got, list) else None
+
+    def batch_get(self, keys: list[str], target_locations: Any = None,
+                  target_sizes: Any = None) -> list[torch.Tensor | None]:
+        if target_locations is None or len(target_locations) != len(keys):
+            raise InvalidArgumentError("HostKVStorage.batch_get needs one target tensor per key")
+        outs = [_as_bytes(t) if t.is_contiguous() else None for t in target_locations]
+        bufs = [o if o is not None else np.empty(t.numel() * t.element_size(), np.uint8)
+                for o, t in zip(outs, target_locations, strict=True)]
+        hits = read_pages(self.provider, self._keyer.keys(keys), bufs, stats=self.stats)
+        result: list[torch.Tensor | None] = []
+        for hit, t, o, b in zip(hits, target_locations, outs, bufs, strict=True):
+            if not hit:
+                result.append(None)
+                continue
+            if o is None:  # a non-contiguous target: copy the bytes in
+                t.copy_(torch.from_numpy(b).view(t.dtype).reshape(t.shape))
+            result.append(t)
+        return result
+
+    def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
+        return self.batch_set([key], [value])
+
+    def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
+                  target_sizes: Any = None) -> bool:
+        if values is None or len(values) != len(keys):
+            raise InvalidArgumentError("HostKVStorage.batch_set needs one value tensor per key")
+        if not self._writer:
+            return True
+        # No prefix info on this path (the controller's generic page set): the batch is one
+        # piece of a chain, linked page to page; its first page is stored as a root.
+        pairs = self._chain(keys, None)
+        items = [(k, p, _as_bytes(v)) for (k, p), v in zip(pairs, values, strict=True)]
+        return all(store_pages(self.provider, items, salt_tag=self.salt.tag, stats=self.stats))
+
+    def exists(self, key: str) -> bool:
+        return self.provider.present([self._keyer.key(key)])[0]
+
+    def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
+        return self.provider.longest_prefix(self._keyer.keys(keys))
+
+    # -- the zero-copy interface (pages of the registered host pool) -----------------------
+    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+        if not self._writer:
+            return [True] * len(keys)
+        pool = self.mem_pool_host
+        page = int(pool.page_size)
+        pairs = self._chain(keys, extra_info)
+        items = [(k, p, _as_bytes(pool.get_data_page(int(host_indices[i * page]), flat=True)))
+                 for i, (k, p) in enumerate(pairs)]
+        return store_pages(self.provider, items, salt_tag=self.salt.tag, stats=self.stats)
+
+    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+        pool = self.mem_pool_host
+        page = int(pool.page_size)
+        pages = [pool.get_dummy_flat_data_page() for _ in keys]
+        hits = read_pages(self.provider, self._keyer.keys(keys), [_as_bytes(p) for p in pages], stats=self.stats)
+        for i, (hit, data) in enumerate(zip(hits, pages, strict=True)):
+            if hit:  # a miss never touches the host pool: no torn or foreign page lands there
+                pool.set_from_flat_data_page(int(host_indices[i * page]), data)
+        return hits
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def clear(self) -> None:
+        """Remove this configuration's pages (other salts' pages in a shared store stay)."""
+        if not isinstance(self.provider, SupportsIterate):
+            logger.warning("hostkv: %s cannot list its entries; clear() removes nothing", type(self.provider).__name__)
+            return
+        tag = self.salt.tag
+        mine = [e.key for e in self.provider.iter_entries() if e.salt_tag == tag]
+        if mine:
+            self.provider.evict(mine)
+
+    def get_stats(self) -> None:
+        return None
+
+    def close(self) -> None:
+        if self._owns_provider and not self.provider.closed:
+            self.provider.close()

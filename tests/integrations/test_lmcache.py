@@ -1,0 +1,167 @@
+"""HostKVBackend loaded as a storage plugin by LMCache's own StorageManager."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("lmcache.v1.storage_backend.storage_manager")
+
+import _lmcache_engine as eng
+import torch
+from _engine_helpers import corrupt_page, run_engine
+
+from hostkv_providers.integrations.lmcache import HEADER_NBYTES, HostKVBackend
+
+
+def _url(tmp_path: Path, name: str = "kv") -> str:
+    return f"mmap://{tmp_path / name}?budget=64MiB&slot=64KiB"
+
+
+def _shared_url(tmp_path: Path) -> str:
+    return f"lmdb://{tmp_path / 'shared'}?budget=64MiB"
+
+
+def _plugin(manager: object) -> HostKVBackend:
+    backend = manager.storage_backends["hostkv"]  # type: ignore[attr-defined]
+    assert isinstance(backend, HostKVBackend)
+    return backend
+
+
+def test_store_restart_hit_bytes_equal(tmp_path: Path) -> None:
+    url = _url(tmp_path)
+    assert "stored 20" in run_engine("_lmcache_engine.py", "store", url, "1", "20")
+    m = eng.make_manager(url)
+    try:
+        keys = eng.chunk_keys(m, 1, 20)
+        assert eng.retrieve(m, keys) == (20, [True] * 20)
+        p = _plugin(m)
+        ours = [p._key(k) for k in keys]
+        infos = [p.provider.entry(k) for k in ours]
+        # hostkv.chain=call: the chunks of one put call (8 here) are linked, each call's first a root.
+        assert [i.parent if i else "gone" for i in infos[:9]] == [None, *ours[:7], None]
+        assert all(i is not None and i.nbytes == HEADER_NBYTES + eng.SHAPE.numel() * 2 for i in infos)
+    finally:
+        m.close()
+
+
+def test_flat_mode_stores_roots(tmp_path: Path) -> None:
+    m = eng.make_manager(_url(tmp_path), **{"hostkv.chain": "flat"})
+    try:
+        keys = eng.chunk_keys(m, 2, 6)
+        eng.put(m, keys)
+        eng.wait_stored(m, keys)
+        p = _plugin(m)
+        assert all(p.provider.entry(p._key(k)).parent is None for k in keys)  # type: ignore[union-attr]
+        assert eng.retrieve(m, keys) == (6, [True] * 6)
+    finally:
+        m.close()
+
+
+def test_tp_workers_are_isolated(tmp_path: Path) -> None:
+    url = _shared_url(tmp_path)
+    w0, w1 = eng.make_manager(url, worker=0, world=2), eng.make_manager(url, worker=1, world=2)
+    try:
+        k0, k1 = eng.chunk_keys(w0, 3, 8), eng.chunk_keys(w1, 3, 8)
+        eng.put(w0, k0)
+        eng.wait_stored(w0, k0)
+        # Worker 1's plugin never reports worker 0's chunks, not even under worker 0's own keys.
+        assert _plugin(w1).batched_contains(k0) == 0 and _plugin(w1).batched_contains(k1) == 0
+        eng.put(w1, k1)
+        eng.wait_stored(w1, k1)
+        assert eng.retrieve(w0, k0) == (8, [True] * 8)
+        assert eng.retrieve(w1, k1) == (8, [True] * 8)
+        assert _plugin(w0).salt.tag != _plugin(w1).salt.tag
+    finally:
+        w0.close()
+        w1.close()
+    for kw in ({"model": "other/model"}, {"hostkv.namespace": "tenant-b"}):
+        m = eng.make_manager(url, worker=0, world=2, **kw)  # type: ignore[arg-type]
+        try:
+            assert _plugin(m).batched_contains(k0) == 0, kw
+        finally:
+            m.close()
+
+
+def test_corrupted_chunk_is_a_miss_never_wrong_bytes(tmp_path: Path) -> None:
+    url = _url(tmp_path)
+    m = eng.make_manager(url)
+    try:
+        keys = eng.chunk_keys(m, 4, 8)
+        eng.put(m, keys)
+        eng.wait_stored(m, keys)
+    finally:
+        m.close()
+    needle = eng.chunk_tensor(keys[5]).view(torch.uint8).reshape(-1)[:256].numpy().tobytes()
+    assert corrupt_page(tmp_path / "kv", needle) == 1
+    m = eng.make_manager(url)
+    try:
+        n, equal = eng.retrieve(m, keys)
+        assert n == 8 and equal == [True] * 5 + [False] * 3  # 5 is a miss, and with it its subtree
+        p = _plugin(m)
+        assert p.get_blocking(keys[5]) is None and p.stats.load_misses >= 1
+        assert m.batched_contains(keys)[0] == 5
+    finally:
+        m.close()
+
+
+def test_puts_are_asynchronous_with_callbacks_and_in_flight_state(tmp_path: Path) -> None:
+    m = eng.make_manager(_url(tmp_path), **{"hostkv.io_threads": 1})
+    release = threading.Event()
+    try:
+        p = _plugin(m)
+        p._io.submit(release.wait)  # hold the only I/O thread
+        keys = eng.chunk_keys(m, 5, 4)
+        done: list[object] = []
+        objs = []
+        for k in keys:
+            obj = m.allocate(eng.SHAPE, torch.bfloat16)
+            obj.tensor.copy_(eng.chunk_tensor(k))
+            objs.append(obj)
+        futures = p.batched_submit_put_task(keys, objs, on_complete_callback=done.append)
+        assert futures and not futures[0].done()  # returned at once; the copy waits its turn
+        assert all(p.exists_in_put_tasks(k) for k in keys) and not p.contains(keys[0])
+        assert p.batched_submit_put_task(keys, objs) is None  # already in flight: not queued twice
+        release.set()
+        futures[0].result(timeout=60)
+        assert done == keys  # once per key, after its chunk is sealed
+        assert not any(p.exists_in_put_tasks(k) for k in keys) and p.batched_contains(keys) == 4
+        for obj in objs:
+            obj.ref_count_down()
+    finally:
+        release.set()
+        m.close()
+
+
+def test_backpressure_skips_puts_and_releases_objects(tmp_path: Path) -> None:
+    m = eng.make_manager(_url(tmp_path), **{"hostkv.io_threads": 1, "hostkv.max_pending_puts": 1})
+    release = threading.Event()
+    try:
+        p = _plugin(m)
+        p._io.submit(release.wait)
+        keys = eng.chunk_keys(m, 6, 3)
+        objs = [m.allocate(eng.SHAPE, torch.bfloat16) for _ in keys]
+        refs = [o.get_ref_count() for o in objs]
+        assert p.batched_submit_put_task(keys, objs) is None  # skipped at once, nothing blocks
+        assert [o.get_ref_count() for o in objs] == refs and not any(p.exists_in_put_tasks(k) for k in keys)
+        assert p.stats.store_failures == 3
+        for obj in objs:
+            obj.ref_count_down()
+    finally:
+        release.set()
+        m.close()
+
+
+def test_missing_url_is_not_loaded(tmp_path: Path) -> None:
+    # LMCache's launcher logs a plugin that fails to build and goes on without it.
+    m = eng.make_manager(None)
+    try:
+        assert "hostkv" not in m.storage_backends
+    finally:
+        m.close()
+    from hostkv_providers.errors import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError):
+        HostKVBackend(config=m.config, metadata=m.metadata, local_cpu_backend=None)
