@@ -256,10 +256,15 @@ class CrashHarness:
 
     # -- one cycle -------------------------------------------------------------------------------
     def cycle(self, *, kill_after: float | None = None, crash_at: str | None = None,
-              env: dict[str, str] | None = None, timeout: float = 60.0) -> CycleResult:
+              env: dict[str, str] | None = None, timeout: float = 60.0, min_acks: int = 0) -> CycleResult:
         """Fork a child running the workload; SIGKILL it ``kill_after`` seconds after the store
         is open (``None``: let it finish or die at ``crash_at``, a ``point:n`` crash point);
-        then reopen the store and verify it.  The required set carries over between cycles."""
+        then reopen the store and verify it.  The required set carries over between cycles.
+
+        ``min_acks`` starts the ``kill_after`` clock only once the child has acknowledged that
+        many seals in this cycle (or finished): how much work a cycle covers then does not depend
+        on how fast a loaded machine runs the child, so a test can assert coverage without
+        asserting a rate."""
         t0 = time.monotonic()
         self.cycles += 1
         cycle = self.cycles
@@ -280,10 +285,16 @@ class CrashHarness:
         deadline = t0 + timeout
         killed_by_us = False
         eof = False
+        acks = 0
+        parsed = 0
         while not eof:
             now = time.monotonic()
             if ready_at is None and _has_ready(buf):
-                ready_at = now
+                if acks < min_acks:
+                    n, parsed = _count_acks(buf, parsed)
+                    acks += n
+                if acks >= min_acks:
+                    ready_at = now
             if kill_after is not None and ready_at is not None and now >= ready_at + kill_after:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
@@ -377,13 +388,34 @@ class CrashHarness:
                 self.known.discard(k)
         provider.evict(roots)
 
-    def run(self, cycles: int, *, max_kill_after: float = 0.05) -> list[CycleResult]:
-        """``cycles`` cycles, each killed at a uniformly random time in ``[0, max_kill_after)``."""
-        return [self.cycle(kill_after=self.rng.uniform(0.0, max_kill_after)) for _ in range(cycles)]
+    def run(self, cycles: int, *, max_kill_after: float = 0.05, min_acks: int = 0) -> list[CycleResult]:
+        """``cycles`` cycles, each killed at a uniformly random time in ``[0, max_kill_after)``
+        (counted from the ``min_acks``-th acknowledged seal of the cycle, see :meth:`cycle`)."""
+        return [self.cycle(kill_after=self.rng.uniform(0.0, max_kill_after), min_acks=min_acks)
+                for _ in range(cycles)]
 
 
 def _has_ready(buf: bytearray) -> bool:
     return len(buf) >= _REC and buf[0:1] == _READY
+
+
+def _count_acks(buf: bytearray, start: int) -> tuple[int, int]:
+    """Seal acknowledgements among the complete records of ``buf`` from offset ``start``; returns
+    ``(count, offset of the first record not parsed yet)``."""
+    n = 0
+    i = start
+    while i + _REC <= len(buf):
+        op = buf[i : i + 1]
+        if op == _ERROR:
+            (length,) = struct.unpack("<I", buf[i + 1 : i + 5])
+            if i + _REC + length > len(buf):
+                break
+            i += _REC + length
+            continue
+        if op == _ACK_SEAL:
+            n += 1
+        i += _REC
+    return n, i
 
 
 def _chain_keys_of_roots(seed: int, cycles: list[int], w: Workload) -> list[list[Key]]:

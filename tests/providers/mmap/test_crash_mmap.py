@@ -42,11 +42,11 @@ def test_kill9_cycles_process(tmp_path: Path) -> None:
     moment; every reopen must succeed, show 0 wrong bytes and every acknowledged seal."""
     w = Workload(page_nbytes=PAGE, p_compact=0.005)
     h = CrashHarness(_url(tmp_path / "s", w), w, seed=20261129)
-    results = h.run(200, max_kill_after=0.06)
+    results = h.run(200, max_kill_after=0.06, min_acks=5)  # the kill clock starts at the 5th ack
     failed = [r.describe() for r in results if not r.ok]
     assert not failed, failed[:3]
     assert sum(r.killed for r in results) >= 150  # most cycles really were killed mid-work
-    assert sum(r.acked_this_cycle for r in results) > 1000
+    assert all(r.acked_this_cycle >= 5 for r in results)
 
 
 def test_kill9_cycles_sync(tmp_path: Path) -> None:
@@ -66,11 +66,11 @@ def test_kill9_cycles_four_threads(tmp_path: Path, durability: str) -> None:
     sync = durability == "sync"  # (sync: a few ms per seal; process: ~20x faster)
     w = Workload(page_nbytes=4096, steps=150 if sync else 600, threads=4, p_batch=0.1)
     h = CrashHarness(_url(tmp_path / "s", w, durability=durability, snapshot_every=16), w, seed=30)
-    results = h.run(25, max_kill_after=0.3 if sync else 0.1)
+    results = h.run(25, max_kill_after=0.3 if sync else 0.1, min_acks=40)
     failed = [r.describe() for r in results if not r.ok]
     assert not failed, failed[:3]
     assert sum(r.killed for r in results) >= 12
-    assert sum(r.acked_this_cycle for r in results) > 1000
+    assert all(r.acked_this_cycle >= 40 for r in results)
 
 
 def test_kill9_durability_none_never_wrong(tmp_path: Path) -> None:
@@ -390,3 +390,15 @@ def test_one_writer_three_readers(tmp_path: Path) -> None:
     with contextlib.suppress(OSError):
         os.close(stop_r)
         os.close(stop_w)
+
+
+def test_kill_clock_starts_at_min_acks(tmp_path: Path) -> None:
+    """``min_acks``: a child killed at once after the store opened (``kill_after=0``) still
+    covers that many acknowledged seals, whatever the machine's load (issue 16: coverage floors
+    asserted as rates failed under load)."""
+    w = Workload(page_nbytes=PAGE, steps=400)
+    h = CrashHarness(_url(tmp_path / "s", w), w, seed=16)
+    for _ in range(3):
+        r = h.cycle(kill_after=0.0, min_acks=6)
+        assert r.ok, r.describe()
+        assert r.killed and r.acked_this_cycle >= 6, r.describe()

@@ -288,10 +288,13 @@ def test_kill9_cycles_with_batches(tmp_path: Path, durability: str) -> None:
     moments: 0 wrong bytes, every page whose put_many returned True readable after reopen."""
     w = Workload(page_nbytes=PAGE, steps=200, p_batch=0.4)
     h = CrashHarness(_crash_url(tmp_path / "s", w, durability=durability), w, seed=4242)
-    results = h.run(40 if durability == "process" else 12, max_kill_after=0.08)
+    # each cycle's kill clock starts at its 8th acknowledged seal: the coverage asserted below is
+    # the harness's doing, not the machine's speed (a floor on a rate failed under load: 60-74 of
+    # the 100 asserted, issue 16)
+    results = h.run(40 if durability == "process" else 12, max_kill_after=0.08, min_acks=8)
     failed = [r.describe() for r in results if not r.ok]
     assert not failed, failed[:3]
-    assert sum(r.acked_this_cycle for r in results) > 100
+    assert all(r.acked_this_cycle >= 8 for r in results), [r.describe() for r in results]
 
 
 @pytest.mark.parametrize("point", ["mmap.reserve.after_clear", "mmap.write.partial", "mmap.seal.after_header",
