@@ -7,6 +7,7 @@ import collections
 import contextlib
 import os
 import shutil
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -59,6 +60,104 @@ from ._txn import _Tx
 # --------------------------------------------------------------------------------------------
 # The per-process environment handle
 # --------------------------------------------------------------------------------------------
+
+
+#: ``HOSTKV_LMDB_TREE_CHECK=0`` skips the check of LMDB's tree in a child process at open.
+TREE_CHECK_ENV = "HOSTKV_LMDB_TREE_CHECK"
+
+
+def _walk_tree(path: str) -> None:
+    """Touch every page of LMDB's B-trees (every key of every database, every value but the
+    inline page bytes): what an assertion on a damaged page would kill, it kills here."""
+    env = lmdb.open(path, subdir=True, readonly=True, lock=False, max_dbs=len(_DB_NAMES) + 2, create=False)
+    try:
+        with env.begin() as txn:
+            for name in _DB_NAMES:
+                db = env.open_db(name.encode(), txn=txn, create=False)
+                with txn.cursor(db) as cur:
+                    if name == "pages":
+                        for _ in cur.iternext(keys=True, values=False):
+                            pass
+                    else:
+                        for _ in cur.iternext(keys=True, values=True):
+                            pass
+    finally:
+        env.close()
+
+
+def check_tree(path: str, *, fork: bool, timeout: float = 120.0) -> None:
+    """Walk LMDB's tree in a child process (a fork before this process opens the environment,
+    else a fresh interpreter); ``CorruptStoreError`` if the child dies by a signal, reports an
+    LMDB error, or hangs.  Never raises for a store that is fine."""
+    if not os.path.lexists(os.path.join(path, "data.mdb")):
+        return
+    rfd, wfd = os.pipe()
+    if fork:
+        import warnings as _warnings
+
+        with _warnings.catch_warnings():
+            _warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads: the child only walks
+            pid = os.fork()
+        if pid == 0:  # pragma: no cover - runs in the child
+            code = 0
+            try:
+                os.close(rfd)
+                _walk_tree(path)
+            except BaseException as exc:
+                with contextlib.suppress(BaseException):
+                    os.write(wfd, f"{type(exc).__name__}: {exc}".encode()[:2000])
+                code = 3
+            os._exit(code)
+        os.close(wfd)
+        proc = None
+    else:
+        import subprocess
+        import sys
+
+        os.close(wfd)
+        os.close(rfd)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        proc = subprocess.Popen(
+            [sys.executable, "-c", "import sys; from hostkv_providers.providers.lmdb._env import _walk_tree; "
+             "_walk_tree(sys.argv[1])", path], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        pid = proc.pid
+    deadline = time.monotonic() + timeout
+    status = None
+    while status is None:
+        done, st = os.waitpid(pid, os.WNOHANG)
+        if done:
+            status = st
+            break
+        if time.monotonic() > deadline:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            if proc is None:
+                os.close(rfd)
+            raise CorruptStoreError(f"{path}: checking LMDB's tree did not finish in {timeout:.0f} s (a cycle?)",
+                                    hint=_TREE_HINT)
+        time.sleep(0.002)
+    if proc is None:
+        msg = b""
+        while chunk := os.read(rfd, 4096):
+            msg += chunk
+        os.close(rfd)
+        text = msg.decode("utf-8", "replace")
+    else:
+        lines = (proc.stderr.read() if proc.stderr else b"").decode("utf-8", "replace").strip().splitlines()
+        text = lines[-1] if lines else ""
+        if proc.stderr:
+            proc.stderr.close()
+    if os.WIFSIGNALED(status):
+        raise CorruptStoreError(
+            f"{path}: LMDB's index is damaged (walking its tree killed a check process with "
+            f"{signal.Signals(os.WTERMSIG(status)).name})", hint=_TREE_HINT)
+    if os.WEXITSTATUS(status) != 0:
+        raise CorruptStoreError(f"{path}: LMDB's index is damaged ({text or 'the check failed'})", hint=_TREE_HINT)
+
+
+_TREE_HINT = ("verify --repair cannot rebuild LMDB's own pages and reading them would kill the reader: "
+              "restore data.mdb from a backup, or remove the store (the engine recomputes the pages)")
 
 
 class _Shared:
@@ -143,6 +242,12 @@ class _Shared:
                                          "by_pid": os.getpid(), "readonly": readonly}
         try:
             alone = False if readonly else self._try_exclusive()
+            if (alone or readonly) and os.environ.get(TREE_CHECK_ENV, "1") != "0":
+                # LMDB trusts its pages: a damaged B-tree page kills the process that walks it
+                # with SIGABRT (mdb.c assertions).  Walk the tree in a child first where damage
+                # is possible: at a restart (no other process has the store open) and in
+                # read-only opens (the CLI); the engine never dies by a signal (issue 16 item 2).
+                check_tree(self.path, fork=True)
             self.env = self._open_env(map_size)
             try:
                 self.dbs = self._open_dbs()

@@ -105,7 +105,7 @@ from hostkv_providers.providers._slotfile import (
     prefetch_runs,
 )
 
-from ._env import _Shared
+from ._env import _Shared, check_tree
 from ._format import (
     _DEFAULT_FILE_NBYTES,
     _DEFAULT_INLINE_MAX,
@@ -877,6 +877,13 @@ class LmdbProvider(Provider):
             self._writable("verify(repair=True)")
         report = VerifyReport()
         s = self._s
+        # LMDB's own pages first, in a child process: a damaged B-tree page would kill this one
+        # with SIGABRT halfway through (issue 16 items 2, 12); repair cannot rebuild them
+        try:
+            check_tree(self._path, fork=False)
+        except CorruptStoreError as exc:
+            report.problems.append(f"{exc.message} ({exc.hint})")
+            return report
         with s.read() as txn:
             keys = [Key(bytes(k)) for k in txn.cursor(db=s.dbs["entries"]).iternext(values=False)]
         total = len(keys)
