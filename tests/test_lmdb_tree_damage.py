@@ -5,6 +5,7 @@ damage is reported as ``CorruptStoreError`` and no engine process dies by a sign
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import subprocess
@@ -80,7 +81,7 @@ def test_open_and_verify_report_damage_instead_of_dying(damaged: Path) -> None:
                 p.read_bytes(e.key)
 
     for readonly in ("true", "false"):
-        sig, outcome = _in_child(lambda: read_all(readonly))
+        sig, outcome = _in_child(functools.partial(read_all, readonly))
         assert sig is None, f"readonly={readonly}: died by signal {sig}"
         assert outcome == "CorruptStoreError", outcome
     proc = subprocess.run([sys.executable, "-m", "hostkv_cli", "verify", url], capture_output=True, text=True,
