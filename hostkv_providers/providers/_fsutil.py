@@ -28,7 +28,14 @@ import stat
 import threading
 from collections.abc import Callable, Sequence
 
-from hostkv_providers._errors import HostKVError, LockedError, NoSpaceError, StorageIOError, UnsafeStoreError
+from hostkv_providers._errors import (
+    HostKVError,
+    LockedError,
+    NoSpaceError,
+    StorageIOError,
+    StoreNotFoundError,
+    UnsafeStoreError,
+)
 
 __all__ = [
     "CRASH_ENV",
@@ -40,7 +47,10 @@ __all__ = [
     "FILE_MODE",
     "LockFile",
     "atomic_write",
+    "check_not_foreign",
     "check_private_dir",
+    "check_store_entries",
+    "prepare_store_dir",
     "check_private_fd",
     "ensure_private_dir",
     "fallocate",
@@ -118,6 +128,67 @@ def ensure_private_dir(path: str) -> None:
     check_private_dir(path)
 
 
+def prepare_store_dir(path: str, *, create: bool = True) -> None:
+    """A writer's store directory (the rule every built-in provider follows, docs/providers).
+
+    Missing: created 0700 (with ``create``; else ``StoreNotFoundError``).  Existing: it must pass
+    :func:`check_private_dir` — except an *empty* directory of our own that no other user can
+    write (typically a ``mkdir`` under the default umask, 0755), which is adopted and tightened
+    to 0700.  Group/other write permission is refused even on an empty directory: another user
+    could have put files in it, or could replace them later."""
+    if not lexists(path, f"looking for {path}"):
+        if not create:
+            raise StoreNotFoundError(f"no store at {path}")
+        ensure_private_dir(path)
+        return
+    try:
+        check_private_dir(path)
+    except UnsafeStoreError:
+        st = os.lstat(path)
+        if (stat.S_ISDIR(st.st_mode) and not stat.S_ISLNK(st.st_mode) and st.st_uid == os.geteuid()
+                and not stat.S_IMODE(st.st_mode) & 0o022 and stat.S_IMODE(st.st_mode) & 0o700 == 0o700
+                and not listdir(path)):
+            try:
+                os.chmod(path, DIR_MODE)
+            except OSError as exc:
+                raise io_error(exc, f"tightening {path} to 0700") from exc
+            check_private_dir(path)
+        else:
+            raise
+
+
+def check_not_foreign(path: str, own: Callable[[str], bool]) -> None:
+    """Refuse to create a store in a directory that holds files of something else: a writer
+    open that finds no store there may create one only in an empty directory (``own(name)``
+    names the files a store's own creation may have left: lock files, temp files)."""
+    foreign = sorted(n for n in listdir(path) if not own(n) and not is_temp_name(n))
+    if foreign:
+        raise StoreNotFoundError(
+            f"{path} holds no store but other files ({', '.join(foreign[:3])}{' ...' if len(foreign) > 3 else ''}); "
+            "refusing to turn it into one",
+            hint="give an empty or new directory; only `hostkv copy`, `bench` and `demo` create stores")
+
+
+def check_store_entries(path: str) -> list[str]:
+    """Every entry of the store directory ``path`` (by ``lstat``, nothing is followed or opened):
+    no symlinks, every file and directory ours and not accessible to group/other.  Readers and
+    writers run the same check (a read-only open once followed a symlink out of the store).
+    Returns the names."""
+    names = listdir(path)
+    for name in names:
+        full = os.path.join(path, name)
+        try:
+            st = os.lstat(full)
+        except FileNotFoundError:
+            continue  # removed meanwhile (a writer's rotation): nothing to check
+        except OSError as exc:
+            raise io_error(exc, f"inspecting {full}") from exc
+        if stat.S_ISLNK(st.st_mode):
+            raise UnsafeStoreError(f"{full} is a symlink; symlinks inside a store are refused")
+        _check_owner_mode(st, full, DIR_MODE if stat.S_ISDIR(st.st_mode) else FILE_MODE)
+    return names
+
+
 def check_private_dir(path: str) -> None:
     """Refuse a store directory that is a symlink, not a directory, not ours, or group/world
     accessible (``UnsafeStoreError``)."""
@@ -132,6 +203,12 @@ def check_private_dir(path: str) -> None:
     if not stat.S_ISDIR(st.st_mode):
         raise UnsafeStoreError(f"store path {path} is not a directory")
     _check_owner_mode(st, path, DIR_MODE)
+    if stat.S_IMODE(st.st_mode) & 0o500 != 0o500:
+        # mode 000 (or 0300 ...): this user cannot list or enter it, so every file would read as
+        # missing ("holds no store" suggested the data was gone)
+        raise UnsafeStoreError(
+            f"store directory {path} has mode {stat.S_IMODE(st.st_mode):04o}: this user cannot list or enter it",
+            hint=f"chmod 0700 {path}")
 
 
 def _check_owner_mode(st: os.stat_result, path: str, allowed: int) -> None:

@@ -25,6 +25,7 @@ from hostkv_providers._errors import (
     LockedError,
     NoSpaceError,
     StorageIOError,
+    StoreNotFoundError,
     UsedAfterForkError,
 )
 from hostkv_providers._keys import FORMAT_VERSION, KEY_ALGORITHM, Key
@@ -176,10 +177,11 @@ class _Shared:
         if readonly:
             # never create anything: a read-only open of a typo'd path must not make a store
             _fsutil.check_private_dir(path)
-            if not os.path.lexists(os.path.join(path, "data.mdb")):
-                raise IncompatibleStoreError(f"{path} holds no lmdb store (no data.mdb)")
+            # (_fsutil.lexists: an EACCES is an error, not "missing")
+            if not _fsutil.lexists(os.path.join(path, "data.mdb"), f"looking for {path}/data.mdb"):
+                raise StoreNotFoundError(f"{path} holds no lmdb store (no data.mdb)")
         else:
-            _fsutil.ensure_private_dir(path)
+            _fsutil.prepare_store_dir(path)
         st = os.stat(path)
         ident = (os.getpid(), st.st_dev, st.st_ino)
         with cls._registry_lock:
@@ -275,13 +277,22 @@ class _Shared:
             raise _fsutil.io_error(exc, f"listing {self.path}") from exc
         foreign = [n for n in names if n not in _OWN_FILES and not _fsutil.is_temp_name(n)]
         if foreign:
-            raise IncompatibleStoreError(
+            cls = IncompatibleStoreError if "data.mdb" in names else StoreNotFoundError
+            raise cls(
                 f"{self.path} is not an lmdb store (it holds {', '.join(sorted(foreign)[:3])})",
                 hint="point lmdb:// at an empty directory or an existing lmdb store")
         for name in ("data.mdb", "lock.mdb", _LOCK_NAME):
             full = os.path.join(self.path, name)
-            if os.path.lexists(full):
+            if _fsutil.lexists(full, f"looking for {full}"):
                 os.close(_fsutil.open_private(full, os.O_RDONLY))  # symlink/owner/mode checks
+        # Every open, read-only ones included, checks what the writer checks (issue 16 item 9): a
+        # symlinked or loose slots/ directory, and slot files that are symlinks, foreign-owned or
+        # readable/writable by others (a read-only open followed them out of the store).
+        if _SLOT_DIR in names:
+            _fsutil.check_private_dir(self.slot_dir)
+            for name in _fsutil.listdir(self.slot_dir):
+                full = os.path.join(self.slot_dir, name)
+                os.close(_fsutil.open_private(full, os.O_RDONLY))
 
     def _shared_lock(self) -> _fsutil.LockFile:
         deadline = time.monotonic() + _LOCK_TIMEOUT

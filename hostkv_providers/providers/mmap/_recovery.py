@@ -24,7 +24,7 @@ from hostkv_providers._errors import (
     IncompatibleStoreError,
     InvalidArgumentError,
     StorageIOError,
-    UnsafeStoreError,
+    StoreNotFoundError,
 )
 from hostkv_providers._keys import FORMAT_VERSION, KEY_ALGORITHM
 from hostkv_providers._provider import (
@@ -75,6 +75,14 @@ if TYPE_CHECKING:
 
 _log = logging.getLogger(__name__)
 
+#: The manifest's own checksum field: XXH3-64 (hex) of the canonical JSON of every other field.
+_MANIFEST_CHECKSUM = "manifest_xxh3"
+
+
+def _manifest_digest(fields: Mapping[str, Any]) -> str:
+    canonical = json.dumps(dict(fields), sort_keys=True, separators=(",", ":")).encode()
+    return f"{xxhash.xxh3_64_intdigest(canonical):016x}"
+
 
 class _Recovery(_Snapshots):
     """Open, load and replay (a part of :class:`MmapProvider`)."""
@@ -85,13 +93,16 @@ class _Recovery(_Snapshots):
         if self._readonly:
             _fsutil.check_private_dir(self.path)
         else:
-            self._adopt_dir(create)
+            _fsutil.prepare_store_dir(self.path, create=create)
+        _fsutil.check_store_entries(self.path)  # readers check what writers check (issue 16 item 9)
         if not self._readonly:
             self._lockfile = _fsutil.LockFile(self._p("writer.lock"))
         exists = _fsutil.lexists(manifest_path, f"looking for {manifest_path}")
         if not exists:
             if self._readonly or not create:
-                raise StorageIOError(f"no mmap store at {self.path} (manifest.json missing)")
+                raise StoreNotFoundError(f"no mmap store at {self.path} (manifest.json missing)")
+            # never adopt a directory holding something else (issue 16 item 4)
+            _fsutil.check_not_foreign(self.path, lambda name: name == "writer.lock")
             self._create_store(budget, slot_nbytes, file_nbytes)
         man = self._read_manifest()
         self._manifest = man
@@ -133,26 +144,6 @@ class _Recovery(_Snapshots):
             if self._load_needs_snapshot:
                 self._snapshot()
 
-    def _adopt_dir(self, create: bool) -> None:
-        if not _fsutil.lexists(self.path, f"looking for {self.path}"):
-            if not create:
-                raise StorageIOError(f"no mmap store at {self.path}")
-            _fsutil.ensure_private_dir(self.path)
-            return
-        try:
-            _fsutil.check_private_dir(self.path)
-        except UnsafeStoreError:  # not an I/O error: that one is the answer
-            # An empty directory the caller made for us (loose umask): adopt it and tighten it.
-            import stat as _stat
-
-            st = os.lstat(self.path)
-            if (_stat.S_ISDIR(st.st_mode) and not _stat.S_ISLNK(st.st_mode) and st.st_uid == os.geteuid()
-                    and not _fsutil.listdir(self.path)):
-                os.chmod(self.path, _fsutil.DIR_MODE)
-                _fsutil.check_private_dir(self.path)
-            else:
-                raise
-
     def _create_store(self, budget: int | None, slot_nbytes: int | None, file_nbytes: int | None) -> None:
         slot = _DEFAULT_SLOT if slot_nbytes is None else slot_nbytes
         if type(slot) is not int or slot <= 0 or slot % 4096:
@@ -163,7 +154,7 @@ class _Recovery(_Snapshots):
         fb = min(b, _MAX_FILE) if file_nbytes is None else file_nbytes
         if fb < slot:
             raise InvalidArgumentError(f"file_size {fb} is smaller than one slot ({slot})")
-        man = {
+        man: dict[str, Any] = {
             "format": MMAP_FORMAT,
             "format_version": MMAP_FORMAT_VERSION,
             "store_format_version": FORMAT_VERSION,
@@ -181,7 +172,9 @@ class _Recovery(_Snapshots):
         self._write_manifest(man)
 
     def _write_manifest(self, man: Mapping[str, Any]) -> None:
-        _fsutil.atomic_write(self._p("manifest.json"), json.dumps(man, indent=1, sort_keys=True).encode())
+        body = {k: v for k, v in man.items() if k != _MANIFEST_CHECKSUM}
+        body[_MANIFEST_CHECKSUM] = _manifest_digest(body)
+        _fsutil.atomic_write(self._p("manifest.json"), json.dumps(body, indent=1, sort_keys=True).encode())
 
     def _disk_generation(self) -> int | None:
         """The generation the manifest on disk names, or ``None`` if it cannot be read."""
@@ -194,9 +187,13 @@ class _Recovery(_Snapshots):
     def _read_manifest(self) -> dict[str, Any]:
         path = self._p("manifest.json")
         raw = _fsutil.read_small_file(path, _MANIFEST_LIMIT)
+        if raw.count(b"[") + raw.count(b"{") > 64:
+            # json.loads recurses per level: 5,000 levels raised a bare RecursionError
+            raise CorruptStoreError(f"{path} nests deeper than a manifest does",
+                                    hint="restore the manifest or remove the store")
         try:
             man = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError):
+        except (UnicodeDecodeError, ValueError, RecursionError):
             raise CorruptStoreError(f"{path} is not valid JSON",
                                     hint="restore the manifest or remove the store") from None
         if not isinstance(man, dict) or man.get("format") != MMAP_FORMAT:
@@ -213,6 +210,13 @@ class _Recovery(_Snapshots):
                             ("store_format_version", FORMAT_VERSION)):
             if man.get(field) != want:
                 raise IncompatibleStoreError(f"{self.path}: {field} is {man.get(field)!r}, this build uses {want!r}")
+        # A manifest whose digest fails refuses to open, whatever it says: one flipped digit of
+        # "generation" once made the next writer delete every file of the real generation.
+        recorded = man.get(_MANIFEST_CHECKSUM)
+        if recorded != _manifest_digest({k: v for k, v in man.items() if k != _MANIFEST_CHECKSUM}):
+            raise CorruptStoreError(
+                f"{path} fails its checksum" if isinstance(recorded, str) else f"{path} carries no checksum",
+                hint="nothing was changed; restore manifest.json from a backup, or remove the store")
         for field in ("generation", "slot_nbytes", "budget_bytes"):
             v = man.get(field)
             if type(v) is not int or v <= 0:
@@ -227,6 +231,15 @@ class _Recovery(_Snapshots):
     def _cleanup_dir(self) -> None:
         """Writer only: reclaim temp files and files of another generation (half-done
         compactions, R3); refuse symlinks and unknown files are left alone."""
+        names = _fsutil.listdir(self.path)
+        ours = [n for n in names if re.match(rf"^index\.{self._gen}\.", n)]
+        others = [n for n in names if re.match(r"^index\.\d{1,9}\.", n) and n not in ours]
+        if others and not ours:
+            # the manifest names a generation with no index at all while another generation has
+            # one: deleting "the other generation" would delete the store
+            raise CorruptStoreError(
+                f"{self.path}: the manifest names generation {self._gen}, the index files are "
+                f"{', '.join(sorted(others)[:2])}", hint="nothing was deleted; restore manifest.json")
         removed = _fsutil.remove_temp_files(self.path)
         if removed:
             self._problems_note(f"removed {len(removed)} leftover temp file(s)")
@@ -346,8 +359,13 @@ class _Recovery(_Snapshots):
                 self._problems_note(f"snapshot declares {declared} records, holds {count}")
                 self._load_needs_snapshot = True
         else:
-            self._problems_note("snapshot header damaged: salvaged its records")
-            self._load_needs_snapshot = True
+            # The snapshot is installed by rename, never torn: a header that fails its checksum is
+            # damage, and salvaging the records after it made a random file read as an empty store
+            # (a writer then wrote that empty index over it).  Refuse; nothing is changed.
+            raise CorruptStoreError(
+                f"{self._p(self._snap_name(self._gen))}: snapshot header fails its checksum "
+                "(or names another store)",
+                hint="nothing was changed; restore the file from a backup, or remove the store")
         view = np.frombuffer(body[: count * REC_NBYTES], RECORD_DTYPE)
         W = _columns(view)
         del view
@@ -377,6 +395,8 @@ class _Recovery(_Snapshots):
         head = raw[:REC_NBYTES]
         if not (len(head) == REC_NBYTES and head[:8] == _JOURNAL_MAGIC
                 and xxhash.xxh3_64_intdigest(head[:152]) == int.from_bytes(head[152:160], "little")):
+            # a power cut (durability=none) or a truncation can take the header with it: the
+            # records carry their own checksums and are salvaged one by one
             self._problems_note("journal header damaged: records salvaged")
             self._load_needs_snapshot = True
         else:

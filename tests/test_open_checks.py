@@ -1,0 +1,184 @@
+"""Issue 16 items 1, 3, 4, 9, 10, 11: what every open path of the persistent providers checks
+before it trusts (or deletes) anything on disk.  Each test failed on the code before the fix."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+import hostkv_providers as hk
+from hostkv_providers.errors import CorruptStoreError, StoreNotFoundError, UnsafeStoreError
+from hostkv_providers.testing import chain, page_bytes, put_chain
+
+PAGE = 16384
+SCHEMES = ("mmap", "lmdb")
+
+
+def _url(scheme: str, path: Path, **opts: str) -> str:
+    base = {"budget": "8MiB", **({"slot": "16KiB"} if scheme == "mmap" else {}), **opts}
+    return f"{scheme}://{path}?" + "&".join(f"{k}={v}" for k, v in base.items())
+
+
+def _filled(scheme: str, path: Path, n: int = 6) -> list[hk.Key]:
+    keys = chain(f"open-checks/{scheme}", n)
+    with hk.open(_url(scheme, path)) as p:
+        put_chain(p, keys, PAGE)
+    return keys
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {str(f.relative_to(root)): f.read_bytes() for f in sorted(root.rglob("*")) if f.is_file()
+            and f.name not in ("lock.mdb", "writer.lock", "hostkv.lock")}
+
+
+# -- item 1: the mmap manifest is checksummed; nothing is deleted on its say-so -------------------
+
+
+def test_mmap_manifest_with_a_changed_generation_refuses_and_deletes_nothing(tmp_path: Path) -> None:
+    store = tmp_path / "s"
+    keys = _filled("mmap", store)
+    man_path = store / "manifest.json"
+    man = json.loads(man_path.read_text())
+    man["generation"] += 1  # still valid JSON: the old code deleted every file of the real generation
+    man_path.write_text(json.dumps(man, indent=1, sort_keys=True))
+    before = _files(store)
+    for readonly in ("true", "false"):
+        with pytest.raises(CorruptStoreError, match="checksum"):
+            hk.open(f"mmap://{store}", readonly=readonly)
+    assert _files(store) == before
+    # the real generation back (the checksum recomputed): every page is still there
+    from hostkv_providers.providers.mmap._recovery import _MANIFEST_CHECKSUM, _manifest_digest
+
+    fixed = json.loads(before["manifest.json"])
+    fixed["generation"] -= 1
+    fixed[_MANIFEST_CHECKSUM] = _manifest_digest({k: v for k, v in fixed.items() if k != _MANIFEST_CHECKSUM})
+    man_path.write_text(json.dumps(fixed, indent=1, sort_keys=True))
+    with hk.open(f"mmap://{store}") as p:
+        assert [p.read_bytes(k) for k in keys] == [page_bytes(k, PAGE) for k in keys]
+
+
+def test_mmap_manifest_without_checksum_or_nested_deep_is_a_typed_error(tmp_path: Path) -> None:
+    store = tmp_path / "s"
+    _filled("mmap", store)
+    man_path = store / "manifest.json"
+    man = json.loads(man_path.read_text())
+    man.pop("manifest_xxh3")
+    man_path.write_text(json.dumps(man))
+    with pytest.raises(CorruptStoreError, match="no checksum"):
+        hk.open(f"mmap://{store}", readonly="true")
+    man_path.write_text("[" * 5000 + "]" * 5000)  # item 11: a bare RecursionError before
+    for readonly in ("true", "false"):
+        with pytest.raises(CorruptStoreError):
+            hk.open(f"mmap://{store}", readonly=readonly)
+
+
+# -- item 3: a random snapshot does not make the store look empty ---------------------------------
+
+
+def test_mmap_random_snapshot_refuses_instead_of_reading_as_empty(tmp_path: Path) -> None:
+    store = tmp_path / "s"
+    _filled("mmap", store)
+    with hk.open(f"mmap://{store}") as p:  # a clean close writes the snapshot
+        assert p.stats().entries == 6
+    snaps = list(store.glob("index.*.snap"))
+    assert snaps
+    size = snaps[0].stat().st_size
+    snaps[0].write_bytes(os.urandom(size))
+    before = _files(store)
+    for readonly in ("true", "false"):
+        with pytest.raises(CorruptStoreError, match="snapshot header"):
+            hk.open(f"mmap://{store}", readonly=readonly)
+    assert _files(store) == before  # the writer did not write an empty index over it
+
+
+# -- item 4 (library side): no provider adopts a directory of unrelated files ---------------------
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_writer_open_never_adopts_a_directory_of_other_files(tmp_path: Path, scheme: str) -> None:
+    d = tmp_path / "junk"
+    d.mkdir(mode=0o700)
+    (d / "notes.txt").write_text("mine")
+    (d / "notes.txt").chmod(0o600)
+    with pytest.raises(StoreNotFoundError):
+        hk.open(_url(scheme, d))
+    assert sorted(os.listdir(d)) in (["notes.txt"], ["hostkv.lock", "notes.txt"], ["notes.txt", "writer.lock"])
+    with pytest.raises(StoreNotFoundError):
+        hk.open(f"{scheme}://{d}", readonly="true")
+
+
+# -- item 10: one rule for a pre-made empty directory ----------------------------------------------
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_empty_directory_rule_is_the_same_for_every_provider(tmp_path: Path, scheme: str) -> None:
+    """An empty directory of our own that others cannot write (0755: a mkdir under umask 022)
+    is adopted and tightened to 0700 (lmdb refused it, mmap adopted it); one that others can
+    write (0775, 0777) is refused by both (mmap adopted it)."""
+    ok = tmp_path / "ok"
+    ok.mkdir()
+    ok.chmod(0o755)
+    with hk.open(_url(scheme, ok)) as p:
+        put_chain(p, chain("empty-dir", 2), PAGE)
+    assert ok.stat().st_mode & 0o777 == 0o700
+    for mode in (0o775, 0o777, 0o757):
+        bad = tmp_path / f"bad{mode:o}"
+        bad.mkdir()
+        bad.chmod(mode)
+        with pytest.raises(UnsafeStoreError):
+            hk.open(_url(scheme, bad))
+        assert os.listdir(bad) == []
+
+
+# -- item 9: every open path checks what the writer open checks -----------------------------------
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_read_only_opens_refuse_symlinks_and_loose_files(tmp_path: Path, scheme: str) -> None:
+    store = tmp_path / "s"
+    _filled(scheme, store)
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"x" * 4096)
+    outside.chmod(0o600)
+    link = store / ("data.1.0009.slots" if scheme == "mmap" else "slots/00000099.slots")
+    link.symlink_to(outside)
+    for readonly in ("true", "false"):
+        with pytest.raises(UnsafeStoreError, match="symlink"):
+            hk.open(f"{scheme}://{store}", readonly=readonly)
+    link.unlink()
+    lock = store / ("writer.lock" if scheme == "mmap" else "hostkv.lock")
+    victims = [p for p in (lock, *sorted(store.rglob("*.slots"))) if p.exists()]
+    assert victims
+    for victim in victims[:2]:
+        mode = victim.stat().st_mode & 0o777
+        victim.chmod(0o644)
+        with pytest.raises(UnsafeStoreError):
+            hk.open(f"{scheme}://{store}", readonly="true")
+        victim.chmod(mode)
+    if scheme == "lmdb":
+        (store / "slots").chmod(0o755)
+        with pytest.raises(UnsafeStoreError):
+            hk.open(f"{scheme}://{store}", readonly="true")
+        (store / "slots").chmod(0o700)
+    with hk.open(f"{scheme}://{store}", readonly="true") as p:
+        assert p.stats().entries == 6
+
+
+# -- item 15 (library side): an own store at mode 000 --------------------------------------------
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_own_store_at_mode_000_is_refused_with_a_chmod_hint(tmp_path: Path, scheme: str) -> None:
+    store = tmp_path / "s"
+    _filled(scheme, store)
+    store.chmod(0o000)
+    try:
+        for readonly in ("true", "false"):
+            with pytest.raises(UnsafeStoreError, match="cannot list or enter") as info:
+                hk.open(f"{scheme}://{store}", readonly=readonly)
+            assert "chmod 0700" in info.value.hint
+    finally:
+        store.chmod(0o700)
