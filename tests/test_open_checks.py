@@ -182,3 +182,26 @@ def test_own_store_at_mode_000_is_refused_with_a_chmod_hint(tmp_path: Path, sche
             assert "chmod 0700" in info.value.hint
     finally:
         store.chmod(0o700)
+
+
+def test_lmdb_entry_record_with_a_huge_size_is_a_miss(tmp_path: Path) -> None:
+    """Item 11: an entry record with a valid CRC and nbytes=2**40 gave MemoryError from
+    read_bytes and a misleading InvalidArgumentError from read.  Records are parsed with bounds:
+    such a record is a corrupt entry, i.e. a miss."""
+    import lmdb
+
+    from hostkv_providers.providers.lmdb._format import _Entry
+
+    store = tmp_path / "s"
+    keys = _filled("lmdb", store, 3)
+    env = lmdb.open(str(store), subdir=True, max_dbs=16, lock=True)
+    db = env.open_db(b"entries")
+    with env.begin(write=True) as txn:
+        e = _Entry.unpack(keys[2], txn.get(keys[2], db=db))
+        e.nbytes = 1 << 40
+        txn.put(keys[2], e.pack(), db=db)
+    env.close()
+    with hk.open(f"lmdb://{store}") as p:
+        assert p.read_bytes(keys[2]) is None
+        assert p.read(keys[2], bytearray(PAGE)) is False
+        assert p.read_bytes(keys[1]) == page_bytes(keys[1], PAGE)

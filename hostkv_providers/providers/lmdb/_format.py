@@ -41,6 +41,8 @@ _PRESENT_CACHE_MAX = 1 << 18  # keys in the per-process presence cache; emptied 
 
 _LOCK_NAME = "hostkv.lock"
 _SLOT_DIR = "slots"
+#: No entry is larger (a bound for parsing records, far above any KV page).
+_MAX_ENTRY_NBYTES = 1 << 36
 _DB_NAMES = ("meta", "entries", "children", "lru", "pages", "anchors", "flights", "leases", "files", "free", "limbo")
 _OWN_FILES = frozenset({"data.mdb", "lock.mdb", _LOCK_NAME, _SLOT_DIR})
 
@@ -162,6 +164,10 @@ class _Entry:
          slot) = _ENTRY.unpack_from(raw)
         if ver != _ENTRY_VERSION:
             raise _BadRecord(f"entry record version {ver}")
+        if not 0 < nbytes <= _MAX_ENTRY_NBYTES:
+            # bounded before anything allocates it: a record with a valid CRC and nbytes=2**40
+            # made read_bytes raise MemoryError (issue 16 item 11)
+            raise _BadRecord(f"entry record claims {nbytes} bytes")
         try:
             tag = raw[_ENTRY.size : n - 4].decode()
         except UnicodeDecodeError:
