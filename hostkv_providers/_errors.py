@@ -25,6 +25,7 @@ __all__ = [
     "ReservationError",
     "SpanError",
     "StorageIOError",
+    "StoreNotFoundError",
     "UnknownKeyError",
     "UnknownProviderError",
     "UnsafeStoreError",
@@ -159,6 +160,13 @@ class IncompatibleStoreError(HostKVError, ValueError):
     """The store's format version, key algorithm or geometry does not match this build/config."""
 
     default_hint = "open it with the matching version/options, or copy it with `hostkv copy`"
+
+
+class StoreNotFoundError(IncompatibleStoreError):
+    """The location holds no store of this provider (a read-only open, or an open that must not
+    create one: an empty or unrelated directory)."""
+
+    default_hint = "check the path; only `hostkv copy` (its destination), `bench` and `demo` create stores"
 
 
 class CorruptStoreError(HostKVError, OSError):

@@ -125,7 +125,7 @@ def register(group: click.Group) -> None:
         if nbytes <= 0:
             raise CLIError("--page-size must be positive")
         with (
-            open_store(url, readonly=False, must_exist=False) as p,
+            open_store(url, readonly=False, must_exist=False, create=True) as p,
             progress_bar("benchmarking", enabled=not as_json or sys.stderr.isatty()) as bar,
         ):
             doc = run_bench(p, pages, nbytes, lookups, bar)

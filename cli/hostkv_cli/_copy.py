@@ -137,7 +137,7 @@ def register(group: click.Group) -> None:
             raise CLIError("source and destination are the same store")
         with (
             open_store(src_url, readonly=True) as src,
-            open_store(dst_url, readonly=False, must_exist=False) as dst,
+            open_store(dst_url, readonly=False, must_exist=False, create=True) as dst,
             progress_bar("copying", enabled=not as_json or sys.stderr.isatty()) as bar,
         ):
             refuse_ephemeral(dst, allow_ephemeral, "copy")

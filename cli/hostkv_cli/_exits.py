@@ -44,6 +44,7 @@ class CLIError(Exception):
 _MAPPING: tuple[tuple[type[BaseException], ExitCode], ...] = (
     (hk.errors.LockedError, ExitCode.BUSY),
     (hk.errors.InFlightError, ExitCode.BUSY),
+    (hk.errors.StoreNotFoundError, ExitCode.USAGE),  # a missing store (before its base class)
     (hk.errors.UnsafeStoreError, ExitCode.REFUSED),
     (hk.errors.IncompatibleStoreError, ExitCode.REFUSED),
     (hk.CorruptStoreError, ExitCode.INTEGRITY),

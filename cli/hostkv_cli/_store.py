@@ -53,25 +53,21 @@ def _is_path(scheme: str, cls: type[hk.Provider], location: str) -> bool:
     return any(i.name == scheme and i.builtin for i in hk.available_providers())
 
 
-def open_store(url: str, *, readonly: bool, must_exist: bool = True) -> hk.Provider:
+def open_store(url: str, *, readonly: bool, must_exist: bool = True, create: bool = False) -> hk.Provider:
     """Open ``url`` through ``hk.open``.
 
     ``readonly`` asks a persistent provider not to modify the store (the ``readonly=true`` URL
     option); one that does not know the option is opened normally, with a note on stderr.
+    ``tiered://`` has no read-only mode of its own: a read-only command opens its slow tier (which
+    holds every entry) read-only instead, saying so on stderr.
     ``must_exist`` refuses a filesystem location that does not exist yet, so that ``info`` on a
-    typo'd path reports the typo instead of creating an empty store there.
+    typo'd path reports the typo instead of creating an empty store there.  A writable open
+    without ``create`` (``evict``, ``compact``, ``verify --repair``) first opens the store
+    read-only, so a directory that holds no store — empty or unrelated files — is refused
+    instead of being turned into one; only ``copy``, ``bench`` and ``demo`` pass ``create``.
     """
     scheme, location, options = hk.providers.parse_url(url)
-    try:
-        cls = hk.providers.provider_class(scheme)
-    except hk.HostKVError:
-        raise
-    except Exception as exc:  # a broken plugin: say which, never a traceback
-        raise CLIError(
-            f"provider {scheme!r} failed to load: {type(exc).__name__}: {exc}",
-            ExitCode.USAGE,
-            hint="run `hostkv providers`; reinstall the distribution that provides it",
-        ) from None
+    cls = _provider_class(scheme)
     if must_exist and _is_path(scheme, cls, location):
         path = os.path.expanduser(location)
         if not os.path.lexists(path):
@@ -80,17 +76,50 @@ def open_store(url: str, *, readonly: bool, must_exist: bool = True) -> hk.Provi
                 ExitCode.USAGE,
                 hint="check the path; only `hostkv copy`, `bench` and `demo` create stores",
             )
+    if readonly and scheme == "tiered" and cls.persistent and options.get("slow"):
+        slow = options["slow"]
+        click.echo(f"note: tiered:// has no read-only mode; reading its slow tier {slow} read-only "
+                   "(it holds every entry)", err=True)
+        return open_store(slow, readonly=True, must_exist=must_exist)
+    if not readonly and not create and cls.persistent and _is_path(scheme, cls, location):
+        # prove there is a store before opening for writing: a writable open would create one
+        # (the probe carries no options: write options such as budget= are for the real open)
+        probe = _open_readonly(f"{scheme}://{location}", scheme, {}, quiet=True)
+        if probe is not None:
+            probe.close()
     if not readonly or not cls.persistent:
         return hk.open(url)
+    opened = _open_readonly(url, scheme, options, quiet=False)
+    return opened if opened is not None else hk.open(url)
+
+
+def _provider_class(scheme: str) -> type[hk.Provider]:
+    try:
+        return hk.providers.provider_class(scheme)
+    except hk.HostKVError:
+        raise
+    except Exception as exc:  # a broken plugin: say which, never a traceback
+        raise CLIError(
+            f"provider {scheme!r} failed to load: {type(exc).__name__}: {exc}",
+            ExitCode.USAGE,
+            hint="run `hostkv providers`; reinstall the distribution that provides it",
+        ) from None
+
+
+def _open_readonly(url: str, scheme: str, options: dict[str, str], *, quiet: bool) -> hk.Provider | None:
+    """``url`` opened with ``readonly=true``; ``None`` if the provider has no read-only mode."""
     if READONLY_OPTION in options and options[READONLY_OPTION].lower() in ("0", "false", "no", "off"):
         raise CLIError(f"this command opens stores read-only; drop {READONLY_OPTION}= from the URL")
     try:
         return hk.open(url, **{READONLY_OPTION: "true"})
     except hk.InvalidArgumentError as exc:
         text = f"{exc.message} {exc.hint}".lower()
+        unknown = _unknown_options(exc.message)
+        if unknown and READONLY_OPTION not in unknown:
+            raise  # a mistyped option of the URL: the error lists the accepted ones
         if READONLY_OPTION not in text and "read-only" not in text:
             raise  # a genuine bad option of the URL
-        if not ("unknown option" in text and READONLY_OPTION in exc.message):
+        if READONLY_OPTION not in unknown:
             # The provider has a read-only mode but refuses it with this URL (lmdb: a read-only
             # open cannot set budget=).  Never fall back to a writable open here.
             raise CLIError(
@@ -100,9 +129,18 @@ def open_store(url: str, *, readonly: bool, must_exist: bool = True) -> hk.Provi
             ) from None
     # The provider has no read-only mode at all (e.g. a network store whose opening writes
     # nothing).  Say so rather than refuse: the operator decides whether that matters.
-    click.echo(f"note: provider {scheme!r} has no {READONLY_OPTION}=true option; opened normally",
-               err=True)
-    return hk.open(url)
+    if not quiet:
+        click.echo(f"note: provider {scheme!r} has no {READONLY_OPTION}=true option; opened normally",
+                   err=True)
+    return None
+
+
+def _unknown_options(message: str) -> list[str]:
+    """The option names an ``unknown option(s) a, b`` message of ``hk.providers.Options`` lists."""
+    marker = "unknown option(s) "
+    if marker not in message:
+        return []
+    return [name.strip() for name in message.split(marker, 1)[1].split(",")]
 
 
 def require_iterate(provider: hk.Provider, what: str) -> hk.providers.SupportsIterate:

@@ -337,3 +337,69 @@ def test_demo_restarts_in_a_fresh_process(tmp_path: Path) -> None:
     assert again.returncode == 0, again.stderr
     assert "every byte matched" in again.stdout
     assert all(len(line) <= 80 for line in again.stdout.splitlines() if str(path) not in line), again.stdout
+
+
+# ----------------------------------------------------------------------------------------------
+# Issue 16: only copy/bench/demo create stores; options; tiered read-only
+# ----------------------------------------------------------------------------------------------
+
+
+def test_modifying_commands_never_adopt_a_directory(tmp_path: Path, scheme: str) -> None:
+    """``evict``, ``compact`` and ``verify --repair`` on an empty directory or one holding
+    unrelated files used to turn it into a store (mmap preallocated a 1 GiB data file, exit 0):
+    now exit 2 ("no ... store"), and the directory is left exactly as it was."""
+    junk = tmp_path / "junk"
+    junk.mkdir(mode=0o700)
+    (junk / "notes.txt").write_text("not a store")
+    (junk / "notes.txt").chmod(0o600)
+    empty = tmp_path / "empty"
+    empty.mkdir(mode=0o700)
+    for target in (junk, empty):
+        before = tree_snapshot(target)
+        for args in (("evict", "--to", "0"), ("compact",), ("verify", "--repair")):
+            proc = run_hostkv(*args, f"{scheme}://{target}?budget=64MiB")
+            assert proc.returncode == 2, (args, target.name, proc.returncode, proc.stderr)
+            assert "store" in proc.stderr and "hint:" in proc.stderr
+            no_traceback(proc)
+            assert tree_snapshot(target) == before, (args, target.name)
+
+
+def test_mistyped_option_lists_the_accepted_ones(tmp_path: Path, scheme: str) -> None:
+    """A typo on a read command (``?bugdet=``) got "drop write options such as budget=" instead
+    of the list of accepted options."""
+    filled_store(tmp_path, scheme)
+    for args in (("info",), ("ls",), ("verify",), ("evict", "--to", "0")):
+        proc = run_hostkv(*args, f"{scheme}://{tmp_path / 'store'}?bugdet=1GiB")
+        assert proc.returncode == 2, (args, proc.stderr)
+        assert "bugdet" in proc.stderr and "accepted options" in proc.stderr, proc.stderr
+        assert "drop write options" not in proc.stderr
+        no_traceback(proc)
+
+
+def test_read_commands_open_tiered_read_only(tmp_path: Path, scheme: str) -> None:
+    """``info``/``ls``/``verify`` on ``tiered://`` opened it writable: they took the slow tier's
+    writer lock (so they failed while an engine ran) and touched its files.  Now they read the
+    slow tier read-only, also while another process holds it for writing."""
+    url, chains = filled_store(tmp_path, scheme)
+    n = len({k for keys in chains.values() for k in keys})
+    tiered = f"tiered://?fast=pinned://%3Fbudget%3D8MiB%26pin%3Dno&slow={scheme}://{tmp_path / 'store'}&budget=32MiB"
+    before = _store_files(tmp_path / "store")
+    time.sleep(0.05)  # a later write would get a distinguishable mtime
+    for args in (("info", "--json"), ("ls", "--json"), ("verify", "--json")):
+        proc = run_hostkv(*args, tiered)
+        assert proc.returncode == 0, (args, proc.returncode, proc.stderr)
+        assert "read-only" in proc.stderr
+        no_traceback(proc)
+        if args[0] == "info":
+            assert json.loads(proc.stdout)["entries"] == n
+    assert _store_files(tmp_path / "store") == before
+    # and while an engine holds the store for writing
+    holder = subprocess.Popen([sys.executable, "-m", "tests._child", "hold", url], cwd=CLI_DIR,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "ready"
+        proc = run_hostkv("info", "--json", tiered)
+        assert proc.returncode == 0, proc.stderr
+        assert json.loads(proc.stdout)["entries"] == n
+    finally:
+        holder.communicate(timeout=60)
