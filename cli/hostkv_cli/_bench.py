@@ -91,7 +91,9 @@ def run_bench(p: hk.Provider, pages: int, page_nbytes: int, lookups: int,
                     progress(pages + i + 1, 2 * pages)
         read_s = time.perf_counter() - t_all
     finally:
-        if stored:
+        # always (also when the first seal returned but was not counted yet): the scratch chain
+        # must not stay in the store
+        if stored or p.present([keys[0]])[0]:
             p.evict([keys[0]])
     mb = pages * page_nbytes / 1e6
     return {
@@ -126,7 +128,7 @@ def register(group: click.Group) -> None:
             raise CLIError("--page-size must be positive")
         with (
             open_store(url, readonly=False, must_exist=False, create=True) as p,
-            progress_bar("benchmarking", enabled=not as_json or sys.stderr.isatty()) as bar,
+            progress_bar("benchmarking", enabled=not as_json or sys.stderr.isatty(), interrupt_here=True) as bar,
         ):
             doc = run_bench(p, pages, nbytes, lookups, bar)
         doc["url"] = url

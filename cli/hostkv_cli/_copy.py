@@ -138,7 +138,7 @@ def register(group: click.Group) -> None:
         with (
             open_store(src_url, readonly=True) as src,
             open_store(dst_url, readonly=False, must_exist=False, create=True) as dst,
-            progress_bar("copying", enabled=not as_json or sys.stderr.isatty()) as bar,
+            progress_bar("copying", enabled=not as_json or sys.stderr.isatty(), interrupt_here=True) as bar,
         ):
             refuse_ephemeral(dst, allow_ephemeral, "copy")
             t0 = time.perf_counter()  # the copy itself, not opening (creating) the stores

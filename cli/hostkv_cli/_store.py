@@ -7,7 +7,9 @@ names), so the CLI works for any provider, third-party plugins included.
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -155,15 +157,32 @@ def require_iterate(provider: hk.Provider, what: str) -> hk.providers.SupportsIt
 
 
 @contextmanager
-def progress_bar(label: str, *, enabled: bool = True) -> Iterator[Progress]:
+def progress_bar(label: str, *, enabled: bool = True, interrupt_here: bool = False) -> Iterator[Progress]:
     """A ``progress(done, total)`` callback drawing a click progress bar on stderr.
 
     The bar is created on the first call, when the total is known.  When stderr is not a
     terminal click prints only the label, so logs stay clean.
+
+    ``interrupt_here`` (for loops that call the provider between progress calls: copy, bench):
+    a Ctrl-C is held until the next progress call and raised there, between two provider calls,
+    never inside one — a KeyboardInterrupt inside a provider's commit left lmdb's gate taken, so
+    close() hung (issue 16 item 5), or a reservation/lease alive, so bench could not evict its
+    scratch chain (item 6).  A second Ctrl-C interrupts at once.
     """
     state: dict[str, Any] = {"bar": None, "done": 0}
+    pending = {"sigint": False}
+    previous: Any = None
+    if interrupt_here and threading.current_thread() is threading.main_thread():
+        def on_sigint(signum: int, frame: Any) -> None:
+            if pending["sigint"]:
+                raise KeyboardInterrupt  # asked twice: now
+            pending["sigint"] = True
+
+        previous = signal.signal(signal.SIGINT, on_sigint)
 
     def update(done: int, total: int) -> None:
+        if pending["sigint"]:
+            raise KeyboardInterrupt
         if not enabled:
             return
         bar = state["bar"]
@@ -178,7 +197,11 @@ def progress_bar(label: str, *, enabled: bool = True) -> Iterator[Progress]:
 
     try:
         yield update
+        if pending["sigint"]:
+            raise KeyboardInterrupt  # arrived after the last progress call
     finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
         if state["bar"] is not None:
             state["bar"].__exit__(None, None, None)
 
