@@ -630,7 +630,7 @@ def register(group: click.Group) -> None:
             # the header and the identity first: a foreign or broken archive creates no store
             header = read_header(f)
             check_identity(header, expect)
-            with open_store(url, readonly=dry_run, must_exist=dry_run) as dst, \
+            with open_store(url, readonly=dry_run, must_exist=dry_run, create=not dry_run) as dst, \
                     progress_bar("importing", enabled=not as_json or sys.stderr.isatty()) as bar:
                 if not dry_run:
                     refuse_ephemeral(dst, allow_ephemeral, "import")

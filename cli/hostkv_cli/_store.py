@@ -66,7 +66,7 @@ def open_store(url: str, *, readonly: bool, must_exist: bool = True, create: boo
     typo'd path reports the typo instead of creating an empty store there.  A writable open
     without ``create`` (``evict``, ``compact``, ``verify --repair``) first opens the store
     read-only, so a directory that holds no store — empty or unrelated files — is refused
-    instead of being turned into one; only ``copy``, ``bench`` and ``demo`` pass ``create``.
+    instead of being turned into one; only ``copy``, ``import``, ``bench`` and ``demo`` pass ``create``.
     """
     scheme, location, options = hk.providers.parse_url(url)
     cls = _provider_class(scheme)
@@ -76,7 +76,7 @@ def open_store(url: str, *, readonly: bool, must_exist: bool = True, create: boo
             raise CLIError(
                 f"no store at {path}",
                 ExitCode.USAGE,
-                hint="check the path; only `hostkv copy`, `bench` and `demo` create stores",
+                hint="check the path; only `hostkv copy`, `import`, `bench` and `demo` create stores",
             )
     if readonly and scheme == "tiered" and cls.persistent and options.get("slow"):
         slow = options["slow"]
