@@ -243,3 +243,34 @@ def test_queued_releases_keep_pin_counts_exact_until_applied(sharded: Any) -> No
     assert check_shards(p, p._url, settled=False) == []
     assert p.evict(nbytes=1).entries == 1  # the tail is a leaf again
     assert p.present(keys) == [True] * (G - 1) + [False] * (G + 1)
+
+
+def test_a_shard_full_of_pages_whose_child_groups_went_makes_room(sharded: Any) -> None:
+    """A shard full of group tails whose child groups (in other shards) were already evicted
+    there, their releases still queued: a write into it applies them and retries (not
+    ``CapacityError`` until a renewal thread happens to drain; here there is none)."""
+    p = sharded(budget=12 * 2 * G * PAGE, keepalive=False)  # 2 groups per shard
+    assert p._keeper is None
+    found: dict[int, list[list[Any]]] = {}
+    for j in range(4000):
+        keys = chain(f"full{j}-", 2 * G)
+        a, b = p._chain_shards(keys).tolist()[::G]
+        if a != b:
+            found.setdefault(a, []).append(keys)
+            if len(found[a]) == 3:
+                break
+    a = next(s for s, cs in found.items() if len(cs) == 3)
+    first, second, new = found[a]
+    for keys in (first, second):
+        assert p.put_many(_items(keys)) == [True] * len(keys)
+    for keys in (first, second):  # the child groups go by their own shard's script: queued releases
+        b = p.shard_of(keys[G])
+        assert b is not None and b != a
+        assert p.shard_providers[b].evict(nbytes=G * PAGE).entries == G
+    assert [_entry(p, keys[G - 1])["xc"] for keys in (first, second)] == ["1", "1"]
+    assert p.shard_providers[a].stats().used_bytes == p.shard_providers[a].budget_bytes
+    # `new` starts a group in the full shard: it fits once the stale pins are released
+    assert p.put_many(_items(new[:G])) == [True] * G
+    assert p.present(new[:G]) == [True] * G
+    _closed(p, first)
+    _closed(p, second)
