@@ -569,13 +569,20 @@ class RedisShardedProvider(Provider):
         the store has leaves.  Its scripts cannot evict across shards, so the client does, from
         the bottom of those subtrees up (never a punctured chain).  Not exact LRU order: the
         subtrees are chosen by their pinned page's LRU position, not by their own.
-        Returns the number of entries evicted."""
+        Returns the number of queued pin releases applied plus entries evicted (0: nothing
+        changed, a retry would fail the same way)."""
+        # First the releases still queued in every outbox: child groups that their own shard's
+        # scripts already evicted (the budget guard's LRU step) hold their parents here until a
+        # client applies the release, which the renewal thread does only once a second.  Such a
+        # parent is a leaf again once released, with no eviction elsewhere; the caller must retry
+        # then even if the step below evicts nothing (its pinned pages may be exactly those).
+        released = self._drain()
         roots: dict[int, list[str]] = {}
         for rep in self._fan([(s, "xhot", [str(pinned)]) for s in dict.fromkeys(shards)]):
             for raw in rep:
                 cs, ch, _ = raw.decode().split(":", 2)
                 roots.setdefault(int(cs), []).append(ch)
-        return self._evict_subtrees(roots).entries if roots else 0
+        return released + (self._evict_subtrees(roots).entries if roots else 0)
 
     def _pin_token(self, shard: int, key: Key) -> str:
         """A pin of the group-first page ``key`` (in ``shard``) on its parent: unique per write

@@ -3,7 +3,7 @@ cross-shard chains, budget and LRU per shard, checked against the server with :f
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import hostkv_providers
@@ -24,8 +24,30 @@ def _items(keys: list[Any], nbytes: int = PAGE, parent: Any = None) -> list[tupl
     return [(k, keys[i - 1] if i else parent, page_bytes(k, nbytes)) for i, k in enumerate(keys)]
 
 
-def check_shards(p: RedisShardedProvider, cluster_url: str) -> list[str]:
-    """fsck of every shard on the master that owns it now."""
+def settle(providers: Iterable[RedisShardedProvider]) -> None:
+    """Apply every cross-shard pin release still queued in the outboxes, through each open
+    provider's public maintenance call (:meth:`RedisShardedProvider.reconcile_pins` drains every
+    outbox first), so that no release is left for a renewal thread to apply during a check.
+
+    Why a check needs it: :func:`fsck` reads a shard in several commands, not in one atomic step.
+    Releases queued by scripts (the budget guard's LRU evictions in ``put_many``, expired
+    reservations) are applied by the renewal thread about once a second; one ``xunpin`` that lands
+    between fsck's read of the entries and its ``HLEN`` of their pin hashes reads as ``xc 1 != 0
+    pins`` although every script keeps ``xc == HLEN(x:<P>)`` atomically.  Once the outboxes are
+    empty, a renewal thread's drain finds nothing (one of its own already in flight only repeats
+    releases applied here: ``xunpin`` is idempotent), so a client that holds no lease or
+    reservation changes nothing while the check runs."""
+    for p in providers:
+        if not p.closed:
+            p.reconcile_pins()
+
+
+def check_shards(p: RedisShardedProvider, cluster_url: str, *, settled: bool = True) -> list[str]:
+    """fsck of every shard on the master that owns it now, after :func:`settle` of ``p`` (every
+    other open client of the store must be settled by the caller too; ``settled=False``: as the
+    outboxes are, for a client without a renewal thread)."""
+    if settled:
+        settle([p])
     rc = RedisCluster.from_url(cluster_url)
     problems = []
     try:
@@ -49,6 +71,7 @@ def sharded(redis_cluster: RedisClusterServers) -> Iterator[Any]:
         return p
 
     yield make
+    settle([p for p, check in made if check])  # every client of a checked store, before any check
     for p, check in made:
         problems = check_shards(p, redis_cluster.url) if check else []
         if not check:  # a large store: drop it (fsck scans every node's keyspace per shard)

@@ -21,7 +21,7 @@ import pytest
 from conftest import unique_namespace
 from hostkv_providers import Key, Provider
 from hostkv_providers.testing import ProviderTests
-from test_sharded import check_shards
+from test_sharded import check_shards, settle
 
 from hostkv_redis import RedisShardedProvider
 from hostkv_redis.servers import RedisClusterServers
@@ -42,6 +42,7 @@ class TestShardedConformance(ProviderTests):
         self.made: list[RedisShardedProvider] = []
         self.corrupted = False
         yield
+        settle(self.made)  # every open client of a store before any check (a reopened one too)
         for p in self.made:
             problems = check_shards(p, redis_cluster.url)
             if self.corrupted:  # a test that corrupted a page on purpose may leave it unread

@@ -13,7 +13,7 @@ import pytest
 from conftest import unique_namespace
 from hostkv_providers.errors import UnknownKeyError
 from hostkv_providers.testing import chain, page_bytes
-from test_sharded import check_shards
+from test_sharded import check_shards, settle
 
 from hostkv_redis import RedisShardedProvider
 from hostkv_redis.servers import RedisClusterServers
@@ -38,6 +38,7 @@ def sharded(redis_cluster: RedisClusterServers) -> Iterator[Any]:
         return p
 
     yield make
+    settle(made)  # every client of a store before any check (see settle)
     problems = []
     for p in made:
         problems += check_shards(p, redis_cluster.url)
@@ -216,3 +217,60 @@ def test_reconcile_releases_a_pin_no_page_holds(sharded: Any) -> None:
     p.verify(repair=True)
     assert _entry(p, keys[G - 1])["xc"] == "0"
     assert p.evict(nbytes=1 << 30).entries == G
+
+
+def test_queued_releases_keep_pin_counts_exact_until_applied(sharded: Any) -> None:
+    """A release queued in the outbox (a group-first page evicted by its shard's own script) leaves
+    the parent pinned, with ``xc`` still equal to its pins, until a client applies it; applying it
+    (here through the public ``reconcile_pins``) makes the parent a leaf again.  No renewal thread
+    (``keepalive=False``), so nothing applies it behind the test's back."""
+    p = sharded(keepalive=False)
+    assert p._keeper is None
+    keys = _split_chain(p, "queued")
+    assert p.put_many(_items(keys)) == [True] * len(keys)
+    a, b = p.shard_of(keys[G - 1]), p.shard_of(keys[G])
+    assert a is not None and b is not None and a != b
+    # the child shard's own eviction (no client-side drain): the whole group, its head last
+    assert p.shard_providers[b].evict(nbytes=G * PAGE).entries == G
+    outbox = f"hkv:{{{p.shard_providers[b].namespace}}}:xo"
+    assert p.shard_providers[b]._link.client().llen(outbox) == 1
+    tail = _entry(p, keys[G - 1])
+    assert tail["xc"] == "1"  # still pinned: the safe side
+    assert check_shards(p, p._url, settled=False) == []  # and counted exactly meanwhile
+    assert p.reconcile_pins() == 0  # drains the outbox first; no dead pin besides
+    assert p.shard_providers[b]._link.client().llen(outbox) == 0
+    assert _entry(p, keys[G - 1])["xc"] == "0"
+    assert check_shards(p, p._url, settled=False) == []
+    assert p.evict(nbytes=1).entries == 1  # the tail is a leaf again
+    assert p.present(keys) == [True] * (G - 1) + [False] * (G + 1)
+
+
+def test_a_shard_full_of_pages_whose_child_groups_went_makes_room(sharded: Any) -> None:
+    """A shard full of group tails whose child groups (in other shards) were already evicted
+    there, their releases still queued: a write into it applies them and retries (not
+    ``CapacityError`` until a renewal thread happens to drain; here there is none)."""
+    p = sharded(budget=12 * 2 * G * PAGE, keepalive=False)  # 2 groups per shard
+    assert p._keeper is None
+    found: dict[int, list[list[Any]]] = {}
+    for j in range(4000):
+        keys = chain(f"full{j}-", 2 * G)
+        a, b = p._chain_shards(keys).tolist()[::G]
+        if a != b:
+            found.setdefault(a, []).append(keys)
+            if len(found[a]) == 3:
+                break
+    a = next(s for s, cs in found.items() if len(cs) == 3)
+    first, second, new = found[a]
+    for keys in (first, second):
+        assert p.put_many(_items(keys)) == [True] * len(keys)
+    for keys in (first, second):  # the child groups go by their own shard's script: queued releases
+        b = p.shard_of(keys[G])
+        assert b is not None and b != a
+        assert p.shard_providers[b].evict(nbytes=G * PAGE).entries == G
+    assert [_entry(p, keys[G - 1])["xc"] for keys in (first, second)] == ["1", "1"]
+    assert p.shard_providers[a].stats().used_bytes == p.shard_providers[a].budget_bytes
+    # `new` starts a group in the full shard: it fits once the stale pins are released
+    assert p.put_many(_items(new[:G])) == [True] * G
+    assert p.present(new[:G]) == [True] * G
+    _closed(p, first)
+    _closed(p, second)
