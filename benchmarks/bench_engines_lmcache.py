@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "integ
 
 import _lmcache_engine as eng
 import torch
+from _memo import memoize
 
 # A realistic chunk (the tests use tiny ones): 256 tokens x 8 layers x K/V x 8 heads x 128 dims
 # bf16 = 8 MiB (MemoryFormat.KV_2LTD).
@@ -33,19 +34,8 @@ eng.SHAPE = torch.Size([2, eng.LAYERS, eng.CHUNK, eng.HEADS * eng.DIM])
 
 # The payload generator (a PRNG per page) is memoized and warmed before timing, so the figures
 # are the engine path and the store, not the PRNG.
-_memo: dict[object, object] = {}
-_gen = eng.chunk_tensor
+memoize(eng, "chunk_tensor")
 
-
-def _cached(*args: object) -> object:
-    key = tuple(bytes(a) if isinstance(a, (bytes, bytearray)) else (str(a) if not isinstance(a, int) else a)
-                for a in args)
-    if key not in _memo:
-        _memo[key] = _gen(*args)  # type: ignore[arg-type]
-    return _memo[key]
-
-
-eng.chunk_tensor = _cached  # type: ignore[assignment]
 
 def _wait(manager: Any, name: str, keys: list[Any]) -> None:
     backend = manager.storage_backends[name]

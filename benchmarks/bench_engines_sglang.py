@@ -24,6 +24,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "integrations"))
 
 import _sglang_engine as eng
+from _memo import memoize
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 from sglang.srt.mem_cache.storage import StorageBackendFactory
 
@@ -34,19 +35,8 @@ eng.PAGE_ELEMS = eng.LAYERS * 2 * eng.PAGE * eng.HEADS * eng.DIM
 
 # The payload generator (a PRNG per page) is memoized and warmed before timing, so the figures
 # are the engine path and the store, not the PRNG.
-_memo: dict[object, object] = {}
-_gen = eng.page_tensor
+memoize(eng, "page_tensor")
 
-
-def _cached(*args: object) -> object:
-    key = tuple(bytes(a) if isinstance(a, (bytes, bytearray)) else (str(a) if not isinstance(a, int) else a)
-                for a in args)
-    if key not in _memo:
-        _memo[key] = _gen(*args)  # type: ignore[arg-type]
-    return _memo[key]
-
-
-eng.page_tensor = _cached  # type: ignore[assignment]
 
 def file_backend(path: str) -> Any:
     config = HiCacheStorageConfig(

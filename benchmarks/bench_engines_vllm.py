@@ -25,6 +25,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "integrations"))
 
 import _vllm_engine as eng
+from _memo import memoize
 
 ROW = 1 << 20  # 1 MiB chunks (the per-chunk scheduler work is vLLM's, the same for both tiers)
 
@@ -32,19 +33,8 @@ ROW = 1 << 20  # 1 MiB chunks (the per-chunk scheduler work is vLLM's, the same 
 
 # The payload generator (a PRNG per page) is memoized and warmed before timing, so the figures
 # are the engine path and the store, not the PRNG.
-_memo: dict[object, object] = {}
-_gen = eng.row_bytes
+memoize(eng, "row_bytes")
 
-
-def _cached(*args: object) -> object:
-    key = tuple(bytes(a) if isinstance(a, (bytes, bytearray)) else (str(a) if not isinstance(a, int) else a)
-                for a in args)
-    if key not in _memo:
-        _memo[key] = _gen(*args)  # type: ignore[arg-type]
-    return _memo[key]
-
-
-eng.row_bytes = _cached  # type: ignore[assignment]
 
 def run(tier: dict[str, Any], n: int) -> dict[str, float]:
     keys = eng.prompt_keys(42, n)
