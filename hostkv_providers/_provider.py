@@ -53,6 +53,7 @@ __all__ = [
     "SupportsCompact",
     "SupportsDeviceMapped",
     "SupportsIterate",
+    "SupportsStoreCounters",
     "SupportsVerify",
     "SupportsBatchViews",
     "SupportsPinnedViews",
@@ -549,6 +550,24 @@ class SupportsDeviceMapped(Protocol):
     def retire(self, lease: Lease, *, after: Any) -> None: ...
 
 
+@runtime_checkable
+class SupportsStoreCounters(Protocol):
+    """Store-wide live counters, readable from any process that opens the store.
+
+    ``store_counters()`` returns counts summed over *every* process that has used the store
+    (cumulative since the store's counters began, surviving restarts), so ``hostkv stats`` run
+    beside a live engine shows that engine's traffic; ``stats()`` counts this instance's calls
+    only.  Keys are at least ``hits``, ``misses``, ``bytes_read``, ``seals``, ``bytes_written``,
+    ``evictions``, ``checksum_failures`` (providers may add ``aborts``, ``dedup``,
+    ``evicted_bytes`` ...).  A composite provider adds one set per tier, prefixed ``fast.`` /
+    ``slow.``, and its own pipeline figures (``promotions``, ``write_backs``,
+    ``write_back_queue``, ``write_back_lag_ms`` ...).  A provider whose medium lives in its
+    process (``pinned``) returns that process's counts and says so in its docs.
+    """
+
+    def store_counters(self) -> dict[str, int]: ...
+
+
 # --------------------------------------------------------------------------------------------
 # Capability names (derived from the Protocols; two class flags)
 # --------------------------------------------------------------------------------------------
@@ -572,7 +591,7 @@ def _protocol_members(proto: type) -> frozenset[str]:
 #: in display order; a provider class has one when it implements every member of its Protocol.
 CAPABILITY_PROTOCOLS: tuple[type, ...] = (
     SupportsViews, SupportsPinnedViews, SupportsBatchViews, SupportsCompact, SupportsVerify, SupportsIterate,
-    SupportsBatch, SupportsDeviceMapped,
+    SupportsBatch, SupportsDeviceMapped, SupportsStoreCounters,
 )
 #: The two powers that are class flags (``Provider.persistent``, ``Provider.multiprocess``).
 CAPABILITY_FLAGS = ("persistent", "multiprocess")
@@ -589,6 +608,21 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 
 #: The counters the front keeps (``ProviderStats`` fields of the same names).
 COUNTED = ("hits", "misses", "seals", "aborts", "dedup", "checksum_failures", "bytes_written", "bytes_read")
+
+
+class _CounterSink(Protocol):
+    """Where the front also adds its counts: a store's shared counters row
+    (``providers._counters.StoreCounters``; the contract does not import the providers)."""
+
+    def add(self, name: str, n: int) -> None: ...
+
+    def add_hit(self, nbytes: int) -> None: ...
+
+    def add_many(self, counts: Mapping[str, int]) -> None: ...
+
+    def totals(self) -> dict[str, int]: ...
+
+    def close(self) -> None: ...
 
 
 class Corrupt:
@@ -687,6 +721,9 @@ class Provider(abc.ABC, metaclass=_ProviderMeta):
         self._closed = False
         self._stat_counts: dict[str, int] = dict.fromkeys(COUNTED, 0)
         self._stat_lock = threading.Lock()
+        # Where a provider with store-wide counters (SupportsStoreCounters) also adds every
+        # count the front makes, under ``_stat_lock`` (the sink's row is this instance's alone).
+        self._store_sink: _CounterSink | None = None
 
     # -- construction --------------------------------------------------------------------
     @classmethod
@@ -810,9 +847,12 @@ class Provider(abc.ABC, metaclass=_ProviderMeta):
             return {k: self._stat_counts.get(k, 0) for k in COUNTED}
 
     def _tally(self, name: str, n: int = 1) -> None:
-        """Add ``n`` to the front's counter ``name`` (``stats()`` reports them)."""
+        """Add ``n`` to the front's counter ``name`` (``stats()`` reports them; a provider with a
+        store sink also adds it store-wide)."""
         with self._stat_lock:
             self._stat_counts[name] = self._stat_counts.get(name, 0) + n
+            if self._store_sink is not None:
+                self._store_sink.add(name, n)
 
     # -- lookups -------------------------------------------------------------------------
     @_front
@@ -892,6 +932,8 @@ class Provider(abc.ABC, metaclass=_ProviderMeta):
         res.mark_written(span)
         with self._stat_lock:  # (inlined _tally: this runs once per page)
             self._stat_counts["bytes_written"] += span.nbytes
+            if self._store_sink is not None:
+                self._store_sink.add("bytes_written", span.nbytes)
 
     @_front
     def seal(self, reservation: Reservation) -> None:
@@ -906,6 +948,8 @@ class Provider(abc.ABC, metaclass=_ProviderMeta):
         if res.state == "sealed":  # (a seal that lost a race with close finishes it "aborted")
             with self._stat_lock:
                 self._stat_counts["seals"] += 1
+                if self._store_sink is not None:
+                    self._store_sink.add("seals", 1)
 
     @_front
     def abort(self, reservation: Reservation) -> None:
@@ -940,6 +984,8 @@ class Provider(abc.ABC, metaclass=_ProviderMeta):
                 c = self._stat_counts
                 c["hits"] += 1
                 c["bytes_read"] += got
+                if self._store_sink is not None:
+                    self._store_sink.add_hit(got)
             return True
         if isinstance(got, Corrupt) and self._drop_damaged(k, got.token):
             # never wrong bytes: the first reader to see the mismatch drops the entry with its
@@ -954,6 +1000,8 @@ class Provider(abc.ABC, metaclass=_ProviderMeta):
             c = self._stat_counts
             c["hits"] = c.get("hits", 0) + 1
             c["bytes_read"] = c.get("bytes_read", 0) + nbytes
+            if self._store_sink is not None:
+                self._store_sink.add_hit(nbytes)
 
     def read_bytes(self, key: bytes, span: ByteSpan | None = None) -> bytes | None:
         """Convenience: the entry's bytes (or ``span`` of them), or ``None`` on a miss."""

@@ -44,7 +44,7 @@ _SLOT_DIR = "slots"
 #: No entry is larger (a bound for parsing records, far above any KV page).
 _MAX_ENTRY_NBYTES = 1 << 36
 _DB_NAMES = ("meta", "entries", "children", "lru", "pages", "anchors", "flights", "leases", "files", "free", "limbo")
-_OWN_FILES = frozenset({"data.mdb", "lock.mdb", _LOCK_NAME, _SLOT_DIR})
+_OWN_FILES = frozenset({"data.mdb", "lock.mdb", _LOCK_NAME, _SLOT_DIR, "counters"})  # counters: _counters.py
 
 _crash_armed = False  # set on open from the environment: keeps crash points off the hot path
 

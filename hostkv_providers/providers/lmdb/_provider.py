@@ -99,6 +99,7 @@ from hostkv_providers._provider import (
 )
 from hostkv_providers._span import ByteSpan
 from hostkv_providers.providers import _fsutil
+from hostkv_providers.providers._counters import STORE_COUNTED, StoreCounters, read_counters
 from hostkv_providers.providers._slotfile import (
     ReadResult,
     SlotFile,
@@ -288,6 +289,17 @@ class LmdbProvider(Provider):
         self._owner = _OWNER.pack(os.getpid(), _start_time(os.getpid()), int.from_bytes(os.urandom(8), "little"))
         self._budget = self._read_counters().budget
         self._closed = False
+        if not self._readonly:
+            # store-wide live counters (<store>/counters, SupportsStoreCounters); evictions and
+            # checksum failures are counted in the meta db's transactions already
+            try:
+                sink = StoreCounters.open(self._path)
+                if sink is not None:
+                    sink.columns(STORE_COUNTED)
+            except BaseException:
+                self._s.release()
+                raise
+            self._store_sink = sink
 
     # -- construction ------------------------------------------------------------------------
     @classmethod
@@ -1046,6 +1058,20 @@ class LmdbProvider(Provider):
             **counters,
         )
 
+    def store_counters(self) -> dict[str, int]:
+        """Store-wide counters (:class:`~hostkv_providers.providers.SupportsStoreCounters`):
+        hits, reads, seals, writes ... summed over every process that opened the store for
+        writing (``<store>/counters``; a ``readonly=true`` open counts in-process only), and the
+        evictions and checksum failures of the meta db (every process, since creation)."""
+        self._check_usable()
+        c = self._read_counters()
+        sink = self._store_sink
+        got = sink.totals() if sink is not None else read_counters(self._path)
+        out = dict.fromkeys(STORE_COUNTED, 0)
+        out.update(got or {})
+        out.update(evictions=c.evictions, evicted_bytes=c.evicted_bytes, checksum_failures=c.checksum_failures)
+        return out
+
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "path": self._path, "durability": self._durability,
                 "inline_max": self._inline_max, "multiprocess": True, "readonly": self._readonly,
@@ -1079,4 +1105,8 @@ class LmdbProvider(Provider):
                 r._finish("aborted")
                 r.file = None
         finally:
+            sink, self._store_sink = self._store_sink, None
+            if sink is not None:
+                with self._stat_lock:
+                    sink.close()
             self._s.release()

@@ -67,6 +67,7 @@ from hostkv_providers._provider import (
 )
 from hostkv_providers._span import ByteSpan
 from hostkv_providers.providers import _fsutil
+from hostkv_providers.providers._counters import STORE_COUNTED, StoreCounters, read_counters
 from hostkv_providers.providers._slotfile import (
     FLAG_ANCHOR,
     ReadResult,
@@ -240,12 +241,25 @@ class MmapProvider(_Maintenance):
         self._rotation: tuple[int, int] | None = None
         self._snap_syncing: set[int] = set()  # data files its unlocked phase is syncing
         self._orphans_at_open = 0
+        # store-wide counters (<store>/counters, SupportsStoreCounters): the writer adds every
+        # count there too; the index's eviction counts are published as deltas (_sync_evictions)
+        self._evictions_seen: tuple[object, int, int] = (None, 0, 0)
         try:
             self._open(budget_bytes, slot_nbytes, file_nbytes, create)
+            if not readonly:  # a reader never writes to the store, counters included
+                self._open_store_counters()
         except BaseException:
             self._release_all()
             raise
         self.open_seconds = time.perf_counter() - t0
+
+    def _open_store_counters(self) -> None:
+        sink = StoreCounters.open(self.path)
+        if sink is not None:
+            sink.columns(STORE_COUNTED)
+            with self._lock, self._stat_lock:
+                self._store_sink = sink
+                self._sync_evictions()
 
     # -- construction ----------------------------------------------------------------------------
     @classmethod
@@ -782,6 +796,37 @@ class MmapProvider(_Maintenance):
             self._free_rows_storage(removed, journal=True)
             return EvictReport(len(removed), total, skipped)
 
+    def _sync_evictions(self) -> None:
+        """Add the evictions the index counted since the last call to the store-wide counters
+        (caller holds the lock).  Every eviction path ends in ``_free_rows_storage``, which calls
+        this: one add per batch of evictions."""
+        sink = self._store_sink
+        if sink is None:
+            return
+        idx = self._idx
+        seen, n0, b0 = self._evictions_seen
+        if seen is not idx:  # a new index (recovery, a reload) counts from 0
+            n0 = b0 = 0
+        n, b = idx.evictions, idx.evicted_cost
+        if n != n0 or b != b0:
+            sink.add_many({"evictions": n - n0, "evicted_bytes": b - b0})
+        self._evictions_seen = (idx, n, b)
+
+    def store_counters(self) -> dict[str, int]:
+        """Store-wide counters (:class:`~hostkv_providers.providers.SupportsStoreCounters`):
+        the sums over every process that opened the store for writing, since its counters file
+        was created (a reader, ``readonly=true``, reports them but counts its own reads
+        in-process only).  A writer's counts are in the file as they happen."""
+        self._check_usable()
+        with self._lock:
+            self._check_usable()
+            self._sync_evictions()
+            sink = self._store_sink
+            got = sink.totals() if sink is not None else read_counters(self.path)
+        out = dict.fromkeys(STORE_COUNTED, 0)
+        out.update(got or {})
+        return out
+
     def _free_rows_storage(self, rows: Sequence[int], *, journal: bool) -> None:
         """Journal the removal of ``rows`` (already out of the index), clear their slot headers
         and free their runs and anchors.  Caller holds the lock."""
@@ -807,6 +852,7 @@ class MmapProvider(_Maintenance):
                         asf.clear(a.slot, a.nslots)
                     self._release_run(a.file, a.slot, a.nslots)
         idx.recycle(rows)
+        self._sync_evictions()
 
     # -- anchors ---------------------------------------------------------------------------------
     def _put_anchor(self, k: Key, name: str, blob: bytes) -> None:
@@ -1021,6 +1067,10 @@ class MmapProvider(_Maintenance):
                 self._release_all()
 
     def _release_all(self) -> None:
+        sink, self._store_sink = self._store_sink, None
+        if sink is not None:
+            with self._stat_lock:
+                sink.close()
         for sf in self._files.values():
             sf.close()
         if self._jfd is not None:

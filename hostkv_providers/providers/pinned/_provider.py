@@ -50,6 +50,7 @@ from hostkv_providers._provider import (
 from hostkv_providers._region import HostPages
 from hostkv_providers._span import ByteSpan
 from hostkv_providers.device._hostmem import HostAllocation, HostAllocator, OrdinaryAllocator, copy_bytes
+from hostkv_providers.providers._counters import STORE_COUNTED
 from hostkv_providers.providers._tree import Node, TreeIndex
 
 __all__ = ["PinnedProvider"]
@@ -796,6 +797,14 @@ class PinnedProvider(Provider):
                        "pinned": self._allocator.pinned, "free_blocks": self._arena.free},
                 **self._tallies(),
             )
+
+    def store_counters(self) -> dict[str, int]:
+        """The store's counters (:class:`~hostkv_providers.providers.SupportsStoreCounters`).
+        In-process only: a pinned arena lives in its process's memory, so the store *is* this
+        instance and no other process can see it (``hostkv stats pinned://`` opens a new, empty
+        arena; an engine's figures come from its Prometheus collector)."""
+        st = self.stats()
+        return {k: int(getattr(st, k)) for k in STORE_COUNTED}
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "block_nbytes": self._block, "pinned": self._allocator.pinned,

@@ -56,10 +56,12 @@ from hostkv_providers._provider import (
     SupportsBatch,
     SupportsBatchViews,
     SupportsIterate,
+    SupportsStoreCounters,
     SupportsViews,
     writable_buffer,
 )
 from hostkv_providers._span import ByteSpan
+from hostkv_providers.providers._counters import STORE_COUNTED
 from hostkv_providers.providers._tree import Node, TreeIndex
 
 __all__ = ["TieredProvider"]
@@ -77,6 +79,12 @@ _log = logging.getLogger(__name__)  # the writer thread logs; warnings could be 
 
 _EXTRA_COUNTERS = frozenset(("promotions", "write_backs", "write_back_failures", "write_through", "fast_hits",
                              "slow_hits"))
+#: Gauges of the write-back pipeline in ``store_counters()``: pages queued, and the age in ms of
+#: the oldest page not yet in the slow tier (the write-back lag).
+_GAUGES = ("write_back_queue", "write_back_lag_ms")
+#: How often (seconds) the write-back thread publishes this instance's tiered figures into the
+#: slow tier's store-wide counters (also on flush(), store_counters() and close()).
+_PUBLISH_EVERY = 0.25
 _PENDING = "pending"  # sealed in the fast tier, write-back queued
 _SLOW = "slow"  # in the slow tier (maybe also cached in the fast tier)
 
@@ -203,6 +211,11 @@ class TieredProvider(Provider):
         self._fast_batch = isinstance(fast, SupportsBatch)
         # the tiering's own counters (the contract's are the front's: _tally)
         self._counters: dict[str, int] = dict.fromkeys(_EXTRA_COUNTERS, 0)
+        # store-wide counters: the figures already added to the slow tier's counters file
+        self._published: dict[str, int] = {}
+        self._publish_lock = threading.Lock()
+        self._publish_at = 0.0
+        self._wb_since = 0.0  # time.time() of the seal of the page being written back (0: none)
         self._rebuild()
         self._writer = threading.Thread(target=self._write_back_loop, name="hostkv-tiered-writeback", daemon=True)
         self._writer.start()
@@ -430,12 +443,18 @@ class TieredProvider(Provider):
     # -- the write-back thread ---------------------------------------------------------------
     def _write_back_loop(self) -> None:
         while True:
-            item = self._queue.get()
+            if time.monotonic() >= self._publish_at:
+                self._publish_logged()
+            try:
+                item = self._queue.get(timeout=_PUBLISH_EVERY)
+            except queue.Empty:
+                continue
             try:
                 if item is None:
                     return
                 kind = item[0]
                 if kind == "page":
+                    self._wb_since = item[1].created
                     self._write_back(item[1])
                 elif kind == "anchor":
                     self._write_anchor(item[1], item[2], item[3])
@@ -449,6 +468,7 @@ class TieredProvider(Provider):
                         self._finish_pending(item[1])
             finally:
                 if item is not None and item[0] == "page":
+                    self._wb_since = 0.0
                     self._purge_doomed_logged()
                     with self._room:
                         self._queued_pages -= 1
@@ -586,7 +606,13 @@ class TieredProvider(Provider):
                     del loc.unsynced[name]
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every queued write-back has reached the slow tier; ``False`` on timeout."""
+        """Wait until every queued write-back has reached the slow tier; ``False`` on timeout.
+        Then publish this instance's figures to the store-wide counters."""
+        done = self._flush(timeout)
+        self._publish_logged()
+        return done
+
+    def _flush(self, timeout: float | None) -> bool:
         if self._writer is threading.current_thread():
             return False
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -955,6 +981,90 @@ class TieredProvider(Provider):
                 **self._tallies(),
             )
 
+    # -- store-wide counters -------------------------------------------------------------------
+    def _figures(self) -> dict[str, int]:
+        """This instance's cumulative figures, under the names they have in the slow tier's
+        counters file: ``tiered.<counter>`` (the composite's own), ``fast.<counter>`` (the fast
+        tier's: in-process memory), ``tiered.<pipeline counter>``."""
+        fst = self.fast.stats()
+        with self._lock:
+            idx = self._index
+            out = {f"tiered.{k}": v for k, v in self._tallies().items() if k in STORE_COUNTED}
+            out["tiered.evictions"], out["tiered.evicted_bytes"] = idx.evictions, idx.evicted_cost
+            out.update({f"tiered.{k}": v for k, v in self._counters.items()})
+        out.update({f"fast.{k}": int(getattr(fst, k)) for k in STORE_COUNTED})
+        return out
+
+    def _gauges(self) -> dict[str, int]:
+        with self._queue.mutex:
+            head = self._queue.queue[0] if self._queue.queue else None
+        since = [t for t in (self._wb_since, head[1].created if head and head[0] == "page" else 0.0) if t]
+        lag = int(max(0.0, time.time() - min(since)) * 1000) if since else 0
+        return {"tiered.write_back_queue": max(0, self._queued_pages), "tiered.write_back_lag_ms": lag}
+
+    def _publish(self, *, final: bool = False) -> dict[str, int]:
+        """Add what changed since the last call to the slow tier's store-wide counters (when it
+        keeps them in its store: mmap, lmdb) and set the pipeline gauges; returns the figures."""
+        with self._publish_lock:
+            self._publish_at = time.monotonic() + _PUBLISH_EVERY
+            figures = self._figures()
+            gauges = dict.fromkeys(self._gauges_names(), 0) if final else self._gauges()
+            sink = getattr(self.slow, "_store_sink", None)
+            if sink is not None and hasattr(sink, "set_gauge"):
+                sink.columns(figures)
+                sink.columns(gauges, gauge=True)
+                sink.add_many({k: v - self._published.get(k, 0) for k, v in figures.items()})
+                for k, v in gauges.items():
+                    sink.set_gauge(k, v)
+                self._published = figures
+            return {**figures, **gauges}
+
+    @staticmethod
+    def _gauges_names() -> tuple[str, ...]:
+        return tuple(f"tiered.{g}" for g in _GAUGES)
+
+    def _publish_logged(self, *, final: bool = False) -> dict[str, int]:
+        if self._pid != os.getpid():
+            return {}
+        try:
+            return self._publish(final=final)
+        except (HostKVError, OSError, ValueError) as exc:  # figures for operators: never fail the store
+            _log.warning("tiered: publishing store-wide counters failed: %r", exc)
+            return {}
+
+    def store_counters(self) -> dict[str, int]:
+        """Store-wide counters (:class:`~hostkv_providers.providers.SupportsStoreCounters`), per
+        tier: the composite's own (``hits`` ... ``checksum_failures``: what the engine saw),
+        ``fast.*`` (the fast tier), ``slow.*`` (the slow tier, every process that used it), and
+        the pipeline (``promotions``, ``write_backs``, ``write_back_failures``,
+        ``write_through``, ``fast_hits``, ``slow_hits``, gauges ``write_back_queue`` and
+        ``write_back_lag_ms``).  The composite's and the fast tier's figures reach the slow
+        tier's counters file (so ``hostkv stats`` of the slow store shows them) within
+        ``0.25`` s, on :meth:`flush` and on close; a slow tier without store-wide counters gets
+        this instance's figures instead."""
+        self._check_usable()
+        local = self._publish()
+        if isinstance(self.slow, SupportsStoreCounters):
+            slow = self.slow.store_counters()
+        else:
+            st = self.slow.stats()
+            slow = {k: int(getattr(st, k)) for k in STORE_COUNTED}
+        if getattr(self.slow, "_store_sink", None) is None:
+            slow = {**slow, **local}
+        return self.counters_view(slow)
+
+    @staticmethod
+    def counters_view(slow_counters: Mapping[str, int]) -> dict[str, int]:
+        """:meth:`store_counters` of a tiered store from its slow tier's ``store_counters()``
+        (what ``hostkv stats tiered://...`` shows: it opens only the slow tier, read-only)."""
+        c = slow_counters
+        out = {k: int(c.get(f"tiered.{k}", 0)) for k in STORE_COUNTED}
+        out.update({f"fast.{k}": int(c.get(f"fast.{k}", 0)) for k in STORE_COUNTED})
+        out.update({f"slow.{k}": int(c.get(k, 0)) for k in STORE_COUNTED})
+        for k in (*sorted(_EXTRA_COUNTERS), *_GAUGES):
+            out[k] = int(c.get(f"tiered.{k}", 0))
+        return out
+
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "fast": self.fast.describe(), "slow": self.slow.describe(),
                 "queue_pages": self._queue_pages, "promote": self._promote}
@@ -989,6 +1099,8 @@ class TieredProvider(Provider):
                 except HostKVError as exc:
                     warnings.warn(f"evicting stale pages from the {self.slow.name} tier failed: {exc!r}",
                                   stacklevel=2)
+        if self._writer is not threading.current_thread():
+            self._publish_logged(final=True)  # the last figures, and the gauges back to 0
         if self._own:
             for tier in (self.fast, self.slow):
                 try:
