@@ -237,45 +237,93 @@ _GAUGES = ("name", "entries", "used_bytes", "budget_bytes", "anchors", "leased",
 @click.argument("url")
 @json_option
 def stats(url: str, as_json: bool) -> None:
-    """Gauges and counters of a store (read-only).
+    """Gauges and live counters of a store (read-only).
 
-    Gauges (entries, bytes, anchors, leases) are the store's.  Counters are the store's where the
-    provider keeps them in the store (listed under ``store_wide``; lmdb: evictions, evicted
-    bytes, checksum failures); the others count the calls of the process that makes them, so
-    they are 0 here: an engine's come from its Prometheus collector (docs/operations.md).
+    Gauges (entries, bytes, anchors, leases) are the store's.  A provider with store-wide
+    counters (mmap, lmdb, tiered over either; capability store_counters) counts every process
+    that opens the store for writing, so this shows a running engine's hits, misses, writes,
+    evictions and checksum failures as they happen (``store_counters`` in ``--json``; a tiered
+    store per tier).  pinned:// lives in one process's memory: a new, empty one opens here.
     """
+    scheme = hk.providers.parse_url(url)[0]
     with open_store(url, readonly=True) as p:
         st = p.stats()
         persistent = p.persistent
+        counters: dict[str, int] | None = None
+        if isinstance(p, hk.providers.SupportsStoreCounters):
+            counters = p.store_counters()
+            if scheme == "tiered" and p.name != "tiered":  # open_store opened its slow tier
+                counters = hk.providers.TieredProvider.counters_view(counters)
     d = st.as_dict()
     store_wide = [k for k in d.get("store_wide", []) if k in d]
+    scope = None if counters is None else ("store" if persistent else "process")
     if as_json:
-        emit_json({**d, "store_wide": store_wide, "persistent": persistent})
+        emit_json({**d, "store_wide": store_wide, "persistent": persistent,
+                   "store_counters": counters, "store_counters_scope": scope})
         return
 
     def show(k: str, v: Any) -> Any:
         return fmt_size(v) if k.endswith("_bytes") and isinstance(v, int) and not isinstance(v, bool) else v
 
-    counters = [k for k in d if k not in _GAUGES and k != "store_wide" and isinstance(d[k], int)
-                and not isinstance(d[k], bool) and k in hk.ProviderStats.__slots__]
-    other = [k for k in d if k not in _GAUGES and k not in counters and k != "store_wide"]
-    width = min(28, max(map(len, d), default=0) + 2)  # + 2: the indented store-wide keys
+    stat_counters = [k for k in d if k not in _GAUGES and k != "store_wide" and isinstance(d[k], int)
+                     and not isinstance(d[k], bool) and k in hk.ProviderStats.__slots__]
+    other = [k for k in d if k not in _GAUGES and k not in stat_counters and k != "store_wide"
+             and k not in store_wide]
+    width = min(28, max(map(len, d), default=0) + 2)
     kv_lines(((k, show(k, d[k])) for k in _GAUGES if k in d), key_width=width)
-    if not persistent:  # this process's provider: every counter is the store's
-        kv_lines(((k, show(k, d[k])) for k in counters + other), key_width=width)
+    kv_lines(((k, show(k, d[k])) for k in other), key_width=width)
+    if counters is not None:
+        click.echo("")
+        if scope == "store":
+            click.echo("live counters of the store (every process that opened it for writing,")
+            click.echo("since its counters began; an engine's traffic shows here as it happens):")
+        else:
+            click.echo(f"counters of this process's {p.name} store (its memory is this process's own,")
+            click.echo("so this is a new, empty one; an engine's come from its Prometheus collector):")
+        _counter_groups(counters)
         return
-    kv_lines(((k, show(k, d[k])) for k in other if k not in store_wide), key_width=width)
+    if not persistent:  # this process's provider: every counter is the store's
+        kv_lines(((k, show(k, d[k])) for k in stat_counters), key_width=width)
+        return
     if store_wide:
         click.echo("")
         click.echo("kept in the store (every process, since it was created):")
         kv_lines(((f"  {k}", show(k, d[k])) for k in store_wide), key_width=width)
-    per_process = [k for k in counters if k not in store_wide]
+    per_process = [k for k in stat_counters if k not in store_wide]
     if per_process:
         click.echo("")
         click.echo("counted per process (this command's own calls, so 0 here; an engine's come")
         click.echo("from its Prometheus collector, see docs/operations.md):")
         for i in range(0, len(per_process), 4):
             click.echo("  " + ", ".join(per_process[i:i + 4]))
+
+
+#: Headings of a tiered store's counter groups (``store_counters`` key prefixes).
+_TIER_GROUPS = (("", "tiered store (what the engine saw)"), ("fast.", "fast tier"), ("slow.", "slow tier"))
+
+
+def _counter_groups(counters: dict[str, int]) -> None:
+    """Counters two to a line; a tiered store's grouped by tier, then its write-back pipeline."""
+
+    def pairs(items: list[tuple[str, int]]) -> None:
+        cells = [f"{k:<20}{fmt_size(v) if 'bytes' in k.split('_') else v:>14}" for k, v in items]
+        for i in range(0, len(cells), 2):
+            click.echo("  " + "    ".join(cells[i:i + 2]))
+
+    if any(k.startswith("tiered.") for k in counters):  # the slow tier of a tiered store
+        click.echo(" (this store is the slow tier of a tiered store: its counters per tier)")
+        counters = hk.providers.TieredProvider.counters_view(counters)
+    if not any(k.startswith("fast.") for k in counters):
+        pairs(list(counters.items()))
+        return
+    base = [k for k in counters if "." not in k and f"slow.{k}" in counters]
+    for prefix, title in _TIER_GROUPS:
+        click.echo(f" {title}:")
+        pairs([(k, counters[prefix + k]) for k in base])
+    pipeline = [(k, v) for k, v in counters.items() if "." not in k and k not in base]
+    if pipeline:
+        click.echo(" write-back pipeline (promotions, write-backs, queue, lag):")
+        pairs(pipeline)
 
 
 def _anchor_text(entries: dict[bytes, hk.EntryInfo], keys: Sequence[bytes], depth0: int) -> str:

@@ -226,7 +226,12 @@ class StoreCounters:
                 continue
             for row in range(_ROWS):
                 if _lock(fd, _OFD_SETLK, fcntl.F_WRLCK, _LOCK_BASE + row):
-                    return cls(path, fd, mm, row)
+                    claimed = cls(path, fd, mm, row)
+                    # a dead owner's gauges are stale (its counters are history: they stay)
+                    for col, (_name, gauge) in enumerate(_parse_names(mm)):
+                        if gauge:
+                            claimed._row[col] = 0
+                    return claimed
             mm.close()
             os.close(fd)
             warnings.warn(f"{path}: all {_ROWS} rows are in use; this instance counts in-process only",
