@@ -15,12 +15,19 @@ Metric names (prefix ``hostkv``; every sample also carries the caller's ``labels
     hostkv_tier_hits_total{tier="fast"|"slow"}                   which tier served a read
     hostkv_tier_promotions_total, hostkv_tier_write_backs_total,
     hostkv_tier_write_back_failures_total                        counters
-    hostkv_tier_write_back_pending_pages                         gauge: write-back lag
+    hostkv_tier_write_back_pending_pages                         gauge: write-back lag (pages)
+    hostkv_tier_write_back_lag_seconds{store}                    gauge: age of the oldest page
+                                                                 not yet in the slow tier
+    hostkv_store_hits_total{provider,tier,scope} ... _checksum_failures_total
+                                                                 store-wide live counters
 
-Counters of persistent providers are per process (this provider instance) except where the
-provider keeps them store-wide (lmdb: evictions, evicted bytes, checksum failures); a scrape of
-an engine's process sees that engine's traffic.  ``prometheus_client`` is needed only when a
-collector is built (the ``prometheus`` extra).
+``hostkv_provider_*_total`` count this provider instance's calls (a scrape of an engine's process
+sees that engine's traffic).  ``hostkv_store_*_total`` are the store's own counters
+(:class:`~hostkv_providers.providers.SupportsStoreCounters`): for mmap and lmdb every process
+that opened the store for writing, since its counters began (``scope="store"``), so a sidecar
+exporter that opens the store read-only exports the engines' figures; pinned's are its own
+process's (``scope="process"``).  ``prometheus_client`` is needed only when a collector is built
+(the ``prometheus`` extra).
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from hostkv_providers._errors import HostKVError, InvalidArgumentError
-from hostkv_providers._provider import Provider, ProviderStats
+from hostkv_providers._provider import Provider, ProviderStats, SupportsStoreCounters
 
 __all__ = ["DEFAULT_BUCKETS", "LatencyHistogram", "ProviderCollector", "provider_tiers"]
 
@@ -45,6 +52,9 @@ _COUNTERS = ("hits", "misses", "seals", "aborts", "dedup", "evictions", "evicted
              "checksum_failures", "bytes_written", "bytes_read")
 _GAUGES = ("entries", "used_bytes", "budget_bytes", "anchors", "leased", "in_flight")
 _TIER_COUNTERS = ("promotions", "write_backs", "write_back_failures", "write_through")
+#: The store-wide counters exported as ``{prefix}_store_{name}_total`` (SupportsStoreCounters).
+_STORE_COUNTERS = ("hits", "misses", "bytes_read", "seals", "bytes_written", "aborts", "dedup", "evictions",
+                   "evicted_bytes", "checksum_failures")
 
 
 class LatencyHistogram:
@@ -137,9 +147,12 @@ class ProviderCollector:
 
         names, values = self._label_names, self._label_values
         snaps: list[tuple[str, Provider, ProviderStats]] = []
+        live: list[tuple[str, Provider, dict[str, int]]] = []
         for tier, p in provider_tiers(self.provider):
             try:
                 snaps.append((tier or "store", p, p.stats()))
+                if isinstance(p, SupportsStoreCounters):
+                    live.append((tier or "store", p, p.store_counters()))
             except HostKVError:  # closed or forked: report nothing for it
                 continue
         pl = [*names, "provider", "tier"]
@@ -170,6 +183,22 @@ class ProviderCollector:
             if n is not None:
                 fails.add_metric([*values, p.name, tier], n)
         yield fails
+        # the store's own live counters (every process that used it: scope="store")
+        ll = [*pl, "scope"]
+        for c in _STORE_COUNTERS:
+            sfam = CounterMetricFamily(f"{self.prefix}_store_{c}", f"store-wide {c.replace('_', ' ')}", labels=ll)
+            for tier, p, sc in live:
+                if c in sc:
+                    sfam.add_metric([*values, p.name, tier, "store" if p.persistent else "process"], float(sc[c]))
+            yield sfam
+        lagged = [(tier, sc) for tier, _p, sc in live if "write_back_lag_ms" in sc]
+        if lagged:
+            lag_s = GaugeMetricFamily(f"{self.prefix}_tier_write_back_lag_seconds",
+                                      "age of the oldest page sealed in the fast tier, not yet in the slow one",
+                                      labels=[*names, "store"])
+            for tier, sc in lagged:
+                lag_s.add_metric([*values, tier], sc["write_back_lag_ms"] / 1000.0)
+            yield lag_s
         # tiered: which tier served each read, and the write-back pipeline
         tiered = [(tier, p, st) for tier, p, st in snaps if "fast_hits" in st.extra]
         if tiered:

@@ -148,3 +148,51 @@ def test_latency_histogram_buckets() -> None:
     assert h.count == 5 and h.total == pytest.approx(3.0535)
     with pytest.raises(hk.InvalidArgumentError):
         LatencyHistogram((0.1, 0.01))
+
+
+def test_sidecar_exports_the_engines_store_wide_counters(tmp_path: Path) -> None:
+    """A read-only sidecar instance's collector exports the store's live counters: what the
+    engine's instance did (hostkv_store_*), while its own per-instance counters stay 0."""
+    url = f"mmap://{tmp_path / 'm'}"
+    keys = hk.chain_keys(SALT, np.arange(6 * LAYOUT.page_tokens))
+    with hk.open(url + "?budget=8MiB") as engine:
+        parent = None
+        for i, k in enumerate(keys):
+            engine.put(k, parent, bytes([i]) * PAGE, salt_tag=SALT.tag)
+            parent = k
+        buf = bytearray(PAGE)
+        assert all(engine.read(k, buf) for k in keys[:4]) and not engine.read(hk.Key(b"\x09" * 32), buf)
+        engine.evict(keys[5:])
+        with hk.open(url + "?readonly=true") as sidecar:
+            reg = prometheus_client.CollectorRegistry()
+            reg.register(ProviderCollector(sidecar))
+            m = _scrape(reg)
+    lab = (("provider", "mmap"), ("scope", "store"), ("tier", "store"))
+    assert m[("hostkv_store_hits_total", lab)] == 4 and m[("hostkv_store_misses_total", lab)] == 1
+    assert m[("hostkv_store_seals_total", lab)] == 6 and m[("hostkv_store_evictions_total", lab)] == 1
+    assert m[("hostkv_store_bytes_read_total", lab)] == 4 * PAGE
+    assert m[("hostkv_store_checksum_failures_total", lab)] == 0
+    assert m[("hostkv_provider_hits_total", (("provider", "mmap"), ("tier", "store")))] == 0  # the sidecar's own
+
+
+def test_tiered_store_counters_and_lag_per_tier(tiered: TieredProvider) -> None:
+    keys = hk.chain_keys(SALT, np.arange(5 * LAYOUT.page_tokens))
+    parent = None
+    for i, k in enumerate(keys):
+        tiered.put(k, parent, bytes([i + 1]) * PAGE, salt_tag=SALT.tag)
+        parent = k
+    assert tiered.flush(60)
+    assert tiered.read(keys[0], bytearray(PAGE))
+    reg = prometheus_client.CollectorRegistry()
+    reg.register(ProviderCollector(tiered))
+    m = _scrape(reg)
+
+    def lab(provider: str, tier: str, scope: str) -> tuple[tuple[str, str], ...]:
+        return (("provider", provider), ("scope", scope), ("tier", tier))
+
+    assert m[("hostkv_store_seals_total", lab("tiered", "store", "store"))] == 5
+    assert m[("hostkv_store_hits_total", lab("tiered", "store", "store"))] == 1
+    assert m[("hostkv_store_seals_total", lab("pinned", "fast", "process"))] == 5
+    slow_scope = "store" if tiered.slow.persistent else "process"
+    assert m[("hostkv_store_seals_total", lab(tiered.slow.name, "slow", slow_scope))] == 5  # written back
+    assert m[("hostkv_tier_write_back_lag_seconds", (("store", "store"),))] == 0

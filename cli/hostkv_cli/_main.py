@@ -278,8 +278,8 @@ def stats(url: str, as_json: bool) -> None:
             click.echo("live counters of the store (every process that opened it for writing,")
             click.echo("since its counters began; an engine's traffic shows here as it happens):")
         else:
-            click.echo(f"counters of this process's {p.name} store (its memory is this process's own,")
-            click.echo("so this is a new, empty one; an engine's come from its Prometheus collector):")
+            click.echo(f"counters, in-process only ({p.name}:// lives in one process's memory, so a")
+            click.echo("shell sees a new, empty store; an engine's come from its Prometheus collector):")
         _counter_groups(counters)
         return
     if not persistent:  # this process's provider: every counter is the store's

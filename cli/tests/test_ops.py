@@ -27,20 +27,26 @@ def _lmdb(tmp_path: Path) -> str:
 
 def test_stats_shows_store_wide_counters_of_other_processes(runner: CliRunner, tmp_path: Path) -> None:
     url = _lmdb(tmp_path)
-    with hk.open(url + "?budget=16MiB") as p:  # "the engine": it evicts, then goes away
+    with hk.open(url + "?budget=16MiB") as p:  # "the engine": it evicts, reads, then goes away
         f = fill(p)
         rep = p.evict(f.chains["b"][:1])
         assert rep.entries == 5
+        assert p.read(f.chains["a"][0], bytearray(f.page_nbytes))
+        engine = p.stats()
     r = invoke(runner, "stats", "--json", url)
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
     assert doc["persistent"] and "evictions" in doc["store_wide"]
     assert doc["evictions"] == 5 and doc["evicted_bytes"] >= 5 * f.page_nbytes  # read from the store
-    assert doc["hits"] == 0  # per process: this command read nothing
+    assert doc["hits"] == 0  # stats(): this command's own instance read nothing
+    live = doc["store_counters"]  # the store's live counters: the engine's figures
+    assert doc["store_counters_scope"] == "store"
+    assert (live["hits"], live["seals"], live["bytes_written"]) == (1, engine.seals, engine.bytes_written)
+    assert live["evictions"] == 5 and live["checksum_failures"] == 0
     text = invoke(runner, "stats", url).output
-    assert "kept in the store" in text and "counted per process" in text
-    store_part = text.split("kept in the store")[1].split("counted per process")[0]
-    assert "evictions" in store_part and "hits" not in store_part
+    assert "live counters of the store" in text and "counted per process" not in text
+    store_part = text.split("live counters of the store")[1]
+    assert re.search(r"\bhits +1\b", store_part) and re.search(r"\bevictions +5\b", store_part)
     assert all(len(line) <= 80 for line in text.splitlines())
 
 

@@ -440,7 +440,7 @@ def test_compact_is_dense_and_keeps_everything(tmp_path: Path) -> None:
     assert p.get_anchor(keys[5], "a") == anchor_bytes(keys[5], "a", 3000)
     put_page(p, key_of("cp-after"), None, PAGE)
     names = sorted(os.listdir(p.path))
-    assert all(".2." in n or n in ("manifest.json", "writer.lock") for n in names), names
+    assert all(".2." in n or n in ("manifest.json", "writer.lock", "counters") for n in names), names
     p.close()
     q = make(tmp_path / "s")
     assert q.present(keys[1::2]) == [True] * 30
