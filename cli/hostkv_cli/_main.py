@@ -118,10 +118,18 @@ def providers(as_json: bool) -> None:
         click.echo(f"{p.name.ljust(width)}  {'broken' if p.error else 'ok':<6}  {dist}")
         if p.error:
             detail = f"    error: {p.error}"
-        else:
-            caps = ",".join(sorted(p.capabilities, key=hk.providers.CAPABILITY_NAMES.index)) or "-"
-            detail = f"    capabilities: {caps}"
-        click.echo(detail if len(detail) <= 80 else detail[:79] + "…")
+            click.echo(detail if len(detail) <= 80 else detail[:79] + "…")
+            continue
+        # capabilities wrapped at 80 columns under their label (never cut: each name matters)
+        caps = sorted(p.capabilities, key=hk.providers.CAPABILITY_NAMES.index) or ["-"]
+        line = "    capabilities: "
+        for i, cap in enumerate(caps):
+            piece = cap + ("," if i < len(caps) - 1 else "")
+            if len(line) + len(piece) > 80 and line.strip() != "capabilities:":
+                click.echo(line.rstrip())
+                line = " " * 18
+            line += piece
+        click.echo(line)
     if not infos:
         click.echo("no providers installed")
 
@@ -190,7 +198,7 @@ def info(url: str, as_json: bool) -> None:
     used_pct = 100.0 * doc["used_bytes"] / doc["budget_bytes"] if doc["budget_bytes"] else 0.0
     pairs: list[tuple[str, Any]] = [
         ("provider", doc["provider"]),
-        ("capabilities", ",".join(doc["capabilities"]) or "-"),
+        ("capabilities", "-"),  # filled in below, wrapped to the value column's width
         ("url", url),
     ]
     pairs += [(k, v) for k, v in flat_describe(desc) if k not in ("provider", "budget_bytes", "persistent")]
@@ -209,7 +217,10 @@ def info(url: str, as_json: bool) -> None:
         ]
         if doc["orphans"]:
             pairs.append(("orphans", f"{doc['orphans']} (entries whose parent is missing)"))
-    kv_lines(pairs)
+    key_width = min(32, max([18, *(len(str(k)) for k, _ in pairs)]))  # as kv_lines computes it
+    caps_lines = _wrapped(doc["capabilities"], 80 - key_width - 2) or ["-"]
+    pairs[1:2] = [("capabilities" if i == 0 else "", text) for i, text in enumerate(caps_lines)]
+    kv_lines(pairs, key_width=key_width)
     if doc.get("salt_tags"):
         click.echo("")
         if doc["tensor_parallel"]:
@@ -227,6 +238,19 @@ def info(url: str, as_json: bool) -> None:
                   right=(1, 2))
     elif "salt_tags" not in doc:
         click.echo(f"(provider {doc['provider']!r} cannot enumerate entries: no tree or salt-tag summary)")
+
+
+def _wrapped(items: Sequence[str], room: int) -> list[str]:
+    """``items`` joined with commas into lines of at most ``room`` characters (never cut)."""
+    lines: list[str] = []
+    line = ""
+    for i, item in enumerate(items):
+        piece = item + ("," if i < len(items) - 1 else "")
+        if line and len(line) + len(piece) > room:
+            lines.append(line)
+            line = ""
+        line += piece
+    return [*lines, line] if line else lines
 
 
 #: ProviderStats fields that are gauges of the store (read from the medium), not counters.
