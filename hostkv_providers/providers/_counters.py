@@ -39,6 +39,7 @@ import threading
 import warnings
 from collections.abc import Iterable, Mapping
 
+from hostkv_providers._errors import HostKVError
 from hostkv_providers.providers import _fsutil
 
 __all__ = ["COUNTERS_FILE", "STORE_COUNTED", "StoreCounters", "read_counters"]
@@ -199,10 +200,21 @@ class StoreCounters:
     def open(cls, directory: str) -> StoreCounters | None:
         """Map ``directory``'s counters file (created when missing) and claim a free row.
 
-        ``None`` (counting stays in-process) without OFD locks or with every row taken."""
+        ``None`` (counting stays in-process, with a warning) without OFD locks, with every row
+        taken, or when the file cannot be created or mapped (ENOSPC, EIO, an unsafe file): the
+        counters are figures for operators and never make a store fail to open."""
         if _OFD_SETLK is None:
             return None
-        path = os.path.join(directory, COUNTERS_FILE)
+        try:
+            return cls._open(os.path.join(directory, COUNTERS_FILE))
+        except (HostKVError, OSError) as exc:
+            warnings.warn(f"store-wide counters unavailable ({exc}); this instance counts in-process only",
+                          stacklevel=3)
+            return None
+
+    @classmethod
+    def _open(cls, path: str) -> StoreCounters | None:
+        assert _OFD_SETLK is not None
         for attempt in range(2):
             try:
                 fd = _fsutil.open_private(path, os.O_RDWR)
@@ -211,27 +223,35 @@ class StoreCounters:
                 continue
             try:
                 if os.fstat(fd).st_size != _FILE_NBYTES:
-                    raise ValueError("size")
+                    raise ValueError("wrong size")
                 mm = mmap.mmap(fd, _FILE_NBYTES)
                 if not _header_ok(mm):
                     mm.close()
-                    raise ValueError("header")
-            except (ValueError, OSError) as exc:
+                    raise ValueError("bad header")
+            except OSError:
+                os.close(fd)
+                raise
+            except ValueError as exc:  # not a counters file (an I/O error is raised, never "repaired")
                 os.close(fd)
                 if attempt:
-                    raise _fsutil.io_error(OSError(str(exc)), f"mapping {path}") from None
+                    raise OSError(f"{path}: {exc} after replacing it") from None
                 warnings.warn(f"{path} is not a counters file ({exc}); replaced by a fresh one (counting anew)",
                               stacklevel=3)
                 _create(path, replace=True)
                 continue
-            for row in range(_ROWS):
-                if _lock(fd, _OFD_SETLK, fcntl.F_WRLCK, _LOCK_BASE + row):
-                    claimed = cls(path, fd, mm, row)
-                    # a dead owner's gauges are stale (its counters are history: they stay)
-                    for col, (_name, gauge) in enumerate(_parse_names(mm)):
-                        if gauge:
-                            claimed._row[col] = 0
-                    return claimed
+            try:
+                for row in range(_ROWS):
+                    if _lock(fd, _OFD_SETLK, fcntl.F_WRLCK, _LOCK_BASE + row):
+                        claimed = cls(path, fd, mm, row)
+                        # a dead owner's gauges are stale (its counters are history: they stay)
+                        for col, (_name, gauge) in enumerate(_parse_names(mm)):
+                            if gauge:
+                                claimed._row[col] = 0
+                        return claimed
+            except BaseException:
+                mm.close()
+                os.close(fd)
+                raise
             mm.close()
             os.close(fd)
             warnings.warn(f"{path}: all {_ROWS} rows are in use; this instance counts in-process only",
