@@ -12,6 +12,7 @@ faults.
 from __future__ import annotations
 
 __all__ = [
+    "BudgetWarning",
     "CapacityError",
     "ClosedError",
     "CorruptStoreError",
@@ -201,3 +202,12 @@ class CopyArgumentError(CopyEngineError, InvalidArgumentError):
     """
 
     default_hint = "check the KV planes, block ids and that the host regions cover each page exactly"
+
+
+class BudgetWarning(UserWarning):
+    """A budget that the medium cannot hold today: a persistent store's ``budget=`` beyond the
+    free space of its filesystem (writes will fail with :class:`NoSpaceError` once the disk is
+    full, long before the budget is reached).  A warning, not an error: the disk may be freed
+    later, and a store reopened with its old budget must still open.  (A budget beyond the
+    machine's physical memory for an in-memory provider is refused with
+    :class:`InvalidArgumentError` instead: that memory can never exist.)"""
