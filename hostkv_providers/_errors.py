@@ -173,7 +173,10 @@ class StoreNotFoundError(IncompatibleStoreError):
 class CorruptStoreError(HostKVError, OSError):
     """Store metadata (manifest, index) is damaged beyond automatic recovery."""
 
-    default_hint = "run `hostkv verify --repair`, or remove the store"
+    # (not "run verify --repair": most of these refuse the open, and repair opens the store the
+    # same way, so it failed the same way; issue 16 item 15)
+    default_hint = ("nothing was changed; `hostkv verify --repair` fixes damaged entries of a store that opens, "
+                    "not a damaged file that refuses the open: restore that file from a backup, or remove the store")
 
 
 class UnsafeStoreError(HostKVError, PermissionError):
