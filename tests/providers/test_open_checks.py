@@ -118,6 +118,11 @@ def test_mmap_legacy_manifest_naming_a_wrong_generation_is_refused_and_deletes_n
         with pytest.raises(CorruptStoreError, match="does not check out"):
             hk.open(f"mmap://{store}", readonly=readonly)
     assert _files(store) == before
+    # the checksum field's own name damaged: not a legal older manifest (unknown field), refused
+    legacy["manifest_xxi3"] = "0" * 16
+    (store / "manifest.json").write_text(json.dumps(legacy, indent=1, sort_keys=True))
+    with pytest.raises(CorruptStoreError, match="not a manifest of an older format"):
+        hk.open(f"mmap://{store}", readonly="true")
     assert len(keys) == 6
 
 

@@ -78,6 +78,10 @@ _log = logging.getLogger(__name__)
 #: The manifest's own checksum field: XXH3-64 (hex) of the canonical JSON of every other field.
 _MANIFEST_CHECKSUM = "manifest_xxh3"
 _LEGACY = object()  # "the manifest has no checksum field" (an older format)
+#: the fields of a manifest written before ``manifest_xxh3`` existed
+_LEGACY_FIELDS = frozenset({
+    "format", "format_version", "store_format_version", "key_algorithm", "checksum_algorithm", "record_fold",
+    "record_nbytes", "store_id", "generation", "slot_nbytes", "file_nbytes", "budget_bytes", "created"})
 
 
 def _manifest_digest(fields: Mapping[str, Any]) -> str:
@@ -255,6 +259,14 @@ class _Recovery(_Snapshots):
         path = self._p("manifest.json")
         gen = self._gen
         hint = "nothing was changed; restore manifest.json from a backup, or remove the store"
+        # a legal older manifest holds exactly the fields of that format: anything else (the
+        # checksum field's name itself damaged, say) is not one
+        unknown = sorted(set(man) - _LEGACY_FIELDS)
+        if unknown or not isinstance(man.get("file_nbytes", 0), int) or not isinstance(
+                man.get("created", 0.0), (int, float)):
+            raise CorruptStoreError(
+                f"{path} carries no checksum and is not a manifest of an older format"
+                + (f" (unknown fields {', '.join(map(repr, unknown[:3]))})" if unknown else ""), hint=hint)
         names = _fsutil.listdir(self.path)
         index_ours = [n for n in (self._snap_name(gen), self._journal_name(gen)) if n in names]
         data_ours = [n for n in names if (m := _DATA_NAME.match(n)) and int(m.group(1)) == gen]
