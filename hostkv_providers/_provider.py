@@ -738,7 +738,7 @@ class Provider(abc.ABC, metaclass=_ProviderMeta):
         # racing seal/abort/write of another thread gets ReservationError instead of racing it
         # (a concurrent abort freed the slot of a seal whose record was being written).  It also
         # counts the write-path calls under way, which ``_quiesce`` (close) waits for.
-        self._claim_lock = threading.RLock()
+        self._claim_lock = threading.Lock()
         self._calls_idle = threading.Condition(self._claim_lock)
         self._calls = 0
         self._closing = False
@@ -779,23 +779,31 @@ class Provider(abc.ABC, metaclass=_ProviderMeta):
             raise UsedAfterForkError(f"{type(self).__name__} was opened in process {self._pid}",
                                      hint="open a new provider in the child; the parent closes its own")
 
-    @contextlib.contextmanager
-    def _write_call(self, *, cleanup: bool = False) -> Iterator[None]:
+    def _call_begin(self, cleanup: bool = False) -> None:
         """Count a write-path call (reserve, write, seal, abort, a batch put) under way, so that
         :meth:`_quiesce` can wait for it; ``ClosedError`` once a close has begun, except for a
-        ``cleanup`` call (an abort: it gives space back).  Call it after ``_check_usable`` (in a
-        forked child the lock may be a copy held forever)."""
+        ``cleanup`` call (an abort: it gives space back).  Pair it with :meth:`_call_end` in a
+        ``finally``.  Call it after ``_check_usable`` (in a forked child the lock may be a copy
+        held forever).  Not a context manager: this runs on every page's write and seal."""
         with self._claim_lock:
             if self._closing and not cleanup:
                 raise ClosedError(f"{type(self).__name__} is closing")
             self._calls += 1
+
+    def _call_end(self) -> None:
+        with self._claim_lock:
+            self._calls -= 1
+            if not self._calls and self._closing:
+                self._calls_idle.notify_all()
+
+    @contextlib.contextmanager
+    def _write_call(self) -> Iterator[None]:
+        """:meth:`_call_begin` / :meth:`_call_end` around a batch call (``put_many``, ...)."""
+        self._call_begin()
         try:
             yield
         finally:
-            with self._claim_lock:
-                self._calls -= 1
-                if not self._calls:
-                    self._calls_idle.notify_all()
+            self._call_end()
 
     def _quiesce(self, timeout: float = 60.0) -> None:
         """For ``close``: new write-path calls get ``ClosedError`` from now on; wait (up to
@@ -1005,8 +1013,11 @@ class Provider(abc.ABC, metaclass=_ProviderMeta):
         """
         k, p, n = self._reserve_args(key, parent, nbytes, salt_tag)
         self._check_usable()
-        with self._write_call():
+        self._call_begin()
+        try:
             res = self._reserve(k, p, n, salt_tag)
+        finally:
+            self._call_end()
         if res is None:
             self._tally("dedup")
         return res
@@ -1021,8 +1032,11 @@ class Provider(abc.ABC, metaclass=_ProviderMeta):
         self._check_usable()
         res = self._own_reservation(reservation, self._reservation_type)
         span = res.check_write(offset, view.nbytes)
-        with self._write_call():  # close() must not close a file under this write
+        self._call_begin()  # close() must not close a file under this write
+        try:
             self._write(res, span, view)
+        finally:
+            self._call_end()
         res.mark_written(span)
         with self._stat_lock:  # (inlined _tally: this runs once per page)
             self._stat_counts["bytes_written"] += span.nbytes
@@ -1036,7 +1050,8 @@ class Provider(abc.ABC, metaclass=_ProviderMeta):
         self._check_usable()
         res = self._own_reservation(reservation, self._reservation_type)
         res.check_complete()
-        with self._write_call():
+        self._call_begin()
+        try:
             with self._claim_lock:  # claim it: another thread's seal/abort/write now gets ReservationError
                 res.check_open(self)
                 res._claim = (threading.get_ident(), "seal")
@@ -1044,6 +1059,8 @@ class Provider(abc.ABC, metaclass=_ProviderMeta):
                 self._seal(res)
             finally:
                 res._claim = None
+        finally:
+            self._call_end()
         if res.state == "sealed":  # (a seal that lost a race with close finishes it "aborted")
             with self._stat_lock:
                 self._stat_counts["seals"] += 1
@@ -1058,7 +1075,8 @@ class Provider(abc.ABC, metaclass=_ProviderMeta):
         # (Reservation.__exit__ turns it into a warning during exception cleanup).
         self._check_usable()
         me = threading.get_ident()
-        with self._write_call(cleanup=True):
+        self._call_begin(cleanup=True)
+        try:
             with self._claim_lock:  # claim it (not held through _abort: drivers may call abort under their lock)
                 if reservation.state != "open":
                     return
@@ -1076,6 +1094,8 @@ class Provider(abc.ABC, metaclass=_ProviderMeta):
             finally:
                 if mine:
                     reservation._claim = None
+        finally:
+            self._call_end()
         if aborted:
             self._tally("aborts")
 
