@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 source scripts/_env.sh
 
 step "installing hostkv-providers and hostkv-cli into ${VENV:-$("$PY" -c 'import sys; print(sys.prefix)')} ($("$PY" -V))"
-step "  with numpy, msgpack, lmdb, zstandard, xxhash, cuda-bindings, click (about 135 MB; one line per package)"
+step "  with numpy, msgpack, lmdb, zstandard, xxhash, cuda-bindings, click (about 155 MB in a fresh venv; one line per package)"
 pip_install ./ ./cli
 HOSTKV=$("$PY" -c 'import os, sysconfig; print(os.path.join(sysconfig.get_path("scripts"), "hostkv"))')
 [ -x "$HOSTKV" ] || die "the hostkv command was not installed at $HOSTKV"
