@@ -40,7 +40,7 @@ names="mypy cli redis"
 if [ $# -eq 0 ]; then
   # The core's provider tests (kill -9 cycles, crash points, power cuts: child processes started,
   # killed and reopened, i.e. waiting) run as a second shard beside the rest, which waits on its
-  # own children (engines' restarts, servers).  Measured in docs/benchmarks.md#the-test-run.
+  # own children (engines' restarts, servers).  Measured in docs/benchmarks.md ("Where the core suite's time goes").
   step "pytest: core shard tests/providers in the background; the rest of the core here"
   "$PY" -m pytest -q tests/providers >"$logs/providers" 2>&1 &
   providers_pid=$!

@@ -238,6 +238,8 @@ def run_demo(plan: DemoPlan, *, quiet: bool, fresh_process: bool = True) -> dict
             doc["restore"] = restore(plan, p, progress=not quiet)
             doc["restore"]["restart"] = "none: the provider is not persistent"
     finally:
+        if persistent and not quiet:  # the restart phase says so too (it has no bar: < 1 s)
+            click.echo("restarting: closing the store; a fresh process reopens it", err=True)
         t0 = time.perf_counter()
         p.close()
         close_ms = (time.perf_counter() - t0) * 1e3

@@ -119,3 +119,6 @@ def test_demo_one_screen_with_options_kept(runner: CliRunner, tmp_path: Path) ->
     assert all(len(line) <= 80 for line in out.splitlines() if str(tmp_path) not in line), out
     suggested = nxt[0].split("hostkv info ", 1)[1].strip("'")
     assert invoke(runner, "info", suggested).exit_code == 0  # the suggestion works as printed
+    # progress on every phase (stderr; bars on a terminal, these labels otherwise)
+    for label in ("computing + saving prompt A", "saving fork B", "restarting", "restoring + verifying"):
+        assert label in r.stderr, (label, r.stderr)
