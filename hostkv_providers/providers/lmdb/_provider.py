@@ -4,6 +4,7 @@ Layout of a store directory (0700, every file 0600)::
 
     data.mdb, lock.mdb    the LMDB environment: the whole index, ACID (``mdb_stat DIR`` reads it)
     hostkv.lock           flock: every open holds it shared; compaction takes it exclusively
+    counters              store-wide live counters (:mod:`.._counters`), one row per writable open
     slots/NNNNNNNN.slots  slot files (:mod:`._slotfile`, shared with the mmap provider)
 
 The LMDB environment holds named sub-databases (values are ``struct`` records or msgpack, never

@@ -7,6 +7,7 @@ Store directory (0700, every file 0600, symlinks refused)::
 
     manifest.json                 identity and geometry, written atomically (temp, fsync, rename)
     writer.lock                   flock held by the one writer process
+    counters                      store-wide live counters (:mod:`.._counters`), one row per writer
     data.<gen>.<nnnn>.slots       preallocated slot files (:mod:`._slotfile`), mmapped
     index.<gen>.snap              snapshot of the index (fixed 160-byte records), atomic
     index.<gen>.journal           append-only journal of 160-byte records since the snapshot
