@@ -331,6 +331,7 @@ def test_single_threaded_scheduler_defers_twins(provider: Provider, engine: CpuC
         pending = prefill_pending(twin)
         assert not producer and not twin and pending is not None and prefill_pending(producer) is None
         c.save(ks, make_planes(12), [0, 1, 2], anchors={2: state(2)}).wait(30)
-        assert pending.is_set()
+        # set by the save's done callback, which may run just after wait() returns
+        assert pending.wait(10)
         with c.lookup(ks, wait=False) as again:
             assert again.num_pages == 3 and prefill_pending(again) is None
