@@ -168,6 +168,7 @@ class HybridState:
         self._lock = threading.Lock()
         self._intents: dict[Key, _Intent] = {}
         self._anchors_into: dict[int, Mapping[str, Any]] = {}
+        self._first_page: dict[int, int] = {}  # ranged restores in flight: id(handle) -> first_page
 
     def tag(self, name: str) -> bytes:
         t = self._tags.get(name)
@@ -246,7 +247,12 @@ class HybridState:
         return 0
 
     # -- restore side ---------------------------------------------------------------------------
-    def note_restore(self, handle: CacheHandle, anchors_into: Mapping[str, Any] | None) -> None:
+    def note_restore(self, handle: CacheHandle, anchors_into: Mapping[str, Any] | None,
+                     first_page: int = 0) -> None:
+        if first_page:
+            with self._lock:
+                self._first_page[id(handle)] = first_page
+            handle.add_done_callback(lambda h: self._forget(h))
         if anchors_into is None:
             return
         if not isinstance(anchors_into, Mapping):
@@ -265,6 +271,7 @@ class HybridState:
     def _forget(self, handle: CacheHandle) -> None:
         with self._lock:
             self._anchors_into.pop(id(handle), None)
+            self._first_page.pop(id(handle), None)
 
     def _read_record(self, key: Key, depth: int, name: str, sizes: Mapping[str, int],
                      into: Mapping[str, Any] | None) -> memoryview | None:
@@ -298,16 +305,20 @@ class HybridState:
         return dst
 
     def finish_restore(self, handle: CacheHandle, result: RestoreResult, keys: Sequence[Key],
-                       first_page: int = 0) -> None:
+                       hit_keys: Sequence[Key] | None = None) -> None:
         """Cut ``result`` back to the deepest restored page whose required anchors all read back
         valid, and hand out those anchors (and the groups that are whole at that page).
 
-        ``keys`` are the hit's pages from its root; the restore covered ``keys[first_page:]``
-        (a ranged restore when ``first_page > 0``) and ``result.pages`` counts from there: the
-        cut is to the deepest anchored page within what was restored, and ``result.anchor_page``
-        is its absolute depth."""
+        ``keys`` are the pages the restore covered; for a ranged restore (``first_page > 0``)
+        they start at ``hit_keys[first_page]`` and ``result.pages`` counts from there: the cut is
+        to the deepest anchored page within what was restored, and ``result.anchor_page`` is its
+        depth in the hit (anchor records are bound to that depth)."""
         with self._lock:
             into = self._anchors_into.pop(id(handle), None)
+            first_page = self._first_page.pop(id(handle), 0)
+        if first_page:
+            assert hit_keys is not None
+            keys = list(hit_keys[: first_page + len(keys)])
         if not self.binding:
             return
         got_pages = result.pages
