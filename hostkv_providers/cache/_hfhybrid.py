@@ -50,6 +50,15 @@ _ATTENTION_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 _LINEAR_TYPES = ("linear_attention", "mamba", "mamba2", "gated_deltanet")
 
 
+#: Config fields that decide the shape of the linear layers' state (``state_format``).
+_STATE_FIELDS = (
+    "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+    "linear_conv_kernel_dim", "hidden_size",
+    "mamba_n_heads", "mamba_d_head", "mamba_n_groups", "mamba_d_state", "mamba_d_conv", "mamba_expand",
+    "mamba_dt_rank", "mamba_d_ssm",
+)
+
+
 def _layer_types(config: Any) -> list[str]:
     cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     types = getattr(cfg, "layer_types", None)
@@ -154,9 +163,9 @@ class HybridCacheMap:
         """A format string for ``Salt(state_format=)``: the state's layout and dtype, so an anchor
         of another model shape or dtype can never be taken for this one."""
         cfg = self.config.get_text_config(decoder=True) if hasattr(self.config, "get_text_config") else self.config
-        fields = {k: getattr(cfg, k, None) for k in (
-            "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
-            "linear_conv_kernel_dim", "hidden_size")}
+        # the fields that shape the state: Gated DeltaNet (Qwen3-Next) and Mamba/Mamba2 (Bamba,
+        # Jamba, GraniteMoeHybrid) spell them differently; a field the config lacks is left out
+        fields = {k: v for k in _STATE_FIELDS if (v := getattr(cfg, k, None)) is not None}
         digest = hashlib.blake2b(json.dumps([self.layer_types, fields], sort_keys=True).encode(),
                                  digest_size=8).hexdigest()
         return f"hf-linear-attn/v1:{dtype}:{digest}"
