@@ -52,6 +52,7 @@ from hostkv_providers._provider import (
     VerifyReport,
     check_anchor_name,
     readable_bytes,
+    scatter_into,
     writable_buffer,
 )
 from hostkv_providers._region import HostRegion
@@ -152,5 +153,6 @@ __all__ = [
     "parse_url",
     "provider_class",
     "readable_bytes",
+    "scatter_into",
     "writable_buffer",
 ]
