@@ -297,6 +297,46 @@ def test_restore_reads_anchors_once_into_buffers_on_every_provider(url: str, tmp
         prov.close()
 
 
+@pytest.mark.parametrize("scheme", ["lmdb", "mmap"])
+def test_read_anchor_of_damaged_bytes_is_a_miss(scheme: str, tmp_path: Path) -> None:
+    # read_anchor copies straight from the medium into the caller's buffers: damaged bytes there
+    # (one buffer or a scatter read) fail the checksum and read as a miss, counted, never as data
+    import hostkv_providers as hk
+
+    prov = hk.open(f"{scheme}://{tmp_path / 's'}?budget=64MiB")
+    try:
+        key = bytes(range(32))
+        with prov.reserve(key, None, 16) as res:  # type: ignore[union-attr]
+            res.write(0, b"p" * 16)
+            res.seal()
+        blob = np.random.default_rng(17).integers(0, 256, 10_000, dtype=np.uint8).tobytes()
+        for name in ("one", "two"):
+            prov.put_anchor(key, name, blob)
+        assert prov.read_anchor(key, "one", bytearray(len(blob))) == len(blob)
+        needle = blob[1000:1064]
+        hits = 0
+        for f in sorted((tmp_path / "s").rglob("*")):
+            if not f.is_file():
+                continue
+            data = bytearray(f.read_bytes())
+            at = data.find(needle)
+            while at >= 0:
+                data[at + 10] ^= 0xFF
+                hits += 1
+                at = data.find(needle, at + 1)
+            if hits:
+                f.write_bytes(data)
+        assert hits == 2  # both anchors damaged in place
+        before = prov.stats().checksum_failures
+        assert prov.read_anchor(key, "one", bytearray(len(blob))) is None
+        assert prov.read_anchor(key, "two", [bytearray(48), bytearray(len(blob) - 48)]) is None
+        assert prov.stats().checksum_failures == before + 2
+        assert prov.list_anchors(key) == {}  # dropped, the entry stays
+        assert prov.read_bytes(key) == b"p" * 16
+    finally:
+        prov.close()
+
+
 class FailingAnchors(NoViews):
     name = "failing-anchors"
 
