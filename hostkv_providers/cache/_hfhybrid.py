@@ -252,7 +252,9 @@ class HybridCacheMap:
         ``anchor_depths``).
 
         Returns ``(output, cache, {depth: state blob})``: pass the blobs to
-        ``HostKVCache.save(..., anchors={depth - start_page: {"state": blob}})``.
+        ``HostKVCache.save(..., anchors={depth - start_page: {"state": blob}})``.  ``output`` is
+        the model's output over all of ``input_ids`` in a single pass, over the last segment
+        when split (its last position's logits are the same either way).
 
         ``single_pass`` (default: where the model supports it) runs *one* forward over all the
         tokens and takes the states at the anchor pages from inside it: the linear layers' scan
@@ -280,9 +282,12 @@ class HybridCacheMap:
         elif single_pass and not _ScanCapture.supports(module):
             raise InvalidArgumentError(f"{type(model).__name__}'s module has no torch_chunk_gated_delta_rule / "
                                        "causal_conv1d_fn to capture states from", hint="single_pass=False")
+        import torch
+
         if single_pass and cuts:
             assert module is not None
-            with _ScanCapture(module, [c for c in cuts if c < total], total) as cap:
+            # an inference prefill: no autograd graph (the states are copied out anyway)
+            with _ScanCapture(module, [c for c in cuts if c < total], total) as cap, torch.no_grad():
                 out = model(input_ids=input_ids, cache=cache, use_cache=True, **forward_kw)
             cache = out.past_key_values
             states = {start_page + c // pt - 1: self._captured_blob(cap, c) for c in cuts if c < total}
@@ -295,7 +300,8 @@ class HybridCacheMap:
         for lo, hi in itertools.pairwise(bounds):
             if hi <= lo:
                 continue
-            out = model(input_ids=input_ids[:, lo:hi], cache=cache, use_cache=True, **forward_kw)
+            with torch.no_grad():
+                out = model(input_ids=input_ids[:, lo:hi], cache=cache, use_cache=True, **forward_kw)
             cache = out.past_key_values
             if hi in cuts:
                 states[start_page + hi // pt - 1] = self.state_bytes(cache)
