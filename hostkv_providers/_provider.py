@@ -219,6 +219,35 @@ def writable_buffer(out: object, nbytes: int) -> memoryview:
     return view[:nbytes]
 
 
+def _scatter_buffers(into: object) -> list[memoryview]:
+    """``read_anchor``'s ``into``: one writable buffer or a sequence of them, as whole flat views."""
+    items = list(into) if isinstance(into, (list, tuple)) else [into]
+    if not items:
+        raise InvalidArgumentError("into must be a writable buffer or a non-empty sequence of them")
+    out = []
+    for b in items:
+        writable_buffer(b, 0)  # writable and C-contiguous, else a typed error
+        view = memoryview(b)  # type: ignore[arg-type]
+        out.append(view.cast("B") if view.format != "B" or view.ndim != 1 else view)
+    return out
+
+
+def scatter_into(bufs: Sequence[memoryview], src: memoryview) -> None:
+    """Copy ``src`` into ``bufs`` in order (a scatter copy); ``InvalidArgumentError`` when they
+    hold fewer bytes than ``src``."""
+    room = sum(b.nbytes for b in bufs)
+    if room < src.nbytes:
+        raise InvalidArgumentError(f"the buffers hold {room} bytes, the anchor is {src.nbytes}",
+                                   hint="size them with list_anchors(key)[name]")
+    pos = 0
+    for b in bufs:
+        n = min(b.nbytes, src.nbytes - pos)
+        if n <= 0:
+            break
+        b[:n] = src[pos: pos + n]
+        pos += n
+
+
 def readable_bytes(data: object) -> memoryview:
     """A flat, read-only byte view of ``data`` (any buffer)."""
     try:
@@ -1269,6 +1298,31 @@ class Provider(abc.ABC, metaclass=_ProviderMeta):
         check_anchor_name(name)
         self._check_usable()
         return self._get_anchor(k, name)
+
+    def read_anchor(self, key: bytes, name: str, into: object) -> int | None:
+        """Copy the named anchor's bytes into the caller's buffer(s), once, verified.
+
+        ``into`` is one writable buffer or a sequence of them filled in order (a scatter read:
+        e.g. a small header buffer, then the engine's state buffer); together they must hold at
+        least the anchor's size (``list_anchors``), the last one may be larger.  Returns the
+        anchor's size, or ``None`` (entry or anchor missing, or its bytes failed their checksum:
+        the buffers' contents are then unspecified).  Providers copy straight from their medium
+        into ``into``; the default goes through ``get_anchor``.
+        """
+        k = as_key(key)
+        check_anchor_name(name)
+        bufs = _scatter_buffers(into)
+        self._check_usable()
+        return self._read_anchor(k, name, bufs)
+
+    def _read_anchor(self, key: Key, name: str, bufs: list[memoryview]) -> int | None:
+        """The default: :meth:`get_anchor`, then one copy into ``bufs`` (a provider whose
+        ``get_anchor`` already copies overrides this to copy from its medium directly)."""
+        blob = self.get_anchor(key, name)  # the verb: a provider may override it, not its driver
+        if blob is None:
+            return None
+        scatter_into(bufs, memoryview(blob).cast("B"))
+        return len(blob)
 
     @_front
     def list_anchors(self, key: bytes) -> dict[str, int]:

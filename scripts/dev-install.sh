@@ -26,6 +26,10 @@ fi
 step "dev install into ${VENV:-the system Python} ($("$PY" -V)): torch (CPU), the four distributions editable, test and lint tools"
 pip_install "torch==2.13.0"
 pip_install -e ".[dev,prometheus]" -e ./cli -e ./plugins/hostkv-redis -e ./examples/custom_provider
+# The hybrid-model tests and examples/hybrid_restore map transformers 5.x hybrid caches (Qwen3-Next,
+# Bamba); the dev extra allows any transformers >= 4.45 (those tests skip below 5.x), CI pins the
+# version they were written against.
+pip_install "transformers==5.24.0"
 
 # The engines the adapters are tested against (tests/integrations), pinned, without their
 # dependency trees (--no-deps: a full vLLM/SGLang install pulls a CUDA torch and GBs more), plus

@@ -153,3 +153,57 @@ def test_prompt_of_exactly_full_pages_keeps_a_token(model: Any, cache: HostKVCac
     logits, _c = run(model, ids[:, rr.pages * PT:], hm.to_dynamic_cache(planes, rr.anchors["state"]))
     cold, _p = run(model, ids, None)
     torch.testing.assert_close(logits, cold, atol=1e-4, rtol=1e-4)
+
+
+def test_single_pass_prefill_captures_the_split_prefills_states(model: Any) -> None:
+    # deliver 6: the interval-anchor states from one forward (the scan run segment by segment
+    # inside it) equal those of one forward per segment, also continuing a restored cache; the
+    # wrappers are gone afterwards and another thread's forward is untouched
+    import threading
+
+    import transformers.models.qwen3_next.modeling_qwen3_next as qmod
+
+    hm = HybridCacheMap(LAYOUT, model.config)
+    orig = (qmod.torch_chunk_gated_delta_rule, qmod.causal_conv1d_fn)
+    ids = torch.randint(0, 256, (1, 7 * PT + 3), generator=torch.Generator().manual_seed(4))
+    split = hm.prefill(model, ids, [1, 3, 5], single_pass=False)
+    one = hm.prefill(model, ids, [1, 3, 5])  # the default where the model supports it
+    assert (qmod.torch_chunk_gated_delta_rule, qmod.causal_conv1d_fn) == orig
+    assert sorted(one[2]) == sorted(split[2]) == [1, 3, 5]
+    # the split prefill returns the last segment's output; the single pass the whole prompt's
+    torch.testing.assert_close(one[0].logits[:, -1], split[0].logits[:, -1], atol=1e-4, rtol=1e-4)
+
+    def tensors(blob: bytes) -> list[Any]:
+        return [torch.frombuffer(bytearray(raw), dtype=torch.float32) for *_n, raw in hm._parse_state(blob)]
+
+    for d in (1, 3, 5):
+        for a, b in zip(tensors(one[2][d]), tensors(split[2][d]), strict=True):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    # the terminal page (a cut at the last token) and a continuation of a cache with 2 pages
+    _o, past2, _s = hm.prefill(model, ids[:, : 2 * PT], [], single_pass=False)
+    cont = hm.prefill(model, ids[:, 2 * PT: 6 * PT], [3, 5], cache=past2, start_page=2)
+    full = hm.prefill(model, ids[:, : 6 * PT], [3, 5], single_pass=False)
+    for d in (3, 5):
+        for a, b in zip(tensors(cont[2][d]), tensors(full[2][d]), strict=True):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    # a forward on another thread while a capture runs passes straight through the wrappers
+    seen: list[Any] = []
+
+    def other() -> None:
+        seen.append(run(model, ids[:, :PT], None)[0])
+
+    real_forward = model.forward
+
+    def forward_with_a_twin(*a: Any, **kw: Any) -> Any:
+        if threading.current_thread() is threading.main_thread() and not seen:
+            t = threading.Thread(target=other)  # runs inside the capture, its forward passes through
+            t.start()
+            t.join()
+        return real_forward(*a, **kw)
+
+    model.forward = forward_with_a_twin
+    try:
+        hm.prefill(model, ids, [1, 3, 5])
+    finally:
+        del model.forward
+    torch.testing.assert_close(seen[0], run(model, ids[:, :PT], None)[0])

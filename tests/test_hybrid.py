@@ -136,6 +136,36 @@ def test_short_restore_reports_the_anchor_of_the_usable_page(engine: CpuCopyEngi
         assert (res.pages, res.anchor_page, res.anchors) == (0, None, {})
 
 
+def test_ranged_restore_cuts_back_to_an_anchor_within_the_range(engine: CpuCopyEngine) -> None:
+    # a ranged restore (pages [a, b) of a hit) was refused on hybrid caches; now the usable count
+    # and its anchor are cut back to the deepest anchored page within what was restored
+    p = NoViews(_pinned())
+    with hcache(p, engine, anchor_interval=2) as c:  # anchors at pages 1, 3, 5, 7
+        src = make_planes(4)
+        ks = c.keys(tokens(8 * 4, seed=4))
+        c.save(ks, src, list(range(8)), anchors=state).wait(30)
+        with c.lookup(ks) as hit:
+            planes = make_planes()
+            res = c.restore(hit, planes, [10, 11, 12, 13, 14, 15], first_page=2, release=False).wait(30)
+            assert (res.pages, res.anchor_page, bytes(res.anchors["conv"])) == (6, 7, b"conv@7")
+            assert all(page_of(planes, 10 + i) == page_of(src, 2 + i) for i in range(6))
+            # pages [2, 5): the deepest anchor within is page 3 -> 2 usable pages from page 2
+            res = c.restore(hit, make_planes(), [0, 1, 2], first_page=2, release=False).wait(30)
+            assert (res.pages, res.anchor_page, bytes(res.anchors["ssm"])) == (2, 3, b"ssm@3" * 100)
+            assert res.nbytes == 2 * c.page_nbytes and "cut back to 2 pages" in (res.stopped or "")
+            # page [4, 5): no anchor within: nothing usable (the engine's own state at 3 stays)
+            res = c.restore(hit, make_planes(), [0], first_page=4, release=False).wait(30)
+            assert (res.pages, res.anchor_page, res.anchors) == (0, None, {})
+            assert "no restored page carries" in (res.stopped or "")
+            # a short ranged restore: page 6 fails, [4, 6) restored, the anchor within is page 5
+            p.fail_reads.add(bytes(ks[6]))
+            bufs = {"ssm": bytearray(500), "conv": bytearray(6)}
+            res = c.restore(hit, make_planes(), [0, 1, 2, 3], first_page=4, release=False,
+                            anchors_into=bufs).wait(30)
+            assert (res.pages, res.anchor_page) == (2, 5)
+            assert bytes(bufs["ssm"]) == b"ssm@5" * 100 and res.anchors["conv"].obj is bufs["conv"]
+
+
 def test_anchor_bound_to_position_and_format(provider: Provider, engine: CpuCopyEngine) -> None:
     # trap 4: put_anchor accepted one page's state on another page and lookup returned it
     with hcache(provider, engine, required_anchors={"ssm"}) as c:
@@ -231,6 +261,80 @@ def test_lookup_reads_no_anchor_and_restore_copies_into_buffers(provider: Provid
             h = c.restore(hit, make_planes(), [0, 1, 2], anchors_into={"ssm": bytearray(3)}, release=False)
             with pytest.raises(InvalidArgumentError, match="holds 3 bytes"):
                 h.wait(30)
+
+
+@pytest.mark.parametrize("url", ["lmdb://{d}?budget=64MiB", "mmap://{d}?budget=64MiB",
+                                 "tiered://?fast=pinned%3A%2F%2F%3Fbudget%3D8MiB&slow=lmdb%3A%2F%2F{q}%3Fbudget%3D64MiB"])
+def test_restore_reads_anchors_once_into_buffers_on_every_provider(url: str, tmp_path: Path,
+                                                                   engine: CpuCopyEngine) -> None:
+    # trap 7: lmdb copied the anchor twice; every provider now copies it once, from its medium
+    # into the caller's buffer (Provider.read_anchor), on the restore thread; get_anchor unused
+    from urllib.parse import quote
+
+    import hostkv_providers as hk
+
+    prov = hk.open(url.format(d=tmp_path / "s", q=quote(str(tmp_path / "s"), safe="")))
+
+    def no_get_anchor(key: bytes, name: str) -> bytes | None:
+        raise AssertionError("get_anchor copies to bytes; the restore reads into the buffer")
+
+    try:
+        with hcache(prov, engine) as c:
+            ks = c.keys(tokens(3 * 4, seed=13))
+            big = {"conv": b"c" * 7, "ssm": bytes(range(256)) * 4096}  # 1 MiB of state
+            c.save(ks, make_planes(13), list(range(3)), anchors={2: big}).wait(30)
+            prov.get_anchor = no_get_anchor  # type: ignore[method-assign]
+            bufs = {"ssm": np.zeros(1 << 20, np.uint8), "conv": bytearray(7)}
+            with c.lookup(ks) as hit:
+                res = c.restore(hit, make_planes(), list(range(3)), anchors_into=bufs, release=False).wait(30)
+            assert (res.pages, res.anchor_page) == (3, 2)
+            assert bufs["ssm"].tobytes() == big["ssm"] and bytes(bufs["conv"]) == big["conv"]
+            assert res.anchors["ssm"].obj is bufs["ssm"]
+            with c.lookup(ks) as hit:  # no buffer given: one copy into a fresh one
+                res = c.restore(hit, make_planes(), list(range(3)), release=False).wait(30)
+            assert bytes(res.anchors["ssm"]) == big["ssm"]
+    finally:
+        prov.close()
+
+
+@pytest.mark.parametrize("scheme", ["lmdb", "mmap"])
+def test_read_anchor_of_damaged_bytes_is_a_miss(scheme: str, tmp_path: Path) -> None:
+    # read_anchor copies straight from the medium into the caller's buffers: damaged bytes there
+    # (one buffer or a scatter read) fail the checksum and read as a miss, counted, never as data
+    import hostkv_providers as hk
+
+    prov = hk.open(f"{scheme}://{tmp_path / 's'}?budget=64MiB")
+    try:
+        key = bytes(range(32))
+        with prov.reserve(key, None, 16) as res:  # type: ignore[union-attr]
+            res.write(0, b"p" * 16)
+            res.seal()
+        blob = np.random.default_rng(17).integers(0, 256, 10_000, dtype=np.uint8).tobytes()
+        for name in ("one", "two"):
+            prov.put_anchor(key, name, blob)
+        assert prov.read_anchor(key, "one", bytearray(len(blob))) == len(blob)
+        needle = blob[1000:1064]
+        hits = 0
+        for f in sorted((tmp_path / "s").rglob("*")):
+            if not f.is_file():
+                continue
+            data = bytearray(f.read_bytes())
+            at = data.find(needle)
+            while at >= 0:
+                data[at + 10] ^= 0xFF
+                hits += 1
+                at = data.find(needle, at + 1)
+            if hits:
+                f.write_bytes(data)
+        assert hits == 2  # both anchors damaged in place
+        before = prov.stats().checksum_failures
+        assert prov.read_anchor(key, "one", bytearray(len(blob))) is None
+        assert prov.read_anchor(key, "two", [bytearray(48), bytearray(len(blob) - 48)]) is None
+        assert prov.stats().checksum_failures == before + 2
+        assert prov.list_anchors(key) == {}  # dropped, the entry stays
+        assert prov.read_bytes(key) == b"p" * 16
+    finally:
+        prov.close()
 
 
 class FailingAnchors(NoViews):
@@ -331,6 +435,7 @@ def test_single_threaded_scheduler_defers_twins(provider: Provider, engine: CpuC
         pending = prefill_pending(twin)
         assert not producer and not twin and pending is not None and prefill_pending(producer) is None
         c.save(ks, make_planes(12), [0, 1, 2], anchors={2: state(2)}).wait(30)
-        assert pending.is_set()
+        # set by the save's done callback, which may run just after wait() returns
+        assert pending.wait(10)
         with c.lookup(ks, wait=False) as again:
             assert again.num_pages == 3 and prefill_pending(again) is None

@@ -27,6 +27,8 @@ import hashlib
 import itertools
 import json
 import struct
+import sys
+import threading
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -46,6 +48,15 @@ _STATE_HEAD = struct.Struct("<4sI")  # magic, descriptor length (JSON follows, t
 _ATTENTION_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 #: Layer types whose cache holds a conv + recurrent state.
 _LINEAR_TYPES = ("linear_attention", "mamba", "mamba2", "gated_deltanet")
+
+
+#: Config fields that decide the shape of the linear layers' state (``state_format``).
+_STATE_FIELDS = (
+    "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+    "linear_conv_kernel_dim", "hidden_size",
+    "mamba_n_heads", "mamba_d_head", "mamba_n_groups", "mamba_d_state", "mamba_d_conv", "mamba_expand",
+    "mamba_dt_rank", "mamba_d_ssm",
+)
 
 
 def _layer_types(config: Any) -> list[str]:
@@ -146,29 +157,15 @@ class HybridCacheMap:
     def state_bytes(self, cache: Any, *, batch_index: int = 0) -> bytes:
         """Every linear layer's conv and recurrent state of one batch row, as one blob (the
         anchor).  Call it right after the forward that ended at the anchor page."""
-        import torch
-
-        parts = self._state_tensors(cache, batch_index)
-        desc = [[name, plane_dtype_name(t), list(t.shape)] for name, t in parts]
-        head = json.dumps({"v": 1, "tensors": desc}, separators=(",", ":")).encode()
-        raw = [t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy() for _n, t in parts]
-        out = bytearray(_STATE_HEAD.size + len(head) + sum(r.nbytes for r in raw))
-        _STATE_HEAD.pack_into(out, 0, _STATE_MAGIC, len(head))
-        pos = _STATE_HEAD.size
-        out[pos: pos + len(head)] = head
-        pos += len(head)
-        for r in raw:
-            out[pos: pos + r.nbytes] = r.tobytes()
-            pos += r.nbytes
-        return bytes(out)
+        return _serialize_state(self._state_tensors(cache, batch_index))
 
     def state_format(self, dtype: str) -> str:
         """A format string for ``Salt(state_format=)``: the state's layout and dtype, so an anchor
         of another model shape or dtype can never be taken for this one."""
         cfg = self.config.get_text_config(decoder=True) if hasattr(self.config, "get_text_config") else self.config
-        fields = {k: getattr(cfg, k, None) for k in (
-            "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
-            "linear_conv_kernel_dim", "hidden_size")}
+        # the fields that shape the state: Gated DeltaNet (Qwen3-Next) and Mamba/Mamba2 (Bamba,
+        # Jamba, GraniteMoeHybrid) spell them differently; a field the config lacks is left out
+        fields = {k: v for k in _STATE_FIELDS if (v := getattr(cfg, k, None)) is not None}
         digest = hashlib.blake2b(json.dumps([self.layer_types, fields], sort_keys=True).encode(),
                                  digest_size=8).hexdigest()
         return f"hf-linear-attn/v1:{dtype}:{digest}"
@@ -246,16 +243,26 @@ class HybridCacheMap:
         self.load_state(cache, state, device=device)
         return cache
 
-    # -- chunked prefill with interval anchors -----------------------------------------------------
+    # -- prefill with interval anchors -------------------------------------------------------------
     def prefill(self, model: Any, input_ids: torch.Tensor, anchor_pages: Iterable[int], *,
-                cache: Any = None, start_page: int = 0, **forward_kw: Any) -> tuple[Any, Any, dict[int, bytes]]:
+                cache: Any = None, start_page: int = 0, single_pass: bool | None = None,
+                **forward_kw: Any) -> tuple[Any, Any, dict[int, bytes]]:
         """Prefill ``input_ids`` (continuing ``cache``, which holds ``start_page`` pages, or from
-        scratch) in segments that end after each of ``anchor_pages`` (absolute depths, e.g. from
-        ``anchor_depths``), capturing the state there.
+        scratch), capturing the state after each of ``anchor_pages`` (absolute depths, e.g. from
+        ``anchor_depths``).
 
-        Returns ``(output of the last segment, cache, {depth: state blob})``: pass the blobs to
-        ``HostKVCache.save(..., anchors={depth - start_page: {"state": blob}})``.  Splitting the
-        prefill costs time (more, smaller forwards); ``examples/hybrid_restore`` measures it.
+        Returns ``(output, cache, {depth: state blob})``: pass the blobs to
+        ``HostKVCache.save(..., anchors={depth - start_page: {"state": blob}})``.  ``output`` is
+        the model's output over all of ``input_ids`` in a single pass, over the last segment
+        when split (its last position's logits are the same either way).
+
+        ``single_pass`` (default: where the model supports it) runs *one* forward over all the
+        tokens and takes the states at the anchor pages from inside it: the linear layers' scan
+        (``torch_chunk_gated_delta_rule``) is run segment by segment with its state carried —
+        the same calls a split prefill makes — and the conv state at a cut is a slice of the conv
+        input; attention, MLP/MoE and the head run once.  Otherwise (``single_pass=False``, or a
+        model module without those functions) the prefill is split into one forward per segment,
+        which costs one forward's fixed overhead per anchor (docs/benchmarks.md, "hybrid").
         """
         from transformers import DynamicCache
 
@@ -269,17 +276,160 @@ class HybridCacheMap:
             if start_page:
                 raise InvalidArgumentError("start_page > 0 needs the cache holding those pages")
             cache = DynamicCache(config=self.config)
+        module = sys.modules.get(type(model).__module__)
+        if single_pass is None:
+            single_pass = _ScanCapture.supports(module)
+        elif single_pass and not _ScanCapture.supports(module):
+            raise InvalidArgumentError(f"{type(model).__name__}'s module has no torch_chunk_gated_delta_rule / "
+                                       "causal_conv1d_fn to capture states from", hint="single_pass=False")
+        import torch
+
+        if single_pass and cuts:
+            assert module is not None
+            # an inference prefill: no autograd graph (the states are copied out anyway)
+            with _ScanCapture(module, [c for c in cuts if c < total], total) as cap, torch.no_grad():
+                out = model(input_ids=input_ids, cache=cache, use_cache=True, **forward_kw)
+            cache = out.past_key_values
+            states = {start_page + c // pt - 1: self._captured_blob(cap, c) for c in cuts if c < total}
+            if total in cuts:
+                states[start_page + total // pt - 1] = self.state_bytes(cache)
+            return out, cache, states
         bounds = [0, *[c for c in cuts if c < total], total]
-        states: dict[int, bytes] = {}
+        states = {}
         out = None
         for lo, hi in itertools.pairwise(bounds):
             if hi <= lo:
                 continue
-            out = model(input_ids=input_ids[:, lo:hi], cache=cache, use_cache=True, **forward_kw)
+            with torch.no_grad():
+                out = model(input_ids=input_ids[:, lo:hi], cache=cache, use_cache=True, **forward_kw)
             cache = out.past_key_values
             if hi in cuts:
                 states[start_page + hi // pt - 1] = self.state_bytes(cache)
         return out, cache, states
+
+    def _captured_blob(self, cap: _ScanCapture, cut: int) -> bytes:
+        if len(cap.conv) != len(self.linear_layers) or len(cap.rec) != len(self.linear_layers):
+            raise InvalidArgumentError(
+                f"captured {len(cap.conv)} conv / {len(cap.rec)} scan calls for "
+                f"{len(self.linear_layers)} linear layers",
+                hint="this model's linear layers call the scan differently: prefill(..., single_pass=False)")
+        parts: list[tuple[str, torch.Tensor]] = []
+        for li, conv, rec in zip(self.linear_layers, cap.conv, cap.rec, strict=True):
+            parts.append((f"{li}.0.conv", conv[cut][0:1]))
+            parts.append((f"{li}.0.recurrent", rec[cut][0:1]))
+        return _serialize_state(parts)
+
+
+def _serialize_state(parts: Sequence[tuple[str, torch.Tensor]]) -> bytes:
+    import torch
+
+    desc = [[name, plane_dtype_name(t), list(t.shape)] for name, t in parts]
+    head = json.dumps({"v": 1, "tensors": desc}, separators=(",", ":")).encode()
+    raw = [t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy() for _n, t in parts]
+    out = bytearray(_STATE_HEAD.size + len(head) + sum(r.nbytes for r in raw))
+    _STATE_HEAD.pack_into(out, 0, _STATE_MAGIC, len(head))
+    pos = _STATE_HEAD.size
+    out[pos: pos + len(head)] = head
+    pos += len(head)
+    for r in raw:
+        out[pos: pos + r.nbytes] = r.data  # one copy of each tensor into the blob
+        pos += r.nbytes
+    return bytes(out)
+
+
+_capture_lock = threading.Lock()
+_capture_installs: dict[str, tuple[Any, int]] = {}  # module name -> (its originals, users)
+_capture_local = threading.local()
+
+
+class _ScanCapture:
+    """During one forward on this thread: run each linear layer's chunked scan segment by
+    segment (ending at ``cuts``) with its state carried, and record the recurrent state and the
+    conv state at each cut.  The module's functions are wrapped while any capture is active;
+    the wrappers pass every other call (other threads, decode steps) straight through."""
+
+    _NAMES = ("torch_chunk_gated_delta_rule", "causal_conv1d_fn")
+
+    @classmethod
+    def supports(cls, module: Any) -> bool:
+        return module is not None and all(callable(getattr(module, n, None)) for n in cls._NAMES)
+
+    def __init__(self, module: Any, cuts: list[int], total: int) -> None:
+        self.module, self.cuts, self.total = module, cuts, total
+        self.conv: list[dict[int, torch.Tensor]] = []
+        self.rec: list[dict[int, torch.Tensor]] = []
+
+    def __enter__(self) -> _ScanCapture:
+        if getattr(_capture_local, "active", None) is not None:
+            raise InvalidArgumentError("a state-capturing prefill is already running on this thread")
+        name = self.module.__name__
+        with _capture_lock:
+            got = _capture_installs.get(name)
+            if got is None:
+                orig = {n: getattr(self.module, n) for n in self._NAMES}
+                self.module.torch_chunk_gated_delta_rule = _wrap_scan(orig["torch_chunk_gated_delta_rule"])
+                self.module.causal_conv1d_fn = _wrap_conv(orig["causal_conv1d_fn"])
+                _capture_installs[name] = (orig, 1)
+            else:
+                _capture_installs[name] = (got[0], got[1] + 1)
+        _capture_local.active = self
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _capture_local.active = None
+        name = self.module.__name__
+        with _capture_lock:
+            orig, users = _capture_installs[name]
+            if users == 1:
+                for n, f in orig.items():
+                    setattr(self.module, n, f)
+                del _capture_installs[name]
+            else:
+                _capture_installs[name] = (orig, users - 1)
+
+
+def _wrap_scan(orig: Any) -> Any:
+    def scan(query: Any, key: Any, value: Any, *args: Any, **kw: Any) -> Any:
+        cap = getattr(_capture_local, "active", None)
+        if cap is None or args or int(query.shape[1]) != cap.total:
+            return orig(query, key, value, *args, **kw)
+        import torch
+
+        g, beta = kw.pop("g"), kw.pop("beta")
+        state = kw.pop("initial_state", None)
+        want_final = kw.pop("output_final_state", False)
+        outs, states = [], {}
+        for lo, hi in itertools.pairwise([0, *cap.cuts, cap.total]):
+            o, state = orig(query[:, lo:hi], key[:, lo:hi], value[:, lo:hi], g=g[:, lo:hi], beta=beta[:, lo:hi],
+                            initial_state=state, output_final_state=True, **kw)
+            outs.append(o)
+            if hi < cap.total:
+                states[hi] = state.clone()
+        cap.rec.append(states)
+        return torch.cat(outs, dim=1), (state if want_final else None)
+
+    return scan
+
+
+def _wrap_conv(orig: Any) -> Any:
+    def conv(hidden_states: Any, *args: Any, **kw: Any) -> Any:
+        cap = getattr(_capture_local, "active", None)
+        if cap is not None and int(hidden_states.shape[-1]) >= cap.total:
+            import torch
+
+            k = int(args[0].shape[-1]) if args else int(kw["weight"].shape[-1])
+            prev = int(hidden_states.shape[-1]) - cap.total  # the conv state prepended (or padding)
+            states = {}
+            for c in cap.cuts:
+                end = prev + c
+                window = hidden_states[..., max(0, end - k): end]
+                if window.shape[-1] < k:
+                    window = torch.nn.functional.pad(window, (k - int(window.shape[-1]), 0))
+                states[c] = window.clone()
+            cap.conv.append(states)
+        return orig(hidden_states, *args, **kw)
+
+    return conv
 
 
 def _prod(shape: Iterable[int]) -> int:

@@ -39,8 +39,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from hostkv_providers._checksum import checksum
 from hostkv_providers._errors import InvalidArgumentError
 from hostkv_providers._keys import Key
@@ -170,6 +168,7 @@ class HybridState:
         self._lock = threading.Lock()
         self._intents: dict[Key, _Intent] = {}
         self._anchors_into: dict[int, Mapping[str, Any]] = {}
+        self._first_page: dict[int, int] = {}  # ranged restores in flight: id(handle) -> first_page
 
     def tag(self, name: str) -> bytes:
         t = self._tags.get(name)
@@ -248,7 +247,12 @@ class HybridState:
         return 0
 
     # -- restore side ---------------------------------------------------------------------------
-    def note_restore(self, handle: CacheHandle, anchors_into: Mapping[str, Any] | None) -> None:
+    def note_restore(self, handle: CacheHandle, anchors_into: Mapping[str, Any] | None,
+                     first_page: int = 0) -> None:
+        if first_page:
+            with self._lock:
+                self._first_page[id(handle)] = first_page
+            handle.add_done_callback(lambda h: self._forget(h))
         if anchors_into is None:
             return
         if not isinstance(anchors_into, Mapping):
@@ -267,40 +271,84 @@ class HybridState:
     def _forget(self, handle: CacheHandle) -> None:
         with self._lock:
             self._anchors_into.pop(id(handle), None)
+            self._first_page.pop(id(handle), None)
 
-    def finish_restore(self, handle: CacheHandle, result: RestoreResult, keys: Sequence[Key]) -> None:
+    def _read_record(self, key: Key, depth: int, name: str, sizes: Mapping[str, int],
+                     into: Mapping[str, Any] | None) -> memoryview | None:
+        """The payload of anchor ``name`` of the page at ``depth``, copied once from the
+        provider's medium (``read_anchor``) into the caller's buffer (``anchors_into[name]``) or
+        a fresh one; ``None`` (a miss) for a record of another depth or format, torn or corrupt."""
+        size = sizes.get(name, 0)
+        plen = size - _HEADER.size
+        if plen < 0:
+            return None
+        buf = None if into is None else into.get(name)
+        if buf is not None:
+            dst = memoryview(buf).cast("B")
+            if dst.nbytes < plen:
+                raise InvalidArgumentError(f"anchors_into[{name!r}] holds {dst.nbytes} bytes, the anchor is {plen}",
+                                           hint="size it with list_anchors(key)[name] - ANCHOR_HEADER_NBYTES")
+            dst = dst[:plen]
+        else:
+            dst = memoryview(bytearray(plen))
+        head = bytearray(_HEADER.size)
+        try:
+            got = self.cache.provider.read_anchor(key, name, [head, dst])
+        except InvalidArgumentError:  # replaced by a larger one since it was listed: a miss
+            return None
+        if got != size:
+            return None
+        magic, version, _r, d, length, digest, tag = _HEADER.unpack_from(head)
+        if (magic != _MAGIC or version != 1 or length != plen or d != depth or bytes(tag) != self.tag(name)
+                or checksum(dst) != digest):
+            return None
+        return dst
+
+    def finish_restore(self, handle: CacheHandle, result: RestoreResult, keys: Sequence[Key],
+                       hit_keys: Sequence[Key] | None = None) -> None:
         """Cut ``result`` back to the deepest restored page whose required anchors all read back
-        valid, and hand out those anchors (and the groups that are whole at that page)."""
+        valid, and hand out those anchors (and the groups that are whole at that page).
+
+        ``keys`` are the pages the restore covered; for a ranged restore (``first_page > 0``)
+        they start at ``hit_keys[first_page]`` and ``result.pages`` counts from there: the cut is
+        to the deepest anchored page within what was restored, and ``result.anchor_page`` is its
+        depth in the hit (anchor records are bound to that depth)."""
         with self._lock:
             into = self._anchors_into.pop(id(handle), None)
+            first_page = self._first_page.pop(id(handle), 0)
+        if first_page:
+            assert hit_keys is not None
+            keys = list(hit_keys[: first_page + len(keys)])
         if not self.binding:
             return
-        prov = self.cache.provider
         got_pages = result.pages
-        # The hit ends at a page carrying every required anchor (lookup made sure), so a full
-        # restore reads them straight away; only a short one walks back to an anchored page.
-        j = got_pages if got_pages == len(keys) else self.deepest([keys], got_pages)
+        end = first_page + got_pages  # absolute: pages [first_page, end) were restored
+        # A hit ends at a page carrying every required anchor (lookup made sure), so a full
+        # restore reads them straight away; a short or ranged one walks back to an anchored page
+        # within what it restored (never below first_page: the pages before it are not this
+        # restore's, their anchors would not be the state after what it wrote).
+        j = end if end == len(keys) else self._deepest_from(keys, end, first_page)
         anchors: dict[str, memoryview] = {}
-        while j:
+        sizes: dict[str, int] = {}
+        while j > first_page:
+            sizes = self.cache.provider.list_anchors(keys[j - 1])
             anchors = {}
             for name in sorted(self.required):
-                blob = prov.get_anchor(keys[j - 1], name)
-                payload = None if blob is None else open_anchor_record(blob, depth=j - 1, tag=self.tag(name))
+                payload = self._read_record(keys[j - 1], j - 1, name, sizes, into)
                 if payload is None:
                     break
                 anchors[name] = payload
             if len(anchors) == len(self.required):
                 break
-            j = self.deepest([keys], j - 1)
-        if not j:
-            anchors = {}
+            j = self._deepest_from(keys, j - 1, first_page)
+        if j <= first_page:
+            j, anchors = first_page, {}
         invalidated: list[str] = []
         for g, members in sorted(self.groups.items()):
             part: dict[str, memoryview] = {}
-            if j:
+            if j > first_page:
                 for name in sorted(members):
-                    blob = prov.get_anchor(keys[j - 1], name)
-                    payload = None if blob is None else open_anchor_record(blob, depth=j - 1, tag=self.tag(name))
+                    payload = self._read_record(keys[j - 1], j - 1, name, sizes, into)
                     if payload is None:
                         break
                     part[name] = payload
@@ -308,25 +356,24 @@ class HybridState:
                 anchors.update(part)
             else:
                 invalidated.append(g)
-        if into:
-            for name, buf in into.items():
-                src = anchors.get(name)
-                if src is None:
-                    continue
-                dst = np.frombuffer(memoryview(buf).cast("B"), dtype=np.uint8)
-                if dst.nbytes < src.nbytes:
-                    raise InvalidArgumentError(
-                        f"anchors_into[{name!r}] holds {dst.nbytes} bytes, the anchor is {src.nbytes}")
-                dst[: src.nbytes] = np.frombuffer(src, dtype=np.uint8)
-                anchors[name] = memoryview(buf).cast("B")[: src.nbytes]
-        if j < got_pages:
-            why = f"cut back to {j} pages: the deepest restored page carrying every required anchor"
+        if j < end:
+            why = (f"cut back to {j - first_page} pages: the deepest restored page carrying every required anchor"
+                   if j > first_page else "no restored page carries every required anchor")
             result.stopped = why if result.stopped is None else f"{result.stopped}; {why}"
-        result.pages = j
-        result.nbytes = j * self.cache.page_nbytes
-        result.anchor_page = j - 1 if j else None
+        result.pages = j - first_page
+        result.nbytes = result.pages * self.cache.page_nbytes
+        result.anchor_page = j - 1 if j > first_page else None
         result.anchors = anchors
         result.invalidated = tuple(invalidated)
+
+    def _deepest_from(self, keys: Sequence[Key], n: int, lo: int) -> int:
+        """The deepest ``j`` in ``(lo, n]`` whose page ``j - 1`` carries every required anchor;
+        ``lo`` if none does."""
+        names = self.required
+        for j in range(n, lo, -1):
+            if self._carries(keys[j - 1], names):
+                return j
+        return lo
 
     # -- prefill coalescing -----------------------------------------------------------------------
     def wait_for_prefill(self, keys: Sequence[Key], n: int, deadline: float) -> bool:

@@ -59,7 +59,10 @@ def restore(self: HostKVCache, hit: CacheHit, into: Any, block_ids: Sequence[int
         Release the hit's lease when the restore finishes.
     first_page:
         A ranged restore: start at page ``first_page`` of the hit (pages
-        ``[first_page, first_page + len(block_ids))``).
+        ``[first_page, first_page + len(block_ids))``).  On a hybrid cache the result is cut
+        back to the deepest page within that range carrying every required anchor
+        (``result.anchor_page`` is its depth in the hit, ``result.pages`` counts from
+        ``first_page``); a range holding no such page restores 0 usable pages.
     anchors_into:
         Hybrid caches: ``{name: writable buffer}`` the anchors are copied into (once, on the
         restore thread); ``result.anchors[name]`` then views that buffer.
@@ -77,11 +80,6 @@ def restore(self: HostKVCache, hit: CacheHit, into: Any, block_ids: Sequence[int
         raise InvalidArgumentError("restore() needs a CacheHit from this cache's lookup()")
     if type(first_page) is not int or not 0 <= first_page <= hit.num_pages:
         raise InvalidArgumentError(f"first_page must be an int in [0, {hit.num_pages}], got {first_page!r}")
-    if first_page and self._hybrid is not None:
-        # the anchors that make a hybrid hit usable belong to the hit's last page; a range that
-        # starts inside the hit gives the engine no state to continue from
-        raise InvalidArgumentError("ranged restores (first_page > 0) are not supported on hybrid caches",
-                                   hint="restore the whole hit (first_page=0)")
     if not hit.num_pages or first_page == hit.num_pages:
         # nothing to restore; a finished handle keeps callers uniform
         self._block_ids(block_ids, 0, "hit pages")
@@ -115,7 +113,7 @@ def restore(self: HostKVCache, hit: CacheHit, into: Any, block_ids: Sequence[int
                 del self._restores[ident]
                 raise
     if self._hybrid is not None:  # hybrid hook: where the anchors go
-        self._hybrid.note_restore(handle, anchors_into)
+        self._hybrid.note_restore(handle, anchors_into, first_page)
 
     def finish(h: CacheHandle) -> None:
         with self._lock:
@@ -142,7 +140,7 @@ def _run_restore(self: HostKVCache, handle: CacheHandle, hit: CacheHit, keys: Se
     try:
         self._restore_pages(handle, result, hit, keys, planes, bids)
         if self._hybrid is not None:  # hybrid hook: anchors read with the restore, cut back
-            self._hybrid.finish_restore(handle, result, keys)
+            self._hybrid.finish_restore(handle, result, keys, hit.keys)
     except BaseException as exc:
         handle._finish(result, exc)
         return

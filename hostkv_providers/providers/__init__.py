@@ -57,6 +57,7 @@ from hostkv_providers._provider import (
     check_span,
     check_timeout,
     readable_bytes,
+    scatter_into,
     writable_buffer,
 )
 from hostkv_providers._region import HostRegion
@@ -162,5 +163,6 @@ __all__ = [
     "parse_url",
     "provider_class",
     "readable_bytes",
+    "scatter_into",
     "writable_buffer",
 ]

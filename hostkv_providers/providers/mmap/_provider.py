@@ -47,6 +47,7 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
+from hostkv_providers._checksum import checksum_parts
 from hostkv_providers._errors import (
     CapacityError,
     HostKVError,
@@ -929,25 +930,59 @@ class MmapProvider(_Maintenance):
     def _get_anchor(self, k: Key, name: str) -> bytes | None:
         with self._lock:
             self._check_usable()
-            idx = self._idx
-            row = idx.row_of(k)
-            if row < 0:
-                return None
-            a = (idx.anchors.get(row) or {}).get(name)
+            a = self._anchor_of(k, name)
             if a is None:
                 return None
             out = bytearray(a.nbytes)
-            res = self._files[a.file].read_into(a.slot, memoryview(out), key=k, generation=a.gen, nbytes=a.nbytes,
-                                                checksum=a.checksum, verify=True)
-            if res is ReadResult.OK:
-                return bytes(out)
-            self._tally("checksum_failures")
-            idx.anchors[row].pop(name, None)
-            if not self._readonly:
-                idx.add_cost(row, -a.cost)
-                self._files[a.file].clear(a.slot, a.nslots)
-                self._release_run(a.file, a.slot, a.nslots)
-            return None
+            return bytes(out) if self._anchor_into(k, name, a, [memoryview(out)]) else None
+
+    def _read_anchor(self, k: Key, name: str, bufs: list[memoryview]) -> int | None:
+        with self._lock:
+            self._check_usable()
+            a = self._anchor_of(k, name)
+            if a is None:
+                return None
+            room = sum(b.nbytes for b in bufs)
+            if room < a.nbytes:
+                raise InvalidArgumentError(f"the buffers hold {room} bytes, the anchor is {a.nbytes}",
+                                           hint="size them with list_anchors(key)[name]")
+            return a.nbytes if self._anchor_into(k, name, a, bufs) else None
+
+    def _anchor_of(self, k: Key, name: str) -> _Anchor | None:
+        row = self._idx.row_of(k)
+        return None if row < 0 else (self._idx.anchors.get(row) or {}).get(name)
+
+    def _anchor_into(self, k: Key, name: str, a: _Anchor, bufs: list[memoryview]) -> bool:
+        """Copy anchor ``a`` from its slot file straight into ``bufs`` (in order), verified
+        against its checksum (over the copied bytes); a corrupt one is dropped.  Under the lock."""
+        sf = self._files[a.file]
+        if len(bufs) == 1:
+            res = sf.read_into(a.slot, bufs[0][: a.nbytes], key=k, generation=a.gen, nbytes=a.nbytes,
+                               checksum=a.checksum, verify=True)
+        else:
+            res, pos, parts = ReadResult.OK, 0, []
+            for b in bufs:
+                n = min(b.nbytes, a.nbytes - pos)
+                if n <= 0:
+                    break
+                res = sf.read_into(a.slot, b[:n], key=k, generation=a.gen, nbytes=a.nbytes,
+                                   checksum=a.checksum, offset=pos, verify=False)
+                if res is not ReadResult.OK:
+                    break
+                parts.append(b[:n])
+                pos += n
+            if res is ReadResult.OK and checksum_parts(parts) != a.checksum:
+                res = ReadResult.CORRUPT
+        if res is ReadResult.OK:
+            return True
+        self._tally("checksum_failures")
+        row = self._idx.row_of(k)
+        self._idx.anchors[row].pop(name, None)
+        if not self._readonly:
+            self._idx.add_cost(row, -a.cost)
+            sf.clear(a.slot, a.nslots)
+            self._release_run(a.file, a.slot, a.nslots)
+        return False
 
     def _list_anchors(self, k: Key) -> dict[str, int]:
         with self._lock:

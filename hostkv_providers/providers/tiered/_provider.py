@@ -59,6 +59,7 @@ from hostkv_providers._provider import (
     SupportsStoreCounters,
     SupportsViews,
     check_timeout,
+    scatter_into,
     writable_buffer,
 )
 from hostkv_providers._span import ByteSpan
@@ -921,6 +922,19 @@ class TieredProvider(Provider):
                 return None
             blob = node.loc.unsynced.get(name)
             return blob if blob is not None else self.slow.get_anchor(k, name)
+
+    def _read_anchor(self, k: Key, name: str, bufs: list[memoryview]) -> int | None:
+        self._check_usable()  # before the lock: a forked child must not wait on a copied lock
+        with self._lock:
+            self._check_usable()
+            node = self._index.get(k)
+            if node is None or name not in node.loc.anchors:
+                return None
+            blob = node.loc.unsynced.get(name)
+            if blob is None:  # the slow tier copies it once, from its medium into bufs
+                return self.slow.read_anchor(k, name, bufs)
+            scatter_into(bufs, memoryview(blob).cast("B"))
+            return len(blob)
 
     def _list_anchors(self, k: Key) -> dict[str, int]:
         self._check_usable()  # before the lock: a forked child must not wait on a copied lock

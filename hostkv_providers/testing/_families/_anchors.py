@@ -84,3 +84,24 @@ class AnchorTests(SuiteBase):
             provider.put_anchor(key, "state", 12)
         provider.put_anchor(key, "x" * 64, b"ok")
         assert provider.list_anchors(key) == {"x" * 64: 2}
+
+    def test_read_anchor_into_buffers(self, provider: Provider) -> None:
+        key = key_of("read-anchor")
+        put_page(provider, key, None, self._pages(1))
+        blob = anchor_bytes(key, "state", 5000)
+        provider.put_anchor(key, "state", blob)
+        one = bytearray(6000)  # one buffer, larger than the anchor
+        assert provider.read_anchor(key, "state", one) == 5000
+        assert bytes(one[:5000]) == blob
+        head, body = bytearray(48), memoryview(bytearray(4952))  # a scatter read: header, then body
+        assert provider.read_anchor(key, "state", [head, body]) == 5000
+        assert bytes(head) + bytes(body) == blob
+        assert provider.read_anchor(key, "missing", one) is None
+        assert provider.read_anchor(key_of("read-anchor-absent"), "state", one) is None
+        with pytest.raises(InvalidArgumentError):  # too small together
+            provider.read_anchor(key, "state", [bytearray(48), bytearray(100)])
+        with pytest.raises(InvalidArgumentError):  # read-only
+            provider.read_anchor(key, "state", bytes(6000))
+        with pytest.raises(InvalidArgumentError):
+            provider.read_anchor(key, "state", [])
+        assert provider.get_anchor(key, "state") == blob  # nothing changed
