@@ -1,6 +1,6 @@
 """SGLang HiCache L3, side by side: HostKVStorage (hostkv mmap store) vs SGLang's HiCacheFile.
 
-    python3 benchmarks/bench_engines_sglang.py [--mib 256] [--dir DIR]
+    python3 benchmarks/bench_engines_sglang.py [--mib 256] [--repeat 3] [--dir DIR]
 
 Both backends run under SGLang's own ``HiCacheController`` over its real CPU host pool
 (``MHATokenToKVPoolHost``, ``page_first``), built as tests/integrations/_sglang_engine.py does
@@ -72,15 +72,28 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--mib", type=int, default=256)
     ap.add_argument("--dir", default=None)
+    ap.add_argument("--repeat", type=int, default=3, help="interleaved runs per backend (best of)")
     args = ap.parse_args()
     base = Path(args.dir or tempfile.mkdtemp(prefix="bench-sglang-"))
     n = max(1, args.mib * 1024 * 1024 // PAGE_NBYTES)
     # The host pool holds the whole prompt (the store stages it, the restart loads it).
     eng.DEVICE_TOKENS = (n + 1) * eng.PAGE
     url = f"mmap://{base / 'hostkv'}?budget={2 * args.mib + 16}MiB&slot=2MiB"
-    rows = {"hostkv mmap": run(lambda: eng.make_engine(url, host_ratio=1.5), n),
-            "SGLang HiCacheFile": run(lambda: eng.make_engine(
-                None, backend="file", host_ratio=1.5, extra={"file_storage_path": str(base / "file")}), n)}
+    makers = {"hostkv mmap": lambda: eng.make_engine(url, host_ratio=1.5),
+              "SGLang HiCacheFile": lambda: eng.make_engine(
+                  None, backend="file", host_ratio=1.5, extra={"file_storage_path": str(base / "file")})}
+    # Interleaved repeats (A B A B ...), best of each: on a shared machine the page cache's
+    # writeback throttling swings a single run by several x; each repeat starts from empty stores.
+    rows: dict[str, dict[str, float]] = {}
+    for _ in range(args.repeat):
+        for name, make in makers.items():
+            for sub in ("hostkv", "file"):
+                shutil.rmtree(base / sub, ignore_errors=True)
+            r = run(make, n)
+            best = rows.setdefault(name, r)
+            for k in ("store_GBps", "load_GBps"):
+                best[k] = max(best[k], r[k])
+            best["restart_hit_rate"] = min(best["restart_hit_rate"], r["restart_hit_rate"])
     print(f"| SGLang 0.5.23 HiCacheController, L3 ({n} pages, {rows['hostkv mmap']['GB']:.2f} GB) "
           "| store GB/s | load GB/s | restart hit rate |")
     print("| --- | --- | --- | --- |")

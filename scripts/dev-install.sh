@@ -50,7 +50,7 @@ if [ "${HOSTKV_SKIP_ENGINES:-0}" != 1 ]; then
   # them torchvision's transforms and a few pure-Python modules.  They go into ./.engine-site,
   # not the shared site-packages: PyPI's torchvision is a CUDA build whose C ops cannot load
   # beside the CPU torch, and only the SGLang tests (which declare its two missing op schemas
-  # first) may see it.  ~25 s, 60 MB.
+  # first) may see it.  30 MB.
   pip_install --no-deps --no-compile --upgrade --target .engine-site \
     torchvision==0.28.0 dill==0.4.1 sentencepiece==0.2.3 compressed-tensors==0.20.1 loguru==0.7.3 gguf==0.19.0
 fi
