@@ -1,13 +1,15 @@
 """SGLang HiCache L3, side by side: HostKVStorage (hostkv mmap store) vs SGLang's HiCacheFile.
 
-    python3 benchmarks/bench_engines_sglang.py [--mib 256] [--dir DIR]
+    python3 benchmarks/bench_engines_sglang.py [--mib 256] [--repeat 3] [--dir DIR]
 
-Both backends are built by SGLang's own ``StorageBackendFactory`` (``dynamic`` for ours,
-``file`` for HiCacheFile) from one ``HiCacheStorageConfig`` and called as HiCacheController
-does (tests/integrations/_sglang_engine.py): ``batch_set`` of flat host pages in
-``STORAGE_BATCH_SIZE`` batches (*store GB/s*), then a new backend over the same directory (an
-engine restart, page cache warm), the hit query and ``batch_get`` (*load GB/s*, *restart hit
-rate*; every page's bytes checked).
+Both backends run under SGLang's own ``HiCacheController`` over its real CPU host pool
+(``MHATokenToKVPoolHost``, ``page_first``), built as tests/integrations/_sglang_engine.py does
+(``storage_backend="dynamic"`` with ``interface_v1`` for ours, ``"file"`` for HiCacheFile):
+*store GB/s* is ``write_storage`` of staged host pages until the backup thread's ack; then a new
+controller over the same directory (an engine restart, page cache warm) and *load GB/s* is the
+prefetch -- hit query on the prefetch thread, host buffers, the I/O thread's transfer -- until the
+last ack; *restart hit rate* is the loaded share; every loaded page's bytes are checked after
+the clock stops.  Needs ./.engine-site (scripts/dev-install.sh).
 """
 
 from __future__ import annotations
@@ -24,64 +26,76 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "integrations"))
 
 import _sglang_engine as eng
-from _memo import memoize
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
-from sglang.srt.mem_cache.storage import StorageBackendFactory
+import numpy as np
 
 # A realistic page (the tests use tiny ones): 64 tokens x 8 layers x K/V x 8 heads x 128 dims
 # bf16 = 2 MiB, the host pool's flat page_first page.
 eng.PAGE, eng.LAYERS, eng.HEADS, eng.DIM = 64, 8, 8, 128
-eng.PAGE_ELEMS = eng.LAYERS * 2 * eng.PAGE * eng.HEADS * eng.DIM
+PAGE_NBYTES = eng.PAGE * eng.LAYERS * 2 * eng.HEADS * eng.DIM * 2
 
-# The payload generator (a PRNG per page) is memoized and warmed before timing, so the figures
+# The payload generator (a PRNG per page) is memoised and warmed before timing, so the figures
 # are the engine path and the store, not the PRNG.
-memoize(eng, "page_tensor")
+_gen = eng.page_bytes
+_memo: dict[tuple[str, int], np.ndarray] = {}
 
 
-def file_backend(path: str) -> Any:
-    config = HiCacheStorageConfig(
-        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=False,
-        enable_storage_metrics=False, is_page_first_layout=True, model_name="Qwen/Qwen3-8B",
-        extra_config={"file_storage_path": path},
-    )
-    return StorageBackendFactory.create_backend("file", config, None)
+def _page_bytes(host: Any, key: str, rank: int = 0) -> np.ndarray:
+    if (key, rank) not in _memo:
+        _memo[key, rank] = _gen(host, key, rank)
+    return _memo[key, rank]
+
+
+eng.page_bytes = _page_bytes  # type: ignore[assignment]
 
 
 def run(make: Any, n: int) -> dict[str, float]:
-    hashes = eng.page_hashes(42, n)
-    page_nbytes = eng.PAGE_ELEMS * 2
-    for h in hashes:
-        eng.page_tensor(h, 0)
-    b = make()
+    tokens = eng.prompt(42, n)
+    cc = make()
+    idx = eng.stage(cc, tokens)  # the device->host backup's result, and the PRNG warmed
     t0 = time.perf_counter()
-    assert eng.backup(b, hashes, 0) == n
+    assert eng.write_back(cc, idx, tokens) == n * eng.PAGE
     t_store = time.perf_counter() - t0
-    if hasattr(b, "close"):
-        b.close()
-    b = make()
+    eng.close(cc)
+    cc = make()
     t0 = time.perf_counter()
-    hits = eng.hit_query(b, hashes)
-    loaded, equal = eng.fetch(b, hashes[:hits], 0)
+    op, idx, _, loaded = eng.prefetch(cc, tokens)
     t_load = time.perf_counter() - t0
-    assert all(equal)
-    if hasattr(b, "close"):
-        b.close()
-    return {"store_GBps": n * page_nbytes / t_store / 1e9, "load_GBps": loaded * page_nbytes / t_load / 1e9,
-            "restart_hit_rate": loaded / n, "GB": n * page_nbytes / 1e9}
+    assert loaded == 0 or all(eng.verify(cc, op, idx, loaded))
+    eng.close(cc)
+    pages = loaded // eng.PAGE
+    return {"store_GBps": n * PAGE_NBYTES / t_store / 1e9,
+            "load_GBps": pages * PAGE_NBYTES / t_load / 1e9 if pages else 0.0,
+            "restart_hit_rate": pages / n, "GB": n * PAGE_NBYTES / 1e9}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--mib", type=int, default=256)
     ap.add_argument("--dir", default=None)
+    ap.add_argument("--repeat", type=int, default=3, help="interleaved runs per backend (best of)")
     args = ap.parse_args()
     base = Path(args.dir or tempfile.mkdtemp(prefix="bench-sglang-"))
-    n = args.mib * 1024 * 1024 // (eng.PAGE_ELEMS * 2)
-    url = f"mmap://{base / 'hostkv'}?budget={2 * args.mib}MiB&slot=2MiB"
-    rows = {"hostkv mmap": run(lambda: eng.make_backend(url), n),
-            "SGLang HiCacheFile": run(lambda: file_backend(str(base / "file")), n)}
-    print(f"| SGLang 0.5.23 L3 ({n} pages, {rows['hostkv mmap']['GB']:.2f} GB) | store GB/s | load GB/s "
-          "| restart hit rate |")
+    n = max(1, args.mib * 1024 * 1024 // PAGE_NBYTES)
+    # The host pool holds the whole prompt (the store stages it, the restart loads it).
+    eng.DEVICE_TOKENS = (n + 1) * eng.PAGE
+    url = f"mmap://{base / 'hostkv'}?budget={2 * args.mib + 16}MiB&slot=2MiB"
+    makers = {"hostkv mmap": lambda: eng.make_engine(url, host_ratio=1.5),
+              "SGLang HiCacheFile": lambda: eng.make_engine(
+                  None, backend="file", host_ratio=1.5, extra={"file_storage_path": str(base / "file")})}
+    # Interleaved repeats (A B A B ...), best of each: on a shared machine the page cache's
+    # writeback throttling swings a single run by several x; each repeat starts from empty stores.
+    rows: dict[str, dict[str, float]] = {}
+    for _ in range(args.repeat):
+        for name, make in makers.items():
+            for sub in ("hostkv", "file"):
+                shutil.rmtree(base / sub, ignore_errors=True)
+            r = run(make, n)
+            best = rows.setdefault(name, r)
+            for k in ("store_GBps", "load_GBps"):
+                best[k] = max(best[k], r[k])
+            best["restart_hit_rate"] = min(best["restart_hit_rate"], r["restart_hit_rate"])
+    print(f"| SGLang 0.5.23 HiCacheController, L3 ({n} pages, {rows['hostkv mmap']['GB']:.2f} GB) "
+          "| store GB/s | load GB/s | restart hit rate |")
     print("| --- | --- | --- | --- |")
     for name, r in rows.items():
         print(f"| {name} | {r['store_GBps']:.2f} | {r['load_GBps']:.2f} | {r['restart_hit_rate']:.0%} |")

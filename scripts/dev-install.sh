@@ -16,6 +16,7 @@ key=$( { echo "$PWD $PY"; cat pyproject.toml cli/pyproject.toml plugins/hostkv-r
 stamp="$stamp_dir/.hostkv-dev-install-$key"
 if [ -z "${HOSTKV_REINSTALL:-}" ] && [ -f "$stamp" ] \
    && "$PY" -c 'import torch, hostkv_providers, hostkv_cli, hostkv_redis, hostkv_dictstore, pytest, mypy, ruff, prometheus_client' 2>/dev/null \
+   && { [ "${HOSTKV_SKIP_ENGINES:-0}" = 1 ] || [ -d .engine-site/torchvision ]; } \
    && command -v redis-server >/dev/null && command -v mdb_stat >/dev/null && command -v openssl >/dev/null; then
   step "dev install: up to date (stamp $(basename "$stamp"); HOSTKV_REINSTALL=1 reinstalls)"
   exit 0
@@ -48,6 +49,14 @@ if [ "${HOSTKV_SKIP_ENGINES:-0}" != 1 ]; then
     triton==3.9.0 \
     `# LMCache's storage manager (its CPU device ops use numba)` \
     numba==0.68.1 llvmlite==0.50.0 aiofile==3.12.3 caio==0.12.10
+  # SGLang's host memory pool and HiCacheController (tests/integrations/_sglang_cpu.py): its
+  # mem_cache imports sglang.srt.configs, whose __init__ imports every model config, some of
+  # them torchvision's transforms and a few pure-Python modules.  They go into ./.engine-site,
+  # not the shared site-packages: PyPI's torchvision is a CUDA build whose C ops cannot load
+  # beside the CPU torch, and only the SGLang tests (which declare its two missing op schemas
+  # first) may see it.  30 MB.
+  pip_install --no-deps --no-compile --upgrade --target .engine-site \
+    torchvision==0.28.0 dill==0.4.1 sentencepiece==0.2.3 compressed-tensors==0.20.1 loguru==0.7.3 gguf==0.19.0
 fi
 
 # Servers and tools the tests use: redis-server (the Redis plugin's tests start their own on

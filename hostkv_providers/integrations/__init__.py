@@ -7,7 +7,8 @@ Each engine loads its adapter through its own plug-in point, by module path, wit
 * :mod:`hostkv_providers.integrations.sglang` -- ``HostKVStorage``, an SGLang HiCache L3
   ``HiCacheStorage`` for ``--hicache-storage-backend dynamic`` (``docs/engines/sglang.md``);
 * :mod:`hostkv_providers.integrations.lmcache` -- ``HostKVBackend``, an LMCache storage plugin
-  (``StoragePluginInterface``) (``docs/engines/lmcache.md``).
+  (``StoragePluginInterface``), and ``HostKVConnector``, an LMCache ``RemoteConnector`` for
+  ``remote_storage_plugins`` (``docs/engines/lmcache.md``).
 
 Importing this package imports no engine; each submodule imports its engine and needs the
 matching extra (``pip install hostkv-providers[vllm]`` ...).  The engine-free parts (keys under a

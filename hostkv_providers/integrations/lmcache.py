@@ -25,6 +25,19 @@ no parent: by default (``hostkv.chain: call``) the chunks of one put call -- con
 one request, in order -- are linked, the first one a root; ``flat`` stores every chunk as a
 root.  ``docs/engines/lmcache.md`` says what each costs.
 
+The same store also serves as an LMCache *remote* backend: :class:`HostKVConnector`, a
+``RemoteConnector`` for ``remote_storage_plugins`` (LMCache's ``RemoteBackend`` runs it on its
+event loop, behind its local CPU backend)::
+
+    remote_storage_plugins: ["hostkv"]
+    extra_config:
+      remote_storage_plugin.hostkv.module_path: hostkv_providers.integrations.lmcache
+      remote_storage_plugin.hostkv.class_name: HostKVConnector
+      hostkv.url: "lmdb:///nvme/hostkv?budget=256GiB"
+
+Both write the same entries under the same keys, so a store written through one reads through
+the other.
+
 Each entry holds a 64-byte header (magic, shape, dtype, memory format) before the chunk's
 bytes, all covered by the entry's checksum, so a chunk is rebuilt exactly after a restart.
 """
@@ -45,6 +58,7 @@ import torch
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
+from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from hostkv_providers._errors import HostKVError, InvalidArgumentError
 from hostkv_providers._keys import Key, Salt
@@ -59,7 +73,7 @@ from hostkv_providers.integrations._common import (
     store_pages,
 )
 
-__all__ = ["HEADER_NBYTES", "HostKVBackend", "salt_from_metadata"]
+__all__ = ["HEADER_NBYTES", "HostKVBackend", "HostKVConnector", "salt_from_metadata"]
 
 logger = logging.getLogger(__name__)
 
@@ -160,9 +174,7 @@ class HostKVBackend(StoragePluginInterface):
     def _key(self, key: CacheEngineKey) -> Key:
         # Everything of LMCache's key that names the chunk's bytes: its own model/world/worker
         # (a worker may hold keys of several), the chained chunk hash, dtype and request tags.
-        tags = getattr(key, "tags", None) or ()
-        raw = f"{key.model_name}\x00{key.world_size}\x00{key.worker_id}\x00{key.chunk_hash}\x00{key.dtype}\x00{tags!r}"
-        return self._keyer.key(raw)
+        return _lmcache_key(self._keyer, key)
 
     # -- lookups -----------------------------------------------------------------------------
     def contains(self, key: CacheEngineKey, pin: bool = False) -> bool:
@@ -225,15 +237,7 @@ class HostKVBackend(StoragePluginInterface):
             items: list[tuple[Key, Key | None, object]] = []
             parent: Key | None = None
             for k, obj in zip(ours, objs, strict=True):
-                tensor = obj.tensor
-                if tensor is None:
-                    raise InvalidArgumentError("a memory object without a tensor cannot be stored")
-                body = tensor.contiguous().view(torch.uint8).reshape(-1).numpy()
-                data = np.empty(HEADER_NBYTES + body.nbytes, dtype=np.uint8)
-                data[:HEADER_NBYTES] = np.frombuffer(
-                    _pack_header(obj.get_shape(), tensor.dtype, obj.get_memory_format()), dtype=np.uint8)
-                data[HEADER_NBYTES:] = body
-                items.append((k, parent if self._chain == "call" else None, data))
+                items.append((k, parent if self._chain == "call" else None, _encode(obj)))
                 parent = k
             ok = store_pages(self.provider, items, salt_tag=self.salt.tag, stats=self.stats)
         except Exception:
@@ -349,5 +353,143 @@ class HostKVBackend(StoragePluginInterface):
             leases, self._pins = list(self._pins.values()), {}
         for lease in leases:
             lease.release()
+        if self._owns_provider and not self.provider.closed:
+            self.provider.close()
+
+
+def _encode(obj: MemoryObj) -> np.ndarray:
+    """One chunk as an entry: the 64-byte header, then the chunk's bytes."""
+    tensor = obj.tensor
+    if tensor is None:
+        raise InvalidArgumentError("a memory object without a tensor cannot be stored")
+    body = tensor.contiguous().view(torch.uint8).reshape(-1).numpy()
+    data = np.empty(HEADER_NBYTES + body.nbytes, dtype=np.uint8)
+    data[:HEADER_NBYTES] = np.frombuffer(_pack_header(obj.get_shape(), tensor.dtype, obj.get_memory_format()),
+                                         dtype=np.uint8)
+    data[HEADER_NBYTES:] = body
+    return data
+
+
+def _lmcache_key(keyer: EngineKeyer, key: CacheEngineKey) -> Key:
+    tags = getattr(key, "tags", None) or ()
+    return keyer.key(f"{key.model_name}\x00{key.world_size}\x00{key.worker_id}\x00{key.chunk_hash}"
+                     f"\x00{key.dtype}\x00{tags!r}")
+
+
+class HostKVConnector(RemoteConnector):
+    """An LMCache remote connector (``remote_storage_plugins``) over any hostkv provider.
+
+    LMCache's ``RemoteBackend`` builds it through its ``DynamicConnectorAdapter`` (``loop``,
+    ``local_cpu_backend``, ``config``) and awaits its coroutines on its own event loop; the
+    provider calls run on the connector's I/O threads, so the loop never blocks on a copy or a
+    sync.  Extra config: ``remote_storage_plugin.<name>.url`` or ``hostkv.url`` (required),
+    ``hostkv.namespace``/``hostkv.model_revision``/``hostkv.quantization``, ``hostkv.io_threads``.
+    A put gives no parent (LMCache's connector API is one chunk per call): every chunk is a
+    root.  A chunk whose checksum fails reads as ``None`` (a miss), never as wrong bytes.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, local_cpu_backend: Any, config: Any,
+                 plugin_name: str | None = None) -> None:
+        if local_cpu_backend is None:
+            raise InvalidArgumentError("HostKVConnector allocates through LMCache's LocalCPUBackend")
+        super().__init__(local_cpu_backend.config, local_cpu_backend.metadata)
+        extra = dict(getattr(config, "extra_config", None) or {})
+        url = extra.get(f"remote_storage_plugin.{plugin_name or 'hostkv'}.url") or extra.get("hostkv.url")
+        if not url:
+            raise InvalidArgumentError("HostKVConnector needs 'hostkv.url' in LMCache's extra_config",
+                                       hint="hostkv.url: lmdb:///nvme/hostkv?budget=256GiB")
+        self.loop = loop
+        self.local_cpu_backend = local_cpu_backend
+        self._owns_provider = not isinstance(url, Provider)
+        self.provider = open_store(url)
+        self.salt = salt_from_metadata(local_cpu_backend.metadata, extra)
+        self._keyer = EngineKeyer(self.salt, "lmcache")
+        self._io = IOPool("lmcache-remote", threads=int(extra.get("hostkv.io_threads", 2)), max_pending=1 << 30)
+        self.stats = AdapterStats()
+
+    def __repr__(self) -> str:
+        return f"HostKVConnector({self.salt.tag})"
+
+    def _key(self, key: CacheEngineKey) -> Key:
+        return _lmcache_key(self._keyer, key)
+
+    async def _off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.wrap_future(self._io.submit(fn, *args))
+
+    async def exists(self, key: CacheEngineKey) -> bool:
+        return bool(await self._off_loop(self.exists_sync, key))
+
+    def exists_sync(self, key: CacheEngineKey) -> bool:
+        return bool(self.provider.present([self._key(key)])[0])
+
+    def support_batched_contains(self) -> bool:
+        return True
+
+    def batched_contains(self, keys: list[CacheEngineKey]) -> int:
+        return int(self.provider.longest_prefix([self._key(k) for k in keys]))
+
+    async def get(self, key: CacheEngineKey) -> MemoryObj | None:
+        obj: MemoryObj | None = await self._off_loop(self._load, self._key(key))
+        return obj
+
+    def _load(self, ours: Key) -> MemoryObj | None:
+        info = self.provider.entry(ours)
+        if info is None or info.nbytes < HEADER_NBYTES:
+            self.stats.add(load_misses=1)
+            return None
+        buf = np.empty(info.nbytes, dtype=np.uint8)
+        try:
+            hit = self.provider.read(ours, buf)
+        except HostKVError:
+            logger.exception("hostkv: read failed")
+            hit = False
+        meta = _unpack_header(buf[:HEADER_NBYTES].tobytes()) if hit else None
+        if meta is None:
+            self.stats.add(load_misses=1)
+            return None
+        shape, dtype, fmt = meta
+        obj = self.local_cpu_backend.allocate(shape, dtype, fmt)
+        if obj is None or obj.tensor is None:
+            self.stats.add(load_misses=1)
+            return None
+        dst = obj.tensor.view(torch.uint8).reshape(-1)
+        if dst.numel() != info.nbytes - HEADER_NBYTES:
+            obj.ref_count_down()
+            self.stats.add(load_misses=1)
+            return None
+        dst.copy_(torch.from_numpy(buf[HEADER_NBYTES:]))
+        self.stats.add(loaded_pages=1, loaded_bytes=dst.numel())
+        return obj
+
+    async def put(self, key: CacheEngineKey, memory_obj: MemoryObj) -> None:
+        # Held until the copy is done: RemoteBackend drops its own reference right after
+        # submitting this coroutine.
+        memory_obj.ref_count_up()
+        try:
+            ok = await self._off_loop(self._store, self._key(key), memory_obj)
+        finally:
+            memory_obj.ref_count_down()
+        if not ok:  # RemoteBackend counts a raised put as a failed one
+            raise HostKVError("hostkv: the chunk was not stored (capacity or I/O); see the log")
+
+    def _store(self, ours: Key, obj: MemoryObj) -> bool:
+        return bool(store_pages(self.provider, [(ours, None, _encode(obj))], salt_tag=self.salt.tag,
+                                stats=self.stats)[0])
+
+    def remove_sync(self, key: CacheEngineKey) -> bool:
+        return self.provider.evict([self._key(key)]).entries > 0
+
+    async def list(self) -> list[str]:
+        """This configuration's keys, as hex (LMCache's keys are hashed into ours)."""
+        def mine() -> list[str]:
+            entries = getattr(self.provider, "iter_entries", None)
+            if entries is None:
+                return []
+            return [e.key.hex() for e in entries() if e.salt_tag == self.salt.tag]
+        out: list[str] = await self._off_loop(mine)
+        return out
+
+    async def close(self) -> None:
+        self._io.close()
         if self._owns_provider and not self.provider.closed:
             self.provider.close()

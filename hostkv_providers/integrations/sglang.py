@@ -27,7 +27,14 @@ from typing import Any
 
 import numpy as np
 import torch
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+    PoolHitPolicy,
+    PoolTransfer,
+    PoolTransferResult,
+)
 
 from hostkv_providers._errors import InvalidArgumentError
 from hostkv_providers._keys import Key, Salt
@@ -231,6 +238,100 @@ class HostKVStorage(HiCacheStorage):
             if hit:  # a miss never touches the host pool: no torn or foreign page lands there
                 pool.set_from_flat_data_page(int(host_indices[i * page]), data)
         return hits
+
+    # -- v2: the host pools beside the KV (mamba/SWA state, draft KV, indexer ...) ----------
+    # SGLang 0.5.23's HybridCacheController registers each extra host pool of its
+    # HostPoolGroup with ``register_mem_host_pool_v2(pool, name)`` and moves its pages with
+    # PoolTransfers (keys = the KV page hashes they belong to, host_indices in that pool).
+    # Every host pool class there has the same flat-page API, so one generic path serves them:
+    # a pool's pages live under their own keys (the pool's name and byte geometry are hashed
+    # into the key), stored as roots (no chain: a trailing-window state page has no parent page).
+    def _pool_keyer(self, name: object) -> tuple[Any, EngineKeyer] | None:
+        pools = getattr(self, "registered_pools", None) or {}
+        pool = pools.get(name)
+        if pool is None:
+            return None
+        page_nbytes = int(pool.get_dummy_flat_data_page().view(torch.uint8).numel())
+        tag = f"sglang.pool:{name}:{type(pool).__name__}:{page_nbytes}:{getattr(pool, 'layout', '')}"
+        return pool, EngineKeyer(self.salt, tag)
+
+    def batch_exists_v2(self, keys: list[str], pool_transfers: list[PoolTransfer] | None = None,
+                        extra_info: HiCacheStorageExtraInfo | None = None) -> PoolTransferResult:
+        kv_pages = self.batch_exists(keys, extra_info)
+        hits: dict[Any, int] = {}
+        final = kv_pages
+        for transfer in pool_transfers or []:
+            if final == 0:
+                break
+            found = self._pool_keyer(transfer.name)
+            if found is None:  # a pool we were never given: absent, never guessed
+                final = 0
+                break
+            _, keyer = found
+            present = self.provider.present(keyer.keys(list(keys[:kv_pages])))
+            if transfer.hit_policy == PoolHitPolicy.TRAILING_PAGES:
+                # Only the last ``trailing`` pages of the prefix must exist: the longest prefix
+                # whose window is all present (SGLang's own fold, HiCacheFile/sim_storage).
+                trailing = max(1, len(transfer.keys) if transfer.keys else 1)
+                boundary = 0
+                for n in range(kv_pages, 0, -1):
+                    if all(present[max(0, n - trailing):n]):
+                        boundary = n
+                        break
+            else:  # ALL_PAGES (and BLOCK_GROUPS, reported as its leading run)
+                boundary = next((i for i, hit in enumerate(present) if not hit), kv_pages)
+            if boundary:
+                hits[transfer.name] = boundary
+            final = min(final, boundary)
+        return PoolTransferResult(final, hits)
+
+    def _pool_pages(self, transfer: PoolTransfer, pool: Any) -> list[int]:
+        keys = transfer.keys or []
+        idx = transfer.host_indices
+        if idx is None or not keys:
+            return []
+        step = len(idx) // len(keys)
+        if step < 1:
+            raise InvalidArgumentError(f"v2 transfer {transfer.name}: {len(idx)} host indices for {len(keys)} keys")
+        return [int(idx[i * step]) for i in range(len(keys))]
+
+    def batch_set_v2(self, transfers: list[PoolTransfer],
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> dict[Any, list[bool]]:
+        out: dict[Any, list[bool]] = {}
+        for transfer in transfers:
+            keys = list(transfer.keys or [])
+            found = self._pool_keyer(transfer.name)
+            if found is None:
+                out[transfer.name] = [False] * len(keys)
+                continue
+            if not self._writer:
+                out[transfer.name] = [True] * len(keys)
+                continue
+            pool, keyer = found
+            pages = self._pool_pages(transfer, pool)
+            items = [(k, None, _as_bytes(pool.get_data_page(p, flat=True)))
+                     for k, p in zip(keyer.keys(keys), pages, strict=True)]
+            out[transfer.name] = store_pages(self.provider, items, salt_tag=self.salt.tag, stats=self.stats)
+        return out
+
+    def batch_get_v2(self, transfers: list[PoolTransfer],
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> dict[Any, list[bool]]:
+        out: dict[Any, list[bool]] = {}
+        for transfer in transfers:
+            keys = list(transfer.keys or [])
+            found = self._pool_keyer(transfer.name)
+            if found is None:
+                out[transfer.name] = [False] * len(keys)
+                continue
+            pool, keyer = found
+            pages = self._pool_pages(transfer, pool)
+            bufs = [pool.get_dummy_flat_data_page() for _ in keys]
+            hits = read_pages(self.provider, keyer.keys(keys), [_as_bytes(b) for b in bufs], stats=self.stats)
+            for hit, page, buf in zip(hits, pages, bufs, strict=True):
+                if hit:  # a miss never touches the host pool
+                    pool.set_from_flat_data_page(page, buf)
+            out[transfer.name] = hits
+        return out
 
     # -- lifecycle ---------------------------------------------------------------------------
     def clear(self) -> None:

@@ -215,6 +215,11 @@ class HostKVTier(SecondaryTierManager):
         self._io = IOPool("vllm-store", threads=1, max_pending=max_pending_jobs)
         self._load_io = IOPool("vllm-load", threads=io_threads, max_pending=1 << 30)
         self._finished: collections.deque[JobResult] = collections.deque()
+        # Keys of store jobs queued or running in the store lane: a lookup of one is RETRY (the
+        # chunk is being transferred; the scheduler asks again next step), never a MISS that
+        # would make vLLM recompute a chunk about to be readable.
+        self._inflight: collections.Counter[Key] = collections.Counter()
+        self._inflight_lock = threading.Lock()
         self.stats = AdapterStats()
 
     # -- keys and parents ------------------------------------------------------------------
@@ -239,7 +244,11 @@ class HostKVTier(SecondaryTierManager):
     # -- the SecondaryTierManager interface ------------------------------------------------
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         (ours, _), = self._note(req_context, (key,))
-        return LookupResult.HIT if self.provider.present([ours])[0] else LookupResult.MISS
+        if self.provider.present([ours])[0]:
+            return LookupResult.HIT
+        with self._inflight_lock:
+            busy = ours in self._inflight
+        return LookupResult.RETRY if busy else LookupResult.MISS
 
     def submit_store(self, job_metadata: TransferJob) -> None:
         keys = list(job_metadata.keys)
@@ -247,7 +256,9 @@ class HostKVTier(SecondaryTierManager):
         if len(keys) != len(chunk_ids):
             raise InvalidArgumentError(f"store job {job_metadata.job_id}: {len(keys)} keys, {len(chunk_ids)} chunk ids")
         pairs = self._note(job_metadata.req_context, keys)
+        self._mark_inflight(pairs, +1)
         if self._io.try_submit(self._run_store, job_metadata.job_id, pairs, chunk_ids) is None:
+            self._mark_inflight(pairs, -1)
             # Backpressure: never block the scheduler; vLLM releases the rows and counts a failure.
             self.stats.add(store_failures=len(keys))
             self._finished.append(JobResult(job_id=job_metadata.job_id, success=False))
@@ -297,6 +308,15 @@ class HostKVTier(SecondaryTierManager):
     def config_info_keys(cls, tier_config: dict[str, Any]) -> tuple[str, ...]:
         return ("hostkv_salt_tag",)
 
+    def _mark_inflight(self, pairs: Sequence[tuple[Key, Key | None]], delta: int) -> None:
+        with self._inflight_lock:
+            for k, _ in pairs:
+                n = self._inflight[k] + delta
+                if n > 0:
+                    self._inflight[k] = n
+                else:
+                    del self._inflight[k]
+
     # -- the I/O threads -------------------------------------------------------------------
     def _run_store(self, job_id: int, pairs: Sequence[tuple[Key, Key | None]],
                    chunk_ids: npt.NDArray[np.int64]) -> None:
@@ -312,6 +332,9 @@ class HostKVTier(SecondaryTierManager):
         except Exception:
             logger.exception("hostkv store job %d failed", job_id)
             ok = False
+        finally:
+            # Sealed (a lookup now sees it) or failed (a lookup now misses) before vLLM hears.
+            self._mark_inflight(pairs, -1)
         self._finished.append(JobResult(job_id=job_id, success=ok, transfer_time=time.monotonic() - t0,
                                         transfer_bytes=len(pairs) * self._row_nbytes if ok else None))
 

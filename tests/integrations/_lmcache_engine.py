@@ -6,7 +6,11 @@
 ``MemoryObj``\\ s allocated by the manager (``allocate``), keyed by ``CacheEngineKey`` with chunk
 hashes from LMCache's own ``TokenDatabase`` (``ChunkedTokenDatabase.process_tokens``).
 
-Script: ``python _lmcache_engine.py store|check URL SEED NCHUNKS [worker world]``.
+With ``remote=True`` the same manager builds LMCache's ``RemoteBackend`` for
+``remote_storage_plugins: ["hostkv"]``, which creates :class:`HostKVConnector` through LMCache's
+``CreateConnector`` -> ``DynamicConnectorAdapter`` and runs it on the manager's event loop.
+
+Script: ``python _lmcache_engine.py store|check URL SEED NCHUNKS [worker world [remote]]``.
 """
 
 from __future__ import annotations
@@ -31,16 +35,23 @@ MODEL = "mistralai/Mistral-7B-Instruct-v0.3"
 
 
 def make_manager(url: str | None, *, worker: int = 0, world: int = 1, model: str = MODEL, disk: str | None = None,
-                 local_cpu: bool = False, cpu_gb: float = 0.25, **extra: Any) -> StorageManager:
+                 local_cpu: bool = False, cpu_gb: float = 0.25, remote: bool = False, **extra: Any) -> StorageManager:
+    """LMCache's StorageManager with our storage plugin, or (``remote``) LMCache's RemoteBackend
+    over our RemoteConnector (which needs LMCache's local CPU backend as its buffer)."""
     extra_config: dict[str, Any] = {}
     plugins: list[str] = []
-    if url is not None:
+    kw: dict[str, Any] = {}
+    if url is not None and remote:
+        local_cpu = True
+        kw["remote_storage_plugins"] = ["hostkv"]
+        extra_config = {"remote_storage_plugin.hostkv.module_path": "hostkv_providers.integrations.lmcache",
+                        "remote_storage_plugin.hostkv.class_name": "HostKVConnector", "hostkv.url": url, **extra}
+    elif url is not None:
         plugins = ["hostkv"]
         extra_config = {"storage_plugin.hostkv.module_path": "hostkv_providers.integrations.lmcache",
                         "storage_plugin.hostkv.class_name": "HostKVBackend", "hostkv.url": url, **extra}
-    kw: dict[str, Any] = {}
     if disk is not None:
-        kw = {"local_disk": disk, "max_local_disk_size": 1.0}
+        kw.update({"local_disk": disk, "max_local_disk_size": 1.0})
     # sha256_cbor: chunk hashes reproducible across processes (LMCache's default, Python's
     # hash(), is only with a fixed PYTHONHASHSEED), so a restarted engine finds its chunks.
     config = LMCacheEngineConfig.from_defaults(chunk_size=CHUNK, local_cpu=local_cpu, max_local_cpu_size=cpu_gb,
@@ -81,9 +92,23 @@ def put(manager: StorageManager, keys: list[CacheEngineKey], *, per_call: int = 
         manager.batched_put(part, objs)
 
 
+REMOTE = "RemoteBackend-hostkv"
+
+
+def ours(manager: StorageManager) -> Any:
+    """Our plugin, or the RemoteBackend that runs our connector."""
+    return manager.storage_backends.get("hostkv") or manager.storage_backends[REMOTE]
+
+
+def connector(manager: StorageManager) -> Any:
+    """Our connector inside LMCache's RemoteBackend (unwrapped from its metrics wrapper)."""
+    conn = manager.storage_backends[REMOTE].connection
+    return getattr(conn, "_connector", conn)
+
+
 def wait_stored(manager: StorageManager, keys: list[CacheEngineKey], timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
-    backend = manager.storage_backends["hostkv"]
+    backend = ours(manager)
     while time.monotonic() < deadline:
         if not any(backend.exists_in_put_tasks(k) for k in keys):
             return
@@ -115,13 +140,16 @@ def retrieve(manager: StorageManager, keys: list[CacheEngineKey], *, pin: bool =
 def main(argv: list[str]) -> int:
     op, url, seed, n = argv[0], argv[1], int(argv[2]), int(argv[3])
     worker, world = (int(argv[4]), int(argv[5])) if len(argv) > 5 else (0, 1)
-    manager = make_manager(url, worker=worker, world=world)
+    remote = len(argv) > 6 and argv[6] == "remote"
+    manager = make_manager(url, worker=worker, world=world, remote=remote)
     keys = chunk_keys(manager, seed, n)
     try:
         if op == "store":
             put(manager, keys)
             wait_stored(manager, keys)
-            print("stored", manager.storage_backends["hostkv"].stats.stored_pages)
+            b = ours(manager)
+            stats = b.stats if hasattr(b, "stats") else connector(manager).stats
+            print("stored", stats.stored_pages)
         else:
             hits, equal = retrieve(manager, keys)
             print("hits", hits, "equal", sum(equal))

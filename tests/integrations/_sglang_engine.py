@@ -1,13 +1,23 @@
-"""Drives SGLang's real HiCache L3 storage path on CPU.
+"""Drives SGLang's real HiCache L3 path on CPU: its device KV pool, host pool and cache controller.
 
-The backend is built by SGLang's own ``StorageBackendFactory.create_backend("dynamic", ...)``
-from a real ``HiCacheStorageConfig`` (with SGLang's failure-injector wrapper applied as in
-production), page keys are SGLang's own ``get_hash_str`` chain over token pages, and calls are
-the ones ``HiCacheController`` makes: ``batch_exists(keys, HiCacheStorageExtraInfo(prefix_keys))``
-for the hit query, ``batch_set``/``batch_get`` of flat host pages (``_generic_page_set`` /
-``_generic_page_get``) in ``STORAGE_BATCH_SIZE`` batches with ``prefix_keys`` advanced per batch.
-SGLang's host memory pool itself cannot be imported on this machine (see docs/engines/sglang.md),
-so the flat pages are torch tensors of the host pool's page shape.
+One "engine" (one TP rank) is what SGLang's scheduler builds for ``--enable-hierarchical-cache``:
+an ``MHATokenToKVPool`` (or ``MLATokenToKVPool``) on ``device="cpu"``, its
+``PagedTokenToKVPoolAllocator``, the ``MHATokenToKVPoolHost``/``MLATokenToKVPoolHost`` mirror
+(``page_first`` by default, as ``--hicache-mem-layout``), and a ``HiCacheController`` with
+``storage_backend="dynamic"`` whose ``attach_storage_backend`` builds our backend through SGLang's
+``StorageBackendFactory``, registers the host pool and starts its prefetch / prefetch-I/O /
+prefetch-sync / backup threads.  What the scheduler's radix tree would do around the controller
+is done here with the controller's own queues: ``write_storage`` (a host-pool backup) and the
+ack; ``prefetch`` -> hit query on the prefetch thread -> ``alloc_prefetch_host_buffers`` ->
+``prefetch_buffer`` -> the I/O thread's ``_page_transfer`` (``batch_get_v1`` with
+``interface_v1``, else the generic ``batch_get``) -> ``ack_prefetch_queue``.  Page keys are
+SGLang's own ``get_storage_hash_str`` chain.  The one thing not SGLang's is the GPU: the bytes a
+device->host backup would put into a host page are written with the host pool's own
+``set_from_flat_data_page`` (a PRNG seeded by the page hash and TP rank).
+
+The tensor-parallel rank and size come from SGLang's ``get_parallel().override_permanently``
+(its documented test injection) over a one-process gloo group.  See ``_sglang_cpu`` for why the
+import needs ``./.engine-site``.
 
 Script: ``python _sglang_engine.py store|check URL SEED NPAGES [tp_rank tp_size]``.
 """
@@ -15,97 +25,194 @@ Script: ``python _sglang_engine.py store|check URL SEED NPAGES [tp_rank tp_size]
 from __future__ import annotations
 
 import sys
+import threading
+import uuid
+from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _sglang_cpu
+
+if not _sglang_cpu.prepare():
+    raise ImportError("SGLang's host pool needs ./.engine-site (scripts/dev-install.sh)")
 
 import numpy as np
 import torch
-from sglang.srt.mem_cache.hicache_storage import STORAGE_BATCH_SIZE, HiCacheStorageConfig, HiCacheStorageExtraInfo
-from sglang.srt.mem_cache.storage import StorageBackendFactory
-from sglang.srt.mem_cache.utils import get_hash_str
+import torch.distributed as dist
+from sglang.srt.managers.cache_controller import HiCacheController
+from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+from sglang.srt.mem_cache.utils import get_storage_hash_str
+from sglang.srt.runtime_context import get_parallel
 
 PAGE = 16
 LAYERS, HEADS, DIM = 4, 4, 32
-PAGE_ELEMS = LAYERS * 2 * PAGE * HEADS * DIM  # a flat page of the host pool (bf16)
+KV_LORA, ROPE = 64, 16  # MLA geometry
+DEVICE_TOKENS = 2048
+TIMEOUT = 120.0
 
 
-def make_backend(url: str, *, tp_rank: int = 0, tp_size: int = 1, mla: bool = False,
-                 model: str = "Qwen/Qwen3-8B", **extra: Any) -> Any:
-    config = HiCacheStorageConfig(
-        tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
-        is_mla_model=mla, enable_storage_metrics=False, is_page_first_layout=True, model_name=model,
-        extra_config={"backend_name": "hostkv", "module_path": "hostkv_providers.integrations.sglang",
-                      "class_name": "HostKVStorage", "url": url, "page_size": PAGE, "num_layers": LAYERS,
-                      "head_num": HEADS, "head_dim": DIM, "kv_dtype": "bfloat16", **extra},
-    )
-    return StorageBackendFactory.create_backend("dynamic", config, None)
+def _process_group() -> Any:
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    return dist.group.WORLD
 
 
-def page_hashes(seed: int, n_pages: int) -> list[str]:
-    tokens = np.random.default_rng(seed).integers(0, 150_000, size=n_pages * PAGE).tolist()
-    hashes = get_hash_str(tokens, None, page_size=PAGE)
-    assert isinstance(hashes, list) and len(hashes) == n_pages
+def make_pools(*, mla: bool = False, layout: str = "page_first", host_ratio: float = 4.0) -> tuple[Any, Any]:
+    """A device KV pool on ``cpu`` and its host mirror, built as SGLang's pool assembler does."""
+    kv: Any
+    host: Any
+    if mla:
+        kv = MLATokenToKVPool(DEVICE_TOKENS, PAGE, torch.bfloat16, KV_LORA, ROPE, LAYERS, "cpu", False,
+                              start_layer=0, end_layer=LAYERS - 1)
+        host = MLATokenToKVPoolHost(kv.get_device_pool_infos()[0].buffer_info, host_ratio, 0, PAGE, layout,
+                                    pin_memory=False, device_capacity_tokens=kv.size,
+                                    start_layer=kv.start_layer, end_layer=kv.end_layer, target_layer_num=LAYERS)
+    else:
+        kv = MHATokenToKVPool(DEVICE_TOKENS, PAGE, torch.bfloat16, HEADS, DIM, LAYERS, "cpu", False,
+                              start_layer=0, end_layer=LAYERS - 1)
+        host = MHATokenToKVPoolHost(kv.get_device_pool_infos()[0].buffer_info, host_ratio, 0, PAGE, layout,
+                                    pin_memory=False, device_capacity_tokens=kv.size,
+                                    start_layer=kv.start_layer, end_layer=kv.end_layer,
+                                    write_back_staging=kv.hicache_write_back_staging)
+    return kv, host
+
+
+def make_engine(url: str | None, *, tp_rank: int = 0, tp_size: int = 1, mla: bool = False,
+                layout: str = "page_first", interface_v1: bool = True, model: str = "Qwen/Qwen3-8B",
+                backend: str = "dynamic", extra: dict[str, Any] | None = None,
+                host_ratio: float = 4.0) -> HiCacheController:
+    """One TP rank's HiCache stack with our backend (``backend="dynamic"``) or SGLang's own."""
+    group = _process_group()
+    get_parallel().override_permanently(
+        tp_size=tp_size, tp_rank=tp_rank, attn_tp_size=tp_size, attn_tp_rank=tp_rank, attn_dp_rank=0,
+        pp_size=1, pp_rank=0, attn_cp_size=1, attn_cp_rank=0, attn_dcp_size=1, attn_dcp_rank=0)
+    kv, host = make_pools(mla=mla, layout=layout, host_ratio=host_ratio)
+    alloc = PagedTokenToKVPoolAllocator(DEVICE_TOKENS, PAGE, torch.bfloat16, "cpu", kv, False)
+    config: dict[str, Any] = dict(extra or {})
+    if backend == "dynamic":
+        config = {"backend_name": "hostkv", "module_path": "hostkv_providers.integrations.sglang",
+                  "class_name": "HostKVStorage", "url": url, "interface_v1": int(interface_v1), **config}
+    return HiCacheController(alloc, host, PAGE, group, threading.Event(), io_backend="direct",
+                             storage_backend=backend, model_name=model, storage_backend_extra_config=config)
+
+
+def close(cc: HiCacheController) -> None:
+    """The scheduler's shutdown: detach stops the storage threads and closes the backend."""
+    cc.detach_storage_backend()
+
+
+def backend_of(cc: HiCacheController) -> Any:
+    b = cc.storage_backend
+    return getattr(b, "_backend", b)  # SGLang's failure-injector proxy, when its env asks for it
+
+
+def prompt(seed: int, n_pages: int) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(0, 150_000, size=n_pages * PAGE)]
+
+
+def page_hashes(tokens: list[int]) -> list[str]:
+    hashes = get_storage_hash_str(tokens, None, page_size=PAGE)
+    assert isinstance(hashes, list)
     return hashes
 
 
-def page_tensor(key: str, rank: int = 0) -> torch.Tensor:
-    rng = np.random.default_rng([rank, *bytes.fromhex(key[:32])])
-    return torch.from_numpy(rng.integers(0, 256, size=PAGE_ELEMS * 2, dtype=np.uint8)).view(torch.bfloat16)
+def page_bytes(host: Any, key: str, rank: int = 0) -> np.ndarray:
+    """The bytes of one page of host pool ``host`` (its flat data page), recomputable anywhere."""
+    nbytes = host.get_dummy_flat_data_page().view(torch.uint8).numel()
+    return np.random.default_rng([rank, *bytes.fromhex(key[:32])]).integers(0, 256, size=nbytes, dtype=np.uint8)
 
 
-def backup(backend: Any, hashes: list[str], rank: int = 0) -> int:
-    """HiCacheController._page_backup with the generic page set: batches, prefix advanced."""
-    done = 0
-    for i in range(0, len(hashes), STORAGE_BATCH_SIZE):
-        batch = hashes[i:i + STORAGE_BATCH_SIZE]
-        if not backend.batch_set(batch, [page_tensor(h, rank) for h in batch]):
-            break
-        done += len(batch)
-    return done
+def stage(cc: HiCacheController, tokens: list[int], rank: int = 0) -> Any:
+    """Host pages holding the prompt's KV, as a device->host backup leaves them; their indices."""
+    host = cc.mem_pool_host
+    idx = host.alloc(len(tokens))
+    assert idx is not None, "host pool full"
+    for i, h in enumerate(page_hashes(tokens)):
+        page = torch.from_numpy(page_bytes(host, h, rank)).view(host.dtype)
+        host.set_from_flat_data_page(int(idx[i * PAGE]), page)
+    return idx
 
 
-def hit_query(backend: Any, hashes: list[str]) -> int:
-    """HiCacheController._storage_hit_query: pages hit, batch by batch, prefix_keys advanced."""
-    prefix: list[str] = []
-    hit = 0
-    for i in range(0, len(hashes), STORAGE_BATCH_SIZE):
-        batch = hashes[i:i + STORAGE_BATCH_SIZE]
-        n = backend.batch_exists(batch, HiCacheStorageExtraInfo(prefix_keys=list(prefix)))
-        hit += n
-        if n < len(batch):
-            break
-        prefix += batch
-    return hit
+def write_back(cc: HiCacheController, idx: Any, tokens: list[int]) -> int:
+    """``write_storage`` of staged host pages and the backup thread's ack: tokens stored."""
+    op_id = cc.write_storage(idx, tokens, hash_value=page_hashes(tokens), prefix_keys=[])
+    op = cc.ack_backup_queue.get(timeout=TIMEOUT)
+    assert op.id == op_id
+    return int(op.completed_tokens)
 
 
-def fetch(backend: Any, hashes: list[str], rank: int = 0) -> tuple[int, list[bool]]:
-    """HiCacheController._generic_page_get: read into dummy flat pages, stop at the first miss;
-    returns the loaded pages and, per loaded page, whether its bytes are the stored ones."""
-    targets = [torch.empty(PAGE_ELEMS, dtype=torch.bfloat16) for _ in hashes]
-    got = backend.batch_get(hashes, targets)
-    equal: list[bool] = []
-    for h, page in zip(hashes, got, strict=True):
-        if page is None:
-            break
-        # numpy's compare (a memcmp); torch.equal on CPU runs ~0.3 GB/s and would time itself
-        want = page_tensor(h, rank).view(torch.uint8).numpy()
-        equal.append(bool(np.array_equal(page.view(torch.uint8).numpy(), want)))
-    return len(equal), equal
+def backup(cc: HiCacheController, tokens: list[int], rank: int = 0) -> int:
+    """Stage the prompt's pages in the host pool, back them up, free them: tokens stored."""
+    idx = stage(cc, tokens, rank)
+    try:
+        return write_back(cc, idx, tokens)
+    finally:
+        cc.mem_pool_host.free(idx)
+
+
+def prefetch(cc: HiCacheController, tokens: list[int]) -> tuple[Any, Any, int, int]:
+    """A storage prefetch as the radix tree runs it: the prefetch thread's hit query, host
+    buffers for the hit, the I/O thread's transfer; (operation, host indices, hit tokens,
+    loaded tokens).  The caller frees the indices."""
+    op = cc.prefetch(f"req-{uuid.uuid4().hex[:8]}", tokens, None, [])
+    hit = cc.prefetch_hit_queue.get(timeout=TIMEOUT)
+    assert hit is op
+    n = int(op.storage_hit_count)
+    if n == 0:
+        return op, None, 0, 0
+    idx = cc.alloc_prefetch_host_buffers(op, n)
+    assert idx is not None, "host pool full"
+    op.host_indices = idx
+    cc.prefetch_buffer.put(op)
+    loaded = 0
+    while True:
+        ack = cc.ack_prefetch_queue.get(timeout=TIMEOUT)
+        if ack.operation is not op:
+            continue
+        if ack.completed_tokens is not None:
+            loaded = int(ack.completed_tokens)
+        if ack.completed_req:
+            return op, idx, n, loaded
+
+
+def verify(cc: HiCacheController, op: Any, idx: Any, loaded: int, rank: int = 0) -> list[bool]:
+    """Per loaded page, whether the host pool now holds exactly the stored bytes."""
+    host = cc.mem_pool_host
+    equal = []
+    for i, h in enumerate(op.hash_value[: loaded // PAGE]):
+        got = host.get_data_page(int(idx[i * PAGE]), flat=True).view(torch.uint8).numpy()
+        equal.append(bool(np.array_equal(got, page_bytes(host, h, rank))))
+    return equal
+
+
+def fetch(cc: HiCacheController, tokens: list[int], rank: int = 0) -> tuple[int, int, list[bool]]:
+    """(hit tokens, loaded tokens, per loaded page whether its bytes are the stored ones)."""
+    op, idx, hits, loaded = prefetch(cc, tokens)
+    if idx is None:
+        return 0, 0, []
+    try:
+        return hits, loaded, verify(cc, op, idx, loaded, rank)
+    finally:
+        cc.mem_pool_host.free(idx)
 
 
 def main(argv: list[str]) -> int:
     op, url, seed, n = argv[0], argv[1], int(argv[2]), int(argv[3])
     rank, size = (int(argv[4]), int(argv[5])) if len(argv) > 5 else (0, 1)
-    backend = make_backend(url, tp_rank=rank, tp_size=size)
-    hashes = page_hashes(seed, n)
+    cc = make_engine(url, tp_rank=rank, tp_size=size)
+    tokens = prompt(seed, n)
     try:
         if op == "store":
-            print("stored", backup(backend, hashes, rank))
+            print("stored", backup(cc, tokens, rank) // PAGE)
         else:
-            hits = hit_query(backend, hashes)
-            loaded, equal = fetch(backend, hashes[:hits], rank)
-            print("hits", hits, "loaded", loaded, "equal", sum(equal))
+            hits, loaded, equal = fetch(cc, tokens, rank)
+            print("hits", hits // PAGE, "loaded", loaded // PAGE, "equal", sum(equal))
     finally:
-        backend.close()
+        close(cc)
     return 0
 
 

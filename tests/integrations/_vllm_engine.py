@@ -106,9 +106,10 @@ def end_step(manager: TieringOffloadingManager, new_req_ids: tuple[str, ...] = (
     list(manager.take_events())
 
 
-def settle(manager: TieringOffloadingManager, steps: int = 200) -> None:
+def settle(manager: TieringOffloadingManager, timeout: float = 300.0) -> None:
     """Step the engine until no tier has pending work (the engine keeps stepping while it has)."""
-    for _ in range(steps):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
         end_step(manager)
         if not manager.has_pending_work():
             end_step(manager)

@@ -13,7 +13,7 @@ import _lmcache_engine as eng
 import torch
 from _engine_helpers import corrupt_page, run_engine
 
-from hostkv_providers.integrations.lmcache import HEADER_NBYTES, HostKVBackend
+from hostkv_providers.integrations.lmcache import HEADER_NBYTES, HostKVBackend, HostKVConnector
 
 
 def _url(tmp_path: Path, name: str = "kv") -> str:
@@ -165,3 +165,71 @@ def test_missing_url_is_not_loaded(tmp_path: Path) -> None:
 
     with pytest.raises(InvalidArgumentError):
         HostKVBackend(config=m.config, metadata=m.metadata, local_cpu_backend=None)
+
+
+# -- the RemoteConnector, run by LMCache's own RemoteBackend --------------------------------
+
+def _connector(manager: object) -> HostKVConnector:
+    conn = eng.connector(manager)  # type: ignore[arg-type]
+    assert isinstance(conn, HostKVConnector)
+    return conn
+
+
+def test_remote_connector_store_restart_hit_bytes_equal(tmp_path: Path) -> None:
+    url = _url(tmp_path)
+    assert "stored 12" in run_engine("_lmcache_engine.py", "store", url, "7", "12", "0", "1", "remote")
+    m = eng.make_manager(url, remote=True)
+    try:
+        keys = eng.chunk_keys(m, 7, 12)
+        n, mapping = m.batched_contains(keys)
+        assert n == 12 and list(mapping) == [eng.REMOTE]  # the restarted engine's CPU tier is empty
+        assert eng.retrieve(m, keys, pin=False) == (12, [True] * 12)
+        conn = _connector(m)
+        assert conn.stats.loaded_pages == 12
+    finally:
+        m.close()
+    # The connector writes the plugin's entries under the plugin's keys: one store, either path.
+    plugin = eng.make_manager(url)
+    try:
+        assert eng.retrieve(plugin, keys) == (12, [True] * 12)
+    finally:
+        plugin.close()
+
+
+def test_remote_connector_workers_isolated_and_corruption_is_a_miss(tmp_path: Path) -> None:
+    url = _shared_url(tmp_path)
+    w0 = eng.make_manager(url, worker=0, world=2, remote=True)
+    try:
+        keys = eng.chunk_keys(w0, 8, 6)
+        eng.put(w0, keys)
+        eng.wait_stored(w0, keys)
+        assert _connector(w0).stats.stored_pages == 6
+    finally:
+        w0.close()
+    w1 = eng.make_manager(url, worker=1, world=2, remote=True)
+    try:
+        assert _connector(w1).batched_contains(keys) == 0  # another TP rank's chunks: never seen
+        assert _connector(w1).batched_contains(eng.chunk_keys(w1, 8, 6)) == 0
+    finally:
+        w1.close()
+    mm = _url(tmp_path, "mm")
+    m = eng.make_manager(mm, remote=True)
+    try:
+        keys = eng.chunk_keys(m, 9, 6)
+        eng.put(m, keys)
+        eng.wait_stored(m, keys)
+    finally:
+        m.close()
+    needle = eng.chunk_tensor(keys[3]).view(torch.uint8).reshape(-1)[:256].numpy().tobytes()
+    assert corrupt_page(tmp_path / "mm", needle) == 1
+    m = eng.make_manager(mm, remote=True)
+    try:
+        remote = m.storage_backends[eng.REMOTE]
+        assert remote.get_blocking(keys[3]) is None  # its checksum fails: a miss, never wrong bytes
+        got = remote.get_blocking(keys[2])
+        assert got is not None and torch.equal(got.tensor.view(torch.uint8),
+                                               eng.chunk_tensor(keys[2]).view(torch.uint8))
+        got.ref_count_down()
+        assert _connector(m).stats.load_misses >= 1
+    finally:
+        m.close()

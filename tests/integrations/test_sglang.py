@@ -1,4 +1,9 @@
-"""HostKVStorage built by SGLang's StorageBackendFactory (dynamic backend), called as HiCache does."""
+"""HostKVStorage driven by SGLang's real HiCacheController over its real host memory pool (CPU).
+
+The controller builds the backend through ``StorageBackendFactory`` ("dynamic"), registers its
+``MHATokenToKVPoolHost``/``MLATokenToKVPoolHost`` and runs its own prefetch and backup threads;
+see ``_sglang_engine`` for what stands where the scheduler and the GPU would.
+"""
 
 from __future__ import annotations
 
@@ -6,12 +11,18 @@ import threading
 from pathlib import Path
 
 import pytest
-import torch
 
 pytest.importorskip("sglang.srt.mem_cache.hicache_storage")
+import _sglang_cpu
+
+if not _sglang_cpu.prepare():
+    pytest.skip("SGLang's host pool needs ./.engine-site (scripts/dev-install.sh)", allow_module_level=True)
 
 import _sglang_engine as eng
+import numpy as np
+import torch
 from _engine_helpers import corrupt_page, run_engine
+from sglang.srt.mem_cache.hicache_storage import STORAGE_BATCH_SIZE, PoolName, PoolTransfer
 
 from hostkv_providers.integrations.sglang import HostKVStorage
 
@@ -21,156 +32,223 @@ def _url(tmp_path: Path, name: str = "kv") -> str:
 
 
 def _shared_url(tmp_path: Path) -> str:
-    # Several backends (TP ranks) open one store at once: LMDB's many-process store.
+    # Several engines (TP ranks) open one store at once: LMDB's many-process store.
     return f"lmdb://{tmp_path / 'shared'}?budget=64MiB"
 
 
-def _inner(backend: object) -> HostKVStorage:
-    # The factory returns our class, or SGLang's failure-injector proxy around it when its test
-    # environment variables are set.
-    inner = getattr(backend, "_backend", backend)
+def _ours(cc: object) -> HostKVStorage:
+    inner = eng.backend_of(cc)
     assert isinstance(inner, HostKVStorage)
     return inner
 
 
-def test_store_restart_hit_bytes_equal(tmp_path: Path) -> None:
+def test_store_restart_hit_bytes_equal_zero_copy(tmp_path: Path) -> None:
+    # A store in one process, a prefetch in another: SGLang's v1 path (batch_set_v1/batch_get_v1
+    # against the registered host pool), hit query, host-pool bytes equal.
     url = _url(tmp_path)
     assert "stored 300" in run_engine("_sglang_engine.py", "store", url, "1", "300")
-    backend = eng.make_backend(url)
+    cc = eng.make_engine(url)
     try:
-        hashes = eng.page_hashes(1, 300)
-        assert eng.hit_query(backend, hashes) == 300
-        loaded, equal = eng.fetch(backend, hashes)
-        assert loaded == 300 and all(equal)
-        inner = _inner(backend)
+        assert cc.page_get_func == cc._page_get_zero_copy  # the controller picked interface v1
+        tokens = eng.prompt(1, 300)
+        hits, loaded, equal = eng.fetch(cc, tokens)
+        assert (hits, loaded) == (300 * eng.PAGE, 300 * eng.PAGE) and len(equal) == 300 and all(equal)
+        inner = _ours(cc)
+        assert inner.mem_pool_host is cc.mem_pool_host
+        assert inner.salt.layout.page_tokens == eng.PAGE and inner.salt.layout.num_layers == eng.LAYERS
+        hashes = eng.page_hashes(tokens)
         ours = inner._keyer.keys(hashes)
         infos = [inner.provider.entry(k) for k in ours]
-        # Within a controller batch (STORAGE_BATCH_SIZE pages) SGLang's chain is the tree.
-        assert infos[1] is not None and infos[1].parent == ours[0]
         assert all(i is not None and i.salt_tag == inner.salt.tag for i in infos)
+        # The controller's prefix_keys link its batches: the store's tree is SGLang's whole chain.
+        b = STORAGE_BATCH_SIZE
+        assert infos[1] is not None and infos[1].parent == ours[0]
+        assert infos[b] is not None and infos[b].parent == ours[b - 1]
+        assert inner.stats.orphan_roots == 0
     finally:
-        backend.close()
+        eng.close(cc)
 
 
-def test_prefix_keys_link_batches(tmp_path: Path) -> None:
-    backend = eng.make_backend(_url(tmp_path))
+@pytest.mark.parametrize("layout", ["layer_first", "page_first_direct"])
+def test_generic_interface_and_other_host_layouts(tmp_path: Path, layout: str) -> None:
+    # Without interface_v1 the controller moves flat host pages through batch_set/batch_get.
+    url = _url(tmp_path)
+    tokens = eng.prompt(2, 40)
+    cc = eng.make_engine(url, layout=layout, interface_v1=(layout != "layer_first"))
     try:
-        inner = _inner(backend)
-        hashes = eng.page_hashes(2, 6)
-        from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
-
-        # batch_set_v1's chain: prefix_keys precede the batch, so the first page has a parent.
-        pairs = inner._chain(hashes[3:], HiCacheStorageExtraInfo(prefix_keys=hashes[:3]))
-        assert pairs[0][1] == inner._keyer.key(hashes[2]) and pairs[1][1] == pairs[0][0]
+        assert eng.backup(cc, tokens) == 40 * eng.PAGE
+        hits, loaded, equal = eng.fetch(cc, tokens)
+        assert hits == loaded == 40 * eng.PAGE and all(equal) and len(equal) == 40
     finally:
-        backend.close()
+        eng.close(cc)
+    # The host layout is part of the salt: another layout's pages are another format.
+    other = eng.make_engine(url, layout="page_first")
+    try:
+        assert eng.fetch(other, tokens)[0] == 0
+    finally:
+        eng.close(other)
 
 
 def test_tp_ranks_are_isolated_and_mla_is_shared(tmp_path: Path) -> None:
     url = _shared_url(tmp_path)
-    hashes = eng.page_hashes(3, 20)
-    r0, r1 = eng.make_backend(url, tp_rank=0, tp_size=2), eng.make_backend(url, tp_rank=1, tp_size=2)
+    tokens = eng.prompt(3, 20)
+    r0 = eng.make_engine(url, tp_rank=0, tp_size=2)
+    r1 = eng.make_engine(url, tp_rank=1, tp_size=2)
     try:
-        assert _inner(r0).salt.tag != _inner(r1).salt.tag
-        assert eng.backup(r0, hashes, rank=0) == 20
-        assert eng.hit_query(r1, hashes) == 0  # rank 1 never sees rank 0's heads
-        assert eng.backup(r1, hashes, rank=1) == 20
-        assert eng.fetch(r0, hashes, rank=0) == (20, [True] * 20)
-        assert eng.fetch(r1, hashes, rank=1) == (20, [True] * 20)
+        assert _ours(r0).salt.tag != _ours(r1).salt.tag
+        assert eng.backup(r0, tokens, rank=0) == 20 * eng.PAGE
+        assert eng.fetch(r1, tokens, rank=1)[0] == 0  # rank 1 never sees rank 0's heads
+        assert eng.backup(r1, tokens, rank=1) == 20 * eng.PAGE
+        for cc, rank in ((r0, 0), (r1, 1)):
+            hits, loaded, equal = eng.fetch(cc, tokens, rank=rank)
+            assert hits == loaded == 20 * eng.PAGE and all(equal)
     finally:
-        r0.close()
-        r1.close()
-    # TP size and model are in the salt too.
+        eng.close(r0)
+        eng.close(r1)
+    # TP size, model and namespace are in the salt too.
     for kw in ({"tp_rank": 0, "tp_size": 1}, {"tp_rank": 0, "tp_size": 2, "model": "other/model"},
-               {"tp_rank": 0, "tp_size": 2, "namespace": "tenant-b"}):
-        b = eng.make_backend(url, **kw)  # type: ignore[arg-type]
+               {"tp_rank": 0, "tp_size": 2, "extra": {"namespace": "tenant-b"}}):
+        cc = eng.make_engine(url, **kw)  # type: ignore[arg-type]
         try:
-            assert eng.hit_query(b, hashes) == 0, kw
+            assert eng.fetch(cc, tokens)[0] == 0, kw
         finally:
-            b.close()
-    # MLA KV is replicated across TP ranks: one copy, written by rank 0, read by every rank.
-    m0 = eng.make_backend(url, tp_rank=0, tp_size=2, mla=True)
-    m1 = eng.make_backend(url, tp_rank=1, tp_size=2, mla=True)
+            eng.close(cc)
+    # MLA KV is replicated across TP ranks: one copy, written by SGLang's writer (rank 0), read
+    # by every rank.
+    m0 = eng.make_engine(url, tp_rank=0, tp_size=2, mla=True)
+    m1 = eng.make_engine(url, tp_rank=1, tp_size=2, mla=True)
     try:
-        assert _inner(m0).salt.tag == _inner(m1).salt.tag
-        assert eng.backup(m1, hashes) == 20 and eng.hit_query(m0, hashes) == 0  # rank 1 is not a writer
-        assert eng.backup(m0, hashes) == 20 and eng.hit_query(m1, hashes) == 20
+        assert _ours(m0).salt.tag == _ours(m1).salt.tag
+        # Rank 1 is no storage writer: SGLang's controller skips its backup (backup_skip), and
+        # our backend would store nothing for it either (is_storage_writer).
+        assert eng.backup(m1, tokens) == 0
+        assert _ours(m1).batch_set_v1(eng.page_hashes(tokens)[:1], m1.mem_pool_host.alloc(eng.PAGE)) == [True]
+        assert eng.fetch(m0, tokens)[0] == 0
+        assert eng.backup(m0, tokens) == 20 * eng.PAGE
+        hits, loaded, equal = eng.fetch(m1, tokens)
+        assert hits == loaded == 20 * eng.PAGE and all(equal)
     finally:
-        m0.close()
-        m1.close()
+        eng.close(m0)
+        eng.close(m1)
 
 
 def test_corrupted_page_is_a_miss_never_wrong_bytes(tmp_path: Path) -> None:
     url = _url(tmp_path)
-    hashes = eng.page_hashes(4, 10)
-    b = eng.make_backend(url)
+    tokens = eng.prompt(4, 10)
+    cc = eng.make_engine(url)
     try:
-        assert eng.backup(b, hashes) == 10
+        assert eng.backup(cc, tokens) == 10 * eng.PAGE
+        needle = eng.page_bytes(cc.mem_pool_host, eng.page_hashes(tokens)[6])[:256].tobytes()
     finally:
-        b.close()
-    needle = eng.page_tensor(hashes[6]).view(torch.uint8).numpy()[:256].tobytes()
+        eng.close(cc)
     assert corrupt_page(tmp_path / "kv", needle) == 1
-    b = eng.make_backend(url)
+    cc = eng.make_engine(url)
     try:
-        assert eng.hit_query(b, hashes) == 10  # the index still lists it ...
-        loaded, equal = eng.fetch(b, hashes)
-        assert loaded == 6 and all(equal)  # ... but its read fails its checksum: a miss
-        assert eng.hit_query(b, hashes) == 6  # and it is gone, with its subtree
-        assert _inner(b).stats.load_misses >= 1
+        hits, loaded, equal = eng.fetch(cc, tokens)
+        # The index still lists page 6, but its read fails its checksum: the controller loads
+        # the 6 pages before it, all with the stored bytes, and never page 6's.
+        assert hits == 10 * eng.PAGE and loaded == 6 * eng.PAGE and len(equal) == 6 and all(equal)
+        assert eng.fetch(cc, tokens)[0] == 6 * eng.PAGE  # dropped, with its subtree
+        assert _ours(cc).stats.load_misses >= 1
     finally:
-        b.close()
+        eng.close(cc)
 
 
-def test_concurrent_prefetch_and_backup_threads(tmp_path: Path) -> None:
-    # HiCacheController runs its prefetch (hit query + get) and backup (set) threads at once.
-    b = eng.make_backend(_url(tmp_path))
+def test_backup_and_prefetch_threads_run_concurrently(tmp_path: Path) -> None:
+    # The controller's backup thread stores while its prefetch threads query and load.
+    cc = eng.make_engine(_url(tmp_path))
+    chains = [eng.prompt(100 + i, 24) for i in range(4)]
     errors: list[BaseException] = []
-    chains = [eng.page_hashes(100 + i, 40) for i in range(4)]
 
-    def writer(hashes: list[str]) -> None:
+    def reader() -> None:
         try:
-            assert eng.backup(b, hashes) == 40
-        except BaseException as exc:
-            errors.append(exc)
-
-    def reader(hashes: list[str]) -> None:
-        try:
-            for _ in range(5):
-                n = eng.hit_query(b, hashes)
-                loaded, equal = eng.fetch(b, hashes[:n])
-                assert all(equal) and loaded <= n
+            for _ in range(6):
+                for tokens in chains:
+                    hits, loaded, equal = eng.fetch(cc, tokens)
+                    assert loaded <= hits and all(equal)
         except BaseException as exc:
             errors.append(exc)
 
     try:
-        threads = [threading.Thread(target=writer, args=(c,)) for c in chains]
-        threads += [threading.Thread(target=reader, args=(c,)) for c in chains]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-        assert not errors, errors
-        assert all(eng.hit_query(b, c) == 40 for c in chains)
+        host = cc.mem_pool_host
+        staged = []
+        for tokens in chains:  # queue every backup at once; the backup thread drains them
+            idx = host.alloc(len(tokens))
+            for i, h in enumerate(eng.page_hashes(tokens)):
+                host.set_from_flat_data_page(int(idx[i * eng.PAGE]),
+                                             torch.from_numpy(eng.page_bytes(host, h)).view(host.dtype))
+            staged.append(idx)
+        t = threading.Thread(target=reader)
+        t.start()
+        ids = [cc.write_storage(idx, tokens, hash_value=eng.page_hashes(tokens), prefix_keys=[])
+               for idx, tokens in zip(staged, chains, strict=True)]
+        done = {cc.ack_backup_queue.get(timeout=eng.TIMEOUT).id for _ in ids}
+        t.join(eng.TIMEOUT)
+        assert not t.is_alive() and not errors, errors
+        assert done == set(ids)
+        for idx in staged:
+            host.free(idx)
+        for tokens in chains:
+            hits, loaded, equal = eng.fetch(cc, tokens)
+            assert hits == loaded == 24 * eng.PAGE and all(equal)
     finally:
-        b.close()
+        eng.close(cc)
+
+
+def test_v2_pools_store_and_load_beside_the_kv(tmp_path: Path) -> None:
+    # A second real host pool registered as a v2 pool (SGLang's draft-model KV is an MHA host
+    # pool of its own): batch_set_v2 / batch_exists_v2 / batch_get_v2 keyed per pool.
+    url = _url(tmp_path)
+    cc = eng.make_engine(url)
+    _, draft = eng.make_pools()
+    try:
+        inner = _ours(cc)
+        inner.register_mem_host_pool_v2(draft, PoolName.DRAFT)
+        tokens = eng.prompt(5, 8)
+        hashes = eng.page_hashes(tokens)
+        idx = draft.alloc(len(tokens))
+        for i, h in enumerate(hashes):
+            draft.set_from_flat_data_page(int(idx[i * eng.PAGE]),
+                                          torch.from_numpy(eng.page_bytes(draft, h, 7)).view(draft.dtype))
+        assert eng.backup(cc, tokens) == 8 * eng.PAGE
+        res = inner.batch_set_v2([PoolTransfer(name=PoolName.DRAFT, host_indices=idx, keys=hashes)])
+        assert res == {PoolName.DRAFT: [True] * 8}
+        found = inner.batch_exists_v2(hashes, [PoolTransfer(name=PoolName.DRAFT, keys=hashes)])
+        assert found.kv_hit_pages == 8 and found.extra_pool_hit_pages[PoolName.DRAFT] == 8
+        # The draft pages are their own entries: the KV keys of the same hashes are not them.
+        assert inner.batch_exists(hashes) == 8
+        dst = draft.alloc(len(tokens))
+        got = inner.batch_get_v2([PoolTransfer(name=PoolName.DRAFT, host_indices=dst, keys=hashes)])
+        assert got == {PoolName.DRAFT: [True] * 8}
+        for i, h in enumerate(hashes):
+            page = draft.get_data_page(int(dst[i * eng.PAGE]), flat=True).view(torch.uint8).numpy()
+            assert np.array_equal(page, eng.page_bytes(draft, h, 7))
+        # A pool this backend was never given is reported absent, never guessed.
+        res = inner.batch_exists_v2(hashes, [PoolTransfer(name=PoolName.MAMBA, keys=hashes[-1:])])
+        assert res.kv_hit_pages == 0
+    finally:
+        eng.close(cc)
 
 
 def test_clear_removes_only_this_configuration(tmp_path: Path) -> None:
     url = _shared_url(tmp_path)
-    hashes = eng.page_hashes(5, 8)
-    a, other = eng.make_backend(url), eng.make_backend(url, namespace="other")
+    tokens = eng.prompt(6, 8)
+    a = eng.make_engine(url)
+    other = eng.make_engine(url, extra={"namespace": "other"})
     try:
-        eng.backup(a, hashes)
-        eng.backup(other, hashes)
-        a.clear()
-        assert eng.hit_query(a, hashes) == 0 and eng.hit_query(other, hashes) == 8
+        eng.backup(a, tokens)
+        eng.backup(other, tokens)
+        _ours(a).clear()
+        assert eng.fetch(a, tokens)[0] == 0 and eng.fetch(other, tokens)[0] == 8 * eng.PAGE
     finally:
-        a.close()
-        other.close()
+        eng.close(a)
+        eng.close(other)
 
 
 def test_missing_url_is_a_typed_error(tmp_path: Path) -> None:
     from hostkv_providers.errors import InvalidArgumentError
 
-    with pytest.raises(InvalidArgumentError):
-        eng.make_backend("")
+    # The controller wraps a failed attach in its own ValueError; ours is the cause.
+    with pytest.raises(ValueError) as info:
+        eng.make_engine("")
+    assert isinstance(info.value.__cause__, InvalidArgumentError)

@@ -145,6 +145,42 @@ def test_backpressure_drops_stores_without_blocking_and_completes_every_job(tmp_
         m.shutdown()
 
 
+def test_lookup_of_a_chunk_in_flight_is_retry_then_hit(tmp_path: Path) -> None:
+    # vLLM's contract: lookup returns RETRY "if the chunk is being transferred (retry later)".
+    # The manager cascades real TransferJobs into the tier; while they wait in the store lane a
+    # lookup of their keys is RETRY, never a MISS that would make vLLM recompute them.
+    import threading
+
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+
+    m = eng.make_manager(eng.make_config(eng.hostkv_tier(_url(tmp_path))))
+    release = threading.Event()
+    try:
+        tier = _tier(m)
+        tier._io.submit(release.wait)  # hold the store lane: the cascaded jobs stay queued
+        keys = eng.prompt_keys(12, 6)
+        ctx = eng.new_request(m, "writer", keys)
+        rows = eng.primary_rows(m)
+        out = m.prepare_store(keys, ctx)
+        assert out is not None
+        for k, c in zip(out.keys_to_store, np.asarray(out.store_spec.chunk_ids), strict=True):
+            rows[int(c)] = eng.row_bytes(k, rows.shape[1])
+        m.complete_store(keys, ctx, success=True)
+        eng.end_step(m, ("writer",))
+        assert tier.has_pending_work()
+        other = ReqContext(req_id="reader")
+        assert [tier.lookup(k, other) for k in keys] == [LookupResult.RETRY] * 6
+        assert tier.lookup(eng.prompt_keys(13, 1)[0], other) is LookupResult.MISS
+        release.set()
+        m.on_request_finished(ctx)
+        eng.settle(m)
+        assert [tier.lookup(k, other) for k in keys] == [LookupResult.HIT] * 6
+        assert not tier._inflight
+    finally:
+        release.set()
+        m.shutdown()
+
+
 def test_async_jobs_run_off_the_scheduler_thread(tmp_path: Path) -> None:
     import threading
 
