@@ -45,6 +45,7 @@ from hostkv_providers._errors import (
 from hostkv_providers._keys import Key
 from hostkv_providers._options import Option, OptionSet
 from hostkv_providers._provider import (
+    _DEFERRED,
     Corrupt,
     EntryInfo,
     EvictReport,
@@ -53,10 +54,12 @@ from hostkv_providers._provider import (
     Provider,
     ProviderStats,
     Reservation,
+    ReservedChain,
     SupportsBatch,
     SupportsBatchViews,
     SupportsIterate,
     SupportsViews,
+    _DeferredReservation,
     writable_buffer,
 )
 from hostkv_providers._span import ByteSpan
@@ -387,12 +390,21 @@ class TieredProvider(Provider):
     def _seal(self, res: _TieredReservation) -> None:
         inner = res.inner
         through = inner.provider is self.slow
-        # Back-pressure: wait (without any lock held) while the write-back queue is full.
         if not through:
-            with self._room:
-                while self._queued_pages >= self._queue_pages and self._writer.is_alive():
-                    self._room.wait(0.5)
+            self._wait_for_room()
         inner.provider.seal(inner)
+        self._commit_sealed(res, through)
+
+    def _wait_for_room(self) -> None:
+        """Back-pressure: wait (without any lock held) while the write-back queue is full."""
+        with self._room:
+            while self._queued_pages >= self._queue_pages and self._writer.is_alive():
+                self._room.wait(0.5)
+
+    def _commit_sealed(self, res: _TieredReservation, through: bool) -> None:
+        """Publish a reservation whose inner one is sealed: the tiered node, and (fast tier) the
+        lease that pins the only copy until the write-back has run."""
+        inner = res.inner
         fast_lease = None if through else self.fast.lease([res.key])
         with self._lock:
             if self._closed:
@@ -416,6 +428,172 @@ class TieredProvider(Provider):
                 with self._room:
                     self._queued_pages += 1
                 self._queue.put(("page", node))
+
+    # -- chain reservation -------------------------------------------------------------------
+    def reserve_many(self, keys: Sequence[bytes], parents: Sequence[bytes | None], nbytes: int, *,
+                     salt_tag: str = "") -> ReservedChain:
+        """Reserve a chain run straight in the fast tier (see ``Provider.reserve_many``), so a
+        copy engine DMAs into its (pinned) memory before the first seal.
+
+        The tiered index takes the run in one lock round (a parent may be in flight: an earlier
+        key of this call or of an earlier ``reserve_many``), then the fast tier reserves the run
+        with its own ``reserve_many``: a page's fast-tier parent is its parent where the fast
+        tier holds it or has it in flight, else the page lands there as a root (the fast tier
+        is a byte cache under the tiered index).  Pages the fast tier cannot take even after a
+        ``flush`` (pending write-backs pin its memory) are not refused: they get ordinary
+        buffers and are stored when sealed, by the per-page path (fast tier or written
+        through), like the base class's default; so are the pages after a parent of that kind.
+        """
+        ks = self._keys(keys)
+        if isinstance(parents, (bytes, bytearray, memoryview, str)) or len(parents) != len(ks):
+            raise InvalidArgumentError(f"{len(parents)} parents for {len(ks)} keys; give one per key")
+        checked = [self._reserve_args(k, p, nbytes, salt_tag) for k, p in zip(ks, parents, strict=True)]
+        self._check_usable()
+        out: list[Reservation | None] = []
+        error: HostKVError | None = None
+        flown: list[tuple[int, Key, Key | None]] = []  # (position in out, key, parent) in the index
+        deferred_from = len(checked)  # from here on: deferred pages (their parent is one)
+        with self._lock:
+            self._check_usable()
+            for i, (k, p, n) in enumerate(checked):
+                if p is not None and (id(self), p) in _DEFERRED:
+                    deferred_from = i
+                    break
+                if n > self._budget:
+                    error = CapacityError(f"{n} bytes exceed the whole budget of {self._budget}")
+                    break
+                try:
+                    ok, evicted = self._index.begin_chained(k, p, n)
+                except (CapacityError, InFlightError, UnknownKeyError) as exc:
+                    error = exc
+                    break
+                self._drop_from_tiers(evicted)
+                if ok:
+                    flown.append((len(out), k, p))
+                out.append(None)
+        if error is not None:
+            deferred_from = len(out)
+        inners: list[Reservation] = []
+        try:
+            inners = self._reserve_fast_run([(k, p) for _, k, p in flown], nbytes, salt_tag)
+        except BaseException:
+            with self._lock:
+                for _, k, _ in flown:
+                    self._index.cancel(k)
+            raise
+        for (j, k, p), inner in zip(flown, inners, strict=False):
+            out[j] = _TieredReservation(self, k, p, nbytes, salt_tag, inner)
+        if len(inners) < len(flown):
+            # the fast tier is full: the rest of the run is stored page by page at seal
+            with self._lock:
+                for _, k, _ in flown[len(inners):]:
+                    self._index.cancel(k)
+            for j, k, p in flown[len(inners):]:
+                out[j] = self._deferred(k, p, nbytes, salt_tag)
+        if error is None:
+            for k, p, n in checked[deferred_from:]:
+                if self.present([k])[0]:
+                    out.append(None)
+                    continue
+                if self.in_flight(k):
+                    error = InFlightError(f"key {k.hex()[:16]} is being written by another writer", key=k)
+                    break
+                out.append(self._deferred(k, p, n, salt_tag))
+        return ReservedChain(out, error)
+
+    def _deferred(self, k: Key, p: Key | None, nbytes: int, salt_tag: str) -> Reservation:
+        res = _DeferredReservation(self, k, p, nbytes, salt_tag)
+        _DEFERRED[(id(self), k)] = res
+        return res
+
+    def _reserve_fast_run(self, run: Sequence[tuple[Key, Key | None]], nbytes: int,
+                          salt_tag: str) -> list[Reservation]:
+        """Fast-tier reservations for a prefix of ``run`` (all of it unless the fast tier is full
+        even after a flush); no lock held (flush waits for the writer)."""
+        got: list[Reservation] = []
+        for attempt in range(2):
+            rest = run[len(got):]
+            if not rest:
+                break
+            ks = [k for k, _ in rest]
+            # A copy left in the fast tier by an entry evicted earlier must not dedup this one.
+            stale = [k for k, here in zip(ks, self.fast.present(ks), strict=True) if here]
+            if stale:
+                self.fast.evict(stale)
+            parents = [p for _, p in rest]
+            outside = list({p for p in parents if p is not None and (not got or p != got[-1].key)})
+            in_fast = {p for p, here in zip(outside, self.fast.present(outside), strict=True) if here}
+            in_fast.update(p for p in outside if p not in in_fast and self.fast.in_flight(p))
+            mine = {r.key for r in got} | set(ks)
+            fast_parents = [p if p is not None and (p in mine or p in in_fast) else None for p in parents]
+            rc = self.fast.reserve_many(ks, fast_parents, nbytes, salt_tag=salt_tag)
+            raced = None in rc.reservations  # stored in the fast tier since the eviction above
+            for r in rc.reservations:
+                if r is None:
+                    break
+                got.append(r)
+            if raced:
+                # not ours to seal: give back what follows it; the rest is stored at seal
+                for r in rc.reservations[len(got) - (len(run) - len(rest)) + 1:]:
+                    if r is not None:
+                        with contextlib.suppress(HostKVError):
+                            self.fast.abort(r)
+                break
+            if len(got) == len(run):
+                break
+            if attempt == 0:
+                self.flush()  # pages waiting for write-back pin fast memory: let them go
+        return got
+
+    def seal_many(self, reservations: Sequence[Reservation]) -> None:
+        """Seal root first (see ``Provider.seal_many``): each run of fast-tier reservations with
+        one ``seal_many`` of the fast tier (for ``pinned``: checksums on a few threads, commits
+        in one lock round), then their tiered nodes and write-backs; deferred pages are stored
+        and written-through reservations sealed one by one.  On failure the sealed ones are a
+        prefix and every other one is aborted."""
+        for res in reservations:
+            if not isinstance(res, Reservation) or res.provider is not self:
+                raise InvalidArgumentError("seal_many() takes reservations of this provider")
+        self._check_usable()
+        i = 0
+        try:
+            while i < len(reservations):
+                res = reservations[i]
+                if isinstance(res, _TieredReservation) and res.inner.provider is self.fast:
+                    j = i
+                    while (j < len(reservations) and isinstance(reservations[j], _TieredReservation)
+                           and reservations[j].inner.provider is self.fast):  # type: ignore[attr-defined]
+                        j += 1
+                    run: list[_TieredReservation] = [self._own_reservation(r, _TieredReservation)
+                                                     for r in reservations[i:j]]
+                    for r in run:
+                        r.check_complete()
+                    self._wait_for_room()
+                    try:
+                        self.fast.seal_many([r.inner for r in run])
+                    finally:
+                        for m, r in enumerate(run):  # a prefix is sealed in the fast tier
+                            if r.inner.state != "sealed":
+                                break
+                            try:
+                                self._commit_sealed(r, False)
+                            except BaseException:
+                                i += m
+                                raise
+                            self._tally("seals")
+                    i = j
+                elif isinstance(res, _DeferredReservation):
+                    res._store()
+                    i += 1
+                else:
+                    self.seal(res)
+                    i += 1
+        except BaseException:
+            for rest in reservations[i:]:
+                if rest.state == "open":
+                    with contextlib.suppress(HostKVError):
+                        rest.abort()
+            raise
 
     def _abort(self, reservation: _TieredReservation) -> bool:
         with self._lock:

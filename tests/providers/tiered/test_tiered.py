@@ -450,3 +450,81 @@ def test_prefetch_forwards_only_what_only_the_slow_tier_holds(tmp_path: Path) ->
         assert asked == [keys[2:]]
     finally:
         t2.close()
+
+
+# ------------------------------------------------------------------------------------------
+# chain reservation straight into the fast tier (reserve_many / seal_many)
+# ------------------------------------------------------------------------------------------
+
+
+def _fill(res: Reservation) -> None:
+    data = np.frombuffer(page_bytes(res.key, res.nbytes), np.uint8)
+    for r in res.regions():
+        np.frombuffer(r.view, np.uint8)[:] = data[r.offset : r.offset + r.view.nbytes]
+    res.mark_written()
+
+
+def test_reserve_many_lands_in_the_fast_tier_and_is_written_back(tiered: TieredProvider) -> None:
+    keys = chain("rm-fast", 12)
+    first = tiered.reserve_many(keys[:6], [None, *keys[:5]], PAGE)
+    second = tiered.reserve_many(keys[6:], keys[5:11], PAGE)  # its first parent is still in flight
+    assert first.error is None and second.error is None
+    ress = [r for r in (*first.reservations, *second.reservations) if r is not None]
+    assert len(ress) == 12
+    # every page is a real reservation of the fast tier (its memory, for a DMA), chained there
+    assert [tiered.fast.in_flight(k) for k in keys] == [True] * 12
+    for r in ress:
+        _fill(r)
+    assert tiered.present(keys) == [False] * 12 and tiered.fast.present(keys) == [False] * 12
+    tiered.seal_many(ress[:6])
+    tiered.seal_many(ress[6:])
+    assert tiered.longest_prefix(keys) == 12
+    assert tiered.fast.longest_prefix(keys) == 12  # the chain is a chain in the fast tier too
+    assert tiered.flush(60)
+    assert tiered.slow.longest_prefix(keys) == 12
+    assert all(tiered.slow.read_bytes(k) == page_bytes(k, PAGE) for k in keys)
+    st = tiered.stats()
+    assert st.extra["write_backs"] == 12 and st.extra["write_through"] == 0
+
+
+def test_reserve_many_past_a_full_fast_tier_stores_the_rest_at_seal(tmp_path: Path) -> None:
+    # the fast tier holds 8 pages, the chain has 40: its tail cannot be reserved there at once
+    t = TieredProvider(_pinned(8 * PAGE), _pinned(128 * PAGE), budget_bytes=64 * PAGE)
+    try:
+        keys = chain("rm-small-fast", 40)
+        used = t.stats().used_bytes
+        rc = t.reserve_many(keys, [None, *keys[:-1]], PAGE)
+        assert rc.error is None and len(rc) == 40 and all(r is not None for r in rc.reservations)
+        assert sum(t.fast.in_flight(k) for k in keys) == 8  # the rest wait in ordinary buffers
+        assert t.present(keys) == [False] * 40
+        ress = [r for r in rc.reservations if r is not None]
+        for r in ress:
+            _fill(r)
+        t.seal_many(ress)
+        assert t.longest_prefix(keys) == 40
+        assert all(t.read_bytes(k) == page_bytes(k, PAGE) for k in keys)
+        assert t.flush(60) and t.slow.longest_prefix(keys) == 40
+        # and an abort of an unsealed run leaves nothing behind
+        more = chain("rm-small-fast-abort", 20)
+        rc = t.reserve_many(more, [None, *more[:-1]], PAGE)
+        for r in rc.reservations:
+            assert r is not None
+            r.abort()
+        assert t.present(more) == [False] * 20 and not any(t.fast.in_flight(k) for k in more)
+        assert t.stats().used_bytes == used + 40 * PAGE
+    finally:
+        t.close()
+
+
+def test_seal_many_of_a_run_with_an_unsealed_parent_aborts_the_rest(tiered: TieredProvider) -> None:
+    keys = chain("rm-orphaned", 6)
+    rc = tiered.reserve_many(keys, [None, *keys[:-1]], PAGE)
+    ress = [r for r in rc.reservations if r is not None]
+    for r in ress:
+        _fill(r)
+    ress[0].abort()
+    with pytest.raises(hk.HostKVError):
+        tiered.seal_many(ress[1:])
+    assert all(r.state == "aborted" for r in ress)
+    assert tiered.present(keys) == [False] * 6 and not any(tiered.fast.in_flight(k) for k in keys)
+    assert tiered.stats().used_bytes == 0
