@@ -118,6 +118,13 @@ def _warm_files(paths: list[str]) -> None:
             os.close(fd)
 
 
+def _read_many(prov: Any, ks: list[Key], outs: list[bytearray]) -> list[bool]:
+    """``read_many``, or a ``read`` loop where a provider has no batch path (older trees)."""
+    if hasattr(prov, "read_many"):
+        return list(prov.read_many(ks, outs))
+    return [prov.read(k, o) for k, o in zip(ks, outs, strict=True)]
+
+
 def _timed(fn: Callable[[], object]) -> float:
     t0 = time.perf_counter()
     fn()
@@ -151,7 +158,8 @@ def _round(kind: str, rep: int, root: str, page: int, npages: int, chunk: int, d
         acc.setdefault(f"{kind}: {case}", []).append((tr / tp, nbytes / tp / MiB, nbytes / tr / MiB))
 
     def put(prov: Any, ks: list[Key], lo: int) -> None:
-        got = prov.put_many([(k, None, data[(lo + j) % 16]) for j, k in enumerate(ks)])
+        items = [(k, None, data[(lo + j) % 16]) for j, k in enumerate(ks)]
+        got = prov.put_many(items) if hasattr(prov, "put_many") else [prov.put(*it) for it in items]
         if got != [True] * len(ks):
             raise RuntimeError(f"put_many failed: {got[:3]}")
 
@@ -174,7 +182,7 @@ def _round(kind: str, rep: int, root: str, page: int, npages: int, chunk: int, d
                 tp = _timed(lambda: [prov.read(k, outs[0]) for k in ks])  # noqa: B023
             else:
                 tr = _timed(lambda: raw.read(lo, n, hashed))  # noqa: B023
-                tp = _timed(lambda: prov.read_many(ks, outs[:n]))  # noqa: B023
+                tp = _timed(lambda: _read_many(prov, ks, outs[:n]))  # noqa: B023
             add(case, tp, tr, n * page)
 
     def cold_reads(case: str, prov: Any, ks_all: list[Key], hashed: bool) -> None:
@@ -185,7 +193,7 @@ def _round(kind: str, rep: int, root: str, page: int, npages: int, chunk: int, d
         def prov_pass() -> None:
             for lo in calls:
                 ks = ks_all[lo : lo + chunk]
-                prov.read_many(ks, outs[: len(ks)])
+                _read_many(prov, ks, outs[: len(ks)])
 
         for r in range(2):
             got: dict[str, float] = {}
