@@ -80,6 +80,7 @@ _log = logging.getLogger(__name__)  # the writer thread logs; warnings could be 
 
 _EXTRA_COUNTERS = frozenset(("promotions", "write_backs", "write_back_failures", "write_through", "fast_hits",
                              "slow_hits"))
+_WRITE_BACK_BATCH = 256  # queued pages the writer stores with one put_many of the slow tier
 _PENDING = "pending"  # sealed in the fast tier, write-back queued
 _SLOW = "slow"  # in the slow tier (maybe also cached in the fast tier)
 
@@ -437,10 +438,10 @@ class TieredProvider(Provider):
 
         The tiered index takes the run in one lock round (a parent may be in flight: an earlier
         key of this call or of an earlier ``reserve_many``), then the fast tier reserves the run
-        with its own ``reserve_many``: a page's fast-tier parent is its parent where the fast
-        tier holds it or has it in flight, else the page lands there as a root (the fast tier
-        is a byte cache under the tiered index).  Pages the fast tier cannot take even after a
-        ``flush`` (pending write-backs pin its memory) are not refused: they get ordinary
+        with its own ``reserve_many``, the run's first page as a root there (the fast tier is a
+        byte cache under the tiered index; runs rooted apart stay evictable run by run).  Pages
+        the fast tier cannot take even after a ``flush`` (pending write-backs pin its memory)
+        are not refused: they get ordinary
         buffers and are stored when sealed, by the per-page path (fast tier or written
         through), like the base class's default; so are the pages after a parent of that kind.
         """
@@ -520,12 +521,13 @@ class TieredProvider(Provider):
             stale = [k for k, here in zip(ks, self.fast.present(ks), strict=True) if here]
             if stale:
                 self.fast.evict(stale)
-            parents = [p for _, p in rest]
-            outside = list({p for p in parents if p is not None and (not got or p != got[-1].key)})
-            in_fast = {p for p, here in zip(outside, self.fast.present(outside), strict=True) if here}
-            in_fast.update(p for p in outside if p not in in_fast and self.fast.in_flight(p))
-            mine = {r.key for r in got} | set(ks)
-            fast_parents = [p if p is not None and (p in mine or p in in_fast) else None for p in parents]
+            # Each run is a tree of its own in the fast tier: its first page lands there as a root
+            # (the tiered index keeps the real tree).  Chained onto the previous run instead, the
+            # fast tier would hold one long chain whose only leaf is the parent of the page being
+            # reserved (held): nothing evictable, so once full it could never take another page
+            # (2,000 x 4 KiB over a 2 MiB fast tier: 1,485 pages fell back to per-page stores).
+            mine = set(ks)
+            fast_parents = [None] + [p if p in mine else None for _, p in rest[1:]]
             rc = self.fast.reserve_many(ks, fast_parents, nbytes, salt_tag=salt_tag)
             raced = None in rc.reservations  # stored in the fast tier since the eviction above
             for r in rc.reservations:
@@ -607,31 +609,150 @@ class TieredProvider(Provider):
 
     # -- the write-back thread ---------------------------------------------------------------
     def _write_back_loop(self) -> None:
+        ahead: list[tuple[Any, ...] | None] = []  # taken off the queue while collecting pages
         while True:
-            item = self._queue.get()
+            item = ahead.pop() if ahead else self._queue.get()
+            items: list[tuple[Any, ...] | None] = [item]
             try:
                 if item is None:
                     return
                 kind = item[0]
                 if kind == "page":
-                    self._write_back(item[1])
+                    # The pages queued behind this one go out with it, in queue (= seal) order:
+                    # one put_many of the slow tier instead of a reserve/write/seal each.
+                    pages: list[Node] = [item[1]]
+                    while len(pages) < _WRITE_BACK_BATCH:
+                        try:
+                            nxt = self._queue.get_nowait()
+                        except queue.Empty:
+                            break
+                        items.append(nxt)
+                        if nxt is None or nxt[0] != "page":
+                            items.pop()
+                            ahead.append(nxt)  # an anchor or the stop: after this batch
+                            break
+                        pages.append(nxt[1])
+                    if len(pages) == 1 or not isinstance(self.slow, SupportsBatch):
+                        for node in pages:
+                            self._write_back_one(node)
+                    else:
+                        self._write_back_many(pages)
                 elif kind == "anchor":
-                    self._write_anchor(item[1], item[2], item[3])
-            except BaseException as exc:  # keep the writer alive; the entry is dropped
-                self._writer_error = exc
-                _log.error("tiered write-back failed: %r", exc)
-                if item is not None and item[0] == "page":
-                    with self._lock:
-                        if not item[1].dead:
-                            self._drop_from_tiers(self._index.drop(item[1].key))
-                        self._finish_pending(item[1])
+                    try:
+                        self._write_anchor(item[1], item[2], item[3])
+                    except BaseException as exc:  # keep the writer alive
+                        self._writer_error = exc
+                        _log.error("tiered write-back of an anchor failed: %r", exc)
             finally:
-                if item is not None and item[0] == "page":
+                npages = sum(1 for it in items if it is not None and it[0] == "page")
+                if npages:
                     self._purge_doomed_logged()
                     with self._room:
-                        self._queued_pages -= 1
+                        self._queued_pages -= npages
                         self._room.notify_all()
-                self._queue.task_done()
+                for _ in items:
+                    self._queue.task_done()
+
+    def _write_back_one(self, node: Node) -> None:
+        try:
+            self._write_back(node)
+        except BaseException as exc:  # keep the writer alive; the entry is dropped
+            self._writer_failed(node, exc)
+
+    def _writer_failed(self, node: Node, exc: BaseException) -> None:
+        self._writer_error = exc
+        _log.error("tiered write-back failed: %r", exc)
+        with self._lock:
+            if not node.dead:
+                self._drop_from_tiers(self._index.drop(node.key))
+            self._finish_pending(node)
+
+    def _write_back_many(self, nodes: Sequence[Node]) -> None:
+        """:meth:`_write_back` for a run of queued pages with one ``put_many`` of the slow tier.
+
+        The per-page rules hold: a page evicted before its turn is skipped; one evicted while
+        the batch is being stored is made doomed afterwards (evicted from the slow tier again,
+        as a per-page write-back evicted between its last check and its seal is); a stale copy
+        of an earlier, evicted entry is replaced.  Pages that are not one contiguous region of
+        the fast tier go page by page."""
+        todo: list[tuple[Node, Lease]] = []
+        stale: list[Key] = []
+        single: list[Node] = []
+        with self._lock:
+            for node in nodes:
+                loc: _Loc = node.loc
+                if loc.cancelled or node.dead:
+                    self._finish_pending(node)
+                    continue
+                lease = loc.fast_lease
+                if lease is None or lease.released or not self._fast_views:
+                    single.append(node)
+                    continue
+                loc.writing = True
+                if node.key in self._doomed:
+                    self._doomed.discard(node.key)
+                    stale.append(node.key)
+                todo.append((node, lease))
+        items: list[tuple[bytes, bytes | None, object]] = []
+        took: list[Node] = []
+        try:
+            if stale:
+                with contextlib.suppress(HostKVError):
+                    self.slow.evict(stale)
+            for node, lease in todo:
+                regions = self._view_fast(lease, node.key)
+                if regions is None:
+                    raise UnknownKeyError(f"{node.key.hex()[:16]} vanished from the fast tier")
+                data: object = regions[0].view if len(regions) == 1 else b"".join(bytes(r.view) for r in regions)
+                items.append((node.key, node.parent, data))
+                took.append(node)
+            slow = self.slow
+            assert isinstance(slow, SupportsBatch)
+            if took and len({n.salt_tag for n in took}) == 1:
+                got: list[bool | HostKVError] = slow.put_many(items, salt_tag=took[0].salt_tag)
+            else:  # several salt tags in one batch (rare): one call per page
+                got = [self.slow.put(k, p, d, salt_tag=n.salt_tag) for (k, p, d), n in zip(items, took, strict=True)]
+        except BaseException as exc:
+            # the whole call failed: every page of it is treated as a failed write-back
+            _log.warning("tiered write-back of %d pages failed: %s", len(todo), exc)
+            got = [exc if isinstance(exc, HostKVError) else HostKVError(str(exc))] * len(took)
+            took_set = {id(n) for n in took}
+            with self._lock:  # pages not reached before the failure
+                for node, _ in todo:
+                    if id(node) not in took_set:
+                        node.loc.writing = False
+                        single.append(node)
+        with self._lock:
+            for node, r in zip(took, got, strict=True):
+                ok = r is True or r is False  # False: already there (a cancelled write-back left it)
+                if not ok:
+                    _log.warning("tiered write-back of %s failed: %s", node.key.hex()[:16], r)
+                self._written_back(node, ok)
+        for node in single:
+            self._write_back_one(node)
+
+    def _written_back(self, node: Node, ok: bool) -> None:
+        """The end of a page's write-back (lock held): publish it as in the slow tier, or undo."""
+        loc: _Loc = node.loc
+        loc.writing = False
+        if loc.cancelled or node.dead:
+            # Evicted while it was being written: take it out of both tiers again.  Its
+            # parent may have been doomed too (the slow tier skipped it while this page was
+            # in flight under it); _write_back_loop purges both now that the flight is over.
+            self._finish_pending(node)
+            with contextlib.suppress(HostKVError):
+                self.fast.evict([node.key])
+            if ok:
+                self._doomed.add(node.key)
+        elif ok:
+            loc.state = _SLOW
+            self._counters["write_backs"] += 1
+            if self._slow_tree:
+                self._advance_tail("write", self.slow, node.key)
+        elif not node.dead:
+            self._counters["write_back_failures"] += 1
+            self._drop_from_tiers(self._index.drop(node.key))
+        self._finish_pending(node)
 
     def _write_back(self, node: Node) -> None:
         loc: _Loc = node.loc
@@ -684,25 +805,7 @@ class TieredProvider(Provider):
         except (CapacityError, UnknownKeyError, InFlightError, HostKVError) as exc:
             _log.warning("tiered write-back of %s failed: %s", node.key.hex()[:16], exc)
         with self._lock:
-            loc.writing = False
-            if loc.cancelled or node.dead:
-                # Evicted while it was being written: take it out of both tiers again.  Its
-                # parent may have been doomed too (the slow tier skipped it while this page was
-                # in flight under it); _write_back_loop purges both now that the flight is over.
-                self._finish_pending(node)
-                with contextlib.suppress(HostKVError):
-                    self.fast.evict([node.key])
-                if ok:
-                    self._doomed.add(node.key)
-            elif ok:
-                loc.state = _SLOW
-                self._counters["write_backs"] += 1
-                if self._slow_tree:
-                    self._advance_tail("write", self.slow, node.key)
-            elif not node.dead:
-                self._counters["write_back_failures"] += 1
-                self._drop_from_tiers(self._index.drop(node.key))
-            self._finish_pending(node)
+            self._written_back(node, ok)
 
     def _purge_doomed(self) -> None:
         """Evict from the slow tier the doomed keys the index has not taken back (lock held).
