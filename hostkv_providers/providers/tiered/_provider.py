@@ -512,7 +512,7 @@ class TieredProvider(Provider):
         """Fast-tier reservations for a prefix of ``run`` (all of it unless the fast tier is full
         even after a flush); no lock held (flush waits for the writer)."""
         got: list[Reservation] = []
-        for attempt in range(2):
+        for attempt in range(4):
             rest = run[len(got):]
             if not rest:
                 break
@@ -543,9 +543,20 @@ class TieredProvider(Provider):
                 break
             if len(got) == len(run):
                 break
-            if attempt == 0:
-                self.flush()  # pages waiting for write-back pin fast memory: let them go
+            # Pages waiting for write-back pin fast memory: wait until as many as this run still
+            # needs have gone (the writer stores them batch by batch, so the save and the
+            # write-back keep running side by side), the last time for all of them.
+            if attempt < 2:
+                self._wait_write_back_below(self._queued_pages - (len(run) - len(got)))
+            elif attempt == 2:
+                self.flush()
         return got
+
+    def _wait_write_back_below(self, pages: int) -> None:
+        """Wait (no lock held) until at most ``pages`` write-backs are queued or in progress."""
+        with self._room:
+            while self._queued_pages > max(0, pages) and self._writer.is_alive():
+                self._room.wait(0.5)
 
     def seal_many(self, reservations: Sequence[Reservation]) -> None:
         """Seal root first (see ``Provider.seal_many``): each run of fast-tier reservations with
