@@ -40,6 +40,7 @@ leaves a half-initialised slot file under its final name.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import enum
 import mmap
@@ -135,24 +136,93 @@ _GROUP_NBYTES = 1 << 20  # larger groups save few calls, and the verify pass the
 _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 #: The smallest per-call read-ahead clamp to expect (the kernel's default ``read_ahead_kb``).
 _WILLNEED_PIECE = 128 * 1024
+# Batch reads and writes of at least this many bytes are spread over a few I/O threads (preadv,
+# pwritev and XXH3 all release the GIL): several requests in flight keep a cold disk busy, and the
+# copies and hashes of a warm batch run on several cores instead of one.
+_PARALLEL_MIN_NBYTES = 8 << 20
+_IO_THREADS = max(2, min(4, os.cpu_count() or 1))
+_io_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_io_pool_pid = 0
+_io_pool_lock = threading.Lock()
+
+
+def _pool() -> concurrent.futures.ThreadPoolExecutor:
+    """The shared I/O pool of this process (a child of ``fork`` builds its own: the parent's
+    threads do not exist there)."""
+    global _io_pool, _io_pool_pid
+    pid = os.getpid()
+    with _io_pool_lock:
+        if _io_pool is None or _io_pool_pid != pid:
+            _io_pool = concurrent.futures.ThreadPoolExecutor(_IO_THREADS, thread_name_prefix="hostkv-io")
+            _io_pool_pid = pid
+        return _io_pool
+
+
+_hint_exec: concurrent.futures.ThreadPoolExecutor | None = None
+_hint_pid = 0
+
+
+def _hint_pool() -> concurrent.futures.ThreadPoolExecutor:
+    """One background thread for read-ahead hints (per process, as :func:`_pool`)."""
+    global _hint_exec, _hint_pid
+    pid = os.getpid()
+    with _io_pool_lock:
+        if _hint_exec is None or _hint_pid != pid:
+            _hint_exec = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hostkv-hint")
+            _hint_pid = pid
+        return _hint_exec
+
+
+def _spread(groups: list[tuple[int, list[int]]], nbytes: int, work: Any) -> None:
+    """Run ``work(slice_of_groups)`` for contiguous slices of ``groups``: on the I/O pool when
+    the batch is large (each thread then reads or writes one sequential sub-range, which keeps
+    the kernel's read-ahead sequential), else inline.  The first error is raised after every
+    slice finished (none is left running on buffers the caller may reuse)."""
+    n = min(_IO_THREADS, len(groups))
+    if n < 2 or nbytes < _PARALLEL_MIN_NBYTES or threading.current_thread().name.startswith("hostkv-io"):
+        work(groups)
+        return
+    step = -(-len(groups) // n)
+    futures = [_pool().submit(work, groups[i : i + step]) for i in range(step, len(groups), step)]
+    error: BaseException | None = None
+    try:
+        work(groups[:step])
+    except BaseException as exc:
+        error = exc
+    for f in futures:
+        try:
+            f.result()
+        except BaseException as exc:
+            error = error or exc
+    if error is not None:
+        raise error
 _ZERO_HEADER = bytes(SLOT_HEADER_NBYTES)
 _ZERO_KEY = bytes(KEY_NBYTES)
 
 
 def prefetch_runs(entries: Sequence[tuple[SlotFile, int, int]]) -> None:
     """:meth:`SlotFile.will_need` for entries ``(file, slot, nbytes)``, one call per run of
-    them that lies back to back in a file (the ``prefetch`` of the providers on slot files)."""
-    run: tuple[SlotFile, int, int] | None = None  # file, first byte, end
+    them that lies back to back in a file (the ``prefetch`` of the providers on slot files).
+
+    Large prefetches are issued by a background thread: ``POSIX_FADV_WILLNEED`` goes out in
+    128 KiB pieces (see :meth:`SlotFile.will_need`), ~0.1 ms of calls per MiB, which a restore
+    that prefetches its next chunk would otherwise pay on its own thread before every read."""
+    runs: list[tuple[SlotFile, int, int]] = []  # file, first byte, end
     for sf, slot, nbytes in sorted(entries, key=lambda e: (e[0].file_id, e[1])):
         lo = sf.data_offset + slot * sf.slot_nbytes
-        if run is not None and run[0] is sf and lo <= run[2]:
-            run = (sf, run[1], max(run[2], lo + nbytes))
+        if runs and runs[-1][0] is sf and lo <= runs[-1][2]:
+            runs[-1] = (sf, runs[-1][1], max(runs[-1][2], lo + nbytes))
             continue
-        if run is not None:
-            run[0].will_need(run[1], run[2] - run[1])
-        run = (sf, lo, lo + nbytes)
-    if run is not None:
-        run[0].will_need(run[1], run[2] - run[1])
+        runs.append((sf, lo, lo + nbytes))
+
+    def hint() -> None:
+        for sf, lo, hi in runs:
+            sf.will_need(lo, hi - lo)
+
+    if sum(hi - lo for _, lo, hi in runs) < _PARALLEL_MIN_NBYTES:
+        hint()
+    else:
+        _hint_pool().submit(hint)  # a hint: errors are ignored by will_need, a closed file too
 
 
 class ReadResult(enum.IntEnum):
@@ -504,24 +574,29 @@ class SlotFile:
                 lo = self.data_offset + slot * self.slot_nbytes
                 self._v()[lo : lo + nbytes] = data
             return
-        for start, group in self._groups([(slot, nbytes) for slot, nbytes, _ in runs]):
-            bufs = [runs[j][2] for j in group]
-            if digests is not None:
-                for j in group:
-                    digests[j] = digest(runs[j][2])
-            total = sum(b.nbytes for b in bufs)
-            try:
-                done = os.pwritev(self.fd, bufs, start) if len(bufs) > 1 else os.pwrite(self.fd, bufs[0], start)
-            except OSError as exc:
-                raise _fsutil.io_error(exc, f"writing slots of {self.path}") from exc
-            if done < total:  # a short write: finish page by page from where it stopped
-                pos = start
-                for b in bufs:
-                    if done < b.nbytes:
-                        _fsutil.write_all(self.fd, b[max(done, 0):], pos + max(done, 0),
-                                          f"writing slots of {self.path}")
-                    done -= b.nbytes
-                    pos += b.nbytes
+        fd = self.fd
+
+        def work(groups: Sequence[tuple[int, list[int]]]) -> None:
+            for start, group in groups:
+                bufs = [runs[j][2] for j in group]
+                if digests is not None:
+                    for j in group:
+                        digests[j] = digest(runs[j][2])
+                total = sum(b.nbytes for b in bufs)
+                try:
+                    done = os.pwritev(fd, bufs, start) if len(bufs) > 1 else os.pwrite(fd, bufs[0], start)
+                except OSError as exc:
+                    raise _fsutil.io_error(exc, f"writing slots of {self.path}") from exc
+                if done < total:  # a short write: finish page by page from where it stopped
+                    pos = start
+                    for b in bufs:
+                        if done < b.nbytes:
+                            _fsutil.write_all(fd, b[max(done, 0):], pos + max(done, 0),
+                                              f"writing slots of {self.path}")
+                        done -= b.nbytes
+                        pos += b.nbytes
+
+        _spread(self._groups([(slot, nbytes) for slot, nbytes, _ in runs]), sum(r[1] for r in runs), work)
 
     def _groups(self, runs: Sequence[tuple[int, int]]) -> list[tuple[int, list[int]]]:
         """Indices of ``runs`` ``(slot, nbytes)`` in groups whose bytes are contiguous in the file,
@@ -691,25 +766,30 @@ class SlotFile:
                 out[:] = v[lo : lo + nbytes]
                 finish((j,))
             return results
-        for start, group in self._groups([(reads[j][0], reads[j][4]) for j in live]):
-            js = [live[g] for g in group]
-            if len(js) == 1:
-                out = reads[js[0]][1]
-                if out.nbytes:
-                    self._pread_into(out, start)
+        fd = self.fd
+
+        def work(groups: Sequence[tuple[int, list[int]]]) -> None:
+            for start, group in groups:
+                js = [live[g] for g in group]
+                if len(js) == 1:
+                    out = reads[js[0]][1]
+                    if out.nbytes:
+                        self._pread_into(out, start)
+                    finish(js)
+                    continue
+                bufs = [reads[j][1] for j in js]
+                try:
+                    got = os.preadv(fd, bufs, start)
+                except OSError as exc:
+                    raise _fsutil.io_error(exc, f"reading {self.path}") from exc
+                if got < sum(b.nbytes for b in bufs):  # short: page by page from the start
+                    pos = start
+                    for b in bufs:
+                        self._pread_into(b, pos)
+                        pos += b.nbytes
                 finish(js)
-                continue
-            bufs = [reads[j][1] for j in js]
-            try:
-                got = os.preadv(self.fd, bufs, start)
-            except OSError as exc:
-                raise _fsutil.io_error(exc, f"reading {self.path}") from exc
-            if got < sum(b.nbytes for b in bufs):  # short: page by page from the start
-                pos = start
-                for b in bufs:
-                    self._pread_into(b, pos)
-                    pos += b.nbytes
-            finish(js)
+
+        _spread(self._groups([(reads[j][0], reads[j][4]) for j in live]), sum(reads[j][4] for j in live), work)
         return results
 
     def will_need(self, file_offset: int, nbytes: int) -> None:

@@ -111,6 +111,7 @@ from hostkv_providers.providers._slotfile import (
     prefetch_runs,
 )
 
+from . import _batch
 from ._env import _Shared, check_tree
 from ._format import (
     _DEFAULT_FILE_NBYTES,
@@ -622,6 +623,32 @@ class LmdbProvider(Provider):
         self._s.submit(self._abort_op(reservation.key, reservation.gen), frees=True)
         self._finish(reservation, "aborted")
         return True
+
+    # -- batches (SupportsBatch; the protocol is in _batch.py) ------------------------------
+    def put_many(self, items: Sequence[tuple[bytes, bytes | None, object]], *,
+                 salt_tag: str = "") -> list[bool | HostKVError]:
+        """Store many pages, root first: per chunk of 64 pages one write transaction reserves
+        them all, the bytes of adjacent slots go out with one ``pwritev`` (each page hashed from
+        the caller's buffer), and one transaction seals them all (``durability=sync``: one data
+        sync per slot file and one index sync per chunk).
+
+        ``items`` are ``(key, parent, data)``; a parent may be an earlier item of the same call.
+        Returns per item ``True`` (stored), ``False`` (already stored) or that item's error
+        (``InFlightError``, ``CapacityError``, ``UnknownKeyError`` — also for every item whose
+        parent failed in this call).  Raises only for whole-call failures (bad arguments, a
+        read-only store, I/O errors: then none of the current chunk is stored, earlier chunks
+        are).
+        """
+        return _batch.put_many(self, items, salt_tag)
+
+    def read_many(self, keys: Sequence[bytes], outs: Sequence[object]) -> list[bool]:
+        """Whole entries into ``outs[i]``: one read transaction for the lookups, then the slot
+        copies (one ``preadv`` per run of adjacent slots), each with ``read``'s protocol
+        (header before and after, XXH3 of ``outs[i]``); ``False`` per miss, and on a miss
+        ``outs[i]`` may hold garbage.  A checksum failure drops the entry as ``read`` does.  An
+        ``outs[i]`` smaller than its entry raises ``InvalidArgumentError`` after the others
+        were filled."""
+        return _batch.read_many(self, keys, outs)
 
     # -- reads -------------------------------------------------------------------------------
     def _read(self, k: Key, out: object, span: ByteSpan | None) -> int | Corrupt | None:

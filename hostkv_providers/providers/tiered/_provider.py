@@ -45,6 +45,7 @@ from hostkv_providers._errors import (
 from hostkv_providers._keys import Key
 from hostkv_providers._options import Option, OptionSet
 from hostkv_providers._provider import (
+    _DEFERRED,
     Corrupt,
     EntryInfo,
     EvictReport,
@@ -53,11 +54,13 @@ from hostkv_providers._provider import (
     Provider,
     ProviderStats,
     Reservation,
+    ReservedChain,
     SupportsBatch,
     SupportsBatchViews,
     SupportsIterate,
     SupportsStoreCounters,
     SupportsViews,
+    _DeferredReservation,
     check_timeout,
     scatter_into,
     writable_buffer,
@@ -87,6 +90,7 @@ _GAUGES = ("write_back_queue", "write_back_lag_ms")
 #: How often (seconds) the write-back thread publishes this instance's tiered figures into the
 #: slow tier's store-wide counters (also on flush(), store_counters() and close()).
 _PUBLISH_EVERY = 0.25
+_WRITE_BACK_BATCH = 256  # queued pages the writer stores with one put_many of the slow tier
 _PENDING = "pending"  # sealed in the fast tier, write-back queued
 _SLOW = "slow"  # in the slow tier (maybe also cached in the fast tier)
 
@@ -406,12 +410,21 @@ class TieredProvider(Provider):
     def _seal(self, res: _TieredReservation) -> None:
         inner = res.inner
         through = inner.provider is self.slow
-        # Back-pressure: wait (without any lock held) while the write-back queue is full.
         if not through:
-            with self._room:
-                while self._queued_pages >= self._queue_pages and self._writer.is_alive():
-                    self._room.wait(0.5)
+            self._wait_for_room()
         inner.provider.seal(inner)
+        self._commit_sealed(res, through)
+
+    def _wait_for_room(self) -> None:
+        """Back-pressure: wait (without any lock held) while the write-back queue is full."""
+        with self._room:
+            while self._queued_pages >= self._queue_pages and self._writer.is_alive():
+                self._room.wait(0.5)
+
+    def _commit_sealed(self, res: _TieredReservation, through: bool) -> None:
+        """Publish a reservation whose inner one is sealed: the tiered node, and (fast tier) the
+        lease that pins the only copy until the write-back has run."""
+        inner = res.inner
         fast_lease = None if through else self.fast.lease([res.key])
         with self._lock:
             if self._closed:
@@ -436,6 +449,184 @@ class TieredProvider(Provider):
                     self._queued_pages += 1
                 self._queue.put(("page", node))
 
+    # -- chain reservation -------------------------------------------------------------------
+    def reserve_many(self, keys: Sequence[bytes], parents: Sequence[bytes | None], nbytes: int, *,
+                     salt_tag: str = "") -> ReservedChain:
+        """Reserve a chain run straight in the fast tier (see ``Provider.reserve_many``), so a
+        copy engine DMAs into its (pinned) memory before the first seal.
+
+        The tiered index takes the run in one lock round (a parent may be in flight: an earlier
+        key of this call or of an earlier ``reserve_many``), then the fast tier reserves the run
+        with its own ``reserve_many``, the run's first page as a root there (the fast tier is a
+        byte cache under the tiered index; runs rooted apart stay evictable run by run).  Pages
+        the fast tier cannot take even after a ``flush`` (pending write-backs pin its memory)
+        are not refused: they get ordinary
+        buffers and are stored when sealed, by the per-page path (fast tier or written
+        through), like the base class's default; so are the pages after a parent of that kind.
+        """
+        ks = self._keys(keys)
+        if isinstance(parents, (bytes, bytearray, memoryview, str)) or len(parents) != len(ks):
+            raise InvalidArgumentError(f"{len(parents)} parents for {len(ks)} keys; give one per key")
+        checked = [self._reserve_args(k, p, nbytes, salt_tag) for k, p in zip(ks, parents, strict=True)]
+        self._check_usable()
+        out: list[Reservation | None] = []
+        error: HostKVError | None = None
+        flown: list[tuple[int, Key, Key | None]] = []  # (position in out, key, parent) in the index
+        deferred_from = len(checked)  # from here on: deferred pages (their parent is one)
+        with self._lock:
+            self._check_usable()
+            for i, (k, p, n) in enumerate(checked):
+                if p is not None and (id(self), p) in _DEFERRED:
+                    deferred_from = i
+                    break
+                if n > self._budget:
+                    error = CapacityError(f"{n} bytes exceed the whole budget of {self._budget}")
+                    break
+                try:
+                    ok, evicted = self._index.begin_chained(k, p, n)
+                except (CapacityError, InFlightError, UnknownKeyError) as exc:
+                    error = exc
+                    break
+                self._drop_from_tiers(evicted)
+                if ok:
+                    flown.append((len(out), k, p))
+                out.append(None)
+        if error is not None:
+            deferred_from = len(out)
+        inners: list[Reservation] = []
+        try:
+            inners = self._reserve_fast_run([(k, p) for _, k, p in flown], nbytes, salt_tag)
+        except BaseException:
+            with self._lock:
+                for _, k, _ in flown:
+                    self._index.cancel(k)
+            raise
+        for (j, k, p), inner in zip(flown, inners, strict=False):
+            out[j] = _TieredReservation(self, k, p, nbytes, salt_tag, inner)
+        if len(inners) < len(flown):
+            # the fast tier is full: the rest of the run is stored page by page at seal
+            with self._lock:
+                for _, k, _ in flown[len(inners):]:
+                    self._index.cancel(k)
+            for j, k, p in flown[len(inners):]:
+                out[j] = self._deferred(k, p, nbytes, salt_tag)
+        if error is None:
+            for k, p, n in checked[deferred_from:]:
+                if self.present([k])[0]:
+                    out.append(None)
+                    continue
+                if self.in_flight(k):
+                    error = InFlightError(f"key {k.hex()[:16]} is being written by another writer", key=k)
+                    break
+                out.append(self._deferred(k, p, n, salt_tag))
+        return ReservedChain(out, error)
+
+    def _deferred(self, k: Key, p: Key | None, nbytes: int, salt_tag: str) -> Reservation:
+        res = _DeferredReservation(self, k, p, nbytes, salt_tag)
+        _DEFERRED[(id(self), k)] = res
+        return res
+
+    def _reserve_fast_run(self, run: Sequence[tuple[Key, Key | None]], nbytes: int,
+                          salt_tag: str) -> list[Reservation]:
+        """Fast-tier reservations for a prefix of ``run`` (all of it unless the fast tier is full
+        even after a flush); no lock held (flush waits for the writer)."""
+        got: list[Reservation] = []
+        for attempt in range(4):
+            rest = run[len(got):]
+            if not rest:
+                break
+            ks = [k for k, _ in rest]
+            # A copy left in the fast tier by an entry evicted earlier must not dedup this one.
+            stale = [k for k, here in zip(ks, self.fast.present(ks), strict=True) if here]
+            if stale:
+                self.fast.evict(stale)
+            # Each run is a tree of its own in the fast tier: its first page lands there as a root
+            # (the tiered index keeps the real tree).  Chained onto the previous run instead, the
+            # fast tier would hold one long chain whose only leaf is the parent of the page being
+            # reserved (held): nothing evictable, so once full it could never take another page
+            # (2,000 x 4 KiB over a 2 MiB fast tier: 1,485 pages fell back to per-page stores).
+            mine = set(ks)
+            fast_parents = [None] + [p if p in mine else None for _, p in rest[1:]]
+            rc = self.fast.reserve_many(ks, fast_parents, nbytes, salt_tag=salt_tag)
+            raced = None in rc.reservations  # stored in the fast tier since the eviction above
+            for r in rc.reservations:
+                if r is None:
+                    break
+                got.append(r)
+            if raced:
+                # not ours to seal: give back what follows it; the rest is stored at seal
+                for r in rc.reservations[len(got) - (len(run) - len(rest)) + 1:]:
+                    if r is not None:
+                        with contextlib.suppress(HostKVError):
+                            self.fast.abort(r)
+                break
+            if len(got) == len(run):
+                break
+            # Pages waiting for write-back pin fast memory: wait until as many as this run still
+            # needs have gone (the writer stores them batch by batch, so the save and the
+            # write-back keep running side by side), the last time for all of them.
+            if attempt < 2:
+                self._wait_write_back_below(self._queued_pages - (len(run) - len(got)))
+            elif attempt == 2:
+                self.flush()
+        return got
+
+    def _wait_write_back_below(self, pages: int) -> None:
+        """Wait (no lock held) until at most ``pages`` write-backs are queued or in progress."""
+        with self._room:
+            while self._queued_pages > max(0, pages) and self._writer.is_alive():
+                self._room.wait(0.5)
+
+    def seal_many(self, reservations: Sequence[Reservation]) -> None:
+        """Seal root first (see ``Provider.seal_many``): each run of fast-tier reservations with
+        one ``seal_many`` of the fast tier (for ``pinned``: checksums on a few threads, commits
+        in one lock round), then their tiered nodes and write-backs; deferred pages are stored
+        and written-through reservations sealed one by one.  On failure the sealed ones are a
+        prefix and every other one is aborted."""
+        for res in reservations:
+            if not isinstance(res, Reservation) or res.provider is not self:
+                raise InvalidArgumentError("seal_many() takes reservations of this provider")
+        self._check_usable()
+        i = 0
+        try:
+            while i < len(reservations):
+                res = reservations[i]
+                if isinstance(res, _TieredReservation) and res.inner.provider is self.fast:
+                    j = i
+                    while (j < len(reservations) and isinstance(reservations[j], _TieredReservation)
+                           and reservations[j].inner.provider is self.fast):  # type: ignore[attr-defined]
+                        j += 1
+                    run: list[_TieredReservation] = [self._own_reservation(r, _TieredReservation)
+                                                     for r in reservations[i:j]]
+                    for r in run:
+                        r.check_complete()
+                    self._wait_for_room()
+                    try:
+                        self.fast.seal_many([r.inner for r in run])
+                    finally:
+                        for m, r in enumerate(run):  # a prefix is sealed in the fast tier
+                            if r.inner.state != "sealed":
+                                break
+                            try:
+                                self._commit_sealed(r, False)
+                            except BaseException:
+                                i += m
+                                raise
+                            self._tally("seals")
+                    i = j
+                elif isinstance(res, _DeferredReservation):
+                    res._store()
+                    i += 1
+                else:
+                    self.seal(res)
+                    i += 1
+        except BaseException:
+            for rest in reservations[i:]:
+                if rest.state == "open":
+                    with contextlib.suppress(HostKVError):
+                        rest.abort()
+            raise
+
     def _abort(self, reservation: _TieredReservation) -> bool:
         with self._lock:
             if reservation.state != "open":
@@ -448,38 +639,160 @@ class TieredProvider(Provider):
 
     # -- the write-back thread ---------------------------------------------------------------
     def _write_back_loop(self) -> None:
+        ahead: list[tuple[Any, ...] | None] = []  # taken off the queue while collecting pages
         while True:
             if time.monotonic() >= self._publish_at:
                 self._publish_logged()
-            try:
-                item = self._queue.get(timeout=_PUBLISH_EVERY)
-            except queue.Empty:
-                continue
+            if ahead:
+                item = ahead.pop()
+            else:
+                try:
+                    item = self._queue.get(timeout=_PUBLISH_EVERY)
+                except queue.Empty:
+                    continue
+            items: list[tuple[Any, ...] | None] = [item]
             try:
                 if item is None:
                     return
                 kind = item[0]
                 if kind == "page":
                     self._wb_since = item[1].created
-                    self._write_back(item[1])
+                    # The pages queued behind this one go out with it, in queue (= seal) order:
+                    # one put_many of the slow tier instead of a reserve/write/seal each.
+                    pages: list[Node] = [item[1]]
+                    while len(pages) < _WRITE_BACK_BATCH:
+                        try:
+                            nxt = self._queue.get_nowait()
+                        except queue.Empty:
+                            break
+                        items.append(nxt)
+                        if nxt is None or nxt[0] != "page":
+                            items.pop()
+                            ahead.append(nxt)  # an anchor or the stop: after this batch
+                            break
+                        pages.append(nxt[1])
+                    if len(pages) == 1 or not isinstance(self.slow, SupportsBatch):
+                        for node in pages:
+                            self._write_back_one(node)
+                    else:
+                        self._write_back_many(pages)
                 elif kind == "anchor":
-                    self._write_anchor(item[1], item[2], item[3])
-            except BaseException as exc:  # keep the writer alive; the entry is dropped
-                self._writer_error = exc
-                _log.error("tiered write-back failed: %r", exc)
-                if item is not None and item[0] == "page":
-                    with self._lock:
-                        if not item[1].dead:
-                            self._drop_from_tiers(self._index.drop(item[1].key))
-                        self._finish_pending(item[1])
+                    try:
+                        self._write_anchor(item[1], item[2], item[3])
+                    except BaseException as exc:  # keep the writer alive
+                        self._writer_error = exc
+                        _log.error("tiered write-back of an anchor failed: %r", exc)
             finally:
-                if item is not None and item[0] == "page":
+                npages = sum(1 for it in items if it is not None and it[0] == "page")
+                if npages:
                     self._wb_since = 0.0
                     self._purge_doomed_logged()
                     with self._room:
-                        self._queued_pages -= 1
+                        self._queued_pages -= npages
                         self._room.notify_all()
-                self._queue.task_done()
+                for _ in items:
+                    self._queue.task_done()
+
+    def _write_back_one(self, node: Node) -> None:
+        try:
+            self._write_back(node)
+        except BaseException as exc:  # keep the writer alive; the entry is dropped
+            self._writer_failed(node, exc)
+
+    def _writer_failed(self, node: Node, exc: BaseException) -> None:
+        self._writer_error = exc
+        _log.error("tiered write-back failed: %r", exc)
+        with self._lock:
+            if not node.dead:
+                self._drop_from_tiers(self._index.drop(node.key))
+            self._finish_pending(node)
+
+    def _write_back_many(self, nodes: Sequence[Node]) -> None:
+        """:meth:`_write_back` for a run of queued pages with one ``put_many`` of the slow tier.
+
+        The per-page rules hold: a page evicted before its turn is skipped; one evicted while
+        the batch is being stored is made doomed afterwards (evicted from the slow tier again,
+        as a per-page write-back evicted between its last check and its seal is); a stale copy
+        of an earlier, evicted entry is replaced.  Pages that are not one contiguous region of
+        the fast tier go page by page."""
+        todo: list[tuple[Node, Lease]] = []
+        stale: list[Key] = []
+        single: list[Node] = []
+        with self._lock:
+            for node in nodes:
+                loc: _Loc = node.loc
+                if loc.cancelled or node.dead:
+                    self._finish_pending(node)
+                    continue
+                lease = loc.fast_lease
+                if lease is None or lease.released or not self._fast_views:
+                    single.append(node)
+                    continue
+                loc.writing = True
+                if node.key in self._doomed:
+                    self._doomed.discard(node.key)
+                    stale.append(node.key)
+                todo.append((node, lease))
+        items: list[tuple[bytes, bytes | None, object]] = []
+        took: list[Node] = []
+        try:
+            if stale:
+                with contextlib.suppress(HostKVError):
+                    self.slow.evict(stale)
+            for node, lease in todo:
+                regions = self._view_fast(lease, node.key)
+                if regions is None:
+                    raise UnknownKeyError(f"{node.key.hex()[:16]} vanished from the fast tier")
+                data: object = regions[0].view if len(regions) == 1 else b"".join(bytes(r.view) for r in regions)
+                items.append((node.key, node.parent, data))
+                took.append(node)
+            slow = self.slow
+            assert isinstance(slow, SupportsBatch)
+            if took and len({n.salt_tag for n in took}) == 1:
+                got: list[bool | HostKVError] = slow.put_many(items, salt_tag=took[0].salt_tag)
+            else:  # several salt tags in one batch (rare): one call per page
+                got = [self.slow.put(k, p, d, salt_tag=n.salt_tag) for (k, p, d), n in zip(items, took, strict=True)]
+        except BaseException as exc:
+            # the whole call failed: every page of it is treated as a failed write-back
+            _log.warning("tiered write-back of %d pages failed: %s", len(todo), exc)
+            got = [exc if isinstance(exc, HostKVError) else HostKVError(str(exc))] * len(took)
+            took_set = {id(n) for n in took}
+            with self._lock:  # pages not reached before the failure
+                for node, _ in todo:
+                    if id(node) not in took_set:
+                        node.loc.writing = False
+                        single.append(node)
+        with self._lock:
+            for node, r in zip(took, got, strict=True):
+                ok = r is True or r is False  # False: already there (a cancelled write-back left it)
+                if not ok:
+                    _log.warning("tiered write-back of %s failed: %s", node.key.hex()[:16], r)
+                self._written_back(node, ok)
+        for node in single:
+            self._write_back_one(node)
+
+    def _written_back(self, node: Node, ok: bool) -> None:
+        """The end of a page's write-back (lock held): publish it as in the slow tier, or undo."""
+        loc: _Loc = node.loc
+        loc.writing = False
+        if loc.cancelled or node.dead:
+            # Evicted while it was being written: take it out of both tiers again.  Its
+            # parent may have been doomed too (the slow tier skipped it while this page was
+            # in flight under it); _write_back_loop purges both now that the flight is over.
+            self._finish_pending(node)
+            with contextlib.suppress(HostKVError):
+                self.fast.evict([node.key])
+            if ok:
+                self._doomed.add(node.key)
+        elif ok:
+            loc.state = _SLOW
+            self._counters["write_backs"] += 1
+            if self._slow_tree:
+                self._advance_tail("write", self.slow, node.key)
+        elif not node.dead:
+            self._counters["write_back_failures"] += 1
+            self._drop_from_tiers(self._index.drop(node.key))
+        self._finish_pending(node)
 
     def _write_back(self, node: Node) -> None:
         loc: _Loc = node.loc
@@ -532,25 +845,7 @@ class TieredProvider(Provider):
         except (CapacityError, UnknownKeyError, InFlightError, HostKVError) as exc:
             _log.warning("tiered write-back of %s failed: %s", node.key.hex()[:16], exc)
         with self._lock:
-            loc.writing = False
-            if loc.cancelled or node.dead:
-                # Evicted while it was being written: take it out of both tiers again.  Its
-                # parent may have been doomed too (the slow tier skipped it while this page was
-                # in flight under it); _write_back_loop purges both now that the flight is over.
-                self._finish_pending(node)
-                with contextlib.suppress(HostKVError):
-                    self.fast.evict([node.key])
-                if ok:
-                    self._doomed.add(node.key)
-            elif ok:
-                loc.state = _SLOW
-                self._counters["write_backs"] += 1
-                if self._slow_tree:
-                    self._advance_tail("write", self.slow, node.key)
-            elif not node.dead:
-                self._counters["write_back_failures"] += 1
-                self._drop_from_tiers(self._index.drop(node.key))
-            self._finish_pending(node)
+            self._written_back(node, ok)
 
     def _purge_doomed(self) -> None:
         """Evict from the slow tier the doomed keys the index has not taken back (lock held).

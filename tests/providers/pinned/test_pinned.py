@@ -607,3 +607,83 @@ def test_read_many_drops_a_corrupt_entry_and_fills_the_rest(closing: list[Provid
     assert p.present(more) == [True, True]  # a short buffer is the caller's error, not corruption
     with pytest.raises(InvalidArgumentError):
         p.read_many(more, small[:1])  # one buffer per key
+
+
+def _resident_fraction(alloc: HostAllocation) -> float:
+    """Share of an allocation's 4 KiB pages that are in memory (``mincore``)."""
+    import ctypes
+    import mmap as _mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    npages = -(-alloc.view.nbytes // _mmap.PAGESIZE)
+    vec = (ctypes.c_ubyte * npages)()
+    assert libc.mincore(alloc.address, alloc.view.nbytes, vec) == 0, ctypes.get_errno()
+    return sum(b & 1 for b in vec) / npages
+
+
+def _populate_write_supported() -> bool:
+    import ctypes
+    import mmap as _mmap
+
+    from hostkv_providers.device._hostmem import _MADV_POPULATE_WRITE, _madvise_fn
+
+    m = _mmap.mmap(-1, _mmap.PAGESIZE)
+    try:
+        addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
+        ok = bool(_madvise_fn()(addr, _mmap.PAGESIZE, _MADV_POPULATE_WRITE) == 0)
+        return ok
+    finally:
+        m.close()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_POPULATE_WRITE is Linux-only")
+def test_prefault_faults_the_arena_in_while_writes_race_it(closing: list[Provider]) -> None:
+    if not _populate_write_supported():
+        pytest.skip("kernel without MADV_POPULATE_WRITE (< 5.14): first touch faults, as without prefault")
+    made: list[HostAllocation] = []
+
+    class _Recording:
+        pinned = False
+
+        def allocate(self, nbytes: int) -> HostAllocation:
+            made.append(OrdinaryAllocator(huge_pages=False).allocate(nbytes))
+            return made[-1]
+
+    p = PinnedProvider(1024 * PAGE, block=PAGE, chunk=256 * PAGE, allocator=_Recording(), background=True)
+    closing.append(p)
+    keys = chain("prefault-race", 300)
+    put_chain(p, keys, PAGE)  # writes into the chunks the prefault thread is walking
+    assert p.wait_prefaulted(30)
+    assert p.wait_ready(30) and len(made) == 4
+    assert all(_resident_fraction(a) == 1.0 for a in made)  # the whole budget, not just what was written
+    assert [p.read_bytes(k) for k in keys] == [page_bytes(k, PAGE) for k in keys]
+    assert p.verify().ok
+
+
+def test_prefault_off_leaves_untouched_memory_unfaulted(closing: list[Provider]) -> None:
+    made: list[HostAllocation] = []
+
+    class _Recording:
+        pinned = False
+
+        def allocate(self, nbytes: int) -> HostAllocation:
+            made.append(OrdinaryAllocator(huge_pages=False).allocate(nbytes))
+            return made[-1]
+
+    p = PinnedProvider(512 * PAGE, block=PAGE, chunk=256 * PAGE, allocator=_Recording(), background=False,
+                       prefault=False)
+    closing.append(p)
+    assert p.wait_prefaulted(0)  # nothing to wait for
+    put_page(p, key_of("prefault-off"), None, PAGE)
+    assert len(made) == 2 and _resident_fraction(made[1]) == 0.0
+    q = PinnedProvider.from_url("", {"budget": "1MiB", "prefault": "false", "pin": "no"})
+    closing.append(q)
+    assert q.wait_prefaulted(0)
+
+
+def test_close_during_prefault_is_clean(closing: list[Provider]) -> None:
+    p = PinnedProvider(64 << 20, block=64 << 10, allocator=OrdinaryAllocator(), background=True)
+    put_page(p, key_of("prefault-close"), None, 64 << 10)
+    p.close()  # joins the prefault thread before the chunks are unmapped
+    assert p.wait_prefaulted(0)

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import hostkv_providers as hk
+import hostkv_providers.providers.tiered._provider as tiered_mod
 from hostkv_providers import CapacityError, InvalidArgumentError, PinnedProvider, Provider
 from hostkv_providers._keys import Key
 from hostkv_providers._provider import Reservation
@@ -354,12 +355,14 @@ def _pause_after_slow_seal(t: TieredProvider, target: Key) -> tuple[threading.Ev
 @pytest.mark.parametrize("how", ["keys", "nbytes"])
 @pytest.mark.parametrize("paused", ["child", "root", "root-sealed"])
 def test_eviction_racing_write_back_does_not_resurrect(tmp_path: Path, slow_kind: str, how: str,
-                                                      paused: str) -> None:
+                                                      paused: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """seal K7, seal K4 under K7, evict both while a write-back is mid-way, close, reopen: both
-    stay evicted.  ``child``: K7 is written back and K4's slow-tier reservation is in flight when
+    stay evicted (the per-page write-back; the batched one: the last test of the file).
+    ``child``: K7 is written back and K4's slow-tier reservation is in flight when
     the eviction comes (the slow tier then refuses to evict K7, a parent of an in-flight page);
     ``root``: K7's own write-back is in flight; ``root-sealed``: K7 has just landed in the slow
     tier, but its writer has not seen the eviction yet."""
+    monkeypatch.setattr(tiered_mod, "_WRITE_BACK_BATCH", 1)  # the hooks sit in the per-page path
     budget = 16 * PAGE
 
     def make() -> TieredProvider:
@@ -402,10 +405,12 @@ def test_eviction_racing_write_back_does_not_resurrect(tmp_path: Path, slow_kind
 
 @pytest.mark.parametrize("slow_kind", _SLOW_KINDS)
 def test_close_with_queued_write_backs_uses_no_released_lease(tmp_path: Path, slow_kind: str,
-                                                             caplog: pytest.LogCaptureFixture) -> None:
+                                                             caplog: pytest.LogCaptureFixture,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """Evicting pages whose write-backs are queued or in flight, then closing, writes nothing
     with a released fast-tier lease (no failed write-back is logged) and keeps what was not
     evicted."""
+    monkeypatch.setattr(tiered_mod, "_WRITE_BACK_BATCH", 1)  # the hook sits in the per-page path
     budget = 32 * PAGE
     keys = chain("close-race", 12)
     t = TieredProvider(_pinned(budget), _open_slow(slow_kind, tmp_path / "slow", 2 * budget), budget_bytes=budget)
@@ -448,5 +453,135 @@ def test_prefetch_forwards_only_what_only_the_slow_tier_holds(tmp_path: Path) ->
         t2.read_many(keys[:2], [bytearray(PAGE), bytearray(PAGE)])  # promoted: in the fast tier
         t2.prefetch([*keys, key_of("prefetch-miss")])
         assert asked == [keys[2:]]
+    finally:
+        t2.close()
+
+
+# ------------------------------------------------------------------------------------------
+# chain reservation straight into the fast tier (reserve_many / seal_many)
+# ------------------------------------------------------------------------------------------
+
+
+def _fill(res: Reservation) -> None:
+    data = np.frombuffer(page_bytes(res.key, res.nbytes), np.uint8)
+    for r in res.regions():
+        np.frombuffer(r.view, np.uint8)[:] = data[r.offset : r.offset + r.view.nbytes]
+    res.mark_written()
+
+
+def test_reserve_many_lands_in_the_fast_tier_and_is_written_back(tiered: TieredProvider) -> None:
+    keys = chain("rm-fast", 12)
+    first = tiered.reserve_many(keys[:6], [None, *keys[:5]], PAGE)
+    second = tiered.reserve_many(keys[6:], keys[5:11], PAGE)  # its first parent is still in flight
+    assert first.error is None and second.error is None
+    ress = [r for r in (*first.reservations, *second.reservations) if r is not None]
+    assert len(ress) == 12
+    # every page is a real reservation of the fast tier (its memory, for a DMA), chained there
+    assert [tiered.fast.in_flight(k) for k in keys] == [True] * 12
+    for r in ress:
+        _fill(r)
+    assert tiered.present(keys) == [False] * 12 and tiered.fast.present(keys) == [False] * 12
+    tiered.seal_many(ress[:6])
+    tiered.seal_many(ress[6:])
+    assert tiered.longest_prefix(keys) == 12
+    assert tiered.fast.present(keys) == [True] * 12
+    # each run is its own tree in the fast tier (evictable run by run); the tiered index has the chain
+    assert tiered.fast.entry(keys[6]).parent is None and tiered.fast.entry(keys[7]).parent == keys[6]  # type: ignore[union-attr]
+    assert tiered.entry(keys[6]).parent == keys[5]  # type: ignore[union-attr]
+    assert tiered.flush(60)
+    assert tiered.slow.longest_prefix(keys) == 12
+    assert all(tiered.slow.read_bytes(k) == page_bytes(k, PAGE) for k in keys)
+    st = tiered.stats()
+    assert st.extra["write_backs"] == 12 and st.extra["write_through"] == 0
+
+
+def test_reserve_many_past_a_full_fast_tier_stores_the_rest_at_seal(tmp_path: Path) -> None:
+    # the fast tier holds 8 pages, the chain has 40: its tail cannot be reserved there at once
+    t = TieredProvider(_pinned(8 * PAGE), _pinned(128 * PAGE), budget_bytes=64 * PAGE)
+    try:
+        keys = chain("rm-small-fast", 40)
+        used = t.stats().used_bytes
+        rc = t.reserve_many(keys, [None, *keys[:-1]], PAGE)
+        assert rc.error is None and len(rc) == 40 and all(r is not None for r in rc.reservations)
+        assert sum(t.fast.in_flight(k) for k in keys) == 8  # the rest wait in ordinary buffers
+        assert t.present(keys) == [False] * 40
+        ress = [r for r in rc.reservations if r is not None]
+        for r in ress:
+            _fill(r)
+        t.seal_many(ress)
+        assert t.longest_prefix(keys) == 40
+        assert all(t.read_bytes(k) == page_bytes(k, PAGE) for k in keys)
+        assert t.flush(60) and t.slow.longest_prefix(keys) == 40
+        # and an abort of an unsealed run leaves nothing behind
+        more = chain("rm-small-fast-abort", 20)
+        rc = t.reserve_many(more, [None, *more[:-1]], PAGE)
+        for r in rc.reservations:
+            assert r is not None
+            r.abort()
+        assert t.present(more) == [False] * 20 and not any(t.fast.in_flight(k) for k in more)
+        assert t.stats().used_bytes == used + 40 * PAGE
+    finally:
+        t.close()
+
+
+def test_seal_many_of_a_run_with_an_unsealed_parent_aborts_the_rest(tiered: TieredProvider) -> None:
+    keys = chain("rm-orphaned", 6)
+    rc = tiered.reserve_many(keys, [None, *keys[:-1]], PAGE)
+    ress = [r for r in rc.reservations if r is not None]
+    for r in ress:
+        _fill(r)
+    ress[0].abort()
+    with pytest.raises(hk.HostKVError):
+        tiered.seal_many(ress[1:])
+    assert all(r.state == "aborted" for r in ress)
+    assert tiered.present(keys) == [False] * 6 and not any(tiered.fast.in_flight(k) for k in keys)
+    assert tiered.stats().used_bytes == 0
+
+
+@pytest.mark.parametrize("slow_kind", _SLOW_KINDS)
+def test_eviction_racing_a_batched_write_back_does_not_resurrect(tmp_path: Path, slow_kind: str) -> None:
+    """The writer stores queued pages with one ``put_many``: evict a chain while that call is
+    about to run (its pages taken off the queue, not yet in the slow tier), let it go on, close,
+    reopen: the evicted pages are in neither tier, the rest stays."""
+    budget = 64 * PAGE
+    keys = chain("batch-race", 12)
+
+    def make() -> TieredProvider:
+        return TieredProvider(_pinned(budget), _open_slow(slow_kind, tmp_path / "slow", 2 * budget),
+                              budget_bytes=budget)
+
+    t = make()
+    entered, go = threading.Event(), threading.Event()
+    batches: list[int] = []
+    orig = t.slow.put_many  # type: ignore[attr-defined]
+
+    def put_many(items: list[tuple[bytes, bytes | None, object]], *, salt_tag: str = "") -> list[object]:
+        batches.append(len(items))
+        if threading.current_thread() is t._writer and not entered.is_set():
+            entered.set()
+            assert go.wait(60), "the test never let the write-back go on"
+        return orig(items, salt_tag=salt_tag)  # type: ignore[no-any-return]
+
+    try:
+        # hold the writer on a page of its own so that the chain queues up behind it: a batch
+        first = key_of("batch-race-first")
+        pause, resume = _pause_slow_reserve(t, first)
+        t.put(first, None, page_bytes(first, PAGE))
+        assert pause.wait(60)
+        put_chain(t, keys, PAGE)
+        t.slow.put_many = put_many  # type: ignore[attr-defined]
+        resume.set()
+        assert entered.wait(60)
+        assert t.evict([keys[6]]).entries == 6
+        go.set()
+        assert t.flush(60)
+        assert max(batches) > 1  # the write-back really was batched
+        assert t.slow.present(keys) == [True] * 6 + [False] * 6
+    finally:
+        t.close()
+    t2 = make()
+    try:
+        assert t2.present(keys) == [True] * 6 + [False] * 6
+        assert all(t2.read_bytes(k) == page_bytes(k, PAGE) for k in keys[:6])
     finally:
         t2.close()
