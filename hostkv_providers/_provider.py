@@ -60,6 +60,7 @@ __all__ = [
     "SupportsViews",
     "VerifyReport",
     "check_anchor_name",
+    "check_retain_share",
     "readable_bytes",
     "writable_buffer",
 ]
@@ -153,6 +154,14 @@ class ProviderStats:
         out = {k: getattr(self, k) for k in self.__slots__ if k != "extra"}
         out.update(self.extra)
         return out
+
+
+def check_retain_share(value: object) -> float:
+    """Validate the ``retain_share`` option (``SupportsRetain``): a fraction in (0, 1]."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise InvalidArgumentError(f"retain_share must be a fraction in (0, 1], got {value!r}",
+                                   hint="e.g. retain_share=0.5: at most half the budget may be retained")
+    return float(value)
 
 
 def check_anchor_name(name: object) -> str:

@@ -52,6 +52,7 @@ from hostkv_providers._provider import (
     SupportsViews,
     VerifyReport,
     check_anchor_name,
+    check_retain_share,
     readable_bytes,
     writable_buffer,
 )
@@ -66,7 +67,7 @@ from hostkv_providers._registry import (
     provider_class,
 )
 from hostkv_providers._span import ByteSpan
-from hostkv_providers.providers._tree import Node, TreeIndex
+from hostkv_providers.providers._tree import TreeIndex
 from hostkv_providers.providers.pinned import MappedPinnedProvider, MirrorHandle, PinnedProvider, StreamFence
 
 if TYPE_CHECKING:
@@ -117,7 +118,6 @@ __all__ = [
     "MappedPinnedProvider",
     "MirrorHandle",
     "MmapProvider",
-    "Node",
     "Option",
     "OptionSet",
     "Options",
@@ -145,6 +145,7 @@ __all__ = [
     "as_key",
     "available_providers",
     "check_anchor_name",
+    "check_retain_share",
     "checksum",
     "checksum_parts",
     "format_size",
