@@ -259,6 +259,12 @@ class TreeIndex:
         self.sealed_cost = int(self.cost[:n].sum()) if n else 0
         self.used_cost = self.sealed_cost
         self.clock = max(self.clock, int(self.tick[:n].max()) + 1 if n else 1)
+        self.count_retained()
+
+    def count_retained(self) -> None:
+        """Recount the retained rows and their cover from the ``retained`` column (after a load)."""
+        n = self.n
+        self.retained[:n] &= self.alive[:n]
         self.rcover[:n] = 0
         self.retained_count = 0
         self.retained_cost = 0

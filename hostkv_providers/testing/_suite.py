@@ -22,7 +22,7 @@ Usage (in a provider's test module)::
 Every test checks one rule of the :class:`~hostkv_providers.Provider` docstring or of DESIGN.md
 ("Invariants every provider keeps").  The tests live by family in ``testing/_families/`` (one
 mixin each: basics, eviction, leases, writes, anchors, misuse, lifecycle, persistence, optional
-powers, checksums, the stateful model); ``ProviderTests`` is all of them.  Tests that need an
+powers, retained prefixes, checksums, the stateful model); ``ProviderTests`` is all of them.  Tests that need an
 optional power (``iterate``, ``verify``, ``views``, reopen) skip, never fail, when the provider
 lacks it; the backdoors are required for a persistent provider.  Page contents are a PRNG of the
 key (:func:`page_bytes`), so a wrong byte anywhere is caught by recomputation.
@@ -42,6 +42,7 @@ from hostkv_providers.testing._families._misuse import MisuseTests
 from hostkv_providers.testing._families._model import StatefulTests
 from hostkv_providers.testing._families._persistence import PersistenceTests
 from hostkv_providers.testing._families._powers import CapabilityTests
+from hostkv_providers.testing._families._retain import RetainTests
 from hostkv_providers.testing._families._writes import WriteTests
 
 
@@ -55,6 +56,7 @@ class ProviderTests(
     LifecycleTests,
     PersistenceTests,
     CapabilityTests,
+    RetainTests,
     ChecksumTests,
     StatefulTests,
     BatchChainTests,

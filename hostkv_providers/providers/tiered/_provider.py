@@ -7,13 +7,18 @@ Reads and restores are served from the fast tier when it holds the page; pages f
 slow tier are read from there and *promoted* into the fast tier.  A restart keeps the slow tier:
 the tiered index is rebuilt from it on open.
 
-Membership, LRU order, leases, in-flight reservations and the budget are kept by the tiered
-provider itself (one ``TreeIndex``), so the composite behaves exactly like a single provider —
+Membership, LRU order, leases, retained marks, in-flight reservations and the budget are kept by
+the tiered provider itself (one ``TreeIndex``), so the composite behaves exactly like a single provider —
 evictions are decided synchronously when space is reserved and then applied to both tiers.  The
 tiers are storage: the slow tier must hold at least the tiered budget (it then never evicts on its
 own), the fast tier may be smaller (it evicts promoted copies by its own LRU; pages still waiting
 for write-back are pinned in it).  When the fast tier cannot take a new page, it is written
 straight through to the slow tier.
+
+Retained entries (``SupportsRetain``): the marks are kept in the tiered index (so the composite
+never evicts them) and in the slow tier, which persists them (a reopen marks them again); the
+fast tier is a cache and may drop its copies of retained pages, which then stay readable from
+the slow tier (and are promoted again on read).
 
 One process owns a tiered store (``multiprocess = False``): other processes must not write to
 its slow tier while it is open.
@@ -56,11 +61,13 @@ from hostkv_providers._provider import (
     SupportsBatch,
     SupportsBatchViews,
     SupportsIterate,
+    SupportsRetain,
     SupportsViews,
+    check_retain_share,
     writable_buffer,
 )
 from hostkv_providers._span import ByteSpan
-from hostkv_providers.providers._tree import Node, TreeIndex
+from hostkv_providers.providers._tree import TreeIndex
 
 __all__ = ["TieredProvider"]
 
@@ -77,22 +84,33 @@ _log = logging.getLogger(__name__)  # the writer thread logs; warnings could be 
 
 _EXTRA_COUNTERS = frozenset(("promotions", "write_backs", "write_back_failures", "write_through", "fast_hits",
                              "slow_hits"))
-_PENDING = "pending"  # sealed in the fast tier, write-back queued
-_SLOW = "slow"  # in the slow tier (maybe also cached in the fast tier)
 
 
-class _Loc:
-    """Where a tiered entry's bytes are; ``Node.loc`` of the tiered index."""
+class _Ent:
+    """A transient snapshot of one index row (taken under the lock, for work done without it)."""
 
-    __slots__ = ("anchors", "cancelled", "fast_lease", "state", "unsynced", "writing")
+    __slots__ = ("gen", "key", "nbytes", "parent", "row", "tag")
 
-    def __init__(self, state: str, fast_lease: Lease | None = None) -> None:
-        self.state = state
+    def __init__(self, idx: TreeIndex, row: int) -> None:
+        self.row = row
+        self.gen = int(idx.gen[row])
+        self.key = idx.key_of(row)
+        self.parent = idx.parent_key(row)
+        self.nbytes = int(idx.nbytes[row])
+        self.tag = idx.tag_of(row)
+
+
+class _Pending(_Ent):
+    """A page sealed in the fast tier whose write-back is queued (only these have an object:
+    at most ``queue`` pages plus those written through; every other entry is columns only)."""
+
+    __slots__ = ("cancelled", "fast_lease", "writing")
+
+    def __init__(self, idx: TreeIndex, row: int, fast_lease: Lease | None) -> None:
+        super().__init__(idx, row)
         self.fast_lease = fast_lease  # pins the only copy until it is written back
         self.cancelled = False  # evicted before its write-back ran
         self.writing = False  # the writer is copying it out of the fast tier right now
-        self.anchors: dict[str, int] = {}  # name -> nbytes (the bytes live in the slow tier)
-        self.unsynced: dict[str, bytes] = {}  # anchors queued for the slow tier, not written yet
 
 
 class _TieredReservation(Reservation):
@@ -113,12 +131,13 @@ class _TieredReservation(Reservation):
 
 
 class _LeaseToken:
-    __slots__ = ("fast", "keys", "nodes")
+    __slots__ = ("fast", "gens", "keys", "rows")
 
-    def __init__(self, nodes: list[Node | None], fast: Lease | None) -> None:
-        self.nodes = nodes
+    def __init__(self, rows: list[int], gens: list[int], keys: frozenset[Key], fast: Lease | None) -> None:
+        self.rows = rows
+        self.gens = gens
         self.fast = fast
-        self.keys = frozenset(n.key for n in nodes if n is not None)  # O(1) membership for view()
+        self.keys = keys  # O(1) membership for view()
 
 
 class TieredProvider(Provider):
@@ -150,13 +169,15 @@ class TieredProvider(Provider):
         Option("budget", "size", None, "the slow tier's budget"),
         Option("queue", "int", 1024, "1024"),
         Option("promote", "bool", True, "true"),
+        Option("retain_share", "number", 0.5, "0.5"),
     )
     _reservation_type = _TieredReservation
     persistent = True  # the slow tier is
 
     def __init__(self, fast: Provider, slow: Provider, *, budget_bytes: int | None = None, queue_pages: int = 1024,
-                 promote: bool = True, own_tiers: bool = True) -> None:
+                 promote: bool = True, own_tiers: bool = True, retain_share: float = 0.5) -> None:
         super().__init__()
+        self._retain_share = check_retain_share(retain_share)
         if not isinstance(fast, Provider) or not isinstance(slow, Provider):
             raise InvalidArgumentError("fast and slow must be Provider instances")
         if fast is slow:
@@ -180,6 +201,9 @@ class TieredProvider(Provider):
         self._own = own_tiers
         self._lock = threading.RLock()
         self._index = TreeIndex(budget)
+        # write-backs queued or running, by the entry's gen (rows are recycled, gens are not)
+        self._pend: dict[int, _Pending] = {}
+        self._unsynced: dict[int, dict[str, bytes]] = {}  # gen -> anchors queued for the slow tier
         self._queue: queue.Queue[tuple[Any, ...] | None] = queue.Queue()
         self._room = threading.Condition(threading.Lock())
         self._queued_pages = 0
@@ -198,6 +222,7 @@ class TieredProvider(Provider):
         # skipped for tiers with their own index (lmdb leases are transactions).
         self._tails: dict[str, tuple[Key, Lease]] = {}
         self._slow_tree = isinstance(getattr(slow, "_index", None), TreeIndex)
+        self._slow_retain = isinstance(slow, SupportsRetain)
         self._fast_views = isinstance(fast, SupportsViews)  # a Protocol check is slow: once
         self._fast_batch_views = isinstance(fast, SupportsBatchViews)
         self._fast_batch = isinstance(fast, SupportsBatch)
@@ -214,6 +239,7 @@ class TieredProvider(Provider):
 
         o = cls.OPTIONS.parse(options)
         fast_url, slow_url, budget, queue_pages, promote = o["fast"], o["slow"], o["budget"], o["queue"], o["promote"]
+        share = check_retain_share(o["retain_share"])
         if location not in ("", "/"):
             raise InvalidArgumentError(f"tiered:// takes no path, got {location!r}",
                                        hint="tiered://?fast=<url-encoded URL>&slow=<url-encoded URL>")
@@ -231,7 +257,7 @@ class TieredProvider(Provider):
             raise
         try:
             return cls(fast, slow, budget_bytes=budget,
-                       queue_pages=queue_pages, promote=promote, own_tiers=True)
+                       queue_pages=queue_pages, promote=promote, own_tiers=True, retain_share=share)
         except BaseException:
             fast.close()
             slow.close()
@@ -243,9 +269,10 @@ class TieredProvider(Provider):
         order = sorted(infos.values(), key=lambda i: (i.last_used, i.created))
         done: set[Key] = set()
         dropped: list[Key] = []
-        # The node added last stays held: a chain's next page then costs O(1) in the index
-        # (holding an unheld parent walks up every unheld ancestor).
-        tail: list[Node | None] = []
+        idx = self._index
+        # The row added last stays held: a chain's next page then costs O(1) in the index.
+        tail: list[int] = []
+        tail_gen: list[int] = []
 
         def add(info: EntryInfo) -> None:
             chain = [info]
@@ -259,25 +286,28 @@ class TieredProvider(Provider):
                     continue
                 cost = i.nbytes + sum(i.anchors.values())
                 try:
-                    _, evicted = self._index.begin(i.key, i.parent, cost)
+                    _, evicted, _ = idx.begin(i.key, i.parent, cost)
                 except (CapacityError, UnknownKeyError):
                     dropped.append(i.key)
                     return
-                for n in evicted:
-                    dropped.append(n.key)
-                node = Node(i.key, i.parent, i.nbytes, 0, i.salt_tag, i.checksum, _Loc(_SLOW), i.created)
-                node.loc.anchors = dict(i.anchors)
-                self._index.commit(i.key, node)
-                node.last_used = i.last_used
+                dropped.extend(idx.key_of(r) for r in evicted)
+                self._recycle(evicted)
+                row = idx.commit(i.key, nbytes=i.nbytes, csum=i.checksum, tag=i.salt_tag, created=i.created)
+                if i.anchors:
+                    idx.anchors[row] = dict(i.anchors)
+                idx.used[row] = i.last_used
                 done.add(i.key)
-                held = self._index.hold_keys([i.key])
-                self._index.release_nodes(tail)
-                tail[:] = held
+                idx.hold_rows([row])
+                idx.release_rows(tail, tail_gen)
+                tail[:], tail_gen[:] = [row], [int(idx.gen[row])]
 
         for info in order:
             if info.key not in done:
                 add(info)
-        self._index.release_nodes(tail)
+        idx.release_rows(tail, tail_gen)
+        marked = [r for r in idx.rows_of([i.key for i in infos.values() if i.retained]) if r >= 0]
+        if marked:  # the slow tier keeps the marks: they hold again (its share was checked when set)
+            idx.retain_rows(marked, 1 << 62)
         if dropped:  # the store held more than this budget: trim it now
             self.slow.evict(dropped)
 
@@ -297,18 +327,18 @@ class TieredProvider(Provider):
         self._check_usable()  # before the lock: a forked child must not wait on a copied lock
         with self._lock:
             self._check_usable()
-            nodes = self._index.nodes
-            return [k in nodes for k in ks]
+            contains = self._index.contains_fn
+            return [contains(k) for k in ks]
 
     def _longest_prefix(self, keys: Sequence[bytes]) -> int:
         ks = self._keys(keys)
         self._check_usable()  # before the lock: a forked child must not wait on a copied lock
         with self._lock:
             self._check_usable()
-            nodes = self._index.nodes
+            contains = self._index.contains_fn
             n = 0
             for k in ks:
-                if k not in nodes:
+                if not contains(k):
                     break
                 n += 1
             return n
@@ -317,15 +347,50 @@ class TieredProvider(Provider):
         self._check_usable()  # before the lock: a forked child must not wait on a copied lock
         with self._lock:
             self._check_usable()
-            node = self._index.get(k)
-            return None if node is None else _info(node)
+            row = self._index.row_of(k)
+            return None if row < 0 else _info(self._index, row)
 
     def iter_entries(self) -> Iterator[EntryInfo]:
         self._check_usable()  # before the lock: a forked child must not wait on a copied lock
         with self._lock:
             self._check_usable()
-            infos = [_info(n) for n in self._index]
+            idx = self._index
+            infos = [_info(idx, int(r)) for r in idx.live_rows()]
         return iter(infos)
+
+    # -- retained entries (SupportsRetain) ---------------------------------------------------
+    def retain(self, keys: Sequence[bytes]) -> int:
+        """Mark entries retained (see ``SupportsRetain``) in the tiered index and, after the
+        queued write-backs have landed, in the slow tier, which keeps the marks across restarts."""
+        ks = self._keys(keys)
+        self._check_usable()
+        if not self._slow_retain:
+            raise InvalidArgumentError(f"the slow tier ({self.slow.name}) cannot keep retain marks",
+                                       hint="use lmdb:// or mmap:// as the slow tier")
+        self.flush()  # a pending page is not in the slow tier yet: land it first
+        with self._lock:
+            self._check_usable()
+            idx = self._index
+            rows = idx.rows_of(ks)
+            for k, r in zip(ks, rows, strict=True):
+                if r < 0:
+                    raise UnknownKeyError(f"entry {k.hex()[:16]} is not stored; nothing was retained",
+                                          hint="retain sealed entries only (save the prefix first)")
+            limit = int(self._retain_share * self._budget)
+            if idx.retained_cost + idx.retain_cost([r for r in rows if not idx.retained[r]]) > limit:
+                return idx.retain_rows(rows, limit)  # raises CapacityError, nothing marked
+            self.slow.retain(ks)  # type: ignore[attr-defined]
+            return idx.retain_rows(rows, limit)
+
+    def unretain(self, keys: Sequence[bytes]) -> int:
+        """Clear retain marks in the tiered index and the slow tier."""
+        ks = self._keys(keys)
+        self._check_usable()
+        with self._lock:
+            self._check_usable()
+            if self._slow_retain:
+                self.slow.unretain(ks)  # type: ignore[attr-defined]
+            return self._index.unretain_rows(self._index.rows_of(ks))
 
     def _in_flight(self, k: Key) -> bool:
         self._check_usable()  # before the lock: a forked child must not wait on a copied lock
@@ -340,7 +405,7 @@ class TieredProvider(Provider):
             self._check_usable()
             if nbytes > self._budget:
                 raise CapacityError(f"{nbytes} bytes exceed the whole budget of {self._budget}")
-            ok, evicted = self._index.begin(k, p, nbytes)
+            ok, evicted, _ = self._index.begin(k, p, nbytes)
             if not ok:
                 return None
             self._drop_from_tiers(evicted)
@@ -400,10 +465,8 @@ class TieredProvider(Provider):
                     fast_lease.release()
                 res._finish("aborted")
                 return
-            node = Node(res.key, res.parent, res.nbytes, 0, res.salt_tag, None,
-                        _Loc(_SLOW if through else _PENDING, fast_lease), time.time())
             try:
-                self._index.commit(res.key, node)
+                row = self._index.commit(res.key, nbytes=res.nbytes, tag=res.salt_tag)
             except UnknownKeyError:
                 res._finish("aborted")
                 if fast_lease is not None:
@@ -413,9 +476,11 @@ class TieredProvider(Provider):
                 raise
             res._finish("sealed")
             if not through:
+                pend = _Pending(self._index, row, fast_lease)
+                self._pend[pend.gen] = pend
                 with self._room:
                     self._queued_pages += 1
-                self._queue.put(("page", node))
+                self._queue.put(("page", pend))
 
     def _abort(self, reservation: _TieredReservation) -> bool:
         with self._lock:
@@ -438,15 +503,16 @@ class TieredProvider(Provider):
                 if kind == "page":
                     self._write_back(item[1])
                 elif kind == "anchor":
-                    self._write_anchor(item[1], item[2], item[3])
+                    self._write_anchor(item[1], item[2], item[3], item[4])
             except BaseException as exc:  # keep the writer alive; the entry is dropped
                 self._writer_error = exc
                 _log.error("tiered write-back failed: %r", exc)
                 if item is not None and item[0] == "page":
+                    pend = item[1]
                     with self._lock:
-                        if not item[1].dead:
-                            self._drop_from_tiers(self._index.drop(item[1].key))
-                        self._finish_pending(item[1])
+                        if self._index.is_live(pend.row, pend.gen):
+                            self._drop_from_tiers(self._index.drop(pend.row))
+                        self._finish_pending(pend)
             finally:
                 if item is not None and item[0] == "page":
                     self._purge_doomed_logged()
@@ -455,16 +521,16 @@ class TieredProvider(Provider):
                         self._room.notify_all()
                 self._queue.task_done()
 
-    def _write_back(self, node: Node) -> None:
-        loc: _Loc = node.loc
+    def _write_back(self, node: _Pending) -> None:
+        idx = self._index
         with self._lock:
-            if loc.cancelled or node.dead:
+            if node.cancelled or not idx.is_live(node.row, node.gen):
                 self._finish_pending(node)
                 return
-            # While this is set, an eviction only marks the node cancelled: the fast-tier lease
+            # While this is set, an eviction only marks the entry cancelled: the fast-tier lease
             # (and so the memory being copied from) stays ours until the copy is over.
-            loc.writing = True
-            lease = loc.fast_lease
+            node.writing = True
+            lease = node.fast_lease
             if lease is not None and lease.released:  # never view() through a released lease
                 lease = None
             # The key was evicted before and saved again; a stale copy of the evicted entry (with
@@ -476,7 +542,7 @@ class TieredProvider(Provider):
                 self.slow.evict([node.key])
         ok = False
         try:
-            res = self.slow.reserve(node.key, node.parent, node.nbytes, salt_tag=node.salt_tag)
+            res = self.slow.reserve(node.key, node.parent, node.nbytes, salt_tag=node.tag)
             if res is None:
                 ok = True  # already there (an earlier, cancelled write-back left it): same key, same bytes
             else:
@@ -491,7 +557,7 @@ class TieredProvider(Provider):
                         for r in regions:
                             res.write(r.offset, r.view)
                     with self._lock:
-                        lost = loc.cancelled or node.dead
+                        lost = node.cancelled or not idx.is_live(node.row, node.gen)
                     if lost:  # evicted while being copied: do not make it durable at all
                         res.abort()
                     else:
@@ -506,8 +572,9 @@ class TieredProvider(Provider):
         except (CapacityError, UnknownKeyError, InFlightError, HostKVError) as exc:
             _log.warning("tiered write-back of %s failed: %s", node.key.hex()[:16], exc)
         with self._lock:
-            loc.writing = False
-            if loc.cancelled or node.dead:
+            node.writing = False
+            live = idx.is_live(node.row, node.gen)
+            if node.cancelled or not live:
                 # Evicted while it was being written: take it out of both tiers again.  Its
                 # parent may have been doomed too (the slow tier skipped it while this page was
                 # in flight under it); _write_back_loop purges both now that the flight is over.
@@ -517,13 +584,12 @@ class TieredProvider(Provider):
                 if ok:
                     self._doomed.add(node.key)
             elif ok:
-                loc.state = _SLOW
                 self._counters["write_backs"] += 1
                 if self._slow_tree:
                     self._advance_tail("write", self.slow, node.key)
-            elif not node.dead:
+            else:
                 self._counters["write_back_failures"] += 1
-                self._drop_from_tiers(self._index.drop(node.key))
+                self._drop_from_tiers(idx.drop(node.row))
             self._finish_pending(node)
 
     def _purge_doomed(self) -> None:
@@ -535,8 +601,8 @@ class TieredProvider(Provider):
         was skipped again: a child still in flight there), and is retried after the next write-back."""
         if not self._doomed:
             return
-        nodes, flights = self._index.nodes, self._index.flights
-        gone = [k for k in self._doomed if k not in nodes and k not in flights]
+        contains, flights = self._index.contains_fn, self._index.flights
+        gone = [k for k in self._doomed if not contains(k) and k not in flights]
         if not gone:
             return
         self.slow.evict(gone)  # subtrees, deepest first: a doomed child goes before its parent
@@ -567,23 +633,29 @@ class TieredProvider(Provider):
             with contextlib.suppress(HostKVError):
                 old.release()
 
-    def _finish_pending(self, node: Node) -> None:
-        loc: _Loc = node.loc
-        if loc.fast_lease is not None:
-            loc.fast_lease.release()
-            loc.fast_lease = None
+    def _finish_pending(self, node: _Pending) -> None:
+        """The write-back is over (done, cancelled or failed): the entry is in the slow tier (or
+        gone) and its fast-tier copy need not stay pinned (lock held)."""
+        if node.fast_lease is not None:
+            node.fast_lease.release()
+            node.fast_lease = None
+        self._pend.pop(node.gen, None)
 
-    def _write_anchor(self, node: Node, name: str, blob: bytes) -> None:
-        loc: _Loc = node.loc
+    def _write_anchor(self, row: int, gen: int, name: str, blob: bytes) -> None:
+        idx = self._index
         try:
             with self._lock:
-                if node.dead or loc.cancelled or loc.state != _SLOW:
-                    return
-            self.slow.put_anchor(node.key, name, blob)
+                if not idx.is_live(row, gen) or gen in self._pend:
+                    return  # evicted (or its page's write-back failed and dropped it)
+                key = idx.key_of(row)
+            self.slow.put_anchor(key, name, blob)
         finally:
             with self._lock:
-                if loc.unsynced.get(name) is blob:
-                    del loc.unsynced[name]
+                table = self._unsynced.get(gen)
+                if table is not None and table.get(name) is blob:
+                    del table[name]
+                    if not table:
+                        del self._unsynced[gen]
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued write-back has reached the slow tier; ``False`` on timeout."""
@@ -603,21 +675,23 @@ class TieredProvider(Provider):
     # -- reads -------------------------------------------------------------------------------
     def _read(self, k: Key, out: object, span: ByteSpan | None) -> int | Corrupt | None:
         self._check_usable()  # before the lock: a forked child must not wait on a copied lock
+        idx = self._index
         with self._lock:
             self._check_usable()
-            node = self._index.get(k)
-            if node is None:
+            row = idx.row_of(k)
+            if row < 0:
                 return None
+            node = _Ent(idx, row)
             span = ByteSpan.whole(node.nbytes) if span is None else span.validate(node.nbytes)
             dst = writable_buffer(out, span.nbytes)
-            held = self._index.hold_keys([k])
-            state = node.loc.state
+            idx.hold_rows([row])
+            in_slow = node.gen not in self._pend
         which = "fast_hits"
         try:
             got = self.fast.read(k, dst, span)
             if got:
                 which = "fast_hits"
-            elif state == _SLOW:
+            elif in_slow:
                 got = self.slow.read(k, dst, span)
                 which = "slow_hits"
                 if got and self._slow_tree:
@@ -627,20 +701,19 @@ class TieredProvider(Provider):
             if not got:
                 # the only copies failed their checksums (or vanished): the front drops the
                 # entry (_drop_damaged) and reports a miss, never wrong bytes
-                return Corrupt(node)
+                return Corrupt((row, node.gen))
         finally:
-            if held:
-                with self._lock:
-                    self._index.release_nodes(held)
+            with self._lock:
+                idx.release_rows([row], [node.gen])
         with self._lock:
             self._counters[which] += 1
         return span.nbytes
 
     def _drop_damaged(self, k: Key, token: object) -> bool:
         with self._lock:
-            if self._closed or self._index.get(k) is not token:
+            if self._closed or not isinstance(token, tuple) or not self._index.is_live(*token):
                 return False  # another reader dropped it first (or the key was sealed again)
-            self._drop_from_tiers(self._index.drop(k))
+            self._drop_from_tiers(self._index.drop(token[0]))
             return True
 
     # -- batches -----------------------------------------------------------------------------
@@ -671,7 +744,9 @@ class TieredProvider(Provider):
         self._check_usable()
         with self._lock:
             self._check_usable()
-            slow = [k for k in ks if (n := self._index.get(k)) is not None and n.loc.state == _SLOW]
+            idx = self._index
+            slow = [k for k, r in zip(ks, idx.rows_of(ks), strict=True)
+                    if r >= 0 and int(idx.gen[r]) not in self._pend]
         if slow:
             only_slow = [k for k, f in zip(slow, self.fast.present(slow), strict=True) if not f]
             if only_slow:
@@ -689,9 +764,11 @@ class TieredProvider(Provider):
         self._check_usable()  # before the lock: a forked child must not wait on a copied lock
         with self._lock:
             self._check_usable()
-            nodes = [self._index.get(k) for k in ks]
-            held = self._index.hold_keys([k for k, n in zip(ks, nodes, strict=True) if n is not None])
-            states = [None if n is None else n.loc.state for n in nodes]
+            idx = self._index
+            nodes = [None if r < 0 else _Ent(idx, r) for r in idx.rows_of(ks)]
+            held = [n for n in nodes if n is not None]
+            idx.hold_rows([n.row for n in held])
+            in_slow = [n is not None and n.gen not in self._pend for n in nodes]
         got = [False] * len(ks)
         which: dict[int, str] = {}
         dsts: dict[int, memoryview] = {}
@@ -709,7 +786,7 @@ class TieredProvider(Provider):
                              strict=True):
                 if ok:
                     got[i], which[i] = True, "fast_hits"
-            slow = [i for i in todo if not got[i] and states[i] == _SLOW]
+            slow = [i for i in todo if not got[i] and in_slow[i]]
             if slow:
                 for i, ok in zip(slow, _read_batch(self.slow, [ks[i] for i in slow], [dsts[i] for i in slow]),
                                  strict=True):
@@ -723,23 +800,23 @@ class TieredProvider(Provider):
                                        [dsts[i] for i in from_slow])
         finally:
             with self._lock:
-                self._index.release_nodes(held)
+                idx.release_rows([n.row for n in held], [n.gen for n in held])
                 for i in todo:
                     node = nodes[i]
                     assert node is not None
                     if got[i]:
                         self._tally_hit(node.nbytes)
                         self._counters[which[i]] += 1
-                    elif not node.dead:
+                    elif idx.is_live(node.row, node.gen):
                         # the only copies failed their checksums (or vanished): a miss, never wrong bytes
                         self._tally("checksum_failures")
-                        self._drop_from_tiers(self._index.drop(node.key))
+                        self._drop_from_tiers(idx.drop(node.row))
                 self._tally("misses", sum(1 for g in got if not g))
         if short is not None:
             raise short
         return got
 
-    def _promote_many(self, nodes: Sequence[Node], datas: Sequence[memoryview]) -> None:
+    def _promote_many(self, nodes: Sequence[_Ent], datas: Sequence[memoryview]) -> None:
         """Best-effort copies of slow-tier pages into the fast tier, root first; a page whose
         parent the fast tier lacks (and that is not promoted before it here) is left out."""
         parents = [n.parent for n in nodes if n.parent is not None]
@@ -749,7 +826,7 @@ class TieredProvider(Provider):
         for n, d in zip(nodes, datas, strict=True):
             if n.parent is None or n.parent in have:
                 items.append((n.key, n.parent, d))
-                tags.append(n.salt_tag)
+                tags.append(n.tag)
                 have.add(n.key)
         if not items:
             return
@@ -772,11 +849,11 @@ class TieredProvider(Provider):
             with self._lock:
                 self._counters["promotions"] += len(stored)
 
-    def _promote_one(self, node: Node, data: memoryview) -> None:
+    def _promote_one(self, node: _Ent, data: memoryview) -> None:
         if node.parent is not None and not self.fast.present([node.parent])[0]:
             return  # the fast tier is prefix-closed too: promote chains root first (restores do)
         try:
-            if self.fast.put(node.key, node.parent, data, salt_tag=node.salt_tag):
+            if self.fast.put(node.key, node.parent, data, salt_tag=node.tag):
                 # Hold the promoted page in the fast tier until the next promotion: a restore
                 # promotes a chain root first, and each page's parent being held keeps the fast
                 # tier's reservation O(1) instead of a walk over the whole chain.
@@ -822,35 +899,47 @@ class TieredProvider(Provider):
         self._check_usable()  # before the lock: a forked child must not wait on a copied lock
         with self._lock:
             self._check_usable()
+            idx = self._index
             if ks is not None:
-                removed, skipped = self._index.evict_keys(ks)
+                removed, skipped = idx.evict_rows(idx.rows_of(ks))
             else:
-                removed, skipped = self._index.evict_cost(nbytes), 0
+                removed, skipped = idx.evict_cost(nbytes), 0
+            freed = int(idx.nbytes[removed].sum()) if removed else 0
             self._drop_from_tiers(removed)
-            return EvictReport(len(removed), sum(n.nbytes for n in removed), skipped)
+            return EvictReport(len(removed), freed, skipped)
 
-    def _drop_from_tiers(self, nodes: Sequence[Node]) -> None:
-        """Apply the index's removals to the tiers (called with the lock held)."""
-        if not nodes:
+    def _recycle(self, rows: Sequence[int]) -> None:
+        for r in rows:
+            self._index.anchors.pop(r, None)
+        self._index.recycle(rows)
+
+    def _drop_from_tiers(self, rows: Sequence[int]) -> None:
+        """Apply the index's removals to the tiers and recycle the rows (called with the lock held)."""
+        if not rows:
             return
-        gone = {n.key for n in nodes}
+        idx = self._index
+        keys = [idx.key_of(r) for r in rows]
+        gens = [int(g) for g in idx.gen[list(rows)].tolist()]
+        self._recycle(rows)
+        gone = set(keys)
         for which, (k, lease) in list(self._tails.items()):
             if k in gone:  # a tail lease must not keep an evicted page alive in a tier
                 del self._tails[which]
                 with contextlib.suppress(HostKVError):
                     lease.release()
         slow_keys = []
-        for n in nodes:
-            loc: _Loc = n.loc
-            if loc.state == _PENDING:
-                loc.cancelled = True  # the writer skips it (or undoes it if it is mid-write)
-                if loc.fast_lease is not None and not loc.writing:
-                    loc.fast_lease.release()
-                    loc.fast_lease = None
+        for k, g in zip(keys, gens, strict=True):
+            self._unsynced.pop(g, None)
+            pend = self._pend.get(g)
+            if pend is not None:
+                pend.cancelled = True  # the writer skips it (or undoes it if it is mid-write)
+                if pend.fast_lease is not None and not pend.writing:
+                    pend.fast_lease.release()
+                    pend.fast_lease = None
             else:
-                slow_keys.append(n.key)
+                slow_keys.append(k)
         with contextlib.suppress(HostKVError):
-            self.fast.evict([n.key for n in nodes])
+            self.fast.evict(keys)
         if slow_keys:
             report = self.slow.evict(slow_keys)
             if report.skipped or report.entries < len(slow_keys):
@@ -864,48 +953,50 @@ class TieredProvider(Provider):
         self._check_usable()  # before the lock: a forked child must not wait on a copied lock
         with self._lock:
             self._check_usable()
-            node = self._index.get(k)
-            if node is None:
+            idx = self._index
+            row = idx.row_of(k)
+            if row < 0:
                 raise UnknownKeyError(f"entry {k.hex()[:16]} is not stored", hint="seal the page before its anchors")
-            loc: _Loc = node.loc
-            delta = len(blob) - loc.anchors.get(name, 0)
-            self._drop_from_tiers(self._index.add_cost(node, delta))
-            if loc.state == _PENDING or loc.unsynced:
+            gen = int(idx.gen[row])
+            old = idx.anchors.get(row, {}).get(name, 0)
+            self._drop_from_tiers(idx.add_cost(row, len(blob) - old))
+            if gen in self._pend or gen in self._unsynced:
                 # Queued behind the page's own write-back (and any earlier anchor of it), so the
                 # slow tier ends with the latest blob; reads see it here until then.
-                loc.unsynced[name] = blob
-                self._queue.put(("anchor", node, name, blob))
+                self._unsynced.setdefault(gen, {})[name] = blob
+                self._queue.put(("anchor", row, gen, name, blob))
             else:
                 self.slow.put_anchor(k, name, blob)
-            loc.anchors[name] = len(blob)
+            idx.anchors.setdefault(row, {})[name] = len(blob)
 
     def _get_anchor(self, k: Key, name: str) -> bytes | None:
         self._check_usable()  # before the lock: a forked child must not wait on a copied lock
         with self._lock:
             self._check_usable()
-            node = self._index.get(k)
-            if node is None or name not in node.loc.anchors:
+            idx = self._index
+            row = idx.row_of(k)
+            if row < 0 or name not in idx.anchors.get(row, {}):
                 return None
-            blob = node.loc.unsynced.get(name)
+            blob = self._unsynced.get(int(idx.gen[row]), {}).get(name)
             return blob if blob is not None else self.slow.get_anchor(k, name)
 
     def _list_anchors(self, k: Key) -> dict[str, int]:
         self._check_usable()  # before the lock: a forked child must not wait on a copied lock
         with self._lock:
             self._check_usable()
-            node = self._index.get(k)
-            return {} if node is None else dict(node.loc.anchors)
+            row = self._index.row_of(k)
+            return {} if row < 0 else dict(self._index.anchors.get(row, {}))
 
     def _deepest_anchor(self, ks: list[Key], name: str) -> int:
         self._check_usable()  # before the lock: a forked child must not wait on a copied lock
         with self._lock:
             self._check_usable()
+            idx = self._index
             best = 0
-            for i, k in enumerate(ks):
-                node = self._index.get(k)
-                if node is None:
+            for i, row in enumerate(idx.rows_of(ks)):
+                if row < 0:
                     break
-                if name in node.loc.anchors:
+                if name in idx.anchors.get(row, {}):
                     best = i + 1
             return best
 
@@ -914,12 +1005,17 @@ class TieredProvider(Provider):
         self._check_usable()  # before the lock: a forked child must not wait on a copied lock
         with self._lock:
             self._check_usable()
-            held = self._index.hold_keys(ks)
+            idx = self._index
+            rows = idx.rows_of(ks)
+            live = [r for r in rows if r >= 0]
+            idx.hold_rows(live)
+            held = frozenset(k for k, r in zip(ks, rows, strict=True) if r >= 0)
             try:
-                fast = self.fast.lease([k for k, n in zip(ks, held, strict=True) if n is not None])
+                fast = self.fast.lease([k for k, r in zip(ks, rows, strict=True) if r >= 0])
             except HostKVError:
                 fast = None
-            return Lease(self, ks, [n is not None for n in held], token=_LeaseToken(held, fast))
+            token = _LeaseToken(live, [int(g) for g in idx.gen[live].tolist()], held, fast)
+            return Lease(self, ks, [r >= 0 for r in rows], token=token)
 
     def _release_lease(self, lease: Lease) -> None:
         token = lease.token
@@ -931,7 +1027,7 @@ class TieredProvider(Provider):
                     token.fast.release()
             if self._closed:
                 return
-            self._index.release_nodes(token.nodes)
+            self._index.release_rows(token.rows, token.gens)
 
     # -- the rest ----------------------------------------------------------------------------
     def stats(self) -> ProviderStats:
@@ -939,17 +1035,20 @@ class TieredProvider(Provider):
         with self._lock:
             self._check_usable()
             idx = self._index
-            pending = sum(1 for n in idx.nodes.values() if n.loc.state == _PENDING)
+            n = idx.n
+            pending = sum(1 for p in self._pend.values() if idx.is_live(p.row, p.gen))
             return ProviderStats(
                 name=self.name,
-                entries=len(idx.nodes),
-                used_bytes=idx.used,
+                entries=idx.count,
+                used_bytes=idx.used_cost,
                 budget_bytes=self._budget,
-                anchors=sum(len(n.loc.anchors) for n in idx.nodes.values()),
-                leased=sum(1 for n in idx.nodes.values() if n.hold),
+                anchors=sum(len(t) for t in idx.anchors.values()),
+                leased=int(((idx.hold[:n] > 0) & idx.alive[:n]).sum()),
                 in_flight=len(idx.flights),
                 evictions=idx.evictions,
                 evicted_bytes=idx.evicted_cost,
+                retained=idx.retained_count,
+                retained_bytes=idx.retained_cost,
                 extra={"pending_write_back": pending, "fast": self.fast.name, "slow": self.slow.name,
                        **self._counters},
                 **self._tallies(),
@@ -981,9 +1080,8 @@ class TieredProvider(Provider):
                 # The writer is gone: nothing is in flight in the slow tier any more, so what is
                 # still doomed can go now; a page whose write-back never ran (only if the writer
                 # died) gives its fast-tier lease back before the fast tier closes.
-                for node in self._index.nodes.values():
-                    if node.loc.state == _PENDING:
-                        self._finish_pending(node)
+                for pend in list(self._pend.values()):
+                    self._finish_pending(pend)
                 try:
                     self._purge_doomed()
                 except HostKVError as exc:
@@ -997,6 +1095,7 @@ class TieredProvider(Provider):
                     warnings.warn(f"closing the {tier.name} tier failed: {exc!r}", stacklevel=2)
 
 
-def _info(node: Node) -> EntryInfo:
-    return EntryInfo(node.key, node.parent, node.nbytes, node.salt_tag, node.checksum,
-                     node.created, node.last_used, dict(node.loc.anchors))
+def _info(idx: TreeIndex, row: int) -> EntryInfo:
+    return EntryInfo(idx.key_of(row), idx.parent_key(row), int(idx.nbytes[row]), idx.tag_of(row),
+                     idx.checksum_of(row), float(idx.created[row]), float(idx.used[row]),
+                     dict(idx.anchors.get(row, {})), bool(idx.retained[row]))
