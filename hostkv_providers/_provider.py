@@ -1224,8 +1224,18 @@ class Provider(abc.ABC, metaclass=_ProviderMeta):
         """Release resources; idempotent.  Persistent providers flush pending seals first."""
 
     def describe(self) -> dict[str, Any]:
-        """Configuration and identity for operators (``hostkv info``)."""
-        return {"provider": self.name, "budget_bytes": self.budget_bytes, "persistent": self.persistent}
+        """Configuration and identity for operators (``hostkv info``): the identity, then the
+        value in effect of every URL option the class declares in ``OPTIONS`` (an
+        :class:`~hostkv_providers.providers.OptionSet`; each read from the option's ``attr``),
+        under the option's name.  Subclasses add facts that are not options (a path, a
+        generation) — the options themselves come from the declaration, as parsing and the docs'
+        options tables do."""
+        out: dict[str, Any] = {"provider": self.name, "budget_bytes": self.budget_bytes,
+                               "persistent": self.persistent}
+        options = getattr(type(self), "OPTIONS", None)
+        if options is not None and hasattr(options, "values"):
+            out.update(options.values(self))
+        return out
 
     def __enter__(self) -> Provider:
         return self

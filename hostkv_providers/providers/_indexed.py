@@ -15,7 +15,6 @@ import abc
 import os
 import threading
 from collections.abc import Iterator, Sequence
-from typing import Any
 
 from hostkv_providers._checksum import checksum
 from hostkv_providers._errors import InvalidArgumentError, UnknownKeyError
@@ -247,9 +246,6 @@ class IndexedProvider(Provider):
                 leased=int(((idx.hold[:n] > 0) & idx.alive[:n]).sum()), in_flight=len(idx.flights),
                 evictions=idx.evictions, evicted_bytes=idx.evicted_cost, retained=idx.retained_count,
                 retained_bytes=idx.retained_cost, **self._tallies())
-
-    def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "retain_share": self._retain_share}
 
     def close(self) -> None:
         with self._lock:

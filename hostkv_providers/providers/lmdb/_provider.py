@@ -235,7 +235,7 @@ class LmdbProvider(Provider):
         Option("inline_max", "size", _DEFAULT_INLINE_MAX, "2KiB"),
         Option("map_size", "size", _DEFAULT_MAP_SIZE, "32MiB"),
         Option("map_max", "size", _DEFAULT_MAP_MAX, "64GiB"),
-        Option("file_size", "size", _DEFAULT_FILE_NBYTES, "256MiB"),
+        Option("file_size", "size", _DEFAULT_FILE_NBYTES, "256MiB", attr="_file_nbytes"),
         Option("lease_ttl", "number", _DEFAULT_LEASE_TTL, "3600"),
         Option("readonly", "bool", False, "false"),
         Option("retain_share", "number", 0.5, "0.5"),
@@ -279,6 +279,9 @@ class LmdbProvider(Provider):
         self._path = os.path.abspath(os.fspath(path))
         self._durability = durability
         self._inline_max = inline_max
+        self._map_size = map_size
+        self._map_max = map_max
+        self._file_nbytes = file_nbytes
         self._lease_ttl = float(lease_ttl)
         self._readonly = bool(readonly)
         self._lock = threading.Lock()
@@ -1106,8 +1109,7 @@ class LmdbProvider(Provider):
         )
 
     def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "path": self._path, "durability": self._durability,
-                "inline_max": self._inline_max, "multiprocess": True, "readonly": self._readonly,
+        return {**super().describe(), "path": self._path, "multiprocess": True,
                 "store_format": STORE_FORMAT,
                 "store_version": STORE_VERSION, "last_recovery": dict(self._s.recovery)}
 

@@ -149,12 +149,12 @@ class MmapProvider(_Maintenance):
         Option("budget", "size", None, "the budget the last writer used (1GiB for a new store)"),
         Option("durability", "choice", "process", "`process`", ("sync", "process", "none")),
         Option("slot", "size", None, "256KiB (new store); the store's (existing)"),
-        Option("file_size", "size", None, "`min(budget, 1GiB)`"),
-        Option("verify", "choice", "read", "`read`", ("read", "never")),
+        Option("file_size", "size", None, "`min(budget, 1GiB)`", attr="file_nbytes"),
+        Option("verify", "choice", "read", "`read`", ("read", "never"), attr="_verify_mode"),
         Option("readonly", "bool", False, "false"),
         Option("snapshot_every", "int", _SNAPSHOT_MIN, "65536"),
-        Option("commit_window_us", "int", 0, "0"),
-        Option("io", "choice", "pread", "`pread`", ("pread", "mmap")),
+        Option("commit_window_us", "int", 0, "0", attr="_commit_window_us"),
+        Option("io", "choice", "pread", "`pread`", ("pread", "mmap"), attr="_io_option"),
         Option("retain_share", "number", 0.5, "0.5"),
     )
     _reservation_type = _MmapReservation
@@ -189,6 +189,7 @@ class MmapProvider(_Maintenance):
         if io not in ("pread", "mmap"):
             raise InvalidArgumentError(f"io must be pread or mmap, got {io!r}")
         self._io = "syscall" if io == "pread" else "mmap"
+        self._io_option = io
         if verify not in ("read", "never"):
             raise InvalidArgumentError(f"verify must be read or never, got {verify!r}")
         if budget_bytes is not None and (type(budget_bytes) is not int or budget_bytes <= 0):
@@ -198,9 +199,11 @@ class MmapProvider(_Maintenance):
         self.path = os.path.abspath(path)
         self._durability = durability
         self._verify_reads = verify == "read"
+        self._verify_mode = verify
         self._readonly = readonly
         self._snapshot_every = snapshot_every
         self._commit_window = float(commit_window)
+        self._commit_window_us = round(self._commit_window * 1e6)
         self._lock = threading.RLock()
         self._commit_cv = threading.Condition(threading.Lock())
         _instances.add(self)
@@ -1047,9 +1050,13 @@ class MmapProvider(_Maintenance):
                 **self._tallies(),
             )
 
+    @property
+    def file_nbytes(self) -> int:
+        """The size of each data file (the ``file_size`` option in effect)."""
+        return self._file_slots * self._slot
+
     def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "path": self.path, "durability": self._durability, "slot_nbytes": self._slot,
-                "verify": "read" if self._verify_reads else "never", "readonly": self._readonly,
+        return {**super().describe(), "path": self.path,
                 "generation": self._gen, "format_version": MMAP_FORMAT_VERSION,
                 "store_id": self._store_id.hex(), "data_files": sorted(self._files),
                 "last_recovery": dict(self._recovery)}

@@ -197,6 +197,7 @@ class MappedPinnedProvider(PinnedProvider):
                              verify_reads=verify_reads, retain_share=retain_share)
         except CopyEngineError as exc:
             raise DeviceMappingError(f"mapping the pinned arena failed: {exc}") from exc
+        self._mapped = "yes"
         if device >= 0:
             for alloc in self._arena.chunks:
                 if getattr(alloc, "device_address", None) is None:
@@ -440,7 +441,7 @@ class MappedPinnedProvider(PinnedProvider):
         return st
 
     def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "mapped_device": self._device}
+        return {**super().describe(), "mapped_device": self._device}  # (also the device option's value)
 
     def close(self) -> None:
         # Kernels may still read (or mirror into) the arena: wait for every fence before it goes.

@@ -209,8 +209,9 @@ class PinnedProvider(Provider):
         Option("block", "size", _DEFAULT_BLOCK, "64KiB"),
         Option("chunk", "size", _DEFAULT_CHUNK, "256MiB"),
         Option("background", "bool", True, "true"),
-        Option("verify", "choice", "never", "never", ("never", "read")),
-        Option("pin", "choice", "auto", "auto", ("auto", "yes", "no")),
+        Option("verify", "choice", "never", "never", ("never", "read"), attr="_verify_mode"),
+        # describe(): the memory in effect ("yes": page-locked), not the policy asked for
+        Option("pin", "choice", "auto", "auto", ("auto", "yes", "no"), attr="_pin_effective"),
         Option("mapped", "choice", "no", "no", ("no", "yes")),
         Option("device", "int", None, "0"),  # None: not given (only mapped=yes takes it)
         Option("retain_share", "number", 0.5, "0.5"),
@@ -241,10 +242,15 @@ class PinnedProvider(Provider):
         chunk = max(block, min(chunk, budget_bytes) // block * block)
         self._budget = budget_bytes
         self._block = block
+        self._chunk = chunk
+        self._background = bool(background)
         self._verify_reads = verify_reads
+        self._verify_mode = "read" if verify_reads else "never"
+        self._mapped = "no"  # (the device option is described by MappedPinnedProvider only)
         if allocator is None:
             allocator = _default_allocator()
         self._allocator = allocator
+        self._pin_effective = "yes" if allocator.pinned else "no"
         self._lock = threading.RLock()
         self._ready = threading.Condition(self._lock)
         self._arena = _Arena(block, chunk // block)
@@ -889,8 +895,7 @@ class PinnedProvider(Provider):
             )
 
     def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "block_nbytes": self._block, "pinned": self._allocator.pinned,
-                "verify_reads": self._verify_reads}
+        return {**super().describe(), "pinned": self._allocator.pinned, "ready_bytes": self.ready_bytes}
 
     def close(self) -> None:
         with self._lock:

@@ -167,7 +167,7 @@ class TieredProvider(Provider):
         Option("fast", "text", None, "required"),
         Option("slow", "text", None, "required"),
         Option("budget", "size", None, "the slow tier's budget"),
-        Option("queue", "int", 1024, "1024"),
+        Option("queue", "int", 1024, "1024", attr="_queue_pages"),
         Option("promote", "bool", True, "true"),
         Option("retain_share", "number", 0.5, "0.5"),
     )
@@ -1055,8 +1055,8 @@ class TieredProvider(Provider):
             )
 
     def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "fast": self.fast.describe(), "slow": self.slow.describe(),
-                "queue_pages": self._queue_pages, "promote": self._promote}
+        # (fast= and slow= are described by the tiers themselves)
+        return {**super().describe(), "fast": self.fast.describe(), "slow": self.slow.describe()}
 
     def close(self) -> None:
         """Finish the queued write-backs (so a restart finds them), then close the tiers."""

@@ -194,11 +194,11 @@ def test_from_url_options(closing: list[Provider]) -> None:
     closing.append(p)
     assert isinstance(p, PinnedProvider)
     assert p.budget_bytes == 1 << 20 and p.block_nbytes == 8192 and p.ready_bytes == 1 << 20
-    assert p.describe()["verify_reads"] is True and p.describe()["pinned"] is False
+    assert p.describe()["verify"] == "read" and p.describe()["pinned"] is False
     q = hostkv_providers.open("pinned:///?budget=64KiB", block="4096", pin="no")
     closing.append(q)
     assert isinstance(q, PinnedProvider)
-    assert q.budget_bytes == 65536 and q.describe()["verify_reads"] is False
+    assert q.budget_bytes == 65536 and q.describe()["verify"] == "never"
     assert q.wait_ready(30)  # background=true is the URL default
 
 
