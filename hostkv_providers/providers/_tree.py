@@ -106,6 +106,23 @@ class TreeIndex:
     rcover: npt.NDArray[np.int32]
     tag_id: npt.NDArray[np.int32]
 
+    # memoryviews of the numeric columns (see _views); typed Any: items are Python ints/floats/bools
+    m_parent: Any
+    m_nbytes: Any
+    m_cost: Any
+    m_gen: Any
+    m_csum: Any
+    m_has_csum: Any
+    m_created: Any
+    m_used: Any
+    m_tick: Any
+    m_children: Any
+    m_hold: Any
+    m_alive: Any
+    m_retained: Any
+    m_rcover: Any
+    m_tag_id: Any
+
     def __init__(self, budget: int, capacity: int = 1024) -> None:
         self.budget = budget
         self.cap = 0
@@ -145,6 +162,15 @@ class TreeIndex:
             new[: len(old)] = old
             setattr(self, name, new)
         self.cap = capacity
+        self._views()
+
+    def _views(self) -> None:
+        """``m_<name>``: a memoryview of each numeric column, for the per-entry scalar work of the
+        hot paths (one item through a memoryview costs a fifth of a numpy scalar index); the
+        numpy arrays stay the columns (vectorised work, subclasses), sharing the same memory."""
+        for name, dtype, _ in self.COLS:
+            if np.dtype(dtype).kind != "V":
+                setattr(self, "m_" + name, memoryview(getattr(self, name)))
 
     # -- key map ---------------------------------------------------------------------------------
     def row_of(self, key: bytes) -> int:
@@ -199,7 +225,8 @@ class TreeIndex:
         return None if p < 0 else self.key_of(p)
 
     def tag_of(self, row: int) -> str:
-        return self.tags[int(self.tag_id[row])]
+        tag: str = self.tags[self.m_tag_id[row]]
+        return tag
 
     def _set_tag(self, row: int, tag: str | bytes) -> None:
         t = tag.decode("utf-8", "replace") if isinstance(tag, bytes) else tag
@@ -207,14 +234,14 @@ class TreeIndex:
         if tid is None:
             tid = self._tag_ids[t] = len(self.tags)
             self.tags.append(t)
-        self.tag_id[row] = tid
+        self.m_tag_id[row] = tid
 
     def checksum_of(self, row: int) -> int | None:
-        return int(self.csum[row]) if self.has_csum[row] else None
+        return self.m_csum[row] if self.m_has_csum[row] else None
 
     def is_live(self, row: int, gen: int) -> bool:
         """Whether ``(row, gen)`` still names a sealed entry (not removed, not recycled)."""
-        return 0 <= row < self.n and bool(self.alive[row]) and int(self.gen[row]) == gen
+        return 0 <= row < self.n and self.m_alive[row] and self.m_gen[row] == gen
 
     def __len__(self) -> int:
         return self.count
@@ -237,7 +264,7 @@ class TreeIndex:
         for name, dtype, _ in self.COLS:
             setattr(self, name, np.zeros(0, dtype=dtype))
         self.cap = 0
-        self._grow(max(1024, n + n // 4))
+        self._grow(max(1024, n + n // 4))  # (and the memoryviews)
         self.n = n
         self._dict = {}
         self._base_k64 = np.zeros(0, np.uint64)
@@ -274,12 +301,12 @@ class TreeIndex:
 
     # -- lookups ---------------------------------------------------------------------------------
     def _evictable(self, row: int) -> bool:
-        return not (self.children.item(row) or self.hold.item(row) or self.retained.item(row))
+        return not (self.m_children[row] or self.m_hold[row] or self.m_retained[row])
 
     def touch(self, row: int) -> None:
         self.clock += 1
-        self.tick[row] = self.clock
-        self.used[row] = time.time()
+        self.m_tick[row] = self.clock
+        self.m_used[row] = time.time()
         if self._evictable(row):
             if len(self._heap) > 4 * self.count + 1024:
                 # mostly stale entries (a reader touches without ever evicting): rebuild lazily
@@ -306,7 +333,7 @@ class TreeIndex:
                     raise UnknownKeyError(f"parent {parent.hex()[:16]} is not stored")
                 return self._begin_chained(key, parent, cost)
         evicted = self.make_room(cost, protect=prow)
-        self.flights[key] = _Flight(prow, cost, int(self.gen[prow]) if prow >= 0 else 0)
+        self.flights[key] = _Flight(prow, cost, self.m_gen[prow] if prow >= 0 else 0)
         self.used_cost += cost
         if prow >= 0:
             self._hold(prow)
@@ -366,34 +393,29 @@ class TreeIndex:
                 "the parent was dropped (corrupt) before the seal",
                 hint="save the chain again from its first missing page",
             )
+        # (a recycled row had children, hold, retained and rcover reset by recycle(); a new one is zero)
         row = self._free_rows.pop() if self._free_rows else self._new_row()
-        if created is None:
-            created = time.time()
         if gen is None:
             gen = self._next_gen
         self._next_gen = max(self._next_gen, gen) + 1
         self.key[row] = key
-        self.parent[row] = prow
-        self.nbytes[row] = nbytes
-        self.cost[row] = flight.cost
-        self.gen[row] = gen
-        self.csum[row] = 0 if csum is None else csum
-        self.has_csum[row] = csum is not None
-        self.created[row] = created
-        self.used[row] = created
-        self.children[row] = 0
-        self.hold[row] = 0
-        self.retained[row] = False
-        self.rcover[row] = 0
+        self.m_parent[row] = prow
+        self.m_nbytes[row] = nbytes
+        self.m_cost[row] = flight.cost
+        self.m_gen[row] = gen
+        if csum is not None:
+            self.m_csum[row] = csum
+        self.m_has_csum[row] = csum is not None
+        self.m_created[row] = time.time() if created is None else float(created)  # touch() sets used
         self._set_tag(row, tag)
         for name, value in cols.items():
-            getattr(self, name)[row] = value
-        self.alive[row] = True
+            getattr(self, "m_" + name)[row] = value
+        self.m_alive[row] = True
         self._dict[key] = row
         self.count += 1
         self.sealed_cost += flight.cost
         if prow >= 0:
-            self.children[prow] += 1
+            self.m_children[prow] += 1
             self._unhold(prow)
         if self._waiting:
             self._adopt_children(key, row)
@@ -491,7 +513,7 @@ class TreeIndex:
             while self._heap:
                 item = self._heap[0]
                 tick, row = item >> _ROW_BITS, item & _ROW_MASK
-                if not self.alive[row] or int(self.tick[row]) != tick or not self._evictable(row):
+                if not self.m_alive[row] or self.m_tick[row] != tick or not self._evictable(row):
                     heapq.heappop(self._heap)
                     continue
                 if tick > self._heap_bound:
@@ -507,7 +529,7 @@ class TreeIndex:
             row = self.pop_lru_leaf()
             if row < 0:
                 break
-            freed += int(self.cost[row])
+            freed += self.m_cost[row]
             self._remove(row)
             out.append(row)
         return out
@@ -545,12 +567,12 @@ class TreeIndex:
                 self._unhold(row)
 
     def _hold(self, row: int) -> None:
-        self.hold[row] += 1
+        self.m_hold[row] += 1
 
     def _unhold(self, row: int) -> None:
-        self.hold[row] -= 1
-        if self.alive[row] and self._evictable(row):
-            heapq.heappush(self._heap, int(self.tick[row]) << _ROW_BITS | row)
+        self.m_hold[row] -= 1
+        if self.m_alive[row] and self._evictable(row):
+            heapq.heappush(self._heap, self.m_tick[row] << _ROW_BITS | row)
 
     # -- retained entries ------------------------------------------------------------------------
     def _cover(self, row: int) -> None:
@@ -613,25 +635,31 @@ class TreeIndex:
 
     # -- removal ---------------------------------------------------------------------------------
     def _remove(self, row: int) -> None:
-        if self.retained[row]:  # only a drop (corruption) removes a retained row; children went first
-            self.retained[row] = False
+        if self.m_retained[row]:  # only a drop (corruption) removes a retained row; children went first
+            self.m_retained[row] = False
             self.retained_count -= 1
             self._uncover(row)
         self._unmap(row)
-        self.alive[row] = False
+        self.m_alive[row] = False
         self.count -= 1
-        c = int(self.cost[row])
+        c = self.m_cost[row]
         self.used_cost -= c
         self.sealed_cost -= c
-        p = int(self.parent[row])
-        if p >= 0 and self.alive[p]:
-            self.children[p] -= 1
+        p = self.m_parent[row]
+        if p >= 0 and self.m_alive[p]:
+            self.m_children[p] -= 1
             if self._evictable(p):
-                heapq.heappush(self._heap, int(self.tick[p]) << _ROW_BITS | p)
+                heapq.heappush(self._heap, self.m_tick[p] << _ROW_BITS | p)
 
     def recycle(self, rows: Sequence[int]) -> None:
         """Make removed rows reusable (after the caller freed their bytes)."""
-        self._free_rows.extend(rows)
+        if len(rows):
+            idx = list(rows)
+            self.children[idx] = 0
+            self.hold[idx] = 0
+            self.retained[idx] = False
+            self.rcover[idx] = 0
+            self._free_rows.extend(idx)
 
     def subtree(self, roots: Sequence[int]) -> list[int]:
         """Rows of the subtrees under ``roots``, deepest first (pointer jumping, vectorised)."""

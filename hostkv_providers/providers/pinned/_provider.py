@@ -153,6 +153,8 @@ class _PinnedIndex(TreeIndex):
     COLS = (*TreeIndex.COLS, ("run_start", np.int64, 0), ("run_len", np.int64, 0))
     run_start: npt.NDArray[np.int64]
     run_len: npt.NDArray[np.int64]
+    m_run_start: Any
+    m_run_len: Any
 
     def __init__(self, budget: int) -> None:
         super().__init__(budget)
@@ -160,7 +162,7 @@ class _PinnedIndex(TreeIndex):
 
     def runs(self, row: int) -> list[tuple[int, int]]:
         runs = self.scatter.get(row)
-        return runs if runs is not None else [(int(self.run_start[row]), int(self.run_len[row]))]
+        return runs if runs is not None else [(self.m_run_start[row], self.m_run_len[row])]
 
 
 #: A lease's token and a ``Corrupt`` token name entries by ``(row, gen)`` pairs: rows are recycled.
@@ -625,7 +627,7 @@ class PinnedProvider(Provider):
             row = idx.row_of(k)
             if row < 0:
                 return None
-            nbytes, gen, runs, digest = int(idx.nbytes[row]), int(idx.gen[row]), idx.runs(row), idx.checksum_of(row)
+            nbytes, gen, runs, digest = idx.m_nbytes[row], idx.m_gen[row], idx.runs(row), idx.checksum_of(row)
             span = ByteSpan.whole(nbytes) if span is None else span.validate(nbytes)
             dst = writable_buffer(out, span.nbytes)
             held = self._hold_rows([row])
@@ -817,7 +819,8 @@ class PinnedProvider(Provider):
         idx = self._index
         live = [r for r in rows if r >= 0]
         idx.hold_rows(live)
-        return live, [int(g) for g in idx.gen[live].tolist()] if live else []
+        gen = idx.m_gen
+        return live, [gen[r] for r in live]
 
     def _hold_keys(self, ks: Sequence[Key]) -> _Token:
         return self._hold_rows(self._index.rows_of(ks))
