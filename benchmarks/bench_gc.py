@@ -39,8 +39,8 @@ def main() -> None:
     with hk.open(url) as p:
         prev = bytes(32)
         for lo in range(0, args.pages, 512):
-            items = []
-            parent = None
+            items: list[tuple[bytes, bytes | None, bytes]] = []
+            parent: bytes | None = None
             for i in range(lo, min(lo + 512, args.pages)):
                 prev = hashlib.blake2b(prev + i.to_bytes(8, "little"), digest_size=32).digest()
                 items.append((prev, parent, blob))
