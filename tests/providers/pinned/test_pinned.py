@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import sys
@@ -607,3 +608,26 @@ def test_read_many_drops_a_corrupt_entry_and_fills_the_rest(closing: list[Provid
     assert p.present(more) == [True, True]  # a short buffer is the caller's error, not corruption
     with pytest.raises(InvalidArgumentError):
         p.read_many(more, small[:1])  # one buffer per key
+
+
+def test_a_full_store_adds_no_per_page_objects_the_gc_tracks(closing: list[Provider]) -> None:
+    # Issue #14: full collections walking one Node per page stalled decode steps 13x.
+    n = 20_000
+    p = _pinned(n, chunk=n * PAGE)
+    closing.append(p)
+    keys = chain("pinned-gc", n)
+    blob = bytes(PAGE)
+    put_page(p, keys[0], None, PAGE)  # first use: lazily imported modules, caches
+    gc.collect()
+    before = len(gc.get_objects())
+    for lo in range(1, n, 1000):
+        items: list[tuple[bytes, bytes | None, object]] = [
+            (keys[i], keys[i - 1], blob) for i in range(lo, min(lo + 1000, n))]
+        assert all(r is True for r in p.put_many(items))
+        del items
+    with p.lease(keys[-10:]):
+        pass
+    gc.collect()
+    grown = len(gc.get_objects()) - before
+    assert p.stats().entries == n
+    assert grown < 100, f"{grown} new GC-tracked objects for {n} pages"
