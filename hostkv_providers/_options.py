@@ -127,7 +127,8 @@ class Option:
     column of the provider's options table in ``docs/providers/<name>.md`` (the test
     ``tests/test_options_docs.py`` compares the two).  ``attr`` names the instance attribute
     (or property) holding the value in effect, as the URL would spell it parsed (default
-    ``_<name>``): ``describe()`` reports it under the option's name.
+    ``_<name>``): ``describe()`` reports it under the option's name — as ``"***"`` when
+    ``secret`` (a password or token must not reach ``hostkv info`` output or logs).
     """
 
     name: str
@@ -136,6 +137,7 @@ class Option:
     shown: str
     choices: tuple[str, ...] = ()
     attr: str = ""
+    secret: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in _KINDS:
@@ -167,7 +169,7 @@ class OptionSet:
         for o in self.options:
             value = getattr(obj, o.attr or f"_{o.name}", missing)
             if value is not missing:
-                out[o.name] = value
+                out[o.name] = "***" if o.secret and value is not None else value
         return out
 
     def shown_defaults(self) -> dict[str, str]:

@@ -47,3 +47,14 @@ def test_the_template_describes_its_options() -> None:
     dictstore = pytest.importorskip("hostkv_dictstore")
     with dictstore.DictProvider.from_url("", {"budget": "2MiB", "retain_share": "0.2"}) as p:
         assert {k: p.describe()[k] for k in ("budget", "retain_share")} == {"budget": 2 << 20, "retain_share": 0.2}
+
+
+def test_secret_options_are_not_described() -> None:
+    opts = hk.providers.OptionSet("x", hk.providers.Option("password", "text", None, "-", secret=True),
+                                  hk.providers.Option("mode", "text", "a", "a"))
+
+    class Holder:
+        _password = "hunter2"
+        _mode = "b"
+
+    assert opts.values(Holder()) == {"password": "***", "mode": "b"}
