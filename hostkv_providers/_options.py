@@ -125,7 +125,10 @@ class Option:
     ``choices``) or ``text``.  ``default`` is the parsed value used when the URL omits the
     option (``None``: the provider decides, e.g. from the store); ``shown`` is the default
     column of the provider's options table in ``docs/providers/<name>.md`` (the test
-    ``tests/test_options_docs.py`` compares the two).
+    ``tests/test_options_docs.py`` compares the two).  ``attr`` names the instance attribute
+    (or property) holding the value in effect, as the URL would spell it parsed (default
+    ``_<name>``): ``describe()`` reports it under the option's name — as ``"***"`` when
+    ``secret`` (a password or token must not reach ``hostkv info`` output or logs).
     """
 
     name: str
@@ -133,6 +136,8 @@ class Option:
     default: Any
     shown: str
     choices: tuple[str, ...] = ()
+    attr: str = ""
+    secret: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in _KINDS:
@@ -155,6 +160,17 @@ class OptionSet:
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(o.name for o in self.options)
+
+    def values(self, obj: object) -> dict[str, Any]:
+        """``{name: value in effect}`` of ``obj`` (a provider), in declaration order; an option
+        whose attribute the instance lacks (e.g. a composite's tier URLs) is left out."""
+        missing = object()
+        out: dict[str, Any] = {}
+        for o in self.options:
+            value = getattr(obj, o.attr or f"_{o.name}", missing)
+            if value is not missing:
+                out[o.name] = "***" if o.secret and value is not None else value
+        return out
 
     def shown_defaults(self) -> dict[str, str]:
         """``{name: default as the docs table shows it}``, in declaration order."""

@@ -52,6 +52,7 @@ __all__ = [
     "ReservedChain",
     "SupportsBatch",
     "SupportsCompact",
+    "SupportsRetain",
     "SupportsDeviceMapped",
     "SupportsIterate",
     "SupportsStoreCounters",
@@ -65,6 +66,7 @@ __all__ = [
     "check_progress",
     "check_span",
     "check_timeout",
+    "check_retain_share",
     "readable_bytes",
     "writable_buffer",
 ]
@@ -94,6 +96,7 @@ class EntryInfo:
     created: float  # seconds since the epoch, at seal
     last_used: float  # seconds since the epoch, last lease/read/seal (approximate)
     anchors: Mapping[str, int] = field(default_factory=dict)  # name -> nbytes
+    retained: bool = False  # marked by ``SupportsRetain.retain`` (never evicted for room)
 
 
 @dataclass(slots=True)
@@ -149,12 +152,22 @@ class ProviderStats:
     checksum_failures: int = 0
     bytes_written: int = 0
     bytes_read: int = 0
+    retained: int = 0  # entries marked retained (``SupportsRetain``)
+    retained_bytes: int = 0  # budget bytes of the retained entries and their ancestors, counted once
     extra: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         out = {k: getattr(self, k) for k in self.__slots__ if k != "extra"}
         out.update(self.extra)
         return out
+
+
+def check_retain_share(value: object) -> float:
+    """Validate the ``retain_share`` option (``SupportsRetain``): a fraction in (0, 1]."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise InvalidArgumentError(f"retain_share must be a fraction in (0, 1], got {value!r}",
+                                   hint="e.g. retain_share=0.5: at most half the budget may be retained")
+    return float(value)
 
 
 def check_anchor_name(name: object) -> str:
@@ -518,6 +531,33 @@ class SupportsCompact(Protocol):
 
 
 @runtime_checkable
+class SupportsRetain(Protocol):
+    """Retained prefixes: entries an operator pins against eviction for room (system prompts,
+    tool schemas, shared documents every request starts with).
+
+    ``retain(keys)`` marks present, sealed entries retained, all or nothing: a key that is not
+    stored raises ``UnknownKeyError`` and marks nothing.  An entry that is retained, or an
+    ancestor of one, is never removed by eviction for room (the LRU policy, ``evict(nbytes=)``,
+    a reservation making room); the tree stays prefix-closed.  The retained bytes (the marked
+    entries and their ancestors, counted once, in budget bytes) may not exceed
+    ``retain_share * budget_bytes`` (URL option ``retain_share``, default 0.5): ``CapacityError``,
+    nothing marked.  Returns how many entries were newly marked (already marked ones count 0).
+
+    ``unretain(keys)`` clears the marks of ``keys`` (keys not marked or not stored are ignored)
+    and returns how many were cleared.
+
+    An explicit ``evict(keys)`` whose subtrees hold a retained entry raises ``RetainedError`` and
+    evicts nothing.  A checksum failure still drops a retained entry (never wrong bytes).
+    Persistent providers keep the marks across close, restart and crash.  ``EntryInfo.retained``
+    and ``ProviderStats.retained`` / ``retained_bytes`` show them.
+    """
+
+    def retain(self, keys: Sequence[bytes]) -> int: ...
+
+    def unretain(self, keys: Sequence[bytes]) -> int: ...
+
+
+@runtime_checkable
 class SupportsBatch(Protocol):
     """Many pages per call, with the per-call costs (locks, lookups, system calls, round trips,
     syncs) paid once per batch instead of once per page.
@@ -667,7 +707,7 @@ def _protocol_members(proto: type) -> frozenset[str]:
 #: in display order; a provider class has one when it implements every member of its Protocol.
 CAPABILITY_PROTOCOLS: tuple[type, ...] = (
     SupportsViews, SupportsPinnedViews, SupportsBatchViews, SupportsCompact, SupportsVerify, SupportsIterate,
-    SupportsBatch, SupportsDeviceMapped, SupportsStoreCounters,
+    SupportsBatch, SupportsDeviceMapped, SupportsRetain, SupportsStoreCounters,
 )
 #: The two powers that are class flags (``Provider.persistent``, ``Provider.multiprocess``).
 CAPABILITY_FLAGS = ("persistent", "multiprocess")
@@ -1473,8 +1513,18 @@ class Provider(abc.ABC, metaclass=_ProviderMeta):
         """Release resources; idempotent.  Persistent providers flush pending seals first."""
 
     def describe(self) -> dict[str, Any]:
-        """Configuration and identity for operators (``hostkv info``)."""
-        return {"provider": self.name, "budget_bytes": self.budget_bytes, "persistent": self.persistent}
+        """Configuration and identity for operators (``hostkv info``): the identity, then the
+        value in effect of every URL option the class declares in ``OPTIONS`` (an
+        :class:`~hostkv_providers.providers.OptionSet`; each read from the option's ``attr``),
+        under the option's name.  Subclasses add facts that are not options (a path, a
+        generation) — the options themselves come from the declaration, as parsing and the docs'
+        options tables do."""
+        out: dict[str, Any] = {"provider": self.name, "budget_bytes": self.budget_bytes,
+                               "persistent": self.persistent}
+        options = getattr(type(self), "OPTIONS", None)
+        if options is not None and hasattr(options, "values"):
+            out.update(options.values(self))
+        return out
 
     def __enter__(self) -> Provider:
         return self

@@ -209,10 +209,8 @@ class TestHostMappedConformance(ProviderTests):
     @staticmethod
     def _regions(provider: Provider, key: bytes) -> list[memoryview] | None:
         assert isinstance(provider, MappedPinnedProvider)
-        node = provider._index.get(key)  # type: ignore[arg-type]
-        if node is None:
-            return None
-        return [r.view for r in provider._arena.regions(node.loc, node.nbytes, False)]
+        regions = provider._entry_regions(key)
+        return None if regions is None else [r.view for r in regions]
 
     def backdoor_read(self, provider: Provider, key: bytes) -> bytes | None:  # type: ignore[override]
         views = self._regions(provider, key)

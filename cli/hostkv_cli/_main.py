@@ -188,6 +188,8 @@ def info(url: str, as_json: bool) -> None:
             "used_bytes": st.used_bytes,
             "entries": st.entries,
             "anchors": st.anchors,
+            "retained": st.retained,
+            "retained_bytes": st.retained_bytes,
         }
         if isinstance(p, hk.providers.SupportsIterate):
             entries = list(p.iter_entries())
@@ -219,6 +221,8 @@ def info(url: str, as_json: bool) -> None:
         ("anchors", doc["anchors"] if "anchor_bytes" not in doc
          else f"{doc['anchors']} ({fmt_size(doc['anchor_bytes'])})"),
     ]
+    if doc["retained"] or "retain" in doc["capabilities"]:
+        pairs.append(("retained", f"{doc['retained']} entries, {fmt_size(doc['retained_bytes'])} with ancestors"))
     if "roots" in doc:
         pairs += [
             ("roots / leaves", f"{doc['roots']} / {doc['leaves']}"),
@@ -422,7 +426,7 @@ def ls_cmd(url: str, tree: bool, salt_tag: str | None, tp_rank: int | None, limi
                  "salt_tag": e.salt_tag, "tp_rank": None if (st := rank_of(e.salt_tag)) is None else st.tp_rank,
                  "tp_world_size": None if st is None else st.tp_world_size,
                  "checksum": e.checksum, "created": e.created,
-                 "last_used": e.last_used, "anchors": dict(e.anchors)}
+                 "last_used": e.last_used, "anchors": dict(e.anchors), "retained": e.retained}
                 for k in keys
             ],
             "total": len(forest.entries),
@@ -432,14 +436,18 @@ def ls_cmd(url: str, tree: bool, salt_tag: str | None, tp_rank: int | None, limi
     now = time.time()
     rows = []
     ranks = any(rank_label(forest.entries[k].salt_tag) != "-" for k in keys)
+    marks = any(forest.entries[k].retained for k in keys)  # a column only when something is retained
     for k in keys:
         e = forest.entries[k]
         anchors = ",".join(sorted(e.anchors))
         rank = (rank_label(e.salt_tag),) if ranks else ()
-        rows.append((short(k), forest.depth[k], fmt_size(e.nbytes), e.salt_tag or "-", *rank,
+        mark = ("R" if e.retained else "",) if marks else ()
+        rows.append((short(k), forest.depth[k], fmt_size(e.nbytes), e.salt_tag or "-", *rank, *mark,
                      fmt_age(e.last_used, now), anchors[:14]))
-    table(("KEY", "DEPTH", "SIZE", "SALT TAG", *(("RANK",) if ranks else ()), "USED", "ANCHORS"), rows,
-          right=(1, 2))
+    table(("KEY", "DEPTH", "SIZE", "SALT TAG", *(("RANK",) if ranks else ()), *(("RET",) if marks else ()),
+           "USED", "ANCHORS"), rows, right=(1, 2))
+    if marks:
+        click.echo("RET: R = retained (never evicted for room, nor its ancestors; `hostkv unretain`)")
     if len(keys) < len(forest.entries):
         click.echo(f"... {len(forest.entries) - len(keys)} more (of {len(forest.entries)}); "
                    "raise --limit or use --json")
@@ -457,6 +465,7 @@ def _print_tree(forest: Forest, limit: int | None, as_json: bool) -> None:
                  "last": r.keys[-1].hex(), "depth_start": r.depth_start, "depth_end": r.depth_end,
                  "pages": len(r.keys), "nbytes": r.nbytes,
                  "salt_tags": sorted({forest.entries[k].salt_tag for k in r.keys}),
+                 "retained": sum(1 for k in r.keys if forest.entries[k].retained),
                  "anchors": [{"key": k.hex(), "depth": r.depth_start + i, "name": n, "nbytes": nb}
                              for i, k in enumerate(r.keys) for n, nb in forest.entries[k].anchors.items()],
                  "children": r.children}
@@ -482,6 +491,9 @@ def _print_tree(forest: Forest, limit: int | None, as_json: bool) -> None:
             prefix[r.index] = base + ("   " if last else "│  ")
         depth = f"d{r.depth_start}" if len(r.keys) == 1 else f"d{r.depth_start}-{r.depth_end}"
         text = f"{lead}{short(r.keys[0], 12)} {depth} {len(r.keys)}p {fmt_size(r.nbytes)}"
+        held = sum(1 for k in r.keys if forest.entries[k].retained)
+        if held:
+            text += f" R{held}" if held < len(r.keys) else " R"
         if many_tags:
             text += " " + ",".join(tag_label(t) for t in sorted({forest.entries[k].salt_tag for k in r.keys}))
         if r.children:
@@ -726,8 +738,10 @@ from ._archive import register as _register_archive  # noqa: E402 - after cli ex
 from ._bench import register as _register_bench  # noqa: E402
 from ._copy import register as _register_copy  # noqa: E402
 from ._demo import register as _register_demo  # noqa: E402
+from ._retain import register as _register_retain  # noqa: E402
 
 _register_copy(cli)
 _register_archive(cli)
 _register_bench(cli)
 _register_demo(cli)
+_register_retain(cli)

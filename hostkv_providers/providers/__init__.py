@@ -1,8 +1,9 @@
 """The provider layer: the built-in providers, and the kit a provider author builds on.
 
-An author subclasses :class:`Provider` (the contract and its front), keeps an in-process index in
-:class:`TreeIndex` where the medium has none of its own, parses URL options with
-:class:`Options`, and proves the result with :class:`hostkv_providers.testing.ProviderTests`.
+An author subclasses :class:`Provider` (the contract and its front) — or, for a medium without an
+index of its own, :class:`IndexedProvider` (every driver over the in-process :class:`TreeIndex`;
+the medium only moves bytes) — declares URL options with :class:`OptionSet`, and proves the
+result with :class:`hostkv_providers.testing.ProviderTests`.
 ``docs/writing-a-provider.md`` walks through it.
 
 The built-in provider classes with heavier imports (py-lmdb, the file-store machinery) load on
@@ -47,6 +48,7 @@ from hostkv_providers._provider import (
     SupportsDeviceMapped,
     SupportsIterate,
     SupportsPinnedViews,
+    SupportsRetain,
     SupportsStoreCounters,
     SupportsVerify,
     SupportsViews,
@@ -54,6 +56,7 @@ from hostkv_providers._provider import (
     check_anchor_name,
     check_flag,
     check_progress,
+    check_retain_share,
     check_span,
     check_timeout,
     readable_bytes,
@@ -71,7 +74,8 @@ from hostkv_providers._registry import (
     provider_class,
 )
 from hostkv_providers._span import ByteSpan
-from hostkv_providers.providers._tree import Node, TreeIndex
+from hostkv_providers.providers._indexed import IndexedProvider
+from hostkv_providers.providers._tree import TreeIndex
 from hostkv_providers.providers.pinned import MappedPinnedProvider, MirrorHandle, PinnedProvider, StreamFence
 
 if TYPE_CHECKING:
@@ -116,13 +120,13 @@ __all__ = [
     "EntryInfo",
     "EvictReport",
     "HostRegion",
+    "IndexedProvider",
     "Key",
     "Lease",
     "LmdbProvider",
     "MappedPinnedProvider",
     "MirrorHandle",
     "MmapProvider",
-    "Node",
     "Option",
     "OptionSet",
     "Options",
@@ -139,6 +143,7 @@ __all__ = [
     "SupportsBatchViews",
     "SupportsCompact",
     "SupportsDeviceMapped",
+    "SupportsRetain",
     "SupportsIterate",
     "SupportsPinnedViews",
     "SupportsStoreCounters",
@@ -154,6 +159,7 @@ __all__ = [
     "check_progress",
     "check_span",
     "check_timeout",
+    "check_retain_share",
     "checksum",
     "checksum_parts",
     "format_size",

@@ -1,385 +1,717 @@
-"""An in-memory tree index with LRU-leaf eviction, leases and a budget guard.
+"""The in-process tree index: a budget-bounded, prefix-closed tree of entries over numpy columns.
 
-Shared by the providers that keep their index in process memory (pinned, mmap).  It only does
-bookkeeping: which keys exist, who their parents are, what each costs, what is pinned, and which
-leaf to evict next.  The provider owns the bytes and frees them for the nodes this index hands
-back as evicted.  Not thread-safe by itself: callers hold their provider lock.
+One implementation for every provider that keeps its index in process memory (pinned, mmap,
+tiered, the example template).  It only does bookkeeping: which keys exist, who their parents
+are, what each costs, what is leased or retained, and which leaf to evict next.  The provider
+owns the bytes and frees them for the rows this index hands back as removed.  Not thread-safe by
+itself: callers hold their provider lock.
 
-A node's ``hold`` counts its own pins: leases, and child reservations in flight under it.  Pins
-need not propagate to ancestors, because only leaves are ever evicted and an ancestor of a pinned
-node has a child.  The satisfiability guard is exact without any global "held bytes" counter:
-``make_room`` evicts least-recently-used unpinned leaves *tentatively* and, if even evicting all
-of them would not make room, puts every one back and raises ``CapacityError`` — so a failed
-reservation evicts nothing.  Every operation on a chain is O(1) (amortized O(log n) for the LRU
-heap), however deep the chain: an earlier version propagated pins to the root and made saving
-an 8,192-page chain quadratic (22 s).
+Why columns and not one object per entry: an engine process keeps millions of pages for hours,
+and CPython's full garbage-collection passes walk every tracked object; one ``Node`` per page
+made decode steps stall 13x during saves (issue #14), and building a million of them made an
+mmap reopen take 1-3 s.  Here an entry is a *row*: an index into numpy columns, found through a
+``dict`` of ``bytes -> int`` (neither keys nor values are tracked by the GC) or, for rows bulk
+loaded at open (``TreeIndex.load``), a sorted array searched by the key's first 8 bytes.  The LRU
+heap holds plain ints (``tick << 32 | row``), not tuples.  Only rare, sparse things (anchors,
+in-flight reservations) are Python objects.
+
+Rows are recycled, so a row alone does not name an entry for long: ``gen[row]`` is unique per
+seal and a ``(row, gen)`` pair is the durable handle (leases, ``Corrupt`` tokens).  A removed
+row keeps its columns until the provider calls :meth:`TreeIndex.recycle` (it may still need them
+to free the bytes).
+
+The rules.  A row's ``hold`` counts its own pins: leases, and child reservations in flight under
+it.  Pins need not propagate to ancestors, because only leaves are evicted and an ancestor of a
+pinned row has a child.  Retained rows (:meth:`retain_rows`) are never evicted for room either,
+and so neither are their ancestors; ``rcover`` counts a row's own mark plus its covered children,
+so the retained bytes (marked rows and their ancestors, once) are kept exactly in O(new rows).
+The satisfiability guard is exact without a global "held bytes" counter: ``make_room`` evicts
+least-recently-used evictable leaves *tentatively* and, if even evicting all of them would not
+make room, puts every one back and raises ``CapacityError`` — a failed reservation evicts
+nothing.  Every operation on a chain is O(1) (amortized O(log n) for the heap), however deep the
+chain: an earlier version propagated pins to the root and made saving an 8,192-page chain
+quadratic (22 s).
 """
 
 from __future__ import annotations
 
 import heapq
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Container, Iterator, Sequence
 from typing import Any
 
-from hostkv_providers._errors import CapacityError, InFlightError, UnknownKeyError
+import numpy as np
+import numpy.typing as npt
+
+from hostkv_providers._errors import CapacityError, InFlightError, RetainedError, UnknownKeyError
 from hostkv_providers._keys import Key
 
-__all__ = ["Node", "TreeIndex"]
+__all__ = ["TreeIndex"]
+
+_ROW_BITS = 32
+_ROW_MASK = (1 << _ROW_BITS) - 1
 
 
-class Node:
-    """One sealed entry in the index."""
-
-    __slots__ = (
-        "anchors",
-        "checksum",
-        "children",
-        "cost",
-        "created",
-        "dead",
-        "hold",
-        "key",
-        "last_used",
-        "loc",
-        "nbytes",
-        "parent",
-        "salt_tag",
-        "tick",
-    )
-
-    def __init__(
-        self,
-        key: Key,
-        parent: Key | None,
-        nbytes: int,
-        cost: int,
-        salt_tag: str,
-        checksum: int | None,
-        loc: Any,
-        created: float,
-    ) -> None:
-        self.key = key
-        self.parent = parent
-        self.nbytes = nbytes
-        self.cost = cost
-        self.salt_tag = salt_tag
-        self.checksum = checksum
-        self.loc = loc  # provider-private location of the bytes
-        self.created = created
-        self.last_used = created
-        self.children = 0
-        self.hold = 0
-        self.tick = 0
-        self.dead = False
-        self.anchors: dict[str, Any] | None = None  # name -> provider-private anchor record
+def key_u64(key: bytes) -> int:
+    """The key's first 8 bytes as an int: the sort key of the bulk-loaded key map."""
+    return int.from_bytes(key[:8], "little")
 
 
 class _Flight:
-    # ``pnode`` is the parent *node* the reservation holds, not just its key: if that node is
-    # dropped (checksum failure) and the key sealed again, the new node never received this
-    # reservation's hold, so commit/cancel must not release a hold on it.
-    # A *chained* flight (``begin_chained``) names a parent that was itself in flight: ``pnode``
-    # stays ``None`` until the parent's commit hands it the parent's new node (with a hold).
-    __slots__ = ("chained", "cost", "parent", "pnode")
+    # The parent's generation too: if the parent row is dropped (corrupt) and recycled for another
+    # entry, commit/cancel must not touch that other entry's pins.  A *chained* flight names a
+    # parent that was itself in flight (``pkey``): ``parent`` stays -1 until the parent's commit
+    # hands it the parent's row (with a hold); a parent cancelled first leaves it orphaned.
+    __slots__ = ("chained", "cost", "parent", "parent_gen", "pkey")
 
-    def __init__(self, parent: Key | None, pnode: Node | None, cost: int, chained: bool = False) -> None:
+    def __init__(self, parent: int, cost: int, parent_gen: int, pkey: Key | None = None,
+                 chained: bool = False) -> None:
         self.parent = parent
-        self.pnode = pnode
         self.cost = cost
+        self.parent_gen = parent_gen
+        self.pkey = pkey
         self.chained = chained
 
 
 class TreeIndex:
-    """Bookkeeping of a budget-bounded, prefix-closed tree of entries."""
+    """A prefix-closed tree with LRU-leaf eviction, holds, retained entries and an O(1) budget
+    guard, over numpy columns (see the module docstring).
 
-    def __init__(self, budget: int) -> None:
+    Subclasses add columns of their own by extending ``COLS`` (``(name, dtype, fill)``) and pass
+    their values to :meth:`commit` as keyword arguments.
+    """
+
+    COLS: tuple[tuple[str, Any, Any], ...] = (
+        ("key", "V32", None), ("parent", np.int64, -1), ("nbytes", np.int64, 0), ("cost", np.int64, 0),
+        ("gen", np.uint64, 0), ("csum", np.uint64, 0), ("has_csum", np.bool_, False),
+        ("created", np.float64, 0.0), ("used", np.float64, 0.0), ("tick", np.int64, 0),
+        ("children", np.int32, 0), ("hold", np.int32, 0), ("alive", np.bool_, False),
+        ("retained", np.bool_, False), ("rcover", np.int32, 0), ("tag_id", np.int32, 0),
+    )
+
+    key: npt.NDArray[Any]
+    parent: npt.NDArray[np.int64]
+    nbytes: npt.NDArray[np.int64]
+    cost: npt.NDArray[np.int64]
+    gen: npt.NDArray[np.uint64]
+    csum: npt.NDArray[np.uint64]
+    has_csum: npt.NDArray[np.bool_]
+    created: npt.NDArray[np.float64]
+    used: npt.NDArray[np.float64]
+    tick: npt.NDArray[np.int64]
+    children: npt.NDArray[np.int32]
+    hold: npt.NDArray[np.int32]
+    alive: npt.NDArray[np.bool_]
+    retained: npt.NDArray[np.bool_]
+    rcover: npt.NDArray[np.int32]
+    tag_id: npt.NDArray[np.int32]
+
+    # memoryviews of the numeric columns (see _views); typed Any: items are Python ints/floats/bools
+    m_parent: Any
+    m_nbytes: Any
+    m_cost: Any
+    m_gen: Any
+    m_csum: Any
+    m_has_csum: Any
+    m_created: Any
+    m_used: Any
+    m_tick: Any
+    m_children: Any
+    m_hold: Any
+    m_alive: Any
+    m_retained: Any
+    m_rcover: Any
+    m_tag_id: Any
+
+    def __init__(self, budget: int, capacity: int = 1024) -> None:
         self.budget = budget
-        self.nodes: dict[Key, Node] = {}
+        self.cap = 0
+        self.n = 0  # rows ever used (high-water mark)
+        for name, dtype, _ in self.COLS:
+            setattr(self, name, np.zeros(0, dtype=dtype))
+        self._grow(capacity)
+        self.anchors: dict[int, dict[str, Any]] = {}  # row -> name -> provider-private anchor record
         self.flights: dict[Key, _Flight] = {}
-        self.used = 0  # sealed cost + in-flight cost
+        self.count = 0
+        self.used_cost = 0  # sealed cost + in-flight cost
         self.sealed_cost = 0
         self.evictions = 0
         self.evicted_cost = 0
-        self._tick = 0
-        self._heap: list[tuple[int, Key]] = []
-        # in-flight parent key -> keys of chained flights waiting for its commit
-        self._waiting: dict[Key, list[Key]] = {}
+        self.retained_count = 0  # rows marked retained
+        self.retained_cost = 0  # cost of the rows covered by a mark (marked rows and their ancestors)
+        self.clock = 1
+        self._next_gen = 1
+        self.tags: list[str] = [""]
+        self._tag_ids: dict[str, int] = {"": 0}
+        self._free_rows: list[int] = []
+        self._dict: dict[bytes, int] = {}
+        self._base_k64: npt.NDArray[np.uint64] = np.zeros(0, np.uint64)
+        self._base_row: npt.NDArray[np.int64] = np.zeros(0, np.int64)
+        self._heap: list[int] = []  # tick << 32 | row
+        self._heap_bound = -1  # every evictable leaf with tick <= bound is in the heap
+        self._waiting: dict[Key, list[Key]] = {}  # in-flight parent -> chained flights under it
 
-    # -- lookups -----------------------------------------------------------------------------
-    def get(self, key: Key) -> Node | None:
-        return self.nodes.get(key)
+    def _grow(self, capacity: int) -> None:
+        if capacity <= self.cap:
+            return
+        for name, dtype, fill in self.COLS:
+            old = getattr(self, name)
+            new = np.zeros(capacity, dtype=dtype)
+            if fill is not None and fill != 0:
+                new[:] = fill
+            new[: len(old)] = old
+            setattr(self, name, new)
+        self.cap = capacity
+        self._views()
+
+    def _views(self) -> None:
+        """``m_<name>``: a memoryview of each numeric column, for the per-entry scalar work of the
+        hot paths (one item through a memoryview costs a fifth of a numpy scalar index); the
+        numpy arrays stay the columns (vectorised work, subclasses), sharing the same memory."""
+        for name, dtype, _ in self.COLS:
+            if np.dtype(dtype).kind != "V":
+                setattr(self, "m_" + name, memoryview(getattr(self, name)))
+
+    # -- key map ---------------------------------------------------------------------------------
+    def row_of(self, key: bytes) -> int:
+        """The row of a sealed key, or -1."""
+        row = self._dict.get(key)
+        if row is not None:
+            return row
+        if len(self._base_k64):
+            h = key_u64(key)
+            i = int(np.searchsorted(self._base_k64, h))
+            while i < len(self._base_k64) and int(self._base_k64[i]) == h:
+                r = int(self._base_row[i])
+                if r >= 0 and self.key[r].tobytes() == key:
+                    self._dict[key] = r  # cache: the next lookup of this key is one dict probe
+                    return r
+                i += 1
+        return -1
+
+    def rows_of(self, keys: Sequence[bytes]) -> list[int]:
+        if not len(self._base_k64):
+            get = self._dict.get
+            return [-1 if r is None else r for r in map(get, keys)]
+        return [self.row_of(k) for k in keys]
+
+    def contains(self, key: bytes) -> bool:
+        """Whether ``key`` is sealed (C speed when nothing was bulk loaded)."""
+        return key in self._dict or (bool(len(self._base_k64)) and self.row_of(key) >= 0)
+
+    @property
+    def contains_fn(self) -> Any:
+        """A fast membership callable (``dict.__contains__`` when nothing was bulk loaded)."""
+        return self.contains if len(self._base_k64) else self._dict.__contains__
+
+    def _unmap(self, row: int) -> None:
+        key = self.key[row].tobytes()
+        self._dict.pop(key, None)
+        if not len(self._base_k64):
+            return
+        h = key_u64(key)
+        i = int(np.searchsorted(self._base_k64, h))
+        while i < len(self._base_k64) and int(self._base_k64[i]) == h:
+            if int(self._base_row[i]) == row:
+                self._base_row[i] = -1
+                return
+            i += 1
+
+    def key_of(self, row: int) -> Key:
+        return Key(self.key[row].tobytes())
+
+    def parent_key(self, row: int) -> Key | None:
+        p = int(self.parent[row])
+        return None if p < 0 else self.key_of(p)
+
+    def tag_of(self, row: int) -> str:
+        tag: str = self.tags[self.m_tag_id[row]]
+        return tag
+
+    def _set_tag(self, row: int, tag: str | bytes) -> None:
+        t = tag.decode("utf-8", "replace") if isinstance(tag, bytes) else tag
+        tid = self._tag_ids.get(t)
+        if tid is None:
+            tid = self._tag_ids[t] = len(self.tags)
+            self.tags.append(t)
+        self.m_tag_id[row] = tid
+
+    def checksum_of(self, row: int) -> int | None:
+        return self.m_csum[row] if self.m_has_csum[row] else None
+
+    def is_live(self, row: int, gen: int) -> bool:
+        """Whether ``(row, gen)`` still names a sealed entry (not removed, not recycled)."""
+        return 0 <= row < self.n and self.m_alive[row] and self.m_gen[row] == gen
 
     def __len__(self) -> int:
-        return len(self.nodes)
+        return self.count
 
-    def __iter__(self) -> Iterator[Node]:
-        return iter(list(self.nodes.values()))
+    def live_rows(self) -> npt.NDArray[np.intp]:
+        return np.flatnonzero(self.alive[: self.n])
 
-    def touch(self, node: Node) -> None:
-        self._tick += 1
-        node.tick = self._tick
-        node.last_used = time.time()
-        if node.children == 0 and node.hold == 0:
-            self._push(node)
+    def keys(self) -> Iterator[Key]:
+        """The sealed keys (a snapshot)."""
+        return iter([self.key_of(int(r)) for r in self.live_rows()])
 
-    # -- reservations ------------------------------------------------------------------------
-    def begin(self, key: Key, parent: Key | None, cost: int) -> tuple[bool, list[Node]]:
-        """Start a reservation.  Returns ``(False, [])`` for a sealed key (dedup), else
-        ``(True, evicted_nodes)``; raises ``InFlightError``/``UnknownKeyError``/``CapacityError``."""
-        if key in self.nodes:
-            return False, []
+    def set_key_map(self, base_k64: npt.NDArray[np.uint64], base_row: npt.NDArray[np.int64]) -> None:
+        """Bulk-loaded rows' key map: first 8 key bytes (sorted) and the row of each."""
+        self._base_k64 = base_k64
+        self._base_row = base_row.astype(np.int64)
+        self._dict = {}
+
+    def reset(self, n: int) -> None:
+        """Empty the index and make room for ``n`` bulk-loaded rows (a subclass fills them)."""
+        for name, dtype, _ in self.COLS:
+            setattr(self, name, np.zeros(0, dtype=dtype))
+        self.cap = 0
+        self._grow(max(1024, n + n // 4))  # (and the memoryviews)
+        self.n = n
+        self._dict = {}
+        self._base_k64 = np.zeros(0, np.uint64)
+        self._base_row = np.zeros(0, np.int64)
+        self._free_rows = []
+        self._heap = []
+        self._heap_bound = -1
+        self.anchors = {}
+
+    def finish_load(self) -> None:
+        """Derive children, counts, costs and the retained cover of rows ``[0, n)`` set by a bulk
+        load (``parent``, ``cost``, ``tick``, ``alive``, ``retained`` filled in)."""
+        n = self.n
+        parents = self.parent[:n]
+        if n:
+            has_parent = parents >= 0
+            self.children[:n] = np.bincount(parents[has_parent], minlength=n)[:n].astype(np.int32)
+        self.count = int(self.alive[:n].sum())
+        self.sealed_cost = int(self.cost[:n].sum()) if n else 0
+        self.used_cost = self.sealed_cost
+        self.clock = max(self.clock, int(self.tick[:n].max()) + 1 if n else 1)
+        self.count_retained()
+
+    def count_retained(self) -> None:
+        """Recount the retained rows and their cover from the ``retained`` column (after a load)."""
+        n = self.n
+        self.retained[:n] &= self.alive[:n]
+        self.rcover[:n] = 0
+        self.retained_count = 0
+        self.retained_cost = 0
+        for row in np.flatnonzero(self.retained[:n]).tolist():
+            self.retained_count += 1
+            self._cover(row)
+
+    # -- lookups ---------------------------------------------------------------------------------
+    def _evictable(self, row: int) -> bool:
+        return not (self.m_children[row] or self.m_hold[row] or self.m_retained[row])
+
+    def touch(self, row: int) -> None:
+        self.clock += 1
+        self.m_tick[row] = self.clock
+        self.m_used[row] = time.time()
+        if self._evictable(row):
+            if len(self._heap) > 4 * self.count + 1024:
+                # mostly stale entries (a reader touches without ever evicting): rebuild lazily
+                self._heap = []
+                self._heap_bound = -1
+            heapq.heappush(self._heap, self.clock << _ROW_BITS | row)
+
+    # -- reservations ----------------------------------------------------------------------------
+    def begin(self, key: Key, parent: Key | None, cost: int,
+              pending_ok: Container[Key] = ()) -> tuple[bool, list[int], int]:
+        """Start a reservation: ``(False, [], -1)`` for a sealed key (dedup), else
+        ``(True, evicted_rows, parent_row)``; raises ``InFlightError``/``UnknownKeyError``/
+        ``CapacityError``.  A parent in ``pending_ok`` that is in flight need not be sealed yet
+        (a chained flight, see :meth:`begin_chained`)."""
+        if self.row_of(key) >= 0:
+            return False, [], -1
         if key in self.flights:
             raise InFlightError(f"key {key.hex()[:16]} is being written by another writer", key=key)
-        pnode = None
+        prow = -1
         if parent is not None:
-            pnode = self.nodes.get(parent)
-            if pnode is None:
-                raise UnknownKeyError(f"parent {parent.hex()[:16]} is not stored")
-        evicted = self.make_room(cost, protect=pnode)
-        self.flights[key] = _Flight(parent, pnode, cost)
-        self.used += cost
-        if pnode is not None:
-            pnode.hold += 1
-        return True, evicted
+            prow = self.row_of(parent)
+            if prow < 0:
+                if parent not in pending_ok or parent not in self.flights:
+                    raise UnknownKeyError(f"parent {parent.hex()[:16]} is not stored")
+                return self._begin_chained(key, parent, cost)
+        evicted = self.make_room(cost, protect=prow)
+        self.flights[key] = _Flight(prow, cost, self.m_gen[prow] if prow >= 0 else 0)
+        self.used_cost += cost
+        if prow >= 0:
+            self._hold(prow)
+        return True, evicted, prow
 
-    def begin_chained(self, key: Key, parent: Key | None, cost: int) -> tuple[bool, list[Node]]:
-        """:meth:`begin`, where ``parent`` may also be a key *in flight* (a chain reserved in one
-        go, root first).  Such a flight commits only after its parent did (else
-        ``UnknownKeyError``); until the parent commits nothing of the chain is visible or
-        evictable, and from the parent's commit on the parent node is held for it."""
-        if parent is None or parent in self.nodes or parent not in self.flights:
+    def begin_chained(self, key: Key, parent: Key | None, cost: int) -> tuple[bool, list[int], int]:
+        """:meth:`begin`, where ``parent`` may also be any key *in flight* (a chain reserved in
+        one go, root first).  Such a flight commits only after its parent did (else
+        ``UnknownKeyError``); from the parent's commit on the parent row is held for it."""
+        if parent is None or parent not in self.flights or self.row_of(parent) >= 0:
             return self.begin(key, parent, cost)
-        if key in self.nodes:
-            return False, []
+        if self.row_of(key) >= 0:
+            return False, [], -1
         if key in self.flights:
             raise InFlightError(f"key {key.hex()[:16]} is being written by another writer", key=key)
-        evicted = self.make_room(cost)
-        self.flights[key] = _Flight(parent, None, cost, chained=True)
-        self._waiting.setdefault(parent, []).append(key)
-        self.used += cost
-        return True, evicted
+        return self._begin_chained(key, parent, cost)
 
-    def _adopt_children(self, key: Key, node: Node | None) -> None:
-        """Chained flights waiting for ``key``: hand them ``node`` (held once per child), or, when
-        ``key`` was cancelled (``node is None``), leave them orphaned (their commit fails)."""
+    def _begin_chained(self, key: Key, parent: Key, cost: int) -> tuple[bool, list[int], int]:
+        evicted = self.make_room(cost)  # an in-flight parent is never evicted: nothing to protect
+        self.flights[key] = _Flight(-1, cost, 0, parent, chained=True)
+        self._waiting.setdefault(parent, []).append(key)
+        self.used_cost += cost
+        return True, evicted, -1
+
+    def _adopt_children(self, key: Key, row: int) -> None:
+        """Chained flights waiting for ``key``: hand them ``row`` (held once per child), or, when
+        ``key`` was cancelled (``row < 0``), leave them orphaned (their commit fails)."""
         for child in self._waiting.pop(key, ()):
             cf = self.flights.get(child)
-            if cf is not None and cf.chained and cf.pnode is None and node is not None:
-                cf.pnode = node
-                node.hold += 1
+            if cf is not None and cf.chained and cf.parent < 0 and row >= 0:
+                cf.parent = row
+                cf.parent_gen = int(self.gen[row])
+                self._hold(row)
 
-    def commit(self, key: Key, node: Node) -> None:
-        """Turn the in-flight reservation ``key`` into the sealed ``node``."""
+    def _parent_alive(self, flight: _Flight) -> bool:
+        """Whether the flight's parent is still the entry it pinned (alive, same generation)."""
+        return self.is_live(flight.parent, flight.parent_gen)
+
+    def commit(self, key: Key, *, nbytes: int, csum: int | None = None, tag: str | bytes = "",
+               created: float | None = None, gen: int | None = None, **cols: int) -> int:
+        """Turn the in-flight reservation ``key`` into a sealed row (returned); ``cols`` set a
+        subclass's columns.  ``UnknownKeyError`` (the flight is gone) when its parent was dropped
+        or, for a chained flight, never sealed."""
         flight = self.flights.pop(key)
-        pnode = flight.pnode
-        if flight.chained and pnode is None:
-            self.used -= flight.cost
-            self._adopt_children(key, None)
+        prow = flight.parent
+        if flight.chained and prow < 0:
+            self.used_cost -= flight.cost
+            self._adopt_children(key, -1)
             raise UnknownKeyError(
-                f"parent {flight.parent.hex()[:16] if flight.parent else '?'} was not sealed before this page",
-                hint="seal a chain root first (seal_many does)",
+                f"parent {flight.pkey.hex()[:16] if flight.pkey else '?'} was not sealed before this page",
+                hint="seal a chain root first (seal_many does); save the chain again from its first missing page",
             )
-        if pnode is not None and pnode.dead:
-            self.used -= flight.cost
-            self._adopt_children(key, None)
+        if prow >= 0 and not self._parent_alive(flight):
+            self.used_cost -= flight.cost
+            self._adopt_children(key, -1)
             raise UnknownKeyError(
-                f"parent {pnode.key.hex()[:16]} was dropped (corrupt) before the seal",
+                "the parent was dropped (corrupt) before the seal",
                 hint="save the chain again from its first missing page",
             )
-        node.cost = flight.cost
-        self.nodes[key] = node
-        self.sealed_cost += node.cost
-        if pnode is not None:
-            pnode.children += 1
-            self._release(pnode)
+        # (a recycled row had children, hold, retained and rcover reset by recycle(); a new one is zero)
+        row = self._free_rows.pop() if self._free_rows else self._new_row()
+        if gen is None:
+            gen = self._next_gen
+        self._next_gen = max(self._next_gen, gen) + 1
+        self.key[row] = key
+        self.m_parent[row] = prow
+        self.m_nbytes[row] = nbytes
+        self.m_cost[row] = flight.cost
+        self.m_gen[row] = gen
+        if csum is not None:
+            self.m_csum[row] = csum
+        self.m_has_csum[row] = csum is not None
+        self.m_created[row] = time.time() if created is None else float(created)  # touch() sets used
+        self._set_tag(row, tag)
+        for name, value in cols.items():
+            getattr(self, "m_" + name)[row] = value
+        self.m_alive[row] = True
+        self._dict[key] = row
+        self.count += 1
+        self.sealed_cost += flight.cost
+        if prow >= 0:
+            self.m_children[prow] += 1
+            self._unhold(prow)
         if self._waiting:
-            self._adopt_children(key, node)
-        self.touch(node)
+            self._adopt_children(key, row)
+        self.touch(row)
+        return row
+
+    def _new_row(self) -> int:
+        if self.n >= self.cap:
+            self._grow(self.cap * 2)
+        self.n += 1
+        return self.n - 1
 
     def cancel(self, key: Key) -> None:
         flight = self.flights.pop(key, None)
         if flight is None:
             return
-        self.used -= flight.cost
-        if flight.pnode is not None and not flight.pnode.dead:
-            self._release(flight.pnode)
-        if flight.chained and flight.pnode is None and flight.parent is not None:
-            waiting = self._waiting.get(flight.parent)
+        self.used_cost -= flight.cost
+        if flight.parent >= 0 and self._parent_alive(flight):
+            self._unhold(flight.parent)
+        if flight.chained and flight.parent < 0 and flight.pkey is not None:
+            waiting = self._waiting.get(flight.pkey)
             if waiting is not None and key in waiting:
                 waiting.remove(key)
                 if not waiting:
-                    del self._waiting[flight.parent]
+                    del self._waiting[flight.pkey]
         if self._waiting:
-            self._adopt_children(key, None)
+            self._adopt_children(key, -1)
 
-    # -- budget ------------------------------------------------------------------------------
-    def make_room(self, cost: int, protect: Node | None = None) -> list[Node]:
-        """Evict LRU leaves until ``cost`` more fits; raise ``CapacityError`` *without evicting
-        anything* if even evicting every evictable entry would not be enough.  ``protect`` (the
-        parent of the entry being reserved) is never evicted."""
-        if self.used + cost <= self.budget:
+    # -- budget ----------------------------------------------------------------------------------
+    def make_room(self, cost: int, protect: int = -1) -> list[int]:
+        """Evict LRU leaves until ``cost`` more fits, or raise ``CapacityError`` evicting nothing.
+        ``protect`` (the parent of the entry being reserved) is never evicted."""
+        if self.used_cost + cost <= self.budget:
             return []
-        if cost > self.budget or self.used - self.sealed_cost + cost > self.budget:
+        if cost > self.budget or self.used_cost - self.sealed_cost + cost > self.budget:
             raise CapacityError(
-                f"{cost} bytes do not fit: budget {self.budget}, used {self.used} "
-                f"of which {self.used - self.sealed_cost} by reservations in flight"
+                f"{cost} bytes do not fit: budget {self.budget}, used {self.used_cost} of which "
+                f"{self.used_cost - self.sealed_cost} by reservations in flight"
             )
-        if protect is not None:
-            protect.hold += 1
+        if protect >= 0:
+            self._hold(protect)
         try:
-            removed = self._evict_lru(self.used + cost - self.budget)
-            if self.used + cost > self.budget:
-                for node in reversed(removed):  # parents were removed after their children
-                    self._reinsert(node)
+            removed = self._evict_lru(self.used_cost + cost - self.budget)
+            if self.used_cost + cost > self.budget:
+                for row in reversed(removed):  # parents were removed after their children
+                    self._reinsert(row)
                 raise CapacityError(
-                    f"{cost} bytes do not fit: budget {self.budget}, used {self.used}, "
-                    f"and only {sum(n.cost for n in removed)} of it is evictable (the rest is leased "
-                    "or in flight)"
+                    f"{cost} bytes do not fit: budget {self.budget}, used {self.used_cost}, and only "
+                    f"{sum(int(self.cost[r]) for r in removed)} of it is evictable (the rest is leased, "
+                    f"in flight or retained: {self.retained_cost} retained)"
                 )
         finally:
-            if protect is not None:
-                self._release(protect)
+            if protect >= 0:
+                self._unhold(protect)
         self.evictions += len(removed)
-        self.evicted_cost += sum(n.cost for n in removed)
+        self.evicted_cost += sum(int(self.cost[r]) for r in removed)
         return removed
 
-    def _evict_lru(self, need: int) -> list[Node]:
-        out: list[Node] = []
+    def _reinsert(self, row: int) -> None:
+        """Undo ``_remove`` of a tentative eviction (never of a retained row)."""
+        self._dict[self.key[row].tobytes()] = row
+        self.alive[row] = True
+        self.count += 1
+        c = int(self.cost[row])
+        self.used_cost += c
+        self.sealed_cost += c
+        p = int(self.parent[row])
+        if p >= 0 and self.alive[p]:
+            self.children[p] += 1
+        heapq.heappush(self._heap, int(self.tick[row]) << _ROW_BITS | row)
+
+    def _refill_heap(self) -> None:
+        """Rebuild the LRU candidate heap from the columns: the K oldest evictable leaves."""
+        n = self.n
+        cand = np.flatnonzero(self.alive[:n] & (self.children[:n] == 0) & (self.hold[:n] == 0)
+                              & ~self.retained[:n])
+        if not len(cand):
+            self._heap = []
+            self._heap_bound = -1
+            return
+        k = min(len(cand), 4096)
+        ticks = self.tick[cand]
+        if k < len(cand):
+            part = np.argpartition(ticks, k - 1)[:k]
+            cand, ticks = cand[part], ticks[part]
+            self._heap_bound = int(ticks.max())
+        else:
+            self._heap_bound = 1 << 62
+        self._heap = ((ticks << _ROW_BITS) | cand).tolist()
+        heapq.heapify(self._heap)
+
+    def pop_lru_leaf(self) -> int:
+        """The least-recently-used evictable leaf (not removed), or -1."""
+        for _ in range(2):
+            while self._heap:
+                item = self._heap[0]
+                tick, row = item >> _ROW_BITS, item & _ROW_MASK
+                if not self.m_alive[row] or self.m_tick[row] != tick or not self._evictable(row):
+                    heapq.heappop(self._heap)
+                    continue
+                if tick > self._heap_bound:
+                    break  # an evictable leaf older than this may be missing from the heap
+                return row
+            self._refill_heap()
+        return -1
+
+    def _evict_lru(self, need: int) -> list[int]:
+        out: list[int] = []
         freed = 0
-        while freed < need and self._heap:
-            tick, key = heapq.heappop(self._heap)
-            node = self.nodes.get(key)
-            if node is None or node.tick != tick or node.children or node.hold:
-                continue  # stale heap entry; a pinned leaf is re-pushed when released
-            self._remove(node)
-            freed += node.cost
-            out.append(node)
+        while freed < need:
+            row = self.pop_lru_leaf()
+            if row < 0:
+                break
+            freed += self.m_cost[row]
+            self._remove(row)
+            out.append(row)
         return out
 
-    def _reinsert(self, node: Node) -> None:
-        """Undo ``_remove`` (a tentative eviction that turned out not to be enough)."""
-        node.dead = False
-        self.nodes[node.key] = node
-        self.used += node.cost
-        self.sealed_cost += node.cost
-        if node.parent is not None:
-            pnode = self.nodes.get(node.parent)
-            if pnode is not None:
-                pnode.children += 1
-        heapq.heappush(self._heap, (node.tick, node.key))
-
-    def evict_cost(self, need: int) -> list[Node]:
-        """Evict least-recently-used unpinned leaves until ``need`` cost is freed (or none left)."""
+    def evict_cost(self, need: int) -> list[int]:
+        """Evict LRU evictable leaves until ``need`` cost is freed (or none is left)."""
         out = self._evict_lru(need)
         self.evictions += len(out)
-        self.evicted_cost += sum(n.cost for n in out)
+        self.evicted_cost += sum(int(self.cost[r]) for r in out)
         return out
 
-    def add_cost(self, node: Node, delta: int) -> list[Node]:
-        """Grow (or shrink) a sealed node's cost, e.g. for anchors; evicts to make room."""
-        evicted: list[Node] = []
+    def add_cost(self, row: int, delta: int) -> list[int]:
+        """Grow (or shrink) a sealed row's cost, e.g. for anchors; evicts to make room."""
+        evicted: list[int] = []
         if delta > 0:
-            evicted = self.make_room(delta, protect=node)
-        node.cost += delta
-        self.used += delta
+            evicted = self.make_room(delta, protect=row)
+        self.cost[row] += delta
+        self.used_cost += delta
         self.sealed_cost += delta
+        if self.rcover[row]:
+            self.retained_cost += delta
         return evicted
 
-    # -- holds (leases) ----------------------------------------------------------------------
-    def hold_keys(self, keys: Sequence[Key]) -> list[Node | None]:
-        out: list[Node | None] = []
-        for key in keys:
-            node = self.nodes.get(key)
-            if node is not None:
-                node.hold += 1
-                self.touch(node)
-            out.append(node)
-        return out
+    # -- holds -----------------------------------------------------------------------------------
+    def hold_rows(self, rows: Sequence[int]) -> None:
+        for row in rows:
+            if row >= 0:
+                self._hold(row)
+                self.touch(row)
 
-    def release_nodes(self, nodes: Iterable[Node | None]) -> None:
-        for node in nodes:
-            if node is not None and not node.dead:
-                self._release(node)
+    def release_rows(self, rows: Sequence[int], gens: Sequence[int]) -> None:
+        for row, g in zip(rows, gens, strict=True):
+            # rows removed (or recycled, or of an index replaced since) never match: gens are unique
+            if self.is_live(row, g):
+                self._unhold(row)
 
-    def _release(self, node: Node) -> None:
-        node.hold -= 1
-        if node.hold == 0 and node.children == 0 and not node.dead:
-            self._push(node)
+    def _hold(self, row: int) -> None:
+        self.m_hold[row] += 1
 
-    # -- removal -----------------------------------------------------------------------------
-    def _remove(self, node: Node) -> None:
-        del self.nodes[node.key]
-        node.dead = True
-        self.used -= node.cost
-        self.sealed_cost -= node.cost
-        if node.parent is not None:
-            pnode = self.nodes.get(node.parent)
-            if pnode is not None:
-                pnode.children -= 1
-                if pnode.children == 0 and pnode.hold == 0:
-                    self._push(pnode)
+    def _unhold(self, row: int) -> None:
+        self.m_hold[row] -= 1
+        if self.m_alive[row] and self._evictable(row):
+            heapq.heappush(self._heap, self.m_tick[row] << _ROW_BITS | row)
 
-    def subtree(self, roots: Iterable[Key]) -> list[Node]:
-        """Nodes of the subtrees under ``roots`` (present ones), deepest first."""
-        wanted = [self.nodes[k] for k in roots if k in self.nodes]
-        if not wanted:
-            return []
-        children: dict[Key, list[Node]] = {}
-        if any(n.children for n in wanted):
-            for n in self.nodes.values():
-                if n.parent is not None:
-                    children.setdefault(n.parent, []).append(n)
-        order: list[Node] = []
-        seen: set[Key] = set()
-        stack = list(wanted)
-        while stack:
-            n = stack.pop()
-            if n.key in seen:
+    # -- retained entries ------------------------------------------------------------------------
+    def _cover(self, row: int) -> None:
+        while row >= 0:
+            self.rcover[row] += 1
+            if self.rcover[row] != 1:
+                return
+            self.retained_cost += int(self.cost[row])
+            row = int(self.parent[row])
+
+    def _uncover(self, row: int) -> None:
+        while row >= 0:
+            self.rcover[row] -= 1
+            if self.rcover[row] != 0:
+                return
+            self.retained_cost -= int(self.cost[row])
+            row = int(self.parent[row])
+
+    def retain_cost(self, rows: Sequence[int]) -> int:
+        """The cost that marking ``rows`` would add to ``retained_cost``."""
+        seen: set[int] = set()
+        add = 0
+        for row in rows:
+            while row >= 0 and not self.rcover[row] and row not in seen:
+                seen.add(row)
+                add += int(self.cost[row])
+                row = int(self.parent[row])
+        return add
+
+    def retain_rows(self, rows: Sequence[int], limit: int) -> int:
+        """Mark live ``rows`` retained, all or nothing: ``CapacityError`` (nothing marked) when the
+        retained cost would exceed ``limit``.  Returns how many rows were newly marked."""
+        new = list(dict.fromkeys(r for r in rows if not self.retained[r]))
+        add = self.retain_cost(new)
+        if self.retained_cost + add > limit:
+            raise CapacityError(
+                f"retaining these entries needs {self.retained_cost + add} retained bytes, more than the "
+                f"{limit} allowed ({self.retained_cost} retained now)",
+                hint="unretain other prefixes, retain fewer, or raise the retain_share option (a budget fraction)",
+            )
+        for row in new:
+            self.retained[row] = True
+            self.retained_count += 1
+            self._cover(row)
+        return len(new)
+
+    def unretain_rows(self, rows: Sequence[int]) -> int:
+        """Clear the marks of ``rows`` (rows < 0 or not marked are ignored); how many were cleared."""
+        cleared = 0
+        for row in dict.fromkeys(rows):
+            if row < 0 or not self.alive[row] or not self.retained[row]:
                 continue
-            seen.add(n.key)
-            order.append(n)
-            stack.extend(children.get(n.key, ()))
-        # Deepest first, so every node comes after all of its descendants — also when ``roots``
-        # name both a node and one of its descendants (a reversed pre-order would not).
-        depth: dict[Key, int] = {}
-        for n in order:
-            d, cur = 0, n
-            while cur.parent is not None and cur.parent in seen and cur.parent not in depth:
-                d += 1
-                cur = self.nodes[cur.parent]
-            depth[n.key] = d + (depth[cur.parent] + 1 if cur.parent is not None and cur.parent in depth else 0)
-        order.sort(key=lambda n: depth[n.key], reverse=True)
-        return order
+            self.retained[row] = False
+            self.retained_count -= 1
+            cleared += 1
+            self._uncover(row)
+            if self._evictable(row):
+                heapq.heappush(self._heap, int(self.tick[row]) << _ROW_BITS | row)
+        return cleared
 
-    def evict_keys(self, keys: Iterable[Key]) -> tuple[list[Node], int]:
-        """Remove ``keys`` with their subtrees, skipping held nodes (and so their ancestors)."""
-        removed: list[Node] = []
+    # -- removal ---------------------------------------------------------------------------------
+    def _remove(self, row: int) -> None:
+        if self.m_retained[row]:  # only a drop (corruption) removes a retained row; children went first
+            self.m_retained[row] = False
+            self.retained_count -= 1
+            self._uncover(row)
+        self._unmap(row)
+        self.m_alive[row] = False
+        self.count -= 1
+        c = self.m_cost[row]
+        self.used_cost -= c
+        self.sealed_cost -= c
+        p = self.m_parent[row]
+        if p >= 0 and self.m_alive[p]:
+            self.m_children[p] -= 1
+            if self._evictable(p):
+                heapq.heappush(self._heap, self.m_tick[p] << _ROW_BITS | p)
+
+    def recycle(self, rows: Sequence[int]) -> None:
+        """Make removed rows reusable (after the caller freed their bytes)."""
+        if len(rows):
+            idx = list(rows)
+            self.children[idx] = 0
+            self.hold[idx] = 0
+            self.retained[idx] = False
+            self.rcover[idx] = 0
+            self._free_rows.extend(idx)
+
+    def subtree(self, roots: Sequence[int]) -> list[int]:
+        """Rows of the subtrees under ``roots``, deepest first (pointer jumping, vectorised)."""
+        roots = [r for r in roots if r >= 0 and self.alive[r]]
+        if not roots:
+            return []
+        if all(self.children[r] == 0 for r in roots):
+            return list(dict.fromkeys(roots))
+        n = self.n
+        alive = self.alive[:n]
+        mark = np.zeros(n, np.bool_)
+        mark[roots] = True
+        anc = np.where(alive, self.parent[:n], -1)
+        depth = (anc >= 0).astype(np.int64)
+        while True:
+            idx = np.flatnonzero(anc >= 0)
+            if not len(idx):
+                break
+            up = anc[idx]
+            mark[idx] |= mark[up]
+            depth[idx] += depth[up]
+            anc[idx] = anc[up]
+        rows = np.flatnonzero(mark & alive)
+        order = np.argsort(-depth[rows], kind="stable")
+        return [int(r) for r in rows[order]]
+
+    def evict_rows(self, rows: Sequence[int]) -> tuple[list[int], int]:
+        """Remove ``rows`` with their subtrees, skipping held rows (and so their ancestors);
+        ``RetainedError`` (nothing removed) when a subtree holds a retained row."""
+        covered = [r for r in rows if r >= 0 and self.alive[r] and self.rcover[r]]
+        if covered:
+            raise RetainedError(
+                f"{len(covered)} of the entries to evict are retained or ancestors of retained entries "
+                f"(e.g. {self.key_of(covered[0]).hex()[:16]}); nothing was evicted")
+        removed: list[int] = []
         skipped = 0
-        for node in self.subtree(keys):
-            if node.hold or node.children or node.key in self.flights:
+        for row in self.subtree(rows):
+            if self.hold[row] or self.children[row] or self.key_of(row) in self.flights:
                 skipped += 1
                 continue
-            self._remove(node)
+            self._remove(row)
             self.evictions += 1
-            self.evicted_cost += node.cost
-            removed.append(node)
+            self.evicted_cost += int(self.cost[row])
+            removed.append(row)
         return removed, skipped
 
-    def drop(self, key: Key) -> list[Node]:
-        """Force-remove ``key`` and its subtree (a checksum failure), held or not."""
-        removed: list[Node] = []
-        for node in self.subtree([key]):
-            # leases and flights on a dropped node see ``dead`` and leave it alone
-            node.hold = 0
-            if node.children:  # children already removed (deepest first); keep counts exact
-                node.children = 0
-            self._remove(node)
-            removed.append(node)
+    def drop(self, row: int) -> list[int]:
+        """Force-remove ``row`` and its subtree (corruption), held or retained or not."""
+        removed: list[int] = []
+        for r in self.subtree([row]):
+            self.hold[r] = 0  # leases and flights on a dropped row see it dead (or a new gen)
+            self.children[r] = 0  # children already removed (deepest first)
+            self._remove(r)
+            removed.append(r)
         return removed
-
-    def _push(self, node: Node) -> None:
-        heapq.heappush(self._heap, (node.tick, node.key))
-        if len(self._heap) > 4 * len(self.nodes) + 1024:
-            self._heap = [(n.tick, n.key) for n in self.nodes.values() if n.children == 0 and n.hold == 0]
-            heapq.heapify(self._heap)

@@ -23,6 +23,7 @@ from hostkv_providers.testing._families._misuse import MisuseTests
 from hostkv_providers.testing._families._model import StatefulTests
 from hostkv_providers.testing._families._persistence import PersistenceTests
 from hostkv_providers.testing._families._powers import CapabilityTests
+from hostkv_providers.testing._families._retain import RetainTests
 from hostkv_providers.testing._families._writes import WriteTests
 from hostkv_providers.testing._pages import anchor_bytes, chain, key_of, page_bytes, put_chain, put_page
 from hostkv_providers.testing._suite import ProviderTests
@@ -43,6 +44,7 @@ __all__ = [
     "ProviderFactory",
     "ProviderStateMachine",
     "ProviderTests",
+    "RetainTests",
     "StatefulTests",
     "SuiteBase",
     "WriteTests",

@@ -1,7 +1,7 @@
 """Stateful property tests.
 
-1. ``TreeIndex`` against an exact, independent oracle: plain dicts of nodes, flights and leases
-   and a recency counter.  At the index level costs are known, so the oracle predicts *everything*:
+1. ``TreeIndex`` against an exact, independent oracle: plain dicts of nodes, flights, leases and
+   retained marks and a recency counter.  At the index level costs are known, so the oracle predicts *everything*:
    which leaves each eviction removes (LRU among unpinned leaves), exactly when the O(1) guard must
    refuse, what ``evict_keys`` skips, and every derived counter.
 2. A deeper run of the shipped provider model (``ProviderStateMachine``) against the pinned
@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,11 +20,13 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from hostkv_providers import CapacityError, InFlightError, Key, PinnedProvider, Provider, UnknownKeyError
 from hostkv_providers.device._hostmem import OrdinaryAllocator
-from hostkv_providers.providers._tree import Node, TreeIndex
+from hostkv_providers.errors import RetainedError
+from hostkv_providers.providers import TreeIndex
 from hostkv_providers.testing import ProviderTests, key_of, run_provider_state_machine
 
 POOL = [key_of(f"stateful-index-{i}") for i in range(4)]
 BUDGET = 12
+RETAIN_LIMIT = 6
 _I = st.integers(0, 99)
 _NEW = st.sampled_from(("fresh", "fresh", "fresh", "any"))
 _PARENT = st.sampled_from(("stored", "stored", "none", "any"))
@@ -46,7 +47,8 @@ class TreeIndexMachine(RuleBasedStateMachine):
         self.idx = TreeIndex(BUDGET)
         self.nodes: dict[Key, _ONode] = {}
         self.flights: dict[Key, tuple[Key | None, int, int | None]] = {}  # parent, cost, parent gen
-        self.leases: list[tuple[list[Node | None], list[tuple[Key, int]]]] = []
+        self.leases: list[tuple[tuple[list[int], list[int]], list[tuple[Key, int]]]] = []
+        self.retained: set[Key] = set()
         self.clock = 0
         self.gen = 0
         self.evictions = 0
@@ -71,7 +73,7 @@ class TreeIndexMachine(RuleBasedStateMachine):
     def _pinned(self, extra: list[Key] = ()) -> set[Key]:  # type: ignore[assignment]
         roots = [k for _, held in self.leases for k, g in held if self._alive(k, g)]
         roots += [p for p, _, g in self.flights.values() if self._alive(p, g)]  # type: ignore[misc]
-        return self._with_ancestors(roots + list(extra))
+        return self._with_ancestors(roots + list(extra) + sorted(self.retained))
 
     def _used(self) -> int:
         return sum(n.cost for n in self.nodes.values()) + sum(c for _, c, _ in self.flights.values())
@@ -103,6 +105,10 @@ class TreeIndexMachine(RuleBasedStateMachine):
     def _forget(self, keys: list[Key]) -> None:
         for k in keys:
             del self.nodes[k]
+            self.retained.discard(k)
+
+    def _keys(self, rows: list[int]) -> list[Key]:
+        return [self.idx.key_of(r) for r in rows]
 
     def _pick(self, i: int, kind: str) -> Key | None:
         """``fresh``: not stored nor in flight; ``stored``: a node; ``any``; ``none``: a root."""
@@ -141,7 +147,7 @@ class TreeIndexMachine(RuleBasedStateMachine):
         if pkey == key:
             return None
         if key in self.nodes:
-            assert self.idx.begin(key, pkey, cost) == (False, [])
+            assert self.idx.begin(key, pkey, cost) == (False, [], -1)
             return None
         if key in self.flights:
             with pytest.raises(InFlightError):
@@ -156,8 +162,9 @@ class TreeIndexMachine(RuleBasedStateMachine):
             with pytest.raises(CapacityError):
                 self.idx.begin(key, pkey, cost)
             return None
-        ok, evicted = self.idx.begin(key, pkey, cost)
-        assert ok and [n.key for n in evicted] == plan
+        ok, evicted, _ = self.idx.begin(key, pkey, cost)
+        assert ok and self._keys(evicted) == plan
+        self.idx.recycle(evicted)  # rows are reused: leases and flights must tell them apart
         self.evictions += len(plan)
         self._forget(plan)
         self.flights[key] = (pkey, cost, None if pkey is None else self.nodes[pkey].gen)
@@ -170,12 +177,11 @@ class TreeIndexMachine(RuleBasedStateMachine):
 
     def _commit(self, key: Key) -> None:
         parent, cost, pgen = self.flights.pop(key)
-        node = Node(key, parent, cost, 0, "", None, None, time.time())
         if parent is not None and not self._alive(parent, pgen):
             with pytest.raises(UnknownKeyError):
-                self.idx.commit(key, node)
+                self.idx.commit(key, nbytes=cost)
             return
-        self.idx.commit(key, node)
+        self.idx.commit(key, nbytes=cost)
         self.gen += 1
         self.nodes[key] = _ONode(parent, cost, self.gen, 0)
         self._tick(key)
@@ -190,8 +196,11 @@ class TreeIndexMachine(RuleBasedStateMachine):
     @rule(ks=st.lists(_I, min_size=1, max_size=3), kind=_OLD)
     def hold(self, ks: list[int], kind: str) -> None:
         keys = [self._key(k, kind) for k in ks]
-        token = self.idx.hold_keys(keys)
-        assert [n is not None for n in token] == [k in self.nodes for k in keys]
+        rows = self.idx.rows_of(keys)
+        assert [r >= 0 for r in rows] == [k in self.nodes for k in keys]
+        live = [r for r in rows if r >= 0]
+        self.idx.hold_rows(live)
+        token = (live, [int(self.idx.gen[r]) for r in live])
         held = []
         for k in keys:
             if k in self.nodes:
@@ -203,19 +212,21 @@ class TreeIndexMachine(RuleBasedStateMachine):
     @rule(i=st.integers(0, 99))
     def release(self, i: int) -> None:
         token, _ = self.leases.pop(i % len(self.leases))
-        self.idx.release_nodes(token)
+        self.idx.release_rows(*token)
 
     @rule(k=_I, kind=_OLD)
     def touch(self, k: int, kind: str) -> None:
         key = self._key(k, kind)
         if key in self.nodes:
-            self.idx.touch(self.idx.nodes[key])
+            self.idx.touch(self.idx.row_of(key))
             self._tick(key)
 
     @rule(need=st.integers(1, 15))
     def evict_cost(self, need: int) -> None:
         plan = self._lru_plan(need, self._pinned())
-        assert [n.key for n in self.idx.evict_cost(need)] == plan
+        rows = self.idx.evict_cost(need)
+        assert self._keys(rows) == plan
+        self.idx.recycle(rows)
         self.evictions += len(plan)
         self._forget(plan)
 
@@ -230,12 +241,17 @@ class TreeIndexMachine(RuleBasedStateMachine):
                 if k not in doomed and n.parent in doomed:
                     doomed.add(k)
                     grew = True
+        if doomed & self._with_ancestors(sorted(self.retained)):
+            with pytest.raises(RetainedError):  # retained, or an ancestor of one: nothing goes
+                self.idx.evict_rows(self.idx.rows_of(keys))
+            return
         pinned = self._pinned()
-        removed, skipped = self.idx.evict_keys(keys)
-        assert {n.key for n in removed} == doomed - pinned
+        removed, skipped = self.idx.evict_rows(self.idx.rows_of(keys))
+        assert set(self._keys(removed)) == doomed - pinned
         assert skipped == len(doomed & pinned)
         self.evictions += len(removed)
-        self._forget([n.key for n in removed])
+        self._forget(self._keys(removed))
+        self.idx.recycle(removed)
 
     @rule(k=_I, kind=st.sampled_from(("stored", "pinned_by_flight")), often=st.integers(0, 3))
     def drop(self, k: int, kind: str, often: int) -> None:
@@ -250,7 +266,9 @@ class TreeIndexMachine(RuleBasedStateMachine):
                 if kk not in doomed and n.parent in doomed:
                     doomed.add(kk)
                     grew = True
-        assert {n.key for n in self.idx.drop(key)} == doomed
+        rows = self.idx.drop(self.idx.row_of(key))
+        assert set(self._keys(rows)) == doomed
+        self.idx.recycle(rows)
         self._forget(list(doomed))
 
     @precondition(lambda self: any(p is not None and p in self.nodes for p, _, _ in self.flights.values()))
@@ -270,7 +288,7 @@ class TreeIndexMachine(RuleBasedStateMachine):
         key = self._key(k, kind)
         if key not in self.nodes or self.nodes[key].cost + delta < 0:
             return
-        node = self.idx.nodes[key]
+        node = self.idx.row_of(key)
         if delta > 0:
             plan = self._room(delta, self._pinned([key]))
             if plan is None:
@@ -279,27 +297,53 @@ class TreeIndexMachine(RuleBasedStateMachine):
                 return
         else:
             plan = []
-        assert [n.key for n in self.idx.add_cost(node, delta)] == plan
+        rows = self.idx.add_cost(node, delta)
+        assert self._keys(rows) == plan
+        self.idx.recycle(rows)
         self.evictions += len(plan)
         self._forget(plan)
         self.nodes[key].cost += delta
+
+    @rule(ks=st.lists(_I, min_size=1, max_size=3))
+    def retain(self, ks: list[int]) -> None:
+        keys = [self._key(k, "stored") for k in ks]
+        if any(k not in self.nodes for k in keys):
+            return  # the providers check presence; the index takes live rows
+        covered = self._with_ancestors(sorted(self.retained))
+        after = self._with_ancestors(sorted(self.retained | set(keys)))
+        if sum(self.nodes[k].cost for k in after) > RETAIN_LIMIT:
+            with pytest.raises(CapacityError):
+                self.idx.retain_rows(self.idx.rows_of(keys), RETAIN_LIMIT)
+            return
+        assert covered <= after
+        assert self.idx.retain_rows(self.idx.rows_of(keys), RETAIN_LIMIT) == len(set(keys) - self.retained)
+        self.retained |= set(keys)
+
+    @rule(ks=st.lists(_I, min_size=1, max_size=3), kind=_OLD)
+    def unretain(self, ks: list[int], kind: str) -> None:
+        keys = [self._key(k, kind) for k in ks]
+        assert self.idx.unretain_rows(self.idx.rows_of(keys)) == len(set(keys) & self.retained)
+        self.retained -= set(keys)
 
     # -- invariants ----------------------------------------------------------------------------
     @invariant()
     def counters_match(self) -> None:
         idx = self.idx
-        assert set(idx.nodes) == set(self.nodes)
+        assert set(idx.keys()) == set(self.nodes)
         assert set(idx.flights) == set(self.flights)
-        assert idx.used == self._used() <= BUDGET
+        assert idx.used_cost == self._used() <= BUDGET
         assert idx.sealed_cost == sum(n.cost for n in self.nodes.values())
         # the index pins directly (leases, in-flight children); ancestors are safe as non-leaves
         direct = {k for _, held in self.leases for k, g in held if self._alive(k, g)}
         direct |= {p for p, _, g in self.flights.values() if self._alive(p, g)}  # type: ignore[misc]
-        assert {k for k, n in idx.nodes.items() if n.hold} == direct
+        assert {idx.key_of(int(r)) for r in idx.live_rows() if idx.hold[r]} == direct
         assert idx.evictions == self.evictions
         for k, n in self.nodes.items():
             assert n.parent is None or n.parent in self.nodes
-            assert idx.nodes[k].children == sum(1 for c in self.nodes.values() if c.parent == k)
+            assert idx.children[idx.row_of(k)] == sum(1 for c in self.nodes.values() if c.parent == k)
+        assert {idx.key_of(int(r)) for r in idx.live_rows() if idx.retained[r]} == self.retained
+        assert idx.retained_count == len(self.retained)
+        assert idx.retained_cost == sum(self.nodes[k].cost for k in self._with_ancestors(sorted(self.retained)))
 
 
 TestTreeIndexModel = TreeIndexMachine.TestCase

@@ -1,52 +1,93 @@
-"""Unit tests of ``TreeIndex``: LRU-leaf eviction, holds, the exact satisfiability guard, drops."""
+"""Unit tests of ``TreeIndex``: LRU-leaf eviction, holds, the exact satisfiability guard, drops,
+retained entries, and that the index keeps no per-entry objects the garbage collector tracks."""
 
 from __future__ import annotations
 
-import time
+import gc
 
 import pytest
 
 from hostkv_providers import CapacityError, InFlightError, Key, UnknownKeyError
-from hostkv_providers.providers._tree import Node, TreeIndex
+from hostkv_providers.errors import RetainedError
+from hostkv_providers.providers import TreeIndex
 from hostkv_providers.testing import chain, key_of
 
+Token = tuple[list[int], list[int]]
 
-def seal(idx: TreeIndex, key: Key, parent: Key | None = None, cost: int = 10) -> list[Node]:
-    ok, evicted = idx.begin(key, parent, cost)
+
+def seal(idx: TreeIndex, key: Key, parent: Key | None = None, cost: int = 10) -> list[int]:
+    ok, evicted, _ = idx.begin(key, parent, cost)
     assert ok
-    idx.commit(key, Node(key, parent, cost, 0, "tag", None, None, time.time()))
+    idx.commit(key, nbytes=cost, tag="tag")
     return evicted
 
 
-def keys_of(nodes: list[Node]) -> list[Key]:
-    return [n.key for n in nodes]
+def commit(idx: TreeIndex, key: Key, nbytes: int = 10) -> int:
+    return idx.commit(key, nbytes=nbytes)
+
+
+def keys_of(idx: TreeIndex, rows: list[int]) -> list[Key]:
+    return [idx.key_of(r) for r in rows]
+
+
+def row(idx: TreeIndex, key: Key) -> int:
+    r = idx.row_of(key)
+    assert r >= 0
+    return r
+
+
+def hold(idx: TreeIndex, keys: list[Key]) -> Token:
+    rows = [r for r in idx.rows_of(keys) if r >= 0]
+    idx.hold_rows(rows)
+    return rows, [int(idx.gen[r]) for r in rows]
+
+
+def release(idx: TreeIndex, token: Token) -> None:
+    idx.release_rows(*token)
+
+
+def live_keys(idx: TreeIndex) -> set[Key]:
+    return set(idx.keys())
 
 
 def check_consistent(idx: TreeIndex) -> None:
-    """Recompute every derived counter from the nodes alone."""
-    assert idx.sealed_cost == sum(n.cost for n in idx.nodes.values())
-    assert idx.used == idx.sealed_cost + sum(f.cost for f in idx.flights.values())
-    for n in idx.nodes.values():
-        assert n.hold >= 0
-        assert n.children == sum(1 for c in idx.nodes.values() if c.parent == n.key)
-        assert n.parent is None or n.parent in idx.nodes, "prefix closure"
+    """Recompute every derived counter from the columns alone."""
+    rows = [int(r) for r in idx.live_rows()]
+    assert idx.count == len(rows)
+    assert idx.sealed_cost == sum(int(idx.cost[r]) for r in rows)
+    assert idx.used_cost == idx.sealed_cost + sum(f.cost for f in idx.flights.values())
+    live = set(rows)
+    covered: set[int] = set()
+    for r in rows:
+        assert idx.hold[r] >= 0
+        assert idx.children[r] == sum(1 for c in rows if idx.parent[c] == r)
+        p = int(idx.parent[r])
+        assert p < 0 or p in live, "prefix closure"
+        if idx.retained[r]:
+            cur = r
+            while cur >= 0:
+                covered.add(cur)
+                cur = int(idx.parent[cur])
+    assert idx.retained_count == sum(1 for r in rows if idx.retained[r])
+    assert idx.retained_cost == sum(int(idx.cost[r]) for r in covered)
+    assert {r for r in rows if idx.rcover[r] > 0} == covered
 
 
 def test_begin_commit_and_dedup() -> None:
     idx = TreeIndex(100)
     a, b = chain("idx-basic", 2)
     seal(idx, a)
-    assert idx.begin(a, None, 10) == (False, [])  # sealed: dedup
-    ok, evicted = idx.begin(b, a, 20)
-    assert ok and evicted == []
-    assert idx.used == 30 and idx.sealed_cost == 10
-    assert idx.nodes[a].hold == 1  # an in-flight child pins its parent
+    assert idx.begin(a, None, 10) == (False, [], -1)  # sealed: dedup
+    ok, evicted, prow = idx.begin(b, a, 20)
+    assert ok and evicted == [] and prow == row(idx, a)
+    assert idx.used_cost == 30 and idx.sealed_cost == 10
+    assert idx.hold[row(idx, a)] == 1  # an in-flight child pins its parent
     with pytest.raises(InFlightError) as info:
         idx.begin(b, a, 20)
     assert info.value.key == b
-    idx.commit(b, Node(b, a, 20, 0, "", None, None, 0.0))
-    assert idx.nodes[a].hold == 0 and idx.nodes[a].children == 1
-    assert len(idx) == 2 and {n.key for n in idx} == {a, b}
+    commit(idx, b, 20)
+    assert idx.hold[row(idx, a)] == 0 and idx.children[row(idx, a)] == 1
+    assert len(idx) == 2 and live_keys(idx) == {a, b}
     check_consistent(idx)
 
 
@@ -59,7 +100,7 @@ def test_unknown_parent_and_cancel() -> None:
     idx.begin(b, a, 10)
     idx.cancel(b)
     idx.cancel(b)  # twice: no-op
-    assert idx.used == 10 and idx.nodes[a].hold == 0 and not idx.flights
+    assert idx.used_cost == 10 and idx.hold[row(idx, a)] == 0 and not idx.flights
     check_consistent(idx)
 
 
@@ -68,11 +109,10 @@ def test_lru_leaf_order_and_touch() -> None:
     ks = [key_of(f"idx-lru-{i}") for i in range(5)]
     for k in ks:
         seal(idx, k)
-    idx.touch(idx.nodes[ks[0]])
-    idx.hold_keys([ks[1]])
-    idx.release_nodes([idx.nodes[ks[1]]])  # a lease touches too
-    assert keys_of(idx.evict_cost(25)) == [ks[2], ks[3], ks[4]]
-    assert keys_of(idx.evict_cost(1)) == [ks[0]]
+    idx.touch(row(idx, ks[0]))
+    release(idx, hold(idx, [ks[1]]))  # a lease touches too
+    assert keys_of(idx, idx.evict_cost(25)) == [ks[2], ks[3], ks[4]]
+    assert keys_of(idx, idx.evict_cost(1)) == [ks[0]]
     assert idx.evictions == 4 and idx.evicted_cost == 40
     check_consistent(idx)
 
@@ -84,8 +124,8 @@ def test_only_leaves_are_evicted() -> None:
         seal(idx, k, a[i - 1] if i else None)
     late = key_of("idx-leaf-late")
     seal(idx, late)
-    idx.touch(idx.nodes[a[0]])  # recent, but not a leaf until its children go
-    order = keys_of(idx.evict_cost(1000))
+    idx.touch(row(idx, a[0]))  # recent, but not a leaf until its children go
+    order = keys_of(idx, idx.evict_cost(1000))
     assert order == [a[2], a[1], late, a[0]]
     check_consistent(idx)
 
@@ -95,12 +135,12 @@ def test_make_room_guard_evicts_nothing_when_unsatisfiable() -> None:
     ks = [key_of(f"idx-guard-{i}") for i in range(10)]
     for k in ks:
         seal(idx, k)
-    held = idx.hold_keys(ks[:6])
+    held = hold(idx, ks[:6])
     with pytest.raises(CapacityError):
         idx.make_room(41)  # 60 held: at most 40 can be made free
     assert len(idx) == 10 and idx.evictions == 0
-    assert keys_of(idx.make_room(40)) == ks[6:]
-    idx.release_nodes(held)
+    assert keys_of(idx, idx.make_room(40)) == ks[6:]
+    release(idx, held)
     with pytest.raises(CapacityError):
         idx.make_room(101)
     check_consistent(idx)
@@ -117,8 +157,8 @@ def test_guard_counts_the_new_entrys_ancestry() -> None:
     with pytest.raises(CapacityError):
         idx.begin(key_of("idx-ancestry-child"), a[2], 30)
     assert len(idx) == 4
-    ok, evicted = idx.begin(key_of("idx-ancestry-child"), a[2], 20)
-    assert ok and keys_of(evicted) == [other]
+    ok, evicted, _ = idx.begin(key_of("idx-ancestry-child"), a[2], 20)
+    assert ok and keys_of(idx, evicted) == [other]
     check_consistent(idx)
 
 
@@ -127,16 +167,16 @@ def test_holds_pin_a_node_and_so_its_ancestors() -> None:
     a = chain("idx-hold", 4)
     for i, k in enumerate(a):
         seal(idx, k, a[i - 1] if i else None, cost=10 * (i + 1))
-    held = idx.hold_keys([a[2], a[2], key_of("idx-hold-missing")])
-    assert held[2] is None
+    held = hold(idx, [a[2], a[2], key_of("idx-hold-missing")])
+    assert len(held[0]) == 2  # the missing key holds nothing
     # pins are direct: ancestors stay safe because only leaves are evicted
-    assert [idx.nodes[k].hold for k in a] == [0, 0, 2, 0]
-    assert keys_of(idx.evict_cost(1000)) == [a[3]]
+    assert [int(idx.hold[row(idx, k)]) for k in a] == [0, 0, 2, 0]
+    assert keys_of(idx, idx.evict_cost(1000)) == [a[3]]
     with pytest.raises(CapacityError):  # 60 pinned of 1000: 941 more cannot fit
         idx.make_room(941)
-    assert set(idx.nodes) == set(a[:3])  # the refused request evicted nothing
-    idx.release_nodes(held)
-    assert keys_of(idx.evict_cost(1000)) == [a[2], a[1], a[0]]
+    assert live_keys(idx) == set(a[:3])  # the refused request evicted nothing
+    release(idx, held)
+    assert keys_of(idx, idx.evict_cost(1000)) == [a[2], a[1], a[0]]
     check_consistent(idx)
 
 
@@ -147,11 +187,11 @@ def test_long_chain_operations_stay_cheap() -> None:
     parent = None
     for k in ks:
         idx.begin(k, parent, 1)
-        idx.commit(k, Node(k, parent, 1, 0, "", None, None, 0.0))
+        commit(idx, k, 1)
         parent = k
-    held = idx.hold_keys(ks)
-    assert all(idx.nodes[k].hold == 1 for k in ks)
-    idx.release_nodes(held)
+    held = hold(idx, ks)
+    assert all(idx.hold[r] == 1 for r in idx.rows_of(ks))
+    release(idx, held)
     idx.budget = 10
     assert len(idx.make_room(0)) == 20_000 - 10
 
@@ -163,13 +203,13 @@ def test_evict_keys_subtree_and_skips() -> None:
         seal(idx, k, a[i - 1] if i else None)
     side = key_of("idx-ek-side")
     seal(idx, side, a[1])
-    held = idx.hold_keys([a[2]])
-    removed, skipped = idx.evict_keys([a[0]])
-    assert set(keys_of(removed)) == {a[3], side}
+    held = hold(idx, [a[2]])
+    removed, skipped = idx.evict_rows(idx.rows_of([a[0]]))
+    assert set(keys_of(idx, removed)) == {a[3], side}
     assert skipped == 3  # a[2] leased, a[1] and a[0] its ancestors
-    idx.release_nodes(held)
-    removed, skipped = idx.evict_keys([a[2], a[0], a[1]])  # roots that include their own descendants
-    assert keys_of(removed) == [a[2], a[1], a[0]] and skipped == 0
+    release(idx, held)
+    removed, skipped = idx.evict_rows(idx.rows_of([a[2], a[0], a[1]]))  # roots that include their own descendants
+    assert keys_of(idx, removed) == [a[2], a[1], a[0]] and skipped == 0
     assert len(idx) == 0
     check_consistent(idx)
 
@@ -179,7 +219,7 @@ def test_evict_keys_keeps_parents_of_in_flight() -> None:
     a, b = chain("idx-ekf", 2)
     seal(idx, a)
     idx.begin(b, a, 10)
-    removed, skipped = idx.evict_keys([a])
+    removed, skipped = idx.evict_rows(idx.rows_of([a]))
     assert removed == [] and skipped == 1
     check_consistent(idx)
 
@@ -191,13 +231,13 @@ def test_subtree_deepest_first() -> None:
         seal(idx, k, a[i - 1] if i else None)
     b = key_of("idx-sub-b")
     seal(idx, b, a[0])
-    order = keys_of(idx.subtree([a[2], a[0]]))
+    order = keys_of(idx, idx.subtree(idx.rows_of([a[2], a[0]])))
     pos = {k: i for i, k in enumerate(order)}
     assert set(order) == {*a, b}
     for k in (*a[1:], b):
-        parent = idx.nodes[k].parent
+        parent = idx.parent_key(row(idx, k))
         assert parent is not None and pos[k] < pos[parent]
-    assert idx.subtree([key_of("idx-sub-missing")]) == []
+    assert idx.subtree(idx.rows_of([key_of("idx-sub-missing")])) == []
 
 
 def test_drop_held_subtree_keeps_counts() -> None:
@@ -205,19 +245,19 @@ def test_drop_held_subtree_keeps_counts() -> None:
     a = chain("idx-drop", 4)
     for i, k in enumerate(a):
         seal(idx, k, a[i - 1] if i else None)
-    lease1 = idx.hold_keys([a[3]])
-    lease2 = idx.hold_keys([a[1]])
+    lease1 = hold(idx, [a[3]])
+    lease2 = hold(idx, [a[1]])
     idx.begin(key_of("idx-drop-flight"), a[2], 10)
-    dropped = idx.drop(a[1])
-    assert set(keys_of(dropped)) == set(a[1:])
-    assert all(n.dead for n in dropped)
-    assert idx.nodes[a[0]].hold == 0
-    idx.release_nodes(lease1)  # dead nodes: no-op
-    idx.release_nodes(lease2)
+    dropped = idx.drop(row(idx, a[1]))
+    assert set(keys_of(idx, dropped)) == set(a[1:])
+    assert not any(idx.alive[r] for r in dropped)
+    assert idx.hold[row(idx, a[0])] == 0
+    release(idx, lease1)  # dead rows: no-op
+    release(idx, lease2)
     with pytest.raises(UnknownKeyError):  # the flight's parent is gone
-        idx.commit(key_of("idx-drop-flight"), Node(key_of("idx-drop-flight"), a[2], 10, 0, "", None, None, 0.0))
-    assert idx.used == 10 and not idx.flights
-    assert keys_of(idx.evict_cost(1000)) == [a[0]]
+        commit(idx, key_of("idx-drop-flight"))
+    assert idx.used_cost == 10 and not idx.flights
+    assert keys_of(idx, idx.evict_cost(1000)) == [a[0]]
     check_consistent(idx)
 
 
@@ -229,18 +269,18 @@ def test_flight_under_dropped_then_resealed_parent() -> None:
         p, c = chain(f"idx-reseal-{finish}", 2)
         seal(idx, p)
         idx.begin(c, p, 10)
-        idx.drop(p)
+        idx.recycle(idx.drop(row(idx, p)))  # the row is reused by the next seal
         seal(idx, p)
         if finish == "cancel":
             idx.cancel(c)
         else:
             with pytest.raises(UnknownKeyError):
-                idx.commit(c, Node(c, p, 10, 0, "", None, None, 0.0))
-        assert idx.nodes[p].hold == 0
-        held = idx.hold_keys([p])
+                commit(idx, c)
+        assert idx.hold[row(idx, p)] == 0
+        held = hold(idx, [p])
         assert idx.evict_cost(1000) == []  # the lease pins it
-        idx.release_nodes(held)
-        assert keys_of(idx.evict_cost(1000)) == [p]
+        release(idx, held)
+        assert keys_of(idx, idx.evict_cost(1000)) == [p]
         check_consistent(idx)
 
 
@@ -249,19 +289,19 @@ def test_add_cost_grows_and_evicts_others_only() -> None:
     ks = [key_of(f"idx-cost-{i}") for i in range(4)]
     for k in ks:
         seal(idx, k)
-    idx.touch(idx.nodes[ks[0]])
-    evicted = idx.add_cost(idx.nodes[ks[1]], 25)  # needs 15 more: evicts the two LRU others
-    assert keys_of(evicted) == [ks[2], ks[3]]
-    assert idx.nodes[ks[1]].cost == 35 and idx.used == 45
+    idx.touch(row(idx, ks[0]))
+    evicted = idx.add_cost(row(idx, ks[1]), 25)  # needs 15 more: evicts the two LRU others
+    assert keys_of(idx, evicted) == [ks[2], ks[3]]
+    assert idx.cost[row(idx, ks[1])] == 35 and idx.used_cost == 45
     with pytest.raises(CapacityError):
-        idx.add_cost(idx.nodes[ks[1]], 20)  # only ks[0] (10) is evictable: 45 + 20 - 10 > 50
-    assert len(idx) == 2 and idx.used == 45
-    idx.add_cost(idx.nodes[ks[1]], -30)
-    assert idx.used == 15
-    held = idx.hold_keys([ks[1]])
-    idx.add_cost(idx.nodes[ks[1]], 5)  # a held node may grow; it is never its own victim
-    assert idx.nodes[ks[1]].cost == 10 and ks[1] in idx.nodes
-    idx.release_nodes(held)
+        idx.add_cost(row(idx, ks[1]), 20)  # only ks[0] (10) is evictable: 45 + 20 - 10 > 50
+    assert len(idx) == 2 and idx.used_cost == 45
+    idx.add_cost(row(idx, ks[1]), -30)
+    assert idx.used_cost == 15
+    held = hold(idx, [ks[1]])
+    idx.add_cost(row(idx, ks[1]), 5)  # a held row may grow; it is never its own victim
+    assert idx.cost[row(idx, ks[1])] == 10 and idx.contains(ks[1])
+    release(idx, held)
     check_consistent(idx)
 
 
@@ -271,9 +311,9 @@ def test_heap_stays_bounded_under_touches() -> None:
     for k in ks:
         seal(idx, k)
     for i in range(20_000):
-        idx.touch(idx.nodes[ks[i % 10]])
-    assert len(idx._heap) <= 4 * len(idx.nodes) + 1025
-    assert keys_of(idx.evict_cost(10)) == [ks[0]]  # after 20,000 touches ks[0] is the oldest again
+        idx.touch(row(idx, ks[i % 10]))
+    assert len(idx._heap) <= 4 * len(idx) + 1025
+    assert keys_of(idx, idx.evict_cost(10)) == [ks[0]]  # after 20,000 touches ks[0] is the oldest again
 
 
 def test_budget_zero_until_chunks_arrive() -> None:
@@ -282,3 +322,102 @@ def test_budget_zero_until_chunks_arrive() -> None:
         idx.begin(key_of("idx-zero"), None, 1)
     idx.budget = 10
     assert idx.begin(key_of("idx-zero"), None, 10)[0]
+
+
+def test_chained_flight_commits_after_its_parent_only() -> None:
+    idx = TreeIndex(1000)
+    a, b, c = chain("idx-chained", 3)
+    assert idx.begin_chained(a, None, 10)[0]
+    assert idx.begin_chained(b, a, 10)[0]  # the parent is in flight
+    assert idx.begin_chained(c, b, 10)[0]
+    commit(idx, a)
+    assert idx.hold[row(idx, a)] == 1  # handed to b's flight at a's commit
+    idx.cancel(b)  # c is orphaned: its commit fails, nothing of it is visible
+    with pytest.raises(UnknownKeyError):
+        commit(idx, c)
+    assert live_keys(idx) == {a} and not idx.flights and idx.used_cost == 10
+    assert idx.hold[row(idx, a)] == 0
+    check_consistent(idx)
+
+
+def test_retained_rows_and_their_ancestors_are_never_evicted_for_room() -> None:
+    idx = TreeIndex(100)
+    a = chain("idx-retain", 3)
+    for i, k in enumerate(a):
+        seal(idx, k, a[i - 1] if i else None)
+    side = key_of("idx-retain-side")
+    seal(idx, side, a[0])
+    other = key_of("idx-retain-other")
+    seal(idx, other)
+    assert idx.retain_rows(idx.rows_of([a[1]]), 50) == 1
+    assert idx.retain_rows(idx.rows_of([a[1]]), 50) == 0  # already marked: counts 0
+    assert idx.retained_count == 1 and idx.retained_cost == 20  # a[1] and its ancestor a[0]
+    check_consistent(idx)
+    # evicting everything evictable leaves the retained prefix a[0], a[1]
+    assert set(keys_of(idx, idx.evict_cost(1000))) == {a[2], side, other}
+    assert live_keys(idx) == {a[0], a[1]}
+    with pytest.raises(CapacityError):  # 20 retained of 100: 81 more cannot fit
+        idx.make_room(81)
+    assert live_keys(idx) == {a[0], a[1]}
+    # an explicit eviction of the prefix or its root refuses, evicting nothing
+    for target in (a[0], a[1]):
+        with pytest.raises(RetainedError):
+            idx.evict_rows(idx.rows_of([target]))
+    assert live_keys(idx) == {a[0], a[1]}
+    assert idx.unretain_rows(idx.rows_of([a[1], a[1], key_of("idx-retain-missing")])) == 1
+    assert idx.retained_cost == 0
+    assert keys_of(idx, idx.evict_cost(1000)) == [a[1], a[0]]
+    check_consistent(idx)
+
+
+def test_retain_share_is_all_or_nothing() -> None:
+    idx = TreeIndex(100)
+    a = chain("idx-share", 4)
+    for i, k in enumerate(a):
+        seal(idx, k, a[i - 1] if i else None)
+    b = key_of("idx-share-b")
+    seal(idx, b)
+    assert idx.retain_cost(idx.rows_of([a[3], a[1]])) == 40  # ancestors counted once
+    with pytest.raises(CapacityError) as info:
+        idx.retain_rows(idx.rows_of([b, a[3]]), 45)  # 10 + 40 > 45
+    assert "retain_share" in info.value.hint
+    assert idx.retained_count == 0 and idx.retained_cost == 0 and not idx.retained.any()
+    idx.retain_rows(idx.rows_of([a[1]]), 45)
+    idx.retain_rows(idx.rows_of([a[3]]), 45)  # adds a[2], a[3] only
+    assert idx.retained_cost == 40
+    check_consistent(idx)
+
+
+def test_a_drop_removes_retained_rows_and_keeps_the_cover_exact() -> None:
+    idx = TreeIndex(1000)
+    a = chain("idx-retain-drop", 4)
+    for i, k in enumerate(a):
+        seal(idx, k, a[i - 1] if i else None)
+    idx.retain_rows(idx.rows_of([a[3]]), 1000)
+    idx.add_cost(row(idx, a[1]), 5)  # an anchor on a covered row counts as retained
+    assert idx.retained_cost == 45
+    dropped = idx.drop(row(idx, a[2]))  # corruption: retained or not, the subtree goes
+    assert set(keys_of(idx, dropped)) == {a[2], a[3]}
+    assert idx.retained_count == 0 and idx.retained_cost == 0
+    check_consistent(idx)
+
+
+def test_the_index_keeps_no_per_entry_objects_the_gc_tracks() -> None:
+    # Issue #14: full collections walking millions of per-page objects stalled decode steps.
+    idx = TreeIndex(1 << 40)
+    ks = chain("idx-gc", 20_000)
+    gc.collect()
+    before = len(gc.get_objects())
+    parent = None
+    for k in ks:
+        idx.begin(k, parent, 4096)
+        commit(idx, k, 4096)
+        parent = k
+    held = hold(idx, ks[-100:])
+    release(idx, held)
+    idx.retain_rows(idx.rows_of(ks[:10]), 1 << 40)
+    gc.collect()
+    grown = len(gc.get_objects()) - before
+    del held
+    assert len(idx) == 20_000
+    assert grown < 100, f"{grown} new GC-tracked objects for 20,000 entries"

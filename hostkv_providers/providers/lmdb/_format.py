@@ -117,9 +117,17 @@ def _crc32(data: bytes | memoryview) -> int:
     return checksum(data) & 0xFFFFFFFF
 
 
+#: Entry record flags: bit 0 the entry has a parent, bit 1 it is retained (``SupportsRetain``;
+#: a build that predates retain ignores the bit, so stores stay readable both ways).
+_HAS_PARENT = 1
+_RETAINED = 2
+#: meta-db records ``_RETAIN_PREFIX + key`` list the retained entries (for stats and the share).
+_RETAIN_PREFIX = b"retained/"
+
+
 class _Entry:
     __slots__ = ("checksum", "children", "cost", "created", "file_id", "gen", "hold", "key", "last_used",
-                 "nbytes", "parent", "slot", "tag", "tick")
+                 "nbytes", "parent", "retained", "slot", "tag", "tick")
 
     def __init__(self, key: Key, parent: Key | None, nbytes: int, cost: int, digest: int, created: float,
                  tick: int, gen: int, file_id: int, slot: int, tag: str) -> None:
@@ -137,17 +145,19 @@ class _Entry:
         self.file_id = file_id
         self.slot = slot
         self.tag = tag
+        self.retained = False
 
     @property
     def evictable(self) -> bool:
-        return self.children == 0 and self.hold == 0
+        return self.children == 0 and self.hold == 0 and not self.retained
 
     @property
     def lru_key(self) -> bytes:
         return self.tick.to_bytes(8, "big") + self.key
 
     def pack(self) -> bytes:
-        body = _ENTRY.pack(_ENTRY_VERSION, 1 if self.parent is not None else 0, self.parent or _ZERO32,
+        flags = (_HAS_PARENT if self.parent is not None else 0) | (_RETAINED if self.retained else 0)
+        body = _ENTRY.pack(_ENTRY_VERSION, flags, self.parent or _ZERO32,
                            self.nbytes, self.cost, self.checksum, self.created, self.last_used, self.tick,
                            self.children, self.hold, self.gen, self.file_id, self.slot) + self.tag.encode()
         return body + _CRC.pack(_crc32(body))
@@ -175,11 +185,12 @@ class _Entry:
         e = cls(Key(bytes(key)), Key(parent) if flags & 1 else None, nbytes, cost, digest, created, tick, gen,
                 file_id, slot, tag)
         e.last_used, e.children, e.hold = last_used, children, hold
+        e.retained = bool(flags & _RETAINED)
         return e
 
     def info(self, anchors: Mapping[str, int]) -> EntryInfo:
         return EntryInfo(self.key, self.parent, self.nbytes, self.tag, self.checksum, self.created,
-                         self.last_used, dict(anchors))
+                         self.last_used, dict(anchors), self.retained)
 
 
 # owner (pid, process start time, instance nonce), has_parent, parent, parent gen, cost, nbytes,

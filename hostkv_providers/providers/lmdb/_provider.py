@@ -98,6 +98,7 @@ from hostkv_providers._provider import (
     VerifyReport,
     check_flag,
     check_progress,
+    check_retain_share,
     scatter_into,
     writable_buffer,
 )
@@ -138,7 +139,7 @@ from ._format import (
 )
 from ._gate import _alive, _Raise, _start_time
 from ._maintenance import _audit, _compact_env, _compact_slots, _free_limbo, _repair_index, _store_nbytes
-from ._txn import _Tx
+from ._txn import _Tx, covered_cost, retained_keys
 
 __all__ = ["STORE_FORMAT", "STORE_VERSION", "LmdbProvider"]
 
@@ -241,9 +242,10 @@ class LmdbProvider(Provider):
         Option("inline_max", "size", _DEFAULT_INLINE_MAX, "2KiB"),
         Option("map_size", "size", _DEFAULT_MAP_SIZE, "32MiB"),
         Option("map_max", "size", _DEFAULT_MAP_MAX, "64GiB"),
-        Option("file_size", "size", _DEFAULT_FILE_NBYTES, "256MiB"),
+        Option("file_size", "size", _DEFAULT_FILE_NBYTES, "256MiB", attr="_file_nbytes"),
         Option("lease_ttl", "number", _DEFAULT_LEASE_TTL, "3600"),
         Option("readonly", "bool", False, "false"),
+        Option("retain_share", "number", 0.5, "0.5"),
     )
     persistent = True
     multiprocess = True
@@ -260,9 +262,11 @@ class LmdbProvider(Provider):
         file_nbytes: int = _DEFAULT_FILE_NBYTES,
         lease_ttl: float = _DEFAULT_LEASE_TTL,
         readonly: bool = False,
+        retain_share: float = 0.5,
     ) -> None:
         super().__init__()
         self._closed = True  # until fully open (close() of a half-built instance is a no-op)
+        self._retain_share = check_retain_share(retain_share)
         if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
             raise InvalidArgumentError(f"path must be a non-empty path, got {path!r}")
         if budget_bytes is not None and (type(budget_bytes) is not int or budget_bytes <= 0):
@@ -282,6 +286,9 @@ class LmdbProvider(Provider):
         self._path = os.path.abspath(os.fspath(path))
         self._durability = durability
         self._inline_max = inline_max
+        self._map_size = map_size
+        self._map_max = map_max
+        self._file_nbytes = file_nbytes
         self._lease_ttl = float(lease_ttl)
         self._readonly = bool(readonly)
         self._lock = threading.Lock()
@@ -317,7 +324,7 @@ class LmdbProvider(Provider):
             raise InvalidArgumentError("lmdb:// needs a directory path", hint="use lmdb:///var/cache/kv?budget=64GiB")
         return cls(location, budget_bytes=o["budget"], durability=o["durability"], inline_max=o["inline_max"],
                    map_size=o["map_size"], map_max=o["map_max"], file_nbytes=o["file_size"],
-                   lease_ttl=o["lease_ttl"], readonly=o["readonly"])
+                   lease_ttl=o["lease_ttl"], readonly=o["readonly"], retain_share=o["retain_share"])
 
     @property
     def path(self) -> str:
@@ -330,6 +337,57 @@ class LmdbProvider(Provider):
     @property
     def readonly(self) -> bool:
         return self._readonly
+
+    # -- retained entries (SupportsRetain) ---------------------------------------------------
+    def retain(self, keys: Sequence[bytes]) -> int:
+        """Mark entries retained (see ``SupportsRetain``), in one write transaction: the entry
+        records carry the mark (so the LRU list leaves them out) and the meta db lists them."""
+        ks = list(dict.fromkeys(self._keys(keys)))
+        self._check_usable()
+        self._writable("retain")
+        share = self._retain_share
+
+        def op(tx: _Tx) -> int:
+            entries = []
+            for k in ks:
+                e = tx.get_or_drop(k)
+                if e is None:
+                    raise UnknownKeyError(f"entry {k.hex()[:16]} is not stored; nothing was retained",
+                                          hint="retain sealed entries only (save the prefix first)")
+                entries.append(e)
+            new = [e for e in entries if not e.retained]
+            if not new:
+                return 0
+            now = retained_keys(tx.t, tx.db)
+            limit = int(share * tx.c.budget)
+            need = covered_cost(tx.t, tx.db, now + [e.key for e in new])
+            if need > limit:
+                raise CapacityError(
+                    f"retaining these entries needs {need} retained bytes, more than the {limit} allowed "
+                    f"({covered_cost(tx.t, tx.db, now)} retained now)",
+                    hint="unretain other prefixes, retain fewer, or raise the retain_share option (a budget fraction)")
+            for e in new:
+                tx.set_retained(e, True)
+            return len(new)
+
+        return self._s.submit(op, durable=True)  # type: ignore[no-any-return]
+
+    def unretain(self, keys: Sequence[bytes]) -> int:
+        """Clear retain marks (keys not marked or not stored are ignored), in one transaction."""
+        ks = list(dict.fromkeys(self._keys(keys)))
+        self._check_usable()
+        self._writable("unretain")
+
+        def op(tx: _Tx) -> int:
+            cleared = 0
+            for k in ks:
+                e = tx.get_or_drop(k)
+                if e is not None and e.retained:
+                    tx.set_retained(e, False)
+                    cleared += 1
+            return cleared
+
+        return self._s.submit(op, durable=True)  # type: ignore[no-any-return]
 
     def _writable(self, what: str) -> None:
         if self._readonly:
@@ -1086,6 +1144,8 @@ class LmdbProvider(Provider):
             entries = txn.stat(s.dbs["entries"])["entries"]
             anchors = txn.stat(s.dbs["anchors"])["entries"]
             flights = txn.stat(s.dbs["flights"])["entries"]
+            retained = retained_keys(txn, s.dbs)
+            retained_bytes = covered_cost(txn, s.dbs, retained)
             leased: set[bytes] = set()
             for _, v in txn.cursor(db=s.dbs["leases"]):
                 with contextlib.suppress(_BadRecord):
@@ -1103,6 +1163,8 @@ class LmdbProvider(Provider):
             in_flight=flights,
             evictions=c.evictions,
             evicted_bytes=c.evicted_bytes,
+            retained=len(retained),
+            retained_bytes=retained_bytes,
             # store_wide: the counters kept in the meta db (every process, since creation);
             # the others count this instance's own calls (hostkv stats tells them apart)
             extra={"store_wide": ["evictions", "evicted_bytes", "store_checksum_failures"],
@@ -1127,8 +1189,7 @@ class LmdbProvider(Provider):
         return out
 
     def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "path": self._path, "durability": self._durability,
-                "inline_max": self._inline_max, "multiprocess": True, "readonly": self._readonly,
+        return {**super().describe(), "path": self._path, "multiprocess": True,
                 "store_format": STORE_FORMAT,
                 "store_version": STORE_VERSION, "last_recovery": dict(self._s.recovery)}
 

@@ -9,10 +9,22 @@ from typing import TYPE_CHECKING, Any
 from hostkv_providers._errors import (
     CapacityError,
     CorruptStoreError,
+    RetainedError,
 )
 from hostkv_providers._keys import KEY_NBYTES, Key
 
-from ._format import _FILE, _LIMBO, _BadRecord, _Counters, _crash, _Entry, _Flight, _free_key, _unpack_lease
+from ._format import (
+    _FILE,
+    _LIMBO,
+    _RETAIN_PREFIX,
+    _BadRecord,
+    _Counters,
+    _crash,
+    _Entry,
+    _Flight,
+    _free_key,
+    _unpack_lease,
+)
 from ._maintenance import _repair_index
 
 if TYPE_CHECKING:
@@ -101,9 +113,27 @@ class _Tx:
         if e.parent is not None:
             self.t.put(e.parent + e.key, b"", db=self.db["children"])
 
+    # -- retained entries ------------------------------------------------------------------------
+    def set_retained(self, e: _Entry, on: bool) -> None:
+        """Mark or unmark ``e``; a retained entry leaves the LRU list (it is never evicted for room)."""
+        if e.retained == on:
+            return
+        if e.evictable:
+            self.t.delete(e.lru_key, db=self.db["lru"])
+        e.retained = on
+        if e.evictable:
+            self.t.put(e.lru_key, b"", db=self.db["lru"])
+        self.put(e)
+        if on:
+            self.t.put(_RETAIN_PREFIX + e.key, b"", db=self.db["meta"])
+        else:
+            self.t.delete(_RETAIN_PREFIX + e.key, db=self.db["meta"])
+
     def remove(self, e: _Entry, *, evicted: bool) -> None:
         """Delete ``e`` (a leaf: its children are gone) with its bytes, anchors and links."""
         t, db = self.t, self.db
+        if e.retained:  # only a drop (corruption) removes a retained entry
+            t.delete(_RETAIN_PREFIX + e.key, db=db["meta"])
         t.delete(e.key, db=db["entries"])
         t.delete(e.lru_key, db=db["lru"])
         if e.parent is not None:
@@ -172,7 +202,14 @@ class _Tx:
 
     def evict_keys(self, keys: Sequence[Key]) -> tuple[int, int, int]:
         removed = freed = skipped = 0
-        for k in self.subtree(keys):
+        order = self.subtree(keys)
+        if retained_keys(self.t, self.db, limit=1):
+            marked = [k for k in order if self.t.get(_RETAIN_PREFIX + k, db=self.db["meta"]) is not None]
+            if marked:
+                raise RetainedError(
+                    f"{len(marked)} entries to evict are retained (e.g. {marked[0].hex()[:16]}) or have retained "
+                    "descendants; nothing was evicted")
+        for k in order:
             e = self.get_or_drop(k)
             if e is None:
                 continue
@@ -247,6 +284,7 @@ class _Tx:
         self.needs_repair = True
         self.c.removals += 1
         t.delete(key, db=db["entries"])
+        t.delete(_RETAIN_PREFIX + key, db=db["meta"])
         t.delete(key, db=db["pages"])
         t.delete(key, db=db["flights"])
         cur = t.cursor(db=db["anchors"])
@@ -362,3 +400,38 @@ class _Tx:
             else:
                 self.unhold_gone(k, gen)
         return 1
+
+
+def retained_keys(txn: Any, dbs: Mapping[str, Any], limit: int | None = None) -> list[Key]:
+    """The retained entries' keys (the meta db's ``_RETAIN_PREFIX`` records), up to ``limit``."""
+    out: list[Key] = []
+    cur = txn.cursor(db=dbs["meta"])
+    if cur.set_range(_RETAIN_PREFIX):
+        for k in cur.iternext(values=False):
+            if not bytes(k).startswith(_RETAIN_PREFIX):
+                break
+            out.append(Key(bytes(k[len(_RETAIN_PREFIX):])))
+            if limit is not None and len(out) >= limit:
+                break
+    return out
+
+
+def covered_cost(txn: Any, dbs: Mapping[str, Any], keys: Sequence[Key]) -> int:
+    """Budget bytes of ``keys`` and all their ancestors, each counted once (the retained bytes)."""
+    seen: set[Key] = set()
+    total = 0
+    for k in keys:
+        cur: Key | None = k
+        while cur is not None and cur not in seen:
+            seen.add(cur)
+            raw = txn.get(cur, db=dbs["entries"])
+            if raw is None:
+                break
+            try:
+                e = _Entry.unpack(cur, raw)
+            except _BadRecord:
+                break
+            total += e.cost
+            cur = e.parent
+    return total
+

@@ -26,8 +26,11 @@ if TYPE_CHECKING:
 
 
 MMAP_FORMAT = "hostkv-mmap"
-#: On-disk format of this provider (manifest ``format_version``); another version is refused.
-MMAP_FORMAT_VERSION = 1
+#: On-disk format of this provider (manifest ``format_version``) that writers write.  Version 2
+#: added ``OP_RETAIN`` records (retained entries); version-1 stores are read, and a writer that
+#: opens one upgrades its manifest.  Any other version is refused.
+MMAP_FORMAT_VERSION = 2
+MMAP_READABLE_VERSIONS = (1, 2)
 RECORD_FOLD = "fold64-v1"
 
 _DEFAULT_BUDGET = 1 << 30
@@ -46,7 +49,8 @@ _log = logging.getLogger(__name__)
 OP_SEAL = 1
 OP_DROP = 2
 OP_ANCHOR = 3
-_REC_DELETE = 2  # record flag: the anchor named by an OP_ANCHOR record is removed
+OP_RETAIN = 4  # the entry ``key`` is retained (flag _REC_DELETE: no longer retained); format v2
+_REC_DELETE = 2  # record flag: the anchor named by an OP_ANCHOR record (or the OP_RETAIN mark) is removed
 
 RECORD_DTYPE = np.dtype(
     [

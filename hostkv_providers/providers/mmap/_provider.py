@@ -65,6 +65,7 @@ from hostkv_providers._provider import (
     Lease,
     ProviderStats,
     Reservation,
+    check_retain_share,
     writable_buffer,
 )
 from hostkv_providers._span import ByteSpan
@@ -83,12 +84,14 @@ from . import _base
 from ._base import _instances, _MmapReservation, _Pending
 from ._format import (
     _PUT_BATCH,
+    _REC_DELETE,
     _SNAPSHOT_MIN,
     _TAG_MAX,
     MMAP_FORMAT,
     MMAP_FORMAT_VERSION,
     OP_ANCHOR,
     OP_DROP,
+    OP_RETAIN,
     REC_NBYTES,
     RECORD_DTYPE,
     _encode_seals,
@@ -150,12 +153,13 @@ class MmapProvider(_Maintenance):
         Option("budget", "size", None, "the budget the last writer used (1GiB for a new store)"),
         Option("durability", "choice", "process", "`process`", ("sync", "process", "none")),
         Option("slot", "size", None, "256KiB (new store); the store's (existing)"),
-        Option("file_size", "size", None, "`min(budget, 1GiB)`"),
-        Option("verify", "choice", "read", "`read`", ("read", "never")),
+        Option("file_size", "size", None, "`min(budget, 1GiB)`", attr="file_nbytes"),
+        Option("verify", "choice", "read", "`read`", ("read", "never"), attr="_verify_mode"),
         Option("readonly", "bool", False, "false"),
         Option("snapshot_every", "int", _SNAPSHOT_MIN, "65536"),
-        Option("commit_window_us", "int", 0, "0"),
-        Option("io", "choice", "pread", "`pread`", ("pread", "mmap")),
+        Option("commit_window_us", "int", 0, "0", attr="_commit_window_us"),
+        Option("io", "choice", "pread", "`pread`", ("pread", "mmap"), attr="_io_option"),
+        Option("retain_share", "number", 0.5, "0.5"),
     )
     _reservation_type = _MmapReservation
     _tag_max = _TAG_MAX
@@ -176,8 +180,10 @@ class MmapProvider(_Maintenance):
         commit_window: float = 0.0,
         create: bool = True,
         io: str = "pread",
+        retain_share: float = 0.5,
     ) -> None:
         super().__init__()
+        self._retain_share = check_retain_share(retain_share)
         self._fork_gen = _base._fork_generation
         t0 = time.perf_counter()
         if not isinstance(path, str) or not path:
@@ -187,6 +193,7 @@ class MmapProvider(_Maintenance):
         if io not in ("pread", "mmap"):
             raise InvalidArgumentError(f"io must be pread or mmap, got {io!r}")
         self._io = "syscall" if io == "pread" else "mmap"
+        self._io_option = io
         if verify not in ("read", "never"):
             raise InvalidArgumentError(f"verify must be read or never, got {verify!r}")
         if budget_bytes is not None and (type(budget_bytes) is not int or budget_bytes <= 0):
@@ -196,9 +203,11 @@ class MmapProvider(_Maintenance):
         self.path = os.path.abspath(path)
         self._durability = durability
         self._verify_reads = verify == "read"
+        self._verify_mode = verify
         self._readonly = readonly
         self._snapshot_every = snapshot_every
         self._commit_window = float(commit_window)
+        self._commit_window_us = round(self._commit_window * 1e6)
         self._lock = threading.RLock()
         self._commit_cv = threading.Condition(threading.Lock())
         _instances.add(self)
@@ -285,6 +294,7 @@ class MmapProvider(_Maintenance):
             snapshot_every=o["snapshot_every"],
             commit_window=max(0, o["commit_window_us"]) / 1e6,
             io=o["io"],
+            retain_share=o["retain_share"],
         )
 
     # -- lookups ---------------------------------------------------------------------------------
@@ -322,7 +332,52 @@ class MmapProvider(_Maintenance):
         table = idx.anchors.get(row)
         return EntryInfo(idx.key_of(row), idx.parent_key(row), int(idx.nbytes[row]), idx.tag_of(row),
                          int(idx.csum[row]), float(idx.created[row]), float(idx.used[row]),
-                         {n: a.nbytes for n, a in table.items()} if table else {})
+                         {n: a.nbytes for n, a in table.items()} if table else {}, bool(idx.retained[row]))
+
+    # -- retained entries (SupportsRetain) -------------------------------------------------------
+    def retain(self, keys: Sequence[bytes]) -> int:
+        """Mark entries retained (see ``SupportsRetain``); the marks are journaled (``OP_RETAIN``
+        records, durable per the ``durability`` mode) and kept in every snapshot."""
+        return self._set_retained(self._keys(keys), True)
+
+    def unretain(self, keys: Sequence[bytes]) -> int:
+        """Clear retain marks (keys not marked or not stored are ignored); journaled likewise."""
+        return self._set_retained(self._keys(keys), False)
+
+    def _set_retained(self, ks: list[Key], on: bool) -> int:
+        with self._lock:
+            self._check_usable()
+            self._need_writer("retain" if on else "unretain")
+            self._check_failed()
+            idx = self._idx
+            rows = idx.rows_of(ks)
+            if on:
+                for k, r in zip(ks, rows, strict=True):
+                    if r < 0:
+                        raise UnknownKeyError(f"entry {k.hex()[:16]} is not stored; nothing was retained",
+                                              hint="retain sealed entries only (save the prefix first)")
+                changed = [r for r in dict.fromkeys(rows) if not idx.retained[r]]
+                idx.retain_rows(changed, int(self._retain_share * self._budget))
+            else:
+                changed = [r for r in dict.fromkeys(rows) if r >= 0 and idx.retained[r]]
+                idx.unretain_rows(changed)
+            if not changed:
+                return 0
+            idx.clock += 1
+            recs = [self._encode(OP_RETAIN, idx.key[r].tobytes(), seq=idx.clock, flags=0 if on else _REC_DELETE)
+                    for r in changed]
+            gens = [int(idx.gen[r]) for r in changed]
+        try:
+            self._commit(recs)
+        except BaseException:
+            with self._lock:  # not durable: take the marks back (rows of the same entries only)
+                live = [r for r, g in zip(changed, gens, strict=True) if idx.is_live(r, g)]
+                if on:
+                    idx.unretain_rows(live)
+                else:
+                    idx.retain_rows(live, 1 << 62)
+            raise
+        return len(changed)
 
     def iter_entries(self) -> Iterator[EntryInfo]:
         """Every sealed entry (a snapshot taken under the lock; order unspecified)."""
@@ -1074,6 +1129,8 @@ class MmapProvider(_Maintenance):
                 in_flight=len(idx.flights),
                 evictions=idx.evictions,
                 evicted_bytes=idx.evicted_cost,
+                retained=idx.retained_count,
+                retained_bytes=idx.retained_cost,
                 extra={"durability": self._durability, "slot_nbytes": self._slot, "generation": self._gen,
                        "data_files": len(self._files), "journal_records": self._jrecords,
                        "open_seconds": round(getattr(self, "open_seconds", 0.0), 4), "readonly": self._readonly,
@@ -1084,9 +1141,13 @@ class MmapProvider(_Maintenance):
                 **self._tallies(),
             )
 
+    @property
+    def file_nbytes(self) -> int:
+        """The size of each data file (the ``file_size`` option in effect)."""
+        return self._file_slots * self._slot
+
     def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "path": self.path, "durability": self._durability, "slot_nbytes": self._slot,
-                "verify": "read" if self._verify_reads else "never", "readonly": self._readonly,
+        return {**super().describe(), "path": self.path,
                 "generation": self._gen, "format_version": MMAP_FORMAT_VERSION,
                 "store_id": self._store_id.hex(), "data_files": sorted(self._files),
                 "last_recovery": dict(self._recovery)}

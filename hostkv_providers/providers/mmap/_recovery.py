@@ -53,8 +53,10 @@ from ._format import (
     _WORDS,
     MMAP_FORMAT,
     MMAP_FORMAT_VERSION,
+    MMAP_READABLE_VERSIONS,
     OP_ANCHOR,
     OP_DROP,
+    OP_RETAIN,
     OP_SEAL,
     REC_NBYTES,
     RECORD_DTYPE,
@@ -147,10 +149,14 @@ class _Recovery(_Snapshots):
             # A legacy manifest whose generation checked out is migrated: rewritten with its
             # checksum.  Beside other generations it is not (it may be the file that is wrong;
             # rewritten, it would vouch for itself and the next writer open would delete them):
-            # compact writes a checksummed one.
-            if not self._legacy_keep and (legacy or self._budget != int(man["budget_bytes"]) or (
-                    file_nbytes is not None and file_nbytes != int(man.get("file_nbytes", 0)))):
-                man = dict(man, budget_bytes=self._budget, file_nbytes=self._file_slots * self._slot)
+            # compact writes a checksummed one.  A version-1 store is upgraded: its records are
+            # all valid version-2 records.
+            if not self._legacy_keep and (
+                    legacy or self._budget != int(man["budget_bytes"])
+                    or man.get("format_version") != MMAP_FORMAT_VERSION
+                    or (file_nbytes is not None and file_nbytes != int(man.get("file_nbytes", 0)))):
+                man = dict(man, budget_bytes=self._budget, file_nbytes=self._file_slots * self._slot,
+                           format_version=MMAP_FORMAT_VERSION)
                 self._write_manifest(man)
                 self._manifest = man
                 if legacy:
@@ -217,10 +223,10 @@ class _Recovery(_Snapshots):
             raise IncompatibleStoreError(f"{path} does not describe an mmap store (format {man.get('format')!r})"
                                          if isinstance(man, dict) else f"{path} is not a manifest")
         version = man.get("format_version")
-        if version != MMAP_FORMAT_VERSION:
+        if version not in MMAP_READABLE_VERSIONS:
             raise IncompatibleStoreError(
-                f"{self.path} is an mmap store of format version {version!r}; this build reads version "
-                f"{MMAP_FORMAT_VERSION} only",
+                f"{self.path} is an mmap store of format version {version!r}; this build reads versions "
+                f"{', '.join(map(str, MMAP_READABLE_VERSIONS))}",
                 hint="open it with the hostkv-providers version that wrote it, or remove the store")
         for field, want in (("key_algorithm", KEY_ALGORITHM), ("checksum_algorithm", CHECKSUM_ALGORITHM),
                             ("record_fold", RECORD_FOLD), ("record_nbytes", REC_NBYTES),
@@ -645,11 +651,26 @@ class _Recovery(_Snapshots):
                 idx.cost[row] += a.cost
                 idx.sealed_cost += a.cost
                 idx.used_cost += a.cost
+        self._load_retain_marks(W, seal_seq)
         idx.clock = max(idx.clock, max_seq + 1)
         # a header written just before a crash may carry a generation no record mentions: the
         # writer starts above every generation on the medium (readers never write)
         hdr_gen = 0 if self._readonly else self._max_header_gen()
         self._next_gen = max(self._next_gen, max_gen + 1, hdr_gen + 1)
+
+    def _load_retain_marks(self, W: npt.NDArray[np.uint64], seal_seq: npt.NDArray[np.int64]) -> None:
+        """Apply the ``OP_RETAIN`` records (rare; in order, the last per entry wins; one older
+        than the entry's seal belonged to an earlier entry of that key), then count the cover."""
+        idx = self._idx
+        pos = np.flatnonzero((W[0] & np.uint64(0xFF)) == OP_RETAIN)
+        if not len(pos):
+            return
+        for rec in _records_of(W, pos):
+            row = idx.row_of(rec["key"].tobytes())
+            if row < 0 or int(rec["seq"]) < int(seal_seq[row]):
+                continue
+            idx.retained[row] = not (int(rec["flags"]) & _REC_DELETE)
+        idx.count_retained()
 
     def _max_header_gen(self) -> int:
         best = 0

@@ -17,7 +17,7 @@ from hostkv_providers._errors import (
 )
 from hostkv_providers.providers import _fsutil
 
-from ._format import _SNAP_HEADER, _SNAP_MAGIC, OP_ANCHOR, REC_NBYTES, _build_records, _read_exact
+from ._format import _SNAP_HEADER, _SNAP_MAGIC, OP_ANCHOR, OP_RETAIN, REC_NBYTES, _build_records, _read_exact
 from ._journal import _Journal
 
 if TYPE_CHECKING:
@@ -65,7 +65,9 @@ class _Snapshots(_Journal):
                 extra.append(self._encode(OP_ANCHOR, idx.key[row].tobytes(), name=name.encode(), file=a.file,
                                           slot=a.slot, nslots=a.nslots, nbytes=a.nbytes, gen=a.gen,
                                           checksum=a.checksum, seq=int(idx.tick[row]) + 0))
-        cols["anchors"] = extra
+        for row in np.flatnonzero(idx.retained[: idx.n] & idx.alive[: idx.n]).tolist():
+            extra.append(self._encode(OP_RETAIN, idx.key[row].tobytes(), seq=int(idx.tick[row])))
+        cols["anchors"] = extra  # every record after the seals: anchors, then retain marks
         cols["clock"] = idx.clock
         return cols
 

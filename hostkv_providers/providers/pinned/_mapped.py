@@ -173,7 +173,8 @@ class MappedPinnedProvider(PinnedProvider):
     """
 
     def __init__(self, budget_bytes: int, *, block: int = _DEFAULT_BLOCK, chunk: int = _DEFAULT_CHUNK,
-                 device: int = 0, threads: int = 4, huge_pages: bool = True, verify_reads: bool = False) -> None:
+                 device: int = 0, threads: int = 4, huge_pages: bool = True, verify_reads: bool = False,
+                 retain_share: float = 0.5) -> None:
         if type(device) is not int or device < -1:
             raise InvalidArgumentError(f"device must be a CUDA ordinal or -1 (host), got {device!r}")
         allocator: HostAllocator
@@ -193,9 +194,10 @@ class MappedPinnedProvider(PinnedProvider):
         self._table: PageTable | None = None
         try:
             super().__init__(budget_bytes, block=block, chunk=chunk, allocator=allocator, background=False,
-                             verify_reads=verify_reads)
+                             verify_reads=verify_reads, retain_share=retain_share)
         except CopyEngineError as exc:
             raise DeviceMappingError(f"mapping the pinned arena failed: {exc}") from exc
+        self._mapped = "yes"
         if device >= 0:
             for alloc in self._arena.chunks:
                 if getattr(alloc, "device_address", None) is None:
@@ -241,12 +243,11 @@ class MappedPinnedProvider(PinnedProvider):
         out = np.full(len(ks), -1, np.int32)
         leased = frozenset(lease.keys)
         with self._usable():
-            get = self._index.get
-            for i, k in enumerate(ks):
-                node = get(k)
+            idx = self._index
+            for i, (k, row) in enumerate(zip(ks, idx.rows_of(ks), strict=True)):
                 # only an entry in one contiguous run has one address (always, when it fits a block)
-                if node is not None and k in leased and len(node.loc) == 1:
-                    out[i] = node.loc[0][0]
+                if row >= 0 and k in leased and row not in idx.scatter:
+                    out[i] = idx.run_start[row]
         return out
 
     def device_pointers(self, lease: Lease, keys: Sequence[bytes]) -> np.ndarray:
@@ -440,7 +441,7 @@ class MappedPinnedProvider(PinnedProvider):
         return st
 
     def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "mapped_device": self._device}
+        return {**super().describe(), "mapped_device": self._device}  # (also the device option's value)
 
     def close(self) -> None:
         # Kernels may still read (or mirror into) the arena: wait for every fence before it goes.

@@ -22,12 +22,12 @@ import concurrent.futures
 import contextlib
 import os
 import threading
-import time
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from hostkv_providers._checksum import checksum_parts
 from hostkv_providers._errors import (
@@ -52,6 +52,7 @@ from hostkv_providers._provider import (
     VerifyReport,
     check_flag,
     check_progress,
+    check_retain_share,
     writable_buffer,
 )
 from hostkv_providers._region import HostPages
@@ -66,7 +67,7 @@ from hostkv_providers.device._hostmem import (
 )
 from hostkv_providers.providers._budget import physical_memory
 from hostkv_providers.providers._counters import STORE_COUNTED
-from hostkv_providers.providers._tree import Node, TreeIndex
+from hostkv_providers.providers._tree import TreeIndex
 
 __all__ = ["PinnedProvider"]
 
@@ -162,6 +163,29 @@ class _Arena:
         self.chunks.clear()
 
 
+class _PinnedIndex(TreeIndex):
+    """The tree index with an entry's blocks: one contiguous run in the columns; the rare
+    scattered entry (a fragmented arena) keeps its run list in ``scatter``."""
+
+    COLS = (*TreeIndex.COLS, ("run_start", np.int64, 0), ("run_len", np.int64, 0))
+    run_start: npt.NDArray[np.int64]
+    run_len: npt.NDArray[np.int64]
+    m_run_start: Any
+    m_run_len: Any
+
+    def __init__(self, budget: int) -> None:
+        super().__init__(budget)
+        self.scatter: dict[int, list[tuple[int, int]]] = {}
+
+    def runs(self, row: int) -> list[tuple[int, int]]:
+        runs = self.scatter.get(row)
+        return runs if runs is not None else [(self.m_run_start[row], self.m_run_len[row])]
+
+
+#: A lease's token and a ``Corrupt`` token name entries by ``(row, gen)`` pairs: rows are recycled.
+_Token = tuple[list[int], list[int]]
+
+
 class _PinnedReservation(Reservation):
     __slots__ = ("_regions", "runs")
 
@@ -207,11 +231,13 @@ class PinnedProvider(Provider):
         Option("block", "size", _DEFAULT_BLOCK, "64KiB"),
         Option("chunk", "size", _DEFAULT_CHUNK, "256MiB"),
         Option("background", "bool", True, "true"),
-        Option("verify", "choice", "never", "never", ("never", "read")),
-        Option("pin", "choice", "auto", "auto", ("auto", "yes", "no")),
+        Option("verify", "choice", "never", "never", ("never", "read"), attr="_verify_mode"),
+        # describe(): the memory in effect ("yes": page-locked), not the policy asked for
+        Option("pin", "choice", "auto", "auto", ("auto", "yes", "no"), attr="_pin_effective"),
         Option("prefault", "bool", True, "true"),
         Option("mapped", "choice", "no", "no", ("no", "yes")),
         Option("device", "int", None, "0"),  # None: not given (only mapped=yes takes it)
+        Option("retain_share", "number", 0.5, "0.5"),
     )
     _reservation_type = _PinnedReservation
 
@@ -225,8 +251,10 @@ class PinnedProvider(Provider):
         background: bool = False,
         verify_reads: bool = False,
         prefault: bool = True,
+        retain_share: float = 0.5,
     ) -> None:
         super().__init__()
+        self._retain_share = check_retain_share(retain_share)
         if type(budget_bytes) is not int or budget_bytes <= 0:
             raise InvalidArgumentError(f"budget must be a positive int, got {budget_bytes!r}")
         if type(block) is not int or block <= 0 or block % 4096:
@@ -245,16 +273,22 @@ class PinnedProvider(Provider):
         chunk = max(block, min(chunk, budget_bytes) // block * block)
         self._budget = budget_bytes
         self._block = block
+        self._chunk = chunk
+        self._background = bool(background)
         self._verify_reads = verify_reads
+        self._verify_mode = "read" if verify_reads else "never"
+        self._mapped = "no"  # (the device option is described by MappedPinnedProvider only)
         if allocator is None:
             allocator = _default_allocator()
         self._allocator = allocator
+        self._pin_effective = "yes" if allocator.pinned else "no"
         self._lock = threading.RLock()
         self._ready = threading.Condition(self._lock)
         self._arena = _Arena(block, chunk // block)
-        self._index = TreeIndex(0)
-        self._lease_tokens: dict[int, list[Node | None]] = {}  # live leases, by id of their token
-        self._limbo: dict[int, tuple[Node, int]] = {}  # dropped but still leased: node, lease count
+        self._index = _PinnedIndex(0)
+        self._lease_tokens: dict[int, _Token] = {}  # live leases, by id of their token
+        # dropped but still leased, by gen: (blocks, lease count)
+        self._limbo: dict[int, tuple[list[tuple[int, int]], int]] = {}
         total_blocks = budget_bytes // block
         self._plan = [min(chunk // block, total_blocks - i) for i in range(0, total_blocks, chunk // block)]
         self._pinning_error: BaseException | None = None
@@ -284,6 +318,7 @@ class PinnedProvider(Provider):
                                                          o["verify"], o["pin"])
         prefault = o["prefault"]
         mapped, device = o["mapped"], o["device"]  # device_mapped: providers/pinned/_mapped.py
+        share = check_retain_share(o["retain_share"])
         if location not in ("", "/"):
             raise InvalidArgumentError(f"pinned:// takes no path, got {location!r}", hint="use pinned://?budget=8GiB")
         if mapped == "no" and device is not None:
@@ -294,12 +329,13 @@ class PinnedProvider(Provider):
                 raise InvalidArgumentError("mapped=yes needs page-locked memory; drop pin=no")
             from hostkv_providers.providers.pinned._mapped import MappedPinnedProvider
 
-            return MappedPinnedProvider(budget, block=block, chunk=chunk, device=device, verify_reads=verify == "read")
+            return MappedPinnedProvider(budget, block=block, chunk=chunk, device=device, verify_reads=verify == "read",
+                                        retain_share=share)
         allocator: HostAllocator | None = OrdinaryAllocator() if pin == "no" else None
         if pin == "yes":
             allocator = _default_allocator(require_pinned=True)
         return cls(budget, block=block, chunk=chunk, allocator=allocator, background=background,
-                   verify_reads=verify == "read", prefault=prefault)
+                   verify_reads=verify == "read", prefault=prefault, retain_share=share)
 
     def _add_chunk(self, nblocks: int) -> None:
         alloc = self._allocator.allocate(nblocks * self._block)
@@ -397,11 +433,11 @@ class PinnedProvider(Provider):
     # (the public verbs are the front's, in Provider; these are the drivers it calls)
     def _present(self, keys: Sequence[bytes]) -> list[bool]:
         with self._usable():
-            return self._membership(keys, self._index.nodes.__contains__)
+            return self._membership(keys, self._index.contains_fn)
 
     def _longest_prefix(self, keys: Sequence[bytes]) -> int:
         with self._usable():
-            hits = self._membership(keys, self._index.nodes.__contains__)
+            hits = self._membership(keys, self._index.contains_fn)
         return hits.index(False) if False in hits else len(hits)
 
     def _in_flight(self, k: Key) -> bool:
@@ -410,13 +446,29 @@ class PinnedProvider(Provider):
 
     def _entry(self, k: Key) -> EntryInfo | None:
         with self._usable():
-            node = self._index.get(k)
-            return None if node is None else _info(node)
+            row = self._index.row_of(k)
+            return None if row < 0 else _info(self._index, row)
 
     def iter_entries(self) -> Iterator[EntryInfo]:
         with self._usable():
-            infos = [_info(n) for n in self._index]
+            idx = self._index
+            infos = [_info(idx, int(r)) for r in idx.live_rows()]
         return iter(infos)
+
+    # -- retained entries (SupportsRetain) ---------------------------------------------------
+    def retain(self, keys: Sequence[bytes]) -> int:
+        """Mark entries retained (see ``SupportsRetain``): never evicted for room."""
+        ks = self._keys(keys)
+        with self._usable():
+            rows = self._index.rows_of(ks)
+            _check_present(ks, rows)
+            return self._index.retain_rows(rows, int(self._retain_share * self._budget))
+
+    def unretain(self, keys: Sequence[bytes]) -> int:
+        """Clear retain marks (keys not marked or not stored are ignored)."""
+        ks = self._keys(keys)
+        with self._usable():
+            return self._index.unretain_rows(self._index.rows_of(ks))
 
     # -- writes ------------------------------------------------------------------------------
     def _reserve(self, k: Key, p: Key | None, nbytes: int, salt_tag: str) -> Reservation | None:
@@ -432,12 +484,12 @@ class PinnedProvider(Provider):
         if cost > self._budget:
             raise CapacityError(f"{nbytes} bytes exceed the whole budget of {self._budget}")
         # Prefer memory still being pinned over evicting entries that could be hits.
-        while (self._pending and self._index.used + cost > self._index.budget
-               and k not in self._index.nodes):
+        while (self._pending and self._index.used_cost + cost > self._index.budget
+               and not self._index.contains(k)):
             self._ready.wait(0.5)
             self._check_usable()
         try:
-            ok, evicted = (self._index.begin_chained if chained else self._index.begin)(k, p, cost)
+            ok, evicted, _ = (self._index.begin_chained if chained else self._index.begin)(k, p, cost)
         except CapacityError as exc:
             if self._pinning_error is None:
                 raise
@@ -449,7 +501,7 @@ class PinnedProvider(Provider):
             ) from self._pinning_error
         if not ok:
             return None  # dedup (counted by the caller)
-        self._free_nodes(evicted)
+        self._free_rows(evicted)
         runs = self._arena.allocate(nblocks)
         regions = self._arena.regions(runs, nbytes, self._allocator.pinned)
         return _PinnedReservation(self, k, p, nbytes, salt_tag, runs, regions)
@@ -464,16 +516,19 @@ class PinnedProvider(Provider):
             res.check_open(self)
             self._commit_locked(res, digest)
 
-    def _commit_locked(self, res: _PinnedReservation, digest: int) -> Node:
-        node = Node(res.key, res.parent, res.nbytes, 0, res.salt_tag, digest, res.runs, time.time())
+    def _commit_locked(self, res: _PinnedReservation, digest: int) -> int:
+        idx = self._index
         try:
-            self._index.commit(res.key, node)
+            row = idx.commit(res.key, nbytes=res.nbytes, csum=digest, tag=res.salt_tag,
+                             run_start=res.runs[0][0], run_len=res.runs[0][1])
         except UnknownKeyError:
             self._arena.release(res.runs)
             res._finish("aborted")
             raise
+        if len(res.runs) > 1:
+            idx.scatter[row] = res.runs
         res._finish("sealed")
-        return node
+        return row
 
     # -- chain reservation -------------------------------------------------------------------
     def reserve_many(self, keys: Sequence[bytes], parents: Sequence[bytes | None], nbytes: int, *,
@@ -532,7 +587,7 @@ class PinnedProvider(Provider):
         self._check_usable()
         out: list[bool | HostKVError] = []
         failed: set[Key] = set()
-        held: list[Node | None] = []
+        held: _Token = ([], [])
         try:
             for k, p, view in checked:
                 orphan = self._failed_parent(p, failed, k)
@@ -543,8 +598,8 @@ class PinnedProvider(Provider):
                     with self._usable():
                         res = self._reserve_locked(k, p, view.nbytes, salt_tag)
                         # the reservation now holds its parent: the previous hold can go
-                        self._index.release_nodes(held)
-                        held = self._index.hold_keys([k]) if res is None else []
+                        self._index.release_rows(*held)
+                        held = self._hold_keys([k]) if res is None else ([], [])
                     if res is None:
                         self._tally("dedup")
                         out.append(False)
@@ -558,7 +613,7 @@ class PinnedProvider(Provider):
                     with self._usable():
                         res.check_open(self)
                         self._commit_locked(res, digest)
-                        held = self._index.hold_keys([k])
+                        held = self._hold_keys([k])
                     self._tally("seals")
                     self._tally("bytes_written", view.nbytes)
                     out.append(True)
@@ -566,9 +621,9 @@ class PinnedProvider(Provider):
                     failed.add(k)
                     out.append(exc)
         finally:
-            if held:
+            if held[0]:
                 with self._lock:
-                    self._index.release_nodes(held)
+                    self._index.release_rows(*held)
         return out
 
     def read_many(self, keys: Sequence[bytes], outs: Sequence[object]) -> list[bool]:
@@ -578,38 +633,44 @@ class PinnedProvider(Provider):
         untouched; an ``outs[i]`` smaller than its entry raises ``InvalidArgumentError`` after
         the others were filled."""
         ks, outs = self._read_many_args(keys, outs)
+        idx = self._index
         with self._usable():
-            nodes = [self._index.get(k) for k in ks]
-            held = self._index.hold_keys([k for k, n in zip(ks, nodes, strict=True) if n is not None])
+            rows = idx.rows_of(ks)
+            held = self._hold_rows(rows)
+            # what the copies need, read under the lock (a row may be recycled once released)
+            found = [(r, int(idx.gen[r]), int(idx.nbytes[r]), idx.runs(r), idx.checksum_of(r)) if r >= 0 else None
+                     for r in rows]
         # per key: None (miss or buffer too small), True (copied, checksum ok), False (bad copy)
         state: list[bool | None] = [None] * len(ks)
         short: InvalidArgumentError | None = None
         try:
-            for i, node in enumerate(nodes):
-                if node is None:
+            for i, f in enumerate(found):
+                if f is None:
                     continue
+                _, _, nbytes, runs, digest = f
                 try:
-                    dst = writable_buffer(outs[i], node.nbytes)
+                    dst = writable_buffer(outs[i], nbytes)
                 except InvalidArgumentError as exc:
                     short = short or exc
                     continue
-                _gather(self._arena.regions(node.loc, node.nbytes, False), ByteSpan.whole(node.nbytes), dst)
-                state[i] = not self._verify_reads or checksum_parts((dst,)) == node.checksum
+                _gather(self._arena.regions(runs, nbytes, False), ByteSpan.whole(nbytes), dst)
+                state[i] = not self._verify_reads or checksum_parts((dst,)) == digest
         finally:
             got = [False] * len(ks)
             hits = nbytes = failures = 0
             with self._lock:
-                self._index.release_nodes(held)
-                for i, (node, st) in enumerate(zip(nodes, state, strict=True)):
-                    if node is not None and st is True and not node.dead:
+                idx.release_rows(*held)
+                for i, (f, st) in enumerate(zip(found, state, strict=True)):
+                    if f is None or not idx.is_live(f[0], f[1]):
+                        continue
+                    if st is True:
                         got[i] = True
                         hits += 1
-                        nbytes += node.nbytes
-                        continue
-                    if node is not None and st is False and not node.dead:
+                        nbytes += f[2]
+                    elif st is False:
                         # first to see the corruption: drop the entry with its subtree
                         failures += 1
-                        self._drop(node.key)
+                        self._drop(f[0])
             self._tally("hits", hits)
             self._tally("bytes_read", nbytes)
             self._tally("checksum_failures", failures)
@@ -629,45 +690,47 @@ class PinnedProvider(Provider):
 
     # -- reads -------------------------------------------------------------------------------
     def _read(self, k: Key, out: object, span: ByteSpan | None) -> int | Corrupt | None:
+        idx = self._index
         with self._usable():
-            node = self._index.get(k)
-            if node is None:
+            row = idx.row_of(k)
+            if row < 0:
                 return None
-            span = ByteSpan.whole(node.nbytes) if span is None else span.validate(node.nbytes)
+            nbytes, gen, runs, digest = idx.m_nbytes[row], idx.m_gen[row], idx.runs(row), idx.checksum_of(row)
+            span = ByteSpan.whole(nbytes) if span is None else span.validate(nbytes)
             dst = writable_buffer(out, span.nbytes)
-            held = self._index.hold_keys([k])
+            held = self._hold_rows([row])
         # The copy runs without the lock (the hold stops eviction).  Only a checksum drop — by
-        # another reader or verify(repair=True) — can free a held node's blocks meanwhile, and it
-        # marks the node dead first; so a node still alive after the copy had its bytes all along.
+        # another reader or verify(repair=True) — can free a held entry's blocks meanwhile, and
+        # it removes the row first; so an entry still live after the copy had its bytes all along.
         try:
-            regions = self._arena.regions(node.loc, node.nbytes, False)
+            regions = self._arena.regions(runs, nbytes, False)
             if not self._verify_reads:
                 _gather(regions, span, dst)
                 ok = True
-            elif span.nbytes == node.nbytes:
+            elif span.nbytes == nbytes:
                 # Whole entry: checksum the copy itself, so the bytes handed out are exactly the
                 # bytes verified (no window between checking the arena and copying from it).
                 _gather(regions, span, dst)
-                ok = checksum_parts((dst,)) == node.checksum
+                ok = checksum_parts((dst,)) == digest
             else:
-                ok = checksum_parts(r.view for r in regions) == node.checksum
+                ok = checksum_parts(r.view for r in regions) == digest
                 if ok:
                     _gather(regions, span, dst)
         except BaseException:
             with self._lock:
-                self._index.release_nodes(held)
+                idx.release_rows(*held)
             raise
         with self._lock:
-            self._index.release_nodes(held)
-            if node.dead:
+            idx.release_rows(*held)
+            if not idx.is_live(row, gen):
                 return None  # dropped or evicted meanwhile: a miss
-            return span.nbytes if ok else Corrupt(node)
+            return span.nbytes if ok else Corrupt((row, gen))
 
     def _drop_damaged(self, k: Key, token: object) -> bool:
         with self._lock:
-            if self._closed or not isinstance(token, Node) or token.dead:
+            if self._closed or not isinstance(token, tuple) or not self._index.is_live(*token):
                 return False  # another reader (or verify) dropped it first
-            self._drop(k)
+            self._drop(token[0])
             return True
 
     def view(self, lease: Lease, key: bytes) -> Sequence[HostRegion] | None:
@@ -683,13 +746,12 @@ class PinnedProvider(Provider):
         out: list[Sequence[HostRegion] | None] = []
         pinned = self._allocator.pinned
         with self._usable():
-            get, regions = self._index.get, self._arena.regions
-            for k in ks:
-                node = get(k)
-                if node is None or k not in leased:
+            idx, regions = self._index, self._arena.regions
+            for k, row in zip(ks, idx.rows_of(ks), strict=True):
+                if row < 0 or k not in leased:
                     out.append(None)
                 else:
-                    out.append(regions(node.loc, node.nbytes, pinned, readonly=True))
+                    out.append(regions(idx.runs(row), int(idx.nbytes[row]), pinned, readonly=True))
         return out
 
     def view_pages(self, lease: Lease, keys: Sequence[bytes]) -> HostPages | None:
@@ -700,130 +762,162 @@ class PinnedProvider(Provider):
         if not isinstance(lease, Lease) or lease.released or lease.token is None or lease._provider is not self:
             raise InvalidArgumentError("view_pages() needs an unreleased lease of this provider")
         leased = lease.keys if len(ks) == 1 else frozenset(lease.keys)
-        addrs = np.empty(len(ks), dtype=np.uint64)
-        nbytes = 0
         with self._usable():
-            get, arena = self._index.get, self._arena
-            bpc, block, chunks = arena.bpc, arena.block, arena.chunks
-            for i, k in enumerate(ks):
-                node = get(k)
-                if node is None or k not in leased or len(node.loc) != 1 or (nbytes and node.nbytes != nbytes):
-                    return None
-                nbytes = node.nbytes
-                start = node.loc[0][0]
-                addrs[i] = chunks[start // bpc].address + (start % bpc) * block
-        if not nbytes:
-            return None
+            idx, arena = self._index, self._arena
+            rows = np.asarray(idx.rows_of(ks), dtype=np.int64)
+            if not len(rows) or (rows < 0).any() or any(k not in leased for k in ks):
+                return None
+            if idx.scatter and any(r in idx.scatter for r in rows.tolist()):
+                return None  # a scattered entry is not one run
+            sizes = idx.nbytes[rows]
+            nbytes = int(sizes[0])
+            if not nbytes or (sizes != nbytes).any():
+                return None
+            starts = idx.run_start[rows]
+            bases = np.array([c.address for c in arena.chunks], dtype=np.uint64)
+            addrs = bases[starts // arena.bpc] + ((starts % arena.bpc) * arena.block).astype(np.uint64)
         return HostPages(addrs, nbytes, pinned=self._allocator.pinned, readonly=True, keepalive=lease)
 
     # -- eviction ----------------------------------------------------------------------------
     def _evict(self, ks: list[Key] | None, nbytes: int) -> EvictReport:
         with self._usable():
+            idx = self._index
             if ks is not None:
-                removed, skipped = self._index.evict_keys(ks)
+                removed, skipped = idx.evict_rows(idx.rows_of(ks))
             else:
-                removed, skipped = self._index.evict_cost(nbytes), 0
-            self._free_nodes(removed)
-            return EvictReport(len(removed), sum(n.nbytes for n in removed), skipped)
+                removed, skipped = idx.evict_cost(nbytes), 0
+            freed = int(idx.nbytes[removed].sum()) if removed else 0
+            self._free_rows(removed)
+            return EvictReport(len(removed), freed, skipped)
 
-    def _free_nodes(self, nodes: Sequence[Node]) -> None:
-        for node in nodes:
-            self._arena.release(node.loc)
+    def _entry_regions(self, key: bytes) -> list[HostRegion] | None:
+        """The arena regions of a sealed entry, or ``None`` (the tests' backdoor into the memory)."""
+        with self._lock:
+            row = self._index.row_of(key)
+            if row < 0:
+                return None
+            return self._arena.regions(self._index.runs(row), int(self._index.nbytes[row]), False)
 
-    def _drop(self, key: Key) -> list[Node]:
+    def _free_rows(self, rows: Sequence[int]) -> None:
+        """Give removed rows' blocks back to the arena and the rows to the index."""
+        idx = self._index
+        for row in rows:
+            self._arena.release(idx.runs(row))
+        self._recycle(rows)
+
+    def _recycle(self, rows: Sequence[int]) -> None:
+        idx = self._index
+        for row in rows:
+            idx.scatter.pop(row, None)
+            idx.anchors.pop(row, None)
+        idx.recycle(rows)
+
+    def _drop(self, row: int) -> list[int]:
         """Force-remove a corrupt entry with its subtree (caller holds the lock).
 
         Leases are not honoured by a drop (the bytes are known bad), but a lease holder may be
         reading the entry's blocks zero-copy through :meth:`view` (a DMA in flight).  Reusing
         those blocks for another entry would hand that reader *another entry's* bytes, so the
-        blocks of a leased dropped node stay allocated and accounted — in limbo — until the last
+        blocks of a leased dropped entry stay allocated and accounted — in limbo — until the last
         lease on it is released.
         """
-        dropped = self._index.drop(key)
+        idx = self._index
+        gens = {r: int(idx.gen[r]) for r in idx.subtree([row])}
+        dropped = idx.drop(row)
         if not dropped:
             return dropped
-        dead = {id(n) for n in dropped}
+        dead = set(gens.values())
         pins: dict[int, int] = {}
-        for token in self._lease_tokens.values():
-            for n in token:
-                if n is not None and id(n) in dead:
-                    pins[id(n)] = pins.get(id(n), 0) + 1
-        for n in dropped:
-            count = pins.get(id(n), 0)
+        for _rows, token_gens in self._lease_tokens.values():
+            for g in token_gens:
+                if g in dead:
+                    pins[g] = pins.get(g, 0) + 1
+        for r in dropped:
+            count = pins.get(gens[r], 0)
+            runs = idx.runs(r)
             if count:
-                self._limbo[id(n)] = (n, count)
-                self._index.used += self._blocks_cost(n)
+                self._limbo[gens[r]] = (runs, count)
+                idx.used_cost += _blocks_cost(runs, self._block)
             else:
-                self._arena.release(n.loc)
+                self._arena.release(runs)
+        self._recycle(dropped)
         return dropped
-
-    def _blocks_cost(self, node: Node) -> int:
-        return self._block * sum(int(length) for _, length in node.loc)
 
     # -- anchors -----------------------------------------------------------------------------
     def _put_anchor(self, k: Key, name: str, blob: bytes) -> None:
         with self._usable():
-            node = self._index.get(k)
-            if node is None:
+            idx = self._index
+            row = idx.row_of(k)
+            if row < 0:
                 raise UnknownKeyError(f"entry {k.hex()[:16]} is not stored", hint="seal the page before its anchors")
-            old = node.anchors.get(name) if node.anchors else None
+            table = idx.anchors.get(row)
+            old = table.get(name) if table else None
             delta = len(blob) - (len(old) if old is not None else 0)
-            self._free_nodes(self._index.add_cost(node, delta))
-            if node.anchors is None:
-                node.anchors = {}
-            node.anchors[name] = blob
+            self._free_rows(idx.add_cost(row, delta))
+            idx.anchors.setdefault(row, {})[name] = blob
 
     def _get_anchor(self, k: Key, name: str) -> bytes | None:
         with self._usable():
-            node = self._index.get(k)
-            if node is None or not node.anchors:
-                return None
-            blob = node.anchors.get(name)
+            row = self._index.row_of(k)
+            table = self._index.anchors.get(row) if row >= 0 else None
+            blob = table.get(name) if table else None
             return None if blob is None else bytes(blob)
 
     def _list_anchors(self, k: Key) -> dict[str, int]:
         with self._usable():
-            node = self._index.get(k)
-            if node is None or not node.anchors:
-                return {}
-            return {n: len(b) for n, b in node.anchors.items()}
+            row = self._index.row_of(k)
+            table = self._index.anchors.get(row) if row >= 0 else None
+            return {n: len(b) for n, b in table.items()} if table else {}
 
     def _deepest_anchor(self, ks: list[Key], name: str) -> int:
         with self._usable():
+            idx = self._index
             best = 0
-            for i, k in enumerate(ks):
-                node = self._index.get(k)
-                if node is None:
+            for i, row in enumerate(idx.rows_of(ks)):
+                if row < 0:
                     break
-                if node.anchors and name in node.anchors:
+                table = idx.anchors.get(row)
+                if table and name in table:
                     best = i + 1
             return best
 
     # -- leases ------------------------------------------------------------------------------
+    def _hold_rows(self, rows: Sequence[int]) -> _Token:
+        """Hold the present ``rows`` (lock held); the ``(rows, gens)`` token releases them."""
+        idx = self._index
+        live = [r for r in rows if r >= 0]
+        idx.hold_rows(live)
+        gen = idx.m_gen
+        return live, [gen[r] for r in live]
+
+    def _hold_keys(self, ks: Sequence[Key]) -> _Token:
+        return self._hold_rows(self._index.rows_of(ks))
+
     def _lease(self, ks: list[Key]) -> Lease:
         with self._usable():
-            held = self._index.hold_keys(ks)
-            self._lease_tokens[id(held)] = held
-            return Lease(self, ks, [n is not None for n in held], token=held)
+            rows = self._index.rows_of(ks)
+            token = self._hold_rows(rows)
+            self._lease_tokens[id(token)] = token
+            return Lease(self, ks, [r >= 0 for r in rows], token=token)
 
     def _release_lease(self, lease: Lease) -> None:
         with self._lock:
             if self._closed:
                 return
-            token: list[Node | None] = lease.token  # type: ignore[assignment]
+            token: _Token = lease.token  # type: ignore[assignment]
             self._lease_tokens.pop(id(token), None)
-            self._index.release_nodes(token)
-            for n in token:
-                held = self._limbo.get(id(n)) if n is not None and n.dead else None
+            self._index.release_rows(*token)
+            for g in token[1]:
+                held = self._limbo.get(g)
                 if held is None:
                     continue
-                node, count = held
+                runs, count = held
                 if count > 1:
-                    self._limbo[id(n)] = (node, count - 1)
+                    self._limbo[g] = (runs, count - 1)
                 else:  # the last lease on a dropped entry let go: its blocks may be reused now
-                    del self._limbo[id(n)]
-                    self._index.used -= self._blocks_cost(node)
-                    self._arena.release(node.loc)
+                    del self._limbo[g]
+                    self._index.used_cost -= _blocks_cost(runs, self._block)
+                    self._arena.release(runs)
 
     # -- verification ------------------------------------------------------------------------
     def verify(self, *, repair: bool = False, progress: Any = None) -> VerifyReport:
@@ -831,37 +925,43 @@ class PinnedProvider(Provider):
         check_flag(repair, "repair")
         check_progress(progress)
         report = VerifyReport()
+        idx = self._index
         with self._usable():
-            nodes = list(self._index)
-        for i, node in enumerate(nodes):
+            rows = idx.live_rows().tolist()
+            gens = idx.gen[rows].tolist()
+        for i, (row, gen) in enumerate(zip(rows, gens, strict=True)):
             with self._lock:
-                if node.dead:
+                if not idx.is_live(row, gen):
                     continue
-                regions = self._arena.regions(node.loc, node.nbytes, False)
-                ok = checksum_parts(r.view for r in regions) == node.checksum
+                nbytes = int(idx.nbytes[row])
+                regions = self._arena.regions(idx.runs(row), nbytes, False)
+                ok = checksum_parts(r.view for r in regions) == idx.checksum_of(row)
                 report.checked += 1
                 if not ok:
-                    report.corrupt.append(node.key)
+                    report.corrupt.append(idx.key_of(row))
                     if repair:
-                        report.dropped += len(self._drop(node.key))
+                        report.dropped += len(self._drop(row))
             if progress is not None:
-                progress(i + 1, len(nodes))
+                progress(i + 1, len(rows))
         return report
 
     # -- the rest ----------------------------------------------------------------------------
     def stats(self) -> ProviderStats:
         with self._usable():
             idx = self._index
+            n = idx.n
             return ProviderStats(
                 name=self.name,
-                entries=len(idx.nodes),
-                used_bytes=idx.used,
+                entries=idx.count,
+                used_bytes=idx.used_cost,
                 budget_bytes=self._budget,
-                anchors=sum(len(n.anchors) for n in idx.nodes.values() if n.anchors),
-                leased=sum(1 for n in idx.nodes.values() if n.hold),
+                anchors=sum(len(t) for t in idx.anchors.values()),
+                leased=int(((idx.hold[:n] > 0) & idx.alive[:n]).sum()),
                 in_flight=len(idx.flights),
                 evictions=idx.evictions,
                 evicted_bytes=idx.evicted_cost,
+                retained=idx.retained_count,
+                retained_bytes=idx.retained_cost,
                 extra={"ready_bytes": self.ready_bytes, "block_nbytes": self._block, "limbo_entries": len(self._limbo),
                        "pinned": self._allocator.pinned, "free_blocks": self._arena.free},
                 **self._tallies(),
@@ -876,8 +976,7 @@ class PinnedProvider(Provider):
         return {k: int(getattr(st, k)) for k in STORE_COUNTED}
 
     def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "block_nbytes": self._block, "pinned": self._allocator.pinned,
-                "verify_reads": self._verify_reads}
+        return {**super().describe(), "pinned": self._allocator.pinned, "ready_bytes": self.ready_bytes}
 
     def close(self) -> None:
         self._check_not_forked()  # the child must not free the parent's arena
@@ -894,10 +993,24 @@ class PinnedProvider(Provider):
             self._finalizer()
 
 
-def _info(node: Node) -> EntryInfo:
-    anchors = {n: len(b) for n, b in node.anchors.items()} if node.anchors else {}
-    return EntryInfo(node.key, node.parent, node.nbytes, node.salt_tag, node.checksum,
-                     node.created, node.last_used, anchors)
+def _info(idx: _PinnedIndex, row: int) -> EntryInfo:
+    table = idx.anchors.get(row)
+    anchors = {n: len(b) for n, b in table.items()} if table else {}
+    return EntryInfo(idx.key_of(row), idx.parent_key(row), int(idx.nbytes[row]), idx.tag_of(row),
+                     idx.checksum_of(row), float(idx.created[row]), float(idx.used[row]), anchors,
+                     bool(idx.retained[row]))
+
+
+def _check_present(keys: Sequence[Key], rows: Sequence[int]) -> None:
+    """``retain``'s all-or-nothing rule: every key must be sealed."""
+    for k, r in zip(keys, rows, strict=True):
+        if r < 0:
+            raise UnknownKeyError(f"entry {k.hex()[:16]} is not stored; nothing was retained",
+                                  hint="retain sealed entries only (save the prefix first)")
+
+
+def _blocks_cost(runs: Sequence[tuple[int, int]], block: int) -> int:
+    return block * sum(int(length) for _, length in runs)
 
 
 def _scatter(regions: Sequence[HostRegion], span: ByteSpan, src: memoryview) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import sys
@@ -40,10 +41,8 @@ PAGE = 4096
 
 def _backdoor_regions(provider: Provider, key: Key) -> list[memoryview] | None:
     assert isinstance(provider, PinnedProvider)
-    node = provider._index.get(key)
-    if node is None:
-        return None
-    return [r.view for r in provider._arena.regions(node.loc, node.nbytes, False)]
+    regions = provider._entry_regions(key)
+    return None if regions is None else [r.view for r in regions]
 
 
 class _PinnedBackdoors(ProviderTests):
@@ -196,11 +195,11 @@ def test_from_url_options(closing: list[Provider]) -> None:
     closing.append(p)
     assert isinstance(p, PinnedProvider)
     assert p.budget_bytes == 1 << 20 and p.block_nbytes == 8192 and p.ready_bytes == 1 << 20
-    assert p.describe()["verify_reads"] is True and p.describe()["pinned"] is False
+    assert p.describe()["verify"] == "read" and p.describe()["pinned"] is False
     q = hostkv_providers.open("pinned:///?budget=64KiB", block="4096", pin="no")
     closing.append(q)
     assert isinstance(q, PinnedProvider)
-    assert q.budget_bytes == 65536 and q.describe()["verify_reads"] is False
+    assert q.budget_bytes == 65536 and q.describe()["verify"] == "never"
     assert q.wait_ready(30)  # background=true is the URL default
 
 
@@ -351,9 +350,9 @@ def test_verify_without_read_checks(closing: list[Provider]) -> None:
     closing.append(p)
     keys = chain("verify-pinned", 3)
     put_chain(p, keys, PAGE)
-    node = p._index.get(keys[2])
-    assert node is not None
-    p._arena.regions(node.loc, node.nbytes, False)[0].view[0] ^= 1
+    regions = p._entry_regions(keys[2])
+    assert regions is not None
+    regions[0].view[0] ^= 1
     report = p.verify()
     assert report.corrupt == [keys[2]] and report.checked == 3
     report = p.verify(repair=True)
@@ -366,9 +365,9 @@ def test_concurrent_reads_of_a_corrupt_entry_count_it_once(closing: list[Provide
     closing.append(p)
     keys = chain("corrupt-threads", 2)
     put_chain(p, keys, 4 * PAGE)
-    node = p._index.get(keys[0])
-    assert node is not None
-    p._arena.regions(node.loc, node.nbytes, False)[0].view[3] ^= 0x80
+    regions = p._entry_regions(keys[0])
+    assert regions is not None
+    regions[0].view[3] ^= 0x80
     results: list[bool] = []
     barrier = threading.Barrier(6)
 
@@ -395,9 +394,9 @@ def test_resaved_parent_keeps_its_leases_after_child_abort(closing: list[Provide
     put_page(p, parent, None, PAGE)
     res = p.reserve(child, parent, PAGE)
     assert res is not None
-    node = p._index.get(parent)
-    assert node is not None
-    p._arena.regions(node.loc, node.nbytes, False)[0].view[0] ^= 1
+    regions = p._entry_regions(parent)
+    assert regions is not None
+    regions[0].view[0] ^= 1
     assert p.read(parent, bytearray(PAGE)) is False  # dropped as corrupt
     assert put_page(p, parent, None, PAGE)  # another writer saves it again
     res.abort()
@@ -493,9 +492,9 @@ def test_readers_race_corruption_repair_and_resaves(closing: list[Provider]) -> 
         for _ in range(300):
             k = keys[int(rng.integers(len(keys)))]
             with p._lock:  # flip a byte in the arena (a memory fault), as a backdoor would
-                node = p._index.get(k)
-                if node is not None:
-                    p._arena.regions(node.loc, node.nbytes, False)[0].view[int(rng.integers(PAGE))] ^= 0x10
+                regions = p._entry_regions(k)
+                if regions is not None:
+                    regions[0].view[int(rng.integers(PAGE))] ^= 0x10
             p.verify(repair=True)
             for kk in keys:
                 put_page(p, kk, None, nbytes)  # re-save whatever was dropped
@@ -521,7 +520,9 @@ def test_leased_views_of_a_dropped_entry_are_never_reused(closing: list[Provider
     lease2 = p.lease([k, k])
     views = p.view(lease, k)
     assert views is not None
-    p._arena.regions(p._index.nodes[k].loc, 2 * PAGE, False)[0].view[9] ^= 1  # a memory fault
+    regions = p._entry_regions(k)
+    assert regions is not None
+    regions[0].view[9] ^= 1  # a memory fault
     snapshot = b"".join(bytes(v.view) for v in views)
     assert p.verify(repair=True).dropped == 1
     assert p.present([k]) == [False] and p.view(lease, k) is None
@@ -590,9 +591,9 @@ def test_read_many_drops_a_corrupt_entry_and_fills_the_rest(closing: list[Provid
     closing.append(p)
     keys = chain("rm-corrupt", 3)
     put_chain(p, keys, 2 * PAGE)
-    node = p._index.get(keys[1])
-    assert node is not None
-    p._arena.regions(node.loc, node.nbytes, False)[0].view[5] ^= 0x10
+    regions = p._entry_regions(keys[1])
+    assert regions is not None
+    regions[0].view[5] ^= 0x10
     outs = [bytearray(2 * PAGE) for _ in range(3)]
     assert p.read_many(keys, outs) == [True, False, False]  # keys[2] went with its corrupt parent
     assert bytes(outs[0]) == page_bytes(keys[0], 2 * PAGE)
@@ -687,3 +688,24 @@ def test_close_during_prefault_is_clean(closing: list[Provider]) -> None:
     put_page(p, key_of("prefault-close"), None, 64 << 10)
     p.close()  # joins the prefault thread before the chunks are unmapped
     assert p.wait_prefaulted(0)
+def test_a_full_store_adds_no_per_page_objects_the_gc_tracks(closing: list[Provider]) -> None:
+    # Issue #14: full collections walking one Node per page stalled decode steps 13x.
+    n = 20_000
+    p = _pinned(n, chunk=n * PAGE)
+    closing.append(p)
+    keys = chain("pinned-gc", n)
+    blob = bytes(PAGE)
+    put_page(p, keys[0], None, PAGE)  # first use: lazily imported modules, caches
+    gc.collect()
+    before = len(gc.get_objects())
+    for lo in range(1, n, 1000):
+        items: list[tuple[bytes, bytes | None, object]] = [
+            (keys[i], keys[i - 1], blob) for i in range(lo, min(lo + 1000, n))]
+        assert all(r is True for r in p.put_many(items))
+        del items
+    with p.lease(keys[-10:]):
+        pass
+    gc.collect()
+    grown = len(gc.get_objects()) - before
+    assert p.stats().entries == n
+    assert grown < 100, f"{grown} new GC-tracked objects for {n} pages"

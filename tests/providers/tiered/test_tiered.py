@@ -258,7 +258,7 @@ def test_from_url(tmp_path: Path) -> None:
         k = key_of("url")
         p.put(k, None, page_bytes(k, PAGE))
         assert p.read_bytes(k) == page_bytes(k, PAGE)
-        assert p.describe()["queue_pages"] == 8
+        assert p.describe()["queue"] == 8
     finally:
         p.close()
     for bad in ("tiered://", f"tiered://?fast={fast}", f"tiered:///path?fast={fast}&slow={slow}",
