@@ -48,6 +48,7 @@ from hostkv_providers.providers import (
     FORMAT_VERSION,
     KEY_ALGORITHM,
     ByteSpan,
+    Corrupt,
     EntryInfo,
     EvictReport,
     HostRegion,
@@ -59,10 +60,8 @@ from hostkv_providers.providers import (
     ProviderStats,
     Reservation,
     VerifyReport,
-    check_anchor_name,
     checksum,
     parse_size,
-    readable_bytes,
     writable_buffer,
 )
 from redis._parsers.base import BaseParser
@@ -86,6 +85,9 @@ T = TypeVar("T")
 _log = logging.getLogger("hostkv_redis")
 
 DEFAULT_BUDGET = 1 << 30
+_MAYBE_ORPHAN = "orphan?"  # Corrupt token of a GET miss (see RedisProvider._drop_damaged)
+_ORPHAN_CHECK = Corrupt(_MAYBE_ORPHAN)
+_DAMAGED = Corrupt("")  # a page whose trailer or checksum does not match
 _TRAILER = struct.Struct("<32sQQ8s")
 _MAGIC = b"HKVPAGE1"
 _NAMESPACE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -601,7 +603,7 @@ class _RedisReservation(Reservation):
     The buffer has room for the 56-byte trailer after the page, so sealing needs no copy.
     """
 
-    __slots__ = ("buf", "data", "hex", "rid")
+    __slots__ = ("buf", "data", "hex", "rid", "sealing")
 
     def __init__(self, provider: RedisProvider, key: Key, parent: Key | None, nbytes: int, salt_tag: str,
                  rid: str, buf: bytearray | None) -> None:
@@ -610,6 +612,7 @@ class _RedisReservation(Reservation):
         self.hex = key.hex()
         self.buf = buf  # pooled, exactly nbytes; None once sealed or aborted (back in the pool)
         self.data: memoryview | None = None if buf is None else memoryview(buf)
+        self.sealing = False  # a seal is shipping it (set and cleared under the provider's lock)
 
     def regions(self) -> Sequence[HostRegion]:
         """The client-side buffer (ordinary memory), for a copy engine that fills it directly."""
@@ -665,6 +668,8 @@ class RedisProvider(Provider):
     multiprocess: ClassVar[bool] = True
     _url_scheme: ClassVar[str] = "redis"
     _cluster_mode: ClassVar[bool] = False
+    _reservation_type = _RedisReservation
+    _tag_max = _SALT_TAG_MAX
 
     def __init__(
         self,
@@ -712,9 +717,7 @@ class RedisProvider(Provider):
         self._client_id = os.urandom(6).hex()
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
-        self._counters: dict[str, int] = dict.fromkeys(
-            ("hits", "misses", "seals", "aborts", "dedup", "checksum_failures", "bytes_written", "bytes_read",
-             "store_resets"), 0)
+        self._resets = 0  # times this client found its store gone and re-created it (server restart)
         self._live_leases: weakref.WeakValueDictionary[str, Lease] = weakref.WeakValueDictionary()
         self._live_flights: weakref.WeakValueDictionary[str, _RedisReservation] = weakref.WeakValueDictionary()
         self._want_budget = budget_bytes
@@ -810,8 +813,10 @@ class RedisProvider(Provider):
             raise CapacityError(
                 f"cannot shrink store {self._namespace!r} to {budget}: {out[2].decode()} bytes are leased or in flight"
             )
-        if status == "created" and self._counters["seals"] + self._counters["hits"] > 0:
-            self._counters["store_resets"] += 1
+        if status == "created":
+            counts = self._tallies()
+            if counts["seals"] + counts["hits"] > 0:
+                self._resets += 1
         self._budget = int(out[1])
         # once the budget is applied, re-creating the store after a server restart reuses it
         self._want_budget = self._budget
@@ -837,11 +842,6 @@ class RedisProvider(Provider):
 
     def _next_id(self, kind: str) -> str:
         return f"{self._client_id}.{kind}{next(self._ids):x}"
-
-    def _count(self, **deltas: int) -> None:
-        with self._lock:
-            for name, d in deltas.items():
-                self._counters[name] += d
 
     def _start_keeper(self) -> None:
         if not self._keepalive or self._keeper is not None:
@@ -878,29 +878,25 @@ class RedisProvider(Provider):
         return [x.decode() for x in self._eval("renew", *args)]
 
     # -- lookups -----------------------------------------------------------------------------
-    def present(self, keys: Sequence[bytes]) -> list[bool]:
+    # (the public verbs are the front's, in Provider: it validates, checks usability, counts and
+    # applies the checksum rule; these are the drivers it calls)
+    def _present(self, keys: Sequence[bytes]) -> list[bool]:
         ks = self._keys(keys)
-        self._check_usable()
         if not ks:
             return []
         bits = self._eval("present", *[k.hex() for k in ks])
         return [b == 0x31 for b in bits]
 
-    def longest_prefix(self, keys: Sequence[bytes]) -> int:
+    def _longest_prefix(self, keys: Sequence[bytes]) -> int:
         ks = self._keys(keys)
-        self._check_usable()
         if not ks:
             return 0
         return int(self._eval("prefix", *[k.hex() for k in ks]))
 
-    def in_flight(self, key: bytes) -> bool:
-        k = self._key(key)
-        self._check_usable()
+    def _in_flight(self, k: Key) -> bool:
         return bool(self._eval("in_flight", k.hex()))
 
-    def entry(self, key: bytes) -> EntryInfo | None:
-        k = self._key(key)
-        self._check_usable()
+    def _entry(self, k: Key) -> EntryInfo | None:
         return self._infos([k])[0]
 
     def _infos(self, keys: Sequence[Key]) -> list[EntryInfo | None]:
@@ -946,17 +942,17 @@ class RedisProvider(Provider):
                 return
 
     # -- writes ------------------------------------------------------------------------------
-    def reserve(self, key: bytes, parent: bytes | None, nbytes: int, *, salt_tag: str = "",
-                _remote_parent: str = "") -> Reservation | None:
-        item = self._check_item(key, parent, nbytes, salt_tag)
-        self._check_usable()
-        res = self._reserve_batch([item], salt_tag, _remote_parent)[0]
+    def _reserve(self, k: Key, p: Key | None, nbytes: int, salt_tag: str) -> Reservation | None:
+        return self._reserve_remote(k, p, nbytes, salt_tag, "")
+
+    def _reserve_remote(self, k: Key, p: Key | None, nbytes: int, salt_tag: str,
+                        remote: str) -> _RedisReservation | None:
+        """The reserve driver; ``remote`` is the sharded store's "<shard> <pin>" of a group-first
+        page whose parent lives in another shard (empty otherwise)."""
+        res = self._reserve_batch([(k, p, nbytes)], salt_tag, remote)[0]
         if isinstance(res, BaseException):
             raise res
         return res
-
-    def _check_item(self, key: object, parent: object, nbytes: object, salt_tag: object) -> tuple[Key, Key | None, int]:
-        return self._reserve_args(key, parent, nbytes, salt_tag, tag_max=_SALT_TAG_MAX)
 
     def _reserve_batch(self, items: Sequence[tuple[Key, Key | None, int]], salt_tag: str,
                        remote: str = "") -> list[_RedisReservation | HostKVError | None]:
@@ -980,8 +976,7 @@ class RedisProvider(Provider):
                     self._live_flights[rid] = res
                 out.append(res)
             elif st == "dup":
-                self._count(dedup=1)
-                out.append(None)
+                out.append(None)  # (the front counts the dedup)
             elif st == "busy":
                 out.append(InFlightError(f"key {k.hex()[:16]} is being written by another writer", key=k))
             elif st == "noparent":
@@ -998,25 +993,27 @@ class RedisProvider(Provider):
             self._start_keeper()
         return out
 
-    def _own(self, reservation: Reservation) -> _RedisReservation:
-        return self._own_reservation(reservation, _RedisReservation)
+    def _write(self, res: _RedisReservation, span: ByteSpan, view: memoryview) -> None:
+        data = res.data
+        if data is None:  # sealed or aborted by another thread since the front's check
+            raise ReservationError(f"the reservation for {res.hex[:16]} is already {res.state}")
+        data[span.offset : span.end] = view  # private to its writer until seal: no lock
 
-    def write(self, reservation: Reservation, offset: int, data: object) -> None:
-        view = readable_bytes(data)
-        self._check_usable()
-        res = self._own(reservation)
-        span = res.check_write(offset, view.nbytes)
-        assert res.data is not None  # reservations handed to callers always have a buffer
-        res.data[span.offset : span.end] = view  # private to its writer until seal: no lock
-        res.mark_written(span)
-        self._count(bytes_written=span.nbytes)
-
-    def seal(self, reservation: Reservation) -> None:
-        self._check_usable()
-        res = self._own(reservation)
-        res.check_complete()
-        err = self._seal_batch([res])[0]
+    def _seal(self, res: _RedisReservation) -> None:
+        with self._lock:
+            # claim it: a racing seal or abort of another thread gets ReservationError instead
+            # of shipping (or freeing) the buffer under this one
+            if res.sealing or res.state != "open":
+                raise ReservationError(f"the reservation for {res.hex[:16]} is "
+                                       f"{'being sealed' if res.sealing else 'already ' + res.state}")
+            res.sealing = True
+        try:
+            err = self._seal_batch([res])[0]
+        finally:
+            res.sealing = False
         if err is not None:
+            if res.state == "sealed":  # published, but not confirmed by enough replicas
+                self._tally("seals")
             raise err
 
     def _seal_batch(self, batch: Sequence[_RedisReservation]) -> list[HostKVError | None]:
@@ -1052,7 +1049,6 @@ class RedisProvider(Provider):
         statuses = results[len(batch)]
         unreplicated = self._unreplicated(results[-1]) if extra else None
         out: list[HostKVError | None] = []
-        sealed = 0
         for i, (res, raw) in enumerate(zip(batch, statuses, strict=True)):
             st = raw.decode()
             with self._lock:
@@ -1061,8 +1057,7 @@ class RedisProvider(Provider):
                 self._pool.give(res.buf)
                 res.buf = res.data = None
             if st == "ok":
-                res._finish("sealed")
-                sealed += 1
+                res._finish("sealed")  # (the front counts the seal)
                 out.append(unreplicated)
                 continue
             res._finish("aborted")
@@ -1079,29 +1074,25 @@ class RedisProvider(Provider):
             else:
                 out.append(ReservationLostError(
                     f"the reservation for {res.hex[:16]} expired or was lost (server restart?)"))
-        self._count(seals=sealed)
         return out
 
-    def abort(self, reservation: Reservation) -> None:
-        if not isinstance(reservation, _RedisReservation) or reservation.provider is not self:
-            raise ReservationError("not a reservation of this provider")
-        # After close or in a forked child the connection is gone or not ours: refuse with a
-        # typed error (Reservation.__exit__ turns that into a warning during exception cleanup).
-        self._check_usable()
-        if reservation.state != "open":
-            return  # aborting twice (or after seal) is a no-op
-        reservation._finish("aborted")
+    def _abort(self, reservation: _RedisReservation) -> bool:
         with self._lock:
+            if reservation.sealing:
+                raise ReservationError(f"the reservation for {reservation.hex[:16]} is being sealed")
+            if reservation.state != "open":
+                return False  # a racing seal or abort finished it
+            reservation._finish("aborted")
             self._live_flights.pop(reservation.rid, None)
         if reservation.buf is not None:
             self._pool.give(reservation.buf)
             reservation.buf = reservation.data = None
-        self._count(aborts=1)
         try:
             self._eval("abort", "1", reservation.hex, reservation.rid)
         except HostKVError as exc:  # cleanup warns; the reservation expires server-side
             warnings.warn(f"abort of {reservation.hex[:16]} failed ({exc}); it expires after reservation_ttl",
-                          stacklevel=2)
+                          stacklevel=4)
+        return True
 
     def put_many(self, items: Sequence[tuple[bytes, bytes | None, object]], *,
                  salt_tag: str = "", _remote: Mapping[Key, str] | None = None) -> list[bool | HostKVError]:
@@ -1122,15 +1113,10 @@ class RedisProvider(Provider):
         batch are on the server, not yet counted against the budget, for the time between their
         ``SET`` and the script (one pipeline); pages the script rejects are deleted by it.
         """
+        args = self._put_many_args(items, salt_tag, tag_max=_SALT_TAG_MAX)
         self._check_usable()
-        checked = []
-        views = []
-        for it in items:
-            if not isinstance(it, tuple) or len(it) != 3:
-                raise InvalidArgumentError("put_many items are (key, parent, data) tuples")
-            view = readable_bytes(it[2])
-            checked.append(self._check_item(it[0], it[1], view.nbytes, salt_tag))
-            views.append(view)
+        checked = [(k, p, view.nbytes) for k, p, view in args]
+        views = [view for _, _, view in args]
         out: list[bool | HostKVError] = []
         failed: set[Key] = set()  # keys of this call not stored: their children fail unsent
         lo = 0
@@ -1198,7 +1184,7 @@ class RedisProvider(Provider):
                 else:
                     failed.add(checked[i][0])
                 out[i] = err
-        self._count(dedup=dedup)
+        self._tally("dedup", dedup)
         return out
 
     def _publish(self, checked: Sequence[tuple[Key, Key | None, int]], views: Sequence[memoryview],
@@ -1306,34 +1292,43 @@ class RedisProvider(Provider):
                 else:  # pragma: no cover - a script/client version mismatch
                     out.append(StorageIOError(f"unexpected put status {st!r}"))
             pos += len(group) + 1
-        self._count(seals=stored, bytes_written=nbytes)
+        self._tally("seals", stored)
+        self._tally("bytes_written", nbytes)
         return out
 
     # -- reads -------------------------------------------------------------------------------
-    def read(self, key: bytes, out: object, span: ByteSpan | None = None) -> bool:
-        if span is not None and not isinstance(span, ByteSpan):
-            raise InvalidArgumentError("span must be a ByteSpan")
-        k = self._key(key)
-        self._check_usable()
-        page = self._pages([k], [None])[0]
-        if page is None:
-            return False
+    def _read(self, k: Key, out: object, span: ByteSpan | None) -> int | Corrupt | None:
+        page = self._fetch([k], [None])[0]
+        if not isinstance(page, memoryview):
+            return page  # a miss, or Corrupt: the front drops the entry (_drop_damaged) and misses
         span = ByteSpan.whole(len(page)) if span is None else span.validate(len(page))
         dst = writable_buffer(out, span.nbytes)
         dst[:] = page[span.offset : span.end]
-        self._count(hits=1, bytes_read=span.nbytes)
-        return True
+        return span.nbytes
+
+    def _drop_damaged(self, k: Key, token: object) -> bool:
+        if token == _MAYBE_ORPHAN:
+            # the GET missed: an orphan only if the metadata outlived the bytes, which the script
+            # decides atomically (a seal may have landed since the GET)
+            if not int(self._eval("drop_orphan", k.hex())):
+                return False
+            _log.warning("dropped %s (with its subtree): its bytes were missing on the server", k.hex()[:16])
+            return True
+        _log.warning("dropping %s and its subtree: its checksum/trailer does not match", k.hex()[:16])
+        return int(self._eval("drop", k.hex(), "")) > 0
 
     def read_bytes(self, key: bytes, span: ByteSpan | None = None) -> bytes | None:
+        """The entry's bytes (or ``span`` of them), or ``None``: one round trip (the base class's
+        ``entry`` + ``read`` would take two), with the front's rules (as in ``read``)."""
+        k = self._key(key)
         if span is not None and not isinstance(span, ByteSpan):
             raise InvalidArgumentError("span must be a ByteSpan")
-        k = self._key(key)
         self._check_usable()
-        page = self._pages([k], [None])[0]
+        page = self._settle([k], self._fetch([k], [None]))[0]
         if page is None:
             return None
         span = ByteSpan.whole(len(page)) if span is None else span.validate(len(page))
-        self._count(hits=1, bytes_read=span.nbytes)
+        self._tally_hit(span.nbytes)
         return bytes(page[span.offset : span.end])
 
     def read_many(self, keys: Sequence[bytes], outs: Sequence[object]) -> list[bool]:
@@ -1345,11 +1340,15 @@ class RedisProvider(Provider):
         still filled).
         """
         ks = self._keys(keys)
-        if len(outs) != len(ks):
-            raise InvalidArgumentError(f"{len(ks)} keys but {len(outs)} output buffers")
+        try:
+            n_outs = -1 if isinstance(outs, (bytes, bytearray, memoryview, str)) else len(outs)
+        except TypeError:
+            n_outs = -1
+        if n_outs != len(ks):
+            raise InvalidArgumentError(f"{len(ks)} keys need a sequence of as many output buffers")
         dsts = [_whole(o) for o in outs]
         self._check_usable()
-        pages = self._pages(ks, dsts)
+        pages = self._settle(ks, self._fetch(ks, dsts))
         short = None
         nbytes = 0
         for i, (page, dst) in enumerate(zip(pages, dsts, strict=True)):
@@ -1361,7 +1360,8 @@ class RedisProvider(Provider):
                 continue
             nbytes += len(page)
         hits = sum(p is not None for p in pages)
-        self._count(hits=hits, bytes_read=nbytes)
+        self._tally("hits", hits)
+        self._tally("bytes_read", nbytes)
         if short is not None:
             raise InvalidArgumentError(f"out[{short[0]}] holds {short[2]} bytes, the entry has {short[1]}")
         return [p is not None for p in pages]
@@ -1370,19 +1370,19 @@ class RedisProvider(Provider):
         """The verified bytes of each entry (``None`` per miss), in one round trip."""
         ks = self._keys(keys)
         self._check_usable()
-        pages = self._pages(ks, [None] * len(ks))
+        pages = self._settle(ks, self._fetch(ks, [None] * len(ks)))
         out = [None if p is None else bytes(p) for p in pages]
-        self._count(hits=sum(p is not None for p in pages), bytes_read=sum(len(p) for p in pages if p is not None))
+        self._tally("hits", sum(p is not None for p in pages))
+        self._tally("bytes_read", sum(len(p) for p in pages if p is not None))
         return out
 
-    def _pages(self, keys: Sequence[Key], dests: Sequence[memoryview | None]) -> list[memoryview | None]:
-        """The verified page bytes of each key (in ``dests[i]`` when it is large enough), or
-        ``None`` per miss.
+    def _fetch(self, keys: Sequence[Key], dests: Sequence[memoryview | None]) -> list[memoryview | Corrupt | None]:
+        """Per key its verified page bytes (in ``dests[i]`` when it is large enough), or
+        :class:`Corrupt` (the trailer or checksum is wrong, or the GET missed: then the entry may
+        be an orphan, metadata without bytes — ``_drop_damaged`` decides), or ``None`` (a miss
+        without an entry).  Counts nothing and drops nothing (the front, or :meth:`_settle`).
 
-        One pipeline GETs every page and refreshes their LRU ticks.  Misses then take one more
-        script call, which drops entries whose metadata outlived their bytes (atomically, see
-        ``drop_orphan``); a page whose trailer or checksum is wrong is dropped with its subtree.
-        Either way the caller sees a miss, never the bytes.
+        One pipeline GETs every page and refreshes their LRU ticks.
         """
         if not keys:
             return []
@@ -1391,44 +1391,42 @@ class RedisProvider(Provider):
         touch: list[Part] = [b"EVALSHA", self._link.sha("touch").encode(), b"1", self._meta.encode(),
                              *(h.encode() for h in hexes)]
         got = self._run(lambda c: _get_into(c, names, touch, dests))
-        pages: list[memoryview | None] = []
-        missing: list[str] = []
-        for k, h, (page, trailer) in zip(keys, hexes, got, strict=True):
+        pages: list[memoryview | Corrupt | None] = []
+        for k, (page, trailer) in zip(keys, got, strict=True):
             if page is None or trailer is None:
-                pages.append(None)
-                missing.append(h)
+                pages.append(_ORPHAN_CHECK)
                 continue
             ok = False
             if len(trailer) == TRAILER_NBYTES:
                 echo, digest, n, magic = _TRAILER.unpack(trailer)
                 ok = (magic == _MAGIC and echo == k and n == len(page)
                       and (not self._verify_reads or checksum(page) == digest))
-            if not ok:
-                self._drop_corrupt(k, "its checksum/trailer does not match")
-                pages.append(None)
-                continue
-            pages.append(page)
-        if missing:
-            orphans = int(self._eval("drop_orphan", *missing))
-            if orphans:
-                self._count(checksum_failures=orphans)
-                _log.warning("dropped %d entries (with subtrees) whose bytes were missing on the server", orphans)
-        self._count(misses=sum(p is None for p in pages))
+            pages.append(page if ok else _DAMAGED)
         return pages
 
-    def _drop_corrupt(self, k: Key, why: str) -> None:
-        self._count(checksum_failures=1)
-        _log.warning("dropping %s and its subtree: %s", k.hex()[:16], why)
-        self._eval("drop", k.hex(), "")
+    def _settle(self, keys: Sequence[Key], got: Sequence[memoryview | Corrupt | None]) -> list[memoryview | None]:
+        """The front's checksum rule for the batch reads: drop what :meth:`_fetch` found damaged
+        (with subtrees; the possible orphans in one script call), count the checksum failures and
+        the misses; per key the page or ``None``."""
+        pages = [p if isinstance(p, memoryview) else None for p in got]
+        orphans = [k.hex() for k, p in zip(keys, got, strict=True) if p is _ORPHAN_CHECK]
+        failures = 0
+        # Deepest first: a batch is usually a chain, root first, and dropping a damaged parent
+        # first would take its damaged child along uncounted.
+        for k, page in reversed(list(zip(keys, got, strict=True))):
+            if isinstance(page, Corrupt) and page is not _ORPHAN_CHECK and self._drop_damaged(k, page.token):
+                failures += 1
+        if orphans:
+            n = int(self._eval("drop_orphan", *orphans))
+            if n:
+                failures += n
+                _log.warning("dropped %d entries (with subtrees) whose bytes were missing on the server", n)
+        self._tally("checksum_failures", failures)
+        self._tally("misses", sum(p is None for p in pages))
+        return pages
 
     # -- eviction ----------------------------------------------------------------------------
-    def evict(self, keys: Sequence[bytes] | None = None, *, nbytes: int = 0) -> EvictReport:
-        if (keys is None) == (not nbytes):
-            raise InvalidArgumentError("give exactly one of keys or nbytes")
-        if type(nbytes) is not int or nbytes < 0:
-            raise InvalidArgumentError(f"nbytes must be a non-negative int, got {nbytes!r}")
-        ks = self._keys(keys) if keys is not None else None
-        self._check_usable()
+    def _evict(self, ks: list[Key] | None, nbytes: int) -> EvictReport:
         if ks is not None:
             if not ks:
                 return EvictReport()
@@ -1438,13 +1436,9 @@ class RedisProvider(Provider):
         return EvictReport(int(n), int(b), int(skipped))
 
     # -- anchors -----------------------------------------------------------------------------
-    def put_anchor(self, key: bytes, name: str, data: object) -> None:
-        k = self._key(key)
-        check_anchor_name(name)
-        blob = bytes(readable_bytes(data))
+    def _put_anchor(self, k: Key, name: str, blob: bytes) -> None:
         if len(blob) > _ANCHOR_MAX:
             raise InvalidArgumentError(f"anchor of {len(blob)} bytes exceeds the {_ANCHOR_MAX}-byte limit")
-        self._check_usable()
         st = self._eval("put_anchor", k.hex(), name, blob).decode()
         if st == "noentry":
             raise UnknownKeyError(f"entry {k.hex()[:16]} is not stored", hint="seal the page before its anchors")
@@ -1453,33 +1447,23 @@ class RedisProvider(Provider):
             raise CapacityError(f"anchor of {len(blob)} bytes does not fit: budget {budget}, used {used}, "
                                 f"sealed {sealed}; nothing was evicted")
 
-    def get_anchor(self, key: bytes, name: str) -> bytes | None:
-        k = self._key(key)
-        check_anchor_name(name)
-        self._check_usable()
+    def _get_anchor(self, k: Key, name: str) -> bytes | None:
         value = self._run(lambda c: c.hget(self._prefix + "a:" + k.hex(), name))
         if isinstance(value, str):  # only with decode_responses, which this provider never sets
             return value.encode()
         return value
 
-    def list_anchors(self, key: bytes) -> dict[str, int]:
-        k = self._key(key)
-        self._check_usable()
+    def _list_anchors(self, k: Key) -> dict[str, int]:
         flat = self._eval("list_anchors", k.hex())
         return {flat[i].decode(): int(flat[i + 1]) for i in range(0, len(flat), 2)}
 
-    def deepest_anchor(self, keys: Sequence[bytes], name: str) -> int:
-        ks = self._keys(keys)
-        check_anchor_name(name)
-        self._check_usable()
+    def _deepest_anchor(self, ks: list[Key], name: str) -> int:
         if not ks:
             return 0
         return int(self._eval("deepest_anchor", name, *[k.hex() for k in ks]))
 
     # -- leases ------------------------------------------------------------------------------
-    def lease(self, keys: Sequence[bytes]) -> Lease:
-        ks = self._keys(keys)
-        self._check_usable()
+    def _lease(self, ks: list[Key]) -> Lease:
         lid = self._next_id("l")
         bits = self._eval("lease", lid, str(self._lease_ms), *[k.hex() for k in ks]) if ks else b""
         present = [b == 0x31 for b in bits]
@@ -1567,9 +1551,7 @@ class RedisProvider(Provider):
 
         if meta.get("budget"):
             self._budget = int(meta["budget"])
-        with self._lock:
-            counters = dict(self._counters)
-        resets = counters.pop("store_resets")
+        counters = self._tallies()
         return ProviderStats(
             name=self.name,
             entries=g("entries"),
@@ -1586,7 +1568,7 @@ class RedisProvider(Provider):
                 "store_checksum_failures": g("checksum_failures"),
                 "expired_leases": g("expired_leases"),
                 "expired_reservations": g("expired_reservations"),
-                "store_resets": resets,
+                "store_resets": self._resets,
             },
             **counters,
         )

@@ -66,6 +66,7 @@ from hostkv_providers.errors import (
 )
 from hostkv_providers.providers import (
     ByteSpan,
+    Corrupt,
     EntryInfo,
     EvictReport,
     Key,
@@ -75,7 +76,6 @@ from hostkv_providers.providers import (
     ProviderStats,
     Reservation,
     VerifyReport,
-    check_anchor_name,
 )
 from redis.backoff import ExponentialBackoff
 from redis.cluster import RedisCluster
@@ -131,6 +131,7 @@ class RedisShardedProvider(Provider):
     name: ClassVar[str] = "redis+cluster"
     persistent: ClassVar[bool] = True
     multiprocess: ClassVar[bool] = True
+    _tag_max = 128  # as RedisProvider's
 
     @classmethod
     def from_url(cls, location: str, options: Mapping[str, str]) -> Provider:
@@ -399,11 +400,12 @@ class RedisShardedProvider(Provider):
         return results
 
     # -- lookups -----------------------------------------------------------------------------
-    def longest_prefix(self, keys: Sequence[bytes]) -> int:
+    # (the public verbs are the front's, in Provider; these are the drivers it calls, over the
+    # shards' drivers, so every call is validated and counted once, here)
+    def _longest_prefix(self, keys: Sequence[bytes]) -> int:
         """How many leading keys of ``keys`` (a chain that starts at a root) are stored: every key
         is checked, one ``present`` script per shard touched, one round trip per master."""
         ks = self._keys(keys)
-        self._check_usable()
         if not ks:
             return 0
         bits, _ = self._chain_present(ks)
@@ -443,9 +445,8 @@ class RedisShardedProvider(Provider):
             return bits, first
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def present(self, keys: Sequence[bytes]) -> list[bool]:
+    def _present(self, keys: Sequence[bytes]) -> list[bool]:
         ks = self._keys(keys)
-        self._check_usable()
         if not ks:
             return []
         codes = self._locate(ks)
@@ -464,21 +465,17 @@ class RedisShardedProvider(Provider):
         c = self._locate([key])[0]
         return None if c < 0 else self._shards[c // self._group]
 
-    def entry(self, key: bytes) -> EntryInfo | None:
-        k = self._key(key)
-        self._check_usable()
+    def _entry(self, k: Key) -> EntryInfo | None:
         shard = self._shard_of(k)
         if shard is None:
             return None
-        return shard.entry(k)
+        return shard._entry(k)
 
-    def in_flight(self, key: bytes) -> bool:
-        k = self._key(key)
-        self._check_usable()
+    def _in_flight(self, k: Key) -> bool:
         c = self._memo.get(k)
         if c is not None:
-            return self._shards[c // self._group].in_flight(k)
-        return any(self._each(dict.fromkeys(range(self._nshards), k), lambda s, kk: s.in_flight(kk)).values())
+            return self._shards[c // self._group]._in_flight(k)
+        return any(self._each(dict.fromkeys(range(self._nshards), k), lambda s, kk: s._in_flight(kk)).values())
 
     # -- placement of new pages --------------------------------------------------------------
     def _place(self, items: Sequence[tuple[Key, Key | None]]) -> list[int]:
@@ -514,16 +511,14 @@ class RedisShardedProvider(Provider):
         return out
 
     # -- writes ------------------------------------------------------------------------------
-    def reserve(self, key: bytes, parent: bytes | None, nbytes: int, *, salt_tag: str = "") -> Reservation | None:
-        k, p, n = self._reserve_args(key, parent, nbytes, salt_tag, tag_max=128)
-        self._check_usable()
+    def _reserve(self, k: Key, p: Key | None, n: int, salt_tag: str) -> Reservation | None:
         c = self._place([(k, p)])[0]
         if p is not None and c < 0:
             raise UnknownKeyError(f"parent {p.hex()[:16]} is not stored")
         g = self._group
         s = c // g
         if p is None or c % g:
-            res = self._roomy(s, lambda: self._shards[s].reserve(k, p, n, salt_tag=salt_tag))
+            res: Reservation | None = self._roomy(s, lambda: self._shards[s]._reserve_remote(k, p, n, salt_tag, ""))
         else:
             # A group's first page: its parent is in another shard, whose scripts cannot see
             # this one.  Pin the parent there first (that fails if it is gone), then reserve;
@@ -539,8 +534,7 @@ class RedisShardedProvider(Provider):
             if self._fan([(ps, "xpin", ["1", p.hex(), token])])[0] != b"1":
                 raise UnknownKeyError(f"parent {p.hex()[:16]} is not stored")
             try:
-                res = self._roomy(s, lambda: self._shards[s].reserve(k, p, n, salt_tag=salt_tag,
-                                                                     _remote_parent=f"{ps} {token}"))
+                res = self._roomy(s, lambda: self._shards[s]._reserve_remote(k, p, n, salt_tag, f"{ps} {token}"))
             except BaseException:
                 self._unpin([(ps, p, token)])
                 raise
@@ -626,6 +620,8 @@ class RedisShardedProvider(Provider):
         assert isinstance(owner, RedisProvider)
         return owner
 
+    # write, seal and abort stay public verbs here: a reservation belongs to its shard's provider
+    # (whose front validates and counts it), this one only routes it there.
     def write(self, reservation: Reservation, offset: int, data: object) -> None:
         self._check_usable()
         self._res_shard(reservation).write(reservation, offset, data)
@@ -643,6 +639,7 @@ class RedisShardedProvider(Provider):
 
     def abort(self, reservation: Reservation) -> None:
         shard = self._res_shard(reservation)
+        self._check_usable()
         shard.abort(reservation)
         if not self._closed:
             with contextlib.suppress(HostKVError):
@@ -757,25 +754,41 @@ class RedisShardedProvider(Provider):
                 work.setdefault(c // self._group, []).append(i)
         return work, missing
 
-    def read(self, key: bytes, out: object, span: ByteSpan | None = None) -> bool:
-        k = self._key(key)
-        self._check_usable()
-        shard = self._shard_of(k)
-        return False if shard is None else shard.read(k, out, span)
+    def _read(self, k: Key, out: object, span: ByteSpan | None) -> int | Corrupt | None:
+        c = self._locate([k])[0]
+        if c < 0:
+            return None
+        got = self._shards[c // self._group]._read(k, out, span)
+        return Corrupt((c // self._group, got.token)) if isinstance(got, Corrupt) else got
+
+    def _drop_damaged(self, k: Key, token: object) -> bool:
+        assert isinstance(token, tuple)  # (shard, the shard's token), from _read
+        return self._shards[token[0]]._drop_damaged(k, token[1])
 
     def read_bytes(self, key: bytes, span: ByteSpan | None = None) -> bytes | None:
+        """The shard's one-round-trip ``read_bytes`` (its front's rules and counters)."""
         k = self._key(key)
+        if span is not None and not isinstance(span, ByteSpan):
+            raise InvalidArgumentError("span must be a ByteSpan")
         self._check_usable()
         shard = self._shard_of(k)
-        return None if shard is None else shard.read_bytes(k, span)
+        if shard is None:
+            self._tally("misses")  # (as the shard's front would have)
+            return None
+        return shard.read_bytes(k, span)
 
     def read_many(self, keys: Sequence[bytes], outs: Sequence[object]) -> list[bool]:
         """:meth:`RedisProvider.read_many` over the shards, masters in parallel."""
         ks = self._keys(keys)
-        if len(outs) != len(ks):
-            raise InvalidArgumentError(f"{len(ks)} keys but {len(outs)} output buffers")
+        try:
+            n_outs = -1 if isinstance(outs, (bytes, bytearray, memoryview, str)) else len(outs)
+        except TypeError:
+            n_outs = -1
+        if n_outs != len(ks):
+            raise InvalidArgumentError(f"{len(ks)} keys need a sequence of as many output buffers")
         self._check_usable()
-        work, _ = self._group_keys(ks)
+        work, missing = self._group_keys(ks)
+        self._tally("misses", len(missing))
         out = [False] * len(ks)
         res = self._each(work, lambda s, idx: s.read_many([ks[i] for i in idx], [outs[i] for i in idx]))
         for s, idx in work.items():
@@ -786,7 +799,8 @@ class RedisShardedProvider(Provider):
     def read_many_bytes(self, keys: Sequence[bytes]) -> list[bytes | None]:
         ks = self._keys(keys)
         self._check_usable()
-        work, _ = self._group_keys(ks)
+        work, missing = self._group_keys(ks)
+        self._tally("misses", len(missing))
         out: list[bytes | None] = [None] * len(ks)
         res = self._each(work, lambda s, idx: s.read_many_bytes([ks[i] for i in idx]))
         for s, idx in work.items():
@@ -795,17 +809,15 @@ class RedisShardedProvider(Provider):
         return out
 
     # -- leases ------------------------------------------------------------------------------
-    def lease(self, keys: Sequence[bytes]) -> Lease:
+    def _lease(self, ks: list[Key]) -> Lease:
         """Pin ``keys`` in every shard that holds some (one lease script per shard, atomic per
         shard); ``present``/``prefix_len`` say what was pinned, so a chain's usable prefix stops
         at the first page that was gone when its shard was asked."""
-        ks = self._keys(keys)
-        self._check_usable()
         work, _ = self._group_keys(ks)
         subs: dict[int, Lease] = {}
 
         def take(s: RedisProvider, idx: list[int]) -> None:
-            subs[s_index[id(s)]] = s.lease([ks[i] for i in idx])
+            subs[s_index[id(s)]] = s._lease([ks[i] for i in idx])
 
         s_index = {id(sp): i for i, sp in enumerate(self._shards)}
         try:
@@ -832,18 +844,12 @@ class RedisShardedProvider(Provider):
                     lz.release()
 
     # -- eviction ----------------------------------------------------------------------------
-    def evict(self, keys: Sequence[bytes] | None = None, *, nbytes: int = 0) -> EvictReport:
+    def _evict(self, ks: list[Key] | None, nbytes: int) -> EvictReport:
         """``keys``: each key's subtree, across shards (:meth:`_evict_subtrees`).  ``nbytes``:
         LRU leaves (store-wide leaves: pinned pages are none) from every shard in proportion to
         its used bytes."""
-        if (keys is None) == (not nbytes):
-            raise InvalidArgumentError("give exactly one of keys or nbytes")
-        if type(nbytes) is not int or nbytes < 0:
-            raise InvalidArgumentError(f"nbytes must be a non-negative int, got {nbytes!r}")
-        self._check_usable()
         report = EvictReport()
-        if keys is not None:
-            ks = self._keys(keys)
+        if ks is not None:
             work, _ = self._group_keys(ks)
             return self._evict_subtrees({s: [ks[i] for i in idx] for s, idx in work.items()})
         self._drain()  # released pins first, so that their parents count as leaves
@@ -852,7 +858,7 @@ class RedisShardedProvider(Provider):
         if not total:
             return report
         share = {s: -(-nbytes * u // total) for s, u in used.items() if u}
-        parts = self._each(share, lambda s, n: s.evict(nbytes=n))
+        parts = self._each(share, lambda s, n: s._evict(None, n))
         for r in parts.values():
             report = EvictReport(report.entries + r.entries, report.nbytes + r.nbytes, report.skipped + r.skipped)
         self._drain(list(parts))  # the evicted group-first pages' pins
@@ -893,29 +899,18 @@ class RedisShardedProvider(Provider):
             raise UnknownKeyError(f"entry {k.hex()[:16]} is not stored", hint="seal the page before its anchors")
         return shard
 
-    def put_anchor(self, key: bytes, name: str, data: object) -> None:
-        k = self._key(key)
-        check_anchor_name(name)
-        self._check_usable()
-        self._stored_shard(k).put_anchor(k, name, data)
+    def _put_anchor(self, k: Key, name: str, blob: bytes) -> None:
+        self._stored_shard(k)._put_anchor(k, name, blob)
 
-    def get_anchor(self, key: bytes, name: str) -> bytes | None:
-        k = self._key(key)
-        check_anchor_name(name)
-        self._check_usable()
+    def _get_anchor(self, k: Key, name: str) -> bytes | None:
         shard = self._shard_of(k)
-        return None if shard is None else shard.get_anchor(k, name)
+        return None if shard is None else shard._get_anchor(k, name)
 
-    def list_anchors(self, key: bytes) -> dict[str, int]:
-        k = self._key(key)
-        self._check_usable()
+    def _list_anchors(self, k: Key) -> dict[str, int]:
         shard = self._shard_of(k)
-        return {} if shard is None else shard.list_anchors(k)
+        return {} if shard is None else shard._list_anchors(k)
 
-    def deepest_anchor(self, keys: Sequence[bytes], name: str) -> int:
-        ks = self._keys(keys)
-        check_anchor_name(name)
-        self._check_usable()
+    def _deepest_anchor(self, ks: list[Key], name: str) -> int:
         if not ks:
             return 0
         bits, first = self._chain_present(ks)
@@ -965,10 +960,11 @@ class RedisShardedProvider(Provider):
         self._check_usable()
         parts = list(self._each(dict.fromkeys(range(self._nshards), 0), lambda s, _: s.stats()).values())
         total: dict[str, int] = {}
+        own = self._tallies()  # the verbs counted by this front; the shards' fronts counted the rest
         for f in ("entries", "used_bytes", "budget_bytes", "anchors", "leased", "in_flight", "evictions",
                   "evicted_bytes", "hits", "misses", "seals", "aborts", "dedup", "checksum_failures",
                   "bytes_written", "bytes_read"):
-            total[f] = sum(int(getattr(p, f)) for p in parts)
+            total[f] = sum(int(getattr(p, f)) for p in parts) + own.get(f, 0)
         return ProviderStats(name=self.name, extra={"namespace": self._namespace, "shards": self._nshards,
                                                     "group": self._group}, **total)
 
