@@ -21,15 +21,9 @@ from hostkv_providers._errors import (
 )
 from hostkv_providers._provider import Provider
 from hostkv_providers._span import ByteSpan
-from hostkv_providers.device._copy import (
-    CopyEngine,
-    CudaCopyEngine,
-    KVPlanes,
-    TransferHandle,
-    _GroupHandle,
-    page_regions,
-)
+from hostkv_providers.device._copy import CopyEngine, CudaCopyEngine, KVPlanes, TransferHandle, page_regions
 from hostkv_providers.device._hostmem import HostAllocator, OrdinaryAllocator, pinned_allocator
+from hostkv_providers.device._transfer import _GroupHandle
 
 __all__ = ["StagedTransfer", "StagingPool"]
 

@@ -38,7 +38,8 @@ import numpy as np
 from hostkv_providers._errors import CopyArgumentError, CopyEngineError
 from hostkv_providers._layout import KVLayout
 from hostkv_providers.device import _cuda
-from hostkv_providers.device._copy import KVPlanes, _stream_handle
+from hostkv_providers.device._copy import KVPlanes
+from hostkv_providers.device._engine import _stream_handle
 
 __all__ = [
     "CpuPageMover",

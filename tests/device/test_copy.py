@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import mmap
+import os
 import threading
 from typing import Any
 
@@ -25,7 +26,7 @@ from hostkv_providers import (
 )
 from hostkv_providers._keys import Salt, chain_keys
 from hostkv_providers.cache import StagingPool
-from hostkv_providers.device import _copy, _hostmem, pinned_allocator
+from hostkv_providers.device import _cpu_engine, _cuda_engine, _hostmem, pinned_allocator
 from hostkv_providers.device._copy import (
     CopyArgumentError,
     CpuCopyEngine,
@@ -247,7 +248,7 @@ def test_handle_timeout_and_failure(engine: CpuCopyEngine, monkeypatch: pytest.M
     def boom(*args: object) -> None:
         raise OSError("simulated copy failure")
 
-    monkeypatch.setattr(_copy, "_host_copy", boom)
+    monkeypatch.setattr(_cpu_engine, "_host_copy", boom)
     bad = engine.save(planes, [1], Buffers(LAYOUT, 1).pages)
     with pytest.raises(CopyEngineError, match="simulated copy failure"):
         bad.wait()
@@ -373,8 +374,8 @@ def test_used_after_fork(engine: CpuCopyEngine, monkeypatch: pytest.MonkeyPatch)
     from hostkv_providers import UsedAfterForkError
 
     planes = KVPlanes.from_arrays(LAYOUT, make_arrays(LAYOUT, 2, seed=15))
-    real = _copy.os.getpid()
-    monkeypatch.setattr(_copy.os, "getpid", lambda: real + 1)  # what a forked child sees
+    real = os.getpid()
+    monkeypatch.setattr(os, "getpid", lambda: real + 1)  # what a forked child sees
     with pytest.raises(UsedAfterForkError):
         engine.save(planes, [0], Buffers(LAYOUT, 1).pages)
     with pytest.raises(UsedAfterForkError):
@@ -406,7 +407,7 @@ def test_coalescing_never_spans_two_pinned_allocations(monkeypatch: pytest.Monke
     page = LAYOUT.page_nbytes
     base = 1 << 40
     second = base + 2 * page  # where a second allocation starts, adjacent to the first
-    monkeypatch.setattr(_copy, "_REGISTERED_STARTS", {base, second})
+    monkeypatch.setattr(_cuda_engine, "_REGISTERED_STARTS", {base, second})
     pages = [((0,), (base + i * page,), (page,)) for i in range(4)]
     assert CudaCopyEngine._coalesce(pages, 0, 4, page) == [(0, base, 2 * page), (2 * page, second, 2 * page)]
 

@@ -41,7 +41,7 @@ from hostkv_providers._errors import CopyEngineError, HostKVError, InvalidArgume
 from hostkv_providers._keys import Key
 from hostkv_providers._provider import Lease, ProviderStats, Reservation
 from hostkv_providers.device import _cuda
-from hostkv_providers.device._copy import _stream_handle
+from hostkv_providers.device._engine import _stream_handle
 from hostkv_providers.device._hostmem import CudaHostAllocator, HostAllocator, OrdinaryAllocator
 from hostkv_providers.device._sparse import CpuPageMover, DeviceMappingError, PageMover, PageTable
 from hostkv_providers.providers.pinned._provider import (

@@ -16,14 +16,8 @@ from hostkv_providers import ClosedError, HostRegion, KVLayout, OrdinaryAllocato
 from hostkv_providers._errors import CopyArgumentError
 from hostkv_providers._keys import Salt, chain_keys
 from hostkv_providers.cache import StagingPool
-from hostkv_providers.device._copy import (
-    CudaCopyEngine,
-    KVPlanes,
-    _check_pages,
-    cuda_available,
-    default_copy_engine,
-    page_regions,
-)
+from hostkv_providers.device._copy import CudaCopyEngine, KVPlanes, cuda_available, default_copy_engine, page_regions
+from hostkv_providers.device._engine import _check_pages
 from hostkv_providers.device._hostmem import CudaHostAllocator, pinned_allocator
 
 torch = pytest.importorskip("torch")

@@ -1,0 +1,734 @@
+"""The CUDA copy engine: a fused gather/scatter kernel (NVRTC) into double-buffered device staging,
+large DMA copies on dedicated streams, events and stream memory operations for ordering."""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+import warnings
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from hostkv_providers._errors import (
+    CopyArgumentError,
+    CopyEngineError,
+)
+from hostkv_providers._region import HostPages
+from hostkv_providers.device import _cuda
+from hostkv_providers.device._cpu_engine import _segments
+from hostkv_providers.device._engine import (
+    CopyEngine,
+    _check_distinct,
+    _check_ids,
+    _check_pages,
+    _Pages,
+    _stream_handle,
+)
+from hostkv_providers.device._hostmem import _REGISTERED_STARTS, CudaPinnedAllocation
+from hostkv_providers.device._order import Gate, StreamMark, _NoGate, _open_leaked, _Worker
+from hostkv_providers.device._planes import _PAGE, KVPlanes, _MiB
+from hostkv_providers.device._transfer import TransferHandle, _GroupHandle, _JobHandle
+
+# --------------------------------------------------------------------------------------------
+# CUDA
+# --------------------------------------------------------------------------------------------
+
+_MAX_CHUNK_PAGES = 512  # block ids travel as a by-value kernel parameter (2 KiB of the 4 KiB limit)
+
+_KERNEL_SOURCE = r"""
+typedef unsigned long long u64;
+struct Ids { int v[MAX_PAGES]; };
+
+// One work item = one tile of one plane slice of one page.  Items are page-major so that
+// neighbouring CTAs touch neighbouring staging bytes.  The plane table holds, per plane,
+// {base pointer, block stride, offset in the page, slice bytes}.
+template <bool GATHER>
+__device__ __forceinline__ void move(const u64* __restrict__ table, int nplanes, int npages,
+                                     const Ids& ids, unsigned char* staging, u64 page_nbytes,
+                                     u64 tile, u64 tiles) {
+    const u64 total = (u64)npages * (u64)nplanes * tiles;
+    for (u64 item = blockIdx.x; item < total; item += gridDim.x) {
+        const u64 t = item % tiles;
+        const u64 rest = item / tiles;
+        const int plane = (int)(rest % (u64)nplanes);
+        const int page = (int)(rest / (u64)nplanes);
+        const u64* e = table + 4 * plane;
+        const u64 nb = e[3];
+        const u64 lo = t * tile;
+        if (lo >= nb) continue;
+        const u64 n = (nb - lo < tile) ? nb - lo : tile;
+        unsigned char* dev = (unsigned char*)(e[0] + (u64)ids.v[page] * e[1]) + lo;
+        unsigned char* stg = staging + (u64)page * page_nbytes + e[2] + lo;
+        const unsigned char* src = GATHER ? dev : stg;
+        unsigned char* dst = GATHER ? stg : dev;
+        if ((((u64)src | (u64)dst | n) & 15) == 0) {
+            const uint4* s4 = (const uint4*)src;
+            uint4* d4 = (uint4*)dst;
+            const u64 n4 = n >> 4;
+#if STREAMING
+            // Every byte is touched once: evict-first loads/stores keep the engine's working set in L2.
+            #pragma unroll 4
+            for (u64 i = threadIdx.x; i < n4; i += blockDim.x) __stcs(d4 + i, __ldcs(s4 + i));
+#else
+            #pragma unroll 4
+            for (u64 i = threadIdx.x; i < n4; i += blockDim.x) d4[i] = s4[i];
+#endif
+        } else {
+            for (u64 i = threadIdx.x; i < n; i += blockDim.x) dst[i] = src[i];
+        }
+    }
+}
+
+extern "C" __global__ void hostkv_gather(const u64* table, int nplanes, int npages, Ids ids,
+                                         unsigned char* staging, u64 page_nbytes, u64 tile, u64 tiles) {
+    move<true>(table, nplanes, npages, ids, staging, page_nbytes, tile, tiles);
+}
+
+extern "C" __global__ void hostkv_scatter(const u64* table, int nplanes, int npages, Ids ids,
+                                          unsigned char* staging, u64 page_nbytes, u64 tile, u64 tiles) {
+    move<false>(table, nplanes, npages, ids, staging, page_nbytes, tile, tiles);
+}
+"""
+
+
+class _Ids(ctypes.Structure):
+    _fields_ = [("v", ctypes.c_int32 * _MAX_CHUNK_PAGES)]
+
+
+class _CudaHandle(_JobHandle):
+    """Completion is the CUDA event ``done_event``, recorded by the issuing worker."""
+
+    def __init__(self, nbytes: int, engine: CudaCopyEngine) -> None:
+        super().__init__(nbytes)
+        self._engine = engine
+        self._dev = engine._dev
+        self.start_event: Any = None
+        self.done_event: Any = None
+        self._finished = False
+        self.keep: object = None  # host buffers and planes, released once finished
+        self._finalizer = weakref.finalize(self, _destroy_events, self._dev, [])
+
+    def _set_events(self, start: Any, done: Any) -> None:
+        self.start_event, self.done_event = start, done
+        self._finalizer.detach()
+        self._finalizer = weakref.finalize(self, _destroy_events, self._dev, [start, done])
+        self._finalizer.atexit = False
+
+    def _query(self) -> bool:
+        d = _cuda.driver()
+        with self._dev.scope():
+            (err,) = d.cuEventQuery(self.done_event)
+        if int(err) == int(d.CUresult.CUDA_ERROR_NOT_READY):
+            return False
+        _cuda.check((err,), "transfer")
+        return True
+
+    def _finish(self) -> None:
+        if not self._finished:
+            self._finished = True
+            self.keep = None
+            try:
+                with self._dev.scope():
+                    ms = _cuda.check(_cuda.driver().cuEventElapsedTime(self.start_event, self.done_event),
+                                     "elapsed")
+                self._seconds = float(ms) / 1e3
+            except CopyEngineError:
+                self._seconds = None
+
+    def done(self) -> bool:
+        if not self._issued.is_set():
+            return False
+        if self._error is not None:
+            return True
+        try:
+            if not self._query():
+                return False
+        except CopyEngineError as exc:
+            self._error = exc
+            return True
+        self._finish()
+        return True
+
+    def wait(self, timeout: float | None = None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self._issued.wait(timeout):
+            return False
+        self._raise()
+        if timeout is None:
+            try:
+                with self._dev.scope():
+                    _cuda.check(_cuda.driver().cuEventSynchronize(self.done_event), "transfer")
+            except CopyEngineError as exc:
+                self._error = exc
+                raise
+        else:
+            pause = 5e-5
+            while True:
+                try:
+                    if self._query():
+                        break
+                except CopyEngineError as exc:
+                    self._error = exc
+                    raise
+                left = deadline - time.monotonic()  # type: ignore[operator]
+                if left <= 0:
+                    return False
+                time.sleep(min(pause, left))
+                pause = min(pause * 2, 2e-3)
+        self._finish()
+        return True
+
+    @property
+    def seconds(self) -> float | None:
+        return self._seconds if self._finished else None
+
+    @property
+    def event(self) -> Any:
+        """The completion ``CUevent``; blocks until the worker has recorded it (enqueue only)."""
+        self._issued.wait()
+        self._raise()
+        return self.done_event
+
+    def wait_on(self, stream: Any) -> None:
+        s = _stream_handle(stream, "stream")
+        if s is None:
+            self.wait()
+            return
+        ev = self.event
+        with self._dev.scope():
+            _cuda.check(_cuda.driver().cuStreamWaitEvent(s, ev, 0), "cuStreamWaitEvent")
+
+
+def _coalesce_pages(addresses: Any, page_nbytes: int) -> list[tuple[int, int, int]]:
+    """:meth:`CudaCopyEngine._coalesce` for whole pages given by address (numpy, no per-page
+    objects): runs of adjacent pages that do not cross into another pinned allocation."""
+    import numpy as np
+
+    k = int(addresses.size)
+    if not k:
+        return []
+    brk = np.ones(k, dtype=bool)
+    if k > 1:
+        brk[1:] = addresses[1:] != addresses[:-1] + np.uint64(page_nbytes)
+        if _REGISTERED_STARTS:
+            starts = np.array(list(_REGISTERED_STARTS), dtype=np.uint64)  # a copy: it may grow meanwhile
+            brk[1:] |= np.isin(addresses[1:], starts)
+    first = np.flatnonzero(brk)
+    lengths = np.diff(np.append(first, k))
+    return [(int(i) * page_nbytes, int(addresses[i]), int(n) * page_nbytes)
+            for i, n in zip(first.tolist(), lengths.tolist(), strict=True)]
+
+
+def _destroy_events(dev: _cuda.Device, events: list[Any]) -> None:
+    # Destroying an event whose record is still pending is allowed: the driver frees it later.
+    try:
+        d = _cuda.driver()
+        with dev.scope():
+            for ev in events:
+                if ev is not None:
+                    d.cuEventDestroy(ev)
+    except Exception:  # finalizers must not raise
+        pass
+
+
+@dataclass(slots=True)
+class _Table:
+    dev_ptr: int
+    host: Any  # pinned host copy, kept until the engine closes (the upload reads it asynchronously)
+    event: Any
+
+
+class _CudaMark(StreamMark):
+    """An event recorded on the caller's stream at call time (destroyed with the mark)."""
+
+    def __init__(self, dev: _cuda.Device, event: Any) -> None:
+        self.event = event
+        self._finalizer = weakref.finalize(self, _destroy_events, dev, [event])
+        self._finalizer.atexit = False
+
+    def wait_in(self, stream: Any) -> None:
+        _cuda.check(_cuda.driver().cuStreamWaitEvent(stream, self.event, 0), "cuStreamWaitEvent(mark)")
+
+
+_FLAG_SLOTS = 1024
+
+
+class _FlagPool:
+    """32-bit flags in mapped, page-locked host memory for :class:`_CudaGate`.
+
+    A gated stream waits (``cuStreamWaitValue32``, GEQ 1) on its slot; the gate is opened by
+    ``cuStreamWriteValue32`` on the gate stream behind the copies' completion events (a write
+    with the default memory barrier: every copy before it is complete and visible), or by a plain
+    host store when there is nothing to wait for.  Host memory, not device memory, so that the
+    host can always open a gate (failure paths need no CUDA call) and see which ones are open.
+    A slot is reused only once the waiting stream has passed its wait (an event recorded right
+    behind the wait on that stream): resetting it earlier would hold that stream forever.
+    """
+
+    def __init__(self, dev: _cuda.Device) -> None:
+        self._dev = dev
+        self._lock = threading.Lock()
+        self._blocks: list[tuple[int, Any]] = []  # (host address, ctypes array)
+        self._free: list[tuple[Any, int, int]] = []  # (array, slot, device address)
+        self._busy: list[tuple[Any, int, int, Any]] = []  # (array, slot, device address, passed event)
+        self.stream = dev.stream(low_priority=False)  # opens gates: must not queue behind copies
+
+    def _grow(self) -> None:
+        with self._dev.scope():
+            host = _cuda.host_alloc(4 * _FLAG_SLOTS, mapped=True)
+            dptr = _cuda.host_device_pointer(host)
+        arr = (ctypes.c_uint32 * _FLAG_SLOTS).from_address(host)
+        self._blocks.append((host, arr))
+        self._free.extend((arr, i, dptr + 4 * i) for i in range(_FLAG_SLOTS))
+
+    def _recycle(self) -> None:
+        d = _cuda.driver()
+        keep = []
+        for item in self._busy:
+            arr, slot, dptr, passed = item
+            if arr[slot] == 0:
+                keep.append(item)
+                continue
+            (err,) = d.cuEventQuery(passed)
+            if int(err) == int(d.CUresult.CUDA_SUCCESS):
+                d.cuEventDestroy(passed)
+                self._free.append((arr, slot, dptr))
+            else:
+                keep.append(item)
+        self._busy = keep
+
+    def gate(self, stream: int) -> _CudaGate:
+        d = _cuda.driver()
+        with self._lock, self._dev.scope():
+            if len(self._busy) >= 64:
+                self._recycle()
+            if not self._free:
+                self._recycle()
+                if not self._free:
+                    self._grow()
+            arr, slot, dptr = self._free.pop()
+            arr[slot] = 0
+            try:
+                _cuda.check(d.cuStreamWaitValue32(stream, dptr, 1,
+                                                  int(d.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)),
+                            "cuStreamWaitValue32")
+            except CopyEngineError:
+                self._free.append((arr, slot, dptr))
+                raise
+            passed = self._dev.event()
+            _cuda.check(d.cuEventRecord(passed, stream), "cuEventRecord(gate)")
+            self._busy.append((arr, slot, dptr, passed))
+        return _CudaGate(self, arr, slot, dptr)
+
+    def close(self, problems: list[str]) -> None:
+        d = _cuda.driver()
+        with self._lock:
+            for arr, slot, _dptr, _passed in self._busy:
+                arr[slot] = 1  # never leave a stream of the engine's held by a closed engine
+            (err,) = d.cuStreamSynchronize(self.stream)
+            if int(err):
+                problems.append(f"gate stream: {_cuda._error_text(err)}")
+            for *_rest, passed in self._busy:
+                d.cuEventDestroy(passed)
+            self._busy.clear()
+            d.cuStreamDestroy(self.stream)
+            # The flag memory stays mapped: a stream of the engine's may still read a slot.
+
+
+class _CudaGate(Gate):
+    def __init__(self, pool: _FlagPool, arr: Any, slot: int, dptr: int) -> None:
+        super().__init__()
+        self._pool = pool
+        self._arr = arr
+        self._slot = slot
+        self._dptr = dptr
+        self._finalizer = weakref.finalize(self, _open_leaked, self._open_now)
+        self._finalizer.atexit = False
+
+    def _open_now(self) -> None:
+        self._finalizer.detach()
+        self._arr[self._slot] = 1
+
+    def _open_after(self, handles: list[TransferHandle]) -> None:
+        self._finalizer.detach()
+        d = _cuda.driver()
+        pool = self._pool
+        flat: list[TransferHandle] = []
+        for h in handles:
+            flat.extend(h.handles if isinstance(h, _GroupHandle) else [h])
+        try:
+            events = [h.event for h in flat]
+            with pool._dev.scope(), pool._lock:
+                for ev in events:
+                    if ev is not None:
+                        _cuda.check(d.cuStreamWaitEvent(pool.stream, ev, 0), "cuStreamWaitEvent(gate)")
+                _cuda.check(d.cuStreamWriteValue32(pool.stream, self._dptr, 1,
+                                                   int(d.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT)),
+                            "cuStreamWriteValue32")
+        except Exception:
+            # A failed copy (or a broken context): the engine's stream must not hang.  What was
+            # copied is reported by the handles' errors.
+            self._arr[self._slot] = 1
+
+
+class CudaCopyEngine(CopyEngine):
+    """The CUDA copy engine for planes in device memory.
+
+    Parameters
+    ----------
+    device:
+        CUDA device ordinal; the planes must live there.
+    staging_bytes:
+        Size of each of the two device staging buffers per direction (4 in all).  A chunk is
+        ``staging_bytes // page_nbytes`` pages (at most 512).  64 MiB keeps every DMA large.
+    mode:
+        ``"kernel"``: the fused NVRTC gather/scatter kernel plus bulk DMA (the fast path);
+        ``"memcpy"``: one ``cuMemcpyAsync`` per plane slice, no staging (fallback, baseline);
+        ``"auto"``: ``"kernel"`` when NVRTC works, else ``"memcpy"`` with a warning.
+    ctas, threads:
+        Launch shape of the pack kernel (grid-stride).  Few CTAs leave the SMs to the engine's
+        kernels; default ``ctas`` is a quarter of the multiprocessors.
+    tile_bytes:
+        Bytes of a plane slice moved by one CTA iteration.
+    cache_hints:
+        Use evict-first (streaming) loads and stores in the pack kernel, so the copy does not push
+        the engine's data out of L2.
+
+    Streams: two non-blocking, lowest-priority streams per direction (pack and DMA), so the pack
+    of chunk ``k+1`` overlaps the DMA of chunk ``k``; staging reuse is ordered by events.
+    """
+
+    def __init__(self, device: int = 0, *, staging_bytes: int = 64 * _MiB, mode: str = "auto",
+                 ctas: int | None = None, threads: int = 256, tile_bytes: int = 16384,
+                 cache_hints: bool = True) -> None:
+        super().__init__()
+        if not _cuda.available():
+            raise CopyEngineError(f"CUDA is not usable: {_cuda.unavailable_reason()}", hint="use CpuCopyEngine")
+        if mode not in ("auto", "kernel", "memcpy"):
+            raise CopyArgumentError(f"mode must be 'auto', 'kernel' or 'memcpy', got {mode!r}")
+        if type(staging_bytes) is not int or staging_bytes < _PAGE:
+            raise CopyArgumentError(f"staging_bytes must be an int >= {_PAGE}, got {staging_bytes!r}")
+        if type(tile_bytes) is not int or tile_bytes <= 0 or tile_bytes % 16:
+            raise CopyArgumentError(f"tile_bytes must be a positive multiple of 16, got {tile_bytes!r}")
+        if type(threads) is not int or not 32 <= threads <= 1024:
+            raise CopyArgumentError(f"threads must be an int in [32, 1024], got {threads!r}")
+        self._dev = _cuda.device(device)
+        self.device = device
+        self._gather_fn: Any = None
+        self._scatter_fn: Any = None
+        if mode in ("auto", "kernel"):
+            try:
+                image = _cuda.compile_module(_KERNEL_SOURCE, "hostkv_pack.cu", self._dev.capability,
+                                             (f"-DMAX_PAGES={_MAX_CHUNK_PAGES}",
+                                              f"-DSTREAMING={int(bool(cache_hints))}"))
+                self._gather_fn = _cuda.load_function(self._dev, image, "hostkv_gather")
+                self._scatter_fn = _cuda.load_function(self._dev, image, "hostkv_scatter")
+                mode = "kernel"
+            except CopyEngineError as exc:
+                if mode == "kernel":
+                    raise
+                warnings.warn(f"the pack kernel is unavailable ({exc}); using one memcpy per slice", stacklevel=2)
+                mode = "memcpy"
+        self.mode = mode
+        self.staging_bytes = staging_bytes
+        self.ctas = ctas if ctas is not None else max(8, self._dev.sm_count // 4)
+        self.threads = threads
+        self.tile_bytes = tile_bytes
+        dev = self._dev
+        self._streams = {name: dev.stream() for name in ("save_pack", "save_dma", "restore_dma", "restore_scatter",
+                                                          "aux")}
+        self._staging: dict[str, list[int]] = {"save": [], "restore": []}
+        self._slot_events: dict[str, list[tuple[Any, Any]]] = {}
+        self._slot = {"save": 0, "restore": 0}
+        if mode == "kernel":
+            aux = self._streams["aux"]
+            for direction in ("save", "restore"):
+                self._staging[direction] = [dev.mem_alloc_async(staging_bytes, aux) for _ in range(2)]
+                self._slot_events[direction] = [(dev.event(), dev.event()) for _ in range(2)]
+            with dev.scope():  # our own stream only: the staging exists before any transfer uses it
+                _cuda.check(_cuda.driver().cuStreamSynchronize(aux), "cuStreamSynchronize")
+        self._tables: dict[tuple[Any, ...], _Table] = {}
+        self._table_lock = threading.Lock()
+        self._checked: set[tuple[Any, ...]] = set()
+        self._workers = {"save": _Worker("hostkv-cuda-save"), "restore": _Worker("hostkv-cuda-restore")}
+        self._flags = _FlagPool(dev)
+
+    # -- validation ----------------------------------------------------------------------------
+    def _check_planes(self, planes: KVPlanes) -> None:
+        if not isinstance(planes, KVPlanes):
+            raise CopyArgumentError(f"planes must be KVPlanes, got {type(planes).__name__}")
+        if planes.device != self.device:
+            where = "host memory" if planes.device < 0 else f"cuda:{planes.device}"
+            raise CopyArgumentError(f"this engine copies for cuda:{self.device}, the planes are in {where}",
+                                    hint="use CpuCopyEngine for host planes, or an engine per device")
+        key = (planes.ptrs, planes.block_strides, planes.num_blocks)
+        if key in self._checked:
+            return
+        for spec in planes.layout.planes:
+            ptr = planes.ptrs[spec.index]
+            end = ptr + (planes.num_blocks - 1) * planes.block_strides[spec.index] + spec.nbytes
+            try:
+                start, size, ordinal = self._dev.pointer_range(ptr)
+            except CopyEngineError as exc:
+                raise CopyArgumentError(f"plane {spec.index}: {ptr:#x} is not device memory ({exc})") from None
+            if ordinal != self.device:
+                raise CopyArgumentError(f"plane {spec.index}: memory is on cuda:{ordinal}, not cuda:{self.device}")
+            if end > start + size:
+                raise CopyArgumentError(
+                    f"plane {spec.index}: {planes.num_blocks} blocks reach {end - start - size} bytes past "
+                    f"the allocation that holds them")
+        self._checked.add(key)
+
+    def _table(self, planes: KVPlanes) -> _Table:
+        """The device-side plane table for ``planes`` (uploaded once, on the aux stream)."""
+        key = (planes.ptrs, planes.block_strides, tuple((s.offset, s.nbytes) for s in planes.layout.planes))
+        with self._table_lock:  # both direction workers may ask at once
+            table = self._tables.get(key)
+            if table is None:
+                table = self._tables[key] = self._upload_table(planes)
+            return table
+
+    def _upload_table(self, planes: KVPlanes) -> _Table:
+        n = len(planes.ptrs)
+        nbytes = 32 * n
+        host = CudaPinnedAllocation(nbytes, self._dev, threads=1)
+        arr = (ctypes.c_uint64 * (4 * n)).from_address(host.address)
+        for spec in planes.layout.planes:
+            p = spec.index
+            arr[4 * p: 4 * p + 4] = [planes.ptrs[p], planes.block_strides[p], spec.offset, spec.nbytes]
+        dev_ptr = self._dev.mem_alloc_async(nbytes, self._streams["aux"])
+        d = _cuda.driver()
+        _cuda.check(d.cuMemcpyHtoDAsync(dev_ptr, host.address, nbytes, self._streams["aux"]), "table upload")
+        ev = self._dev.event()
+        _cuda.check(d.cuEventRecord(ev, self._streams["aux"]), "cuEventRecord")
+        return _Table(dev_ptr, host, ev)
+
+    # -- stream order ----------------------------------------------------------------------------
+    def mark(self, stream: Any) -> StreamMark | None:
+        if stream is None or isinstance(stream, StreamMark):
+            return stream
+        s = _stream_handle(stream, "after")
+        assert s is not None
+        ev = self._dev.event()
+        with self._dev.scope():
+            _cuda.check(_cuda.driver().cuEventRecord(ev, s), "cuEventRecord(mark)")
+        return _CudaMark(self._dev, ev)
+
+    def gate(self, stream: Any) -> Gate:
+        if stream is None:
+            return _NoGate()
+        s = _stream_handle(stream, "before")
+        assert s is not None
+        self._check_open()
+        return self._flags.gate(s)
+
+    # -- the verbs -----------------------------------------------------------------------------
+    def save(self, planes: KVPlanes, block_ids: Sequence[int], dst: Sequence[Any] | HostPages, *,
+             after: Any = None) -> TransferHandle:
+        self._check_open()
+        self._check_planes(planes)
+        ids = _check_ids(planes, block_ids)
+        pages = _check_pages(planes.layout, dst, len(ids), writable=True)
+        # Recorded now, on the caller's thread: the save sees exactly the work queued so far.  A
+        # mark made earlier (HostKVCache.save marks at its own call) is used as it is.
+        mark = self.mark(after)
+        handle = _CudaHandle(len(ids) * planes.layout.page_nbytes, self)
+        handle.keep = (planes, dst, mark)
+        after_ev = mark.event if isinstance(mark, _CudaMark) else None
+        self._submit("save", handle, lambda: self._issue_save(handle, planes, ids, pages, after_ev))
+        return handle
+
+    def restore(self, src: Sequence[Any] | HostPages, planes: KVPlanes, block_ids: Sequence[int], *,
+                before: Any = None) -> TransferHandle:
+        self._check_open()
+        self._check_planes(planes)
+        ids = _check_ids(planes, block_ids)
+        _check_distinct(ids)
+        pages = _check_pages(planes.layout, src, len(ids), writable=False)
+        # The stream is held back from now on (a wait on a device-visible flag); the worker opens
+        # it behind the copies.  The caller's thread does not wait for the worker.
+        gate = self.gate(before)
+        handle = _CudaHandle(len(ids) * planes.layout.page_nbytes, self)
+        handle.keep = (planes, src)
+        self._submit("restore", handle, lambda: self._issue_restore(handle, planes, ids, pages), gate)
+        return handle
+
+    def _submit(self, direction: str, handle: _CudaHandle, issue: Callable[[], None],
+                gate: Gate | None = None) -> None:
+        def job() -> None:
+            try:
+                self._dev.activate()
+                issue()
+                handle._issued.set()
+            except BaseException as exc:
+                handle._fail(exc)
+            if gate is not None:
+                if handle._error is None:
+                    gate.open_after([handle])
+                else:
+                    gate.open_now()
+
+        with self._lock:
+            self._check_open()
+            self._workers[direction].submit(job)
+
+    # -- issuing (worker threads) --------------------------------------------------------------
+    def _chunks(self, n: int, page_nbytes: int) -> Iterator[tuple[int, int]]:
+        per = max(1, min(_MAX_CHUNK_PAGES, self.staging_bytes // page_nbytes))
+        for lo in range(0, n, per):
+            yield lo, min(n, lo + per)
+
+    def _launch(self, fn: Any, table: _Table, planes: KVPlanes, ids: Sequence[int], staging: int,
+                stream: Any) -> None:
+        layout = planes.layout
+        nplanes = len(layout.planes)
+        tiles = max(1, -(-max(s.nbytes for s in layout.planes) // self.tile_bytes))
+        idv = _Ids()
+        idv.v[: len(ids)] = list(ids)
+        args = [ctypes.c_uint64(table.dev_ptr), ctypes.c_int32(nplanes), ctypes.c_int32(len(ids)), idv,
+                ctypes.c_uint64(staging), ctypes.c_uint64(layout.page_nbytes), ctypes.c_uint64(self.tile_bytes),
+                ctypes.c_uint64(tiles)]
+        params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
+        grid = max(1, min(self.ctas, len(ids) * nplanes * tiles))
+        _cuda.check(_cuda.driver().cuLaunchKernel(fn, grid, 1, 1, self.threads, 1, 1, 0, stream,
+                                                  ctypes.addressof(params), 0), "pack kernel launch")
+
+    @staticmethod
+    def _coalesce(pages: _Pages, lo: int, hi: int, page_nbytes: int) -> list[tuple[int, int, int]]:
+        """``(staging_offset, host_address, nbytes)`` copies for pages ``[lo, hi)``, merged when both
+        sides are contiguous (page-major staging + adjacent host pages = one large DMA) and the
+        host side does not cross into another pinned allocation."""
+        if isinstance(pages, HostPages):
+            return _coalesce_pages(pages.addresses[lo:hi], page_nbytes)
+        out: list[tuple[int, int, int]] = []
+        s = a = m = -1  # the copy being extended
+        base = 0
+        for i in range(lo, hi):
+            offsets, addresses, sizes = pages[i]
+            for off, addr, n in zip(offsets, addresses, sizes, strict=True):
+                if s + m == base + off and a + m == addr and addr not in _REGISTERED_STARTS:
+                    m += n
+                    continue
+                if m > 0:
+                    out.append((s, a, m))
+                s, a, m = base + off, addr, n
+            base += page_nbytes
+        if m > 0:
+            out.append((s, a, m))
+        return out
+
+    def _issue_save(self, handle: _CudaHandle, planes: KVPlanes, ids: list[int], pages: _Pages,
+                    after_ev: Any) -> None:
+        d = _cuda.driver()
+        dev = self._dev
+        pack, dma = self._streams["save_pack"], self._streams["save_dma"]
+        start, done = dev.event(timing=True), dev.event(timing=True)
+        handle._set_events(start, done)
+        first = dma if self.mode == "memcpy" else pack
+        if after_ev is not None:  # the mark owns the event (destroyed with it)
+            _cuda.check(d.cuStreamWaitEvent(first, after_ev, 0), "cuStreamWaitEvent(after)")
+        _cuda.check(d.cuEventRecord(start, first), "cuEventRecord")
+        layout = planes.layout
+        if self.mode == "memcpy":
+            for b, page in zip(ids, pages, strict=True):
+                for spec in layout.planes:
+                    src = planes.ptrs[spec.index] + b * planes.block_strides[spec.index]
+                    for off, addr, n in _segments(page, spec.offset, spec.nbytes):
+                        _cuda.check(d.cuMemcpyDtoHAsync(addr, src + off - spec.offset, n, dma), "cuMemcpyDtoHAsync")
+        else:
+            table = self._table(planes)
+            _cuda.check(d.cuStreamWaitEvent(pack, table.event, 0), "cuStreamWaitEvent(table)")
+            for lo, hi in self._chunks(len(ids), layout.page_nbytes):
+                s = self._slot["save"]
+                self._slot["save"] = s ^ 1
+                staging = self._staging["save"][s]
+                packed, freed = self._slot_events["save"][s]
+                _cuda.check(d.cuStreamWaitEvent(pack, freed, 0), "cuStreamWaitEvent")  # DMA out of slot done
+                self._launch(self._gather_fn, table, planes, ids[lo:hi], staging, pack)
+                _cuda.check(d.cuEventRecord(packed, pack), "cuEventRecord")
+                _cuda.check(d.cuStreamWaitEvent(dma, packed, 0), "cuStreamWaitEvent")
+                for off, addr, n in self._coalesce(pages, lo, hi, layout.page_nbytes):
+                    _cuda.check(d.cuMemcpyDtoHAsync(addr, staging + off, n, dma), "cuMemcpyDtoHAsync")
+                _cuda.check(d.cuEventRecord(freed, dma), "cuEventRecord")
+        _cuda.check(d.cuEventRecord(done, dma), "cuEventRecord")
+
+    def _issue_restore(self, handle: _CudaHandle, planes: KVPlanes, ids: list[int], pages: _Pages) -> None:
+        d = _cuda.driver()
+        dev = self._dev
+        dma, scatter = self._streams["restore_dma"], self._streams["restore_scatter"]
+        start, done = dev.event(timing=True), dev.event(timing=True)
+        handle._set_events(start, done)
+        _cuda.check(d.cuEventRecord(start, dma), "cuEventRecord")
+        layout = planes.layout
+        if self.mode == "memcpy":
+            for b, page in zip(ids, pages, strict=True):
+                for spec in layout.planes:
+                    dst = planes.ptrs[spec.index] + b * planes.block_strides[spec.index]
+                    for off, addr, n in _segments(page, spec.offset, spec.nbytes):
+                        _cuda.check(d.cuMemcpyHtoDAsync(dst + off - spec.offset, addr, n, dma), "cuMemcpyHtoDAsync")
+            _cuda.check(d.cuEventRecord(done, dma), "cuEventRecord")
+            return
+        table = self._table(planes)
+        _cuda.check(d.cuStreamWaitEvent(scatter, table.event, 0), "cuStreamWaitEvent(table)")
+        for lo, hi in self._chunks(len(ids), layout.page_nbytes):
+            s = self._slot["restore"]
+            self._slot["restore"] = s ^ 1
+            staging = self._staging["restore"][s]
+            loaded, freed = self._slot_events["restore"][s]
+            _cuda.check(d.cuStreamWaitEvent(dma, freed, 0), "cuStreamWaitEvent")  # scatter out of slot done
+            for off, addr, n in self._coalesce(pages, lo, hi, layout.page_nbytes):
+                _cuda.check(d.cuMemcpyHtoDAsync(staging + off, addr, n, dma), "cuMemcpyHtoDAsync")
+            _cuda.check(d.cuEventRecord(loaded, dma), "cuEventRecord")
+            _cuda.check(d.cuStreamWaitEvent(scatter, loaded, 0), "cuStreamWaitEvent")
+            self._launch(self._scatter_fn, table, planes, ids[lo:hi], staging, scatter)
+            _cuda.check(d.cuEventRecord(freed, scatter), "cuEventRecord")
+        _cuda.check(d.cuEventRecord(done, scatter), "cuEventRecord")
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        for w in self._workers.values():
+            w.stop()
+        with self._dev.scope():
+            self._release()
+
+    def _release(self) -> None:
+        d = _cuda.driver()
+        problems: list[str] = []
+
+        def attempt(result: Any, what: str) -> None:
+            try:
+                _cuda.check(result, what)
+            except CopyEngineError as exc:
+                problems.append(str(exc))
+
+        # Only our own streams are synchronised, never the device or the engine's streams; memory
+        # goes back stream-ordered (cuMemFree could synchronise the whole device).
+        for s in self._streams.values():
+            attempt(d.cuStreamSynchronize(s), "cuStreamSynchronize")
+        aux = self._streams["aux"]
+        for bufs in self._staging.values():
+            for ptr in bufs:
+                attempt(d.cuMemFreeAsync(ptr, aux), "cuMemFreeAsync")
+        for t in self._tables.values():
+            attempt(d.cuMemFreeAsync(t.dev_ptr, aux), "cuMemFreeAsync")
+        attempt(d.cuStreamSynchronize(aux), "cuStreamSynchronize")
+        for t in self._tables.values():
+            t.host.close()
+            d.cuEventDestroy(t.event)
+        for pair in self._slot_events.values():
+            for a, b in pair:
+                d.cuEventDestroy(a)
+                d.cuEventDestroy(b)
+        for s in self._streams.values():
+            attempt(d.cuStreamDestroy(s), "cuStreamDestroy")
+        self._flags.close(problems)
+        self._tables.clear()
+        if problems:
+            warnings.warn("closing the CUDA copy engine: " + "; ".join(problems), stacklevel=2)
