@@ -12,6 +12,7 @@ faults.
 from __future__ import annotations
 
 __all__ = [
+    "BudgetWarning",
     "CapacityError",
     "ClosedError",
     "CorruptStoreError",
@@ -172,7 +173,10 @@ class StoreNotFoundError(IncompatibleStoreError):
 class CorruptStoreError(HostKVError, OSError):
     """Store metadata (manifest, index) is damaged beyond automatic recovery."""
 
-    default_hint = "run `hostkv verify --repair`, or remove the store"
+    # (not "run verify --repair": most of these refuse the open, and repair opens the store the
+    # same way, so it failed the same way; issue 16 item 15)
+    default_hint = ("nothing was changed; `hostkv verify --repair` fixes damaged entries of a store that opens, "
+                    "not a damaged file that refuses the open: restore that file from a backup, or remove the store")
 
 
 class UnsafeStoreError(HostKVError, PermissionError):
@@ -201,3 +205,12 @@ class CopyArgumentError(CopyEngineError, InvalidArgumentError):
     """
 
     default_hint = "check the KV planes, block ids and that the host regions cover each page exactly"
+
+
+class BudgetWarning(UserWarning):
+    """A budget that the medium cannot hold today: a persistent store's ``budget=`` beyond the
+    free space of its filesystem (writes will fail with :class:`NoSpaceError` once the disk is
+    full, long before the budget is reached).  A warning, not an error: the disk may be freed
+    later, and a store reopened with its old budget must still open.  (A budget beyond the
+    machine's physical memory for an in-memory provider is refused with
+    :class:`InvalidArgumentError` instead: that memory can never exist.)"""

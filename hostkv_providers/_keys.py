@@ -402,6 +402,8 @@ def chain_keys(
     """
     page = salt.layout.page_tokens
     prev = bytes(as_key(parent, "parent"))
+    if type(start_token) is not int or start_token < 0:
+        raise InvalidArgumentError(f"start_token must be an int >= 0, got {start_token!r}")
     if start_token % page:
         raise InvalidArgumentError(f"start_token {start_token} is not a multiple of page_tokens {page}")
     tok = _int_array("tokens", tokens, np.int64)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import math
 import os
 import re
 import threading
@@ -59,6 +60,10 @@ __all__ = [
     "SupportsViews",
     "VerifyReport",
     "check_anchor_name",
+    "check_flag",
+    "check_progress",
+    "check_span",
+    "check_timeout",
     "readable_bytes",
     "writable_buffer",
 ]
@@ -160,6 +165,41 @@ def check_anchor_name(name: object) -> str:
     return name
 
 
+def check_timeout(value: object, what: str = "timeout") -> float:
+    """Validate a timeout in seconds: a real number ``>= 0`` (``inf``: no limit).  ``nan`` is
+    refused: every deadline comparison with it is false, so a wait on it would never end."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidArgumentError(f"{what} must be a number of seconds, got {type(value).__name__}")
+    seconds = float(value)
+    if math.isnan(seconds) or seconds < 0:
+        raise InvalidArgumentError(f"{what} must be >= 0 seconds, got {value!r}")
+    return seconds
+
+
+def check_span(span: object, size: int) -> ByteSpan:
+    """``span`` (a :class:`ByteSpan` or ``None``: the whole entry) checked against an entry of
+    ``size`` bytes; ``InvalidArgumentError`` for anything else, ``SpanError`` outside the entry."""
+    if span is None:
+        return ByteSpan.whole(size)
+    if not isinstance(span, ByteSpan):
+        raise InvalidArgumentError(f"span must be a ByteSpan or None, got {type(span).__name__}",
+                                   hint="pass ByteSpan(offset, nbytes)")
+    return span.validate(size)
+
+
+def check_progress(progress: object) -> None:
+    """``progress`` must be ``None`` or a callable ``progress(done, total)``."""
+    if progress is not None and not callable(progress):
+        raise InvalidArgumentError(f"progress must be a callable(done, total) or None, got {type(progress).__name__}")
+
+
+def check_flag(value: object, what: str) -> bool:
+    """``value`` must be a ``bool`` (``repair="no"`` would otherwise read as true)."""
+    if type(value) is not bool:
+        raise InvalidArgumentError(f"{what} must be True or False, got {value!r}")
+    return value
+
+
 def writable_buffer(out: object, nbytes: int) -> memoryview:
     """A flat, writable byte view of ``out`` with at least ``nbytes`` bytes."""
     try:
@@ -207,7 +247,7 @@ class Reservation:
     :meth:`regions` calls :meth:`mark_written` afterwards.
     """
 
-    __slots__ = ("__weakref__", "_covered", "_provider", "_state", "key", "nbytes", "parent", "salt_tag")
+    __slots__ = ("__weakref__", "_claim", "_covered", "_provider", "_state", "key", "nbytes", "parent", "salt_tag")
 
     def __init__(self, provider: Provider, key: Key, parent: Key | None, nbytes: int, salt_tag: str) -> None:
         self._provider = provider
@@ -216,6 +256,8 @@ class Reservation:
         self.nbytes = nbytes
         self.salt_tag = salt_tag
         self._state = "open"
+        # the front's claim: (thread id, "seal" | "abort") of the seal or abort under way
+        self._claim: tuple[int, str] | None = None
         self._covered: list[list[int]] = []  # sorted, merged [start, end) intervals
 
     # -- state ---------------------------------------------------------------------------
@@ -234,6 +276,11 @@ class Reservation:
             raise ReservationError("the reservation belongs to another provider")
         if self._state != "open":
             raise ReservationError(f"the reservation for {self.key.hex()[:16]} is already {self._state}")
+        claim = self._claim
+        if claim is not None and claim[0] != threading.get_ident():
+            # another thread's seal/abort is under way: a write or a seal now would race it
+            raise ReservationError(f"the reservation for {self.key.hex()[:16]} is being {claim[1]}ed "
+                                   "by another thread")
 
     def check_write(self, offset: int, nbytes: int) -> ByteSpan:
         """Validate a write of ``nbytes`` at ``offset`` against the reservation's size."""
@@ -687,6 +734,14 @@ class Provider(abc.ABC, metaclass=_ProviderMeta):
         self._closed = False
         self._stat_counts: dict[str, int] = dict.fromkeys(COUNTED, 0)
         self._stat_lock = threading.Lock()
+        # The front's claims: a reservation's seal or abort is claimed under this lock, so a
+        # racing seal/abort/write of another thread gets ReservationError instead of racing it
+        # (a concurrent abort freed the slot of a seal whose record was being written).  It also
+        # counts the write-path calls under way, which ``_quiesce`` (close) waits for.
+        self._claim_lock = threading.Lock()
+        self._calls_idle = threading.Condition(self._claim_lock)
+        self._calls = 0
+        self._closing = False
 
     # -- construction --------------------------------------------------------------------
     @classmethod
@@ -716,6 +771,55 @@ class Provider(abc.ABC, metaclass=_ProviderMeta):
         if os.getpid() != self._pid:
             raise UsedAfterForkError(f"{type(self).__name__} was opened in process {self._pid}")
 
+    def _check_not_forked(self) -> None:
+        """For ``close``: in a forked child it raises ``UsedAfterForkError`` like every method
+        (closing the parent's files, locks or memory from the child would break the parent);
+        after ``close`` it is still a no-op."""
+        if os.getpid() != self._pid:
+            raise UsedAfterForkError(f"{type(self).__name__} was opened in process {self._pid}",
+                                     hint="open a new provider in the child; the parent closes its own")
+
+    def _call_begin(self, cleanup: bool = False) -> None:
+        """Count a write-path call (reserve, write, seal, abort, a batch put) under way, so that
+        :meth:`_quiesce` can wait for it; ``ClosedError`` once a close has begun, except for a
+        ``cleanup`` call (an abort: it gives space back).  Pair it with :meth:`_call_end` in a
+        ``finally``.  Call it after ``_check_usable`` (in a forked child the lock may be a copy
+        held forever).  Not a context manager: this runs on every page's write and seal."""
+        with self._claim_lock:
+            if self._closing and not cleanup:
+                raise ClosedError(f"{type(self).__name__} is closing")
+            self._calls += 1
+
+    def _call_end(self) -> None:
+        with self._claim_lock:
+            self._calls -= 1
+            if not self._calls and self._closing:
+                self._calls_idle.notify_all()
+
+    @contextlib.contextmanager
+    def _write_call(self) -> Iterator[None]:
+        """:meth:`_call_begin` / :meth:`_call_end` around a batch call (``put_many``, ...)."""
+        self._call_begin()
+        try:
+            yield
+        finally:
+            self._call_end()
+
+    def _quiesce(self, timeout: float = 60.0) -> None:
+        """For ``close``: new write-path calls get ``ClosedError`` from now on; wait (up to
+        ``timeout`` seconds) for those under way, so that each of them either completes or
+        leaves its reservation where ``close`` finds and aborts it (issue 16 item 7: a ``put``
+        racing ``close`` left its reservation in the store, alive after a reopen).  Call it
+        before taking the provider's own lock and from outside any write-path call."""
+        with self._claim_lock:
+            self._closing = True
+            deadline = time.monotonic() + timeout
+            while self._calls and (left := deadline - time.monotonic()) > 0:
+                self._calls_idle.wait(left)
+            if self._calls:
+                warnings.warn(f"closing {type(self).__name__} while {self._calls} write calls are still running",
+                              ResourceWarning, stacklevel=3)
+
     @contextlib.contextmanager
     def _locked(self, lock: contextlib.AbstractContextManager[Any]) -> Iterator[None]:
         """Check usability, take ``lock``, check again.
@@ -733,19 +837,24 @@ class Provider(abc.ABC, metaclass=_ProviderMeta):
         self, key: object, parent: object, nbytes: object, salt_tag: object, *, tag_max: int | None = None
     ) -> tuple[Key, Key | None, int]:
         """Validate ``reserve``'s arguments (the checks every provider makes, with typed errors);
-        ``tag_max`` bounds the salt tag's UTF-8 length for media that store it in a fixed field."""
+        ``tag_max`` (default: the provider's ``_tag_max``) bounds the salt tag's UTF-8 length for
+        media that store it in a fixed field."""
+        if tag_max is None:
+            tag_max = self._tag_max
         k = as_key(key)
         p = None if parent is None else as_key(parent, "parent")
         if type(nbytes) is not int or nbytes <= 0:
             raise InvalidArgumentError(f"nbytes must be a positive int, got {nbytes!r}")
-        if not isinstance(salt_tag, str):
+        if type(salt_tag) is not str:
             raise InvalidArgumentError(f"salt_tag must be a str, got {type(salt_tag).__name__}")
-        if tag_max is not None:
+        if tag_max is not None or not salt_tag.isascii():
+            # a lone surrogate cannot be encoded: a medium that stores the tag would fail later,
+            # after put() returned (issue 16 item 14), so every provider refuses it here
             try:
                 tag_nbytes = len(salt_tag.encode("utf-8"))
             except UnicodeEncodeError:
                 raise InvalidArgumentError("salt_tag must be valid Unicode text") from None
-            if tag_nbytes > tag_max:
+            if tag_max is not None and tag_nbytes > tag_max:
                 raise InvalidArgumentError(f"salt_tag must be at most {tag_max} UTF-8 bytes, got {tag_nbytes}",
                                            hint="use Salt.tag (16 hex characters)")
         if p == k:
@@ -767,6 +876,16 @@ class Provider(abc.ABC, metaclass=_ProviderMeta):
             out.append((k, p, view))
         return out
 
+    def _read_many_args(self, keys: object, outs: object) -> tuple[list[Key], Sequence[object]]:
+        """Validate ``read_many``'s arguments: the keys, and one output buffer per key (each
+        buffer is checked against its entry's size by the read itself)."""
+        ks = self._keys(keys)  # type: ignore[arg-type]
+        if isinstance(outs, (bytes, bytearray, memoryview, str)) or not isinstance(outs, Sequence):
+            raise InvalidArgumentError(f"outs must be a sequence of buffers, one per key, got {type(outs).__name__}")
+        if len(outs) != len(ks):
+            raise InvalidArgumentError(f"{len(outs)} output buffers for {len(ks)} keys")
+        return ks, outs
+
     @staticmethod
     def _failed_parent(parent: Key | None, failed: set[Key], key: Key) -> UnknownKeyError | None:
         """For ``put_many``: the error of an item whose parent failed earlier in the same call
@@ -775,6 +894,25 @@ class Provider(abc.ABC, metaclass=_ProviderMeta):
             return None
         failed.add(key)
         return UnknownKeyError(f"parent {parent.hex()[:16]} failed earlier in this put_many")
+
+    @contextlib.contextmanager
+    def _claimed_seals(self, reservations: Sequence[Reservation]) -> Iterator[None]:
+        """Claim ``reservations`` for a batch seal (as :meth:`seal` claims one): another thread's
+        seal, abort or write of any of them meanwhile gets ``ReservationError``; released on
+        exit.  ``ReservationError`` if one is not open (or claimed by another thread)."""
+        me = threading.get_ident()
+        claimed: list[Reservation] = []
+        try:
+            with self._claim_lock:
+                for r in reservations:
+                    r.check_open(self)
+                    if r._claim is None:
+                        r._claim = (me, "seal")
+                        claimed.append(r)
+            yield
+        finally:
+            for r in claimed:
+                r._claim = None
 
     def _own_reservation(self, reservation: Reservation, kind: type[_R]) -> _R:
         """``reservation`` as one of this provider's open reservations (of class ``kind``).
@@ -801,8 +939,10 @@ class Provider(abc.ABC, metaclass=_ProviderMeta):
 
     #: The reservation class this provider's ``_reserve`` returns; ``write``/``seal`` refuse others.
     _reservation_type: ClassVar[type[Reservation]] = Reservation
-    #: Bound on the salt tag's UTF-8 length for media that store it in a fixed field (``None``: any).
-    _tag_max: ClassVar[int | None] = None
+    #: Bound on the salt tag's UTF-8 length for media that store it in a fixed field (``None``:
+    #: any).  A provider over other providers (tiered) takes the smallest bound of its tiers, so
+    #: it refuses up front a tag a tier could not store (issue 16 item 14).
+    _tag_max: int | None = None
 
     def _tallies(self) -> dict[str, Any]:
         """A consistent copy of the front's counters (``ProviderStats(**self._tallies(), ...)``)."""
@@ -871,9 +1011,13 @@ class Provider(abc.ABC, metaclass=_ProviderMeta):
         CapacityError
             Even evicting every evictable entry would not make room; nothing was evicted.
         """
-        k, p, n = self._reserve_args(key, parent, nbytes, salt_tag, tag_max=self._tag_max)
+        k, p, n = self._reserve_args(key, parent, nbytes, salt_tag)
         self._check_usable()
-        res = self._reserve(k, p, n, salt_tag)
+        self._call_begin()
+        try:
+            res = self._reserve(k, p, n, salt_tag)
+        finally:
+            self._call_end()
         if res is None:
             self._tally("dedup")
         return res
@@ -888,7 +1032,11 @@ class Provider(abc.ABC, metaclass=_ProviderMeta):
         self._check_usable()
         res = self._own_reservation(reservation, self._reservation_type)
         span = res.check_write(offset, view.nbytes)
-        self._write(res, span, view)
+        self._call_begin()  # close() must not close a file under this write
+        try:
+            self._write(res, span, view)
+        finally:
+            self._call_end()
         res.mark_written(span)
         with self._stat_lock:  # (inlined _tally: this runs once per page)
             self._stat_counts["bytes_written"] += span.nbytes
@@ -902,7 +1050,17 @@ class Provider(abc.ABC, metaclass=_ProviderMeta):
         self._check_usable()
         res = self._own_reservation(reservation, self._reservation_type)
         res.check_complete()
-        self._seal(res)
+        self._call_begin()
+        try:
+            with self._claim_lock:  # claim it: another thread's seal/abort/write now gets ReservationError
+                res.check_open(self)
+                res._claim = (threading.get_ident(), "seal")
+            try:
+                self._seal(res)
+            finally:
+                res._claim = None
+        finally:
+            self._call_end()
         if res.state == "sealed":  # (a seal that lost a race with close finishes it "aborted")
             with self._stat_lock:
                 self._stat_counts["seals"] += 1
@@ -916,9 +1074,29 @@ class Provider(abc.ABC, metaclass=_ProviderMeta):
         # After close or in a forked child the medium is gone or not ours: a typed error
         # (Reservation.__exit__ turns it into a warning during exception cleanup).
         self._check_usable()
-        if reservation.state != "open":
-            return
-        if self._abort(reservation):
+        me = threading.get_ident()
+        self._call_begin(cleanup=True)
+        try:
+            with self._claim_lock:  # claim it (not held through _abort: drivers may call abort under their lock)
+                if reservation.state != "open":
+                    return
+                claim = reservation._claim
+                if claim is not None and claim[0] != me:
+                    if claim[1] == "abort":
+                        return  # another thread is aborting it: aborting twice is a no-op
+                    raise ReservationError(f"the reservation for {reservation.key.hex()[:16]} is being sealed",
+                                           hint="a seal under way wins; abort after it is a no-op")
+                mine = claim is None
+                if mine:
+                    reservation._claim = (me, "abort")
+            try:
+                aborted = self._abort(reservation)
+            finally:
+                if mine:
+                    reservation._claim = None
+        finally:
+            self._call_end()
+        if aborted:
             self._tally("aborts")
 
     # -- reads ---------------------------------------------------------------------------
@@ -957,10 +1135,12 @@ class Provider(abc.ABC, metaclass=_ProviderMeta):
 
     def read_bytes(self, key: bytes, span: ByteSpan | None = None) -> bytes | None:
         """Convenience: the entry's bytes (or ``span`` of them), or ``None`` on a miss."""
+        if span is not None and not isinstance(span, ByteSpan):
+            check_span(span, 0)  # raises: a wrong type is an error also for a key that misses
         info = self.entry(key)
         if info is None:
             return None
-        span = ByteSpan.whole(info.nbytes) if span is None else span.validate(info.nbytes)
+        span = check_span(span, info.nbytes)
         buf = bytearray(span.nbytes)
         return bytes(buf) if self.read(key, buf, span) else None
 
@@ -977,9 +1157,13 @@ class Provider(abc.ABC, metaclass=_ProviderMeta):
     def wait_sealed(self, key: bytes, timeout: float) -> bool:
         """Wait until ``key`` is sealed or no longer in flight; ``True`` if it is present.
 
-        The default polls :meth:`present`; providers with a notification path override it.
+        ``timeout`` is in seconds, ``>= 0`` (``inf``: wait as long as the key is in flight);
+        anything else raises ``InvalidArgumentError`` (``nan`` would never end the wait).  The
+        default polls :meth:`present`; providers with a notification path override it (and
+        validate ``timeout`` the same way, with :func:`check_timeout`).
         """
-        deadline = time.monotonic() + timeout
+        key = as_key(key)
+        deadline = time.monotonic() + check_timeout(timeout)
         delay = 0.0005
         while True:
             if self.present([key])[0]:
@@ -994,9 +1178,12 @@ class Provider(abc.ABC, metaclass=_ProviderMeta):
         medium (a disk, a network) can start bringing their bytes closer now, without blocking
         the caller, so that the caller's work on an earlier batch overlaps the medium.  Never
         required to do anything, never an error for a key that is not stored; the default does
-        nothing.  :class:`~hostkv_providers.HostKVCache` calls it with the next chunk of a
-        staged restore before it reads the current one."""
-        return None
+        nothing but check its arguments and state like every method (an override does the same:
+        ``self._check_usable()`` and ``self._keys(keys)``).
+        :class:`~hostkv_providers.HostKVCache` calls it with the next chunk of a staged restore
+        before it reads the current one."""
+        self._keys(keys)
+        self._check_usable()
 
     # -- eviction ------------------------------------------------------------------------
     @_front
@@ -1006,10 +1193,10 @@ class Provider(abc.ABC, metaclass=_ProviderMeta):
         Exactly one of ``keys`` / ``nbytes`` is given.  Leased and in-flight entries and their
         ancestors are skipped (counted in ``EvictReport.skipped``); the tree stays prefix-closed.
         """
-        if (keys is None) == (not nbytes):
-            raise InvalidArgumentError("give exactly one of keys or nbytes")
         if type(nbytes) is not int or nbytes < 0:
             raise InvalidArgumentError(f"nbytes must be a non-negative int, got {nbytes!r}")
+        if (keys is None) == (not nbytes):
+            raise InvalidArgumentError("give exactly one of keys or nbytes")
         ks = self._keys(keys) if keys is not None else None
         self._check_usable()
         return self._evict(ks, nbytes)

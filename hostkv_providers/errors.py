@@ -7,6 +7,7 @@ carries a one-line ``hint`` the CLI prints.
 from __future__ import annotations
 
 from hostkv_providers._errors import (
+    BudgetWarning,
     CapacityError,
     ClosedError,
     CopyArgumentError,
@@ -30,6 +31,7 @@ from hostkv_providers._errors import (
 )
 
 __all__ = [
+    "BudgetWarning",
     "CapacityError",
     "ClosedError",
     "CopyArgumentError",

@@ -457,3 +457,23 @@ def test_ctrl_c_during_copy_and_bench_exits_cleanly(tmp_path: Path) -> None:
         assert after == before, f"bench left {after - before} scratch pages behind"
         codes.append(code)
     assert 130 in codes  # some interrupts did land in the middle of the work
+
+
+@pytest.mark.skipif(not usable("mmap"), reason="mmap provider unavailable")
+def test_a_store_that_refuses_to_open_is_not_sent_to_verify_repair(tmp_path: Path) -> None:
+    """Issue 16 item 15: a damaged slot file header makes every open refuse (exit 1); the hint
+    said "run `hostkv verify --repair`", which opens the store the same way and fails the same
+    way.  It now says that repair cannot help with a file that refuses the open."""
+    url, _ = filled_store(tmp_path, "mmap", pages=4)
+    data = sorted((tmp_path / "store").glob("data.*.slots"))[0]
+    with open(data, "r+b") as fh:
+        fh.seek(3)
+        fh.write(b"\xff")
+    for args in (("info",), ("verify",), ("verify", "--repair")):
+        proc = run_hostkv(*args, url)
+        assert proc.returncode == 1, (args, proc.stderr)
+        assert "Traceback" not in proc.stderr
+        hint = [line for line in proc.stderr.splitlines() if line.startswith("hint:")]
+        assert hint, proc.stderr
+        assert not hint[0].startswith("hint: run `hostkv verify --repair`"), hint
+        assert "backup" in hint[0] and "refuses the open" in hint[0], hint

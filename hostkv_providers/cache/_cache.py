@@ -62,6 +62,7 @@ from hostkv_providers._provider import (
     SupportsBatchViews,
     SupportsViews,
     check_anchor_name,
+    check_timeout,
 )
 from hostkv_providers.cache import _restore, _save
 from hostkv_providers.cache._admission import (
@@ -183,6 +184,14 @@ class HostKVCache:
                                 ("seen_capacity", seen_capacity, 0)):
             if type(value) is not int or value < lo:
                 raise InvalidArgumentError(f"{name} must be an int >= {lo}, got {value!r}")
+        # objects without their methods would fail at the first save/restore, far from the cause
+        for name, obj, methods in (("copy_engine", copy_engine, ("save", "restore")),
+                                   ("admission", admission, ("admit",)),
+                                   ("staging_allocator", staging_allocator, ("allocate",))):
+            if obj is not None and not all(callable(getattr(obj, m, None)) for m in methods):
+                raise InvalidArgumentError(f"{name} must have {'/'.join(methods)}(), got {type(obj).__name__}")
+        wait_timeout = check_timeout(wait_timeout, "wait_timeout")
+        lookup_wait_timeout = check_timeout(lookup_wait_timeout, "lookup_wait_timeout")
         self.provider = provider
         self.salt = salt
         # A tensor-parallel rank packs only its slice of the KV heads (``salt.local_layout``;
@@ -245,6 +254,10 @@ class HostKVCache:
         ``anchor_interval = K``, every page whose depth + 1 is a multiple of K."""
         if type(num_pages) is not int or num_pages < 0:
             raise InvalidArgumentError(f"num_pages must be an int >= 0, got {num_pages!r}")
+        if type(start_page) is not int or start_page < 0:
+            raise InvalidArgumentError(f"start_page must be an int >= 0, got {start_page!r}")
+        if isinstance(checkpoints, (str, bytes)) or not isinstance(checkpoints, Iterable):
+            raise InvalidArgumentError(f"checkpoints must be page indices, got {type(checkpoints).__name__}")
         out: set[int] = set()
         if num_pages:
             out.add(num_pages - 1)
@@ -522,7 +535,18 @@ class HostKVCache:
     def _block_ids(block_ids: Sequence[int], limit: int, what: str, exact: bool = False) -> list[int]:
         if isinstance(block_ids, (bytes, str)) or not isinstance(block_ids, Sequence | np.ndarray):
             raise InvalidArgumentError("block_ids must be a sequence of ints")
-        out = [int(b) for b in block_ids]
+        if isinstance(block_ids, np.ndarray):
+            if block_ids.ndim != 1 or block_ids.dtype.kind not in "iu":
+                raise InvalidArgumentError(f"block_ids must be a 1-D integer array, got {block_ids.dtype} "
+                                           f"with {block_ids.ndim} dimensions")
+            out = [int(b) for b in block_ids.tolist()]
+        else:
+            out = list(block_ids)
+            if not set(map(type, out)) <= {int}:
+                # int(1.7) would pick block 1, True block 1, "a" a ValueError: only integers
+                if any(isinstance(b, bool) or not isinstance(b, int | np.integer) for b in out):
+                    raise InvalidArgumentError("block ids must be ints")
+                out = [int(b) for b in out]
         if any(b < 0 for b in out):
             raise InvalidArgumentError("block ids must be >= 0")
         if exact and len(out) != limit:
@@ -626,10 +650,22 @@ class HostKVCache:
         return collector
 
     # -- lifecycle ----------------------------------------------------------------------------
-    def flush(self, timeout: float | None = None) -> None:
-        """Wait until every save submitted so far has finished."""
-        fut = self._save_pool.submit(lambda: None)
-        fut.result(timeout)
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every save submitted so far has finished; ``False`` if ``timeout``
+        seconds (``>= 0``; ``None``: no limit) passed first.  Raises ``ClosedError`` after
+        :meth:`close` (which itself finishes every queued save)."""
+        if timeout is not None:
+            timeout = check_timeout(timeout)
+        self._check_open()
+        try:
+            fut = self._save_pool.submit(lambda: None)
+        except RuntimeError:  # shut down by a close() racing this call
+            raise ClosedError("the HostKVCache is closed") from None
+        try:
+            fut.result(timeout)
+        except concurrent.futures.TimeoutError:
+            return False
+        return True
 
     def close(self) -> None:
         """Finish queued saves and restores, free bounce buffers; idempotent.  The provider stays

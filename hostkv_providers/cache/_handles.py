@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from hostkv_providers._keys import Key
 from hostkv_providers._provider import (
     Lease,
+    check_timeout,
 )
 from hostkv_providers.metrics import LatencyHistogram
 
@@ -95,13 +96,13 @@ class CacheHandle:
 
     def wait_copied(self, timeout: float | None = None) -> bool:
         """Block until the device blocks have been copied out; ``False`` on timeout."""
-        return self._copied.wait(timeout)
+        return self._copied.wait(None if timeout is None else check_timeout(timeout))
 
     def wait(self, timeout: float | None = None) -> Any:
         """Block until done; return the result or raise the transfer's error.
 
         Raises ``TimeoutError`` if ``timeout`` passes first."""
-        if not self._done.wait(timeout):
+        if not self._done.wait(None if timeout is None else check_timeout(timeout)):
             raise TimeoutError(f"{self.kind} still running after {timeout} s")
         if self._error is not None:
             raise self._error

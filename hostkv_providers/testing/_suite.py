@@ -22,10 +22,12 @@ Usage (in a provider's test module)::
 Every test checks one rule of the :class:`~hostkv_providers.Provider` docstring or of DESIGN.md
 ("Invariants every provider keeps").  The tests live by family in ``testing/_families/`` (one
 mixin each: basics, eviction, leases, writes, anchors, misuse, lifecycle, persistence, optional
-powers, checksums, the stateful model); ``ProviderTests`` is all of them.  Tests that need an
-optional power (``iterate``, ``verify``, ``views``, reopen) skip, never fail, when the provider
-lacks it; the backdoors are required for a persistent provider.  Page contents are a PRNG of the
-key (:func:`page_bytes`), so a wrong byte anywhere is caught by recomputation.
+powers, checksums, the stateful model) and the hostile-input tests (``testing/_hostile.py``:
+every public method with wrong types and sizes, closed, forked, racing); ``ProviderTests`` is
+all of them.  Tests that need an optional power (``iterate``, ``verify``, ``views``, reopen)
+skip, never fail, when the provider lacks it; the backdoors are required for a persistent
+provider.  Page contents are a PRNG of the key (:func:`page_bytes`), so a wrong byte
+anywhere is caught by recomputation.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from hostkv_providers.testing._families._model import StatefulTests
 from hostkv_providers.testing._families._persistence import PersistenceTests
 from hostkv_providers.testing._families._powers import CapabilityTests
 from hostkv_providers.testing._families._writes import WriteTests
+from hostkv_providers.testing._hostile import HostileInputTests
 
 
 class ProviderTests(
@@ -58,6 +61,7 @@ class ProviderTests(
     ChecksumTests,
     StatefulTests,
     BatchChainTests,
+    HostileInputTests,
     SuiteBase,
 ):
     """Base class of a provider's conformance tests (not collected itself: no ``Test`` prefix):

@@ -60,15 +60,95 @@ def test_mmap_manifest_with_a_changed_generation_refuses_and_deletes_nothing(tmp
         assert [p.read_bytes(k) for k in keys] == [page_bytes(k, PAGE) for k in keys]
 
 
-def test_mmap_manifest_without_checksum_or_nested_deep_is_a_typed_error(tmp_path: Path) -> None:
-    store = tmp_path / "s"
-    _filled("mmap", store)
+def _strip_checksum(store: Path, **changes: object) -> None:
+    """Make ``store``'s manifest one of the format before ``manifest_xxh3`` existed."""
     man_path = store / "manifest.json"
     man = json.loads(man_path.read_text())
     man.pop("manifest_xxh3")
-    man_path.write_text(json.dumps(man))
-    with pytest.raises(CorruptStoreError, match="no checksum"):
+    man.update(changes)
+    man_path.write_text(json.dumps(man, indent=1, sort_keys=True))
+
+
+def test_mmap_legacy_manifest_without_checksum_opens_and_is_migrated(tmp_path: Path) -> None:
+    """Compat: a store written before ``manifest_xxh3`` existed (its manifest lacks the field)
+    opens when the generation it names checks out; a writer open rewrites it with the checksum.
+    The code before this refused every such store outright."""
+    store = tmp_path / "s"
+    keys = _filled("mmap", store)
+    _strip_checksum(store)
+    before = _files(store)
+    with hk.open(f"mmap://{store}", readonly="true") as p:  # a reader: nothing rewritten
+        assert [p.read_bytes(k) for k in keys] == [page_bytes(k, PAGE) for k in keys]
+    assert _files(store) == before
+    with hk.open(f"mmap://{store}") as p:
+        assert [p.read_bytes(k) for k in keys] == [page_bytes(k, PAGE) for k in keys]
+    assert "manifest_xxh3" in json.loads((store / "manifest.json").read_text())  # migrated
+    with hk.open(f"mmap://{store}", readonly="true") as p:
+        assert p.present(keys) == [True] * len(keys)
+        assert p.verify().ok
+
+
+def test_mmap_legacy_manifest_naming_a_wrong_generation_is_refused_and_deletes_nothing(tmp_path: Path) -> None:
+    """A legacy manifest (no checksum) is trusted only as far as its generation's files vouch
+    for it: a changed generation digit (no index files of that generation), or a generation
+    whose index header does not check out, refuses every open and deletes nothing."""
+    store = tmp_path / "s"
+    keys = _filled("mmap", store)
+    man = json.loads((store / "manifest.json").read_text())
+    gen = man["generation"]
+    _strip_checksum(store, generation=gen + 1)  # the flipped digit of item 1, without a checksum
+    before = _files(store)
+    for readonly in ("true", "false"):
+        with pytest.raises(CorruptStoreError, match="no checksum"):
+            hk.open(f"mmap://{store}", readonly=readonly)
+    assert _files(store) == before
+    # the right generation, but its journal header tampered with: refused as well
+    legacy = json.loads(before["manifest.json"])
+    legacy["generation"] = gen
+    (store / "manifest.json").write_text(json.dumps(legacy, indent=1, sort_keys=True))
+    journal = store / f"index.{gen}.journal"
+    raw = bytearray(journal.read_bytes())
+    raw[10] ^= 0xFF  # inside the store id the header carries
+    journal.write_bytes(bytes(raw))
+    snap = store / f"index.{gen}.snap"
+    if snap.exists():
+        snap.unlink()
+    before = _files(store)
+    for readonly in ("true", "false"):
+        with pytest.raises(CorruptStoreError, match="does not check out"):
+            hk.open(f"mmap://{store}", readonly=readonly)
+    assert _files(store) == before
+    # the checksum field's own name damaged: not a legal older manifest (unknown field), refused
+    legacy["manifest_xxi3"] = "0" * 16
+    (store / "manifest.json").write_text(json.dumps(legacy, indent=1, sort_keys=True))
+    with pytest.raises(CorruptStoreError, match="not a manifest of an older format"):
         hk.open(f"mmap://{store}", readonly="true")
+    assert len(keys) == 6
+
+
+def test_mmap_legacy_manifest_never_lets_a_writer_delete_other_generations(tmp_path: Path) -> None:
+    """A legacy manifest beside files of another generation (a compaction cut short) opens its
+    own generation, but neither deletes the other one nor rewrites itself (it would then vouch
+    for itself and the next writer open would delete them)."""
+    store = tmp_path / "s"
+    keys = _filled("mmap", store)
+    gen = json.loads((store / "manifest.json").read_text())["generation"]
+    _strip_checksum(store)
+    other = store / f"index.{gen + 1}.journal"
+    other.write_bytes((store / f"index.{gen}.journal").read_bytes())
+    other.chmod(0o600)
+    for _ in range(2):
+        with hk.open(f"mmap://{store}") as p:
+            assert [p.read_bytes(k) for k in keys] == [page_bytes(k, PAGE) for k in keys]
+            assert any("no checksum" in problem for problem in p.describe()["last_recovery"]["problems"])
+        assert other.exists()
+        assert "manifest_xxh3" not in json.loads((store / "manifest.json").read_text())
+
+
+def test_mmap_manifest_nested_deep_is_a_typed_error(tmp_path: Path) -> None:
+    store = tmp_path / "s"
+    _filled("mmap", store)
+    man_path = store / "manifest.json"
     man_path.write_text("[" * 5000 + "]" * 5000)  # item 11: a bare RecursionError before
     for readonly in ("true", "false"):
         with pytest.raises(CorruptStoreError):

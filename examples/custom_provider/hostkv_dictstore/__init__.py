@@ -173,6 +173,7 @@ class DictProvider(hp.Provider):
                 **self._tallies())
 
     def close(self) -> None:
+        self._check_not_forked()  # a forked child must not clear the parent's store
         with self._lock:
             self._closed = True
             self._data.clear()

@@ -95,10 +95,13 @@ from hostkv_providers._provider import (
     ProviderStats,
     Reservation,
     VerifyReport,
+    check_flag,
+    check_progress,
     writable_buffer,
 )
 from hostkv_providers._span import ByteSpan
 from hostkv_providers.providers import _fsutil
+from hostkv_providers.providers._budget import check_disk_budget
 from hostkv_providers.providers._slotfile import (
     ReadResult,
     SlotFile,
@@ -288,6 +291,8 @@ class LmdbProvider(Provider):
         self._owner = _OWNER.pack(os.getpid(), _start_time(os.getpid()), int.from_bytes(os.urandom(8), "little"))
         self._budget = self._read_counters().budget
         self._closed = False
+        if budget_bytes is not None and not self._readonly:
+            check_disk_budget(self._path, budget_bytes, "lmdb")
 
     # -- construction ------------------------------------------------------------------------
     @classmethod
@@ -872,6 +877,8 @@ class LmdbProvider(Provider):
         Reports first; with ``repair`` it then drops corrupt entries with their subtrees, frees
         unreferenced slots and rebuilds the counters.  Never changes anything without ``repair``.
         """
+        check_flag(repair, "repair")
+        check_progress(progress)
         self._check_usable()
         if repair:
             self._writable("verify(repair=True)")
@@ -976,6 +983,7 @@ class LmdbProvider(Provider):
         crash-safe: a slot move commits only after the copy is synced; the index swap is an
         atomic rename; leftovers of an interrupted compaction are removed on the next open.
         """
+        check_progress(progress)
         self._check_usable()
         self._writable("compact")
         s = self._s
@@ -1053,6 +1061,14 @@ class LmdbProvider(Provider):
                 "store_version": STORE_VERSION, "last_recovery": dict(self._s.recovery)}
 
     def close(self) -> None:
+        self._check_not_forked()  # a forked child must not touch the parent's environment
+        if self._closed:
+            return
+        # let the reserve/write/seal calls under way finish (new ones get ClosedError): each of
+        # them either completes or leaves its reservation in _open_res, aborted below (issue 16
+        # item 7: a put() racing close() left its flight in LMDB; after reopen it counted in
+        # used_bytes, reserve of the key raised InFlightError, wait_sealed returned False)
+        self._quiesce()
         with self._lock:
             if self._closed:
                 return
@@ -1061,8 +1077,6 @@ class LmdbProvider(Provider):
             leases = list(self._leases)
             self._open_res.clear()
             self._leases.clear()
-        if os.getpid() != self._pid:
-            return  # a forked child must not touch the parent's environment
         try:
             if open_res or leases or self._s.touches or self._s.deferred:
 

@@ -18,6 +18,8 @@ from hostkv_providers._provider import (
     CompactReport,
     Progress,
     VerifyReport,
+    check_flag,
+    check_progress,
 )
 from hostkv_providers.providers import _fsutil
 from hostkv_providers.providers._slotfile import (
@@ -45,6 +47,8 @@ class _Maintenance(_Recovery):
         """Check every entry's slot header and page checksum (and every anchor's); report findings
         from open (damaged index records, reclaimed leftovers) as ``problems``.  ``repair`` drops
         corrupt entries with their subtrees and rewrites the index (writer only)."""
+        check_flag(repair, "repair")
+        check_progress(progress)
         if repair:
             self._check_usable()
             with self._lock:
@@ -114,6 +118,7 @@ class _Maintenance(_Recovery):
         commit point), then delete the old one.  Crash-safe at every step; refuses in a reader
         (``readonly``) and while reservations are in flight in this process.  Another process's
         writer lock makes *opening* for compaction fail with ``LockedError`` instead."""
+        check_progress(progress)
         self._check_usable()
         with self._lock:
             self._check_usable()

@@ -67,6 +67,7 @@ from hostkv_providers._provider import (
 )
 from hostkv_providers._span import ByteSpan
 from hostkv_providers.providers import _fsutil
+from hostkv_providers.providers._budget import check_disk_budget
 from hostkv_providers.providers._slotfile import (
     FLAG_ANCHOR,
     ReadResult,
@@ -245,6 +246,8 @@ class MmapProvider(_Maintenance):
         except BaseException:
             self._release_all()
             raise
+        if budget_bytes is not None and not readonly:
+            check_disk_budget(self.path, budget_bytes, "mmap")
         self.open_seconds = time.perf_counter() - t0
 
     # -- construction ----------------------------------------------------------------------------
@@ -384,6 +387,11 @@ class MmapProvider(_Maintenance):
             # reservations of the contract's default reserve_many (bytes held until the seal)
             super().seal_many(reservations)
             return
+        self._check_usable()
+        with self._write_call(), self._claimed_seals(reservations):
+            self._seal_many_claimed(reservations)
+
+    def _seal_many_claimed(self, reservations: Sequence[Reservation]) -> None:
         prepared = []
         try:
             for r in reservations:
@@ -430,9 +438,10 @@ class MmapProvider(_Maintenance):
         self._need_writer("put_many")
         checked = self._put_many_args(items, salt_tag, tag_max=_TAG_MAX)
         out: list[bool | HostKVError] = []
-        for lo in range(0, len(checked), _PUT_BATCH):
-            out += self._put_chunk(checked[lo : lo + _PUT_BATCH], salt_tag)
-            self._snapshot_due()
+        with self._write_call():  # close() waits for it (it must not close a file under a pwrite)
+            for lo in range(0, len(checked), _PUT_BATCH):
+                out += self._put_chunk(checked[lo : lo + _PUT_BATCH], salt_tag)
+                self._snapshot_due()
         return out
 
     def _put_chunk(self, items: Sequence[tuple[Key, Key | None, memoryview]],
@@ -1001,12 +1010,17 @@ class MmapProvider(_Maintenance):
                 "last_recovery": dict(self._recovery)}
 
     def close(self) -> None:
-        """Flush buffered records, write a snapshot (fast next open), sync, unlock; idempotent."""
+        """Flush buffered records, write a snapshot (fast next open), sync, unlock; idempotent.
+        Waits for the write calls under way (new ones get ``ClosedError``), so it never closes
+        a data file or the journal under a pwrite.  In a forked child it raises
+        ``UsedAfterForkError`` without touching anything (the files and the lock are the
+        parent's)."""
+        self._check_not_forked()  # before any lock: a copied lock may be held forever
+        if self._closed:
+            return
+        self._quiesce()
         with self._lock:
             if self._closed:
-                return
-            if os.getpid() != self._pid:
-                self._closed = True
                 return
             try:
                 if not self._readonly and self._failed is None and self._jfd is not None:

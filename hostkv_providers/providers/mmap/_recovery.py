@@ -77,6 +77,11 @@ _log = logging.getLogger(__name__)
 
 #: The manifest's own checksum field: XXH3-64 (hex) of the canonical JSON of every other field.
 _MANIFEST_CHECKSUM = "manifest_xxh3"
+_LEGACY = object()  # "the manifest has no checksum field" (an older format)
+#: the fields of a manifest written before ``manifest_xxh3`` existed
+_LEGACY_FIELDS = frozenset({
+    "format", "format_version", "store_format_version", "key_algorithm", "checksum_algorithm", "record_fold",
+    "record_nbytes", "store_id", "generation", "slot_nbytes", "file_nbytes", "budget_bytes", "created"})
 
 
 def _manifest_digest(fields: Mapping[str, Any]) -> str:
@@ -108,6 +113,11 @@ class _Recovery(_Snapshots):
         self._manifest = man
         self._gen = int(man["generation"])
         self._slot = int(man["slot_nbytes"])
+        legacy = _MANIFEST_CHECKSUM not in man
+        #: other generations' files a legacy manifest leaves alone (it may not vouch for them)
+        self._legacy_keep: list[str] = []
+        if legacy:
+            self._check_legacy_generation(man)
         if slot_nbytes is not None and slot_nbytes != self._slot:
             raise IncompatibleStoreError(
                 f"{self.path} has {self._slot}-byte slots, the URL asks for {slot_nbytes}",
@@ -134,11 +144,18 @@ class _Recovery(_Snapshots):
             if not self._files:  # preallocate the first data file now: a full disk fails at open
                 self._add_data_file(self._file_slots)
             self._open_journal_for_append()
-            if self._budget != int(man["budget_bytes"]) or (file_nbytes is not None
-                                                             and file_nbytes != int(man.get("file_nbytes", 0))):
+            # A legacy manifest whose generation checked out is migrated: rewritten with its
+            # checksum.  Beside other generations it is not (it may be the file that is wrong;
+            # rewritten, it would vouch for itself and the next writer open would delete them):
+            # compact writes a checksummed one.
+            if not self._legacy_keep and (legacy or self._budget != int(man["budget_bytes"]) or (
+                    file_nbytes is not None and file_nbytes != int(man.get("file_nbytes", 0)))):
                 man = dict(man, budget_bytes=self._budget, file_nbytes=self._file_slots * self._slot)
                 self._write_manifest(man)
                 self._manifest = man
+                if legacy:
+                    _log.info("%s: manifest.json of an older format (no checksum) rewritten with its checksum",
+                              self.path)
             if self._idx.used_cost > self._budget:
                 self._free_rows_storage(self._idx.evict_cost(self._idx.used_cost - self._budget), journal=True)
             if self._load_needs_snapshot:
@@ -211,9 +228,12 @@ class _Recovery(_Snapshots):
             if man.get(field) != want:
                 raise IncompatibleStoreError(f"{self.path}: {field} is {man.get(field)!r}, this build uses {want!r}")
         # A manifest whose digest fails refuses to open, whatever it says: one flipped digit of
-        # "generation" once made the next writer delete every file of the real generation.
-        recorded = man.get(_MANIFEST_CHECKSUM)
-        if recorded != _manifest_digest({k: v for k, v in man.items() if k != _MANIFEST_CHECKSUM}):
+        # "generation" once made the next writer delete every file of the real generation.  One
+        # written before the checksum existed (no field at all) is checked against the files of
+        # the generation it names instead (_check_legacy_generation, at open).
+        recorded = man.get(_MANIFEST_CHECKSUM, _LEGACY)
+        if recorded is not _LEGACY and recorded != _manifest_digest(
+                {k: v for k, v in man.items() if k != _MANIFEST_CHECKSUM}):
             raise CorruptStoreError(
                 f"{path} fails its checksum" if isinstance(recorded, str) else f"{path} carries no checksum",
                 hint="nothing was changed; restore manifest.json from a backup, or remove the store")
@@ -227,6 +247,65 @@ class _Recovery(_Snapshots):
         if not isinstance(sid, str) or not re.fullmatch(r"[0-9a-f]{32}", sid):
             raise CorruptStoreError(f"{path}: bad store_id")
         return man
+
+    def _check_legacy_generation(self, man: Mapping[str, Any]) -> None:
+        """A manifest without ``manifest_xxh3`` (written before the field existed) is trusted
+        only as far as the files of the generation it names vouch for it: at least one index file
+        of that generation (unless the store holds no data and index files at all), every one of
+        them with a header that checks out and names this store (and this generation), every data
+        file of it a slot file of this store and slot size.  Anything else is
+        ``CorruptStoreError`` and nothing is changed.  Files of other generations are kept
+        (``_legacy_keep``): the manifest may be the file that is wrong."""
+        path = self._p("manifest.json")
+        gen = self._gen
+        hint = "nothing was changed; restore manifest.json from a backup, or remove the store"
+        # a legal older manifest holds exactly the fields of that format: anything else (the
+        # checksum field's name itself damaged, say) is not one
+        unknown = sorted(set(man) - _LEGACY_FIELDS)
+        if unknown or not isinstance(man.get("file_nbytes", 0), int) or not isinstance(
+                man.get("created", 0.0), (int, float)):
+            raise CorruptStoreError(
+                f"{path} carries no checksum and is not a manifest of an older format"
+                + (f" (unknown fields {', '.join(map(repr, unknown[:3]))})" if unknown else ""), hint=hint)
+        names = _fsutil.listdir(self.path)
+        index_ours = [n for n in (self._snap_name(gen), self._journal_name(gen)) if n in names]
+        data_ours = [n for n in names if (m := _DATA_NAME.match(n)) and int(m.group(1)) == gen]
+        others = sorted(n for n in names if (m := re.match(r"^(?:data|index)\.(\d{1,9})\.", n))
+                        and int(m.group(1)) != gen and _KNOWN_NAME.match(n))
+        if not index_ours and (data_ours or others):
+            raise CorruptStoreError(
+                f"{path} carries no checksum (an older format) and names generation {gen}, which has no index "
+                "file", hint=hint)
+        store_id = bytes.fromhex(str(man["store_id"]))
+        for name in index_ours:
+            full = self._p(name)
+            try:
+                fd = _fsutil.open_private(full, os.O_RDONLY)
+            except FileNotFoundError:
+                continue  # removed meanwhile (a writer's rotation): the load reports what is left
+            try:
+                head = os.pread(fd, REC_NBYTES, 0)
+            except OSError as exc:
+                raise _fsutil.io_error(exc, f"reading {full}") from exc
+            finally:
+                os.close(fd)
+            if name.endswith(".snap"):
+                ok = (len(head) >= 64 and head[:8] == _SNAP_MAGIC and head[8:24] == store_id
+                      and xxhash.xxh3_64_intdigest(head[:56]) == int.from_bytes(head[56:64], "little"))
+            else:
+                ok = (len(head) == REC_NBYTES and head[:8] == _JOURNAL_MAGIC and head[8:24] == store_id
+                      and int.from_bytes(head[24:32], "little") == gen
+                      and xxhash.xxh3_64_intdigest(head[:152]) == int.from_bytes(head[152:160], "little"))
+            if not ok:
+                raise CorruptStoreError(
+                    f"{path} carries no checksum (an older format) and the header of {name} does not check out "
+                    f"for generation {gen} of this store", hint=hint)
+        for name in data_ours:
+            SlotFile.open(self._p(name), writable=False, store_id=store_id, slot_nbytes=self._slot).close()
+        self._legacy_keep = others
+        if others:
+            self._problems_note(f"manifest.json carries no checksum (an older format) and other generations are "
+                                f"present ({', '.join(others[:2])}): kept, manifest not rewritten; run compact")
 
     def _cleanup_dir(self) -> None:
         """Writer only: reclaim temp files and files of another generation (half-done
@@ -248,7 +327,7 @@ class _Recovery(_Snapshots):
             if os.path.islink(full):
                 raise _unsafe(f"{full} is a symlink; symlinks inside a store are refused")
             m = re.match(r"^(?:data|index)\.(\d{1,9})\.", name)
-            if m and int(m.group(1)) != self._gen and _KNOWN_NAME.match(name):
+            if m and int(m.group(1)) != self._gen and _KNOWN_NAME.match(name) and name not in self._legacy_keep:
                 with contextlib.suppress(OSError):
                     os.unlink(full)
 

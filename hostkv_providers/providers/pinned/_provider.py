@@ -45,11 +45,14 @@ from hostkv_providers._provider import (
     Reservation,
     ReservedChain,
     VerifyReport,
+    check_flag,
+    check_progress,
     writable_buffer,
 )
 from hostkv_providers._region import HostPages
 from hostkv_providers._span import ByteSpan
 from hostkv_providers.device._hostmem import HostAllocation, HostAllocator, OrdinaryAllocator, copy_bytes
+from hostkv_providers.providers._budget import physical_memory
 from hostkv_providers.providers._tree import Node, TreeIndex
 
 __all__ = ["PinnedProvider"]
@@ -213,6 +216,13 @@ class PinnedProvider(Provider):
             raise InvalidArgumentError(f"chunk must be a positive int, got {chunk!r}")
         if budget_bytes < block:
             raise InvalidArgumentError(f"budget {budget_bytes} is smaller than one block ({block})")
+        physical = physical_memory()
+        if physical and budget_bytes > physical:
+            # the arena is allocated as it fills: a budget beyond the machine's memory can only
+            # end in an allocation failure (or the OOM killer) once the filler gets that far
+            raise InvalidArgumentError(
+                f"budget {budget_bytes} bytes exceeds this machine's memory ({physical} bytes)",
+                hint="pinned:// holds its whole budget in host memory: lower the budget")
         chunk = max(block, min(chunk, budget_bytes) // block * block)
         self._budget = budget_bytes
         self._block = block
@@ -507,9 +517,7 @@ class PinnedProvider(Provider):
         without the lock or the GIL, one lock round to release.  A miss leaves ``outs[i]``
         untouched; an ``outs[i]`` smaller than its entry raises ``InvalidArgumentError`` after
         the others were filled."""
-        ks = self._keys(keys)
-        if len(outs) != len(ks):
-            raise InvalidArgumentError(f"{len(outs)} output buffers for {len(ks)} keys")
+        ks, outs = self._read_many_args(keys, outs)
         with self._usable():
             nodes = [self._index.get(k) for k in ks]
             held = self._index.hold_keys([k for k, n in zip(ks, nodes, strict=True) if n is not None])
@@ -760,6 +768,8 @@ class PinnedProvider(Provider):
     # -- verification ------------------------------------------------------------------------
     def verify(self, *, repair: bool = False, progress: Any = None) -> VerifyReport:
         """Recompute every entry's checksum; ``repair`` drops corrupt ones with their subtrees."""
+        check_flag(repair, "repair")
+        check_progress(progress)
         report = VerifyReport()
         with self._usable():
             nodes = list(self._index)
@@ -802,6 +812,7 @@ class PinnedProvider(Provider):
                 "verify_reads": self._verify_reads}
 
     def close(self) -> None:
+        self._check_not_forked()  # the child must not free the parent's arena
         with self._lock:
             if self._closed:
                 return

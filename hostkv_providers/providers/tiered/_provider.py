@@ -57,6 +57,7 @@ from hostkv_providers._provider import (
     SupportsBatchViews,
     SupportsIterate,
     SupportsViews,
+    check_timeout,
     writable_buffer,
 )
 from hostkv_providers._span import ByteSpan
@@ -175,6 +176,10 @@ class TieredProvider(Provider):
             raise InvalidArgumentError(f"queue must be a positive int, got {queue_pages!r}")
         self.fast = fast
         self.slow = slow
+        # the tiers' bound on the salt tag: a tag the slow tier cannot store would fail the
+        # write-back after put() returned, and the page would vanish (issue 16 item 14)
+        bounds = [b for b in (fast._tag_max, slow._tag_max) if b is not None]
+        self._tag_max = min(bounds) if bounds else None
         self._budget = budget
         self._promote = bool(promote)
         self._own = own_tiers
@@ -586,10 +591,17 @@ class TieredProvider(Provider):
                     del loc.unsynced[name]
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every queued write-back has reached the slow tier; ``False`` on timeout."""
+        """Wait until every queued write-back has reached the slow tier; ``False`` on timeout.
+
+        ``timeout`` is seconds ``>= 0`` or ``None`` (no limit).  Raises ``ClosedError`` after
+        ``close`` (nothing is queued then, but a ``True`` would claim a write-back happened)."""
+        deadline = None if timeout is None else time.monotonic() + check_timeout(timeout)
+        self._check_usable()
+        return self._flush(deadline)
+
+    def _flush(self, deadline: float | None) -> bool:
         if self._writer is threading.current_thread():
             return False
-        deadline = None if timeout is None else time.monotonic() + timeout
         with self._queue.all_tasks_done:
             while self._queue.unfinished_tasks:
                 if not self._writer.is_alive():
@@ -650,7 +662,7 @@ class TieredProvider(Provider):
         takes the per-page path (fast-tier reservation, write-back queued in seal order), so this
         saves the caller's per-call overhead only; per item ``True``, ``False`` (dedup) or its
         error, and every item whose parent failed in this call gets ``UnknownKeyError``."""
-        checked = self._put_many_args(items, salt_tag)
+        checked = self._put_many_args(items, salt_tag, tag_max=self._tag_max)
         out: list[bool | HostKVError] = []
         failed: set[Key] = set()
         for k, p, view in checked:
@@ -683,9 +695,7 @@ class TieredProvider(Provider):
         what only it holds (a restart's restore), and those pages promoted with one batch put
         into the fast tier, root first.  Copies that fail their checksums in every tier they
         were read from are dropped with their subtrees (a miss, never wrong bytes)."""
-        ks = self._keys(keys)
-        if len(outs) != len(ks):
-            raise InvalidArgumentError(f"{len(outs)} output buffers for {len(ks)} keys")
+        ks, outs = self._read_many_args(keys, outs)
         self._check_usable()  # before the lock: a forked child must not wait on a copied lock
         with self._lock:
             self._check_usable()
@@ -961,13 +971,12 @@ class TieredProvider(Provider):
 
     def close(self) -> None:
         """Finish the queued write-backs (so a restart finds them), then close the tiers."""
-        if self._pid != os.getpid():
-            self._closed = True  # a forked child: the locks and the writer belong to the parent
-            return
+        # a forked child: the locks, the writer and the tiers belong to the parent
+        self._check_not_forked()
         with self._lock:
             if self._closed:
                 return
-        self.flush()
+        self._flush(None)
         with self._lock:
             self._closed = True
             tails, self._tails = [lease for _k, lease in self._tails.values()], {}

@@ -88,4 +88,6 @@ def test_open_and_verify_report_damage_instead_of_dying(damaged: Path) -> None:
                           timeout=300, check=False)
     assert proc.returncode == 1, (proc.returncode, proc.stderr)
     assert "LMDB's index is damaged" in proc.stderr + proc.stdout
+    # item 12: --repair cannot rebuild LMDB's own pages, and the hint says so and what helps
+    assert "cannot rebuild LMDB's own pages" in proc.stderr + proc.stdout
     assert "Traceback" not in proc.stderr
