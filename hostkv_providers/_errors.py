@@ -24,6 +24,7 @@ __all__ = [
     "LockedError",
     "NoSpaceError",
     "ReservationError",
+    "RetainedError",
     "SpanError",
     "StorageIOError",
     "StoreNotFoundError",
@@ -75,6 +76,12 @@ class SpanError(InvalidArgumentError):
     """A :class:`ByteSpan` is malformed or does not fit the entry it addresses."""
 
     default_hint = "spans are half-open [offset, offset+nbytes) and must lie inside the entry"
+
+
+class RetainedError(InvalidArgumentError):
+    """An explicit ``evict`` named a retained entry, or an ancestor of one (``SupportsRetain``)."""
+
+    default_hint = "unretain the entries first (Provider.unretain, or hostkv unretain)"
 
 
 class UnknownKeyError(HostKVError, KeyError):

@@ -52,6 +52,7 @@ __all__ = [
     "ReservedChain",
     "SupportsBatch",
     "SupportsCompact",
+    "SupportsRetain",
     "SupportsDeviceMapped",
     "SupportsIterate",
     "SupportsVerify",
@@ -93,6 +94,7 @@ class EntryInfo:
     created: float  # seconds since the epoch, at seal
     last_used: float  # seconds since the epoch, last lease/read/seal (approximate)
     anchors: Mapping[str, int] = field(default_factory=dict)  # name -> nbytes
+    retained: bool = False  # marked by ``SupportsRetain.retain`` (never evicted for room)
 
 
 @dataclass(slots=True)
@@ -148,6 +150,8 @@ class ProviderStats:
     checksum_failures: int = 0
     bytes_written: int = 0
     bytes_read: int = 0
+    retained: int = 0  # entries marked retained (``SupportsRetain``)
+    retained_bytes: int = 0  # budget bytes of the retained entries and their ancestors, counted once
     extra: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
@@ -488,6 +492,33 @@ class SupportsCompact(Protocol):
 
 
 @runtime_checkable
+class SupportsRetain(Protocol):
+    """Retained prefixes: entries an operator pins against eviction for room (system prompts,
+    tool schemas, shared documents every request starts with).
+
+    ``retain(keys)`` marks present, sealed entries retained, all or nothing: a key that is not
+    stored raises ``UnknownKeyError`` and marks nothing.  An entry that is retained, or an
+    ancestor of one, is never removed by eviction for room (the LRU policy, ``evict(nbytes=)``,
+    a reservation making room); the tree stays prefix-closed.  The retained bytes (the marked
+    entries and their ancestors, counted once, in budget bytes) may not exceed
+    ``retain_share * budget_bytes`` (URL option ``retain_share``, default 0.5): ``CapacityError``,
+    nothing marked.  Returns how many entries were newly marked (already marked ones count 0).
+
+    ``unretain(keys)`` clears the marks of ``keys`` (keys not marked or not stored are ignored)
+    and returns how many were cleared.
+
+    An explicit ``evict(keys)`` whose subtrees hold a retained entry raises ``RetainedError`` and
+    evicts nothing.  A checksum failure still drops a retained entry (never wrong bytes).
+    Persistent providers keep the marks across close, restart and crash.  ``EntryInfo.retained``
+    and ``ProviderStats.retained`` / ``retained_bytes`` show them.
+    """
+
+    def retain(self, keys: Sequence[bytes]) -> int: ...
+
+    def unretain(self, keys: Sequence[bytes]) -> int: ...
+
+
+@runtime_checkable
 class SupportsBatch(Protocol):
     """Many pages per call, with the per-call costs (locks, lookups, system calls, round trips,
     syncs) paid once per batch instead of once per page.
@@ -619,7 +650,7 @@ def _protocol_members(proto: type) -> frozenset[str]:
 #: in display order; a provider class has one when it implements every member of its Protocol.
 CAPABILITY_PROTOCOLS: tuple[type, ...] = (
     SupportsViews, SupportsPinnedViews, SupportsBatchViews, SupportsCompact, SupportsVerify, SupportsIterate,
-    SupportsBatch, SupportsDeviceMapped,
+    SupportsBatch, SupportsDeviceMapped, SupportsRetain,
 )
 #: The two powers that are class flags (``Provider.persistent``, ``Provider.multiprocess``).
 CAPABILITY_FLAGS = ("persistent", "multiprocess")
