@@ -35,6 +35,7 @@ from typing import Any, ClassVar, TypeVar
 import redis
 from hostkv_providers.errors import (
     CapacityError,
+    ClosedError,
     HostKVError,
     IncompatibleStoreError,
     InFlightError,
@@ -60,6 +61,9 @@ from hostkv_providers.providers import (
     ProviderStats,
     Reservation,
     VerifyReport,
+    check_flag,
+    check_progress,
+    check_span,
     checksum,
     parse_size,
     writable_buffer,
@@ -603,7 +607,7 @@ class _RedisReservation(Reservation):
     The buffer has room for the 56-byte trailer after the page, so sealing needs no copy.
     """
 
-    __slots__ = ("buf", "data", "hex", "rid", "sealing")
+    __slots__ = ("buf", "data", "hex", "rid")
 
     def __init__(self, provider: RedisProvider, key: Key, parent: Key | None, nbytes: int, salt_tag: str,
                  rid: str, buf: bytearray | None) -> None:
@@ -612,7 +616,6 @@ class _RedisReservation(Reservation):
         self.hex = key.hex()
         self.buf = buf  # pooled, exactly nbytes; None once sealed or aborted (back in the pool)
         self.data: memoryview | None = None if buf is None else memoryview(buf)
-        self.sealing = False  # a seal is shipping it (set and cleared under the provider's lock)
 
     def regions(self) -> Sequence[HostRegion]:
         """The client-side buffer (ordinary memory), for a copy engine that fills it directly."""
@@ -621,6 +624,17 @@ class _RedisReservation(Reservation):
             raise ReservationError("this reservation has no buffer any more")
         address = ctypes.addressof(ctypes.c_char.from_buffer(self.buf))
         return [HostRegion(0, memoryview(self.buf), address, False)]
+
+    def __del__(self) -> None:
+        # Dropped while open (its writer died with an exception, e.g. a seal refused because
+        # close() had begun): the provider forgets it (its registry is weak), so queue its
+        # server-side abort for the renewal thread or close() (no I/O, no lock: this may run in
+        # any thread, inside the garbage collector).  Otherwise its flight would stay on the
+        # server until reservation_ttl, seen as in flight by every client.
+        if getattr(self, "_state", None) == "open":
+            provider = getattr(self, "_provider", None)
+            if isinstance(provider, RedisProvider):
+                provider._dropped.append((self.hex, self.rid))
 
 
 # --------------------------------------------------------------------------------------------
@@ -720,6 +734,7 @@ class RedisProvider(Provider):
         self._resets = 0  # times this client found its store gone and re-created it (server restart)
         self._live_leases: weakref.WeakValueDictionary[str, Lease] = weakref.WeakValueDictionary()
         self._live_flights: weakref.WeakValueDictionary[str, _RedisReservation] = weakref.WeakValueDictionary()
+        self._dropped: list[tuple[str, str]] = []  # (hex, rid) of open reservations dropped unaborted
         self._want_budget = budget_bytes
         self._resize = resize
         self._budget = budget_bytes or DEFAULT_BUDGET
@@ -823,7 +838,14 @@ class RedisProvider(Provider):
 
     # -- plumbing ----------------------------------------------------------------------------
     def _run(self, fn: Callable[[redis.Redis], T]) -> T:
-        return self._link.run(fn, self._init_store)
+        try:
+            return self._link.run(fn, self._init_store)
+        except Exception as exc:
+            if self._closed and not isinstance(exc, ClosedError):
+                # close() from another thread shut the connection under this call (a read: the
+                # write-path calls are waited for): that is the answer, not what the socket said
+                raise ClosedError(f"{type(self).__name__} was closed during the call") from exc
+            raise
 
     def _eval(self, script: str, *args: Any) -> Any:
         sha = self._link.sha(script)
@@ -867,6 +889,7 @@ class RedisProvider(Provider):
         ids the server no longer had (already expired, or lost in a server restart).
         """
         self._check_usable()
+        self._abort_dropped()
         with self._lock:
             lids = list(self._live_leases.keys())
             flights = [(r.hex, rid) for rid, r in list(self._live_flights.items())]
@@ -876,6 +899,24 @@ class RedisProvider(Provider):
         for h, rid in flights:
             args += [h, rid]
         return [x.decode() for x in self._eval("renew", *args)]
+
+    def _take_dropped(self) -> list[tuple[str, str]]:
+        out = []
+        while self._dropped:  # (pop is atomic: __del__ may append meanwhile)
+            out.append(self._dropped.pop())
+        return out
+
+    def _abort_dropped(self) -> None:
+        """Abort on the server the reservations their writers dropped while open (queued by
+        ``_RedisReservation.__del__``)."""
+        dropped = self._take_dropped()
+        if not dropped:
+            return
+        try:
+            self._eval("abort", str(len(dropped)), *(x for pair in dropped for x in pair))
+        except HostKVError:
+            self._dropped.extend(dropped)  # try again later (or they expire)
+            raise
 
     # -- lookups -----------------------------------------------------------------------------
     # (the public verbs are the front's, in Provider: it validates, checks usability, counts and
@@ -1000,17 +1041,9 @@ class RedisProvider(Provider):
         data[span.offset : span.end] = view  # private to its writer until seal: no lock
 
     def _seal(self, res: _RedisReservation) -> None:
-        with self._lock:
-            # claim it: a racing seal or abort of another thread gets ReservationError instead
-            # of shipping (or freeing) the buffer under this one
-            if res.sealing or res.state != "open":
-                raise ReservationError(f"the reservation for {res.hex[:16]} is "
-                                       f"{'being sealed' if res.sealing else 'already ' + res.state}")
-            res.sealing = True
-        try:
-            err = self._seal_batch([res])[0]
-        finally:
-            res.sealing = False
+        # (the front claimed it: a racing seal, abort or write of another thread gets
+        # ReservationError instead of shipping or freeing the buffer under this one)
+        err = self._seal_batch([res])[0]
         if err is not None:
             if res.state == "sealed":  # published, but not confirmed by enough replicas
                 self._tally("seals")
@@ -1078,8 +1111,6 @@ class RedisProvider(Provider):
 
     def _abort(self, reservation: _RedisReservation) -> bool:
         with self._lock:
-            if reservation.sealing:
-                raise ReservationError(f"the reservation for {reservation.hex[:16]} is being sealed")
             if reservation.state != "open":
                 return False  # a racing seal or abort finished it
             reservation._finish("aborted")
@@ -1113,8 +1144,13 @@ class RedisProvider(Provider):
         batch are on the server, not yet counted against the budget, for the time between their
         ``SET`` and the script (one pipeline); pages the script rejects are deleted by it.
         """
-        args = self._put_many_args(items, salt_tag, tag_max=_SALT_TAG_MAX)
+        args = self._put_many_args(items, salt_tag)
         self._check_usable()
+        with self._write_call():  # close() waits for it (and refuses new ones)
+            return self._put_checked(args, salt_tag, _remote or {})
+
+    def _put_checked(self, args: Sequence[tuple[Key, Key | None, memoryview]], salt_tag: str,
+                     remote: Mapping[Key, str]) -> list[bool | HostKVError]:
         checked = [(k, p, view.nbytes) for k, p, view in args]
         views = [view for _, _, view in args]
         out: list[bool | HostKVError] = []
@@ -1127,7 +1163,7 @@ class RedisProvider(Provider):
             while hi < len(checked) and hi - lo < _BATCH and staged + checked[hi][2] <= _BATCH_BYTES:
                 staged += checked[hi][2]
                 hi += 1
-            out += self._put_chunk(checked[lo:hi], views[lo:hi], salt_tag, failed, _remote or {})
+            out += self._put_chunk(checked[lo:hi], views[lo:hi], salt_tag, failed, remote)
             lo = hi
         return out
 
@@ -1322,12 +1358,12 @@ class RedisProvider(Provider):
         ``entry`` + ``read`` would take two), with the front's rules (as in ``read``)."""
         k = self._key(key)
         if span is not None and not isinstance(span, ByteSpan):
-            raise InvalidArgumentError("span must be a ByteSpan")
+            check_span(span, 0)  # raises: a wrong type is an error also for a key that misses
         self._check_usable()
         page = self._settle([k], self._fetch([k], [None]))[0]
         if page is None:
             return None
-        span = ByteSpan.whole(len(page)) if span is None else span.validate(len(page))
+        span = check_span(span, len(page))
         self._tally_hit(span.nbytes)
         return bytes(page[span.offset : span.end])
 
@@ -1339,13 +1375,7 @@ class RedisProvider(Provider):
         An ``outs[i]`` smaller than its entry raises ``InvalidArgumentError`` (the others are
         still filled).
         """
-        ks = self._keys(keys)
-        try:
-            n_outs = -1 if isinstance(outs, (bytes, bytearray, memoryview, str)) else len(outs)
-        except TypeError:
-            n_outs = -1
-        if n_outs != len(ks):
-            raise InvalidArgumentError(f"{len(ks)} keys need a sequence of as many output buffers")
+        ks, outs = self._read_many_args(keys, outs)
         dsts = [_whole(o) for o in outs]
         self._check_usable()
         pages = self._settle(ks, self._fetch(ks, dsts))
@@ -1491,6 +1521,8 @@ class RedisProvider(Provider):
     def verify(self, *, repair: bool = False, progress: Progress | None = None) -> VerifyReport:
         """Fetch every page and check its trailer and checksum; ``repair`` drops corrupt ones
         with their subtrees.  Reads run in pipelined batches; the store stays online."""
+        check_flag(repair, "repair")
+        check_progress(progress)
         self._check_usable()
         report = VerifyReport()
         total = int(self._run(lambda c: c.hget(self._meta, "entries")) or 0)
@@ -1583,26 +1615,28 @@ class RedisProvider(Provider):
                 "checksum": CHECKSUM_ALGORITHM, "format_version": FORMAT_VERSION}
 
     def close(self) -> None:
+        self._check_not_forked()  # a forked child must not touch the parent's sockets
         if self._closed:
             return
-        if os.getpid() != self._pid:  # a forked child must not touch the parent's sockets
-            self._closed = True
-            return
+        # New write-path calls get ClosedError from here on; those under way finish first, so a
+        # seal is not aborted under its feet and a reservation they make is registered (below).
+        self._quiesce()
         self._stop.set()
         with self._lock:
             lids = list(self._live_leases.keys())
             flights = list(self._live_flights.values())
             self._live_leases.clear()
             self._live_flights.clear()
+        # (after the snapshot: a reservation dropped by now was queued by its __del__)
+        pairs = [(r.hex, r.rid) for r in flights if r.state == "open"] + self._take_dropped()
         try:
             if lids:
                 self._eval("release", *lids)
-            if flights:
-                args = [str(len(flights))]
+            if pairs:
                 for r in flights:
-                    args += [r.hex, r.rid]
-                    r._finish("aborted")
-                self._eval("abort", *args)
+                    if r.state == "open":
+                        r._finish("aborted")
+                self._eval("abort", str(len(pairs)), *(x for pair in pairs for x in pair))
         except HostKVError as exc:
             warnings.warn(f"releasing leases/reservations at close failed ({exc}); they expire", stacklevel=2)
         self._closed = True

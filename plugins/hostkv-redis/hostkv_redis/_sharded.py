@@ -76,6 +76,9 @@ from hostkv_providers.providers import (
     ProviderStats,
     Reservation,
     VerifyReport,
+    check_flag,
+    check_progress,
+    check_span,
 )
 from redis.backoff import ExponentialBackoff
 from redis.cluster import RedisCluster
@@ -649,6 +652,12 @@ class RedisShardedProvider(Provider):
                  salt_tag: str = "") -> list[bool | HostKVError]:
         """:meth:`RedisProvider.put_many` over the shards (see :meth:`_put_many`); pages that did
         not fit their shard are tried once more after :meth:`_make_room_in` that shard."""
+        self._check_usable()
+        with self._write_call():
+            return self._put_many_retry(items, salt_tag)
+
+    def _put_many_retry(self, items: Sequence[tuple[bytes, bytes | None, object]],
+                        salt_tag: str) -> list[bool | HostKVError]:
         out, codes = self._put_many(items, salt_tag)
         full = [i for i, r in enumerate(out) if isinstance(r, CapacityError)]
         if not full or not self._make_room_in([codes[i] // self._group for i in full]):
@@ -769,7 +778,7 @@ class RedisShardedProvider(Provider):
         """The shard's one-round-trip ``read_bytes`` (its front's rules and counters)."""
         k = self._key(key)
         if span is not None and not isinstance(span, ByteSpan):
-            raise InvalidArgumentError("span must be a ByteSpan")
+            check_span(span, 0)  # raises: a wrong type is an error also for a key that misses
         self._check_usable()
         shard = self._shard_of(k)
         if shard is None:
@@ -779,13 +788,7 @@ class RedisShardedProvider(Provider):
 
     def read_many(self, keys: Sequence[bytes], outs: Sequence[object]) -> list[bool]:
         """:meth:`RedisProvider.read_many` over the shards, masters in parallel."""
-        ks = self._keys(keys)
-        try:
-            n_outs = -1 if isinstance(outs, (bytes, bytearray, memoryview, str)) else len(outs)
-        except TypeError:
-            n_outs = -1
-        if n_outs != len(ks):
-            raise InvalidArgumentError(f"{len(ks)} keys need a sequence of as many output buffers")
+        ks, outs = self._read_many_args(keys, outs)
         self._check_usable()
         work, missing = self._group_keys(ks)
         self._tally("misses", len(missing))
@@ -975,6 +978,8 @@ class RedisShardedProvider(Provider):
     def verify(self, *, repair: bool = False, progress: Progress | None = None) -> VerifyReport:
         """Every shard's :meth:`RedisProvider.verify`; with ``repair``, also the cross-shard pins
         reconciled (:meth:`reconcile_pins`)."""
+        check_flag(repair, "repair")
+        check_progress(progress)
         self._check_usable()
         report = VerifyReport()
         for s in self._shards:
@@ -1033,8 +1038,10 @@ class RedisShardedProvider(Provider):
         return self
 
     def close(self) -> None:
+        self._check_not_forked()  # a forked child must not touch the parent's sockets
         if self._closed:
             return
+        self._quiesce()  # this front's write calls (reserve, put_many) finish first
         self._stop.set()
         if self._keeper is not None and self._keeper is not threading.current_thread():
             self._keeper.join(timeout=5)
