@@ -41,7 +41,9 @@ from hostkv_providers.errors import (
     InFlightError,
     InvalidArgumentError,
     ReservationError,
+    RetainedError,
     StorageIOError,
+    StoreNotFoundError,
     UnknownKeyError,
 )
 from hostkv_providers.providers import (
@@ -89,6 +91,9 @@ T = TypeVar("T")
 _log = logging.getLogger("hostkv_redis")
 
 DEFAULT_BUDGET = 1 << 30
+#: The store-wide counters the scripts keep in the metadata hash (``store_counters``).
+_STORE_COUNTERS = ("hits", "misses", "bytes_read", "seals", "bytes_written", "evictions", "evicted_bytes",
+                   "checksum_failures", "aborts", "expired_leases", "expired_reservations")
 _MAYBE_ORPHAN = "orphan?"  # Corrupt token of a GET miss (see RedisProvider._drop_damaged)
 _ORPHAN_CHECK = Corrupt(_MAYBE_ORPHAN)
 _DAMAGED = Corrupt("")  # a page whose trailer or checksum does not match
@@ -103,6 +108,12 @@ _GROUP_PAGES = 64  # pages per put script inside one put_many pipeline
 _GROUP_BYTES = 4 << 20  # page bytes per put script inside one put_many pipeline
 _HASH_AHEAD = 4 << 20  # page bytes checksummed while put_many's probe is on the wire
 _SEND_GROUP = 1 << 20  # bytes of commands handed to the socket at once by _send_raw
+
+
+def _check_share(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise InvalidArgumentError(f"retain_share must be a number in [0, 1], got {value!r}")
+    return float(value)
 
 
 def parse_trailer(value: bytes, key: bytes) -> tuple[int, int] | None:
@@ -701,9 +712,18 @@ class RedisProvider(Provider):
         keepalive: bool = True,
         wait_replicas: int = 0,
         wait_timeout: float = 2.0,
+        readonly: bool = False,
+        retain_share: float = 0.5,
         _shared_cluster: RedisCluster | None = None,
     ) -> None:
         super().__init__()
+        self._retain_share = _check_share(retain_share)
+        if type(readonly) is not bool:
+            raise InvalidArgumentError(f"readonly must be True or False, got {readonly!r}")
+        if readonly and (budget_bytes is not None or resize):
+            raise InvalidArgumentError("a read-only open cannot set the budget",
+                                       hint="drop budget=/resize= or readonly=")
+        self._readonly = readonly
         if not isinstance(url, str) or "://" not in url:
             raise InvalidArgumentError(f"url must be a redis:// URL, got {url!r}")
         if not isinstance(namespace, str) or not _NAMESPACE.match(namespace):
@@ -739,7 +759,7 @@ class RedisProvider(Provider):
         self._resize = resize
         self._budget = budget_bytes or DEFAULT_BUDGET
         self._link = _Link(url, cluster, self._meta, float(timeout), retries, _shared_cluster)
-        self._keepalive = keepalive
+        self._keepalive = keepalive and not readonly  # (a read-only client holds nothing to renew)
         self._pool = _BufferPool(256 << 20)
         self._renew_every = min(lease_ttl, reservation_ttl) / 3
         self._stop = threading.Event()
@@ -764,6 +784,8 @@ class RedisProvider(Provider):
         retries = opts.integer("retries", 3)
         verify = opts.choice("verify", "read", ("read", "never"))
         resize = opts.boolean("resize", False)
+        readonly = opts.boolean("readonly", False)
+        retain_share = opts.number("retain_share", 0.5)
         wait_replicas = opts.integer("wait_replicas", 0)
         wait_timeout = opts.number("wait_timeout", 2.0)
         shards, group = 1, 1
@@ -800,14 +822,19 @@ class RedisProvider(Provider):
             return RedisShardedProvider(url, budget_bytes=budget, namespace=namespace, shards=shards, group=group,
                                         lease_ttl=lease_ttl, reservation_ttl=reservation_ttl, timeout=timeout,
                                         retries=retries, verify_reads=verify == "read", resize=resize,
+                                        readonly=readonly, retain_share=retain_share,
                                         wait_replicas=wait_replicas, wait_timeout=wait_timeout)
         return cls(url, budget_bytes=budget, namespace=namespace,
                    cluster=cls._cluster_mode, lease_ttl=lease_ttl, reservation_ttl=reservation_ttl,
                    timeout=timeout, retries=retries, verify_reads=verify == "read", resize=resize,
+                   readonly=readonly, retain_share=retain_share,
                    wait_replicas=wait_replicas, wait_timeout=wait_timeout)
 
     def _init_store(self, client: redis.Redis) -> None:
         """Create the store's metadata, or check that it matches this build (R4)."""
+        if self._readonly:
+            self._check_store(client)
+            return
         budget = "" if self._want_budget is None else str(self._want_budget)
         out = client.evalsha(self._link.sha("init"), 1, self._meta, str(FORMAT_VERSION), KEY_ALGORITHM,
                              CHECKSUM_ALGORITHM, budget, "1" if self._resize else "0", str(DEFAULT_BUDGET))
@@ -835,6 +862,32 @@ class RedisProvider(Provider):
         self._budget = int(out[1])
         # once the budget is applied, re-creating the store after a server restart reuses it
         self._want_budget = self._budget
+
+    def _check_store(self, client: redis.Redis) -> None:
+        """The read-only open: the store must exist and match this build; nothing is written
+        (no metadata created, no script that writes is run)."""
+        fields = ("format", "key_algorithm", "checksum", "budget")
+        found = [None if v is None else v.decode() if isinstance(v, bytes) else str(v)
+                 for v in client.hmget(self._meta, fields)]
+        if found[3] is None:
+            raise StoreNotFoundError(f"no store {self._namespace!r} on {_redact(self._url)}",
+                                     hint="check the namespace= option (a read-only open never creates a store)")
+        if found[:3] != [str(FORMAT_VERSION), KEY_ALGORITHM, CHECKSUM_ALGORITHM]:
+            raise IncompatibleStoreError(
+                f"store {self._namespace!r} has format/key/checksum {found[:3]}, this build reads "
+                f"{[str(FORMAT_VERSION), KEY_ALGORITHM, CHECKSUM_ALGORITHM]}",
+                hint="use a build of the store's format")
+        self._budget = int(found[3])
+
+    @property
+    def readonly(self) -> bool:
+        """Opened with ``readonly=true``: every write raises ``InvalidArgumentError``."""
+        return self._readonly
+
+    def _writable(self, what: str) -> None:
+        if self._readonly:
+            raise InvalidArgumentError(f"{what}: this redis store is open read-only (readonly=true)",
+                                       hint="open it without readonly=true to modify it")
 
     # -- plumbing ----------------------------------------------------------------------------
     def _run(self, fn: Callable[[redis.Redis], T]) -> T:
@@ -935,6 +988,17 @@ class RedisProvider(Provider):
         return int(self._eval("prefix", *[k.hex() for k in ks]))
 
     def _in_flight(self, k: Key) -> bool:
+        if self._readonly:  # the script reaps expired reservations (a write): ask without it
+            def go(c: redis.Redis) -> list[Any]:
+                pipe = c.pipeline(transaction=False)
+                pipe.exists(self._prefix + "f:" + k.hex())
+                pipe.zscore(self._prefix + "fz", k.hex())
+                pipe.time()
+                res: list[Any] = pipe.execute()
+                return res
+
+            exists, expiry, (sec, usec) = self._run(go)
+            return bool(exists) and expiry is not None and float(expiry) > sec * 1000 + usec // 1000
         return bool(self._eval("in_flight", k.hex()))
 
     def _entry(self, k: Key) -> EntryInfo | None:
@@ -947,10 +1011,10 @@ class RedisProvider(Provider):
             if not row:
                 out.append(None)
                 continue
-            p, n, g, ck, ct, lu, _gen = row[:7]
-            anchors = {row[i].decode(): int(row[i + 1]) for i in range(7, len(row), 2)}
+            p, n, g, ck, ct, lu, _gen, rt = row[:8]
+            anchors = {row[i].decode(): int(row[i + 1]) for i in range(8, len(row), 2)}
             out.append(EntryInfo(k, Key(bytes.fromhex(p.decode())) if p else None, int(n), g.decode(), int(ck),
-                                 int(ct) / 1000, int(lu) / 1000, anchors))
+                                 int(ct) / 1000, int(lu) / 1000, anchors, retained=rt == b"1"))
         return out
 
     def iter_entries(self) -> Iterator[EntryInfo]:
@@ -984,6 +1048,7 @@ class RedisProvider(Provider):
 
     # -- writes ------------------------------------------------------------------------------
     def _reserve(self, k: Key, p: Key | None, nbytes: int, salt_tag: str) -> Reservation | None:
+        self._writable("reserve")
         return self._reserve_remote(k, p, nbytes, salt_tag, "")
 
     def _reserve_remote(self, k: Key, p: Key | None, nbytes: int, salt_tag: str,
@@ -1146,6 +1211,7 @@ class RedisProvider(Provider):
         """
         args = self._put_many_args(items, salt_tag)
         self._check_usable()
+        self._writable("put_many")
         with self._write_call():  # close() waits for it (and refuses new ones)
             return self._put_checked(args, salt_tag, _remote or {})
 
@@ -1343,6 +1409,8 @@ class RedisProvider(Provider):
         return span.nbytes
 
     def _drop_damaged(self, k: Key, token: object) -> bool:
+        if self._readonly:  # counted and a miss, but left for a writer (verify --repair) to drop
+            return token != _MAYBE_ORPHAN or self._orphans([k.hex()]) > 0
         if token == _MAYBE_ORPHAN:
             # the GET missed: an orphan only if the metadata outlived the bytes, which the script
             # decides atomically (a seal may have landed since the GET)
@@ -1351,7 +1419,7 @@ class RedisProvider(Provider):
             _log.warning("dropped %s (with its subtree): its bytes were missing on the server", k.hex()[:16])
             return True
         _log.warning("dropping %s and its subtree: its checksum/trailer does not match", k.hex()[:16])
-        return int(self._eval("drop", k.hex(), "")) > 0
+        return int(self._eval("drop", k.hex(), "", "read")) > 0
 
     def read_bytes(self, key: bytes, span: ByteSpan | None = None) -> bytes | None:
         """The entry's bytes (or ``span`` of them), or ``None``: one round trip (the base class's
@@ -1418,8 +1486,11 @@ class RedisProvider(Provider):
             return []
         hexes = [k.hex() for k in keys]
         names = [(self._prefix + "d:" + h).encode() for h in hexes]
-        touch: list[Part] = [b"EVALSHA", self._link.sha("touch").encode(), b"1", self._meta.encode(),
-                             *(h.encode() for h in hexes)]
+        # The LRU refresh (and the store-wide read counters) ride in the same pipeline; a
+        # read-only client writes nothing, so it sends a PING instead.
+        touch: list[Part] = ([b"PING"] if self._readonly else
+                             [b"EVALSHA", self._link.sha("touch").encode(), b"1", self._meta.encode(),
+                              *(h.encode() for h in hexes)])
         got = self._run(lambda c: _get_into(c, names, touch, dests))
         pages: list[memoryview | Corrupt | None] = []
         for k, (page, trailer) in zip(keys, got, strict=True):
@@ -1434,6 +1505,19 @@ class RedisProvider(Provider):
             pages.append(page if ok else _DAMAGED)
         return pages
 
+    def _orphans(self, hexes: Sequence[str]) -> int:
+        """How many of ``hexes`` have metadata but no bytes (read-only: nothing is dropped)."""
+        def go(c: redis.Redis) -> list[Any]:
+            pipe = c.pipeline(transaction=False)
+            for h in hexes:
+                pipe.exists(self._prefix + "e:" + h)
+                pipe.exists(self._prefix + "d:" + h)
+            res: list[Any] = pipe.execute()
+            return res
+
+        flags = self._run(go)
+        return sum(1 for i in range(0, len(flags), 2) if flags[i] and not flags[i + 1])
+
     def _settle(self, keys: Sequence[Key], got: Sequence[memoryview | Corrupt | None]) -> list[memoryview | None]:
         """The front's checksum rule for the batch reads: drop what :meth:`_fetch` found damaged
         (with subtrees; the possible orphans in one script call), count the checksum failures and
@@ -1447,7 +1531,7 @@ class RedisProvider(Provider):
             if isinstance(page, Corrupt) and page is not _ORPHAN_CHECK and self._drop_damaged(k, page.token):
                 failures += 1
         if orphans:
-            n = int(self._eval("drop_orphan", *orphans))
+            n = self._orphans(orphans) if self._readonly else int(self._eval("drop_orphan", *orphans))
             if n:
                 failures += n
                 _log.warning("dropped %d entries (with subtrees) whose bytes were missing on the server", n)
@@ -1457,16 +1541,22 @@ class RedisProvider(Provider):
 
     # -- eviction ----------------------------------------------------------------------------
     def _evict(self, ks: list[Key] | None, nbytes: int) -> EvictReport:
+        self._writable("evict")
         if ks is not None:
             if not ks:
                 return EvictReport()
-            n, b, skipped = self._eval("evict_keys", *[k.hex() for k in ks])
+            reply = self._eval("evict_keys", *[k.hex() for k in ks])
+            if reply[0] == b"retained":
+                raise RetainedError(f"entry {reply[1].decode()[:16]} is retained, or an ancestor of a retained "
+                                    "entry; nothing was evicted")
+            n, b, skipped = reply
         else:
             n, b, skipped = self._eval("evict_bytes", str(nbytes))
         return EvictReport(int(n), int(b), int(skipped))
 
     # -- anchors -----------------------------------------------------------------------------
     def _put_anchor(self, k: Key, name: str, blob: bytes) -> None:
+        self._writable("put_anchor")
         if len(blob) > _ANCHOR_MAX:
             raise InvalidArgumentError(f"anchor of {len(blob)} bytes exceeds the {_ANCHOR_MAX}-byte limit")
         st = self._eval("put_anchor", k.hex(), name, blob).decode()
@@ -1492,8 +1582,54 @@ class RedisProvider(Provider):
             return 0
         return int(self._eval("deepest_anchor", name, *[k.hex() for k in ks]))
 
+    # -- retained prefixes (SupportsRetain) ---------------------------------------------------
+    def retain(self, keys: Sequence[bytes]) -> int:
+        """Mark sealed entries retained, all or nothing (``UnknownKeyError`` for one not stored,
+        ``CapacityError`` when the marked entries with their ancestors would exceed
+        ``retain_share * budget``); returns how many were newly marked.  A retained entry and its
+        ancestors are never evicted for room; an explicit ``evict`` of one raises
+        ``RetainedError``.  The marks live on the server (every client sees them, they survive
+        restarts with the store)."""
+        ks = self._keys(keys)
+        self._check_usable()
+        self._writable("retain")
+        if not ks:
+            return 0
+        newly, _ = self._retain_step("mark", [k.hex() for k in ks])
+        return newly
+
+    def unretain(self, keys: Sequence[bytes]) -> int:
+        """Clear the marks of ``keys`` (not marked or not stored: ignored); how many were cleared."""
+        ks = self._keys(keys)
+        self._check_usable()
+        self._writable("unretain")
+        if not ks:
+            return 0
+        cleared, _ = self._retain_step("unmark", [k.hex() for k in ks])
+        return cleared
+
+    def _retain_step(self, mode: str, hexes: Sequence[str]) -> tuple[int, list[tuple[int, str]]]:
+        """One ``retain`` script call: (count, the parents in other shards the refcount change goes
+        on to, as (shard, hex)) — empty outside a sharded store."""
+        reply = self._eval("retain", mode, repr(self._retain_share), *hexes)
+        st = reply[0].decode()
+        if st == "missing":
+            raise UnknownKeyError(f"entry {reply[1].decode()[:16]} is not stored (sealed); nothing was retained",
+                                  hint="retain sealed entries only")
+        if st == "cap":
+            held, adding, cap = (int(x) for x in reply[1:4])
+            raise CapacityError(f"retaining {adding} more bytes would exceed the retained share: {held} of "
+                                f"{cap} bytes are retained; nothing was marked",
+                                hint="raise retain_share= (a fraction of the budget) or unretain other entries")
+        remote = []
+        for raw in reply[2:]:
+            shard, h = raw.decode().split(" ", 1)
+            remote.append((int(shard), h))
+        return int(reply[1]), remote
+
     # -- leases ------------------------------------------------------------------------------
     def _lease(self, ks: list[Key]) -> Lease:
+        self._writable("lease")  # a lease is a write on the server (it pins the entries)
         lid = self._next_id("l")
         bits = self._eval("lease", lid, str(self._lease_ms), *[k.hex() for k in ks]) if ks else b""
         present = [b == 0x31 for b in bits]
@@ -1524,6 +1660,8 @@ class RedisProvider(Provider):
         check_flag(repair, "repair")
         check_progress(progress)
         self._check_usable()
+        if repair:
+            self._writable("verify(repair=True)")
         report = VerifyReport()
         total = int(self._run(lambda c: c.hget(self._meta, "entries")) or 0)
         for batch in self._scan_entries(256):
@@ -1591,6 +1729,8 @@ class RedisProvider(Provider):
             budget_bytes=self._budget,
             anchors=g("anchors"),
             leased=g("leased"),
+            retained=g("retained"),
+            retained_bytes=g("retained_bytes"),
             in_flight=int(flights),
             evictions=g("evictions"),
             evicted_bytes=g("evicted_bytes"),
@@ -1605,11 +1745,22 @@ class RedisProvider(Provider):
             **counters,
         )
 
+    def store_counters(self) -> dict[str, int]:
+        """The store's counters, kept on the server by the scripts (``HINCRBY`` in the same
+        atomic step as what they count), so they cover every client of the store since it was
+        created (``SupportsStoreCounters``): ``hostkv stats`` from any machine shows a running
+        engine's real figures.  ``bytes_read`` counts whole pages fetched (a span read fetches
+        the page); read-only clients (``readonly=true``) count nothing, they write nothing."""
+        self._check_usable()
+        values = self._run(lambda c: c.hmget(self._meta, _STORE_COUNTERS))
+        return {name: int(v or 0) for name, v in zip(_STORE_COUNTERS, values, strict=True)}
+
     def __enter__(self) -> RedisProvider:
         return self
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "url": _redact(self._url), "namespace": self._namespace,
+                "readonly": self._readonly, "retain_share": self._retain_share,
                 "cluster": self._link.cluster, "lease_ttl_s": self._lease_ms / 1000,
                 "reservation_ttl_s": self._flight_ms / 1000, "verify_reads": self._verify_reads,
                 "checksum": CHECKSUM_ALGORITHM, "format_version": FORMAT_VERSION}

@@ -61,7 +61,9 @@ from hostkv_providers.errors import (
     IncompatibleStoreError,
     InvalidArgumentError,
     ReservationError,
+    RetainedError,
     StorageIOError,
+    StoreNotFoundError,
     UnknownKeyError,
 )
 from hostkv_providers.providers import (
@@ -162,8 +164,16 @@ class RedisShardedProvider(Provider):
         keepalive: bool = True,
         wait_replicas: int = 0,
         wait_timeout: float = 2.0,
+        readonly: bool = False,
+        retain_share: float = 0.5,
     ) -> None:
         super().__init__()
+        if type(readonly) is not bool:
+            raise InvalidArgumentError(f"readonly must be True or False, got {readonly!r}")
+        if readonly and (budget_bytes is not None or resize):
+            raise InvalidArgumentError("a read-only open cannot set the budget",
+                                       hint="drop budget=/resize= or readonly=")
+        self._readonly = readonly
         if type(shards) is not int or not 1 <= shards <= 4096:
             raise InvalidArgumentError(f"shards must be an int in [1, 4096], got {shards!r}")
         if type(group) is not int or not 1 <= group <= 1024:
@@ -199,7 +209,9 @@ class RedisShardedProvider(Provider):
                     url, budget_bytes=per, namespace=tag, cluster=True, lease_ttl=lease_ttl,
                     reservation_ttl=reservation_ttl, timeout=timeout, retries=retries,
                     verify_reads=verify_reads, resize=resize, keepalive=False,
-                    wait_replicas=wait_replicas, wait_timeout=wait_timeout, _shared_cluster=self._cluster))
+                    wait_replicas=wait_replicas, wait_timeout=wait_timeout, readonly=readonly,
+                    retain_share=retain_share,
+                    _shared_cluster=self._cluster))
         except BaseException:
             for s in self._shards:
                 s.close()
@@ -208,14 +220,14 @@ class RedisShardedProvider(Provider):
             raise
         self._sha = {name: self._shards[0]._link.sha(name)
                      for name in ("present", "locate", "deepest_anchor", "xpin", "xunpin", "xout", "xack",
-                                  "xsub", "xlist", "xheld", "xhot")}
+                                  "xsub", "xlist", "xheld", "xhot", "retained_in")}
         self._nonce = os.urandom(6).hex()
         self._pins = itertools.count()
         self._pin_grace_ms = int(2 * reservation_ttl * 1000)
         # One renewal thread for all shards (each shard's own would be `shards` threads).
         self._stop = threading.Event()
         self._keeper: threading.Thread | None = None
-        if keepalive:
+        if keepalive and not readonly:  # (a read-only client holds nothing and drains no outbox)
             self._keeper = threading.Thread(target=self._keep, args=(min(lease_ttl, reservation_ttl) / 3,),
                                             name="hostkv-redis-renew", daemon=True)
             self._keeper.start()
@@ -245,7 +257,8 @@ class RedisShardedProvider(Provider):
         for attempt in range(8):
             try:
                 node = self._cluster.get_redis_connection(self._cluster.get_node_from_key(name))  # type: ignore[no-untyped-call]
-                node.set(name, layout, nx=True)
+                if not self._readonly:  # a read-only open records nothing
+                    node.set(name, layout, nx=True)
                 found = node.get(name)
                 single = node.exists(f"hkv:{{{self._namespace}}}:m")
                 break
@@ -255,6 +268,9 @@ class RedisShardedProvider(Provider):
                 self._cluster.nodes_manager.initialize()
                 threading.Event().wait(min(0.5, 0.02 * 2 ** attempt))
         recorded = found.decode() if isinstance(found, bytes) else found
+        if recorded is None and self._readonly:
+            raise StoreNotFoundError(f"no sharded store {self._namespace!r} on {_redact(self._url)}",
+                                     hint="check the namespace= option (a read-only open never creates a store)")
         if recorded is not None and recorded != layout:
             raise IncompatibleStoreError(f"store {self._namespace!r} was created with {recorded}, not {layout}",
                                          hint="open it with the recorded shards= and group=")
@@ -515,6 +531,7 @@ class RedisShardedProvider(Provider):
 
     # -- writes ------------------------------------------------------------------------------
     def _reserve(self, k: Key, p: Key | None, n: int, salt_tag: str) -> Reservation | None:
+        self._shards[0]._writable("reserve")
         c = self._place([(k, p)])[0]
         if p is not None and c < 0:
             raise UnknownKeyError(f"parent {p.hex()[:16]} is not stored")
@@ -652,7 +669,10 @@ class RedisShardedProvider(Provider):
                  salt_tag: str = "") -> list[bool | HostKVError]:
         """:meth:`RedisProvider.put_many` over the shards (see :meth:`_put_many`); pages that did
         not fit their shard are tried once more after :meth:`_make_room_in` that shard."""
+        if isinstance(items, (bytes, bytearray, memoryview, str)) or not isinstance(items, Sequence):
+            raise InvalidArgumentError("put_many items are (key, parent, data) tuples")
         self._check_usable()
+        self._shards[0]._writable("put_many")
         with self._write_call():
             return self._put_many_retry(items, salt_tag)
 
@@ -816,6 +836,7 @@ class RedisShardedProvider(Provider):
         """Pin ``keys`` in every shard that holds some (one lease script per shard, atomic per
         shard); ``present``/``prefix_len`` say what was pinned, so a chain's usable prefix stops
         at the first page that was gone when its shard was asked."""
+        self._shards[0]._writable("lease")
         work, _ = self._group_keys(ks)
         subs: dict[int, Lease] = {}
 
@@ -851,10 +872,11 @@ class RedisShardedProvider(Provider):
         """``keys``: each key's subtree, across shards (:meth:`_evict_subtrees`).  ``nbytes``:
         LRU leaves (store-wide leaves: pinned pages are none) from every shard in proportion to
         its used bytes."""
+        self._shards[0]._writable("evict")
         report = EvictReport()
         if ks is not None:
             work, _ = self._group_keys(ks)
-            return self._evict_subtrees({s: [ks[i] for i in idx] for s, idx in work.items()})
+            return self._evict_subtrees({s: [ks[i] for i in idx] for s, idx in work.items()}, explicit=True)
         self._drain()  # released pins first, so that their parents count as leaves
         used = self._each(dict.fromkeys(range(self._nshards), 0), lambda s, _: s.stats().used_bytes)
         total = sum(used.values())
@@ -867,7 +889,7 @@ class RedisShardedProvider(Provider):
         self._drain(list(parts))  # the evicted group-first pages' pins
         return report
 
-    def _evict_subtrees(self, roots: Mapping[int, Sequence[Key | str]]) -> EvictReport:
+    def _evict_subtrees(self, roots: Mapping[int, Sequence[Key | str]], *, explicit: bool = False) -> EvictReport:
         """Remove the subtrees of ``roots`` (per shard) across shards: the child groups pinned on
         them are found level by level (one ``xsub`` per shard per level, a round trip per master)
         and removed deepest level first; after each level its pins are released, so that the
@@ -887,13 +909,91 @@ class RedisShardedProvider(Provider):
                         seen.add((int(cs), ch))
                         nxt.setdefault(int(cs), []).append(ch)
             cur = nxt
+        if explicit:
+            # a retained entry (or an ancestor of one) anywhere below: nothing goes (every level
+            # is checked before any is evicted)
+            calls = [(s, "retained_in", hs) for lvl in levels for s, hs in lvl.items()]
+            for got in self._fan(calls):
+                if got:
+                    raise RetainedError(f"entry {got.decode()[:16]} is retained, or an ancestor of a "
+                                        "retained entry; nothing was evicted")
         report = EvictReport()
         for lvl in reversed(levels):
             parts = self._each(lvl, lambda s, hs: s._eval("evict_keys", *hs))
-            for n, b, skipped in parts.values():
+            for hs, reply in ((lvl[s], r) for s, r in parts.items()):
+                if reply[0] == b"retained":  # (for room, or retained meanwhile): held, skipped
+                    if explicit:
+                        raise RetainedError(f"entry {reply[1].decode()[:16]} is retained, or an ancestor "
+                                            "of a retained entry")
+                    report = EvictReport(report.entries, report.nbytes, report.skipped + len(hs))
+                    continue
+                n, b, skipped = reply
                 report = EvictReport(report.entries + int(n), report.nbytes + int(b), report.skipped + int(skipped))
             self._drain(list(lvl))
         return report
+
+    # -- retained prefixes (SupportsRetain) ---------------------------------------------------
+    def retain(self, keys: Sequence[bytes]) -> int:
+        """:meth:`RedisProvider.retain` over the shards: each shard marks its keys (its cap is
+        ``retain_share`` of its own budget share), then the refcount goes on to the ancestors in
+        other shards (counted there, no cap check: they are already held by their child groups'
+        pins).  All or nothing: a missing key fails before anything is marked; a shard over its
+        share undoes the marks made in the others."""
+        ks = list(dict.fromkeys(self._keys(keys)))
+        self._check_usable()
+        self._shards[0]._writable("retain")
+        if not ks:
+            return 0
+        work, missing = self._group_keys(ks)
+        if missing:
+            raise UnknownKeyError(f"entry {ks[missing[0]].hex()[:16]} is not stored (sealed); nothing was retained",
+                                  hint="retain sealed entries only")
+        infos = {k: self._shards[s]._infos([ks[i] for i in idx]) for s, idx in work.items() for k in [s]}
+        todo: dict[int, list[str]] = {}
+        for s, idx in work.items():
+            for i, info in zip(idx, infos[s], strict=True):
+                if info is None:
+                    raise UnknownKeyError(f"entry {ks[i].hex()[:16]} is not stored (sealed); nothing was retained")
+                if not info.retained:
+                    todo.setdefault(s, []).append(ks[i].hex())
+        done: dict[int, list[str]] = {}
+        remote: list[tuple[int, str]] = []
+        try:
+            for s, hexes in todo.items():
+                _, more = self._shards[s]._retain_step("mark", hexes)
+                done[s] = hexes
+                remote += more
+        except HostKVError:
+            for s, hexes in done.items():  # undo: exactly the marks this call made
+                self._propagate("down", self._shards[s]._retain_step("unmark", hexes)[1])
+            raise
+        self._propagate("up", remote)
+        return sum(len(h) for h in todo.values())
+
+    def unretain(self, keys: Sequence[bytes]) -> int:
+        ks = list(dict.fromkeys(self._keys(keys)))
+        self._check_usable()
+        self._shards[0]._writable("unretain")
+        if not ks:
+            return 0
+        work, _ = self._group_keys(ks)
+        cleared = 0
+        for s, idx in work.items():
+            n, more = self._shards[s]._retain_step("unmark", [ks[i].hex() for i in idx])
+            cleared += n
+            self._propagate("down", more)
+        return cleared
+
+    def _propagate(self, mode: str, todo: list[tuple[int, str]]) -> None:
+        """Carry a retain refcount change ("up"/"down") to parents in other shards, level by
+        level (one call per shard per level)."""
+        while todo:
+            by: dict[int, list[str]] = {}
+            for s, h in todo:
+                by.setdefault(s, []).append(h)
+            todo = []
+            for s, hexes in by.items():
+                todo += self._shards[s]._retain_step(mode, hexes)[1]
 
     # -- anchors -----------------------------------------------------------------------------
     def _stored_shard(self, k: Key) -> RedisProvider:
@@ -903,6 +1003,7 @@ class RedisShardedProvider(Provider):
         return shard
 
     def _put_anchor(self, k: Key, name: str, blob: bytes) -> None:
+        self._shards[0]._writable("put_anchor")
         self._stored_shard(k)._put_anchor(k, name, blob)
 
     def _get_anchor(self, k: Key, name: str) -> bytes | None:
@@ -964,12 +1065,23 @@ class RedisShardedProvider(Provider):
         parts = list(self._each(dict.fromkeys(range(self._nshards), 0), lambda s, _: s.stats()).values())
         total: dict[str, int] = {}
         own = self._tallies()  # the verbs counted by this front; the shards' fronts counted the rest
-        for f in ("entries", "used_bytes", "budget_bytes", "anchors", "leased", "in_flight", "evictions",
+        for f in ("entries", "used_bytes", "budget_bytes", "anchors", "leased", "in_flight", "retained",
+                  "retained_bytes", "evictions",
                   "evicted_bytes", "hits", "misses", "seals", "aborts", "dedup", "checksum_failures",
                   "bytes_written", "bytes_read"):
             total[f] = sum(int(getattr(p, f)) for p in parts) + own.get(f, 0)
         return ProviderStats(name=self.name, extra={"namespace": self._namespace, "shards": self._nshards,
                                                     "group": self._group}, **total)
+
+    def store_counters(self) -> dict[str, int]:
+        """Every shard's :meth:`RedisProvider.store_counters`, summed (the store-wide counters
+        of all clients, kept on the servers)."""
+        self._check_usable()
+        total: dict[str, int] = {}
+        for part in self._each(dict.fromkeys(range(self._nshards), 0), lambda s, _: s.store_counters()).values():
+            for name, n in part.items():
+                total[name] = total.get(name, 0) + n
+        return total
 
     def iter_entries(self) -> Iterator[EntryInfo]:
         self._check_usable()
@@ -1003,6 +1115,7 @@ class RedisShardedProvider(Provider):
         Leftovers come from a client that died between pinning and publishing, or between a
         removal and the drain of its outbox (both leave a parent pinned: never a punctured chain)."""
         self._check_usable()
+        self._shards[0]._writable("reconcile_pins")
         self._drain()
         lists = self._fan([(s, "xlist", []) for s in range(self._nshards)])
         cand: list[tuple[int, str, str]] = []

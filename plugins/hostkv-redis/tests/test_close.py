@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 from hostkv_providers import ClosedError, ReservationError, UsedAfterForkError
@@ -73,10 +74,10 @@ def test_close_waits_for_a_seal_under_way(make_redis: Make, redis_server: RedisS
     inside, release = threading.Event(), threading.Event()
     ship = p._seal_batch
 
-    def slow_seal(batch: list[object]) -> list[object]:
+    def slow_seal(batch: Any) -> Any:
         inside.set()
         release.wait(10)
-        return ship(batch)  # type: ignore[arg-type]
+        return ship(batch)
 
     p._seal_batch = slow_seal  # type: ignore[method-assign, assignment]
     errors: list[BaseException] = []
@@ -139,10 +140,10 @@ def test_racing_seal_and_abort_is_typed(make_redis: Make) -> None:
     inside, release = threading.Event(), threading.Event()
     ship = p._seal_batch
 
-    def slow_seal(batch: list[object]) -> list[object]:
+    def slow_seal(batch: Any) -> Any:
         inside.set()
         release.wait(10)
-        return ship(batch)  # type: ignore[arg-type]
+        return ship(batch)
 
     p._seal_batch = slow_seal  # type: ignore[method-assign, assignment]
     t = threading.Thread(target=p.seal, args=(res,))
