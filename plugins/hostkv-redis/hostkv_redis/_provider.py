@@ -1735,6 +1735,11 @@ class RedisProvider(Provider):
             evictions=g("evictions"),
             evicted_bytes=g("evicted_bytes"),
             extra={
+                # kept on the server (every client, since the store was created); the other
+                # counters are this instance's own calls (hostkv stats tells them apart; the
+                # store's own hits, reads and writes are in store_counters())
+                "store_wide": ["evictions", "evicted_bytes", "retained", "retained_bytes", "store_seals",
+                               "store_checksum_failures", "expired_leases", "expired_reservations"],
                 "namespace": self._namespace,
                 "store_seals": g("seals"),
                 "store_checksum_failures": g("checksum_failures"),

@@ -1071,7 +1071,9 @@ class RedisShardedProvider(Provider):
                   "bytes_written", "bytes_read"):
             total[f] = sum(int(getattr(p, f)) for p in parts) + own.get(f, 0)
         return ProviderStats(name=self.name, extra={"namespace": self._namespace, "shards": self._nshards,
-                                                    "group": self._group}, **total)
+                                                    "group": self._group,
+                                                    "store_wide": ["evictions", "evicted_bytes", "retained",
+                                                                   "retained_bytes"]}, **total)
 
     def store_counters(self) -> dict[str, int]:
         """Every shard's :meth:`RedisProvider.store_counters`, summed (the store-wide counters
