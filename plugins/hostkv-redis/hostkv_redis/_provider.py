@@ -642,10 +642,13 @@ class _RedisReservation(Reservation):
         # server-side abort for the renewal thread or close() (no I/O, no lock: this may run in
         # any thread, inside the garbage collector).  Otherwise its flight would stay on the
         # server until reservation_ttl, seen as in flight by every client.
-        if getattr(self, "_state", None) == "open":
-            provider = getattr(self, "_provider", None)
-            if isinstance(provider, RedisProvider):
-                provider._dropped.append((self.hex, self.rid))
+        try:
+            if self._state == "open":
+                dropped = getattr(self._provider, "_dropped", None)
+                if dropped is not None:
+                    dropped.append((self.hex, self.rid))
+        except Exception:  # (interpreter shutdown, a half-built object): nothing to queue
+            pass
 
 
 # --------------------------------------------------------------------------------------------
