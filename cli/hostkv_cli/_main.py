@@ -84,8 +84,18 @@ def cli() -> None:
     """
 
 
+def _show_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                  file: Any = None, line: str | None = None) -> None:
+    """The library's warnings (a budget beyond free disk: ``BudgetWarning``) as one ``warning:``
+    line on stderr, like the CLI's errors, not Python's ``file:line: Category: ...`` with code."""
+    click.echo(f"warning: {message}", err=True)
+
+
 def main() -> NoReturn:
     """Console-script entry point."""
+    import warnings
+
+    warnings.showwarning = _show_warning
     cli.main(prog_name="hostkv")
     raise SystemExit(0)  # pragma: no cover - click exits itself
 

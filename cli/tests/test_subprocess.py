@@ -477,3 +477,17 @@ def test_a_store_that_refuses_to_open_is_not_sent_to_verify_repair(tmp_path: Pat
         assert hint, proc.stderr
         assert not hint[0].startswith("hint: run `hostkv verify --repair`"), hint
         assert "backup" in hint[0] and "refuses the open" in hint[0], hint
+
+
+@pytest.mark.skipif(not usable("lmdb") or not usable("mmap"), reason="lmdb or mmap provider unavailable")
+def test_budget_beyond_free_disk_is_one_warning_line(tmp_path: Path) -> None:
+    """Issue 16 item 14: ``budget=`` far beyond the free disk was accepted silently; now the
+    library warns (``BudgetWarning``) and the CLI prints it as one ``warning:`` line."""
+    src, _ = filled_store(tmp_path, "mmap", pages=2)
+    vfs = os.statvfs(tmp_path)
+    huge = (vfs.f_bavail * vfs.f_frsize * 4) // (1 << 30) + 1024
+    proc = run_hostkv("copy", src, f"lmdb://{tmp_path / 'dst'}?budget={huge}GiB&file_size=1MiB")
+    assert proc.returncode == 0, proc.stderr
+    warned = [line for line in proc.stderr.splitlines() if "exceeds what the filesystem" in line]
+    assert len(warned) == 1 and warned[0].startswith("warning: lmdb:// budget"), proc.stderr
+    assert "BudgetWarning" not in proc.stderr and "Traceback" not in proc.stderr

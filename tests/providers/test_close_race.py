@@ -155,3 +155,21 @@ def test_abort_racing_a_held_seal_is_refused(tmp_path: Path, scheme: str,
         assert p.present([key]) == [True] and p.stats().in_flight == 0
     finally:
         p.close()
+
+
+def test_tiered_flush_checks_its_timeout_and_refuses_after_close(tmp_path: Path) -> None:
+    """Issue 16 items 13/14: ``tiered.flush(-1)`` raised a bare error and ``flush()`` after
+    ``close()`` returned True (claiming a write-back that cannot happen)."""
+    t = hk.open(f"tiered://?fast=pinned%3A%2F%2F%3Fbudget%3D4MiB%26pin%3Dno"
+                f"&slow=lmdb%3A%2F%2F{str(tmp_path / 's').replace('/', '%2F')}%3Fbudget%3D8MiB%26file_size%3D1MiB")
+    key = key_of("tiered-flush")
+    assert t.put(key, None, page_bytes(key, 4096))
+    for bad in (-1, float("nan"), "1", True):
+        with pytest.raises(hk.InvalidArgumentError):
+            t.flush(bad)  # type: ignore[attr-defined]
+    assert t.flush(30) is True  # type: ignore[attr-defined]
+    t.close()
+    with pytest.raises(ClosedError):
+        t.flush()  # type: ignore[attr-defined]
+    with pytest.raises(ClosedError):
+        t.prefetch([key])
