@@ -35,12 +35,15 @@ from typing import Any, ClassVar, TypeVar
 import redis
 from hostkv_providers.errors import (
     CapacityError,
+    ClosedError,
     HostKVError,
     IncompatibleStoreError,
     InFlightError,
     InvalidArgumentError,
     ReservationError,
+    RetainedError,
     StorageIOError,
+    StoreNotFoundError,
     UnknownKeyError,
 )
 from hostkv_providers.providers import (
@@ -48,6 +51,7 @@ from hostkv_providers.providers import (
     FORMAT_VERSION,
     KEY_ALGORITHM,
     ByteSpan,
+    Corrupt,
     EntryInfo,
     EvictReport,
     HostRegion,
@@ -59,10 +63,11 @@ from hostkv_providers.providers import (
     ProviderStats,
     Reservation,
     VerifyReport,
-    check_anchor_name,
+    check_flag,
+    check_progress,
+    check_span,
     checksum,
     parse_size,
-    readable_bytes,
     writable_buffer,
 )
 from redis._parsers.base import BaseParser
@@ -86,6 +91,12 @@ T = TypeVar("T")
 _log = logging.getLogger("hostkv_redis")
 
 DEFAULT_BUDGET = 1 << 30
+#: The store-wide counters the scripts keep in the metadata hash (``store_counters``).
+_STORE_COUNTERS = ("hits", "misses", "bytes_read", "seals", "bytes_written", "evictions", "evicted_bytes",
+                   "checksum_failures", "aborts", "expired_leases", "expired_reservations")
+_MAYBE_ORPHAN = "orphan?"  # Corrupt token of a GET miss (see RedisProvider._drop_damaged)
+_ORPHAN_CHECK = Corrupt(_MAYBE_ORPHAN)
+_DAMAGED = Corrupt("")  # a page whose trailer or checksum does not match
 _TRAILER = struct.Struct("<32sQQ8s")
 _MAGIC = b"HKVPAGE1"
 _NAMESPACE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -97,6 +108,12 @@ _GROUP_PAGES = 64  # pages per put script inside one put_many pipeline
 _GROUP_BYTES = 4 << 20  # page bytes per put script inside one put_many pipeline
 _HASH_AHEAD = 4 << 20  # page bytes checksummed while put_many's probe is on the wire
 _SEND_GROUP = 1 << 20  # bytes of commands handed to the socket at once by _send_raw
+
+
+def _check_share(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise InvalidArgumentError(f"retain_share must be a number in [0, 1], got {value!r}")
+    return float(value)
 
 
 def parse_trailer(value: bytes, key: bytes) -> tuple[int, int] | None:
@@ -619,6 +636,20 @@ class _RedisReservation(Reservation):
         address = ctypes.addressof(ctypes.c_char.from_buffer(self.buf))
         return [HostRegion(0, memoryview(self.buf), address, False)]
 
+    def __del__(self) -> None:
+        # Dropped while open (its writer died with an exception, e.g. a seal refused because
+        # close() had begun): the provider forgets it (its registry is weak), so queue its
+        # server-side abort for the renewal thread or close() (no I/O, no lock: this may run in
+        # any thread, inside the garbage collector).  Otherwise its flight would stay on the
+        # server until reservation_ttl, seen as in flight by every client.
+        try:
+            if self._state == "open":
+                dropped = getattr(self._provider, "_dropped", None)
+                if dropped is not None:
+                    dropped.append((self.hex, self.rid))
+        except Exception:  # (interpreter shutdown, a half-built object): nothing to queue
+            pass
+
 
 # --------------------------------------------------------------------------------------------
 # The provider
@@ -665,6 +696,8 @@ class RedisProvider(Provider):
     multiprocess: ClassVar[bool] = True
     _url_scheme: ClassVar[str] = "redis"
     _cluster_mode: ClassVar[bool] = False
+    _reservation_type = _RedisReservation
+    _tag_max = _SALT_TAG_MAX
 
     def __init__(
         self,
@@ -682,9 +715,18 @@ class RedisProvider(Provider):
         keepalive: bool = True,
         wait_replicas: int = 0,
         wait_timeout: float = 2.0,
+        readonly: bool = False,
+        retain_share: float = 0.5,
         _shared_cluster: RedisCluster | None = None,
     ) -> None:
         super().__init__()
+        self._retain_share = _check_share(retain_share)
+        if type(readonly) is not bool:
+            raise InvalidArgumentError(f"readonly must be True or False, got {readonly!r}")
+        if readonly and (budget_bytes is not None or resize):
+            raise InvalidArgumentError("a read-only open cannot set the budget",
+                                       hint="drop budget=/resize= or readonly=")
+        self._readonly = readonly
         if not isinstance(url, str) or "://" not in url:
             raise InvalidArgumentError(f"url must be a redis:// URL, got {url!r}")
         if not isinstance(namespace, str) or not _NAMESPACE.match(namespace):
@@ -712,16 +754,15 @@ class RedisProvider(Provider):
         self._client_id = os.urandom(6).hex()
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
-        self._counters: dict[str, int] = dict.fromkeys(
-            ("hits", "misses", "seals", "aborts", "dedup", "checksum_failures", "bytes_written", "bytes_read",
-             "store_resets"), 0)
+        self._resets = 0  # times this client found its store gone and re-created it (server restart)
         self._live_leases: weakref.WeakValueDictionary[str, Lease] = weakref.WeakValueDictionary()
         self._live_flights: weakref.WeakValueDictionary[str, _RedisReservation] = weakref.WeakValueDictionary()
+        self._dropped: list[tuple[str, str]] = []  # (hex, rid) of open reservations dropped unaborted
         self._want_budget = budget_bytes
         self._resize = resize
         self._budget = budget_bytes or DEFAULT_BUDGET
         self._link = _Link(url, cluster, self._meta, float(timeout), retries, _shared_cluster)
-        self._keepalive = keepalive
+        self._keepalive = keepalive and not readonly  # (a read-only client holds nothing to renew)
         self._pool = _BufferPool(256 << 20)
         self._renew_every = min(lease_ttl, reservation_ttl) / 3
         self._stop = threading.Event()
@@ -746,6 +787,8 @@ class RedisProvider(Provider):
         retries = opts.integer("retries", 3)
         verify = opts.choice("verify", "read", ("read", "never"))
         resize = opts.boolean("resize", False)
+        readonly = opts.boolean("readonly", False)
+        retain_share = opts.number("retain_share", 0.5)
         wait_replicas = opts.integer("wait_replicas", 0)
         wait_timeout = opts.number("wait_timeout", 2.0)
         shards, group = 1, 1
@@ -782,14 +825,19 @@ class RedisProvider(Provider):
             return RedisShardedProvider(url, budget_bytes=budget, namespace=namespace, shards=shards, group=group,
                                         lease_ttl=lease_ttl, reservation_ttl=reservation_ttl, timeout=timeout,
                                         retries=retries, verify_reads=verify == "read", resize=resize,
+                                        readonly=readonly, retain_share=retain_share,
                                         wait_replicas=wait_replicas, wait_timeout=wait_timeout)
         return cls(url, budget_bytes=budget, namespace=namespace,
                    cluster=cls._cluster_mode, lease_ttl=lease_ttl, reservation_ttl=reservation_ttl,
                    timeout=timeout, retries=retries, verify_reads=verify == "read", resize=resize,
+                   readonly=readonly, retain_share=retain_share,
                    wait_replicas=wait_replicas, wait_timeout=wait_timeout)
 
     def _init_store(self, client: redis.Redis) -> None:
         """Create the store's metadata, or check that it matches this build (R4)."""
+        if self._readonly:
+            self._check_store(client)
+            return
         budget = "" if self._want_budget is None else str(self._want_budget)
         out = client.evalsha(self._link.sha("init"), 1, self._meta, str(FORMAT_VERSION), KEY_ALGORITHM,
                              CHECKSUM_ALGORITHM, budget, "1" if self._resize else "0", str(DEFAULT_BUDGET))
@@ -810,15 +858,50 @@ class RedisProvider(Provider):
             raise CapacityError(
                 f"cannot shrink store {self._namespace!r} to {budget}: {out[2].decode()} bytes are leased or in flight"
             )
-        if status == "created" and self._counters["seals"] + self._counters["hits"] > 0:
-            self._counters["store_resets"] += 1
+        if status == "created":
+            counts = self._tallies()
+            if counts["seals"] + counts["hits"] > 0:
+                self._resets += 1
         self._budget = int(out[1])
         # once the budget is applied, re-creating the store after a server restart reuses it
         self._want_budget = self._budget
 
+    def _check_store(self, client: redis.Redis) -> None:
+        """The read-only open: the store must exist and match this build; nothing is written
+        (no metadata created, no script that writes is run)."""
+        fields = ("format", "key_algorithm", "checksum", "budget")
+        found = [None if v is None else v.decode() if isinstance(v, bytes) else str(v)
+                 for v in client.hmget(self._meta, fields)]
+        if found[3] is None:
+            raise StoreNotFoundError(f"no store {self._namespace!r} on {_redact(self._url)}",
+                                     hint="check the namespace= option (a read-only open never creates a store)")
+        if found[:3] != [str(FORMAT_VERSION), KEY_ALGORITHM, CHECKSUM_ALGORITHM]:
+            raise IncompatibleStoreError(
+                f"store {self._namespace!r} has format/key/checksum {found[:3]}, this build reads "
+                f"{[str(FORMAT_VERSION), KEY_ALGORITHM, CHECKSUM_ALGORITHM]}",
+                hint="use a build of the store's format")
+        self._budget = int(found[3])
+
+    @property
+    def readonly(self) -> bool:
+        """Opened with ``readonly=true``: every write raises ``InvalidArgumentError``."""
+        return self._readonly
+
+    def _writable(self, what: str) -> None:
+        if self._readonly:
+            raise InvalidArgumentError(f"{what}: this redis store is open read-only (readonly=true)",
+                                       hint="open it without readonly=true to modify it")
+
     # -- plumbing ----------------------------------------------------------------------------
     def _run(self, fn: Callable[[redis.Redis], T]) -> T:
-        return self._link.run(fn, self._init_store)
+        try:
+            return self._link.run(fn, self._init_store)
+        except Exception as exc:
+            if self._closed and not isinstance(exc, ClosedError):
+                # close() from another thread shut the connection under this call (a read: the
+                # write-path calls are waited for): that is the answer, not what the socket said
+                raise ClosedError(f"{type(self).__name__} was closed during the call") from exc
+            raise
 
     def _eval(self, script: str, *args: Any) -> Any:
         sha = self._link.sha(script)
@@ -837,11 +920,6 @@ class RedisProvider(Provider):
 
     def _next_id(self, kind: str) -> str:
         return f"{self._client_id}.{kind}{next(self._ids):x}"
-
-    def _count(self, **deltas: int) -> None:
-        with self._lock:
-            for name, d in deltas.items():
-                self._counters[name] += d
 
     def _start_keeper(self) -> None:
         if not self._keepalive or self._keeper is not None:
@@ -867,6 +945,7 @@ class RedisProvider(Provider):
         ids the server no longer had (already expired, or lost in a server restart).
         """
         self._check_usable()
+        self._abort_dropped()
         with self._lock:
             lids = list(self._live_leases.keys())
             flights = [(r.hex, rid) for rid, r in list(self._live_flights.items())]
@@ -877,30 +956,55 @@ class RedisProvider(Provider):
             args += [h, rid]
         return [x.decode() for x in self._eval("renew", *args)]
 
+    def _take_dropped(self) -> list[tuple[str, str]]:
+        out = []
+        while self._dropped:  # (pop is atomic: __del__ may append meanwhile)
+            out.append(self._dropped.pop())
+        return out
+
+    def _abort_dropped(self) -> None:
+        """Abort on the server the reservations their writers dropped while open (queued by
+        ``_RedisReservation.__del__``)."""
+        dropped = self._take_dropped()
+        if not dropped:
+            return
+        try:
+            self._eval("abort", str(len(dropped)), *(x for pair in dropped for x in pair))
+        except HostKVError:
+            self._dropped.extend(dropped)  # try again later (or they expire)
+            raise
+
     # -- lookups -----------------------------------------------------------------------------
-    def present(self, keys: Sequence[bytes]) -> list[bool]:
+    # (the public verbs are the front's, in Provider: it validates, checks usability, counts and
+    # applies the checksum rule; these are the drivers it calls)
+    def _present(self, keys: Sequence[bytes]) -> list[bool]:
         ks = self._keys(keys)
-        self._check_usable()
         if not ks:
             return []
         bits = self._eval("present", *[k.hex() for k in ks])
         return [b == 0x31 for b in bits]
 
-    def longest_prefix(self, keys: Sequence[bytes]) -> int:
+    def _longest_prefix(self, keys: Sequence[bytes]) -> int:
         ks = self._keys(keys)
-        self._check_usable()
         if not ks:
             return 0
         return int(self._eval("prefix", *[k.hex() for k in ks]))
 
-    def in_flight(self, key: bytes) -> bool:
-        k = self._key(key)
-        self._check_usable()
+    def _in_flight(self, k: Key) -> bool:
+        if self._readonly:  # the script reaps expired reservations (a write): ask without it
+            def go(c: redis.Redis) -> list[Any]:
+                pipe = c.pipeline(transaction=False)
+                pipe.exists(self._prefix + "f:" + k.hex())
+                pipe.zscore(self._prefix + "fz", k.hex())
+                pipe.time()
+                res: list[Any] = pipe.execute()
+                return res
+
+            exists, expiry, (sec, usec) = self._run(go)
+            return bool(exists) and expiry is not None and float(expiry) > sec * 1000 + usec // 1000
         return bool(self._eval("in_flight", k.hex()))
 
-    def entry(self, key: bytes) -> EntryInfo | None:
-        k = self._key(key)
-        self._check_usable()
+    def _entry(self, k: Key) -> EntryInfo | None:
         return self._infos([k])[0]
 
     def _infos(self, keys: Sequence[Key]) -> list[EntryInfo | None]:
@@ -910,10 +1014,10 @@ class RedisProvider(Provider):
             if not row:
                 out.append(None)
                 continue
-            p, n, g, ck, ct, lu, _gen = row[:7]
-            anchors = {row[i].decode(): int(row[i + 1]) for i in range(7, len(row), 2)}
+            p, n, g, ck, ct, lu, _gen, rt = row[:8]
+            anchors = {row[i].decode(): int(row[i + 1]) for i in range(8, len(row), 2)}
             out.append(EntryInfo(k, Key(bytes.fromhex(p.decode())) if p else None, int(n), g.decode(), int(ck),
-                                 int(ct) / 1000, int(lu) / 1000, anchors))
+                                 int(ct) / 1000, int(lu) / 1000, anchors, retained=rt == b"1"))
         return out
 
     def iter_entries(self) -> Iterator[EntryInfo]:
@@ -946,17 +1050,18 @@ class RedisProvider(Provider):
                 return
 
     # -- writes ------------------------------------------------------------------------------
-    def reserve(self, key: bytes, parent: bytes | None, nbytes: int, *, salt_tag: str = "",
-                _remote_parent: str = "") -> Reservation | None:
-        item = self._check_item(key, parent, nbytes, salt_tag)
-        self._check_usable()
-        res = self._reserve_batch([item], salt_tag, _remote_parent)[0]
+    def _reserve(self, k: Key, p: Key | None, nbytes: int, salt_tag: str) -> Reservation | None:
+        self._writable("reserve")
+        return self._reserve_remote(k, p, nbytes, salt_tag, "")
+
+    def _reserve_remote(self, k: Key, p: Key | None, nbytes: int, salt_tag: str,
+                        remote: str) -> _RedisReservation | None:
+        """The reserve driver; ``remote`` is the sharded store's "<shard> <pin>" of a group-first
+        page whose parent lives in another shard (empty otherwise)."""
+        res = self._reserve_batch([(k, p, nbytes)], salt_tag, remote)[0]
         if isinstance(res, BaseException):
             raise res
         return res
-
-    def _check_item(self, key: object, parent: object, nbytes: object, salt_tag: object) -> tuple[Key, Key | None, int]:
-        return self._reserve_args(key, parent, nbytes, salt_tag, tag_max=_SALT_TAG_MAX)
 
     def _reserve_batch(self, items: Sequence[tuple[Key, Key | None, int]], salt_tag: str,
                        remote: str = "") -> list[_RedisReservation | HostKVError | None]:
@@ -980,8 +1085,7 @@ class RedisProvider(Provider):
                     self._live_flights[rid] = res
                 out.append(res)
             elif st == "dup":
-                self._count(dedup=1)
-                out.append(None)
+                out.append(None)  # (the front counts the dedup)
             elif st == "busy":
                 out.append(InFlightError(f"key {k.hex()[:16]} is being written by another writer", key=k))
             elif st == "noparent":
@@ -998,25 +1102,19 @@ class RedisProvider(Provider):
             self._start_keeper()
         return out
 
-    def _own(self, reservation: Reservation) -> _RedisReservation:
-        return self._own_reservation(reservation, _RedisReservation)
+    def _write(self, res: _RedisReservation, span: ByteSpan, view: memoryview) -> None:
+        data = res.data
+        if data is None:  # sealed or aborted by another thread since the front's check
+            raise ReservationError(f"the reservation for {res.hex[:16]} is already {res.state}")
+        data[span.offset : span.end] = view  # private to its writer until seal: no lock
 
-    def write(self, reservation: Reservation, offset: int, data: object) -> None:
-        view = readable_bytes(data)
-        self._check_usable()
-        res = self._own(reservation)
-        span = res.check_write(offset, view.nbytes)
-        assert res.data is not None  # reservations handed to callers always have a buffer
-        res.data[span.offset : span.end] = view  # private to its writer until seal: no lock
-        res.mark_written(span)
-        self._count(bytes_written=span.nbytes)
-
-    def seal(self, reservation: Reservation) -> None:
-        self._check_usable()
-        res = self._own(reservation)
-        res.check_complete()
+    def _seal(self, res: _RedisReservation) -> None:
+        # (the front claimed it: a racing seal, abort or write of another thread gets
+        # ReservationError instead of shipping or freeing the buffer under this one)
         err = self._seal_batch([res])[0]
         if err is not None:
+            if res.state == "sealed":  # published, but not confirmed by enough replicas
+                self._tally("seals")
             raise err
 
     def _seal_batch(self, batch: Sequence[_RedisReservation]) -> list[HostKVError | None]:
@@ -1052,7 +1150,6 @@ class RedisProvider(Provider):
         statuses = results[len(batch)]
         unreplicated = self._unreplicated(results[-1]) if extra else None
         out: list[HostKVError | None] = []
-        sealed = 0
         for i, (res, raw) in enumerate(zip(batch, statuses, strict=True)):
             st = raw.decode()
             with self._lock:
@@ -1061,8 +1158,7 @@ class RedisProvider(Provider):
                 self._pool.give(res.buf)
                 res.buf = res.data = None
             if st == "ok":
-                res._finish("sealed")
-                sealed += 1
+                res._finish("sealed")  # (the front counts the seal)
                 out.append(unreplicated)
                 continue
             res._finish("aborted")
@@ -1079,29 +1175,23 @@ class RedisProvider(Provider):
             else:
                 out.append(ReservationLostError(
                     f"the reservation for {res.hex[:16]} expired or was lost (server restart?)"))
-        self._count(seals=sealed)
         return out
 
-    def abort(self, reservation: Reservation) -> None:
-        if not isinstance(reservation, _RedisReservation) or reservation.provider is not self:
-            raise ReservationError("not a reservation of this provider")
-        # After close or in a forked child the connection is gone or not ours: refuse with a
-        # typed error (Reservation.__exit__ turns that into a warning during exception cleanup).
-        self._check_usable()
-        if reservation.state != "open":
-            return  # aborting twice (or after seal) is a no-op
-        reservation._finish("aborted")
+    def _abort(self, reservation: _RedisReservation) -> bool:
         with self._lock:
+            if reservation.state != "open":
+                return False  # a racing seal or abort finished it
+            reservation._finish("aborted")
             self._live_flights.pop(reservation.rid, None)
         if reservation.buf is not None:
             self._pool.give(reservation.buf)
             reservation.buf = reservation.data = None
-        self._count(aborts=1)
         try:
             self._eval("abort", "1", reservation.hex, reservation.rid)
         except HostKVError as exc:  # cleanup warns; the reservation expires server-side
             warnings.warn(f"abort of {reservation.hex[:16]} failed ({exc}); it expires after reservation_ttl",
-                          stacklevel=2)
+                          stacklevel=4)
+        return True
 
     def put_many(self, items: Sequence[tuple[bytes, bytes | None, object]], *,
                  salt_tag: str = "", _remote: Mapping[Key, str] | None = None) -> list[bool | HostKVError]:
@@ -1122,15 +1212,16 @@ class RedisProvider(Provider):
         batch are on the server, not yet counted against the budget, for the time between their
         ``SET`` and the script (one pipeline); pages the script rejects are deleted by it.
         """
+        args = self._put_many_args(items, salt_tag)
         self._check_usable()
-        checked = []
-        views = []
-        for it in items:
-            if not isinstance(it, tuple) or len(it) != 3:
-                raise InvalidArgumentError("put_many items are (key, parent, data) tuples")
-            view = readable_bytes(it[2])
-            checked.append(self._check_item(it[0], it[1], view.nbytes, salt_tag))
-            views.append(view)
+        self._writable("put_many")
+        with self._write_call():  # close() waits for it (and refuses new ones)
+            return self._put_checked(args, salt_tag, _remote or {})
+
+    def _put_checked(self, args: Sequence[tuple[Key, Key | None, memoryview]], salt_tag: str,
+                     remote: Mapping[Key, str]) -> list[bool | HostKVError]:
+        checked = [(k, p, view.nbytes) for k, p, view in args]
+        views = [view for _, _, view in args]
         out: list[bool | HostKVError] = []
         failed: set[Key] = set()  # keys of this call not stored: their children fail unsent
         lo = 0
@@ -1141,7 +1232,7 @@ class RedisProvider(Provider):
             while hi < len(checked) and hi - lo < _BATCH and staged + checked[hi][2] <= _BATCH_BYTES:
                 staged += checked[hi][2]
                 hi += 1
-            out += self._put_chunk(checked[lo:hi], views[lo:hi], salt_tag, failed, _remote or {})
+            out += self._put_chunk(checked[lo:hi], views[lo:hi], salt_tag, failed, remote)
             lo = hi
         return out
 
@@ -1198,7 +1289,7 @@ class RedisProvider(Provider):
                 else:
                     failed.add(checked[i][0])
                 out[i] = err
-        self._count(dedup=dedup)
+        self._tally("dedup", dedup)
         return out
 
     def _publish(self, checked: Sequence[tuple[Key, Key | None, int]], views: Sequence[memoryview],
@@ -1306,34 +1397,45 @@ class RedisProvider(Provider):
                 else:  # pragma: no cover - a script/client version mismatch
                     out.append(StorageIOError(f"unexpected put status {st!r}"))
             pos += len(group) + 1
-        self._count(seals=stored, bytes_written=nbytes)
+        self._tally("seals", stored)
+        self._tally("bytes_written", nbytes)
         return out
 
     # -- reads -------------------------------------------------------------------------------
-    def read(self, key: bytes, out: object, span: ByteSpan | None = None) -> bool:
-        if span is not None and not isinstance(span, ByteSpan):
-            raise InvalidArgumentError("span must be a ByteSpan")
-        k = self._key(key)
-        self._check_usable()
-        page = self._pages([k], [None])[0]
-        if page is None:
-            return False
+    def _read(self, k: Key, out: object, span: ByteSpan | None) -> int | Corrupt | None:
+        page = self._fetch([k], [None])[0]
+        if not isinstance(page, memoryview):
+            return page  # a miss, or Corrupt: the front drops the entry (_drop_damaged) and misses
         span = ByteSpan.whole(len(page)) if span is None else span.validate(len(page))
         dst = writable_buffer(out, span.nbytes)
         dst[:] = page[span.offset : span.end]
-        self._count(hits=1, bytes_read=span.nbytes)
-        return True
+        return span.nbytes
+
+    def _drop_damaged(self, k: Key, token: object) -> bool:
+        if self._readonly:  # counted and a miss, but left for a writer (verify --repair) to drop
+            return token != _MAYBE_ORPHAN or self._orphans([k.hex()]) > 0
+        if token == _MAYBE_ORPHAN:
+            # the GET missed: an orphan only if the metadata outlived the bytes, which the script
+            # decides atomically (a seal may have landed since the GET)
+            if not int(self._eval("drop_orphan", k.hex())):
+                return False
+            _log.warning("dropped %s (with its subtree): its bytes were missing on the server", k.hex()[:16])
+            return True
+        _log.warning("dropping %s and its subtree: its checksum/trailer does not match", k.hex()[:16])
+        return int(self._eval("drop", k.hex(), "", "read")) > 0
 
     def read_bytes(self, key: bytes, span: ByteSpan | None = None) -> bytes | None:
-        if span is not None and not isinstance(span, ByteSpan):
-            raise InvalidArgumentError("span must be a ByteSpan")
+        """The entry's bytes (or ``span`` of them), or ``None``: one round trip (the base class's
+        ``entry`` + ``read`` would take two), with the front's rules (as in ``read``)."""
         k = self._key(key)
+        if span is not None and not isinstance(span, ByteSpan):
+            check_span(span, 0)  # raises: a wrong type is an error also for a key that misses
         self._check_usable()
-        page = self._pages([k], [None])[0]
+        page = self._settle([k], self._fetch([k], [None]))[0]
         if page is None:
             return None
-        span = ByteSpan.whole(len(page)) if span is None else span.validate(len(page))
-        self._count(hits=1, bytes_read=span.nbytes)
+        span = check_span(span, len(page))
+        self._tally_hit(span.nbytes)
         return bytes(page[span.offset : span.end])
 
     def read_many(self, keys: Sequence[bytes], outs: Sequence[object]) -> list[bool]:
@@ -1344,12 +1446,10 @@ class RedisProvider(Provider):
         An ``outs[i]`` smaller than its entry raises ``InvalidArgumentError`` (the others are
         still filled).
         """
-        ks = self._keys(keys)
-        if len(outs) != len(ks):
-            raise InvalidArgumentError(f"{len(ks)} keys but {len(outs)} output buffers")
+        ks, outs = self._read_many_args(keys, outs)
         dsts = [_whole(o) for o in outs]
         self._check_usable()
-        pages = self._pages(ks, dsts)
+        pages = self._settle(ks, self._fetch(ks, dsts))
         short = None
         nbytes = 0
         for i, (page, dst) in enumerate(zip(pages, dsts, strict=True)):
@@ -1361,7 +1461,8 @@ class RedisProvider(Provider):
                 continue
             nbytes += len(page)
         hits = sum(p is not None for p in pages)
-        self._count(hits=hits, bytes_read=nbytes)
+        self._tally("hits", hits)
+        self._tally("bytes_read", nbytes)
         if short is not None:
             raise InvalidArgumentError(f"out[{short[0]}] holds {short[2]} bytes, the entry has {short[1]}")
         return [p is not None for p in pages]
@@ -1370,81 +1471,97 @@ class RedisProvider(Provider):
         """The verified bytes of each entry (``None`` per miss), in one round trip."""
         ks = self._keys(keys)
         self._check_usable()
-        pages = self._pages(ks, [None] * len(ks))
+        pages = self._settle(ks, self._fetch(ks, [None] * len(ks)))
         out = [None if p is None else bytes(p) for p in pages]
-        self._count(hits=sum(p is not None for p in pages), bytes_read=sum(len(p) for p in pages if p is not None))
+        self._tally("hits", sum(p is not None for p in pages))
+        self._tally("bytes_read", sum(len(p) for p in pages if p is not None))
         return out
 
-    def _pages(self, keys: Sequence[Key], dests: Sequence[memoryview | None]) -> list[memoryview | None]:
-        """The verified page bytes of each key (in ``dests[i]`` when it is large enough), or
-        ``None`` per miss.
+    def _fetch(self, keys: Sequence[Key], dests: Sequence[memoryview | None]) -> list[memoryview | Corrupt | None]:
+        """Per key its verified page bytes (in ``dests[i]`` when it is large enough), or
+        :class:`Corrupt` (the trailer or checksum is wrong, or the GET missed: then the entry may
+        be an orphan, metadata without bytes — ``_drop_damaged`` decides), or ``None`` (a miss
+        without an entry).  Counts nothing and drops nothing (the front, or :meth:`_settle`).
 
-        One pipeline GETs every page and refreshes their LRU ticks.  Misses then take one more
-        script call, which drops entries whose metadata outlived their bytes (atomically, see
-        ``drop_orphan``); a page whose trailer or checksum is wrong is dropped with its subtree.
-        Either way the caller sees a miss, never the bytes.
+        One pipeline GETs every page and refreshes their LRU ticks.
         """
         if not keys:
             return []
         hexes = [k.hex() for k in keys]
         names = [(self._prefix + "d:" + h).encode() for h in hexes]
-        touch: list[Part] = [b"EVALSHA", self._link.sha("touch").encode(), b"1", self._meta.encode(),
-                             *(h.encode() for h in hexes)]
+        # The LRU refresh (and the store-wide read counters) ride in the same pipeline; a
+        # read-only client writes nothing, so it sends a PING instead.
+        touch: list[Part] = ([b"PING"] if self._readonly else
+                             [b"EVALSHA", self._link.sha("touch").encode(), b"1", self._meta.encode(),
+                              *(h.encode() for h in hexes)])
         got = self._run(lambda c: _get_into(c, names, touch, dests))
-        pages: list[memoryview | None] = []
-        missing: list[str] = []
-        for k, h, (page, trailer) in zip(keys, hexes, got, strict=True):
+        pages: list[memoryview | Corrupt | None] = []
+        for k, (page, trailer) in zip(keys, got, strict=True):
             if page is None or trailer is None:
-                pages.append(None)
-                missing.append(h)
+                pages.append(_ORPHAN_CHECK)
                 continue
             ok = False
             if len(trailer) == TRAILER_NBYTES:
                 echo, digest, n, magic = _TRAILER.unpack(trailer)
                 ok = (magic == _MAGIC and echo == k and n == len(page)
                       and (not self._verify_reads or checksum(page) == digest))
-            if not ok:
-                self._drop_corrupt(k, "its checksum/trailer does not match")
-                pages.append(None)
-                continue
-            pages.append(page)
-        if missing:
-            orphans = int(self._eval("drop_orphan", *missing))
-            if orphans:
-                self._count(checksum_failures=orphans)
-                _log.warning("dropped %d entries (with subtrees) whose bytes were missing on the server", orphans)
-        self._count(misses=sum(p is None for p in pages))
+            pages.append(page if ok else _DAMAGED)
         return pages
 
-    def _drop_corrupt(self, k: Key, why: str) -> None:
-        self._count(checksum_failures=1)
-        _log.warning("dropping %s and its subtree: %s", k.hex()[:16], why)
-        self._eval("drop", k.hex(), "")
+    def _orphans(self, hexes: Sequence[str]) -> int:
+        """How many of ``hexes`` have metadata but no bytes (read-only: nothing is dropped)."""
+        def go(c: redis.Redis) -> list[Any]:
+            pipe = c.pipeline(transaction=False)
+            for h in hexes:
+                pipe.exists(self._prefix + "e:" + h)
+                pipe.exists(self._prefix + "d:" + h)
+            res: list[Any] = pipe.execute()
+            return res
+
+        flags = self._run(go)
+        return sum(1 for i in range(0, len(flags), 2) if flags[i] and not flags[i + 1])
+
+    def _settle(self, keys: Sequence[Key], got: Sequence[memoryview | Corrupt | None]) -> list[memoryview | None]:
+        """The front's checksum rule for the batch reads: drop what :meth:`_fetch` found damaged
+        (with subtrees; the possible orphans in one script call), count the checksum failures and
+        the misses; per key the page or ``None``."""
+        pages = [p if isinstance(p, memoryview) else None for p in got]
+        orphans = [k.hex() for k, p in zip(keys, got, strict=True) if p is _ORPHAN_CHECK]
+        failures = 0
+        # Deepest first: a batch is usually a chain, root first, and dropping a damaged parent
+        # first would take its damaged child along uncounted.
+        for k, page in reversed(list(zip(keys, got, strict=True))):
+            if isinstance(page, Corrupt) and page is not _ORPHAN_CHECK and self._drop_damaged(k, page.token):
+                failures += 1
+        if orphans:
+            n = self._orphans(orphans) if self._readonly else int(self._eval("drop_orphan", *orphans))
+            if n:
+                failures += n
+                _log.warning("dropped %d entries (with subtrees) whose bytes were missing on the server", n)
+        self._tally("checksum_failures", failures)
+        self._tally("misses", sum(p is None for p in pages))
+        return pages
 
     # -- eviction ----------------------------------------------------------------------------
-    def evict(self, keys: Sequence[bytes] | None = None, *, nbytes: int = 0) -> EvictReport:
-        if (keys is None) == (not nbytes):
-            raise InvalidArgumentError("give exactly one of keys or nbytes")
-        if type(nbytes) is not int or nbytes < 0:
-            raise InvalidArgumentError(f"nbytes must be a non-negative int, got {nbytes!r}")
-        ks = self._keys(keys) if keys is not None else None
-        self._check_usable()
+    def _evict(self, ks: list[Key] | None, nbytes: int) -> EvictReport:
+        self._writable("evict")
         if ks is not None:
             if not ks:
                 return EvictReport()
-            n, b, skipped = self._eval("evict_keys", *[k.hex() for k in ks])
+            reply = self._eval("evict_keys", *[k.hex() for k in ks])
+            if reply[0] == b"retained":
+                raise RetainedError(f"entry {reply[1].decode()[:16]} is retained, or an ancestor of a retained "
+                                    "entry; nothing was evicted")
+            n, b, skipped = reply
         else:
             n, b, skipped = self._eval("evict_bytes", str(nbytes))
         return EvictReport(int(n), int(b), int(skipped))
 
     # -- anchors -----------------------------------------------------------------------------
-    def put_anchor(self, key: bytes, name: str, data: object) -> None:
-        k = self._key(key)
-        check_anchor_name(name)
-        blob = bytes(readable_bytes(data))
+    def _put_anchor(self, k: Key, name: str, blob: bytes) -> None:
+        self._writable("put_anchor")
         if len(blob) > _ANCHOR_MAX:
             raise InvalidArgumentError(f"anchor of {len(blob)} bytes exceeds the {_ANCHOR_MAX}-byte limit")
-        self._check_usable()
         st = self._eval("put_anchor", k.hex(), name, blob).decode()
         if st == "noentry":
             raise UnknownKeyError(f"entry {k.hex()[:16]} is not stored", hint="seal the page before its anchors")
@@ -1453,33 +1570,69 @@ class RedisProvider(Provider):
             raise CapacityError(f"anchor of {len(blob)} bytes does not fit: budget {budget}, used {used}, "
                                 f"sealed {sealed}; nothing was evicted")
 
-    def get_anchor(self, key: bytes, name: str) -> bytes | None:
-        k = self._key(key)
-        check_anchor_name(name)
-        self._check_usable()
+    def _get_anchor(self, k: Key, name: str) -> bytes | None:
         value = self._run(lambda c: c.hget(self._prefix + "a:" + k.hex(), name))
         if isinstance(value, str):  # only with decode_responses, which this provider never sets
             return value.encode()
         return value
 
-    def list_anchors(self, key: bytes) -> dict[str, int]:
-        k = self._key(key)
-        self._check_usable()
+    def _list_anchors(self, k: Key) -> dict[str, int]:
         flat = self._eval("list_anchors", k.hex())
         return {flat[i].decode(): int(flat[i + 1]) for i in range(0, len(flat), 2)}
 
-    def deepest_anchor(self, keys: Sequence[bytes], name: str) -> int:
-        ks = self._keys(keys)
-        check_anchor_name(name)
-        self._check_usable()
+    def _deepest_anchor(self, ks: list[Key], name: str) -> int:
         if not ks:
             return 0
         return int(self._eval("deepest_anchor", name, *[k.hex() for k in ks]))
 
-    # -- leases ------------------------------------------------------------------------------
-    def lease(self, keys: Sequence[bytes]) -> Lease:
+    # -- retained prefixes (SupportsRetain) ---------------------------------------------------
+    def retain(self, keys: Sequence[bytes]) -> int:
+        """Mark sealed entries retained, all or nothing (``UnknownKeyError`` for one not stored,
+        ``CapacityError`` when the marked entries with their ancestors would exceed
+        ``retain_share * budget``); returns how many were newly marked.  A retained entry and its
+        ancestors are never evicted for room; an explicit ``evict`` of one raises
+        ``RetainedError``.  The marks live on the server (every client sees them, they survive
+        restarts with the store)."""
         ks = self._keys(keys)
         self._check_usable()
+        self._writable("retain")
+        if not ks:
+            return 0
+        newly, _ = self._retain_step("mark", [k.hex() for k in ks])
+        return newly
+
+    def unretain(self, keys: Sequence[bytes]) -> int:
+        """Clear the marks of ``keys`` (not marked or not stored: ignored); how many were cleared."""
+        ks = self._keys(keys)
+        self._check_usable()
+        self._writable("unretain")
+        if not ks:
+            return 0
+        cleared, _ = self._retain_step("unmark", [k.hex() for k in ks])
+        return cleared
+
+    def _retain_step(self, mode: str, hexes: Sequence[str]) -> tuple[int, list[tuple[int, str]]]:
+        """One ``retain`` script call: (count, the parents in other shards the refcount change goes
+        on to, as (shard, hex)) — empty outside a sharded store."""
+        reply = self._eval("retain", mode, repr(self._retain_share), *hexes)
+        st = reply[0].decode()
+        if st == "missing":
+            raise UnknownKeyError(f"entry {reply[1].decode()[:16]} is not stored (sealed); nothing was retained",
+                                  hint="retain sealed entries only")
+        if st == "cap":
+            held, adding, cap = (int(x) for x in reply[1:4])
+            raise CapacityError(f"retaining {adding} more bytes would exceed the retained share: {held} of "
+                                f"{cap} bytes are retained; nothing was marked",
+                                hint="raise retain_share= (a fraction of the budget) or unretain other entries")
+        remote = []
+        for raw in reply[2:]:
+            shard, h = raw.decode().split(" ", 1)
+            remote.append((int(shard), h))
+        return int(reply[1]), remote
+
+    # -- leases ------------------------------------------------------------------------------
+    def _lease(self, ks: list[Key]) -> Lease:
+        self._writable("lease")  # a lease is a write on the server (it pins the entries)
         lid = self._next_id("l")
         bits = self._eval("lease", lid, str(self._lease_ms), *[k.hex() for k in ks]) if ks else b""
         present = [b == 0x31 for b in bits]
@@ -1507,7 +1660,11 @@ class RedisProvider(Provider):
     def verify(self, *, repair: bool = False, progress: Progress | None = None) -> VerifyReport:
         """Fetch every page and check its trailer and checksum; ``repair`` drops corrupt ones
         with their subtrees.  Reads run in pipelined batches; the store stays online."""
+        check_flag(repair, "repair")
+        check_progress(progress)
         self._check_usable()
+        if repair:
+            self._writable("verify(repair=True)")
         report = VerifyReport()
         total = int(self._run(lambda c: c.hget(self._meta, "entries")) or 0)
         for batch in self._scan_entries(256):
@@ -1567,9 +1724,7 @@ class RedisProvider(Provider):
 
         if meta.get("budget"):
             self._budget = int(meta["budget"])
-        with self._lock:
-            counters = dict(self._counters)
-        resets = counters.pop("store_resets")
+        counters = self._tallies()
         return ProviderStats(
             name=self.name,
             entries=g("entries"),
@@ -1577,50 +1732,70 @@ class RedisProvider(Provider):
             budget_bytes=self._budget,
             anchors=g("anchors"),
             leased=g("leased"),
+            retained=g("retained"),
+            retained_bytes=g("retained_bytes"),
             in_flight=int(flights),
             evictions=g("evictions"),
             evicted_bytes=g("evicted_bytes"),
             extra={
+                # kept on the server (every client, since the store was created); the other
+                # counters are this instance's own calls (hostkv stats tells them apart; the
+                # store's own hits, reads and writes are in store_counters())
+                "store_wide": ["evictions", "evicted_bytes", "retained", "retained_bytes", "store_seals",
+                               "store_checksum_failures", "expired_leases", "expired_reservations"],
                 "namespace": self._namespace,
                 "store_seals": g("seals"),
                 "store_checksum_failures": g("checksum_failures"),
                 "expired_leases": g("expired_leases"),
                 "expired_reservations": g("expired_reservations"),
-                "store_resets": resets,
+                "store_resets": self._resets,
             },
             **counters,
         )
+
+    def store_counters(self) -> dict[str, int]:
+        """The store's counters, kept on the server by the scripts (``HINCRBY`` in the same
+        atomic step as what they count), so they cover every client of the store since it was
+        created (``SupportsStoreCounters``): ``hostkv stats`` from any machine shows a running
+        engine's real figures.  ``bytes_read`` counts whole pages fetched (a span read fetches
+        the page); read-only clients (``readonly=true``) count nothing, they write nothing."""
+        self._check_usable()
+        values = self._run(lambda c: c.hmget(self._meta, _STORE_COUNTERS))
+        return {name: int(v or 0) for name, v in zip(_STORE_COUNTERS, values, strict=True)}
 
     def __enter__(self) -> RedisProvider:
         return self
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "url": _redact(self._url), "namespace": self._namespace,
+                "readonly": self._readonly, "retain_share": self._retain_share,
                 "cluster": self._link.cluster, "lease_ttl_s": self._lease_ms / 1000,
                 "reservation_ttl_s": self._flight_ms / 1000, "verify_reads": self._verify_reads,
                 "checksum": CHECKSUM_ALGORITHM, "format_version": FORMAT_VERSION}
 
     def close(self) -> None:
+        self._check_not_forked()  # a forked child must not touch the parent's sockets
         if self._closed:
             return
-        if os.getpid() != self._pid:  # a forked child must not touch the parent's sockets
-            self._closed = True
-            return
+        # New write-path calls get ClosedError from here on; those under way finish first, so a
+        # seal is not aborted under its feet and a reservation they make is registered (below).
+        self._quiesce()
         self._stop.set()
         with self._lock:
             lids = list(self._live_leases.keys())
             flights = list(self._live_flights.values())
             self._live_leases.clear()
             self._live_flights.clear()
+        # (after the snapshot: a reservation dropped by now was queued by its __del__)
+        pairs = [(r.hex, r.rid) for r in flights if r.state == "open"] + self._take_dropped()
         try:
             if lids:
                 self._eval("release", *lids)
-            if flights:
-                args = [str(len(flights))]
+            if pairs:
                 for r in flights:
-                    args += [r.hex, r.rid]
-                    r._finish("aborted")
-                self._eval("abort", *args)
+                    if r.state == "open":
+                        r._finish("aborted")
+                self._eval("abort", str(len(pairs)), *(x for pair in pairs for x in pair))
         except HostKVError as exc:
             warnings.warn(f"releasing leases/reservations at close failed ({exc}); they expire", stacklevel=2)
         self._closed = True

@@ -15,7 +15,9 @@ client-generated reservation/lease ids)::
                                   lc lease count, fc in-flight children, na anchors,
                                   xp (sharded stores) the parent that lives in another shard,
                                   xs its shard, xm the pin this page holds on it (below),
-                                  xc pins held on this page by child groups in other shards
+                                  xc pins held on this page by child groups in other shards,
+                                  rt 1 when retained, ra the retain refcount: rt plus the
+                                  children (or, sharded, child groups elsewhere) with ra > 0
     hkv:{ns}:x:<h>        hash    pins on h by child groups in other shards: pin -> ms
     hkv:{ns}:xz           zset    pages with pins (x:<h> not empty) by LRU tick
     hkv:{ns}:xo           list    outbox: "<shard> <parent> <pin>" releases still to apply there
@@ -105,20 +107,44 @@ local function mincr(field, d) if d ~= 0 then redis.call('HINCRBY', M, field, d)
 -- Keep LRU = exactly the sealed entries with no children, no leases, no in-flight children and
 -- no pins from child groups in other shards (xc, sharded stores).
 local function maybe_leaf(h)
-  local v = redis.call('HMGET', E(h), 'ch', 'lc', 'fc', 't', 'xc')
+  local v = redis.call('HMGET', E(h), 'ch', 'lc', 'fc', 't', 'xc', 'rt')
   if not v[4] then return end
-  if tonumber(v[1]) == 0 and tonumber(v[2]) == 0 and tonumber(v[3]) == 0 and tonumber(v[5] or '0') == 0 then
+  if tonumber(v[1]) == 0 and tonumber(v[2]) == 0 and tonumber(v[3]) == 0 and tonumber(v[5] or '0') == 0
+     and v[6] ~= '1' then
     redis.call('ZADD', LRU, v[4], h)
   else
     redis.call('ZREM', LRU, h)
   end
 end
 
+-- The retain refcount (ra) of h changes by d (+1/-1): on 0 -> 1 and 1 -> 0 its bytes join or
+-- leave retained_bytes and the change goes on to its parent; a local root of a sharded store
+-- reports its parent in another shard ("<shard> <hex>" into `remote`), which the client carries on.
+local function ra_walk(h, d, remote)
+  local x = h
+  while x and x ~= '' do
+    local ra = redis.call('HINCRBY', E(x), 'ra', d)
+    if (d > 0 and ra ~= 1) or (d < 0 and ra ~= 0) then return end
+    local v = redis.call('HMGET', E(x), 'c', 'p', 'xp', 'xs')
+    mincr('retained_bytes', d * tonumber(v[1]))
+    if v[2] == '' and v[3] and v[3] ~= '' and remote then remote[#remote + 1] = v[4] .. ' ' .. v[3] end
+    x = v[2]
+  end
+end
+
 -- Remove one sealed entry (a leaf, or forced by a subtree drop that goes deepest first).
 local function remove_entry(h)
-  local v = redis.call('HMGET', E(h), 'p', 'c', 'na', 'lc', 'xs', 'xp', 'xm')
+  local v = redis.call('HMGET', E(h), 'p', 'c', 'na', 'lc', 'xs', 'xp', 'xm', 'rt', 'ra')
   if not v[2] then return 0 end
   local c = tonumber(v[2])
+  -- Only a forced drop (a checksum failure) removes a retained entry or an ancestor of one;
+  -- deepest first, so its own mark is all that is left of its refcount.
+  if v[8] == '1' then
+    mincr('retained', -1)
+    ra_walk(h, -1, nil)  -- (a parent in another shard keeps its count: it stays, the safe side)
+  elseif tonumber(v[9] or '0') > 0 then
+    mincr('retained_bytes', -c)
+  end
   -- X(h) (pins of child groups in other shards) stays: empty unless this is a forced drop, and
   -- then those children still name h; a page sealed again under the key inherits them.
   redis.call('DEL', E(h), D(h), A(h), C(h))
@@ -250,9 +276,9 @@ local function plan(need, protect, partial)
         local p = v[2]
         if p ~= '' and p ~= protect then
           gone[p] = (gone[p] or 0) + 1
-          local pv = redis.call('HMGET', E(p), 'ch', 'lc', 'fc', 't', 'xc')
+          local pv = redis.call('HMGET', E(p), 'ch', 'lc', 'fc', 't', 'xc', 'rt')
           if pv[4] and tonumber(pv[1]) == gone[p] and tonumber(pv[2]) == 0 and tonumber(pv[3]) == 0
-             and tonumber(pv[5] or '0') == 0 then
+             and tonumber(pv[5] or '0') == 0 and pv[6] ~= '1' then
             heap_push(H, tonumber(pv[4]), p)
           end
         end
@@ -444,7 +470,7 @@ local n = tonumber(ARGV[1])
 local out = {}
 local i = 2
 local t0 = redis.call('HINCRBY', M, 'tick', n) - n
-local sealed, entries = 0, 0
+local sealed, entries, written = 0, 0, 0
 for k = 1, n do
   local h, rid, ck = ARGV[i], ARGV[i + 1], ARGV[i + 2]
   i = i + 3
@@ -479,6 +505,7 @@ for k = 1, n do
       end
       sealed = sealed + tonumber(f[4])
       entries = entries + 1
+      written = written + tonumber(f[5])
       redis.call('DEL', F(h))
       redis.call('ZREM', FZ, h)
       st = 'ok'
@@ -489,6 +516,7 @@ end
 mincr('sealed', sealed)
 mincr('entries', entries)
 mincr('seals', entries)
+mincr('bytes_written', written)
 return out
 """
 
@@ -541,7 +569,7 @@ local out = {}
 local t0 = redis.call('HINCRBY', M, 'tick', n) - n
 -- Budget arithmetic stays in locals; the pending sums are flushed before make_room, which reads
 -- (and evicts through) the metadata.
-local budget, used, pused, psealed = mget('budget'), mget('used'), 0, 0
+local budget, used, pused, psealed, written = mget('budget'), mget('used'), 0, 0, 0
 local mine, order = {}, {}
 local i = 4
 for k = 1, n do
@@ -602,6 +630,7 @@ for k = 1, n do
         used = used + nb
         pused = pused + nb
         psealed = psealed + nb
+        written = written + nb
         st = 'ok'
         w = nil
       else
@@ -634,6 +663,7 @@ mincr('used', pused)
 mincr('sealed', psealed)
 mincr('entries', #order)
 mincr('seals', #order)
+mincr('bytes_written', written)
 return out
 """
 
@@ -648,6 +678,7 @@ for k = 0, n - 1 do
     done = done + 1
   end
 end
+mincr('aborts', done)
 return done
 """
 
@@ -741,28 +772,48 @@ end
 return n
 """
 
-# ARGV: hexes... (the keys just read): refresh their LRU position.
+# ARGV: hexes... (the keys just read, in the same pipeline as their GETs): refresh their LRU
+# position, and count the store-wide read counters (hits: an entry with its bytes; a page the
+# client then finds damaged is moved back to misses by the drop script).
 _TOUCH = r"""
 if redis.call('EXISTS', M) == 0 then return 0 end  -- never create a store without its identity
 local now = now_ms()
 local n = #ARGV
 local t0 = redis.call('HINCRBY', M, 'tick', n) - n
+local hits, nbytes = 0, 0
 for i = 1, n do
   local h = ARGV[i]
-  if redis.call('EXISTS', E(h)) == 1 then
+  local nb = redis.call('HGET', E(h), 'n')
+  if nb then
     redis.call('HSET', E(h), 't', t0 + i, 'lu', now)
     redis.call('ZADD', XZ, 'XX', t0 + i, h)  -- a pinned page's LRU position (sharded stores)
     redis.call('ZADD', LRU, 'XX', t0 + i, h)
+    if redis.call('EXISTS', D(h)) == 1 then
+      hits = hits + 1
+      nbytes = nbytes + tonumber(nb)
+    end
   end
 end
+mincr('hits', hits)
+mincr('misses', n - hits)
+mincr('bytes_read', nbytes)
 return n
 """
 
-# ARGV: h [, gen].  Force-removes the subtree of a page whose bytes failed verification.  With a
-# generation, only if the entry is still the one that failed (not dropped and sealed again).
+# ARGV: h [, gen [, 'read']].  Force-removes the subtree of a page whose bytes failed
+# verification.  With a generation, only if the entry is still the one that failed (not dropped
+# and sealed again).  'read': a read found it, so the touch script counted a hit that was a miss.
 _DROP = r"""
 local h, gen = ARGV[1], ARGV[2]
 if gen and gen ~= '' and redis.call('HGET', E(h), 'r') ~= gen then return 0 end
+if ARGV[3] == 'read' then
+  local nb = redis.call('HGET', E(h), 'n')
+  if nb then
+    mincr('hits', -1)
+    mincr('misses', 1)
+    mincr('bytes_read', -tonumber(nb))
+  end
+end
 local order = subtree({h})
 for i = #order, 1, -1 do remove_entry(order[i]) end
 if #order > 0 then mincr('checksum_failures', 1) end
@@ -794,6 +845,9 @@ reap(now_ms())
 local roots = {}
 for i = 1, #ARGV do roots[i] = ARGV[i] end
 local order = subtree(roots)
+for _, h in ipairs(order) do  -- a retained entry (or an ancestor of one) in there: nothing goes
+  if tonumber(redis.call('HGET', E(h), 'ra') or '0') > 0 then return {'retained', h} end
+end
 local n, b, skipped = 0, 0, 0
 for i = #order, 1, -1 do
   local h = order[i]
@@ -868,10 +922,11 @@ _INFO = r"""
 local out = {}
 for i = 1, #ARGV do
   local h = ARGV[i]
-  local v = redis.call('HMGET', E(h), 'p', 'n', 'g', 'k', 'ct', 'lu', 'r', 'xp')
+  local v = redis.call('HMGET', E(h), 'p', 'n', 'g', 'k', 'ct', 'lu', 'r', 'xp', 'rt')
   if v[2] then
     if v[1] == '' and v[8] then v[1] = v[8] end  -- the parent in another shard (sharded stores)
-    v[8] = nil
+    v[8] = v[9] or '0'  -- retained
+    v[9] = nil
     for _, name in ipairs(redis.call('HKEYS', A(h))) do
       v[#v + 1] = name
       v[#v + 1] = redis.call('HSTRLEN', A(h), name)
@@ -1032,6 +1087,83 @@ end
 return table.concat(out)
 """
 
+# ARGV: mode, share, hexes...  Retained prefixes (SupportsRetain).  Modes:
+#   mark   -- mark sealed entries retained, all or nothing: {'missing', h} when one is not stored,
+#             {'cap', retained_bytes, adding, cap} when the marks with the ancestors they add would
+#             exceed share * budget; else {'ok', newly marked, remote...}
+#   unmark -- clear marks (unmarked or absent keys ignored): {'ok', cleared, remote...}
+#   up / down -- (sharded stores) a child group in another shard gained / lost its retained
+#             count: adjust the refcount of these parents, no cap check: {'ok', 0, remote...}
+# `remote`: "<shard> <parent hex>" of the parents in other shards the change goes on to.
+_RETAIN = r"""
+need_store()
+local mode, share = ARGV[1], tonumber(ARGV[2])
+local remote = {}
+if mode == 'mark' then
+  local todo, seen, add = {}, {}, 0
+  for i = 3, #ARGV do
+    local h = ARGV[i]
+    local v = redis.call('HMGET', E(h), 'rt', 'c')
+    if not v[2] then return {'missing', h} end
+    if v[1] ~= '1' and not seen[h] then
+      todo[#todo + 1] = h
+      -- the bytes this mark adds: h and its ancestors up to the first one already counted
+      local x = h
+      while x and x ~= '' and not seen[x] do
+        local w = redis.call('HMGET', E(x), 'ra', 'c', 'p')
+        if not w[2] or tonumber(w[1] or '0') > 0 then break end
+        seen[x] = true
+        add = add + tonumber(w[2])
+        x = w[3]
+      end
+      seen[h] = true
+    end
+  end
+  local cap = math.floor(share * mget('budget'))
+  if mget('retained_bytes') + add > cap then
+    return {'cap', tostring(mget('retained_bytes')), tostring(add), tostring(cap)}
+  end
+  for _, h in ipairs(todo) do
+    redis.call('HSET', E(h), 'rt', 1)
+    redis.call('ZREM', LRU, h)
+    ra_walk(h, 1, remote)
+  end
+  mincr('retained', #todo)
+  return {'ok', #todo, unpack(remote)}
+end
+local n = 0
+for i = 3, #ARGV do
+  local h = ARGV[i]
+  if redis.call('EXISTS', E(h)) == 1 then
+    if mode == 'unmark' then
+      if redis.call('HGET', E(h), 'rt') == '1' then
+        redis.call('HDEL', E(h), 'rt')
+        ra_walk(h, -1, remote)
+        maybe_leaf(h)
+        n = n + 1
+      end
+    elseif mode == 'up' then
+      ra_walk(h, 1, remote)
+    elseif mode == 'down' then
+      ra_walk(h, -1, remote)
+    end
+  end
+end
+if mode == 'unmark' then mincr('retained', -n) end
+return {'ok', n, unpack(remote)}
+"""
+
+# ARGV: hexes... -> the first key in their subtrees (here) that is retained or an ancestor of a
+# retained entry, or '' (the sharded store checks every level before it evicts any).
+_RETAINED_IN = r"""
+local roots = {}
+for i = 1, #ARGV do roots[i] = ARGV[i] end
+for _, h in ipairs(subtree(roots)) do
+  if tonumber(redis.call('HGET', E(h), 'ra') or '0') > 0 then return h end
+end
+return ''
+"""
+
 _BODIES = {
     "init": _INIT,
     "reserve": _RESERVE,
@@ -1063,6 +1195,8 @@ _BODIES = {
     "xlist": _XLIST,
     "xheld": _XHELD,
     "xhot": _XHOT,
+    "retain": _RETAIN,
+    "retained_in": _RETAINED_IN,
 }
 
 #: name -> full Lua source (prelude + body); loaded with SCRIPT LOAD, called with EVALSHA.

@@ -61,11 +61,14 @@ from hostkv_providers.errors import (
     IncompatibleStoreError,
     InvalidArgumentError,
     ReservationError,
+    RetainedError,
     StorageIOError,
+    StoreNotFoundError,
     UnknownKeyError,
 )
 from hostkv_providers.providers import (
     ByteSpan,
+    Corrupt,
     EntryInfo,
     EvictReport,
     Key,
@@ -75,7 +78,9 @@ from hostkv_providers.providers import (
     ProviderStats,
     Reservation,
     VerifyReport,
-    check_anchor_name,
+    check_flag,
+    check_progress,
+    check_span,
 )
 from redis.backoff import ExponentialBackoff
 from redis.cluster import RedisCluster
@@ -131,6 +136,7 @@ class RedisShardedProvider(Provider):
     name: ClassVar[str] = "redis+cluster"
     persistent: ClassVar[bool] = True
     multiprocess: ClassVar[bool] = True
+    _tag_max = 128  # as RedisProvider's
 
     @classmethod
     def from_url(cls, location: str, options: Mapping[str, str]) -> Provider:
@@ -158,8 +164,16 @@ class RedisShardedProvider(Provider):
         keepalive: bool = True,
         wait_replicas: int = 0,
         wait_timeout: float = 2.0,
+        readonly: bool = False,
+        retain_share: float = 0.5,
     ) -> None:
         super().__init__()
+        if type(readonly) is not bool:
+            raise InvalidArgumentError(f"readonly must be True or False, got {readonly!r}")
+        if readonly and (budget_bytes is not None or resize):
+            raise InvalidArgumentError("a read-only open cannot set the budget",
+                                       hint="drop budget=/resize= or readonly=")
+        self._readonly = readonly
         if type(shards) is not int or not 1 <= shards <= 4096:
             raise InvalidArgumentError(f"shards must be an int in [1, 4096], got {shards!r}")
         if type(group) is not int or not 1 <= group <= 1024:
@@ -195,7 +209,9 @@ class RedisShardedProvider(Provider):
                     url, budget_bytes=per, namespace=tag, cluster=True, lease_ttl=lease_ttl,
                     reservation_ttl=reservation_ttl, timeout=timeout, retries=retries,
                     verify_reads=verify_reads, resize=resize, keepalive=False,
-                    wait_replicas=wait_replicas, wait_timeout=wait_timeout, _shared_cluster=self._cluster))
+                    wait_replicas=wait_replicas, wait_timeout=wait_timeout, readonly=readonly,
+                    retain_share=retain_share,
+                    _shared_cluster=self._cluster))
         except BaseException:
             for s in self._shards:
                 s.close()
@@ -204,14 +220,14 @@ class RedisShardedProvider(Provider):
             raise
         self._sha = {name: self._shards[0]._link.sha(name)
                      for name in ("present", "locate", "deepest_anchor", "xpin", "xunpin", "xout", "xack",
-                                  "xsub", "xlist", "xheld", "xhot")}
+                                  "xsub", "xlist", "xheld", "xhot", "retained_in")}
         self._nonce = os.urandom(6).hex()
         self._pins = itertools.count()
         self._pin_grace_ms = int(2 * reservation_ttl * 1000)
         # One renewal thread for all shards (each shard's own would be `shards` threads).
         self._stop = threading.Event()
         self._keeper: threading.Thread | None = None
-        if keepalive:
+        if keepalive and not readonly:  # (a read-only client holds nothing and drains no outbox)
             self._keeper = threading.Thread(target=self._keep, args=(min(lease_ttl, reservation_ttl) / 3,),
                                             name="hostkv-redis-renew", daemon=True)
             self._keeper.start()
@@ -241,7 +257,8 @@ class RedisShardedProvider(Provider):
         for attempt in range(8):
             try:
                 node = self._cluster.get_redis_connection(self._cluster.get_node_from_key(name))  # type: ignore[no-untyped-call]
-                node.set(name, layout, nx=True)
+                if not self._readonly:  # a read-only open records nothing
+                    node.set(name, layout, nx=True)
                 found = node.get(name)
                 single = node.exists(f"hkv:{{{self._namespace}}}:m")
                 break
@@ -251,6 +268,9 @@ class RedisShardedProvider(Provider):
                 self._cluster.nodes_manager.initialize()
                 threading.Event().wait(min(0.5, 0.02 * 2 ** attempt))
         recorded = found.decode() if isinstance(found, bytes) else found
+        if recorded is None and self._readonly:
+            raise StoreNotFoundError(f"no sharded store {self._namespace!r} on {_redact(self._url)}",
+                                     hint="check the namespace= option (a read-only open never creates a store)")
         if recorded is not None and recorded != layout:
             raise IncompatibleStoreError(f"store {self._namespace!r} was created with {recorded}, not {layout}",
                                          hint="open it with the recorded shards= and group=")
@@ -399,11 +419,12 @@ class RedisShardedProvider(Provider):
         return results
 
     # -- lookups -----------------------------------------------------------------------------
-    def longest_prefix(self, keys: Sequence[bytes]) -> int:
+    # (the public verbs are the front's, in Provider; these are the drivers it calls, over the
+    # shards' drivers, so every call is validated and counted once, here)
+    def _longest_prefix(self, keys: Sequence[bytes]) -> int:
         """How many leading keys of ``keys`` (a chain that starts at a root) are stored: every key
         is checked, one ``present`` script per shard touched, one round trip per master."""
         ks = self._keys(keys)
-        self._check_usable()
         if not ks:
             return 0
         bits, _ = self._chain_present(ks)
@@ -443,9 +464,8 @@ class RedisShardedProvider(Provider):
             return bits, first
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def present(self, keys: Sequence[bytes]) -> list[bool]:
+    def _present(self, keys: Sequence[bytes]) -> list[bool]:
         ks = self._keys(keys)
-        self._check_usable()
         if not ks:
             return []
         codes = self._locate(ks)
@@ -464,21 +484,17 @@ class RedisShardedProvider(Provider):
         c = self._locate([key])[0]
         return None if c < 0 else self._shards[c // self._group]
 
-    def entry(self, key: bytes) -> EntryInfo | None:
-        k = self._key(key)
-        self._check_usable()
+    def _entry(self, k: Key) -> EntryInfo | None:
         shard = self._shard_of(k)
         if shard is None:
             return None
-        return shard.entry(k)
+        return shard._entry(k)
 
-    def in_flight(self, key: bytes) -> bool:
-        k = self._key(key)
-        self._check_usable()
+    def _in_flight(self, k: Key) -> bool:
         c = self._memo.get(k)
         if c is not None:
-            return self._shards[c // self._group].in_flight(k)
-        return any(self._each(dict.fromkeys(range(self._nshards), k), lambda s, kk: s.in_flight(kk)).values())
+            return self._shards[c // self._group]._in_flight(k)
+        return any(self._each(dict.fromkeys(range(self._nshards), k), lambda s, kk: s._in_flight(kk)).values())
 
     # -- placement of new pages --------------------------------------------------------------
     def _place(self, items: Sequence[tuple[Key, Key | None]]) -> list[int]:
@@ -514,16 +530,15 @@ class RedisShardedProvider(Provider):
         return out
 
     # -- writes ------------------------------------------------------------------------------
-    def reserve(self, key: bytes, parent: bytes | None, nbytes: int, *, salt_tag: str = "") -> Reservation | None:
-        k, p, n = self._reserve_args(key, parent, nbytes, salt_tag, tag_max=128)
-        self._check_usable()
+    def _reserve(self, k: Key, p: Key | None, n: int, salt_tag: str) -> Reservation | None:
+        self._shards[0]._writable("reserve")
         c = self._place([(k, p)])[0]
         if p is not None and c < 0:
             raise UnknownKeyError(f"parent {p.hex()[:16]} is not stored")
         g = self._group
         s = c // g
         if p is None or c % g:
-            res = self._roomy(s, lambda: self._shards[s].reserve(k, p, n, salt_tag=salt_tag))
+            res: Reservation | None = self._roomy(s, lambda: self._shards[s]._reserve_remote(k, p, n, salt_tag, ""))
         else:
             # A group's first page: its parent is in another shard, whose scripts cannot see
             # this one.  Pin the parent there first (that fails if it is gone), then reserve;
@@ -539,8 +554,7 @@ class RedisShardedProvider(Provider):
             if self._fan([(ps, "xpin", ["1", p.hex(), token])])[0] != b"1":
                 raise UnknownKeyError(f"parent {p.hex()[:16]} is not stored")
             try:
-                res = self._roomy(s, lambda: self._shards[s].reserve(k, p, n, salt_tag=salt_tag,
-                                                                     _remote_parent=f"{ps} {token}"))
+                res = self._roomy(s, lambda: self._shards[s]._reserve_remote(k, p, n, salt_tag, f"{ps} {token}"))
             except BaseException:
                 self._unpin([(ps, p, token)])
                 raise
@@ -626,6 +640,8 @@ class RedisShardedProvider(Provider):
         assert isinstance(owner, RedisProvider)
         return owner
 
+    # write, seal and abort stay public verbs here: a reservation belongs to its shard's provider
+    # (whose front validates and counts it), this one only routes it there.
     def write(self, reservation: Reservation, offset: int, data: object) -> None:
         self._check_usable()
         self._res_shard(reservation).write(reservation, offset, data)
@@ -643,6 +659,7 @@ class RedisShardedProvider(Provider):
 
     def abort(self, reservation: Reservation) -> None:
         shard = self._res_shard(reservation)
+        self._check_usable()
         shard.abort(reservation)
         if not self._closed:
             with contextlib.suppress(HostKVError):
@@ -652,6 +669,15 @@ class RedisShardedProvider(Provider):
                  salt_tag: str = "") -> list[bool | HostKVError]:
         """:meth:`RedisProvider.put_many` over the shards (see :meth:`_put_many`); pages that did
         not fit their shard are tried once more after :meth:`_make_room_in` that shard."""
+        if isinstance(items, (bytes, bytearray, memoryview, str)) or not isinstance(items, Sequence):
+            raise InvalidArgumentError("put_many items are (key, parent, data) tuples")
+        self._check_usable()
+        self._shards[0]._writable("put_many")
+        with self._write_call():
+            return self._put_many_retry(items, salt_tag)
+
+    def _put_many_retry(self, items: Sequence[tuple[bytes, bytes | None, object]],
+                        salt_tag: str) -> list[bool | HostKVError]:
         out, codes = self._put_many(items, salt_tag)
         full = [i for i, r in enumerate(out) if isinstance(r, CapacityError)]
         if not full or not self._make_room_in([codes[i] // self._group for i in full]):
@@ -757,25 +783,35 @@ class RedisShardedProvider(Provider):
                 work.setdefault(c // self._group, []).append(i)
         return work, missing
 
-    def read(self, key: bytes, out: object, span: ByteSpan | None = None) -> bool:
-        k = self._key(key)
-        self._check_usable()
-        shard = self._shard_of(k)
-        return False if shard is None else shard.read(k, out, span)
+    def _read(self, k: Key, out: object, span: ByteSpan | None) -> int | Corrupt | None:
+        c = self._locate([k])[0]
+        if c < 0:
+            return None
+        got = self._shards[c // self._group]._read(k, out, span)
+        return Corrupt((c // self._group, got.token)) if isinstance(got, Corrupt) else got
+
+    def _drop_damaged(self, k: Key, token: object) -> bool:
+        assert isinstance(token, tuple)  # (shard, the shard's token), from _read
+        return self._shards[token[0]]._drop_damaged(k, token[1])
 
     def read_bytes(self, key: bytes, span: ByteSpan | None = None) -> bytes | None:
+        """The shard's one-round-trip ``read_bytes`` (its front's rules and counters)."""
         k = self._key(key)
+        if span is not None and not isinstance(span, ByteSpan):
+            check_span(span, 0)  # raises: a wrong type is an error also for a key that misses
         self._check_usable()
         shard = self._shard_of(k)
-        return None if shard is None else shard.read_bytes(k, span)
+        if shard is None:
+            self._tally("misses")  # (as the shard's front would have)
+            return None
+        return shard.read_bytes(k, span)
 
     def read_many(self, keys: Sequence[bytes], outs: Sequence[object]) -> list[bool]:
         """:meth:`RedisProvider.read_many` over the shards, masters in parallel."""
-        ks = self._keys(keys)
-        if len(outs) != len(ks):
-            raise InvalidArgumentError(f"{len(ks)} keys but {len(outs)} output buffers")
+        ks, outs = self._read_many_args(keys, outs)
         self._check_usable()
-        work, _ = self._group_keys(ks)
+        work, missing = self._group_keys(ks)
+        self._tally("misses", len(missing))
         out = [False] * len(ks)
         res = self._each(work, lambda s, idx: s.read_many([ks[i] for i in idx], [outs[i] for i in idx]))
         for s, idx in work.items():
@@ -786,7 +822,8 @@ class RedisShardedProvider(Provider):
     def read_many_bytes(self, keys: Sequence[bytes]) -> list[bytes | None]:
         ks = self._keys(keys)
         self._check_usable()
-        work, _ = self._group_keys(ks)
+        work, missing = self._group_keys(ks)
+        self._tally("misses", len(missing))
         out: list[bytes | None] = [None] * len(ks)
         res = self._each(work, lambda s, idx: s.read_many_bytes([ks[i] for i in idx]))
         for s, idx in work.items():
@@ -795,17 +832,16 @@ class RedisShardedProvider(Provider):
         return out
 
     # -- leases ------------------------------------------------------------------------------
-    def lease(self, keys: Sequence[bytes]) -> Lease:
+    def _lease(self, ks: list[Key]) -> Lease:
         """Pin ``keys`` in every shard that holds some (one lease script per shard, atomic per
         shard); ``present``/``prefix_len`` say what was pinned, so a chain's usable prefix stops
         at the first page that was gone when its shard was asked."""
-        ks = self._keys(keys)
-        self._check_usable()
+        self._shards[0]._writable("lease")
         work, _ = self._group_keys(ks)
         subs: dict[int, Lease] = {}
 
         def take(s: RedisProvider, idx: list[int]) -> None:
-            subs[s_index[id(s)]] = s.lease([ks[i] for i in idx])
+            subs[s_index[id(s)]] = s._lease([ks[i] for i in idx])
 
         s_index = {id(sp): i for i, sp in enumerate(self._shards)}
         try:
@@ -832,33 +868,28 @@ class RedisShardedProvider(Provider):
                     lz.release()
 
     # -- eviction ----------------------------------------------------------------------------
-    def evict(self, keys: Sequence[bytes] | None = None, *, nbytes: int = 0) -> EvictReport:
+    def _evict(self, ks: list[Key] | None, nbytes: int) -> EvictReport:
         """``keys``: each key's subtree, across shards (:meth:`_evict_subtrees`).  ``nbytes``:
         LRU leaves (store-wide leaves: pinned pages are none) from every shard in proportion to
         its used bytes."""
-        if (keys is None) == (not nbytes):
-            raise InvalidArgumentError("give exactly one of keys or nbytes")
-        if type(nbytes) is not int or nbytes < 0:
-            raise InvalidArgumentError(f"nbytes must be a non-negative int, got {nbytes!r}")
-        self._check_usable()
+        self._shards[0]._writable("evict")
         report = EvictReport()
-        if keys is not None:
-            ks = self._keys(keys)
+        if ks is not None:
             work, _ = self._group_keys(ks)
-            return self._evict_subtrees({s: [ks[i] for i in idx] for s, idx in work.items()})
+            return self._evict_subtrees({s: [ks[i] for i in idx] for s, idx in work.items()}, explicit=True)
         self._drain()  # released pins first, so that their parents count as leaves
         used = self._each(dict.fromkeys(range(self._nshards), 0), lambda s, _: s.stats().used_bytes)
         total = sum(used.values())
         if not total:
             return report
         share = {s: -(-nbytes * u // total) for s, u in used.items() if u}
-        parts = self._each(share, lambda s, n: s.evict(nbytes=n))
+        parts = self._each(share, lambda s, n: s._evict(None, n))
         for r in parts.values():
             report = EvictReport(report.entries + r.entries, report.nbytes + r.nbytes, report.skipped + r.skipped)
         self._drain(list(parts))  # the evicted group-first pages' pins
         return report
 
-    def _evict_subtrees(self, roots: Mapping[int, Sequence[Key | str]]) -> EvictReport:
+    def _evict_subtrees(self, roots: Mapping[int, Sequence[Key | str]], *, explicit: bool = False) -> EvictReport:
         """Remove the subtrees of ``roots`` (per shard) across shards: the child groups pinned on
         them are found level by level (one ``xsub`` per shard per level, a round trip per master)
         and removed deepest level first; after each level its pins are released, so that the
@@ -878,13 +909,91 @@ class RedisShardedProvider(Provider):
                         seen.add((int(cs), ch))
                         nxt.setdefault(int(cs), []).append(ch)
             cur = nxt
+        if explicit:
+            # a retained entry (or an ancestor of one) anywhere below: nothing goes (every level
+            # is checked before any is evicted)
+            calls = [(s, "retained_in", hs) for lvl in levels for s, hs in lvl.items()]
+            for got in self._fan(calls):
+                if got:
+                    raise RetainedError(f"entry {got.decode()[:16]} is retained, or an ancestor of a "
+                                        "retained entry; nothing was evicted")
         report = EvictReport()
         for lvl in reversed(levels):
             parts = self._each(lvl, lambda s, hs: s._eval("evict_keys", *hs))
-            for n, b, skipped in parts.values():
+            for hs, reply in ((lvl[s], r) for s, r in parts.items()):
+                if reply[0] == b"retained":  # (for room, or retained meanwhile): held, skipped
+                    if explicit:
+                        raise RetainedError(f"entry {reply[1].decode()[:16]} is retained, or an ancestor "
+                                            "of a retained entry")
+                    report = EvictReport(report.entries, report.nbytes, report.skipped + len(hs))
+                    continue
+                n, b, skipped = reply
                 report = EvictReport(report.entries + int(n), report.nbytes + int(b), report.skipped + int(skipped))
             self._drain(list(lvl))
         return report
+
+    # -- retained prefixes (SupportsRetain) ---------------------------------------------------
+    def retain(self, keys: Sequence[bytes]) -> int:
+        """:meth:`RedisProvider.retain` over the shards: each shard marks its keys (its cap is
+        ``retain_share`` of its own budget share), then the refcount goes on to the ancestors in
+        other shards (counted there, no cap check: they are already held by their child groups'
+        pins).  All or nothing: a missing key fails before anything is marked; a shard over its
+        share undoes the marks made in the others."""
+        ks = list(dict.fromkeys(self._keys(keys)))
+        self._check_usable()
+        self._shards[0]._writable("retain")
+        if not ks:
+            return 0
+        work, missing = self._group_keys(ks)
+        if missing:
+            raise UnknownKeyError(f"entry {ks[missing[0]].hex()[:16]} is not stored (sealed); nothing was retained",
+                                  hint="retain sealed entries only")
+        infos = {k: self._shards[s]._infos([ks[i] for i in idx]) for s, idx in work.items() for k in [s]}
+        todo: dict[int, list[str]] = {}
+        for s, idx in work.items():
+            for i, info in zip(idx, infos[s], strict=True):
+                if info is None:
+                    raise UnknownKeyError(f"entry {ks[i].hex()[:16]} is not stored (sealed); nothing was retained")
+                if not info.retained:
+                    todo.setdefault(s, []).append(ks[i].hex())
+        done: dict[int, list[str]] = {}
+        remote: list[tuple[int, str]] = []
+        try:
+            for s, hexes in todo.items():
+                _, more = self._shards[s]._retain_step("mark", hexes)
+                done[s] = hexes
+                remote += more
+        except HostKVError:
+            for s, hexes in done.items():  # undo: exactly the marks this call made
+                self._propagate("down", self._shards[s]._retain_step("unmark", hexes)[1])
+            raise
+        self._propagate("up", remote)
+        return sum(len(h) for h in todo.values())
+
+    def unretain(self, keys: Sequence[bytes]) -> int:
+        ks = list(dict.fromkeys(self._keys(keys)))
+        self._check_usable()
+        self._shards[0]._writable("unretain")
+        if not ks:
+            return 0
+        work, _ = self._group_keys(ks)
+        cleared = 0
+        for s, idx in work.items():
+            n, more = self._shards[s]._retain_step("unmark", [ks[i].hex() for i in idx])
+            cleared += n
+            self._propagate("down", more)
+        return cleared
+
+    def _propagate(self, mode: str, todo: list[tuple[int, str]]) -> None:
+        """Carry a retain refcount change ("up"/"down") to parents in other shards, level by
+        level (one call per shard per level)."""
+        while todo:
+            by: dict[int, list[str]] = {}
+            for s, h in todo:
+                by.setdefault(s, []).append(h)
+            todo = []
+            for s, hexes in by.items():
+                todo += self._shards[s]._retain_step(mode, hexes)[1]
 
     # -- anchors -----------------------------------------------------------------------------
     def _stored_shard(self, k: Key) -> RedisProvider:
@@ -893,29 +1002,19 @@ class RedisShardedProvider(Provider):
             raise UnknownKeyError(f"entry {k.hex()[:16]} is not stored", hint="seal the page before its anchors")
         return shard
 
-    def put_anchor(self, key: bytes, name: str, data: object) -> None:
-        k = self._key(key)
-        check_anchor_name(name)
-        self._check_usable()
-        self._stored_shard(k).put_anchor(k, name, data)
+    def _put_anchor(self, k: Key, name: str, blob: bytes) -> None:
+        self._shards[0]._writable("put_anchor")
+        self._stored_shard(k)._put_anchor(k, name, blob)
 
-    def get_anchor(self, key: bytes, name: str) -> bytes | None:
-        k = self._key(key)
-        check_anchor_name(name)
-        self._check_usable()
+    def _get_anchor(self, k: Key, name: str) -> bytes | None:
         shard = self._shard_of(k)
-        return None if shard is None else shard.get_anchor(k, name)
+        return None if shard is None else shard._get_anchor(k, name)
 
-    def list_anchors(self, key: bytes) -> dict[str, int]:
-        k = self._key(key)
-        self._check_usable()
+    def _list_anchors(self, k: Key) -> dict[str, int]:
         shard = self._shard_of(k)
-        return {} if shard is None else shard.list_anchors(k)
+        return {} if shard is None else shard._list_anchors(k)
 
-    def deepest_anchor(self, keys: Sequence[bytes], name: str) -> int:
-        ks = self._keys(keys)
-        check_anchor_name(name)
-        self._check_usable()
+    def _deepest_anchor(self, ks: list[Key], name: str) -> int:
         if not ks:
             return 0
         bits, first = self._chain_present(ks)
@@ -965,12 +1064,26 @@ class RedisShardedProvider(Provider):
         self._check_usable()
         parts = list(self._each(dict.fromkeys(range(self._nshards), 0), lambda s, _: s.stats()).values())
         total: dict[str, int] = {}
-        for f in ("entries", "used_bytes", "budget_bytes", "anchors", "leased", "in_flight", "evictions",
+        own = self._tallies()  # the verbs counted by this front; the shards' fronts counted the rest
+        for f in ("entries", "used_bytes", "budget_bytes", "anchors", "leased", "in_flight", "retained",
+                  "retained_bytes", "evictions",
                   "evicted_bytes", "hits", "misses", "seals", "aborts", "dedup", "checksum_failures",
                   "bytes_written", "bytes_read"):
-            total[f] = sum(int(getattr(p, f)) for p in parts)
+            total[f] = sum(int(getattr(p, f)) for p in parts) + own.get(f, 0)
         return ProviderStats(name=self.name, extra={"namespace": self._namespace, "shards": self._nshards,
-                                                    "group": self._group}, **total)
+                                                    "group": self._group,
+                                                    "store_wide": ["evictions", "evicted_bytes", "retained",
+                                                                   "retained_bytes"]}, **total)
+
+    def store_counters(self) -> dict[str, int]:
+        """Every shard's :meth:`RedisProvider.store_counters`, summed (the store-wide counters
+        of all clients, kept on the servers)."""
+        self._check_usable()
+        total: dict[str, int] = {}
+        for part in self._each(dict.fromkeys(range(self._nshards), 0), lambda s, _: s.store_counters()).values():
+            for name, n in part.items():
+                total[name] = total.get(name, 0) + n
+        return total
 
     def iter_entries(self) -> Iterator[EntryInfo]:
         self._check_usable()
@@ -979,6 +1092,8 @@ class RedisShardedProvider(Provider):
     def verify(self, *, repair: bool = False, progress: Progress | None = None) -> VerifyReport:
         """Every shard's :meth:`RedisProvider.verify`; with ``repair``, also the cross-shard pins
         reconciled (:meth:`reconcile_pins`)."""
+        check_flag(repair, "repair")
+        check_progress(progress)
         self._check_usable()
         report = VerifyReport()
         for s in self._shards:
@@ -1002,6 +1117,7 @@ class RedisShardedProvider(Provider):
         Leftovers come from a client that died between pinning and publishing, or between a
         removal and the drain of its outbox (both leave a parent pinned: never a punctured chain)."""
         self._check_usable()
+        self._shards[0]._writable("reconcile_pins")
         self._drain()
         lists = self._fan([(s, "xlist", []) for s in range(self._nshards)])
         cand: list[tuple[int, str, str]] = []
@@ -1037,8 +1153,10 @@ class RedisShardedProvider(Provider):
         return self
 
     def close(self) -> None:
+        self._check_not_forked()  # a forked child must not touch the parent's sockets
         if self._closed:
             return
+        self._quiesce()  # this front's write calls (reserve, put_many) finish first
         self._stop.set()
         if self._keeper is not None and self._keeper is not threading.current_thread():
             self._keeper.join(timeout=5)

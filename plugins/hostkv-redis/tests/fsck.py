@@ -92,7 +92,14 @@ def fsck(client: Any, namespace: str, *, quiescent: bool = True) -> list[str]:
         if quiescent and int(e["fc"]) != fchildren.get(h, 0):
             problems.append(f"{h[:12]} fc {e['fc']} != {fchildren.get(h, 0)}")
         leased += int(e["lc"]) > 0
-        evictable = e["ch"] == "0" and e["lc"] == "0" and e["fc"] == "0" and e.get("xc", "0") == "0"
+        evictable = (e["ch"] == "0" and e["lc"] == "0" and e["fc"] == "0" and e.get("xc", "0") == "0"
+                     and e.get("rt") != "1")
+        # the retain refcount: the mark plus the children with a count (child groups in other
+        # shards add theirs on top: exact only without pins)
+        ra = int(e.get("ra", "0"))
+        want = (e.get("rt") == "1") + sum(int(entries[c].get("ra", "0")) > 0 for c in children[h])
+        if ra != want and not (int(e.get("xc", "0")) and ra > want):
+            problems.append(f"{h[:12]} ra {ra} != {want}")
         if evictable != (h in lru):
             problems.append(f"{h[:12]} evictable={evictable} but in LRU={h in lru}")
         if int(e["c"]) != int(e["n"]) + sum(len(v) for v in anchors.values()):
@@ -104,6 +111,12 @@ def fsck(client: Any, namespace: str, *, quiescent: bool = True) -> list[str]:
         if (magic != b"HKVPAGE1" or echo.hex() != h or nbytes != int(e["n"])
                 or xxhash.xxh3_64_intdigest(value[:-56]) != digest or str(digest) != e["k"]):
             problems.append(f"{h[:12]} bytes do not match their trailer/checksum")
+    retained = sum(e.get("rt") == "1" for e in entries.values())
+    if int(meta.get("retained", "0")) != retained:
+        problems.append(f"meta retained {meta.get('retained', '0')} != {retained}")
+    retained_bytes = sum(int(e["c"]) for e in entries.values() if int(e.get("ra", "0")) > 0)
+    if int(meta.get("retained_bytes", "0")) != retained_bytes:
+        problems.append(f"meta retained_bytes {meta.get('retained_bytes', '0')} != {retained_bytes}")
     if set(lru) - set(entries):
         problems.append(f"LRU holds {len(set(lru) - set(entries))} keys that are not entries")
     if quiescent and int(meta["leased"]) != leased:
