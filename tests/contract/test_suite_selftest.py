@@ -18,7 +18,7 @@ from hypothesis import Phase
 
 from hostkv_providers import ByteSpan, CapacityError, Key, Lease, PinnedProvider, Provider, Reservation
 from hostkv_providers.device._hostmem import OrdinaryAllocator
-from hostkv_providers.providers._tree import Node, TreeIndex
+from hostkv_providers.providers._tree import TreeIndex
 from hostkv_providers.testing import ProviderTests
 
 PAGE = 4096
@@ -31,35 +31,37 @@ HERE = Path(__file__).resolve().parent
 class _PuncturingIndex(TreeIndex):
     """Evicts the least recently used *entry*, leaf or not: chains get holes."""
 
-    def _evict_lru(self, need: int) -> list[Node]:  # the eviction-policy hook
-        out: list[Node] = []
+    def _evict_lru(self, need: int) -> list[int]:  # the eviction-policy hook
+        out: list[int] = []
         freed = 0
-        for node in sorted(self.nodes.values(), key=lambda n: n.tick):
+        rows = [int(r) for r in self.live_rows()]
+        for row in sorted(rows, key=lambda r: int(self.tick[r])):
             if freed >= need:
                 break
-            if node.hold:
+            if self.hold[row] or self.retained[row]:
                 continue
-            node.children = 0  # orphan the children instead of refusing
-            self._remove(node)
-            freed += node.cost
-            out.append(node)
+            self.children[row] = 0  # orphan the children instead of refusing
+            freed += int(self.cost[row])
+            self._remove(row)
+            out.append(row)
         return out
 
 
 class _MostRecentIndex(TreeIndex):
     """Evicts the most recently used leaf first (MRU instead of LRU)."""
 
-    def _evict_lru(self, need: int) -> list[Node]:  # the eviction-policy hook
-        out: list[Node] = []
+    def _evict_lru(self, need: int) -> list[int]:  # the eviction-policy hook
+        out: list[int] = []
         freed = 0
         while freed < need:
-            leaves = [n for n in self.nodes.values() if not n.children and not n.hold]
+            leaves = [int(r) for r in self.live_rows()
+                      if not self.children[r] and not self.hold[r] and not self.retained[r]]
             if not leaves:
                 break
-            node = max(leaves, key=lambda n: n.tick)
-            self._remove(node)
-            freed += node.cost
-            out.append(node)
+            row = max(leaves, key=lambda r: int(self.tick[r]))
+            freed += int(self.cost[row])
+            self._remove(row)
+            out.append(row)
         heapq.heapify(self._heap)
         return out
 
@@ -174,16 +176,14 @@ class BoundSuite(ProviderTests):
 
     def backdoor_read(self, provider: Provider, key: Key) -> bytes | None:
         assert isinstance(provider, PinnedProvider)
-        node = provider._index.get(key)
-        if node is None:
-            return None
-        return b"".join(bytes(r.view) for r in provider._arena.regions(node.loc, node.nbytes, False))
+        regions = provider._entry_regions(key)
+        return None if regions is None else b"".join(bytes(r.view) for r in regions)
 
     def backdoor_corrupt(self, provider: Provider, key: Key) -> None:
         assert isinstance(provider, PinnedProvider)
-        node = provider._index.get(key)
-        assert node is not None
-        provider._arena.regions(node.loc, node.nbytes, False)[0].view[5] ^= 0xFF
+        regions = provider._entry_regions(key)
+        assert regions is not None
+        regions[0].view[5] ^= 0xFF
 
 
 #: broken provider -> the suite tests (``-k`` expression) that must catch it
