@@ -462,6 +462,16 @@ class SupportsBatch(Protocol):
     def read_many(self, keys: Sequence[bytes], outs: Sequence[object]) -> list[bool]: ...
 
 
+def _check_checksums(checksums: Sequence[int] | None, algorithm: str | None, n: int) -> None:
+    """Validate ``seal_many``'s ``checksums=``/``algorithm=`` pair (one checksum per reservation)."""
+    if checksums is None:
+        return
+    if not isinstance(algorithm, str):
+        raise InvalidArgumentError("give algorithm= with checksums= (the algorithm they are in)")
+    if len(checksums) != n:
+        raise InvalidArgumentError(f"{len(checksums)} checksums for {n} reservations; give one per reservation")
+
+
 @dataclass(slots=True)
 class ReservedChain:
     """What :meth:`Provider.reserve_many` reserved: a *prefix* of the keys asked for.
@@ -1246,17 +1256,31 @@ class Provider(abc.ABC, metaclass=_ProviderMeta):
             batch.add(k)
         return ReservedChain(out)
 
-    def seal_many(self, reservations: Sequence[Reservation]) -> None:
+    #: The checksum algorithm of the entries this store seals: ``"xxh3-64"`` (XXH3-64 of the
+    #: whole entry) or ``"xxh3-64k-tree"`` (:mod:`hostkv_providers._blockhash`, which a GPU
+    #: computes too).  ``seal_many(checksums=...)`` uses given checksums only when they are in
+    #: this algorithm.
+    checksum_algorithm: str = "xxh3-64"
+
+    def seal_many(self, reservations: Sequence[Reservation], *, checksums: Sequence[int] | None = None,
+                  algorithm: str | None = None) -> None:
         """Seal reservations root first (a parent before its children), as one batch.
 
         On failure the first error is raised; the reservations sealed by then are a prefix of
         ``reservations`` (possibly none: a provider that commits a batch at once seals all or
         nothing) and every other one is aborted.  A reservation whose parent was not sealed
         (aborted, or failed here) fails with ``UnknownKeyError``; one with unwritten bytes with
-        ``IncompleteWriteError``."""
+        ``IncompleteWriteError``.
+
+        ``checksums[i]`` (with ``algorithm``) is the checksum of the bytes written to
+        ``reservations[i]``, computed where they came from (a GPU kernel over the pages before
+        their device-to-host copy): a store whose :attr:`checksum_algorithm` is ``algorithm``
+        records it instead of hashing the bytes again; any other store ignores it.  A wrong
+        value is caught like a flipped bit: the entry fails its first verified read (a miss)."""
         for res in reservations:
             if not isinstance(res, Reservation) or res.provider is not self:
                 raise InvalidArgumentError("seal_many() takes reservations of this provider")
+        _check_checksums(checksums, algorithm, len(reservations))
         for i, res in enumerate(reservations):
             try:
                 if isinstance(res, _DeferredReservation):

@@ -19,12 +19,13 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from hostkv_providers._checksum import checksum_parts
+from hostkv_providers._blockhash import TREE_ALGORITHM, tree_checksum_parts
+from hostkv_providers._checksum import CHECKSUM_ALGORITHM, checksum_parts
 from hostkv_providers._errors import (
     CapacityError,
     HostKVError,
@@ -45,6 +46,7 @@ from hostkv_providers._provider import (
     Reservation,
     ReservedChain,
     VerifyReport,
+    _check_checksums,
     writable_buffer,
 )
 from hostkv_providers._region import HostPages
@@ -176,7 +178,12 @@ class PinnedProvider(Provider):
     background:
         Allocate all but the first chunk in a background thread.
     verify_reads:
-        Check the seal-time checksum on every ``read`` (views are never checked).
+        Check the seal-time checksum on every ``read`` (views are checked by their user: the
+        cache verifies restores from views on the GPU).
+    checksum:
+        The entries' checksum algorithm: ``"xxh3-64k-tree"`` (default; a GPU computes it too, so
+        a save from the GPU seals without hashing on the host) or ``"xxh3-64"`` (XXH3 of the
+        whole entry; a little cheaper to compute on the host).
     """
 
     name = "pinned"
@@ -191,6 +198,7 @@ class PinnedProvider(Provider):
         Option("pin", "choice", "auto", "auto", ("auto", "yes", "no")),
         Option("mapped", "choice", "no", "no", ("no", "yes")),
         Option("device", "int", None, "0"),  # None: not given (only mapped=yes takes it)
+        Option("checksum", "choice", TREE_ALGORITHM, TREE_ALGORITHM, (TREE_ALGORITHM, CHECKSUM_ALGORITHM)),
     )
     _reservation_type = _PinnedReservation
 
@@ -203,8 +211,15 @@ class PinnedProvider(Provider):
         allocator: HostAllocator | None = None,
         background: bool = False,
         verify_reads: bool = False,
+        checksum: str = TREE_ALGORITHM,
     ) -> None:
         super().__init__()
+        if checksum not in (TREE_ALGORITHM, CHECKSUM_ALGORITHM):
+            raise InvalidArgumentError(f"checksum must be {TREE_ALGORITHM!r} or {CHECKSUM_ALGORITHM!r}, "
+                                       f"got {checksum!r}")
+        self.checksum_algorithm = checksum
+        self._sum: Callable[[Iterable[object]], int] = (
+            tree_checksum_parts if checksum == TREE_ALGORITHM else checksum_parts)
         if type(budget_bytes) is not int or budget_bytes <= 0:
             raise InvalidArgumentError(f"budget must be a positive int, got {budget_bytes!r}")
         if type(block) is not int or block <= 0 or block % 4096:
@@ -257,12 +272,13 @@ class PinnedProvider(Provider):
                 raise InvalidArgumentError("mapped=yes needs page-locked memory; drop pin=no")
             from hostkv_providers.providers.pinned._mapped import MappedPinnedProvider
 
-            return MappedPinnedProvider(budget, block=block, chunk=chunk, device=device, verify_reads=verify == "read")
+            return MappedPinnedProvider(budget, block=block, chunk=chunk, device=device, verify_reads=verify == "read",
+                                        checksum=o["checksum"])
         allocator: HostAllocator | None = OrdinaryAllocator() if pin == "no" else None
         if pin == "yes":
             allocator = _default_allocator(require_pinned=True)
         return cls(budget, block=block, chunk=chunk, allocator=allocator, background=background,
-                   verify_reads=verify == "read")
+                   verify_reads=verify == "read", checksum=o["checksum"])
 
     def _add_chunk(self, nblocks: int) -> None:
         alloc = self._allocator.allocate(nblocks * self._block)
@@ -389,7 +405,7 @@ class PinnedProvider(Provider):
         _scatter(res._regions, span, view)
 
     def _seal(self, res: _PinnedReservation) -> None:
-        digest = checksum_parts(r.view for r in res._regions)
+        digest = self._sum(r.view for r in res._regions)
         with self._usable():
             res.check_open(self)
             self._commit_locked(res, digest)
@@ -424,14 +440,21 @@ class PinnedProvider(Provider):
                     return ReservedChain(out, exc)
         return ReservedChain(out)
 
-    def seal_many(self, reservations: Sequence[Reservation]) -> None:
+    def seal_many(self, reservations: Sequence[Reservation], *, checksums: Sequence[int] | None = None,
+                  algorithm: str | None = None) -> None:
         """Seal arena reservations root first (see ``Provider.seal_many``): the checksums run on
-        a few threads without the lock (XXH3 releases the GIL), the commits in one lock round."""
+        a few threads without the lock (XXH3 releases the GIL), the commits in one lock round.
+        Given ``checksums`` in this store's algorithm (a GPU's, over the pages before their copy)
+        are recorded as they are: no host hashing at all."""
         own = [self._own_reservation(r, _PinnedReservation) for r in reservations]
+        _check_checksums(checksums, algorithm, len(own))
         try:
             for r in own:
                 r.check_complete()
-            digests = _checksums([r._regions for r in own])
+            if checksums is not None and algorithm == self.checksum_algorithm:
+                digests = [int(c) for c in checksums]
+            else:
+                digests = _checksums([r._regions for r in own], self._sum)
             with self._usable():
                 for r, digest in zip(own, digests, strict=True):
                     r.check_open(self)
@@ -481,7 +504,7 @@ class PinnedProvider(Provider):
                         continue
                     try:
                         _scatter(res._regions, ByteSpan.whole(view.nbytes), view)
-                        digest = checksum_parts(r.view for r in res._regions)
+                        digest = self._sum(r.view for r in res._regions)
                     except BaseException:
                         self.abort(res)
                         raise
@@ -526,7 +549,7 @@ class PinnedProvider(Provider):
                     short = short or exc
                     continue
                 _gather(self._arena.regions(node.loc, node.nbytes, False), ByteSpan.whole(node.nbytes), dst)
-                state[i] = not self._verify_reads or checksum_parts((dst,)) == node.checksum
+                state[i] = not self._verify_reads or self._sum((dst,)) == node.checksum
         finally:
             got = [False] * len(ks)
             hits = nbytes = failures = 0
@@ -580,9 +603,9 @@ class PinnedProvider(Provider):
                 # Whole entry: checksum the copy itself, so the bytes handed out are exactly the
                 # bytes verified (no window between checking the arena and copying from it).
                 _gather(regions, span, dst)
-                ok = checksum_parts((dst,)) == node.checksum
+                ok = self._sum((dst,)) == node.checksum
             else:
-                ok = checksum_parts(r.view for r in regions) == node.checksum
+                ok = self._sum(r.view for r in regions) == node.checksum
                 if ok:
                     _gather(regions, span, dst)
         except BaseException:
@@ -768,7 +791,7 @@ class PinnedProvider(Provider):
                 if node.dead:
                     continue
                 regions = self._arena.regions(node.loc, node.nbytes, False)
-                ok = checksum_parts(r.view for r in regions) == node.checksum
+                ok = self._sum(r.view for r in regions) == node.checksum
                 report.checked += 1
                 if not ok:
                     report.corrupt.append(node.key)
@@ -846,20 +869,21 @@ _hash_pool: concurrent.futures.ThreadPoolExecutor | None = None
 _hash_pool_lock = threading.Lock()
 
 
-def _checksums(entries: Sequence[Sequence[HostRegion]]) -> list[int]:
+def _checksums(entries: Sequence[Sequence[HostRegion]],
+               fn: Callable[[Iterable[object]], int] = tree_checksum_parts) -> list[int]:
     """Seal checksums of many entries; large batches are split over a few threads (one task per
     thread, not per page: no per-page futures)."""
     global _hash_pool
     total = sum(sum(r.view.nbytes for r in regs) for regs in entries)
     if len(entries) < 2 or total < (8 << 20):
-        return [checksum_parts(r.view for r in regs) for regs in entries]
+        return [fn(r.view for r in regs) for regs in entries]
     with _hash_pool_lock:
         if _hash_pool is None:
             _hash_pool = concurrent.futures.ThreadPoolExecutor(_HASH_THREADS, thread_name_prefix="hostkv-hash")
         pool = _hash_pool
     step = -(-len(entries) // _HASH_THREADS)
     parts = [entries[i : i + step] for i in range(0, len(entries), step)]
-    futures = [pool.submit(lambda part: [checksum_parts(r.view for r in regs) for regs in part], part)
+    futures = [pool.submit(lambda part: [fn(r.view for r in regs) for regs in part], part)
                for part in parts]
     return [d for f in futures for d in f.result()]
 

@@ -1,0 +1,80 @@
+"""The GPU page hasher computes the host's ``xxh3-64k-tree`` checksum of every page, for pages
+of one 64 KiB plane slice, of many small slices, of slices that straddle 64 KiB blocks, and of a
+page that is not a multiple of 64 KiB (zero padding).  Skipped without CUDA and torch."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from hostkv_providers import KVLayout
+from hostkv_providers._blockhash import block_digests_numpy, nblocks, tree_checksum_parts
+from hostkv_providers.device._copy import KVPlanes, cuda_available
+
+torch = pytest.importorskip("torch")
+if not cuda_available() or not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+
+from hostkv_providers.device._hash import PageHasher  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+LAYOUTS = {
+    "64k-slices": KVLayout(num_layers=2, num_kv_heads=8, head_dim=128, page_tokens=16, dtype="bfloat16"),
+    "small-slices": KVLayout(num_layers=5, num_kv_heads=2, head_dim=64, page_tokens=16, dtype="bfloat16"),
+    "straddling": KVLayout(num_layers=3, num_kv_heads=3, head_dim=128, page_tokens=16, dtype="bfloat16"),
+    "latent": KVLayout(num_layers=4, num_kv_heads=1, head_dim=576, page_tokens=32, dtype="bfloat16",
+                       kinds=("kv",)),
+}
+
+
+def _planes(layout: KVLayout, nblocks_: int, seed: int) -> tuple[KVPlanes, list[Any]]:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    tensors = []
+    for spec in layout.planes:
+        t = torch.randint(0, 256, (nblocks_, spec.nbytes), generator=g, device="cuda", dtype=torch.uint8)
+        tensors.append(t)
+    return KVPlanes.from_torch(layout, tensors), tensors
+
+
+def _page_bytes(layout: KVLayout, tensors: list[Any], bid: int) -> list[bytes]:
+    order = sorted(range(len(layout.planes)), key=lambda p: layout.planes[p].offset)
+    return [tensors[p][bid].cpu().numpy().tobytes() for p in order]
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_gpu_roots_equal_the_host_tree_checksum(name: str) -> None:
+    layout = LAYOUTS[name]
+    planes, tensors = _planes(layout, 12, seed=len(name))
+    assert PageHasher.supports(planes)
+    hasher = PageHasher.get(0)
+    bids = [11, 0, 5, 5, 3]
+    stream = torch.cuda.current_stream().cuda_stream
+    got = hasher.enqueue(planes, bids, stream)
+    digests = got.digests().copy()
+    roots = got.roots()
+    for i, b in enumerate(bids):
+        parts = _page_bytes(layout, tensors, b)
+        assert roots[i] == tree_checksum_parts(parts), (name, i)
+        whole = b"".join(parts)
+        pad = whole + bytes(nblocks(len(whole)) * 65536 - len(whole))
+        assert list(digests[i]) == list(block_digests_numpy(np.frombuffer(pad, np.uint8).reshape(-1, 65536)))
+
+
+def test_gpu_digests_follow_stream_order() -> None:
+    layout = LAYOUTS["64k-slices"]
+    planes, tensors = _planes(layout, 4, seed=3)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(50_000_000)  # the hash must see the write below, enqueued before it
+        tensors[0][2].fill_(7)
+        got = PageHasher.get(0).enqueue(planes, [2], stream.cuda_stream)
+    assert got.roots()[0] == tree_checksum_parts(_page_bytes(layout, tensors, 2))
+
+
+def test_unsupported_planes_are_refused() -> None:
+    odd = KVLayout(num_layers=1, num_kv_heads=1, head_dim=3, page_tokens=3, dtype="int8")  # 9-byte slices
+    planes, _ = _planes(odd, 2, seed=1)
+    assert not PageHasher.supports(planes)
