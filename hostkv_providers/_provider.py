@@ -30,7 +30,7 @@ from hostkv_providers._errors import (
     UsedAfterForkError,
 )
 from hostkv_providers._keys import KEY_NBYTES, Key, as_key
-from hostkv_providers._region import HostRegion
+from hostkv_providers._region import HostPages, HostRegion
 from hostkv_providers._span import ByteSpan
 
 __all__ = [
@@ -484,6 +484,11 @@ class ReservedChain:
 
     reservations: list[Reservation | None]
     error: HostKVError | None = None
+    #: The reserved (not ``None``) reservations' memory as one chunk-level :class:`HostPages`,
+    #: when the provider has it (each page one contiguous piece of host memory): a copy engine
+    #: fills the chunk from it without a Python object per page.  ``None`` otherwise: use
+    #: ``regions()`` of each reservation.
+    pages: HostPages | None = None
 
     def __len__(self) -> int:
         return len(self.reservations)

@@ -148,13 +148,24 @@ class _Arena:
 
 
 class _PinnedReservation(Reservation):
-    __slots__ = ("_regions", "runs")
+    # The regions (a list, a HostRegion and a memoryview per arena run) are built on first use:
+    # a chain reservation that a copy engine fills through ``ReservedChain.pages`` and that is
+    # sealed with checksums from the GPU never builds them (no per-page objects on that path).
+    __slots__ = ("_regs", "runs")
 
     def __init__(self, provider: PinnedProvider, key: Key, parent: Key | None, nbytes: int, salt_tag: str,
-                 runs: list[tuple[int, int]], regions: list[HostRegion]) -> None:
+                 runs: list[tuple[int, int]]) -> None:
         super().__init__(provider, key, parent, nbytes, salt_tag)
         self.runs = runs
-        self._regions = regions
+        self._regs: list[HostRegion] | None = None
+
+    @property
+    def _regions(self) -> list[HostRegion]:
+        regs = self._regs
+        if regs is None:
+            prov: PinnedProvider = self._provider  # type: ignore[assignment]
+            regs = self._regs = prov._arena.regions(self.runs, self.nbytes, prov._allocator.pinned)
+        return regs
 
     def regions(self) -> Sequence[HostRegion]:
         self.check_open(self._provider)
@@ -397,8 +408,7 @@ class PinnedProvider(Provider):
             return None  # dedup (counted by the caller)
         self._free_nodes(evicted)
         runs = self._arena.allocate(nblocks)
-        regions = self._arena.regions(runs, nbytes, self._allocator.pinned)
-        return _PinnedReservation(self, k, p, nbytes, salt_tag, runs, regions)
+        return _PinnedReservation(self, k, p, nbytes, salt_tag, runs)
 
     def _write(self, res: _PinnedReservation, span: ByteSpan, view: memoryview) -> None:
         # No provider lock: the reservation's blocks are private to its writer until seal.
@@ -432,13 +442,34 @@ class PinnedProvider(Provider):
             raise InvalidArgumentError(f"{len(parents)} parents for {len(ks)} keys; give one per key")
         checked = [self._reserve_args(k, p, nbytes, salt_tag) for k, p in zip(ks, parents, strict=True)]
         out: list[Reservation | None] = []
+        error: HostKVError | None = None
         with self._usable():
             for k, p, n in checked:
                 try:
                     out.append(self._reserve_locked(k, p, n, salt_tag, chained=True))
                 except (CapacityError, InFlightError, UnknownKeyError) as exc:
-                    return ReservedChain(out, exc)
-        return ReservedChain(out)
+                    error = exc
+                    break
+        return ReservedChain(out, error, self._chain_pages(out, nbytes))
+
+    def _chain_pages(self, out: Sequence[Reservation | None], nbytes: int) -> HostPages | None:
+        """The reserved pages as one :class:`HostPages` (addresses in a numpy array) when each is
+        one contiguous run of the arena: what a copy engine DMAs a chunk into."""
+        starts = []
+        arena = self._arena
+        for r in out:
+            if r is None:
+                continue
+            runs = r.runs  # type: ignore[attr-defined]
+            if len(runs) != 1:
+                return None
+            starts.append(runs[0][0])
+        if not starts:
+            return None
+        st = np.array(starts, dtype=np.int64)
+        bases = np.array([c.address for c in arena.chunks], dtype=np.uint64)
+        addrs = bases[st // arena.bpc] + (st % arena.bpc).astype(np.uint64) * np.uint64(arena.block)
+        return HostPages(addrs, nbytes, pinned=self._allocator.pinned, readonly=False)
 
     def seal_many(self, reservations: Sequence[Reservation], *, checksums: Sequence[int] | None = None,
                   algorithm: str | None = None) -> None:
