@@ -687,6 +687,7 @@ class PinnedProvider(Provider):
             raise InvalidArgumentError("view_pages() needs an unreleased lease of this provider")
         leased = lease.keys if len(ks) == 1 else frozenset(lease.keys)
         addrs = np.empty(len(ks), dtype=np.uint64)
+        sums = np.empty(len(ks), dtype=np.uint64)  # for a verification of the copied bytes on the GPU
         nbytes = 0
         with self._usable():
             get, arena = self._index.get, self._arena
@@ -698,9 +699,11 @@ class PinnedProvider(Provider):
                 nbytes = node.nbytes
                 start = node.loc[0][0]
                 addrs[i] = chunks[start // bpc].address + (start % bpc) * block
+                sums[i] = node.checksum or 0
         if not nbytes:
             return None
-        return HostPages(addrs, nbytes, pinned=self._allocator.pinned, readonly=True, keepalive=lease)
+        return HostPages(addrs, nbytes, pinned=self._allocator.pinned, readonly=True, keepalive=lease,
+                         checksums=sums, algorithm=self.checksum_algorithm)
 
     # -- eviction ----------------------------------------------------------------------------
     def _evict(self, ks: list[Key] | None, nbytes: int) -> EvictReport:
