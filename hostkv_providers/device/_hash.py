@@ -172,7 +172,7 @@ class PageHasher:
 
     def __init__(self, ordinal: int) -> None:
         self.dev = _cuda.device(ordinal)
-        image = _cuda.compile_module(_SOURCE, "hostkv_xxh3_blocks.cu", self.dev.capability, ("-O3",))
+        image = _cuda.compile_module(_SOURCE, "hostkv_xxh3_blocks.cu", self.dev.capability)
         self.fn = _cuda.load_function(self.dev, image, "hostkv_xxh3_blocks")
         self._free: list[Any] = []  # pinned host buffers for digests, reused
         self._flock = threading.Lock()
