@@ -1,0 +1,332 @@
+"""What the cache hands back: save/restore results, the asynchronous :class:`CacheHandle`, the
+leased :class:`CacheHit`, and the cache's counters."""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from hostkv_providers._keys import Key
+from hostkv_providers._provider import (
+    Lease,
+)
+from hostkv_providers.metrics import LatencyHistogram
+
+if TYPE_CHECKING:
+    from hostkv_providers.cache._cache import HostKVCache
+
+
+# --------------------------------------------------------------------------------------------
+# Results, handles, hits, stats
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SaveResult:
+    """What one save did.  ``stored + dedup + coalesced`` is the stored prefix it now certifies."""
+
+    requested: int = 0  # pages passed in
+    admitted: int = 0  # pages the admission policy let through
+    stored: int = 0  # pages this save copied and sealed
+    dedup: int = 0  # pages already stored
+    coalesced: int = 0  # pages written by another in-flight save (waited for)
+    anchors: int = 0  # anchors attached
+    nbytes: int = 0  # bytes copied device -> host
+    stopped: str | None = None  # why the save ended early (capacity, a parent evicted ...)
+
+
+@dataclass
+class RestoreResult:
+    """What one restore did: ``pages`` leading pages of the hit are in the engine's blocks."""
+
+    pages: int = 0
+    nbytes: int = 0
+    viewed: int = 0  # pages copied straight from provider memory (zero-copy views)
+    staged: int = 0  # pages read through bounce buffers
+    stopped: str | None = None  # set when fewer pages than asked were restored
+    # hybrid caches (required_anchors=, cache/_hybrid.py): the anchors of page anchor_page, the
+    # last usable one; anchor groups not restorable there (the engine resets that state)
+    anchors: dict[str, memoryview] = field(default_factory=dict)
+    anchor_page: int | None = None
+    invalidated: tuple[str, ...] = ()
+
+
+class CacheHandle:
+    """An asynchronous save or restore.  ``done()`` polls, ``wait()`` blocks and returns the
+    :class:`SaveResult` / :class:`RestoreResult` (or raises the error the transfer hit).
+
+    Stream order without blocking the host: :meth:`wait_on` makes a stream wait for the
+    transfer's device copies (a restore: every kernel enqueued on that stream afterwards sees
+    the restored bytes; a save: the blocks may be overwritten by kernels enqueued afterwards),
+    also when the copies have not been issued yet.  :attr:`event` is the completion event of the
+    copies (a ``CUevent``; ``None`` for host copies), available once they are issued.
+    """
+
+    def __init__(self, kind: str, engine: Any = None) -> None:
+        self.kind = kind
+        self._engine = engine
+        self._done = threading.Event()
+        self._copied = threading.Event()
+        self._result: Any = None
+        self._error: BaseException | None = None
+        self._t0 = time.perf_counter()
+        self._t1: float | None = None
+        self._callbacks: list[Callable[[CacheHandle], None]] = []
+        # The cache's own bookkeeping (claims, counters, lease release, waking coalesced twins):
+        # run *before* the handle reads as done, so a caller whose wait() returned sees it all.
+        self._finishers: list[Callable[[CacheHandle], None]] = []
+        self._lock = threading.Lock()
+        # device-copy ordering: transfers issued so far, gates waiting for the last of them
+        self._transfers: list[Any] = []
+        self._issued_evt = threading.Event()
+        self._gates: list[Any] = []
+
+    def done(self) -> bool:
+        """Whether the transfer has finished (successfully or not)."""
+        return self._done.is_set()
+
+    def copied(self) -> bool:
+        """For a save: whether the device blocks have been copied out (the engine may reuse them)."""
+        return self._copied.is_set()
+
+    def wait_copied(self, timeout: float | None = None) -> bool:
+        """Block until the device blocks have been copied out; ``False`` on timeout."""
+        return self._copied.wait(timeout)
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """Block until done; return the result or raise the transfer's error.
+
+        Raises ``TimeoutError`` if ``timeout`` passes first."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"{self.kind} still running after {timeout} s")
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def wait_on(self, stream: Any) -> None:
+        """Order ``stream`` after this transfer's device copies, without blocking the host.
+
+        Work enqueued on ``stream`` after this call runs only once the copies are complete,
+        whether or not they have been issued yet (the stream is gated until they are).  With a
+        copy engine that cannot gate streams, this waits until the copies are issued.
+        ``stream=None`` waits for the whole transfer (:meth:`wait`)."""
+        if stream is None:
+            self.wait()
+            return
+        gate_fn = getattr(self._engine, "gate", None)
+        with self._lock:
+            if not self._issued_evt.is_set() and gate_fn is not None:
+                self._gates.append(gate_fn(stream))
+                return
+        self._issued_evt.wait()
+        if gate_fn is not None:
+            gate_fn(stream).open_after(list(self._transfers))
+        else:
+            for t in list(self._transfers):
+                t.wait_on(stream)
+
+    @property
+    def event(self) -> Any:
+        """The completion event of the device copies (blocks until they are issued, not until
+        they are done); ``None`` for host copies or when nothing was copied."""
+        self._issued_evt.wait()
+        for t in reversed(self._transfers):
+            ev = getattr(t, "event", None)
+            if ev is not None:
+                return ev  # copies of one direction complete in order: the last one's is enough
+        return None
+
+    def _add_transfer(self, transfer: Any) -> None:
+        self._transfers.append(transfer)
+
+    def _all_issued(self) -> None:
+        """Every copy of this transfer is issued (or none will be): open the gates behind them."""
+        with self._lock:
+            if self._issued_evt.is_set():
+                return
+            self._issued_evt.set()
+            gates, self._gates = self._gates, []
+        transfers = list(self._transfers)
+        for g in gates:
+            g.open_after(transfers)
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes moved between device and host (so far)."""
+        res = self._result
+        return int(res.nbytes) if res is not None else 0
+
+    @property
+    def seconds(self) -> float:
+        """Wall time from submission to completion (to now while running)."""
+        end = self._t1 if self._t1 is not None else time.perf_counter()
+        return end - self._t0
+
+    def add_done_callback(self, fn: Callable[[CacheHandle], None]) -> None:
+        with self._lock:
+            if not self._done.is_set():
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
+    def _on_finish(self, fn: Callable[[CacheHandle], None]) -> None:
+        """Run ``fn(handle)`` when the transfer finishes, before ``done()``/``wait()`` see it
+        (registered by the cache before the transfer is submitted)."""
+        self._finishers.append(fn)
+
+    def _finish(self, result: Any, error: BaseException | None = None) -> None:
+        self._all_issued()
+        self._result = result
+        self._error = error
+        self._t1 = time.perf_counter()
+        for fin in self._finishers:
+            try:
+                fin(self)
+            except BaseException as exc:  # bookkeeping must not leave the handle unfinished
+                if self._error is None:
+                    self._error = exc
+        self._copied.set()
+        with self._lock:
+            self._done.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            fn(self)
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "running"
+        return f"<CacheHandle {self.kind} {state}>"
+
+
+class CacheHit:
+    """A leased prefix of a chain: ``num_pages`` pages that stay stored until :meth:`release`.
+
+    ``keys`` are the usable pages (root first).  With ``need_anchor``, ``anchor`` holds that
+    anchor's bytes at the last usable page (the state the engine resumes from), and the hit never
+    extends past the deepest page carrying it.  Use as a context manager or call
+    :meth:`release`; a restore started with ``release=True`` releases it when the copy completes.
+    """
+
+    def __init__(self, cache: HostKVCache, keys: Sequence[Key], lease: Lease | None, *, requested: int,
+                 stored: int, anchor_name: str | None, anchor: bytes | None) -> None:
+        self._cache = cache
+        self.keys: tuple[Key, ...] = tuple(keys)
+        self.lease = lease
+        self.requested = requested
+        self.stored = stored  # stored prefix before cutting back to the anchor
+        self.anchor_name = anchor_name
+        self.anchor = anchor
+        self._released = lease is None
+        self.hybrid: Any = None  # hybrid hook (cache/_hybrid.py): the prefill this miss produces
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.keys)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.keys) * self._cache.layout.page_tokens
+
+    def __bool__(self) -> bool:
+        return bool(self.keys)
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    def release(self) -> None:
+        """Unpin the pages (idempotent)."""
+        if self._released:
+            return
+        self._released = True
+        if self.lease is not None:
+            self.lease.release()
+
+    def __enter__(self) -> CacheHit:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        return f"<CacheHit {self.num_pages}/{self.requested} pages ({self.num_tokens} tokens)>"
+
+
+class _Latency:
+    """Count, sum and a bounded window of recent samples (for quantiles)."""
+
+    def __init__(self, window: int = 2048) -> None:
+        self.count = 0
+        self.total = 0.0
+        self.recent: collections.deque[float] = collections.deque(maxlen=window)
+        self.histogram = LatencyHistogram()  # all samples, in buckets (for Prometheus)
+
+    def add(self, seconds: float) -> None:
+        self.count += 1
+        self.total += seconds
+        self.recent.append(seconds)
+        self.histogram.observe(seconds)
+
+    def quantile(self, q: float) -> float:
+        if not self.recent:
+            return 0.0
+        data = sorted(self.recent)
+        return data[min(len(data) - 1, int(q * len(data)))]
+
+
+@dataclass
+class CacheStats:
+    """Counters of one :class:`HostKVCache` (``evictions`` is the provider's, since the cache opened)."""
+
+    lookups: int = 0
+    hits: int = 0  # lookups that returned at least one page
+    misses: int = 0  # lookups that returned none
+    lookup_pages: int = 0
+    hit_pages: int = 0
+    hit_tokens: int = 0
+    anchor_cut_pages: int = 0  # stored pages dropped from hits for lack of the needed anchor
+    saves: int = 0
+    saved_pages: int = 0
+    dedup_pages: int = 0
+    coalesced_pages: int = 0
+    rejected_pages: int = 0  # refused by the admission policy
+    failed_pages: int = 0  # admitted but not stored (capacity, parent evicted meanwhile)
+    anchors_saved: int = 0
+    restores: int = 0
+    restored_pages: int = 0
+    coalesced_restores: int = 0
+    bytes_out: int = 0  # device -> host (saves)
+    bytes_in: int = 0  # host -> device (restores)
+    evictions: int = 0
+    save_seconds_count: int = 0
+    save_seconds_sum: float = 0.0
+    save_seconds_p50: float = 0.0
+    save_seconds_p99: float = 0.0
+    restore_seconds_count: int = 0
+    restore_seconds_sum: float = 0.0
+    restore_seconds_p50: float = 0.0
+    restore_seconds_p99: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {k: v for k, v in self.__dict__.items() if k != "extra"}
+        out.update(self.extra)
+        return out
+
+
+class _SaveJob:
+    __slots__ = ("claimed", "deps", "done", "handle", "keys")
+
+    def __init__(self, keys: Sequence[Key], handle: CacheHandle) -> None:
+        self.keys = keys
+        self.handle = handle
+        self.claimed: list[int] = []
+        self.deps: dict[int, _SaveJob] = {}
+        self.done = threading.Event()

@@ -1,0 +1,261 @@
+"""The restore half of :class:`~hostkv_providers.cache.HostKVCache`: a hit's pages into the engine's
+blocks (zero-copy views or staged bounce buffers), the stream gate, anchors handed out with the
+restore.  Functions of the cache (``self`` is the cache); ``HostKVCache`` binds them as methods."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from hostkv_providers._errors import (
+    InvalidArgumentError,
+)
+from hostkv_providers._keys import Key
+from hostkv_providers._provider import (
+    HostRegion,
+    Lease,
+)
+from hostkv_providers._region import HostPages
+from hostkv_providers.cache._common import (
+    _VIEW_LEASE_PAGES,
+    _as_planes,
+    _Staging,
+)
+from hostkv_providers.cache._handles import (
+    CacheHandle,
+    CacheHit,
+    RestoreResult,
+)
+
+if TYPE_CHECKING:
+    from hostkv_providers.cache._cache import HostKVCache
+
+
+def restore(self: HostKVCache, hit: CacheHit, into: Any, block_ids: Sequence[int], *, before: Any = None,
+            release: bool = True, first_page: int = 0,
+            anchors_into: Mapping[str, Any] | None = None) -> CacheHandle:
+    """Copy the hit's pages into the engine's KV blocks, asynchronously.
+
+    Parameters
+    ----------
+    hit:
+        From :meth:`lookup` (unreleased).
+    into:
+        The engine's planes: a ``KVPlanes`` or a list of per-plane tensors in
+        ``layout.planes`` order (see :func:`paged_planes`, :meth:`HFCacheMap.empty_planes`).
+    block_ids:
+        ``block_ids[i]`` receives page ``first_page + i`` of the hit; at most
+        ``hit.num_pages - first_page`` of them.
+    before:
+        The engine's compute stream (``torch.cuda.Stream``, a raw ``CUstream``, a
+        :class:`~hostkv_providers.device.HostStream` for the CPU engine, or ``None``): every
+        kernel enqueued on it after this call returns runs only once the restored bytes are
+        in the blocks — on every path (zero-copy views and bounce buffers), although the
+        copies are issued later on the cache's own thread.  The host is not blocked: the
+        stream waits on a device-visible flag that the restore sets behind its copies.
+        (:meth:`CacheHandle.wait_on` orders further streams the same way.)
+    release:
+        Release the hit's lease when the restore finishes.
+    first_page:
+        A ranged restore: start at page ``first_page`` of the hit (pages
+        ``[first_page, first_page + len(block_ids))``).
+    anchors_into:
+        Hybrid caches: ``{name: writable buffer}`` the anchors are copied into (once, on the
+        restore thread); ``result.anchors[name]`` then views that buffer.
+
+    Returns
+    -------
+    CacheHandle
+        ``wait()`` returns a :class:`RestoreResult`; ``result.pages`` leading pages were
+        restored — fewer than asked only if a page failed its checksum, in which case the
+        engine recomputes from there.  An identical restore already in flight (same keys,
+        same planes object, same blocks) returns that request's handle.
+    """
+    self._check_open()
+    if not isinstance(hit, CacheHit) or hit._cache is not self:
+        raise InvalidArgumentError("restore() needs a CacheHit from this cache's lookup()")
+    if type(first_page) is not int or not 0 <= first_page <= hit.num_pages:
+        raise InvalidArgumentError(f"first_page must be an int in [0, {hit.num_pages}], got {first_page!r}")
+    if first_page and self._hybrid is not None:
+        # the anchors that make a hybrid hit usable belong to the hit's last page; a range that
+        # starts inside the hit gives the engine no state to continue from
+        raise InvalidArgumentError("ranged restores (first_page > 0) are not supported on hybrid caches",
+                                   hint="restore the whole hit (first_page=0)")
+    if not hit.num_pages or first_page == hit.num_pages:
+        # nothing to restore; a finished handle keeps callers uniform
+        self._block_ids(block_ids, 0, "hit pages")
+        done = CacheHandle("restore", self.engine)
+        done._finish(RestoreResult())
+        return done
+    if hit.released:
+        raise InvalidArgumentError("the hit was released; look it up again")
+    bids = self._block_ids(block_ids, hit.num_pages - first_page, "hit pages")
+    planes = _as_planes(self.layout, into)
+    self._check_blocks(planes, bids)
+    keys = hit.keys[first_page : first_page + len(bids)]
+    ident = (keys, planes.ptrs, planes.block_strides, tuple(bids))
+    with self._lock:
+        prior = self._restores.get(ident)
+        if prior is not None and not prior.done():
+            self._stats.coalesced_restores += 1
+            if release:
+                prior.add_done_callback(lambda _h: hit.release())
+            if before is not None:  # the caller's stream is ordered behind the shared copies
+                prior.wait_on(before)
+            return prior
+        handle = CacheHandle("restore", self.engine)
+        self._restores[ident] = handle
+        if before is not None:
+            try:
+                # Gated now, on the caller's thread: kernels the caller enqueues from here on
+                # wait for the copies the restore thread issues later.
+                handle.wait_on(before)
+            except BaseException:
+                del self._restores[ident]
+                raise
+    if self._hybrid is not None:  # hybrid hook: where the anchors go
+        self._hybrid.note_restore(handle, anchors_into)
+
+    def finish(h: CacheHandle) -> None:
+        with self._lock:
+            if self._restores.get(ident) is h:
+                del self._restores[ident]
+            if h.error is None:
+                res: RestoreResult = h._result
+                self._stats.restores += 1
+                self._stats.restored_pages += res.pages
+                self._stats.bytes_in += res.nbytes
+                self._restore_lat.add(h.seconds)
+        if release:
+            hit.release()
+
+    handle._on_finish(finish)
+    self._restore_pool.submit(self._run_restore, handle, hit, keys, planes, bids)
+    return handle
+
+
+def _run_restore(self: HostKVCache, handle: CacheHandle, hit: CacheHit, keys: Sequence[Key], planes: Any,
+                 bids: Sequence[int]) -> None:
+    result = RestoreResult()
+    handle._result = result
+    try:
+        self._restore_pages(handle, result, hit, keys, planes, bids)
+        if self._hybrid is not None:  # hybrid hook: anchors read with the restore, cut back
+            self._hybrid.finish_restore(handle, result, keys)
+    except BaseException as exc:
+        handle._finish(result, exc)
+        return
+    handle._finish(result)
+
+
+def _restore_pages(self: HostKVCache, handle: CacheHandle, result: RestoreResult, hit: CacheHit, keys: Sequence[Key],
+                   planes: Any, bids: Sequence[int]) -> None:
+    chunk = self.chunk_pages
+    P = self.page_nbytes
+    # in-flight engine transfers with what they read from: a bounce buffer or view leases
+    pending: list[tuple[Any, _Staging | None, list[Lease]]] = []
+
+    def retire() -> None:
+        h, st, leases = pending.pop(0)
+        try:
+            h.wait()
+        finally:
+            if st is not None:
+                self._put_staging(st)
+            for lease in leases:
+                lease.release()
+
+    try:
+        i = 0
+        while i < len(keys):
+            part = keys[i : i + chunk]
+            srcs: list[Sequence[HostRegion]] | HostPages | None = None
+            if self._views and hit.lease is not None:
+                # Small leases for the views (the hit's lease already pins the pages):
+                # providers may search the lease's keys on every view() call.
+                vleases: list[Lease] = []
+                srcs = []
+                # A provider that batches views takes the whole chunk in one call.
+                step = len(part) if self._batch_views or self._page_views else _VIEW_LEASE_PAGES
+                for lo in range(0, len(part), step):
+                    sub = part[lo : lo + step]
+                    vlease = self.provider.lease(sub)
+                    vleases.append(vlease)
+                    if self._page_views:
+                        # One address array for the chunk: no Python object per page.
+                        pages = self.provider.view_pages(vlease, sub)  # type: ignore[attr-defined]
+                        if pages is None:
+                            srcs = None
+                            break
+                        srcs = pages
+                        continue
+                    if self._batch_views:
+                        got = self.provider.views(vlease, sub)  # type: ignore[attr-defined]
+                    else:
+                        got = [self.provider.view(vlease, k) for k in sub]  # type: ignore[attr-defined]
+                    if any(regs is None for regs in got):
+                        srcs = None
+                        break
+                    srcs.extend(got)  # type: ignore[union-attr]
+                if srcs is None:
+                    for vlease in vleases:
+                        vlease.release()
+                else:
+                    try:
+                        h = self.engine.restore(srcs, planes, bids[i : i + len(part)])
+                    except BaseException:
+                        for vlease in vleases:
+                            vlease.release()
+                        raise
+                    handle._add_transfer(h)
+                    pending.append((h, None, vleases))
+                    result.viewed += len(part)
+                    ok = len(part)
+            if srcs is None:
+                # Bounce through host buffers; at most two in flight, so the read of this chunk
+                # overlaps the copy of the previous one.  The provider is told of the next
+                # chunk first: a disk-backed one reads it in while this one is read, checked
+                # and handed to the engine.
+                nxt = keys[i + len(part) : i + len(part) + chunk]
+                if nxt:
+                    self.provider.prefetch(nxt)
+                while sum(1 for _h, st, _l in pending if st is not None) >= 2:
+                    retire()
+                st = self._get_staging()
+                ok = 0
+                if self._batch:
+                    got = self.provider.read_many(  # type: ignore[attr-defined]
+                        part, [st.page(j) for j in range(len(part))])
+                    ok = got.index(False) if False in got else len(got)
+                else:
+                    for j, k in enumerate(part):
+                        if not self.provider.read(k, st.page(j)):
+                            break  # a checksum failure dropped it: restore the valid prefix only
+                        ok += 1
+                if ok:
+                    regs = [st.region(j) for j in range(ok)]
+                    try:
+                        h = self.engine.restore(regs, planes, bids[i : i + ok])
+                    except BaseException:
+                        self._put_staging(st)
+                        raise
+                    handle._add_transfer(h)
+                    pending.append((h, st, []))
+                    result.staged += ok
+                else:
+                    self._put_staging(st)
+            result.pages += ok
+            result.nbytes += ok * P
+            if ok < len(part):
+                result.stopped = f"page {i + ok} failed verification and was dropped"
+                break
+            i += len(part)
+            time.sleep(0)  # let a waiting engine thread take the GIL between chunks
+    finally:
+        # Open the gated streams behind every copy issued (also after a failure: the copies
+        # issued must be complete before the engine touches those blocks again), then wait
+        # for the copies to release bounce buffers and leases.
+        handle._all_issued()
+        while pending:
+            retire()
