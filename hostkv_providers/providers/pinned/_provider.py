@@ -702,8 +702,10 @@ class PinnedProvider(Provider):
                 sums[i] = node.checksum or 0
         if not nbytes:
             return None
+        # With verify=read the checksums go with the views: the cache checks the copied bytes
+        # on the GPU (a view is never checked here: that would read every byte on the host).
         return HostPages(addrs, nbytes, pinned=self._allocator.pinned, readonly=True, keepalive=lease,
-                         checksums=sums, algorithm=self.checksum_algorithm)
+                         checksums=sums if self._verify_reads else None, algorithm=self.checksum_algorithm)
 
     # -- eviction ----------------------------------------------------------------------------
     def _evict(self, ks: list[Key] | None, nbytes: int) -> EvictReport:
