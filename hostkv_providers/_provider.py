@@ -196,6 +196,10 @@ def readable_bytes(data: object) -> memoryview:
 # --------------------------------------------------------------------------------------------
 
 
+_NONE: tuple[tuple[int, int], ...] = ()
+_WHOLE: tuple[tuple[int, int], ...] = ((-1, -1),)  # a marker: compared by identity only
+
+
 class Reservation:
     """Space for one entry, obtained before its bytes exist.
 
@@ -216,7 +220,9 @@ class Reservation:
         self.nbytes = nbytes
         self.salt_tag = salt_tag
         self._state = "open"
-        self._covered: list[list[int]] = []  # sorted, merged [start, end) intervals
+        # sorted, merged [start, end) intervals; ``_WHOLE`` (shared) once everything is written
+        # and ``_NONE`` (shared) before anything is: no list per reservation on the hot path
+        self._covered: Sequence[Sequence[int]] = _NONE
 
     # -- state ---------------------------------------------------------------------------
     @property
@@ -246,15 +252,16 @@ class Reservation:
         if span is None or (span.offset == 0 and span.nbytes == self.nbytes):
             # the common whole-entry write: no interval merge (a per-page cost on every put)
             if self.nbytes:
-                self._covered = [[0, self.nbytes]]
+                self._covered = _WHOLE
             return
         span = span.validate(self.nbytes)
         if span.nbytes == 0:
             return
         start, end = span.offset, span.end
-        merged: list[list[int]] = []
+        merged: list[Sequence[int]] = []
         placed = False
-        for iv in self._covered:
+        covered = [(0, self.nbytes)] if self._covered is _WHOLE else self._covered
+        for iv in covered:
             if iv[1] < start:
                 merged.append(iv)
             elif end < iv[0]:
@@ -273,11 +280,12 @@ class Reservation:
         """Whether every byte has been written."""
         if self.nbytes == 0:
             return True
-        return len(self._covered) == 1 and self._covered[0] == [0, self.nbytes]
+        c = self._covered
+        return c is _WHOLE or (len(c) == 1 and c[0][0] == 0 and c[0][1] == self.nbytes)
 
     def check_complete(self) -> None:
         if not self.complete:
-            written = sum(e - s for s, e in self._covered)
+            written = sum(e - s for s, e in self._covered)  # never _WHOLE here
             raise IncompleteWriteError(
                 f"entry {self.key.hex()[:16]} has {written} of {self.nbytes} bytes written"
             )
