@@ -21,6 +21,7 @@ Results print as a markdown table and go to ``bench_engine.json`` / ``bench_engi
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import gc
 import json
 import os
@@ -378,10 +379,15 @@ def decode_phase(torch: Any, cache: HostKVCache, keys: list[hk.Key], caches: lis
             th.start()
             time.sleep(0.2)
         xs = []
+        dump = _stall_dump()
         for _ in range(nsteps):
+            if dump is not None:  # every thread's stack when a step takes > 3x its usual time
+                faulthandler.dump_traceback_later(0.04, file=dump)
             t = time.perf_counter()
             step()
             xs.append((time.perf_counter() - t) * 1e3)
+            if dump is not None:
+                faulthandler.cancel_dump_traceback_later()
         if th is not None:
             stop.set()
             th.join()
@@ -414,6 +420,19 @@ def decode_phase(torch: Any, cache: HostKVCache, keys: list[hk.Key], caches: lis
         sys.setswitchinterval(old)
         gc.unfreeze()
     return out
+
+
+_DUMP: list[Any] = []
+
+
+def _stall_dump() -> Any:
+    """``HOSTKV_BENCH_STALL_DUMP=path``: where to write the stacks of stalled decode steps."""
+    path = os.environ.get("HOSTKV_BENCH_STALL_DUMP")
+    if not path:
+        return None
+    if not _DUMP:
+        _DUMP.append(open(path, "w"))  # noqa: SIM115 - kept open for faulthandler
+    return _DUMP[0]
 
 
 def _files(root: str) -> list[str]:

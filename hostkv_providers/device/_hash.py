@@ -31,6 +31,7 @@ from hostkv_providers.device import _cuda
 __all__ = ["PageDigests", "PageHasher"]
 
 _THREADS = 256
+_PREALLOCATED = 32
 
 
 def _words(offset: int) -> str:
@@ -176,6 +177,10 @@ class PageHasher:
         self.fn = _cuda.load_function(self.dev, image, "hostkv_xxh3_blocks")
         self._free: list[Any] = []  # pinned host buffers for digests, reused
         self._flock = threading.Lock()
+        # Pinned allocation is slow and locks the driver: a pool sized for a long save up front
+        # (64 KiB holds the digests of 256 pages of 2 MiB).
+        for _ in range(_PREALLOCATED):
+            self._free.append(self._new_buffer(1 << 16))
         self._tables: dict[tuple[Any, ...], int] = {}  # plane tables in device memory, per geometry
 
     @classmethod
@@ -214,21 +219,24 @@ class PageHasher:
         return ptr
 
     def _take(self, nbytes: int) -> Any:
-        from hostkv_providers.device._hostmem import CudaPinnedAllocation
-
         with self._flock:
             for i, buf in enumerate(self._free):
                 if buf.view.nbytes >= nbytes:
                     return self._free.pop(i)
+        return self._new_buffer(nbytes)
+
+    def _new_buffer(self, nbytes: int) -> Any:
+        from hostkv_providers.device._hostmem import CudaPinnedAllocation
+
         size = 1 << max(16, (nbytes - 1).bit_length())
         return CudaPinnedAllocation(size, self.dev, threads=1)
 
     def _give(self, buf: Any) -> None:
+        # Kept for good, never freed here: cuMemHostUnregister/cuMemFreeHost take the driver's
+        # lock and stalled an engine's decode step by ~90 ms whenever a save freed one (a save
+        # keeps a chunk's digests in flight per chunk, 25 for a 100k-token chain).
         with self._flock:
-            if len(self._free) < 8:
-                self._free.append(buf)
-                return
-        buf.close()
+            self._free.append(buf)
 
     def enqueue(self, planes: Any, block_ids: Sequence[int], stream: Any) -> PageDigests:
         """Enqueue the digests of pages ``block_ids`` of ``planes`` on ``stream`` (a raw CUstream
