@@ -486,13 +486,18 @@ class PinnedProvider(Provider):
                 digests = [int(c) for c in checksums]
             else:
                 digests = _checksums([r._regions for r in own], self._sum)
-            with self._usable():
-                for r, digest in zip(own, digests, strict=True):
-                    r.check_open(self)
-                    self._commit_locked(r, digest)  # UnknownKeyError: its parent was not sealed
-                    # (bytes are counted where they are written: write(), or not at all for a
-                    # DMA straight into the arena; a seal is counted here as the front's seal does)
-                    self._tally("seals")
+            sealed = 0
+            try:
+                with self._usable():
+                    for r, digest in zip(own, digests, strict=True):
+                        r.check_open(self)
+                        self._commit_locked(r, digest)  # UnknownKeyError: its parent was not sealed
+                        sealed += 1
+            finally:
+                # (bytes are counted where they are written: write(), or not at all for a DMA
+                # straight into the arena; seals are counted as the front's seal does, once a batch)
+                if sealed:
+                    self._tally("seals", sealed)
         except BaseException:
             for r in own:  # the sealed ones are a prefix; the rest go
                 if r.state == "open":
