@@ -243,7 +243,7 @@ def pinned_phase(torch: Any, cache: HostKVCache, provider: Any, keys: list[hk.Ke
 def verified_phase(torch: Any, engine: Any, layout: hk.KVLayout, planes: Any, keys: list[hk.Key], src: list[int],
                    dst: list[int], nbytes: int, bulk_r: dict[str, float], pin: dict[str, Any] | None) -> dict[str, Any]:
     """A second pinned:// store with verify=read: its restores from views are verified on the GPU
-    after the copy (xxh3-64k-tree); a byte flipped in the arena truncates the hit at its page."""
+    after the copy (xxh3-256k-tree); a byte flipped in the arena truncates the hit at its page."""
     import ctypes
 
     P = layout.page_nbytes

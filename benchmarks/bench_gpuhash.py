@@ -1,4 +1,4 @@
-"""The ``xxh3-64k-tree`` page checksum on the GPU against HBM bandwidth and on the host against
+"""The ``xxh3-256k-tree`` page checksum on the GPU against HBM bandwidth and on the host against
 XXH3, side by side in one run (issue 14 item 3's feasibility figure).
 
     python3 benchmarks/bench_gpuhash.py [--pages 6400]

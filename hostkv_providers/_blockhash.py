@@ -1,21 +1,24 @@
-"""The block-tree page checksum ``xxh3-64k-tree``: one format that the host and the GPU both compute.
+"""The block-tree page checksum ``xxh3-256k-tree``: one format that the host and the GPU both compute.
 
-An entry of ``n`` bytes is cut into 64 KiB blocks (the last one zero-padded to 64 KiB); block
-``i`` gets ``d[i] = XXH3-64(block i)`` (the standard XXH3-64, seed 0, of exactly 65,536 bytes);
-the entry's checksum is::
+An entry of ``n`` bytes is cut into 256 KiB blocks; the last block, of ``r`` bytes, is
+zero-padded to ``max(256, r rounded up to 64)`` bytes (every block is then hashed by XXH3's
+long-input loop, a multiple of its 64-byte stripe, which the GPU kernel runs); block ``i`` gets
+``d[i] = XXH3-64(block i)`` (the standard XXH3-64, seed 0); the entry's checksum is::
 
     root = fmix64( sum_i fmix64(d[i] + (i + 1) * P1)  +  n * P2 )      (all mod 2**64)
 
 with ``fmix64`` MurmurHash3's 64-bit finaliser and ``P1``/``P2`` XXH3's ``PRIME64_1``/``_2``.
-The blocks are independent, so a GPU kernel hashes all blocks of a batch of pages at once while
-they are still in HBM (``hostkv_providers.device``), and the host hashes the very same blocks with
-the ``xxhash`` library at its usual rate (one call per block, the GIL released inside).  The
-combination is a wrapping sum, so it vectorises with numpy over any number of blocks.
+The blocks are 256 KiB, not 64 KiB, because python-xxhash releases the GIL only for inputs *over*
+64 KiB: the host's seal threads then hash in parallel.  The blocks are independent, so a GPU kernel
+hashes all blocks of a batch of pages at once while they are still in HBM
+(``hostkv_providers.device``), and the host hashes the very same blocks with the ``xxhash``
+library at its usual rate (one call per block).  The combination is a wrapping sum, so it
+vectorises with numpy over any number of blocks.
 
 Three implementations live here, tested equal to one another and to the GPU kernel:
 
 * :func:`tree_checksum_parts` — the host's: ``xxhash`` per block over an entry's regions.
-* :func:`block_digests_numpy` — XXH3-64 of 64 KiB blocks written out in numpy, vectorised over
+* :func:`block_digests_numpy` — XXH3-64 of equal-length blocks written out in numpy, vectorised over
   blocks (a transcription of the algorithm the GPU kernel runs, for tests and as a reference;
   ``xxhash`` is ~20x faster on the host).
 * :func:`roots_from_digests` — the combination, vectorised over many entries.
@@ -38,13 +41,14 @@ __all__ = [
     "TREE_ALGORITHM",
     "block_digests_numpy",
     "nblocks",
+    "padded_len",
     "roots_from_digests",
     "tree_checksum",
     "tree_checksum_parts",
 ]
 
-TREE_ALGORITHM = "xxh3-64k-tree"
-BLOCK = 1 << 16
+TREE_ALGORITHM = "xxh3-256k-tree"
+BLOCK = 1 << 18
 
 _U64 = np.uint64
 _MASK = (1 << 64) - 1
@@ -66,8 +70,13 @@ _ZEROS = bytes(BLOCK)
 
 
 def nblocks(nbytes: int) -> int:
-    """How many 64 KiB blocks an entry of ``nbytes`` bytes has."""
+    """How many 256 KiB blocks an entry of ``nbytes`` bytes has."""
     return -(-nbytes // BLOCK)
+
+
+def padded_len(nbytes: int) -> int:
+    """The hashed length of a last block of ``nbytes`` bytes (``0 < nbytes <= BLOCK``)."""
+    return max(256, -(-nbytes // 64) * 64)
 
 
 def _fmix64(x: np.ndarray[Any, np.dtype[np.uint64]]) -> np.ndarray[Any, np.dtype[np.uint64]]:
@@ -140,7 +149,7 @@ def _digests_of(parts: Iterable[object]) -> tuple[list[int], int]:
             h.update(mv[whole_end:])
             fill = n - whole_end
     if h is not None:
-        h.update(_ZEROS[: BLOCK - fill])
+        h.update(_ZEROS[: padded_len(fill) - fill])
         out.append(int(h.intdigest()))
     return out, total
 
@@ -163,17 +172,17 @@ def _root_int(digests: Sequence[int], nbytes: int) -> int:
 
 
 def tree_checksum_parts(parts: Iterable[object]) -> int:
-    """The ``xxh3-64k-tree`` checksum of the concatenation of ``parts`` (no copy of the bytes)."""
+    """The ``xxh3-256k-tree`` checksum of the concatenation of ``parts`` (no copy of the bytes)."""
     digests, total = _digests_of(parts)
     return _root_int(digests, total)
 
 
 def tree_checksum(data: object) -> int:
-    """The ``xxh3-64k-tree`` checksum of one buffer."""
+    """The ``xxh3-256k-tree`` checksum of one buffer."""
     return tree_checksum_parts((data,))
 
 
-# -- the numpy transcription of XXH3-64 over 64 KiB (the GPU kernel's algorithm) ----------------
+# -- the numpy transcription of XXH3-64 of blocks (the GPU kernel's algorithm) ----------------
 def _secret_words(offset: int) -> np.ndarray[Any, np.dtype[np.uint64]]:
     return np.frombuffer(SECRET[offset : offset + 64], dtype="<u8").astype(_U64)
 
@@ -192,13 +201,19 @@ def _mul128_fold64(a: np.ndarray[Any, np.dtype[np.uint64]],
 
 
 def block_digests_numpy(blocks: np.ndarray[Any, Any]) -> np.ndarray[Any, np.dtype[np.uint64]]:
-    """XXH3-64 of each 64 KiB row of ``blocks`` (``(n, 65536)`` uint8, or ``(n, 8192)`` <u8).
+    """XXH3-64 of each row of ``blocks`` (``(n, L)`` uint8 with ``L`` a multiple of 64, >= 256).
 
     Vectorised over the rows: the 8 accumulator lanes of all blocks advance together, stripe by
-    stripe, exactly as the GPU kernel's 8 threads per block do.
+    stripe, exactly as the GPU kernel's 8 threads per block do (XXH3's long-input loop: 1 KiB
+    blocks of 16 stripes with a scramble after each, the stripes left, then the last stripe).
     """
-    words = np.ascontiguousarray(blocks).view("<u8").reshape(-1, 1024, 8).astype(_U64, copy=False)
-    n = words.shape[0]
+    raw = np.ascontiguousarray(blocks, dtype=np.uint8)
+    n, length = raw.shape
+    if length % 64 or length < 256:
+        raise ValueError(f"rows of {length} bytes: give a multiple of 64, at least 256")
+    words = raw.view("<u8").reshape(n, length // 64, 8).astype(_U64, copy=False)
+    nk = (length - 1) // 1024
+    ns = ((length - 1) - 1024 * nk) // 64
     acc = np.tile(np.array([P32_3, P64_1, P64_2, P64_3, P64_4, P32_2, P64_5, P32_1], dtype=_U64), (n, 1))
     swap = [1, 0, 3, 2, 5, 4, 7, 6]
     lo32 = _U64(0xFFFFFFFF)
@@ -210,16 +225,16 @@ def block_digests_numpy(blocks: np.ndarray[Any, Any]) -> np.ndarray[Any, np.dtyp
             acc[:, swap] += data
             acc[:] += (dk & lo32) * (dk >> _U64(32))
 
-        for b in range(64):  # 63 full blocks of 16 stripes (scrambled), then 15 stripes
-            for s in range(16 if b < 63 else 15):
+        for b in range(nk + 1):  # nk full 1 KiB blocks (scrambled), then ns stripes
+            for s in range(16 if b < nk else ns):
                 accumulate(words[:, b * 16 + s], keys[s])
-            if b < 63:
+            if b < nk:
                 acc ^= acc >> _U64(47)
                 acc ^= scramble
                 acc *= _U64(P32_1)
-        accumulate(words[:, 1023], _secret_words(192 - 64 - 7))  # the last stripe
+        accumulate(words[:, length // 64 - 1], _secret_words(192 - 64 - 7))  # the last stripe
         merge = _secret_words(11)
-        r = np.full(n, (BLOCK * P64_1) & _MASK, dtype=_U64)
+        r = np.full(n, (length * P64_1) & _MASK, dtype=_U64)
         for i in range(4):
             r += _mul128_fold64(acc[:, 2 * i] ^ merge[2 * i], acc[:, 2 * i + 1] ^ merge[2 * i + 1])
         r ^= r >> _U64(37)

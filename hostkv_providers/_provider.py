@@ -1270,7 +1270,7 @@ class Provider(abc.ABC, metaclass=_ProviderMeta):
         return ReservedChain(out)
 
     #: The checksum algorithm of the entries this store seals: ``"xxh3-64"`` (XXH3-64 of the
-    #: whole entry) or ``"xxh3-64k-tree"`` (:mod:`hostkv_providers._blockhash`, which a GPU
+    #: whole entry) or ``"xxh3-256k-tree"`` (:mod:`hostkv_providers._blockhash`, which a GPU
     #: computes too).  ``seal_many(checksums=...)`` uses given checksums only when they are in
     #: this algorithm.
     checksum_algorithm: str = "xxh3-64"

@@ -1,4 +1,4 @@
-"""The ``xxh3-64k-tree`` checksum: the numpy transcription of the GPU kernel's algorithm equals
+"""The ``xxh3-256k-tree`` checksum: the numpy transcription of the GPU kernel's algorithm equals
 the ``xxhash`` library block by block, the host's streaming implementation is independent of how
 an entry is cut into regions, and a pinned store seals given checksums without hashing."""
 
@@ -17,19 +17,32 @@ RNG = np.random.default_rng(14)
 
 
 def _padded_digests(data: bytes) -> np.ndarray:
-    pad = data + bytes(bh.nblocks(len(data)) * bh.BLOCK - len(data))
-    return bh.block_digests_numpy(np.frombuffer(pad, np.uint8).reshape(-1, bh.BLOCK))
+    """The format written out: 256 KiB blocks, the last one zero-padded to padded_len."""
+    out = []
+    for lo in range(0, len(data), bh.BLOCK):
+        block = data[lo : lo + bh.BLOCK]
+        block += bytes(bh.padded_len(len(block)) - len(block))
+        out.append(xxhash.xxh3_64_intdigest(block))
+    return np.array(out, dtype=np.uint64)
 
 
-def test_numpy_xxh3_equals_xxhash_on_64k_blocks() -> None:
-    blocks = RNG.integers(0, 256, size=(6, bh.BLOCK), dtype=np.uint8)
+@pytest.mark.parametrize("length", [256, 320, 1024, 1088, 4096 + 64, 65536, bh.BLOCK])
+def test_numpy_xxh3_equals_xxhash(length: int) -> None:
+    blocks = RNG.integers(0, 256, size=(4, length), dtype=np.uint8)
     blocks[1] = 0
     blocks[2] = 0xFF
     got = bh.block_digests_numpy(blocks)
     assert [int(v) for v in got] == [xxhash.xxh3_64_intdigest(b.tobytes()) for b in blocks]
+    with pytest.raises(ValueError):
+        bh.block_digests_numpy(np.zeros((1, 200), np.uint8))
 
 
-@pytest.mark.parametrize("n", [0, 1, 63, 64, 4096, bh.BLOCK - 8, bh.BLOCK, bh.BLOCK + 64, 3 * bh.BLOCK + 100])
+def test_padded_len() -> None:
+    assert [bh.padded_len(n) for n in (1, 64, 65, 255, 256, 257, 4096, bh.BLOCK)] == \
+        [256, 256, 256, 256, 256, 320, 4096, bh.BLOCK]
+
+
+@pytest.mark.parametrize("n", [0, 1, 63, 64, 300, 4096, bh.BLOCK - 8, bh.BLOCK, bh.BLOCK + 64, 3 * bh.BLOCK + 100])
 def test_tree_checksum_is_the_fold_of_the_block_digests(n: int) -> None:
     data = RNG.integers(0, 256, size=n, dtype=np.uint8).tobytes()
     want = bh.roots_from_digests(_padded_digests(data).reshape(1, -1), n)[0]

@@ -1,6 +1,6 @@
 """Checksums on the GPU for the cache's save and restore paths (issue 14 items 2 and 3).
 
-Save: when the provider's entries are checksummed in ``xxh3-64k-tree`` and the engine's pages sit
+Save: when the provider's entries are checksummed in ``xxh3-256k-tree`` and the engine's pages sit
 in CUDA memory, each chunk's pages are hashed by a kernel on a stream of the cache's own, ordered
 after the save's ``after=`` position; the chunk's device-to-host copy is ordered after the hash
 (so ``copied()`` implies the hash read the blocks too), and the chunk is sealed with those

@@ -424,7 +424,7 @@ def _direct_chunks(self: HostKVCache, job: _SaveJob, result: SaveResult, planes:
     tag = self.salt.tag
     inflight: collections.deque[tuple[int, list[Reservation | None], Any]] = collections.deque()
     pos = s
-    # Checksums from the GPU (xxh3-64k-tree stores, pages in CUDA memory): each chunk is hashed
+    # Checksums from the GPU (xxh3-256k-tree stores, pages in CUDA memory): each chunk is hashed
     # in HBM behind the save's `after` mark and its copy is ordered behind the hash, so the
     # seals below record them and hash nothing on the host.  `digests[lo]`: chunk at `lo`.
     sums = save_sums(prov, self.engine, planes, after)

@@ -1,11 +1,11 @@
-"""Page checksums on the GPU: the ``xxh3-64k-tree`` block digests of pages still in HBM.
+"""Page checksums on the GPU: the ``xxh3-256k-tree`` block digests of pages still in HBM.
 
 A page of an engine's paged pool is the concatenation of its plane slices (``layout.planes[p]``
 at ``offset`` inside the packed page), which is exactly the byte order the copy engine writes to
-host memory.  :class:`PageHasher` runs one kernel over a batch of pages: 8 threads per 64 KiB
+host memory.  :class:`PageHasher` runs one kernel over a batch of pages: 8 threads per 256 KiB
 block, each owning one of XXH3's 8 accumulator lanes (the lane pairs exchange their input words
 with a warp shuffle), so every block of every page is hashed in parallel at close to HBM
-bandwidth.  The 8-byte block digests come back to the host (64 KiB -> 8 B), where
+bandwidth.  The 8-byte block digests come back to the host (256 KiB -> 8 B), where
 :func:`hostkv_providers._blockhash.roots_from_digests` folds them into each page's checksum with
 numpy: the same value the host computes from the page's bytes with ``xxhash``.
 
@@ -42,6 +42,7 @@ def _words(offset: int) -> str:
 _SOURCE = (
     r"""
 typedef unsigned long long u64;
+#define BLOCK """ + f"{BLOCK}ull" + r"""
 __constant__ u64 KEY[24] = {""" + ", ".join(f"0x{int(v):016x}ull" for v in np.frombuffer(SECRET, dtype="<u8"))
     + r"""};
 __constant__ u64 LASTKEY[8] = {""" + _words(192 - 64 - 7) + r"""};
@@ -49,9 +50,10 @@ __constant__ u64 MERGEKEY[8] = {""" + _words(11) + r"""};
 __constant__ u64 INIT[8] = {0xC2B2AE3Dull, 0x9E3779B185EBCA87ull, 0xC2B2AE3D27D4EB4Full, 0x165667B19E3779F9ull,
                             0x85EBCA77C2B2AE63ull, 0x85EBCA77ull, 0x27D4EB2F165667C5ull, 0x9E3779B1ull};
 
-// One 8-thread group per 64 KiB block of a page; thread `lane` keeps XXH3 accumulator `lane`.
+// One 8-thread group per 256 KiB block of a page; thread `lane` keeps XXH3 accumulator `lane`.
 // Page `i`'s bytes: plane p's slice of block bids[i] (bases[p] + bids[i] * strides[p], lens[p] bytes)
-// at offs[p] of the packed page.  Bytes past page_nbytes read as zero (the padded last block).
+// at offs[p] of the packed page.  A page's last block of r bytes is hashed as max(256, r rounded up
+// to 64) bytes, zeros past the page (XXH3's long-input loop on a whole number of stripes).
 extern "C" __global__ void hostkv_xxh3_blocks(const u64* __restrict__ bases, const u64* __restrict__ strides,
                                               const u64* __restrict__ offs, const u64* __restrict__ lens,
                                               int nplanes, const long long* __restrict__ bids, long long npages,
@@ -61,7 +63,12 @@ extern "C" __global__ void hostkv_xxh3_blocks(const u64* __restrict__ bases, con
     bool active = g < npages * nb;   // inactive threads still take part in the shuffles
     long long page = active ? g / nb : 0;
     int b = active ? (int)(g % nb) : 0;
-    u64 start = (u64)b << 16;
+    u64 start = (u64)b * BLOCK;
+    u64 r = page_nbytes - start < BLOCK ? page_nbytes - start : BLOCK;
+    u64 hl = (r + 63) & ~63ull;
+    if (hl < 256) hl = 256;
+    int nk = (int)((hl - 1) >> 10);                      // full 1 KiB blocks (scrambled)
+    int ns = (int)(((hl - 1) - ((u64)nk << 10)) >> 6);   // stripes of the last one, then the last stripe
     int p = 0;
     {   // the plane holding the block's first byte (binary search over the sorted offsets)
         int lo = 0, hi = nplanes - 1;
@@ -74,32 +81,35 @@ extern "C" __global__ void hostkv_xxh3_blocks(const u64* __restrict__ bases, con
     const char* base = (const char*)(bases[p] + bid * strides[p]);
     u64 pos = start;
     u64 acc = INIT[lane];
-    for (int blk = 0; blk < 64; ++blk) {
+    for (int blk = 0; blk <= nk; ++blk) {
         u64 v[16];
+        int nstr = blk < nk ? 16 : ns + 1;   // the final 1 KiB block ends with the last stripe
         #pragma unroll
         for (int s = 0; s < 16; ++s) {
             while (in >= len && p + 1 < nplanes) {   // next plane (uniform within the group)
                 ++p; in = 0; len = lens[p]; base = (const char*)(bases[p] + bid * strides[p]);
             }
-            v[s] = (active && pos < page_nbytes) ? *(const u64*)(base + in + 8 * lane) : 0ull;
+            v[s] = (active && s < nstr && pos < page_nbytes) ? *(const u64*)(base + in + 8 * lane) : 0ull;
             in += 64; pos += 64;
         }
         #pragma unroll
         for (int s = 0; s < 16; ++s) {
-            u64 key = (blk == 63 && s == 15) ? LASTKEY[lane] : KEY[s + lane];
-            u64 dk = v[s] ^ key;
-            u64 other = __shfl_xor_sync(0xffffffffu, v[s], 1);
-            acc += other + (dk & 0xffffffffull) * (dk >> 32);
+            if (s < nstr) {
+                u64 key = (blk == nk && s == ns) ? LASTKEY[lane] : KEY[s + lane];
+                u64 dk = v[s] ^ key;
+                u64 other = __shfl_xor_sync(0xffffffffu, v[s], 1);
+                acc += other + (dk & 0xffffffffull) * (dk >> 32);
+            }
         }
-        if (blk < 63) { acc ^= acc >> 47; acc ^= KEY[16 + lane]; acc *= 0x9E3779B1ull; }
+        if (blk < nk) { acc ^= acc >> 47; acc ^= KEY[16 + lane]; acc *= 0x9E3779B1ull; }
     }
     u64 x = acc ^ MERGEKEY[lane];
     u64 y = __shfl_xor_sync(0xffffffffu, x, 1);
-    u64 r = (lane & 1) ? 0ull : ((x * y) ^ __umul64hi(x, y));
-    r += __shfl_xor_sync(0xffffffffu, r, 2);
-    r += __shfl_xor_sync(0xffffffffu, r, 4);
+    u64 m = (lane & 1) ? 0ull : ((x * y) ^ __umul64hi(x, y));
+    m += __shfl_xor_sync(0xffffffffu, m, 2);
+    m += __shfl_xor_sync(0xffffffffu, m, 4);
     if (lane == 0 && active) {
-        u64 h = r + 65536ull * 0x9E3779B185EBCA87ull;
+        u64 h = m + hl * 0x9E3779B185EBCA87ull;
         h ^= h >> 37; h *= 0x165667919E3779F9ull; h ^= h >> 32;
         out[g] = h;
     }
@@ -111,7 +121,7 @@ extern "C" __global__ void hostkv_xxh3_blocks(const u64* __restrict__ bases, con
 class PageDigests:
     """The block digests of one batch of pages, on their way to the host (a stream position).
 
-    :meth:`roots` waits for them and returns each page's ``xxh3-64k-tree`` checksum.
+    :meth:`roots` waits for them and returns each page's ``xxh3-256k-tree`` checksum.
     """
 
     def __init__(self, hasher: PageHasher, npages: int, page_nbytes: int, host: Any, event: Any,
@@ -141,7 +151,7 @@ class PageDigests:
         return np.frombuffer(self._host.view, dtype=np.uint64, count=self.npages * nb).reshape(self.npages, nb)
 
     def roots(self) -> list[int]:
-        """Each page's ``xxh3-64k-tree`` checksum (waits for the kernel and its copy)."""
+        """Each page's ``xxh3-256k-tree`` checksum (waits for the kernel and its copy)."""
         if self._roots is None:
             self._roots = roots_from_digests(self.digests().copy(), self.page_nbytes)
             self.close()
@@ -178,7 +188,7 @@ class PageHasher:
         self._free: list[Any] = []  # pinned host buffers for digests, reused
         self._flock = threading.Lock()
         # Pinned allocation is slow and locks the driver: a pool sized for a long save up front
-        # (64 KiB holds the digests of 256 pages of 2 MiB).
+        # (64 KiB holds the digests of 1,024 pages of 2 MiB).
         for _ in range(_PREALLOCATED):
             self._free.append(self._new_buffer(1 << 16))
         self._tables: dict[tuple[Any, ...], int] = {}  # plane tables in device memory, per geometry
@@ -273,4 +283,3 @@ class PageHasher:
         return PageDigests(self, n, page, host, ev, mem, stream)
 
 
-_ = BLOCK  # the block size the kernel's ``<< 16`` hard-codes

@@ -192,7 +192,7 @@ class PinnedProvider(Provider):
         Check the seal-time checksum on every ``read`` (views are checked by their user: the
         cache verifies restores from views on the GPU).
     checksum:
-        The entries' checksum algorithm: ``"xxh3-64k-tree"`` (default; a GPU computes it too, so
+        The entries' checksum algorithm: ``"xxh3-256k-tree"`` (default; a GPU computes it too, so
         a save from the GPU seals without hashing on the host) or ``"xxh3-64"`` (XXH3 of the
         whole entry; a little cheaper to compute on the host).
     """

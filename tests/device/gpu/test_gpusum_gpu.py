@@ -1,5 +1,5 @@
 """GPU checksums through ``HostKVCache`` (issue 14 items 2-3): a save from CUDA planes into an
-``xxh3-64k-tree`` pinned store seals with checksums hashed on the GPU (the host's verify agrees
+``xxh3-256k-tree`` pinned store seals with checksums hashed on the GPU (the host's verify agrees
 with every one), and a restore from the store's views with ``verify=read`` is verified on the GPU
 after its copy: a bit flipped in host RAM truncates the hit exactly at its page.  Skipped
 without CUDA and torch."""
@@ -45,7 +45,7 @@ def engine() -> Any:
     e.close()
 
 
-@pytest.mark.parametrize("checksum", ["xxh3-64k-tree", "xxh3-64"])
+@pytest.mark.parametrize("checksum", ["xxh3-256k-tree", "xxh3-64"])
 def test_save_seals_with_gpu_checksums(engine: Any, checksum: str) -> None:
     caches, planes = _pool(2 * N)
     prov = hk.open(f"pinned://?budget={(N + 4) * P}&block={P}&background=false&checksum={checksum}")
@@ -61,7 +61,7 @@ def test_save_seals_with_gpu_checksums(engine: Any, checksum: str) -> None:
             report = prov.verify()
             assert report.checked == N and not report.corrupt
             info = {e.key: e.checksum for e in prov.iter_entries()}
-            if checksum == "xxh3-64k-tree":
+            if checksum == "xxh3-256k-tree":
                 for i in (0, 5, N - 1):
                     assert info[keys[i]] == tree_checksum_parts(_page(caches, i))
             hit = cache.lookup(keys)

@@ -1,6 +1,7 @@
-"""The GPU page hasher computes the host's ``xxh3-64k-tree`` checksum of every page, for pages
-of one 64 KiB plane slice, of many small slices, of slices that straddle 64 KiB blocks, and of a
-page that is not a multiple of 64 KiB (zero padding).  Skipped without CUDA and torch."""
+"""The GPU page hasher computes the host's ``xxh3-256k-tree`` checksum of every page, for pages
+of 32 KiB plane slices, of many small slices, of slices that straddle 256 KiB blocks, of pages
+shorter than a block and of pages whose last block is partial (its hashed length padded).
+Skipped without CUDA and torch."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 
 from hostkv_providers import KVLayout
-from hostkv_providers._blockhash import block_digests_numpy, nblocks, tree_checksum_parts
+from hostkv_providers._blockhash import BLOCK, block_digests_numpy, nblocks, padded_len, tree_checksum_parts
 from hostkv_providers.device._copy import KVPlanes, cuda_available
 
 torch = pytest.importorskip("torch")
@@ -23,6 +24,9 @@ pytestmark = pytest.mark.gpu
 
 LAYOUTS = {
     "64k-slices": KVLayout(num_layers=2, num_kv_heads=8, head_dim=128, page_tokens=16, dtype="bfloat16"),
+    "2mib-pages": KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, page_tokens=16, dtype="bfloat16"),
+    "partial-last": KVLayout(num_layers=5, num_kv_heads=8, head_dim=128, page_tokens=16, dtype="bfloat16"),
+    "tiny": KVLayout(num_layers=1, num_kv_heads=1, head_dim=32, page_tokens=2, dtype="bfloat16"),
     "small-slices": KVLayout(num_layers=5, num_kv_heads=2, head_dim=64, page_tokens=16, dtype="bfloat16"),
     "straddling": KVLayout(num_layers=3, num_kv_heads=3, head_dim=128, page_tokens=16, dtype="bfloat16"),
     "latent": KVLayout(num_layers=4, num_kv_heads=1, head_dim=576, page_tokens=32, dtype="bfloat16",
@@ -59,8 +63,13 @@ def test_gpu_roots_equal_the_host_tree_checksum(name: str) -> None:
         parts = _page_bytes(layout, tensors, b)
         assert roots[i] == tree_checksum_parts(parts), (name, i)
         whole = b"".join(parts)
-        pad = whole + bytes(nblocks(len(whole)) * 65536 - len(whole))
-        assert list(digests[i]) == list(block_digests_numpy(np.frombuffer(pad, np.uint8).reshape(-1, 65536)))
+        want = []
+        for lo in range(0, len(whole), BLOCK):
+            block = whole[lo : lo + BLOCK]
+            block += bytes(padded_len(len(block)) - len(block))
+            want.append(int(block_digests_numpy(np.frombuffer(block, np.uint8).reshape(1, -1))[0]))
+        assert len(want) == nblocks(len(whole))
+        assert [int(v) for v in digests[i]] == want
 
 
 def test_gpu_digests_follow_stream_order() -> None:
