@@ -133,3 +133,67 @@ def test_pinned_seal_many_records_given_checksums_in_its_algorithm() -> None:
         assert p.read(k4, out) is True and bytes(out) == datas[2]
     finally:
         p.close()
+
+
+# -- the cache's paths on the CPU copy engine ------------------------------------------------
+LAYOUT = hk.KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, page_tokens=16, dtype="float16")  # 16 KiB pages
+NPAGES = 24
+
+
+def _host_planes(fill: int | None = None) -> list[np.ndarray]:
+    shape = (2 * NPAGES, LAYOUT.page_tokens, LAYOUT.num_kv_heads, LAYOUT.head_dim)
+    if fill is None:
+        return [RNG.standard_normal(shape).astype(np.float16) for _ in LAYOUT.planes]
+    return [np.full(shape, fill, np.float16) for _ in LAYOUT.planes]
+
+
+def test_reserve_many_hands_out_the_chunk_as_host_pages() -> None:
+    P = LAYOUT.page_nbytes
+    p = PinnedProvider(64 * P, block=P, allocator=hk.device.OrdinaryAllocator())
+    try:
+        keys = [bytes([i + 1]) * 32 for i in range(5)]
+        assert p.put(keys[0], None, bytes(P))
+        chain = p.reserve_many(keys, [None, *keys[:-1]], P)
+        assert chain.reservations[0] is None and chain.pages is not None  # dedup first, four reserved
+        real = [r for r in chain.reservations if r is not None]
+        assert len(chain.pages) == 4 and chain.pages.page_nbytes == P and not chain.pages.readonly
+        assert [int(a) for a in chain.pages.addresses] == [r.regions()[0].address for r in real]
+        for r in real:
+            p.abort(r)
+    finally:
+        p.close()
+
+
+def test_cpu_engine_save_and_verified_restore_truncate_at_a_flipped_byte() -> None:
+    import ctypes
+
+    from hostkv_providers.cache import HostKVCache
+    from hostkv_providers.device import CpuCopyEngine
+
+    P = LAYOUT.page_nbytes
+    prov = PinnedProvider(64 * P, block=P, allocator=hk.device.OrdinaryAllocator(), verify_reads=True)
+    engine = CpuCopyEngine()
+    try:
+        with HostKVCache(prov, hk.Salt("t/verify", LAYOUT), engine, chunk_pages=5) as cache:
+            src = _host_planes()
+            keys = cache.keys(list(range(NPAGES * LAYOUT.page_tokens)))
+            assert cache.save(keys, src, list(range(NPAGES))).wait().stored == NPAGES
+            report = prov.verify()
+            assert report.checked == NPAGES and not report.corrupt
+            dst = _host_planes(fill=0)
+            ok = cache.restore(cache.lookup(keys), dst, list(range(NPAGES))).wait()
+            assert ok.pages == NPAGES and ok.viewed == NPAGES
+            assert all(np.array_equal(a[:NPAGES], b[:NPAGES]) for a, b in zip(src, dst, strict=True))
+            for bad in (NPAGES - 1, 11, 0):
+                with prov.lease([keys[bad]]) as lease:
+                    (reg,) = prov.view(lease, keys[bad])
+                    byte = ctypes.c_uint8.from_address(reg.address + P // 2 + 3)
+                    byte.value ^= 0x04  # a flipped bit in the store's RAM
+                r = cache.restore(cache.lookup(keys), dst, list(range(NPAGES))).wait()
+                assert r.pages == bad and r.nbytes == bad * P, (bad, r.pages, r.stopped)
+                assert r.stopped is not None and "checksum" in r.stopped
+                byte.value ^= 0x04
+            assert cache.restore(cache.lookup(keys), dst, list(range(NPAGES))).wait().pages == NPAGES
+    finally:
+        engine.close()
+        prov.close()

@@ -8,18 +8,20 @@ checksums: no hashing on the host at all.
 
 Restore: a chunk restored from zero-copy views whose provider handed out the pages' checksums
 (``HostPages.checksums``) is hashed again in the engine's blocks right after its host-to-device
-copy; a page whose checksum differs truncates the result at that page, exactly as a host-side
-checksum failure does (``result.pages`` leading pages are good; the engine recomputes the rest).
+copy (on the host when the planes are in host memory: the CPU copy engine); a page whose
+checksum differs truncates the result at that page, exactly as a host-side checksum failure
+does (``result.pages`` leading pages are good; the engine recomputes the rest).
 """
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from hostkv_providers._blockhash import TREE_ALGORITHM
+from hostkv_providers._blockhash import TREE_ALGORITHM, tree_checksum_parts
 
 __all__ = ["RestoreCheck", "SaveSums", "restore_check", "save_sums"]
 
@@ -101,7 +103,46 @@ class RestoreCheck:
             _cuda.driver().cuStreamDestroy(self.stream)
 
 
+class _HostDigests:
+    """The host's twin of ``PageDigests`` for planes in host memory (the CPU copy engine): the
+    pages' checksums computed from the restored blocks once their copy is done."""
+
+    def __init__(self, transfer: Any, planes: Any, bids: Sequence[int]) -> None:
+        self._transfer = transfer
+        self._planes = planes
+        self._bids = list(bids)
+
+    def roots(self) -> list[int]:
+        self._transfer.wait()
+        planes = self._planes
+        specs = sorted(planes.layout.planes, key=lambda sp: sp.offset)
+        out = []
+        for b in self._bids:
+            parts = [(ctypes.c_char * sp.nbytes).from_address(planes.slice_address(sp.index, b)) for sp in specs]
+            out.append(tree_checksum_parts(parts))
+        return out
+
+    def close(self) -> None:
+        self._planes = None
+
+
+class HostRestoreCheck(RestoreCheck):
+    """:class:`RestoreCheck` for planes in host memory: the check runs on the host."""
+
+    def __init__(self, planes: Any) -> None:  # no hasher, no stream
+        self.planes = planes
+
+    def enqueue(self, transfer: Any, bids: Sequence[int]) -> Any:
+        return _HostDigests(transfer, self.planes, bids)
+
+    def close(self) -> None:
+        self.planes = None
+
+
 def restore_check(planes: Any) -> RestoreCheck | None:
-    """A :class:`RestoreCheck` when restores into ``planes`` can be verified on the GPU."""
+    """A :class:`RestoreCheck` when restores into ``planes`` can be verified: on the GPU for
+    CUDA planes, on the host for host planes (the CPU copy engine)."""
+    if getattr(planes, "device", 0) < 0 and hasattr(planes, "slice_address"):
+        return HostRestoreCheck(planes)
     hasher = _hasher_for(planes)
     return None if hasher is None else RestoreCheck(hasher, planes)

@@ -175,7 +175,7 @@ def _restore_pages(self: HostKVCache, handle: CacheHandle, result: RestoreResult
                     # checksum failure, and no later chunk counts.
                     result.pages = start + good
                     result.nbytes = result.pages * P
-                    result.stopped = f"page {start + good} failed its checksum on the GPU after its copy"
+                    result.stopped = f"page {start + good} failed its checksum after its copy"
                     bad = True
         finally:
             if verify is not None:
