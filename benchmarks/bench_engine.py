@@ -21,6 +21,7 @@ Results print as a markdown table and go to ``bench_engine.json`` / ``bench_engi
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import gc
 import json
 import os
@@ -78,7 +79,7 @@ def main() -> int:
     ap.add_argument("--pages", type=int, default=6400)
     ap.add_argument("--restart-pages", type=int, default=2000)
     ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--phases", default="bulk,pinned,decode,restart,cliff")
+    ap.add_argument("--phases", default="bulk,pinned,verified,decode,restart,cliff")
     ap.add_argument("--dir", default=None, help="where mmap stores go (default: a temp dir)")
     ap.add_argument("--out", default=".")
     args = ap.parse_args()
@@ -96,7 +97,7 @@ def main() -> int:
         results["cliff"] = tiered_cliff(args.dir)
         log("cliff", results["cliff"])
         dump()
-    if phases & {"bulk", "pinned", "decode", "restart"}:
+    if phases & {"bulk", "pinned", "verified", "decode", "restart"}:
         import torch
 
         gpu_phases(torch, args, phases, results, dump)
@@ -132,7 +133,7 @@ def gpu_phases(torch: Any, args: Any, phases: set[str], results: dict[str, Any],
     provider = None
     cache = None
     keys: list[hk.Key] = []
-    if phases & {"pinned", "decode"}:
+    if phases & {"pinned", "verified", "decode"}:
         t = time.perf_counter()
         provider = hk.open(f"pinned://?budget={n * P + (64 << 20)}&block={P}&background=false")
         results["pinned_open_s"] = round(time.perf_counter() - t, 2)
@@ -142,6 +143,11 @@ def gpu_phases(torch: Any, args: Any, phases: set[str], results: dict[str, Any],
         results["pinned"] = pinned_phase(torch, cache, provider, keys, caches, planes, src, dst, nbytes,
                                          results["bulk"])
         log("pinned", results["pinned"])
+        dump()
+    if "verified" in phases and cache is not None:
+        results["verified"] = verified_phase(torch, engine, layout, planes, keys, src, dst, nbytes,
+                                             results["bulk"], results.get("pinned"))
+        log("verified", results["verified"])
         dump()
     if "decode" in phases and cache is not None:
         if "pinned" not in phases:
@@ -232,6 +238,52 @@ def pinned_phase(torch: Any, cache: HostKVCache, provider: Any, keys: list[hk.Ke
             "restores": restores, "restore_best_x_bulk": round(h2d_ms / rbest, 3),
             "restore_median_x_bulk": round(h2d_ms / rmed, 3), "bytes_ok": ok,
             "ranged_first_1_32_ms": round(ranged_ms, 1), "ranged_goal_ms": round(rbest / LAYERS + 1, 1)}
+
+
+def verified_phase(torch: Any, engine: Any, layout: hk.KVLayout, planes: Any, keys: list[hk.Key], src: list[int],
+                   dst: list[int], nbytes: int, bulk_r: dict[str, float], pin: dict[str, Any] | None) -> dict[str, Any]:
+    """A second pinned:// store with verify=read: its restores from views are verified on the GPU
+    after the copy (xxh3-256k-tree); a byte flipped in the arena truncates the hit at its page."""
+    import ctypes
+
+    P = layout.page_nbytes
+    n = len(keys)
+    h2d_ms = nbytes / (bulk_r["h2d_gbps"] * 1e9) * 1e3
+    prov = hk.open(f"pinned://?budget={n * P + (64 << 20)}&block={P}&background=false&verify=read")
+    cache = HostKVCache(prov, hk.Salt("bench/engine", layout), engine)
+    try:
+        t = time.perf_counter()
+        res = cache.save(keys, planes, src).wait()
+        save_ms = (time.perf_counter() - t) * 1e3
+        restores = []
+        for _ in range(4):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            hit = cache.lookup(keys)
+            r = cache.restore(hit, planes, dst).wait()
+            restores.append({"ms": round((time.perf_counter() - t) * 1e3, 1), "pages": r.pages})
+        torch.cuda.synchronize()
+        bad = n // 2 + 3
+        with prov.lease([keys[bad]]) as lease:
+            (reg,) = prov.view(lease, keys[bad])
+            byte = ctypes.c_uint8.from_address(reg.address + 12345)
+            byte.value ^= 0x40  # a flipped bit in host RAM
+        hit = cache.lookup(keys)
+        r = cache.restore(hit, planes, dst).wait()
+        truncated = {"flipped_page": bad, "restored_pages": r.pages, "stopped": r.stopped}
+        byte.value ^= 0x40
+    finally:
+        cache.close()
+        prov.close()
+    best = min(x["ms"] for x in restores)
+    out: dict[str, Any] = {"save_ms": round(save_ms, 1), "stored": res.stored, "restores": restores,
+                           "restore_best_x_bulk": round(h2d_ms / best, 3),
+                           "restore_median_x_bulk": round(h2d_ms / statistics.median(x["ms"] for x in restores), 3),
+                           "all_pages": all(x["pages"] == n for x in restores), "flip": truncated}
+    if pin:
+        unverified = min(x["ms"] for x in pin["restores"])
+        out["verification_cost"] = round(best / unverified - 1, 4)
+    return out
 
 
 def same(torch: Any, cache: Any, a: list[int], b: list[int]) -> bool:
@@ -327,10 +379,15 @@ def decode_phase(torch: Any, cache: HostKVCache, keys: list[hk.Key], caches: lis
             th.start()
             time.sleep(0.2)
         xs = []
+        dump = _stall_dump()
         for _ in range(nsteps):
+            if dump is not None:  # every thread's stack when a step takes > 3x its usual time
+                faulthandler.dump_traceback_later(0.04, file=dump)
             t = time.perf_counter()
             step()
             xs.append((time.perf_counter() - t) * 1e3)
+            if dump is not None:
+                faulthandler.cancel_dump_traceback_later()
         if th is not None:
             stop.set()
             th.join()
@@ -363,6 +420,19 @@ def decode_phase(torch: Any, cache: HostKVCache, keys: list[hk.Key], caches: lis
         sys.setswitchinterval(old)
         gc.unfreeze()
     return out
+
+
+_DUMP: list[Any] = []
+
+
+def _stall_dump() -> Any:
+    """``HOSTKV_BENCH_STALL_DUMP=path``: where to write the stacks of stalled decode steps."""
+    path = os.environ.get("HOSTKV_BENCH_STALL_DUMP")
+    if not path:
+        return None
+    if not _DUMP:
+        _DUMP.append(open(path, "w"))  # noqa: SIM115 - kept open for faulthandler
+    return _DUMP[0]
 
 
 def _files(root: str) -> list[str]:
@@ -488,6 +558,16 @@ def render(r: dict[str, Any]) -> str:
                      f"{pin['bulk_h2d_ms']} ms | {pin['restore_best_x_bulk']}x / {pin['restore_median_x_bulk']}x |")
         lines.append(f"| ranged restore of the first 1/32 of the hit | {pin['ranged_first_1_32_ms']} ms | goal "
                      f"{pin['ranged_goal_ms']} ms | |")
+    ver = r.get("verified")
+    if ver:
+        cost = ver.get("verification_cost")
+        lines.append(f"| lookup + restore from pinned://?verify=read, verified on the GPU after the copy (best; "
+                     f"verification {'' if cost is None else f'{cost * 100:+.1f}% vs unverified'}) | "
+                     f"{min(x['ms'] for x in ver['restores'])} ms | bulk H2D {pin['bulk_h2d_ms'] if pin else '?'} ms | "
+                     f"{ver['restore_best_x_bulk']}x / {ver['restore_median_x_bulk']}x |")
+        f = ver["flip"]
+        lines.append(f"| a bit flipped in pinned RAM (page {f['flipped_page']}), restore with verify=read | "
+                     f"{f['restored_pages']} pages restored ({f['stopped']}) | | |")
     dec = r.get("decode")
     if dec:
         for mode in ("graph", "eager"):

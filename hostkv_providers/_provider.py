@@ -31,7 +31,7 @@ from hostkv_providers._errors import (
     UsedAfterForkError,
 )
 from hostkv_providers._keys import KEY_NBYTES, Key, as_key
-from hostkv_providers._region import HostRegion
+from hostkv_providers._region import HostPages, HostRegion
 from hostkv_providers._span import ByteSpan
 
 __all__ = [
@@ -279,6 +279,10 @@ def readable_bytes(data: object) -> memoryview:
 # --------------------------------------------------------------------------------------------
 
 
+_NONE: tuple[tuple[int, int], ...] = ()
+_WHOLE: tuple[tuple[int, int], ...] = ((-1, -1),)  # a marker: compared by identity only
+
+
 class Reservation:
     """Space for one entry, obtained before its bytes exist.
 
@@ -301,7 +305,9 @@ class Reservation:
         self._state = "open"
         # the front's claim: (thread id, "seal" | "abort") of the seal or abort under way
         self._claim: tuple[int, str] | None = None
-        self._covered: list[list[int]] = []  # sorted, merged [start, end) intervals
+        # sorted, merged [start, end) intervals; ``_WHOLE`` (shared) once everything is written
+        # and ``_NONE`` (shared) before anything is: no list per reservation on the hot path
+        self._covered: Sequence[Sequence[int]] = _NONE
 
     # -- state ---------------------------------------------------------------------------
     @property
@@ -336,15 +342,16 @@ class Reservation:
         if span is None or (span.offset == 0 and span.nbytes == self.nbytes):
             # the common whole-entry write: no interval merge (a per-page cost on every put)
             if self.nbytes:
-                self._covered = [[0, self.nbytes]]
+                self._covered = _WHOLE
             return
         span = span.validate(self.nbytes)
         if span.nbytes == 0:
             return
         start, end = span.offset, span.end
-        merged: list[list[int]] = []
+        merged: list[Sequence[int]] = []
         placed = False
-        for iv in self._covered:
+        covered = [(0, self.nbytes)] if self._covered is _WHOLE else self._covered
+        for iv in covered:
             if iv[1] < start:
                 merged.append(iv)
             elif end < iv[0]:
@@ -363,11 +370,12 @@ class Reservation:
         """Whether every byte has been written."""
         if self.nbytes == 0:
             return True
-        return len(self._covered) == 1 and self._covered[0] == [0, self.nbytes]
+        c = self._covered
+        return c is _WHOLE or (len(c) == 1 and c[0][0] == 0 and c[0][1] == self.nbytes)
 
     def check_complete(self) -> None:
         if not self.complete:
-            written = sum(e - s for s, e in self._covered)
+            written = sum(e - s for s, e in self._covered)  # never _WHOLE here
             raise IncompleteWriteError(
                 f"entry {self.key.hex()[:16]} has {written} of {self.nbytes} bytes written"
             )
@@ -579,6 +587,16 @@ class SupportsBatch(Protocol):
     def read_many(self, keys: Sequence[bytes], outs: Sequence[object]) -> list[bool]: ...
 
 
+def _check_checksums(checksums: Sequence[int] | None, algorithm: str | None, n: int) -> None:
+    """Validate ``seal_many``'s ``checksums=``/``algorithm=`` pair (one checksum per reservation)."""
+    if checksums is None:
+        return
+    if not isinstance(algorithm, str):
+        raise InvalidArgumentError("give algorithm= with checksums= (the algorithm they are in)")
+    if len(checksums) != n:
+        raise InvalidArgumentError(f"{len(checksums)} checksums for {n} reservations; give one per reservation")
+
+
 @dataclass(slots=True)
 class ReservedChain:
     """What :meth:`Provider.reserve_many` reserved: a *prefix* of the keys asked for.
@@ -591,6 +609,11 @@ class ReservedChain:
 
     reservations: list[Reservation | None]
     error: HostKVError | None = None
+    #: The reserved (not ``None``) reservations' memory as one chunk-level :class:`HostPages`,
+    #: when the provider has it (each page one contiguous piece of host memory): a copy engine
+    #: fills the chunk from it without a Python object per page.  ``None`` otherwise: use
+    #: ``regions()`` of each reservation.
+    pages: HostPages | None = None
 
     def __len__(self) -> int:
         return len(self.reservations)
@@ -1585,17 +1608,31 @@ class Provider(abc.ABC, metaclass=_ProviderMeta):
             batch.add(k)
         return ReservedChain(out)
 
-    def seal_many(self, reservations: Sequence[Reservation]) -> None:
+    #: The checksum algorithm of the entries this store seals: ``"xxh3-64"`` (XXH3-64 of the
+    #: whole entry) or ``"xxh3-256k-tree"`` (:mod:`hostkv_providers._blockhash`, which a GPU
+    #: computes too).  ``seal_many(checksums=...)`` uses given checksums only when they are in
+    #: this algorithm.
+    checksum_algorithm: str = "xxh3-64"
+
+    def seal_many(self, reservations: Sequence[Reservation], *, checksums: Sequence[int] | None = None,
+                  algorithm: str | None = None) -> None:
         """Seal reservations root first (a parent before its children), as one batch.
 
         On failure the first error is raised; the reservations sealed by then are a prefix of
         ``reservations`` (possibly none: a provider that commits a batch at once seals all or
         nothing) and every other one is aborted.  A reservation whose parent was not sealed
         (aborted, or failed here) fails with ``UnknownKeyError``; one with unwritten bytes with
-        ``IncompleteWriteError``."""
+        ``IncompleteWriteError``.
+
+        ``checksums[i]`` (with ``algorithm``) is the checksum of the bytes written to
+        ``reservations[i]``, computed where they came from (a GPU kernel over the pages before
+        their device-to-host copy): a store whose :attr:`checksum_algorithm` is ``algorithm``
+        records it instead of hashing the bytes again; any other store ignores it.  A wrong
+        value is caught like a flipped bit: the entry fails its first verified read (a miss)."""
         for res in reservations:
             if not isinstance(res, Reservation) or res.provider is not self:
                 raise InvalidArgumentError("seal_many() takes reservations of this provider")
+        _check_checksums(checksums, algorithm, len(reservations))
         for i, res in enumerate(reservations):
             try:
                 if isinstance(res, _DeferredReservation):

@@ -37,12 +37,15 @@ class HostPages:
     a Python object per page on the hot path (per-page objects that live through a transfer end up
     in the collector's oldest generation and set off full collections in the engine's process).
     ``keepalive`` holds whatever keeps the memory valid (a lease) until the transfer is done.
+    ``checksums`` (a ``uint64`` array, one per page, in ``algorithm``) are the pages' stored
+    checksums when the provider hands them out with its views: a restore verifies the copied
+    bytes against them on the GPU (``None``: not known).
     """
 
-    __slots__ = ("addresses", "keepalive", "page_nbytes", "pinned", "readonly")
+    __slots__ = ("addresses", "algorithm", "checksums", "keepalive", "page_nbytes", "pinned", "readonly")
 
     def __init__(self, addresses: Any, page_nbytes: int, *, pinned: bool, readonly: bool,
-                 keepalive: object = None) -> None:
+                 keepalive: object = None, checksums: Any = None, algorithm: str | None = None) -> None:
         import numpy as np
 
         arr = np.ascontiguousarray(addresses, dtype=np.uint64)
@@ -57,6 +60,10 @@ class HostPages:
         self.pinned = pinned
         self.readonly = readonly
         self.keepalive = keepalive
+        self.checksums = None if checksums is None else np.ascontiguousarray(checksums, dtype=np.uint64)
+        if self.checksums is not None and self.checksums.shape != arr.shape:
+            raise InvalidArgumentError("give one checksum per page")
+        self.algorithm = algorithm
 
     def __len__(self) -> int:
         return int(self.addresses.size)
@@ -65,7 +72,8 @@ class HostPages:
         if not isinstance(index, slice):
             raise InvalidArgumentError("HostPages is sliced by ranges of pages")
         return HostPages(self.addresses[index], self.page_nbytes, pinned=self.pinned, readonly=self.readonly,
-                         keepalive=self.keepalive)
+                         keepalive=self.keepalive,
+                         checksums=None if self.checksums is None else self.checksums[index], algorithm=self.algorithm)
 
     def __iter__(self) -> Iterator[tuple[tuple[int], tuple[int], tuple[int]]]:
         """Per-page ``((0,), (address,), (page_nbytes,))``: only for slow paths (one page at a time)."""

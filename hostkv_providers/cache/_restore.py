@@ -8,6 +8,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from hostkv_providers._blockhash import TREE_ALGORITHM
 from hostkv_providers._errors import (
     InvalidArgumentError,
 )
@@ -22,6 +23,7 @@ from hostkv_providers.cache._common import (
     _as_planes,
     _Staging,
 )
+from hostkv_providers.cache._gpusum import RestoreCheck, restore_check
 from hostkv_providers.cache._handles import (
     CacheHandle,
     CacheHit,
@@ -151,14 +153,31 @@ def _restore_pages(self: HostKVCache, handle: CacheHandle, result: RestoreResult
                    planes: Any, bids: Sequence[int]) -> None:
     chunk = self.chunk_pages
     P = self.page_nbytes
-    # in-flight engine transfers with what they read from: a bounce buffer or view leases
-    pending: list[tuple[Any, _Staging | None, list[Lease]]] = []
+    # in-flight engine transfers with what they read from: a bounce buffer or view leases, and
+    # for a verified view chunk (its first page, the GPU's digests of the blocks, the checksums)
+    pending: list[tuple[Any, _Staging | None, list[Lease], tuple[int, Any, Any] | None]] = []
+    check: RestoreCheck | None = None
+    bad = False
 
     def retire() -> None:
-        h, st, leases = pending.pop(0)
+        nonlocal bad
+        h, st, leases, verify = pending.pop(0)
         try:
             h.wait()
+            if verify is not None:
+                start, dg, expected = verify
+                good = RestoreCheck.good_prefix(dg, expected)
+                if good < len(expected) and start + good < result.pages:
+                    # A page differs from its stored checksum after the copy (host memory or
+                    # the copy corrupted it): the hit ends before it, as after a host-side
+                    # checksum failure, and no later chunk counts.
+                    result.pages = start + good
+                    result.nbytes = result.pages * P
+                    result.stopped = f"page {start + good} failed its checksum after its copy"
+                    bad = True
         finally:
+            if verify is not None:
+                verify[1].close()
             if st is not None:
                 self._put_staging(st)
             for lease in leases:
@@ -171,7 +190,7 @@ def _restore_pages(self: HostKVCache, handle: CacheHandle, result: RestoreResult
             # pins them: ~0.1 s per 512 MiB with the disk idle otherwise).
             self.provider.prefetch(keys[:chunk])
         i = 0
-        while i < len(keys):
+        while i < len(keys) and not bad:
             part = keys[i : i + chunk]
             srcs: list[Sequence[HostRegion]] | HostPages | None = None
             if self._views and hit.lease is not None:
@@ -205,14 +224,22 @@ def _restore_pages(self: HostKVCache, handle: CacheHandle, result: RestoreResult
                     for vlease in vleases:
                         vlease.release()
                 else:
+                    verify = None
                     try:
                         h = self.engine.restore(srcs, planes, bids[i : i + len(part)])
+                        sums = getattr(srcs, "checksums", None)
+                        if sums is not None and getattr(srcs, "algorithm", None) == TREE_ALGORITHM:
+                            # views of a store that verifies reads: check the blocks on the GPU
+                            if check is None:
+                                check = restore_check(planes)
+                            if check is not None:
+                                verify = (i, check.enqueue(h, bids[i : i + len(part)]), sums)
                     except BaseException:
                         for vlease in vleases:
                             vlease.release()
                         raise
                     handle._add_transfer(h)
-                    pending.append((h, None, vleases))
+                    pending.append((h, None, vleases, verify))
                     result.viewed += len(part)
                     ok = len(part)
             if srcs is None:
@@ -223,7 +250,7 @@ def _restore_pages(self: HostKVCache, handle: CacheHandle, result: RestoreResult
                 nxt = keys[i + len(part) : i + len(part) + chunk]
                 if nxt:
                     self.provider.prefetch(nxt)
-                while sum(1 for _h, st, _l in pending if st is not None) >= 2:
+                while sum(1 for _h, st, _l, _v in pending if st is not None) >= 2:
                     retire()
                 st = self._get_staging()
                 ok = 0
@@ -244,10 +271,12 @@ def _restore_pages(self: HostKVCache, handle: CacheHandle, result: RestoreResult
                         self._put_staging(st)
                         raise
                     handle._add_transfer(h)
-                    pending.append((h, st, []))
+                    pending.append((h, st, [], None))
                     result.staged += ok
                 else:
                     self._put_staging(st)
+            if bad:  # a verification found while waiting for a bounce buffer: the hit ends there
+                break
             result.pages += ok
             result.nbytes += ok * P
             if ok < len(part):
@@ -262,3 +291,5 @@ def _restore_pages(self: HostKVCache, handle: CacheHandle, result: RestoreResult
         handle._all_issued()
         while pending:
             retire()
+        if check is not None:
+            check.close()

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from hostkv_providers._blockhash import TREE_ALGORITHM
 from hostkv_providers._errors import (
     CapacityError,
     ClosedError,
@@ -39,11 +40,13 @@ from hostkv_providers.cache._common import (
     _as_planes,
     _Staging,
 )
+from hostkv_providers.cache._gpusum import save_sums
 from hostkv_providers.cache._handles import (
     CacheHandle,
     SaveResult,
     _SaveJob,
 )
+from hostkv_providers.device import CopyEngine
 
 if TYPE_CHECKING:
     from hostkv_providers.cache._cache import HostKVCache
@@ -421,6 +424,11 @@ def _direct_chunks(self: HostKVCache, job: _SaveJob, result: SaveResult, planes:
     tag = self.salt.tag
     inflight: collections.deque[tuple[int, list[Reservation | None], Any]] = collections.deque()
     pos = s
+    # Checksums from the GPU (xxh3-256k-tree stores, pages in CUDA memory): each chunk is hashed
+    # in HBM behind the save's `after` mark and its copy is ordered behind the hash, so the
+    # seals below record them and hash nothing on the host.  `digests[lo]`: chunk at `lo`.
+    sums = save_sums(prov, self.engine, planes, after)
+    digests: dict[int, Any] = {}
 
     def seal_oldest() -> str | None:
         lo, ress, h = inflight.popleft()
@@ -430,9 +438,13 @@ def _direct_chunks(self: HostKVCache, job: _SaveJob, result: SaveResult, planes:
         for res in real:
             res.mark_written()
         failure: HostKVError | None = None
+        dg = digests.pop(lo, None)
         if real:
             try:
-                prov.seal_many(real)
+                if dg is not None:
+                    prov.seal_many(real, checksums=dg.roots(), algorithm=TREE_ALGORITHM)
+                else:
+                    prov.seal_many(real)
             except HostKVError as exc:  # a prefix is sealed, the rest aborted
                 failure = exc
         for m, r in enumerate(ress):
@@ -462,8 +474,17 @@ def _direct_chunks(self: HostKVCache, job: _SaveJob, result: SaveResult, planes:
                 h = None
                 if idx:
                     try:
-                        h = self.engine.save(planes, [bids[i] for i in idx],
-                                             [r.regions() for r in ress if r is not None], after=after)
+                        chunk_bids = [bids[i] for i in idx]
+                        order = after
+                        if sums is not None:
+                            digests[pos], order = sums.enqueue(chunk_bids)
+                        # one HostPages for the chunk when the provider has it: no per-page regions
+                        # (the package's engines take it; another CopyEngineLike gets region lists)
+                        if rc.pages is not None and isinstance(self.engine, CopyEngine):
+                            h = self.engine.save(planes, chunk_bids, rc.pages, after=order)
+                        else:
+                            h = self.engine.save(planes, chunk_bids, [r.regions() for r in ress if r is not None],
+                                                 after=order)
                     except BaseException:
                         for r in ress:
                             if r is not None:
@@ -522,6 +543,12 @@ def _direct_chunks(self: HostKVCache, job: _SaveJob, result: SaveResult, planes:
     finally:
         # What was reserved but not sealed (after a stop or an error) is aborted once its DMA
         # is over: freeing arena blocks a copy still writes into would corrupt their next user.
+        for dg in digests.values():
+            with contextlib.suppress(Exception):
+                dg.close()
+        if sums is not None:
+            with contextlib.suppress(Exception):
+                sums.close()
         for _lo, ress, h in inflight:
             if h is not None:
                 with contextlib.suppress(Exception):

@@ -21,6 +21,7 @@ from hostkv_providers.device._copy import (
     default_copy_engine,
     page_regions,
 )
+from hostkv_providers.device._hash import PageDigests, PageHasher
 from hostkv_providers.device._hostmem import (
     CudaHostAllocator,
     CudaPinnedAllocation,
@@ -40,6 +41,8 @@ from hostkv_providers.device._sparse import (
 )
 
 __all__ = [
+    "PageDigests",
+    "PageHasher",
     "CopyEngine",
     "CpuCopyEngine",
     "CpuPageMover",

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from hostkv_providers._blockhash import TREE_ALGORITHM, tree_checksum, tree_checksum_parts
 from hostkv_providers._checksum import CHECKSUM_ALGORITHM, checksum, checksum_parts
 from hostkv_providers._keys import (
     FORMAT_VERSION,
@@ -102,6 +103,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "TREE_ALGORITHM",
     "CAPABILITY_FLAGS",
     "CAPABILITY_NAMES",
     "CAPABILITY_PROTOCOLS",
@@ -165,6 +167,8 @@ __all__ = [
     "format_size",
     "open_provider",
     "parse_salt_tag",
+    "tree_checksum",
+    "tree_checksum_parts",
     "parse_size",
     "parse_url",
     "provider_class",

@@ -65,6 +65,7 @@ from hostkv_providers._provider import (
     Lease,
     ProviderStats,
     Reservation,
+    _check_checksums,
     check_retain_share,
     writable_buffer,
 )
@@ -450,14 +451,17 @@ class MmapProvider(_Maintenance):
         self._seal_finish(prepared)
         self._snapshot_due()
 
-    def seal_many(self, reservations: Sequence[Reservation]) -> None:
+    def seal_many(self, reservations: Sequence[Reservation], *, checksums: Sequence[int] | None = None,
+                  algorithm: str | None = None) -> None:
         """Seal several reservations with one commit: with ``durability=sync`` one data sync and
         one journal sync cover all of them.  All or nothing at the commit: if it fails, every one
-        of them is aborted and the error is raised."""
+        of them is aborted and the error is raised.  Given ``checksums`` are not used: the slot
+        files record XXH3-64 of the whole entry, computed here from the bytes."""
         if any(not isinstance(r, _MmapReservation) for r in reservations):
             # reservations of the contract's default reserve_many (bytes held until the seal)
-            super().seal_many(reservations)
+            super().seal_many(reservations, checksums=checksums, algorithm=algorithm)
             return
+        _check_checksums(checksums, algorithm, len(reservations))
         self._check_usable()
         with self._write_call(), self._claimed_seals(reservations):
             self._seal_many_claimed(reservations)

@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from hostkv_providers._blockhash import TREE_ALGORITHM
 from hostkv_providers._errors import CopyEngineError, HostKVError, InvalidArgumentError, ReservationError
 from hostkv_providers._keys import Key
 from hostkv_providers._provider import Lease, ProviderStats, Reservation
@@ -174,7 +175,7 @@ class MappedPinnedProvider(PinnedProvider):
 
     def __init__(self, budget_bytes: int, *, block: int = _DEFAULT_BLOCK, chunk: int = _DEFAULT_CHUNK,
                  device: int = 0, threads: int = 4, huge_pages: bool = True, verify_reads: bool = False,
-                 retain_share: float = 0.5) -> None:
+                 retain_share: float = 0.5, checksum: str = TREE_ALGORITHM) -> None:
         if type(device) is not int or device < -1:
             raise InvalidArgumentError(f"device must be a CUDA ordinal or -1 (host), got {device!r}")
         allocator: HostAllocator
@@ -194,7 +195,7 @@ class MappedPinnedProvider(PinnedProvider):
         self._table: PageTable | None = None
         try:
             super().__init__(budget_bytes, block=block, chunk=chunk, allocator=allocator, background=False,
-                             verify_reads=verify_reads, retain_share=retain_share)
+                             verify_reads=verify_reads, retain_share=retain_share, checksum=checksum)
         except CopyEngineError as exc:
             raise DeviceMappingError(f"mapping the pinned arena failed: {exc}") from exc
         self._mapped = "yes"

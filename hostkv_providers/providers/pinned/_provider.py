@@ -23,13 +23,14 @@ import contextlib
 import os
 import threading
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from hostkv_providers._checksum import checksum_parts
+from hostkv_providers._blockhash import TREE_ALGORITHM, tree_checksum_parts
+from hostkv_providers._checksum import CHECKSUM_ALGORITHM, checksum_parts
 from hostkv_providers._errors import (
     CapacityError,
     HostKVError,
@@ -50,6 +51,7 @@ from hostkv_providers._provider import (
     Reservation,
     ReservedChain,
     VerifyReport,
+    _check_checksums,
     check_flag,
     check_progress,
     check_retain_share,
@@ -187,13 +189,24 @@ _Token = tuple[list[int], list[int]]
 
 
 class _PinnedReservation(Reservation):
-    __slots__ = ("_regions", "runs")
+    # The regions (a list, a HostRegion and a memoryview per arena run) are built on first use:
+    # a chain reservation that a copy engine fills through ``ReservedChain.pages`` and that is
+    # sealed with checksums from the GPU never builds them (no per-page objects on that path).
+    __slots__ = ("_regs", "runs")
 
     def __init__(self, provider: PinnedProvider, key: Key, parent: Key | None, nbytes: int, salt_tag: str,
-                 runs: list[tuple[int, int]], regions: list[HostRegion]) -> None:
+                 runs: list[tuple[int, int]]) -> None:
         super().__init__(provider, key, parent, nbytes, salt_tag)
         self.runs = runs
-        self._regions = regions
+        self._regs: list[HostRegion] | None = None
+
+    @property
+    def _regions(self) -> list[HostRegion]:
+        regs = self._regs
+        if regs is None:
+            prov: PinnedProvider = self._provider  # type: ignore[assignment]
+            regs = self._regs = prov._arena.regions(self.runs, self.nbytes, prov._allocator.pinned)
+        return regs
 
     def regions(self) -> Sequence[HostRegion]:
         self.check_open(self._provider)
@@ -217,10 +230,15 @@ class PinnedProvider(Provider):
     background:
         Allocate all but the first chunk in a background thread.
     verify_reads:
-        Check the seal-time checksum on every ``read`` (views are never checked).
+        Check the seal-time checksum on every ``read`` (views are checked by their user: the
+        cache verifies restores from views on the GPU).
     prefault:
         Fault ordinary (pageable) arena memory in on a background thread so that first writes
         run at memcpy speed (no effect on page-locked memory, which its allocator faults in).
+    checksum:
+        The entries' checksum algorithm: ``"xxh3-256k-tree"`` (default; a GPU computes it too, so
+        a save from the GPU seals without hashing on the host) or ``"xxh3-64"`` (XXH3 of the
+        whole entry; a little cheaper to compute on the host).
     """
 
     name = "pinned"
@@ -238,6 +256,7 @@ class PinnedProvider(Provider):
         Option("mapped", "choice", "no", "no", ("no", "yes")),
         Option("device", "int", None, "0"),  # None: not given (only mapped=yes takes it)
         Option("retain_share", "number", 0.5, "0.5"),
+        Option("checksum", "choice", TREE_ALGORITHM, TREE_ALGORITHM, (TREE_ALGORITHM, CHECKSUM_ALGORITHM)),
     )
     _reservation_type = _PinnedReservation
 
@@ -252,9 +271,16 @@ class PinnedProvider(Provider):
         verify_reads: bool = False,
         prefault: bool = True,
         retain_share: float = 0.5,
+        checksum: str = TREE_ALGORITHM,
     ) -> None:
         super().__init__()
         self._retain_share = check_retain_share(retain_share)
+        if checksum not in (TREE_ALGORITHM, CHECKSUM_ALGORITHM):
+            raise InvalidArgumentError(f"checksum must be {TREE_ALGORITHM!r} or {CHECKSUM_ALGORITHM!r}, "
+                                       f"got {checksum!r}")
+        self.checksum_algorithm = checksum
+        self._sum: Callable[[Iterable[object]], int] = (
+            tree_checksum_parts if checksum == TREE_ALGORITHM else checksum_parts)
         if type(budget_bytes) is not int or budget_bytes <= 0:
             raise InvalidArgumentError(f"budget must be a positive int, got {budget_bytes!r}")
         if type(block) is not int or block <= 0 or block % 4096:
@@ -330,12 +356,13 @@ class PinnedProvider(Provider):
             from hostkv_providers.providers.pinned._mapped import MappedPinnedProvider
 
             return MappedPinnedProvider(budget, block=block, chunk=chunk, device=device, verify_reads=verify == "read",
-                                        retain_share=share)
+                                        retain_share=share, checksum=o["checksum"])
         allocator: HostAllocator | None = OrdinaryAllocator() if pin == "no" else None
         if pin == "yes":
             allocator = _default_allocator(require_pinned=True)
         return cls(budget, block=block, chunk=chunk, allocator=allocator, background=background,
-                   verify_reads=verify == "read", prefault=prefault, retain_share=share)
+                   verify_reads=verify == "read", prefault=prefault, retain_share=share,
+                   checksum=o["checksum"])
 
     def _add_chunk(self, nblocks: int) -> None:
         alloc = self._allocator.allocate(nblocks * self._block)
@@ -503,15 +530,14 @@ class PinnedProvider(Provider):
             return None  # dedup (counted by the caller)
         self._free_rows(evicted)
         runs = self._arena.allocate(nblocks)
-        regions = self._arena.regions(runs, nbytes, self._allocator.pinned)
-        return _PinnedReservation(self, k, p, nbytes, salt_tag, runs, regions)
+        return _PinnedReservation(self, k, p, nbytes, salt_tag, runs)
 
     def _write(self, res: _PinnedReservation, span: ByteSpan, view: memoryview) -> None:
         # No provider lock: the reservation's blocks are private to its writer until seal.
         _scatter(res._regions, span, view)
 
     def _seal(self, res: _PinnedReservation) -> None:
-        digest = checksum_parts(r.view for r in res._regions)
+        digest = self._sum(r.view for r in res._regions)
         with self._usable():
             res.check_open(self)
             self._commit_locked(res, digest)
@@ -541,29 +567,62 @@ class PinnedProvider(Provider):
             raise InvalidArgumentError(f"{len(parents)} parents for {len(ks)} keys; give one per key")
         checked = [self._reserve_args(k, p, nbytes, salt_tag) for k, p in zip(ks, parents, strict=True)]
         out: list[Reservation | None] = []
+        error: HostKVError | None = None
         with self._usable():
             for k, p, n in checked:
                 try:
                     out.append(self._reserve_locked(k, p, n, salt_tag, chained=True))
                 except (CapacityError, InFlightError, UnknownKeyError) as exc:
-                    return ReservedChain(out, exc)
-        return ReservedChain(out)
+                    error = exc
+                    break
+        return ReservedChain(out, error, self._chain_pages(out, nbytes))
 
-    def seal_many(self, reservations: Sequence[Reservation]) -> None:
+    def _chain_pages(self, out: Sequence[Reservation | None], nbytes: int) -> HostPages | None:
+        """The reserved pages as one :class:`HostPages` (addresses in a numpy array) when each is
+        one contiguous run of the arena: what a copy engine DMAs a chunk into."""
+        starts = []
+        arena = self._arena
+        for r in out:
+            if r is None:
+                continue
+            runs = r.runs  # type: ignore[attr-defined]
+            if len(runs) != 1:
+                return None
+            starts.append(runs[0][0])
+        if not starts:
+            return None
+        st = np.array(starts, dtype=np.int64)
+        bases = np.array([c.address for c in arena.chunks], dtype=np.uint64)
+        addrs = bases[st // arena.bpc] + (st % arena.bpc).astype(np.uint64) * np.uint64(arena.block)
+        return HostPages(addrs, nbytes, pinned=self._allocator.pinned, readonly=False)
+
+    def seal_many(self, reservations: Sequence[Reservation], *, checksums: Sequence[int] | None = None,
+                  algorithm: str | None = None) -> None:
         """Seal arena reservations root first (see ``Provider.seal_many``): the checksums run on
-        a few threads without the lock (XXH3 releases the GIL), the commits in one lock round."""
+        a few threads without the lock (XXH3 releases the GIL), the commits in one lock round.
+        Given ``checksums`` in this store's algorithm (a GPU's, over the pages before their copy)
+        are recorded as they are: no host hashing at all."""
         own = [self._own_reservation(r, _PinnedReservation) for r in reservations]
+        _check_checksums(checksums, algorithm, len(own))
         try:
             for r in own:
                 r.check_complete()
-            digests = _checksums([r._regions for r in own])
-            with self._usable():
-                for r, digest in zip(own, digests, strict=True):
-                    r.check_open(self)
-                    self._commit_locked(r, digest)  # UnknownKeyError: its parent was not sealed
-                    # (bytes are counted where they are written: write(), or not at all for a
-                    # DMA straight into the arena; a seal is counted here as the front's seal does)
-                    self._tally("seals")
+            if checksums is not None and algorithm == self.checksum_algorithm:
+                digests = [int(c) for c in checksums]
+            else:
+                digests = _checksums([r._regions for r in own], self._sum)
+            sealed = 0
+            try:
+                with self._usable():
+                    for r, digest in zip(own, digests, strict=True):
+                        r.check_open(self)
+                        self._commit_locked(r, digest)  # UnknownKeyError: its parent was not sealed
+                        sealed += 1
+            finally:
+                # (bytes are counted where they are written: write(), or not at all for a DMA
+                # straight into the arena; seals are counted as the front's seal does, once a batch)
+                if sealed:
+                    self._tally("seals", sealed)
         except BaseException:
             for r in own:  # the sealed ones are a prefix; the rest go
                 if r.state == "open":
@@ -606,7 +665,7 @@ class PinnedProvider(Provider):
                         continue
                     try:
                         _scatter(res._regions, ByteSpan.whole(view.nbytes), view)
-                        digest = checksum_parts(r.view for r in res._regions)
+                        digest = self._sum(r.view for r in res._regions)
                     except BaseException:
                         self.abort(res)
                         raise
@@ -654,7 +713,7 @@ class PinnedProvider(Provider):
                     short = short or exc
                     continue
                 _gather(self._arena.regions(runs, nbytes, False), ByteSpan.whole(nbytes), dst)
-                state[i] = not self._verify_reads or checksum_parts((dst,)) == digest
+                state[i] = not self._verify_reads or self._sum((dst,)) == digest
         finally:
             got = [False] * len(ks)
             hits = nbytes = failures = 0
@@ -711,9 +770,9 @@ class PinnedProvider(Provider):
                 # Whole entry: checksum the copy itself, so the bytes handed out are exactly the
                 # bytes verified (no window between checking the arena and copying from it).
                 _gather(regions, span, dst)
-                ok = checksum_parts((dst,)) == digest
+                ok = self._sum((dst,)) == digest
             else:
-                ok = checksum_parts(r.view for r in regions) == digest
+                ok = self._sum(r.view for r in regions) == digest
                 if ok:
                     _gather(regions, span, dst)
         except BaseException:
@@ -776,7 +835,12 @@ class PinnedProvider(Provider):
             starts = idx.run_start[rows]
             bases = np.array([c.address for c in arena.chunks], dtype=np.uint64)
             addrs = bases[starts // arena.bpc] + ((starts % arena.bpc) * arena.block).astype(np.uint64)
-        return HostPages(addrs, nbytes, pinned=self._allocator.pinned, readonly=True, keepalive=lease)
+            # for a verification of the copied bytes on the GPU (with verify=read)
+            sums = idx.csum[rows].copy() if self._verify_reads else None
+        # With verify=read the checksums go with the views: the cache checks the copied bytes
+        # on the GPU (a view is never checked here: that would read every byte on the host).
+        return HostPages(addrs, nbytes, pinned=self._allocator.pinned, readonly=True, keepalive=lease,
+                         checksums=sums, algorithm=self.checksum_algorithm)
 
     # -- eviction ----------------------------------------------------------------------------
     def _evict(self, ks: list[Key] | None, nbytes: int) -> EvictReport:
@@ -935,7 +999,7 @@ class PinnedProvider(Provider):
                     continue
                 nbytes = int(idx.nbytes[row])
                 regions = self._arena.regions(idx.runs(row), nbytes, False)
-                ok = checksum_parts(r.view for r in regions) == idx.checksum_of(row)
+                ok = self._sum(r.view for r in regions) == idx.checksum_of(row)
                 report.checked += 1
                 if not ok:
                     report.corrupt.append(idx.key_of(row))
@@ -1040,20 +1104,21 @@ _hash_pool: concurrent.futures.ThreadPoolExecutor | None = None
 _hash_pool_lock = threading.Lock()
 
 
-def _checksums(entries: Sequence[Sequence[HostRegion]]) -> list[int]:
+def _checksums(entries: Sequence[Sequence[HostRegion]],
+               fn: Callable[[Iterable[object]], int] = tree_checksum_parts) -> list[int]:
     """Seal checksums of many entries; large batches are split over a few threads (one task per
     thread, not per page: no per-page futures)."""
     global _hash_pool
     total = sum(sum(r.view.nbytes for r in regs) for regs in entries)
     if len(entries) < 2 or total < (8 << 20):
-        return [checksum_parts(r.view for r in regs) for regs in entries]
+        return [fn(r.view for r in regs) for regs in entries]
     with _hash_pool_lock:
         if _hash_pool is None:
             _hash_pool = concurrent.futures.ThreadPoolExecutor(_HASH_THREADS, thread_name_prefix="hostkv-hash")
         pool = _hash_pool
     step = -(-len(entries) // _HASH_THREADS)
     parts = [entries[i : i + step] for i in range(0, len(entries), step)]
-    futures = [pool.submit(lambda part: [checksum_parts(r.view for r in regs) for regs in part], part)
+    futures = [pool.submit(lambda part: [fn(r.view for r in regs) for regs in part], part)
                for part in parts]
     return [d for f in futures for d in f.result()]
 
