@@ -50,6 +50,7 @@ from hostkv_providers._errors import (
 from hostkv_providers._keys import Key
 from hostkv_providers._options import Option, OptionSet
 from hostkv_providers._provider import (
+    _DEFERRED,
     Corrupt,
     EntryInfo,
     EvictReport,
@@ -58,15 +59,21 @@ from hostkv_providers._provider import (
     Provider,
     ProviderStats,
     Reservation,
+    ReservedChain,
     SupportsBatch,
     SupportsBatchViews,
     SupportsIterate,
     SupportsRetain,
+    SupportsStoreCounters,
     SupportsViews,
+    _DeferredReservation,
     check_retain_share,
+    check_timeout,
+    scatter_into,
     writable_buffer,
 )
 from hostkv_providers._span import ByteSpan
+from hostkv_providers.providers._counters import STORE_COUNTED
 from hostkv_providers.providers._tree import TreeIndex
 
 __all__ = ["TieredProvider"]
@@ -84,6 +91,13 @@ _log = logging.getLogger(__name__)  # the writer thread logs; warnings could be 
 
 _EXTRA_COUNTERS = frozenset(("promotions", "write_backs", "write_back_failures", "write_through", "fast_hits",
                              "slow_hits"))
+#: Gauges of the write-back pipeline in ``store_counters()``: pages queued, and the age in ms of
+#: the oldest page not yet in the slow tier (the write-back lag).
+_GAUGES = ("write_back_queue", "write_back_lag_ms")
+#: How often (seconds) the write-back thread publishes this instance's tiered figures into the
+#: slow tier's store-wide counters (also on flush(), store_counters() and close()).
+_PUBLISH_EVERY = 0.25
+_WRITE_BACK_BATCH = 256  # queued pages the writer stores with one put_many of the slow tier
 
 
 class _Ent:
@@ -104,10 +118,11 @@ class _Pending(_Ent):
     """A page sealed in the fast tier whose write-back is queued (only these have an object:
     at most ``queue`` pages plus those written through; every other entry is columns only)."""
 
-    __slots__ = ("cancelled", "fast_lease", "writing")
+    __slots__ = ("cancelled", "created", "fast_lease", "writing")
 
     def __init__(self, idx: TreeIndex, row: int, fast_lease: Lease | None) -> None:
         super().__init__(idx, row)
+        self.created = float(idx.created[row])  # the seal's time.time(): the write-back lag gauge
         self.fast_lease = fast_lease  # pins the only copy until it is written back
         self.cancelled = False  # evicted before its write-back ran
         self.writing = False  # the writer is copying it out of the fast tier right now
@@ -196,6 +211,10 @@ class TieredProvider(Provider):
             raise InvalidArgumentError(f"queue must be a positive int, got {queue_pages!r}")
         self.fast = fast
         self.slow = slow
+        # the tiers' bound on the salt tag: a tag the slow tier cannot store would fail the
+        # write-back after put() returned, and the page would vanish (issue 16 item 14)
+        bounds = [b for b in (fast._tag_max, slow._tag_max) if b is not None]
+        self._tag_max = min(bounds) if bounds else None
         self._budget = budget
         self._promote = bool(promote)
         self._own = own_tiers
@@ -228,6 +247,11 @@ class TieredProvider(Provider):
         self._fast_batch = isinstance(fast, SupportsBatch)
         # the tiering's own counters (the contract's are the front's: _tally)
         self._counters: dict[str, int] = dict.fromkeys(_EXTRA_COUNTERS, 0)
+        # store-wide counters: the figures already added to the slow tier's counters file
+        self._published: dict[str, int] = {}
+        self._publish_lock = threading.Lock()
+        self._publish_at = 0.0
+        self._wb_since = 0.0  # time.time() of the seal of the page being written back (0: none)
         self._rebuild()
         self._writer = threading.Thread(target=self._write_back_loop, name="hostkv-tiered-writeback", daemon=True)
         self._writer.start()
@@ -452,12 +476,21 @@ class TieredProvider(Provider):
     def _seal(self, res: _TieredReservation) -> None:
         inner = res.inner
         through = inner.provider is self.slow
-        # Back-pressure: wait (without any lock held) while the write-back queue is full.
         if not through:
-            with self._room:
-                while self._queued_pages >= self._queue_pages and self._writer.is_alive():
-                    self._room.wait(0.5)
+            self._wait_for_room()
         inner.provider.seal(inner)
+        self._commit_sealed(res, through)
+
+    def _wait_for_room(self) -> None:
+        """Back-pressure: wait (without any lock held) while the write-back queue is full."""
+        with self._room:
+            while self._queued_pages >= self._queue_pages and self._writer.is_alive():
+                self._room.wait(0.5)
+
+    def _commit_sealed(self, res: _TieredReservation, through: bool) -> None:
+        """Publish a reservation whose inner one is sealed: the tiered row, and (fast tier) the
+        lease that pins the only copy until the write-back has run (a ``_Pending``)."""
+        inner = res.inner
         fast_lease = None if through else self.fast.lease([res.key])
         with self._lock:
             if self._closed:
@@ -482,6 +515,184 @@ class TieredProvider(Provider):
                     self._queued_pages += 1
                 self._queue.put(("page", pend))
 
+    # -- chain reservation -------------------------------------------------------------------
+    def reserve_many(self, keys: Sequence[bytes], parents: Sequence[bytes | None], nbytes: int, *,
+                     salt_tag: str = "") -> ReservedChain:
+        """Reserve a chain run straight in the fast tier (see ``Provider.reserve_many``), so a
+        copy engine DMAs into its (pinned) memory before the first seal.
+
+        The tiered index takes the run in one lock round (a parent may be in flight: an earlier
+        key of this call or of an earlier ``reserve_many``), then the fast tier reserves the run
+        with its own ``reserve_many``, the run's first page as a root there (the fast tier is a
+        byte cache under the tiered index; runs rooted apart stay evictable run by run).  Pages
+        the fast tier cannot take even after a ``flush`` (pending write-backs pin its memory)
+        are not refused: they get ordinary
+        buffers and are stored when sealed, by the per-page path (fast tier or written
+        through), like the base class's default; so are the pages after a parent of that kind.
+        """
+        ks = self._keys(keys)
+        if isinstance(parents, (bytes, bytearray, memoryview, str)) or len(parents) != len(ks):
+            raise InvalidArgumentError(f"{len(parents)} parents for {len(ks)} keys; give one per key")
+        checked = [self._reserve_args(k, p, nbytes, salt_tag) for k, p in zip(ks, parents, strict=True)]
+        self._check_usable()
+        out: list[Reservation | None] = []
+        error: HostKVError | None = None
+        flown: list[tuple[int, Key, Key | None]] = []  # (position in out, key, parent) in the index
+        deferred_from = len(checked)  # from here on: deferred pages (their parent is one)
+        with self._lock:
+            self._check_usable()
+            for i, (k, p, n) in enumerate(checked):
+                if p is not None and (id(self), p) in _DEFERRED:
+                    deferred_from = i
+                    break
+                if n > self._budget:
+                    error = CapacityError(f"{n} bytes exceed the whole budget of {self._budget}")
+                    break
+                try:
+                    ok, evicted, _ = self._index.begin_chained(k, p, n)
+                except (CapacityError, InFlightError, UnknownKeyError) as exc:
+                    error = exc
+                    break
+                self._drop_from_tiers(evicted)
+                if ok:
+                    flown.append((len(out), k, p))
+                out.append(None)
+        if error is not None:
+            deferred_from = len(out)
+        inners: list[Reservation] = []
+        try:
+            inners = self._reserve_fast_run([(k, p) for _, k, p in flown], nbytes, salt_tag)
+        except BaseException:
+            with self._lock:
+                for _, k, _ in flown:
+                    self._index.cancel(k)
+            raise
+        for (j, k, p), inner in zip(flown, inners, strict=False):
+            out[j] = _TieredReservation(self, k, p, nbytes, salt_tag, inner)
+        if len(inners) < len(flown):
+            # the fast tier is full: the rest of the run is stored page by page at seal
+            with self._lock:
+                for _, k, _ in flown[len(inners):]:
+                    self._index.cancel(k)
+            for j, k, p in flown[len(inners):]:
+                out[j] = self._deferred(k, p, nbytes, salt_tag)
+        if error is None:
+            for k, p, n in checked[deferred_from:]:
+                if self.present([k])[0]:
+                    out.append(None)
+                    continue
+                if self.in_flight(k):
+                    error = InFlightError(f"key {k.hex()[:16]} is being written by another writer", key=k)
+                    break
+                out.append(self._deferred(k, p, n, salt_tag))
+        return ReservedChain(out, error)
+
+    def _deferred(self, k: Key, p: Key | None, nbytes: int, salt_tag: str) -> Reservation:
+        res = _DeferredReservation(self, k, p, nbytes, salt_tag)
+        _DEFERRED[(id(self), k)] = res
+        return res
+
+    def _reserve_fast_run(self, run: Sequence[tuple[Key, Key | None]], nbytes: int,
+                          salt_tag: str) -> list[Reservation]:
+        """Fast-tier reservations for a prefix of ``run`` (all of it unless the fast tier is full
+        even after a flush); no lock held (flush waits for the writer)."""
+        got: list[Reservation] = []
+        for attempt in range(4):
+            rest = run[len(got):]
+            if not rest:
+                break
+            ks = [k for k, _ in rest]
+            # A copy left in the fast tier by an entry evicted earlier must not dedup this one.
+            stale = [k for k, here in zip(ks, self.fast.present(ks), strict=True) if here]
+            if stale:
+                self.fast.evict(stale)
+            # Each run is a tree of its own in the fast tier: its first page lands there as a root
+            # (the tiered index keeps the real tree).  Chained onto the previous run instead, the
+            # fast tier would hold one long chain whose only leaf is the parent of the page being
+            # reserved (held): nothing evictable, so once full it could never take another page
+            # (2,000 x 4 KiB over a 2 MiB fast tier: 1,485 pages fell back to per-page stores).
+            mine = set(ks)
+            fast_parents = [None] + [p if p in mine else None for _, p in rest[1:]]
+            rc = self.fast.reserve_many(ks, fast_parents, nbytes, salt_tag=salt_tag)
+            raced = None in rc.reservations  # stored in the fast tier since the eviction above
+            for r in rc.reservations:
+                if r is None:
+                    break
+                got.append(r)
+            if raced:
+                # not ours to seal: give back what follows it; the rest is stored at seal
+                for r in rc.reservations[len(got) - (len(run) - len(rest)) + 1:]:
+                    if r is not None:
+                        with contextlib.suppress(HostKVError):
+                            self.fast.abort(r)
+                break
+            if len(got) == len(run):
+                break
+            # Pages waiting for write-back pin fast memory: wait until as many as this run still
+            # needs have gone (the writer stores them batch by batch, so the save and the
+            # write-back keep running side by side), the last time for all of them.
+            if attempt < 2:
+                self._wait_write_back_below(self._queued_pages - (len(run) - len(got)))
+            elif attempt == 2:
+                self.flush()
+        return got
+
+    def _wait_write_back_below(self, pages: int) -> None:
+        """Wait (no lock held) until at most ``pages`` write-backs are queued or in progress."""
+        with self._room:
+            while self._queued_pages > max(0, pages) and self._writer.is_alive():
+                self._room.wait(0.5)
+
+    def seal_many(self, reservations: Sequence[Reservation]) -> None:
+        """Seal root first (see ``Provider.seal_many``): each run of fast-tier reservations with
+        one ``seal_many`` of the fast tier (for ``pinned``: checksums on a few threads, commits
+        in one lock round), then their tiered rows and write-backs; deferred pages are stored
+        and written-through reservations sealed one by one.  On failure the sealed ones are a
+        prefix and every other one is aborted."""
+        for res in reservations:
+            if not isinstance(res, Reservation) or res.provider is not self:
+                raise InvalidArgumentError("seal_many() takes reservations of this provider")
+        self._check_usable()
+        i = 0
+        try:
+            while i < len(reservations):
+                res = reservations[i]
+                if isinstance(res, _TieredReservation) and res.inner.provider is self.fast:
+                    j = i
+                    while (j < len(reservations) and isinstance(reservations[j], _TieredReservation)
+                           and reservations[j].inner.provider is self.fast):  # type: ignore[attr-defined]
+                        j += 1
+                    run: list[_TieredReservation] = [self._own_reservation(r, _TieredReservation)
+                                                     for r in reservations[i:j]]
+                    for r in run:
+                        r.check_complete()
+                    self._wait_for_room()
+                    try:
+                        self.fast.seal_many([r.inner for r in run])
+                    finally:
+                        for m, r in enumerate(run):  # a prefix is sealed in the fast tier
+                            if r.inner.state != "sealed":
+                                break
+                            try:
+                                self._commit_sealed(r, False)
+                            except BaseException:
+                                i += m
+                                raise
+                            self._tally("seals")
+                    i = j
+                elif isinstance(res, _DeferredReservation):
+                    res._store()
+                    i += 1
+                else:
+                    self.seal(res)
+                    i += 1
+        except BaseException:
+            for rest in reservations[i:]:
+                if rest.state == "open":
+                    with contextlib.suppress(HostKVError):
+                        rest.abort()
+            raise
+
     def _abort(self, reservation: _TieredReservation) -> bool:
         with self._lock:
             if reservation.state != "open":
@@ -494,32 +705,160 @@ class TieredProvider(Provider):
 
     # -- the write-back thread ---------------------------------------------------------------
     def _write_back_loop(self) -> None:
+        ahead: list[tuple[Any, ...] | None] = []  # taken off the queue while collecting pages
         while True:
-            item = self._queue.get()
+            if time.monotonic() >= self._publish_at:
+                self._publish_logged()
+            if ahead:
+                item = ahead.pop()
+            else:
+                try:
+                    item = self._queue.get(timeout=_PUBLISH_EVERY)
+                except queue.Empty:
+                    continue
+            items: list[tuple[Any, ...] | None] = [item]
             try:
                 if item is None:
                     return
                 kind = item[0]
                 if kind == "page":
-                    self._write_back(item[1])
+                    self._wb_since = item[1].created
+                    # The pages queued behind this one go out with it, in queue (= seal) order:
+                    # one put_many of the slow tier instead of a reserve/write/seal each.
+                    pages: list[_Pending] = [item[1]]
+                    while len(pages) < _WRITE_BACK_BATCH:
+                        try:
+                            nxt = self._queue.get_nowait()
+                        except queue.Empty:
+                            break
+                        items.append(nxt)
+                        if nxt is None or nxt[0] != "page":
+                            items.pop()
+                            ahead.append(nxt)  # an anchor or the stop: after this batch
+                            break
+                        pages.append(nxt[1])
+                    if len(pages) == 1 or not isinstance(self.slow, SupportsBatch):
+                        for node in pages:
+                            self._write_back_one(node)
+                    else:
+                        self._write_back_many(pages)
                 elif kind == "anchor":
-                    self._write_anchor(item[1], item[2], item[3], item[4])
-            except BaseException as exc:  # keep the writer alive; the entry is dropped
-                self._writer_error = exc
-                _log.error("tiered write-back failed: %r", exc)
-                if item is not None and item[0] == "page":
-                    pend = item[1]
-                    with self._lock:
-                        if self._index.is_live(pend.row, pend.gen):
-                            self._drop_from_tiers(self._index.drop(pend.row))
-                        self._finish_pending(pend)
+                    try:
+                        self._write_anchor(item[1], item[2], item[3], item[4])
+                    except BaseException as exc:  # keep the writer alive
+                        self._writer_error = exc
+                        _log.error("tiered write-back of an anchor failed: %r", exc)
             finally:
-                if item is not None and item[0] == "page":
+                npages = sum(1 for it in items if it is not None and it[0] == "page")
+                if npages:
+                    self._wb_since = 0.0
                     self._purge_doomed_logged()
                     with self._room:
-                        self._queued_pages -= 1
+                        self._queued_pages -= npages
                         self._room.notify_all()
-                self._queue.task_done()
+                for _ in items:
+                    self._queue.task_done()
+
+    def _write_back_one(self, node: _Pending) -> None:
+        try:
+            self._write_back(node)
+        except BaseException as exc:  # keep the writer alive; the entry is dropped
+            self._writer_failed(node, exc)
+
+    def _writer_failed(self, node: _Pending, exc: BaseException) -> None:
+        self._writer_error = exc
+        _log.error("tiered write-back failed: %r", exc)
+        with self._lock:
+            if self._index.is_live(node.row, node.gen):
+                self._drop_from_tiers(self._index.drop(node.row))
+            self._finish_pending(node)
+
+    def _write_back_many(self, nodes: Sequence[_Pending]) -> None:
+        """:meth:`_write_back` for a run of queued pages with one ``put_many`` of the slow tier.
+
+        The per-page rules hold: a page evicted before its turn is skipped; one evicted while
+        the batch is being stored is made doomed afterwards (evicted from the slow tier again,
+        as a per-page write-back evicted between its last check and its seal is); a stale copy
+        of an earlier, evicted entry is replaced.  Pages that are not one contiguous region of
+        the fast tier go page by page."""
+        idx = self._index
+        todo: list[tuple[_Pending, Lease]] = []
+        stale: list[Key] = []
+        single: list[_Pending] = []
+        with self._lock:
+            for node in nodes:
+                if node.cancelled or not idx.is_live(node.row, node.gen):
+                    self._finish_pending(node)
+                    continue
+                lease = node.fast_lease
+                if lease is None or lease.released or not self._fast_views:
+                    single.append(node)
+                    continue
+                node.writing = True
+                if node.key in self._doomed:
+                    self._doomed.discard(node.key)
+                    stale.append(node.key)
+                todo.append((node, lease))
+        items: list[tuple[bytes, bytes | None, object]] = []
+        took: list[_Pending] = []
+        try:
+            if stale:
+                with contextlib.suppress(HostKVError):
+                    self.slow.evict(stale)
+            for node, lease in todo:
+                regions = self._view_fast(lease, node.key)
+                if regions is None:
+                    raise UnknownKeyError(f"{node.key.hex()[:16]} vanished from the fast tier")
+                data: object = regions[0].view if len(regions) == 1 else b"".join(bytes(r.view) for r in regions)
+                items.append((node.key, node.parent, data))
+                took.append(node)
+            slow = self.slow
+            assert isinstance(slow, SupportsBatch)
+            if took and len({n.tag for n in took}) == 1:
+                got: list[bool | HostKVError] = slow.put_many(items, salt_tag=took[0].tag)
+            else:  # several salt tags in one batch (rare): one call per page
+                got = [self.slow.put(k, p, d, salt_tag=n.tag) for (k, p, d), n in zip(items, took, strict=True)]
+        except BaseException as exc:
+            # the whole call failed: every page of it is treated as a failed write-back
+            _log.warning("tiered write-back of %d pages failed: %s", len(todo), exc)
+            got = [exc if isinstance(exc, HostKVError) else HostKVError(str(exc))] * len(took)
+            took_set = {id(n) for n in took}
+            with self._lock:  # pages not reached before the failure
+                for node, _ in todo:
+                    if id(node) not in took_set:
+                        node.writing = False
+                        single.append(node)
+        with self._lock:
+            for node, r in zip(took, got, strict=True):
+                ok = r is True or r is False  # False: already there (a cancelled write-back left it)
+                if not ok:
+                    _log.warning("tiered write-back of %s failed: %s", node.key.hex()[:16], r)
+                self._written_back(node, ok)
+        for node in single:
+            self._write_back_one(node)
+
+    def _written_back(self, node: _Pending, ok: bool) -> None:
+        """The end of a page's write-back (lock held): publish it as in the slow tier, or undo."""
+        idx = self._index
+        node.writing = False
+        live = idx.is_live(node.row, node.gen)
+        if node.cancelled or not live:
+            # Evicted while it was being written: take it out of both tiers again.  Its
+            # parent may have been doomed too (the slow tier skipped it while this page was
+            # in flight under it); _write_back_loop purges both now that the flight is over.
+            self._finish_pending(node)
+            with contextlib.suppress(HostKVError):
+                self.fast.evict([node.key])
+            if ok:
+                self._doomed.add(node.key)
+        elif ok:
+            self._counters["write_backs"] += 1
+            if self._slow_tree:
+                self._advance_tail("write", self.slow, node.key)
+        else:
+            self._counters["write_back_failures"] += 1
+            self._drop_from_tiers(idx.drop(node.row))
+        self._finish_pending(node)
 
     def _write_back(self, node: _Pending) -> None:
         idx = self._index
@@ -572,25 +911,7 @@ class TieredProvider(Provider):
         except (CapacityError, UnknownKeyError, InFlightError, HostKVError) as exc:
             _log.warning("tiered write-back of %s failed: %s", node.key.hex()[:16], exc)
         with self._lock:
-            node.writing = False
-            live = idx.is_live(node.row, node.gen)
-            if node.cancelled or not live:
-                # Evicted while it was being written: take it out of both tiers again.  Its
-                # parent may have been doomed too (the slow tier skipped it while this page was
-                # in flight under it); _write_back_loop purges both now that the flight is over.
-                self._finish_pending(node)
-                with contextlib.suppress(HostKVError):
-                    self.fast.evict([node.key])
-                if ok:
-                    self._doomed.add(node.key)
-            elif ok:
-                self._counters["write_backs"] += 1
-                if self._slow_tree:
-                    self._advance_tail("write", self.slow, node.key)
-            else:
-                self._counters["write_back_failures"] += 1
-                self._drop_from_tiers(idx.drop(node.row))
-            self._finish_pending(node)
+            self._written_back(node, ok)
 
     def _purge_doomed(self) -> None:
         """Evict from the slow tier the doomed keys the index has not taken back (lock held).
@@ -658,10 +979,20 @@ class TieredProvider(Provider):
                         del self._unsynced[gen]
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every queued write-back has reached the slow tier; ``False`` on timeout."""
+        """Wait until every queued write-back has reached the slow tier; ``False`` on timeout.
+
+        ``timeout`` is seconds ``>= 0`` or ``None`` (no limit).  Raises ``ClosedError`` after
+        ``close`` (nothing is queued then, but a ``True`` would claim a write-back happened).
+        Then publishes this instance's figures to the store-wide counters."""
+        deadline = None if timeout is None else time.monotonic() + check_timeout(timeout)
+        self._check_usable()
+        done = self._flush(deadline)
+        self._publish_logged()
+        return done
+
+    def _flush(self, deadline: float | None) -> bool:
         if self._writer is threading.current_thread():
             return False
-        deadline = None if timeout is None else time.monotonic() + timeout
         with self._queue.all_tasks_done:
             while self._queue.unfinished_tasks:
                 if not self._writer.is_alive():
@@ -723,7 +1054,7 @@ class TieredProvider(Provider):
         takes the per-page path (fast-tier reservation, write-back queued in seal order), so this
         saves the caller's per-call overhead only; per item ``True``, ``False`` (dedup) or its
         error, and every item whose parent failed in this call gets ``UnknownKeyError``."""
-        checked = self._put_many_args(items, salt_tag)
+        checked = self._put_many_args(items, salt_tag, tag_max=self._tag_max)
         out: list[bool | HostKVError] = []
         failed: set[Key] = set()
         for k, p, view in checked:
@@ -758,9 +1089,7 @@ class TieredProvider(Provider):
         what only it holds (a restart's restore), and those pages promoted with one batch put
         into the fast tier, root first.  Copies that fail their checksums in every tier they
         were read from are dropped with their subtrees (a miss, never wrong bytes)."""
-        ks = self._keys(keys)
-        if len(outs) != len(ks):
-            raise InvalidArgumentError(f"{len(outs)} output buffers for {len(ks)} keys")
+        ks, outs = self._read_many_args(keys, outs)
         self._check_usable()  # before the lock: a forked child must not wait on a copied lock
         with self._lock:
             self._check_usable()
@@ -980,6 +1309,20 @@ class TieredProvider(Provider):
             blob = self._unsynced.get(int(idx.gen[row]), {}).get(name)
             return blob if blob is not None else self.slow.get_anchor(k, name)
 
+    def _read_anchor(self, k: Key, name: str, bufs: list[memoryview]) -> int | None:
+        self._check_usable()  # before the lock: a forked child must not wait on a copied lock
+        with self._lock:
+            self._check_usable()
+            idx = self._index
+            row = idx.row_of(k)
+            if row < 0 or name not in idx.anchors.get(row, {}):
+                return None
+            blob = self._unsynced.get(int(idx.gen[row]), {}).get(name)
+            if blob is None:  # the slow tier copies it once, from its medium into bufs
+                return self.slow.read_anchor(k, name, bufs)
+            scatter_into(bufs, memoryview(blob).cast("B"))
+            return len(blob)
+
     def _list_anchors(self, k: Key) -> dict[str, int]:
         self._check_usable()  # before the lock: a forked child must not wait on a copied lock
         with self._lock:
@@ -1054,19 +1397,102 @@ class TieredProvider(Provider):
                 **self._tallies(),
             )
 
+    # -- store-wide counters -------------------------------------------------------------------
+    def _figures(self) -> dict[str, int]:
+        """This instance's cumulative figures, under the names they have in the slow tier's
+        counters file: ``tiered.<counter>`` (the composite's own), ``fast.<counter>`` (the fast
+        tier's: in-process memory), ``tiered.<pipeline counter>``."""
+        fst = self.fast.stats()
+        with self._lock:
+            idx = self._index
+            out = {f"tiered.{k}": v for k, v in self._tallies().items() if k in STORE_COUNTED}
+            out["tiered.evictions"], out["tiered.evicted_bytes"] = idx.evictions, idx.evicted_cost
+            out.update({f"tiered.{k}": v for k, v in self._counters.items()})
+        out.update({f"fast.{k}": int(getattr(fst, k)) for k in STORE_COUNTED})
+        return out
+
+    def _gauges(self) -> dict[str, int]:
+        with self._queue.mutex:
+            head = self._queue.queue[0] if self._queue.queue else None
+        since = [t for t in (self._wb_since, head[1].created if head and head[0] == "page" else 0.0) if t]
+        lag = int(max(0.0, time.time() - min(since)) * 1000) if since else 0
+        return {"tiered.write_back_queue": max(0, self._queued_pages), "tiered.write_back_lag_ms": lag}
+
+    def _publish(self, *, final: bool = False) -> dict[str, int]:
+        """Add what changed since the last call to the slow tier's store-wide counters (when it
+        keeps them in its store: mmap, lmdb) and set the pipeline gauges; returns the figures."""
+        with self._publish_lock:
+            self._publish_at = time.monotonic() + _PUBLISH_EVERY
+            figures = self._figures()
+            gauges = dict.fromkeys(self._gauges_names(), 0) if final else self._gauges()
+            sink = getattr(self.slow, "_store_sink", None)
+            if sink is not None and hasattr(sink, "set_gauge"):
+                sink.columns(figures)
+                sink.columns(gauges, gauge=True)
+                sink.add_many({k: v - self._published.get(k, 0) for k, v in figures.items()})
+                for k, v in gauges.items():
+                    sink.set_gauge(k, v)
+                self._published = figures
+            return {**figures, **gauges}
+
+    @staticmethod
+    def _gauges_names() -> tuple[str, ...]:
+        return tuple(f"tiered.{g}" for g in _GAUGES)
+
+    def _publish_logged(self, *, final: bool = False) -> dict[str, int]:
+        if self._pid != os.getpid():
+            return {}
+        try:
+            return self._publish(final=final)
+        except (HostKVError, OSError, ValueError) as exc:  # figures for operators: never fail the store
+            _log.warning("tiered: publishing store-wide counters failed: %r", exc)
+            return {}
+
+    def store_counters(self) -> dict[str, int]:
+        """Store-wide counters (:class:`~hostkv_providers.providers.SupportsStoreCounters`), per
+        tier: the composite's own (``hits`` ... ``checksum_failures``: what the engine saw),
+        ``fast.*`` (the fast tier), ``slow.*`` (the slow tier, every process that used it), and
+        the pipeline (``promotions``, ``write_backs``, ``write_back_failures``,
+        ``write_through``, ``fast_hits``, ``slow_hits``, gauges ``write_back_queue`` and
+        ``write_back_lag_ms``).  The composite's and the fast tier's figures reach the slow
+        tier's counters file (so ``hostkv stats`` of the slow store shows them) within
+        ``0.25`` s, on :meth:`flush` and on close; a slow tier without store-wide counters gets
+        this instance's figures instead."""
+        self._check_usable()
+        local = self._publish()
+        if isinstance(self.slow, SupportsStoreCounters):
+            slow = self.slow.store_counters()
+        else:
+            st = self.slow.stats()
+            slow = {k: int(getattr(st, k)) for k in STORE_COUNTED}
+        if getattr(self.slow, "_store_sink", None) is None:
+            slow = {**slow, **local}
+        return self.counters_view(slow)
+
+    @staticmethod
+    def counters_view(slow_counters: Mapping[str, int]) -> dict[str, int]:
+        """:meth:`store_counters` of a tiered store from its slow tier's ``store_counters()``
+        (what ``hostkv stats tiered://...`` shows: it opens only the slow tier, read-only)."""
+        c = slow_counters
+        out = {k: int(c.get(f"tiered.{k}", 0)) for k in STORE_COUNTED}
+        out.update({f"fast.{k}": int(c.get(f"fast.{k}", 0)) for k in STORE_COUNTED})
+        out.update({f"slow.{k}": int(c.get(k, 0)) for k in STORE_COUNTED})
+        for k in (*sorted(_EXTRA_COUNTERS), *_GAUGES):
+            out[k] = int(c.get(f"tiered.{k}", 0))
+        return out
+
     def describe(self) -> dict[str, Any]:
         # (fast= and slow= are described by the tiers themselves)
         return {**super().describe(), "fast": self.fast.describe(), "slow": self.slow.describe()}
 
     def close(self) -> None:
         """Finish the queued write-backs (so a restart finds them), then close the tiers."""
-        if self._pid != os.getpid():
-            self._closed = True  # a forked child: the locks and the writer belong to the parent
-            return
+        # a forked child: the locks, the writer and the tiers belong to the parent
+        self._check_not_forked()
         with self._lock:
             if self._closed:
                 return
-        self.flush()
+        self._flush(None)
         with self._lock:
             self._closed = True
             tails, self._tails = [lease for _k, lease in self._tails.values()], {}
@@ -1087,6 +1513,8 @@ class TieredProvider(Provider):
                 except HostKVError as exc:
                     warnings.warn(f"evicting stale pages from the {self.slow.name} tier failed: {exc!r}",
                                   stacklevel=2)
+        if self._writer is not threading.current_thread():
+            self._publish_logged(final=True)  # the last figures, and the gauges back to 0
         if self._own:
             for tier in (self.fast, self.slow):
                 try:
