@@ -66,6 +66,7 @@ from hostkv_providers._provider import (
     SupportsRetain,
     SupportsStoreCounters,
     SupportsViews,
+    _check_checksums,
     _DeferredReservation,
     check_retain_share,
     check_timeout,
@@ -643,12 +644,15 @@ class TieredProvider(Provider):
             while self._queued_pages > max(0, pages) and self._writer.is_alive():
                 self._room.wait(0.5)
 
-    def seal_many(self, reservations: Sequence[Reservation]) -> None:
+    def seal_many(self, reservations: Sequence[Reservation], *, checksums: Sequence[int] | None = None,
+                  algorithm: str | None = None) -> None:
         """Seal root first (see ``Provider.seal_many``): each run of fast-tier reservations with
         one ``seal_many`` of the fast tier (for ``pinned``: checksums on a few threads, commits
-        in one lock round), then their tiered rows and write-backs; deferred pages are stored
-        and written-through reservations sealed one by one.  On failure the sealed ones are a
-        prefix and every other one is aborted."""
+        in one lock round; given ``checksums`` in the fast tier's algorithm are passed on to it),
+        then their tiered rows and write-backs; deferred pages are stored and written-through
+        reservations sealed one by one.  On failure the sealed ones are a prefix and every other
+        one is aborted."""
+        _check_checksums(checksums, algorithm, len(reservations))
         for res in reservations:
             if not isinstance(res, Reservation) or res.provider is not self:
                 raise InvalidArgumentError("seal_many() takes reservations of this provider")
@@ -668,7 +672,10 @@ class TieredProvider(Provider):
                         r.check_complete()
                     self._wait_for_room()
                     try:
-                        self.fast.seal_many([r.inner for r in run])
+                        if checksums is not None:
+                            self.fast.seal_many([r.inner for r in run], checksums=checksums[i:j], algorithm=algorithm)
+                        else:
+                            self.fast.seal_many([r.inner for r in run])
                     finally:
                         for m, r in enumerate(run):  # a prefix is sealed in the fast tier
                             if r.inner.state != "sealed":
