@@ -353,16 +353,15 @@ class HostKVCache:
                 continue
             break
         stored = n
-        anchor: bytes | None = None
+        anchor: Key | None = None
         if hyb is not None and hyb.binding:  # hybrid hook: cut to the deepest fully anchored page
             n = hyb.deepest([ks], n, need_anchor)
         elif need_anchor is not None and n:
-            usable = self.provider.deepest_anchor(ks[:n], need_anchor)
-            if usable:
-                anchor = self.provider.get_anchor(ks[usable - 1], need_anchor)
-                if anchor is None:  # evicted between the two calls is impossible (leased); be safe
-                    usable = 0
-            n = usable
+            # Only where the anchor is: its bytes are read when the engine asks (hit.anchor,
+            # hit.read_anchor), off the admission path; the lease keeps the page and its anchor.
+            n = self.provider.deepest_anchor(ks[:n], need_anchor)
+            if n:
+                anchor = ks[n - 1]
         elif need_anchor is not None:
             n = 0
         if n < len(lease.keys):
@@ -373,7 +372,7 @@ class HostKVCache:
             if lease is not None and lease.prefix_len < n:  # cannot shrink while pinned; be exact
                 n = lease.prefix_len
         hit = CacheHit(self, ks[:n], lease if n else None, requested=len(ks), stored=stored,
-                       anchor_name=need_anchor, anchor=anchor if n else None)
+                       anchor_name=need_anchor, anchor_key=anchor if n else None)
         if not n and lease is not None:
             lease.release()
         if hyb is not None:  # hybrid hook: this request now produces the missing pages
@@ -465,7 +464,7 @@ class HostKVCache:
             present = lease.present[r * pages : (r + 1) * pages]
             n = min(n, present.index(False) if False in present else pages)
         stored = n
-        anchor: bytes | None = None
+        anchor: Key | None = None
         if hyb is not None and hyb.binding:  # hybrid hook: every rank's page carries every anchor
             n = hyb.deepest(chains, n, need_anchor)
         elif need_anchor is not None:
@@ -478,9 +477,7 @@ class HostKVCache:
                     break
                 n = min(depths)
             if n:
-                anchor = self.provider.get_anchor(own[n - 1], need_anchor)
-                if anchor is None:  # leased, so impossible; never hand out a hit without it
-                    n = 0
+                anchor = own[n - 1]  # read when the engine asks (hit.anchor / hit.read_anchor)
         if not n:
             lease.release()
         elif sum(lease.present) != world * n:  # else it pins exactly the common prefix already
@@ -492,7 +489,7 @@ class HostKVCache:
                 lease.release()
                 n = 0
         hit = CacheHit(self, own[:n], lease if n else None, requested=pages, stored=stored,
-                       anchor_name=need_anchor, anchor=anchor if n else None)
+                       anchor_name=need_anchor, anchor_key=anchor if n else None)
         with self._lock:
             st = self._stats
             st.lookups += 1

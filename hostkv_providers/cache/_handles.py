@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from hostkv_providers._errors import InvalidArgumentError, UnknownKeyError
 from hostkv_providers._keys import Key
 from hostkv_providers._provider import (
     Lease,
@@ -209,23 +210,52 @@ class CacheHandle:
 class CacheHit:
     """A leased prefix of a chain: ``num_pages`` pages that stay stored until :meth:`release`.
 
-    ``keys`` are the usable pages (root first).  With ``need_anchor``, ``anchor`` holds that
-    anchor's bytes at the last usable page (the state the engine resumes from), and the hit never
-    extends past the deepest page carrying it.  Use as a context manager or call
-    :meth:`release`; a restore started with ``release=True`` releases it when the copy completes.
+    ``keys`` are the usable pages (root first).  With ``need_anchor`` the hit never extends past
+    the deepest page carrying that anchor, and :attr:`anchor` gives its bytes there (the state
+    the engine resumes from).  The lookup only checks that the anchor is there (the hit's lease
+    keeps it): the bytes are read when the engine asks for them, off the admission path —
+    :meth:`read_anchor` copies them once, verified, straight into the engine's own buffer.  Use
+    as a context manager or call :meth:`release`; a restore started with ``release=True``
+    releases it when the copy completes.
     """
 
     def __init__(self, cache: HostKVCache, keys: Sequence[Key], lease: Lease | None, *, requested: int,
-                 stored: int, anchor_name: str | None, anchor: bytes | None) -> None:
+                 stored: int, anchor_name: str | None, anchor_key: Key | None) -> None:
         self._cache = cache
         self.keys: tuple[Key, ...] = tuple(keys)
         self.lease = lease
         self.requested = requested
         self.stored = stored  # stored prefix before cutting back to the anchor
         self.anchor_name = anchor_name
-        self.anchor = anchor
+        self._anchor_key = anchor_key  # the page whose anchor the hit resumes from (need_anchor)
+        self._anchor: bytes | None = None
         self._released = lease is None
         self.hybrid: Any = None  # hybrid hook (cache/_hybrid.py): the prefill this miss produces
+
+    @property
+    def anchor(self) -> bytes | None:
+        """The needed anchor's bytes at the last usable page (``None`` without ``need_anchor`` or
+        for a miss); read from the provider on first access, then kept."""
+        if self._anchor is None and self._anchor_key is not None and self.anchor_name is not None:
+            self._anchor = self._cache.provider.get_anchor(self._anchor_key, self.anchor_name)
+            if self._anchor is None:
+                raise UnknownKeyError(
+                    f"anchor {self.anchor_name!r} of the hit's last page is gone",
+                    hint="read it before releasing the hit (the hit's lease keeps it)")
+        return self._anchor
+
+    def read_anchor(self, into: object) -> int:
+        """Copy the needed anchor once, checksum-verified, into ``into`` (one writable buffer or a
+        list of them, filled in order; ``Provider.read_anchor``) and return its size.  Raises
+        ``InvalidArgumentError`` without ``need_anchor`` or for a miss, ``UnknownKeyError`` when
+        the anchor is gone (the hit was released)."""
+        if self._anchor_key is None or self.anchor_name is None:
+            raise InvalidArgumentError("this hit carries no anchor (look it up with need_anchor=)")
+        got = self._cache.provider.read_anchor(self._anchor_key, self.anchor_name, into)
+        if got is None:
+            raise UnknownKeyError(f"anchor {self.anchor_name!r} of the hit's last page is gone",
+                                  hint="read it before releasing the hit (the hit's lease keeps it)")
+        return got
 
     @property
     def num_pages(self) -> int:

@@ -459,6 +459,42 @@ def test_need_anchor_cuts_hit_to_deepest_anchored_page(provider: Provider, engin
             assert hit.num_pages == 8 and hit.anchor == b"state@7"
 
 
+def test_need_anchor_lookup_reads_no_anchor_bytes_until_asked(provider: Provider, engine: CpuCopyEngine,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    # issue 17 trap 7: the lookup (admission path) copied the anchor; now it only finds it
+    with HostKVCache(provider, SALT, engine, staging_allocator=OrdinaryAllocator()) as c:
+        ks = c.keys(tokens(4 * 4, seed=31))
+        state = bytes(range(256)) * 64
+        c.save(ks, make_planes(31), list(range(4)), anchors={3: {"ssm": state}}).wait(30)
+        reads: list[bytes] = []
+        real_get, real_read = provider.get_anchor, provider.read_anchor
+
+        def counted_get(key: bytes, name: str) -> bytes | None:
+            reads.append(key)
+            return real_get(key, name)
+
+        def counted_read(key: bytes, name: str, into: object) -> int | None:
+            reads.append(key)
+            return real_read(key, name, into)
+
+        monkeypatch.setattr(provider, "get_anchor", counted_get)
+        monkeypatch.setattr(provider, "read_anchor", counted_read)
+        with c.lookup(ks, need_anchor="ssm") as hit:
+            assert hit.num_pages == 4 and reads == []  # found, not read
+            buf = bytearray(len(state))
+            assert hit.read_anchor(buf) == len(state) and bytes(buf) == state
+            assert reads and set(reads) == {ks[3]}  # (a default read_anchor reads through get_anchor)
+            n = len(reads)
+            assert hit.anchor == state and hit.anchor == state  # read once, then kept
+            assert len(reads) == n + 1
+            with pytest.raises(InvalidArgumentError):
+                hit.read_anchor(bytearray(10))  # too small for the anchor
+        with c.lookup(ks) as plain:
+            with pytest.raises(InvalidArgumentError):
+                plain.read_anchor(buf)  # no need_anchor: no anchor to read
+            assert plain.anchor is None
+
+
 # ------------------------------------------------------------------------------------------
 # stats, prometheus, lifecycle, bad input
 # ------------------------------------------------------------------------------------------
