@@ -280,33 +280,9 @@ class HostKVBackend(StoragePluginInterface):
 
     def _load(self, ours: Key) -> MemoryObj | None:
         t0 = time.monotonic()
-        info = self.provider.entry(ours)
-        if info is None or info.nbytes < HEADER_NBYTES:
-            self.stats.add(load_misses=1)
-            return None
-        buf = np.empty(info.nbytes, dtype=np.uint8)
-        try:
-            hit = self.provider.read(ours, buf)
-        except HostKVError:
-            logger.exception("hostkv: read failed")
-            hit = False
-        meta = _unpack_header(buf[:HEADER_NBYTES].tobytes()) if hit else None
-        if meta is None:
-            self.stats.add(load_misses=1)
-            return None
-        shape, dtype, fmt = meta
-        obj = self.local_cpu_backend.allocate(shape, dtype, fmt)
-        if obj is None or obj.tensor is None:
-            self.stats.add(load_misses=1)
-            return None
-        dst = obj.tensor.view(torch.uint8).reshape(-1)
-        if dst.numel() != info.nbytes - HEADER_NBYTES:
-            obj.ref_count_down()
-            self.stats.add(load_misses=1)
-            return None
-        dst.copy_(torch.from_numpy(buf[HEADER_NBYTES:]))
-        self.stats.add(loaded_pages=1, loaded_bytes=dst.numel())
-        logger.debug("hostkv: loaded %d bytes in %.3f ms", dst.numel(), (time.monotonic() - t0) * 1e3)
+        obj = _load_entry(self.provider, self.stats, self.local_cpu_backend, ours)
+        if obj is not None:
+            logger.debug("hostkv: loaded %s in %.3f ms", ours.hex()[:16], (time.monotonic() - t0) * 1e3)
         return obj
 
     # -- pins, removal, lifecycle ------------------------------------------------------------
@@ -433,33 +409,7 @@ class HostKVConnector(RemoteConnector):
         return obj
 
     def _load(self, ours: Key) -> MemoryObj | None:
-        info = self.provider.entry(ours)
-        if info is None or info.nbytes < HEADER_NBYTES:
-            self.stats.add(load_misses=1)
-            return None
-        buf = np.empty(info.nbytes, dtype=np.uint8)
-        try:
-            hit = self.provider.read(ours, buf)
-        except HostKVError:
-            logger.exception("hostkv: read failed")
-            hit = False
-        meta = _unpack_header(buf[:HEADER_NBYTES].tobytes()) if hit else None
-        if meta is None:
-            self.stats.add(load_misses=1)
-            return None
-        shape, dtype, fmt = meta
-        obj = self.local_cpu_backend.allocate(shape, dtype, fmt)
-        if obj is None or obj.tensor is None:
-            self.stats.add(load_misses=1)
-            return None
-        dst = obj.tensor.view(torch.uint8).reshape(-1)
-        if dst.numel() != info.nbytes - HEADER_NBYTES:
-            obj.ref_count_down()
-            self.stats.add(load_misses=1)
-            return None
-        dst.copy_(torch.from_numpy(buf[HEADER_NBYTES:]))
-        self.stats.add(loaded_pages=1, loaded_bytes=dst.numel())
-        return obj
+        return _load_entry(self.provider, self.stats, self.local_cpu_backend, ours)
 
     async def put(self, key: CacheEngineKey, memory_obj: MemoryObj) -> None:
         # Held until the copy is done: RemoteBackend drops its own reference right after
@@ -493,3 +443,36 @@ class HostKVConnector(RemoteConnector):
         self._io.close()
         if self._owns_provider and not self.provider.closed:
             self.provider.close()
+
+
+def _load_entry(provider: Provider, stats: AdapterStats, local_cpu_backend: Any, ours: Key) -> MemoryObj | None:
+    """One stored entry (header + bytes) into a fresh ``MemoryObj`` of LMCache's CPU backend:
+    ``None`` (a miss, counted) when it is absent, fails its checksum, or does not match its
+    header.  Shared by the storage plugin and the remote connector."""
+    info = provider.entry(ours)
+    if info is None or info.nbytes < HEADER_NBYTES:
+        stats.add(load_misses=1)
+        return None
+    buf = np.empty(info.nbytes, dtype=np.uint8)
+    try:
+        hit = provider.read(ours, buf)
+    except HostKVError:
+        logger.exception("hostkv: read failed")
+        hit = False
+    meta = _unpack_header(buf[:HEADER_NBYTES].tobytes()) if hit else None
+    if meta is None:
+        stats.add(load_misses=1)
+        return None
+    shape, dtype, fmt = meta
+    obj = local_cpu_backend.allocate(shape, dtype, fmt)
+    if obj is None or obj.tensor is None:
+        stats.add(load_misses=1)
+        return None
+    dst = obj.tensor.view(torch.uint8).reshape(-1)
+    if dst.numel() != info.nbytes - HEADER_NBYTES:
+        obj.ref_count_down()
+        stats.add(load_misses=1)
+        return None
+    dst.copy_(torch.from_numpy(buf[HEADER_NBYTES:]))
+    stats.add(loaded_pages=1, loaded_bytes=dst.numel())
+    return obj
