@@ -248,6 +248,7 @@ class IndexedProvider(Provider):
                 retained_bytes=idx.retained_cost, **self._tallies())
 
     def close(self) -> None:
+        self._check_not_forked()  # a forked child must not clear the parent's store
         with self._lock:
             if self._closed:
                 return

@@ -252,11 +252,12 @@ class PinnedProvider(Provider):
         Option("verify", "choice", "never", "never", ("never", "read"), attr="_verify_mode"),
         # describe(): the memory in effect ("yes": page-locked), not the policy asked for
         Option("pin", "choice", "auto", "auto", ("auto", "yes", "no"), attr="_pin_effective"),
-        Option("prefault", "bool", True, "true"),
+        Option("prefault", "bool", True, "true", attr="_prefault_on"),
         Option("mapped", "choice", "no", "no", ("no", "yes")),
         Option("device", "int", None, "0"),  # None: not given (only mapped=yes takes it)
         Option("retain_share", "number", 0.5, "0.5"),
-        Option("checksum", "choice", TREE_ALGORITHM, TREE_ALGORITHM, (TREE_ALGORITHM, CHECKSUM_ALGORITHM)),
+        Option("checksum", "choice", TREE_ALGORITHM, TREE_ALGORITHM, (TREE_ALGORITHM, CHECKSUM_ALGORITHM),
+               attr="checksum_algorithm"),
     )
     _reservation_type = _PinnedReservation
 
@@ -329,6 +330,7 @@ class PinnedProvider(Provider):
                 self._fill()
         self._prefaulter: threading.Thread | None = None
         self._prefaulted = threading.Event()
+        self._prefault_on = bool(prefault)  # describe(): the option as given
         if prefault and not allocator.pinned:
             self._prefaulter = threading.Thread(target=self._prefault, name="hostkv-pinned-prefault", daemon=True)
             self._prefaulter.start()
