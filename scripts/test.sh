@@ -41,10 +41,18 @@ if [ $# -eq 0 ]; then
   # The core's provider tests (kill -9 cycles, crash points, power cuts: child processes started,
   # killed and reopened, i.e. waiting) run as a second shard beside the rest, which waits on its
   # own children (engines' restarts, servers).  Measured in docs/benchmarks.md ("Where the core suite's time goes").
-  step "pytest: core shard tests/providers in the background; the rest of the core here"
-  "$PY" -m pytest -q tests/providers >"$logs/providers" 2>&1 &
-  providers_pid=$!
-  names="providers $names"
+  # tests/providers itself is three shards (lmdb, mmap, the rest): its kill -9 cycles, crash
+  # points and damaged-file trials mostly wait on children, so on 2 cores one shard of it was the
+  # run's long pole (about 40 of 45 minutes once the damaged-file and counter tests came in).
+  step "pytest: core shards tests/providers/{lmdb,mmap,rest} in the background; the rest of the core here"
+  "$PY" -m pytest -q tests/providers/lmdb >"$logs/providers_lmdb" 2>&1 &
+  providers_lmdb_pid=$!
+  "$PY" -m pytest -q tests/providers/mmap >"$logs/providers_mmap" 2>&1 &
+  providers_mmap_pid=$!
+  "$PY" -m pytest -q tests/providers --ignore=tests/providers/lmdb --ignore=tests/providers/mmap \
+    >"$logs/providers_rest" 2>&1 &
+  providers_rest_pid=$!
+  names="providers_lmdb providers_mmap providers_rest $names"
   core_args=(--ignore=tests/providers)
 else
   core_args=("$@")
