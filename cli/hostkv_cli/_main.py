@@ -8,6 +8,7 @@ are documented in docs/cli.md and :mod:`hostkv_cli._exits`.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 import traceback
@@ -96,7 +97,13 @@ def main() -> NoReturn:
     import warnings
 
     warnings.showwarning = _show_warning
-    cli.main(prog_name="hostkv")
+    try:
+        cli.main(prog_name="hostkv")
+    finally:
+        # The command is over (its exit status is set): a Ctrl-C while the interpreter joins the
+        # library's worker threads at exit would only print "Exception ignored ... KeyboardInterrupt"
+        # from threading._shutdown.  SIGTERM and SIGKILL still end a stuck shutdown.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     raise SystemExit(0)  # pragma: no cover - click exits itself
 
 

@@ -50,6 +50,7 @@ import xxhash
 from hostkv_providers._checksum import checksum_parts
 from hostkv_providers._errors import (
     CapacityError,
+    ClosedError,
     HostKVError,
     InFlightError,
     InvalidArgumentError,
@@ -515,6 +516,9 @@ class MmapProvider(_Maintenance):
         out: list[bool | HostKVError] = []
         with self._write_call():  # close() waits for it (it must not close a file under a pwrite)
             for lo in range(0, len(checked), _PUT_BATCH):
+                if lo and self._closing:  # a close began during the last chunk's snapshot
+                    raise ClosedError(f"{type(self).__name__} closed during put_many",
+                                      hint=f"the first {lo} items are stored")
                 out += self._put_chunk(checked[lo : lo + _PUT_BATCH], salt_tag)
                 self._snapshot_due()
         return out

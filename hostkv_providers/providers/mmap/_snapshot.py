@@ -159,6 +159,12 @@ class _Snapshots(_Journal):
         """
         if not self._snap_due or not self._snap_mutex.acquire(blocking=False):
             return
+        # The snapshot is not part of the write call that found it due (a seal, a put_many
+        # chunk): close() need not wait for it (a close meanwhile writes its own snapshot and
+        # this one is discarded), so step out of the front's call count while it is written and
+        # back in after (as cleanup: a close that began meanwhile is seen by the caller through
+        # ``_closing``, see put_many).
+        self._call_end()
         try:
             self._write_due_snapshot()
         except HostKVError as exc:
@@ -168,6 +174,7 @@ class _Snapshots(_Journal):
             _log.warning("mmap %s: periodic snapshot failed: %s", self.path, exc)
         finally:
             self._snap_mutex.release()
+            self._call_begin(cleanup=True)
 
     def _write_due_snapshot(self) -> None:
         """:meth:`_snapshot_due` once its mutex is held."""
