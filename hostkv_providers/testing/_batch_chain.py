@@ -134,7 +134,7 @@ class BatchChainTests:
         for k in keys:  # the given checksums are the bytes' own: verified reads hit
             assert provider.read_bytes(k) == page_bytes(k, self.page_nbytes)
 
-    def test_chain_level_abort_leaves_no_trace(self, provider: Provider) -> None:
+    def test_chain_level_abort_then_reserve_again(self, provider: Provider) -> None:
         keys = chain("rm-chain-abort", 5)
         used = provider.stats().used_bytes
         rc = provider.reserve_many(keys, _parents(keys), self.page_nbytes)
