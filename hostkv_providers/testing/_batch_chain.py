@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 import numpy as np
 import pytest
 
+from hostkv_providers._chain import ReservedChain
 from hostkv_providers._errors import (
     CapacityError,
     HostKVError,
@@ -28,7 +29,8 @@ from hostkv_providers._errors import (
     UnknownKeyError,
 )
 from hostkv_providers._keys import Key
-from hostkv_providers._provider import Provider, Reservation, ReservedChain
+from hostkv_providers._provider import Provider
+from hostkv_providers._reservation import Reservation
 from hostkv_providers.testing._pages import chain, page_bytes, put_chain
 
 __all__ = ["BatchChainTests"]

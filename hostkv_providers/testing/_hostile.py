@@ -25,6 +25,14 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from hostkv_providers._capabilities import (
+    SupportsBatch,
+    SupportsBatchViews,
+    SupportsCompact,
+    SupportsIterate,
+    SupportsVerify,
+    SupportsViews,
+)
 from hostkv_providers._errors import (
     ClosedError,
     HostKVError,
@@ -36,17 +44,8 @@ from hostkv_providers._errors import (
     UsedAfterForkError,
 )
 from hostkv_providers._keys import Key
-from hostkv_providers._provider import (
-    Lease,
-    Provider,
-    Reservation,
-    SupportsBatch,
-    SupportsBatchViews,
-    SupportsCompact,
-    SupportsIterate,
-    SupportsVerify,
-    SupportsViews,
-)
+from hostkv_providers._provider import Provider
+from hostkv_providers._reservation import Lease, Reservation
 from hostkv_providers._span import ByteSpan
 from hostkv_providers.testing._families._base import SuiteBase
 from hostkv_providers.testing._pages import anchor_bytes, chain, key_of, page_bytes, put_chain
