@@ -10,7 +10,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _cache_common import LAYOUT, NBLOCKS, PAGE, SALT, make_planes, page_of, tokens
 
 from hostkv_providers import (
     ClosedError,
@@ -31,6 +30,8 @@ from hostkv_providers.cache._cache import (
 )
 from hostkv_providers.device._copy import CpuCopyEngine, KVPlanes
 from hostkv_providers.device._hostmem import OrdinaryAllocator
+
+from ._cache_common import LAYOUT, NBLOCKS, PAGE, SALT, make_planes, page_of, tokens
 
 
 class NoViews(Provider):

@@ -11,7 +11,6 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
-from _cache_common import NBLOCKS, PAGE, SALT, make_planes, tokens
 
 from hostkv_providers import (
     ClosedError,
@@ -22,6 +21,8 @@ from hostkv_providers import (
 )
 from hostkv_providers.device import CpuCopyEngine, OrdinaryAllocator
 from hostkv_providers.testing._hostile import BAD_KEYS, BAD_TIMEOUTS, expect_refused
+
+from ._cache_common import NBLOCKS, PAGE, SALT, make_planes, tokens
 
 
 @pytest.fixture
