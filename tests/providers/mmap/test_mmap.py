@@ -30,7 +30,7 @@ from hostkv_providers.providers.mmap import _provider as _mmap
 from hostkv_providers.providers.mmap._provider import MmapProvider
 from hostkv_providers.testing import anchor_bytes, chain, key_of, page_bytes, put_chain, put_page
 
-from ._mmap_common import PAGE, abandon_copy, make
+from ._mmap_common import PAGE, abandon_copy, make, reserve_written
 
 # -- identity and files ---------------------------------------------------------------------------
 
@@ -197,12 +197,7 @@ def test_durability_modes_roundtrip(tmp_path: Path, durability: str) -> None:
 def test_group_commit_shares_syncs(tmp_path: Path) -> None:
     p = make(tmp_path / "s", durability="sync", budget_bytes=256 * PAGE)
     keys = [key_of(f"gc-{i}") for i in range(64)]
-    reservations = []
-    for k in keys:
-        res = p.reserve(k, None, PAGE)
-        assert res is not None
-        res.write(0, page_bytes(k, PAGE))
-        reservations.append(res)
+    reservations = reserve_written(p, keys)
     p.seal_many(reservations)
     st = p.stats()
     assert st.seals == 64

@@ -21,7 +21,7 @@ from hostkv_providers._keys import Key
 from hostkv_providers.testing import chain, key_of, page_bytes, put_page
 from hostkv_providers.testing.crash import CrashHarness, Workload
 
-from ._mmap_common import PAGE, abandon_copy, make
+from ._mmap_common import PAGE, abandon_copy, make, reserve_written
 
 
 def test_snapshot_during_seal_many_keeps_every_acknowledged_seal(tmp_path: Path) -> None:
@@ -30,12 +30,7 @@ def test_snapshot_during_seal_many_keeps_every_acknowledged_seal(tmp_path: Path)
     # entries are not in the index yet, and a kill -9 after seal_many returned lost them.
     p = make(tmp_path / "s", snapshot_every=1)
     keys = [key_of(f"snap-{i}") for i in range(8)]
-    reservations = []
-    for k in keys:
-        res = p.reserve(k, None, PAGE)
-        assert res is not None
-        res.write(0, page_bytes(k, PAGE))
-        reservations.append(res)
+    reservations = reserve_written(p, keys)
     p.seal_many(reservations)
     abandon_copy(p, tmp_path / "image")
     p.close()
