@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from hostkv_providers._blockhash import TREE_ALGORITHM
+from hostkv_providers._chain import ReservedChain
+from hostkv_providers._checks import check_anchor_name, readable_bytes
 from hostkv_providers._errors import (
     CapacityError,
     ClosedError,
@@ -24,13 +26,8 @@ from hostkv_providers._errors import (
     UnknownKeyError,
 )
 from hostkv_providers._keys import Key, as_key
-from hostkv_providers._provider import (
-    HostRegion,
-    Lease,
-    ReservedChain,
-    check_anchor_name,
-    readable_bytes,
-)
+from hostkv_providers._region import HostRegion
+from hostkv_providers._reservation import Lease
 from hostkv_providers.cache._admission import (
     AdmissionRequest,
 )

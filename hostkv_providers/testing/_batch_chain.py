@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from hostkv_providers._blockhash import TREE_ALGORITHM, tree_checksum
+from hostkv_providers._chain import ReservedChain
 from hostkv_providers._checksum import CHECKSUM_ALGORITHM, checksum
 from hostkv_providers._errors import (
     CapacityError,
@@ -32,7 +33,8 @@ from hostkv_providers._errors import (
     UnknownKeyError,
 )
 from hostkv_providers._keys import Key
-from hostkv_providers._provider import Provider, Reservation, ReservedChain
+from hostkv_providers._provider import Provider
+from hostkv_providers._reservation import Reservation
 from hostkv_providers.testing._pages import chain, page_bytes, put_chain
 
 __all__ = ["BatchChainTests"]

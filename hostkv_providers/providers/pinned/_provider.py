@@ -30,6 +30,8 @@ import numpy as np
 import numpy.typing as npt
 
 from hostkv_providers._blockhash import TREE_ALGORITHM, tree_checksum_parts
+from hostkv_providers._chain import ChainRun, ReservedChain, _check_checksums
+from hostkv_providers._checks import check_flag, check_progress, check_retain_share, writable_buffer
 from hostkv_providers._checksum import CHECKSUM_ALGORITHM, checksum_parts
 from hostkv_providers._errors import (
     CapacityError,
@@ -42,25 +44,10 @@ from hostkv_providers._errors import (
 )
 from hostkv_providers._keys import Key
 from hostkv_providers._options import Option, OptionSet
-from hostkv_providers._provider import (
-    ChainRun,
-    Corrupt,
-    EntryInfo,
-    EvictReport,
-    HostRegion,
-    Lease,
-    Provider,
-    ProviderStats,
-    Reservation,
-    ReservedChain,
-    VerifyReport,
-    _check_checksums,
-    check_flag,
-    check_progress,
-    check_retain_share,
-    writable_buffer,
-)
-from hostkv_providers._region import HostPages
+from hostkv_providers._provider import Corrupt, Provider
+from hostkv_providers._region import HostPages, HostRegion
+from hostkv_providers._reports import EntryInfo, EvictReport, ProviderStats, VerifyReport
+from hostkv_providers._reservation import Lease, Reservation
 from hostkv_providers._span import ByteSpan
 from hostkv_providers.device._hostmem import (
     _MADV_POPULATE_WRITE,
