@@ -634,14 +634,14 @@ class TreeIndex:
                     self._reinsert(row)
                 raise CapacityError(
                     f"{cost} bytes do not fit: budget {self.budget}, used {self.used_cost}, and only "
-                    f"{sum(int(self.cost[r]) for r in removed)} of it is evictable (the rest is leased, "
+                    f"{int(self.cost[removed].sum()) if removed else 0} of it is evictable (the rest is leased, "
                     f"in flight or retained: {self.retained_cost} retained)"
                 )
         finally:
             if protect >= 0:
                 self._unhold(protect)
         self.evictions += len(removed)
-        self.evicted_cost += sum(int(self.cost[r]) for r in removed)
+        self.evicted_cost += int(self.cost[removed].sum()) if removed else 0
         return removed
 
     def _reinsert(self, row: int) -> None:
@@ -693,22 +693,69 @@ class TreeIndex:
         return -1
 
     def _evict_lru(self, need: int) -> list[int]:
+        """Remove LRU evictable leaves until ``need`` cost is freed; the rows, in removal order.
+
+        A leaf's parent that it alone keeps from being a leaf, and that is no younger, is the next
+        least-recently-used leaf once the leaf is gone (every other evictable leaf is younger than
+        the leaf just taken): such runs up a chain — the tail of a saved prompt, root-first ticks —
+        are taken in one walk and removed together (:meth:`_remove_chain`), without the heap round
+        trip and bookkeeping of each page (a full store evicts on every save: issue 14, the save
+        thread's GIL share)."""
         out: list[int] = []
         freed = 0
+        parent, children, hold, retained, tick, cost, alive = (
+            self.m_parent, self.m_children, self.m_hold, self.m_retained, self.m_tick, self.m_cost, self.m_alive)
         while freed < need:
             row = self.pop_lru_leaf()
             if row < 0:
                 break
-            freed += self.m_cost[row]
-            self._remove(row)
-            out.append(row)
+            freed += cost[row]
+            chain = [row]
+            t = tick[row]
+            p = parent[row]
+            while (freed < need and p >= 0 and alive[p] and children[p] == 1 and not hold[p] and not retained[p]
+                   and tick[p] <= t):
+                chain.append(p)
+                freed += cost[p]
+                t = tick[p]
+                p = parent[p]
+            if len(chain) == 1:
+                self._remove(row)
+            else:
+                self._remove_chain(chain)
+            out.extend(chain)
         return out
+
+    def _remove_chain(self, rows: list[int]) -> None:
+        """:meth:`_remove` of ``rows``, a leaf then its ancestors (each the only child of the next,
+        none held or retained), with the columns left exactly as removing them one by one would
+        (so a tentative eviction's ``_reinsert`` undoes it)."""
+        if len(self._base_k64):
+            for row in rows:
+                self._unmap(row)
+        else:
+            raw = self.key[rows].tobytes()
+            pop = self._dict.pop
+            for i in range(0, len(raw), 32):
+                pop(raw[i : i + 32], None)
+        arr = np.asarray(rows, dtype=np.int64)
+        self.alive[arr] = False
+        self.children[arr[1:]] = 0  # each lost its one child, the row before it
+        self.count -= len(rows)
+        c = int(self.cost[arr].sum())
+        self.used_cost -= c
+        self.sealed_cost -= c
+        p = self.m_parent[rows[-1]]
+        if p >= 0 and self.m_alive[p]:
+            self.m_children[p] -= 1
+            if self._evictable(p):
+                heapq.heappush(self._heap, self.m_tick[p] << _ROW_BITS | p)
 
     def evict_cost(self, need: int) -> list[int]:
         """Evict LRU evictable leaves until ``need`` cost is freed (or none is left)."""
         out = self._evict_lru(need)
         self.evictions += len(out)
-        self.evicted_cost += sum(int(self.cost[r]) for r in out)
+        self.evicted_cost += int(self.cost[out].sum()) if out else 0
         return out
 
     def add_cost(self, row: int, delta: int) -> list[int]:

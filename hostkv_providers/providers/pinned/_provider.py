@@ -1014,15 +1014,24 @@ class PinnedProvider(Provider):
     def _free_rows(self, rows: Sequence[int]) -> None:
         """Give removed rows' blocks back to the arena and the rows to the index."""
         idx = self._index
+        if len(rows) > 8 and not idx.scatter:
+            # (a chain evicted for room: its pages' blocks go back as runs, not page by page)
+            arr = np.asarray(rows, dtype=np.int64)
+            lens = idx.run_len[arr]
+            if int(lens.min()) == int(lens.max()):
+                self._arena.release_pages(idx.run_start[arr], int(lens[0]))
+                self._recycle(rows)
+                return
         for row in rows:
             self._arena.release(idx.runs(row))
         self._recycle(rows)
 
     def _recycle(self, rows: Sequence[int]) -> None:
         idx = self._index
-        for row in rows:
-            idx.scatter.pop(row, None)
-            idx.anchors.pop(row, None)
+        if idx.scatter or idx.anchors:
+            for row in rows:
+                idx.scatter.pop(row, None)
+                idx.anchors.pop(row, None)
         idx.recycle(rows)
 
     def _drop(self, row: int) -> list[int]:
