@@ -29,6 +29,7 @@ from hostkv_providers.cache._handles import (
     CacheHit,
     RestoreResult,
 )
+from hostkv_providers.device import CopyEngine
 
 if TYPE_CHECKING:
     from hostkv_providers.cache._cache import HostKVCache
@@ -36,7 +37,7 @@ if TYPE_CHECKING:
 
 def restore(self: HostKVCache, hit: CacheHit, into: Any, block_ids: Sequence[int], *, before: Any = None,
             release: bool = True, first_page: int = 0,
-            anchors_into: Mapping[str, Any] | None = None) -> CacheHandle:
+            anchors_into: Mapping[str, Any] | None = None, layerwise: bool = False) -> CacheHandle:
     """Copy the hit's pages into the engine's KV blocks, asynchronously.
 
     Parameters
@@ -68,6 +69,16 @@ def restore(self: HostKVCache, hit: CacheHit, into: Any, block_ids: Sequence[int
     anchors_into:
         Hybrid caches: ``{name: writable buffer}`` the anchors are copied into (once, on the
         restore thread); ``result.anchors[name]`` then views that buffer.
+    layerwise:
+        Complete the restore layer by layer: the handle's :meth:`CacheHandle.wait_layer_on`
+        ``(i, stream)`` orders ``stream`` behind layer ``i`` of every page only, so the
+        engine's layer ``i`` prefill overlaps the copy of the later layers (pass no
+        ``before=`` then: it orders the stream behind the whole restore).  Delivered layer by
+        layer where the hit's pages are zero-copy views of pinned memory in one run
+        (``pinned://``, the fast tier of ``tiered://``): the whole range goes to the copy
+        engine as one layer-major transfer.  Through bounce buffers (``mmap://``, ``lmdb://``,
+        ``tiered://``'s slow tier) and per-page views, every layer completes with the whole
+        restore (the per-layer calls stay correct, they are just not earlier).
 
     Returns
     -------
@@ -85,11 +96,13 @@ def restore(self: HostKVCache, hit: CacheHit, into: Any, block_ids: Sequence[int
     if not hit.num_pages or first_page == hit.num_pages:
         # nothing to restore; a finished handle keeps callers uniform
         self._block_ids(block_ids, 0, "hit pages")
-        done = CacheHandle("restore", self.engine)
+        done = CacheHandle("restore", self.engine, self.layout.num_layers)
         done._finish(RestoreResult())
         return done
     if hit.released:
         raise InvalidArgumentError("the hit was released; look it up again")
+    if not isinstance(layerwise, bool):
+        raise InvalidArgumentError(f"layerwise must be a bool, got {layerwise!r}")
     bids = self._block_ids(block_ids, hit.num_pages - first_page, "hit pages")
     planes = _as_planes(self.layout, into)
     self._check_blocks(planes, bids)
@@ -104,7 +117,7 @@ def restore(self: HostKVCache, hit: CacheHit, into: Any, block_ids: Sequence[int
             if before is not None:  # the caller's stream is ordered behind the shared copies
                 prior.wait_on(before)
             return prior
-        handle = CacheHandle("restore", self.engine)
+        handle = CacheHandle("restore", self.engine, self.layout.num_layers)
         self._restores[ident] = handle
         if before is not None:
             try:
@@ -131,16 +144,16 @@ def restore(self: HostKVCache, hit: CacheHit, into: Any, block_ids: Sequence[int
             hit.release()
 
     handle._on_finish(finish)
-    self._restore_pool.submit(self._run_restore, handle, hit, keys, planes, bids)
+    self._restore_pool.submit(self._run_restore, handle, hit, keys, planes, bids, layerwise)
     return handle
 
 
 def _run_restore(self: HostKVCache, handle: CacheHandle, hit: CacheHit, keys: Sequence[Key], planes: Any,
-                 bids: Sequence[int]) -> None:
+                 bids: Sequence[int], layerwise: bool = False) -> None:
     result = RestoreResult()
     handle._result = result
     try:
-        self._restore_pages(handle, result, hit, keys, planes, bids)
+        self._restore_pages(handle, result, hit, keys, planes, bids, layerwise)
         if self._hybrid is not None:  # hybrid hook: anchors read with the restore, cut back
             self._hybrid.finish_restore(handle, result, keys, hit.keys)
     except BaseException as exc:
@@ -150,8 +163,16 @@ def _run_restore(self: HostKVCache, handle: CacheHandle, hit: CacheHit, keys: Se
 
 
 def _restore_pages(self: HostKVCache, handle: CacheHandle, result: RestoreResult, hit: CacheHit, keys: Sequence[Key],
-                   planes: Any, bids: Sequence[int]) -> None:
+                   planes: Any, bids: Sequence[int], layerwise: bool = False) -> None:
     chunk = self.chunk_pages
+    # A layer-wise restore hands the whole range to the engine as one transfer when the provider
+    # gives chunk-level views (one address array, no per-page objects): layer 0 of the last
+    # page then lands at about 1/num_layers of the restore, not behind every earlier chunk.  On
+    # every other path the pages go chunk by chunk, page-major (the fastest), and every layer
+    # completes with the whole restore.
+    # (The library's engines take ``layerwise=``; an engine of the CopyEngineLike protocol may not.)
+    one_transfer = (layerwise and self._views and self._page_views and hit.lease is not None
+                    and isinstance(self.engine, CopyEngine))
     P = self.page_nbytes
     # in-flight engine transfers with what they read from: a bounce buffer or view leases, and
     # for a verified view chunk (its first page, the GPU's digests of the blocks, the checksums)
@@ -191,7 +212,7 @@ def _restore_pages(self: HostKVCache, handle: CacheHandle, result: RestoreResult
             self.provider.prefetch(keys[:chunk])
         i = 0
         while i < len(keys) and not bad:
-            part = keys[i : i + chunk]
+            part = keys[i:] if one_transfer else keys[i : i + chunk]
             srcs: list[Sequence[HostRegion]] | HostPages | None = None
             if self._views and hit.lease is not None:
                 # Small leases for the views (the hit's lease already pins the pages):
@@ -223,10 +244,17 @@ def _restore_pages(self: HostKVCache, handle: CacheHandle, result: RestoreResult
                 if srcs is None:
                     for vlease in vleases:
                         vlease.release()
+                    if one_transfer:  # not one run of pinned memory: chunk by chunk after all
+                        one_transfer = False
+                        continue
                 else:
                     verify = None
                     try:
-                        h = self.engine.restore(srcs, planes, bids[i : i + len(part)])
+                        if one_transfer:
+                            engine: Any = self.engine
+                            h = engine.restore(srcs, planes, bids[i : i + len(part)], layerwise=True)
+                        else:
+                            h = self.engine.restore(srcs, planes, bids[i : i + len(part)])
                         sums = getattr(srcs, "checksums", None)
                         if sums is not None and getattr(srcs, "algorithm", None) == TREE_ALGORITHM:
                             # views of a store that verifies reads: check the blocks on the GPU

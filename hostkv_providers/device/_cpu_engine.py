@@ -11,6 +11,7 @@ from typing import Any
 from hostkv_providers._errors import (
     CopyArgumentError,
 )
+from hostkv_providers._layout import PlaneSpec
 from hostkv_providers._region import HostPages
 from hostkv_providers.device._engine import (
     CopyEngine,
@@ -72,7 +73,7 @@ class CpuCopyEngine(CopyEngine):
         return self._submit("save", planes, ids, pages, dst, wait_for=mark)
 
     def restore(self, src: Sequence[Any] | HostPages, planes: KVPlanes, block_ids: Sequence[int], *,
-                before: Any = None) -> TransferHandle:
+                before: Any = None, layerwise: bool = False) -> TransferHandle:
         self._check_open()
         self._check_planes(planes)
         if planes.readonly:
@@ -80,14 +81,16 @@ class CpuCopyEngine(CopyEngine):
         ids = _check_ids(planes, block_ids)
         _check_distinct(ids)
         pages = _check_pages(planes.layout, src, len(ids), writable=False)
+        if not isinstance(layerwise, bool):
+            raise CopyArgumentError(f"layerwise must be a bool, got {layerwise!r}")
         gate = self.gate(before)
-        handle = self._submit("restore", planes, ids, pages, src)
+        handle = self._submit("restore", planes, ids, pages, src, layerwise=layerwise)
         gate.open_after([handle])
         return handle
 
     def _submit(self, direction: str, planes: KVPlanes, ids: list[int], pages: _Pages,
-                keep: object, wait_for: StreamMark | None = None) -> TransferHandle:
-        handle = _CpuHandle(len(ids) * planes.layout.page_nbytes)
+                keep: object, wait_for: StreamMark | None = None, layerwise: bool = False) -> TransferHandle:
+        handle = _CpuHandle(len(ids) * planes.layout.page_nbytes, planes.layout.num_layers, layerwise)
         gather = direction == "save"
 
         def job() -> None:
@@ -96,9 +99,15 @@ class CpuCopyEngine(CopyEngine):
                 if wait_for is not None:
                     wait_for.wait_in(None)
                 t0 = time.perf_counter()
-                _host_copy(planes, ids, pages, gather)
+                if layerwise:
+                    specs = planes.layout.planes
+                    for layer in range(planes.layout.num_layers):
+                        _host_copy(planes, ids, pages, gather, [s for s in specs if s.layer == layer])
+                        handle._set(layer)
+                else:
+                    _host_copy(planes, ids, pages, gather)
                 handle._seconds = time.perf_counter() - t0
-                handle._issued.set()
+                handle._set(None)
             except BaseException as exc:
                 handle._fail(exc)
 
@@ -116,10 +125,12 @@ class CpuCopyEngine(CopyEngine):
             w.stop()
 
 
-def _host_copy(planes: KVPlanes, ids: list[int], pages: _Pages, gather: bool) -> None:
-    """Move plane slices between host planes and host pages with ``memmove`` (GIL released)."""
+def _host_copy(planes: KVPlanes, ids: list[int], pages: _Pages, gather: bool,
+               specs: Sequence[PlaneSpec] | None = None) -> None:
+    """Move plane slices (``specs``: those planes only) between host planes and host pages with
+    ``memmove`` (GIL released)."""
     memmove = ctypes.memmove
-    specs = planes.layout.planes
+    specs = planes.layout.planes if specs is None else specs
     for b, page in zip(ids, pages, strict=True):
         if len(page[2]) == 1:
             base = page[1][0]

@@ -171,13 +171,19 @@ class CopyEngine(abc.ABC):
 
     @abc.abstractmethod
     def restore(self, src: Sequence[Any] | HostPages, planes: KVPlanes, block_ids: Sequence[int], *,
-                before: Any = None) -> TransferHandle:
+                before: Any = None, layerwise: bool = False) -> TransferHandle:
         """Scatter host page ``src[i]`` into block ``block_ids[i]`` of every plane.
 
         ``before``: a compute stream that must not run past this point until the restore is
         complete; it is gated at the call (:meth:`gate`) and opened behind the copies, with no
         host blocking.  ``src`` may be a :class:`~hostkv_providers.device.HostPages`.  Block ids
         must be distinct (two writes to one block race).
+
+        ``layerwise``: move layer 0 of every page first, then layer 1, ... and complete each
+        layer on its own (:meth:`TransferHandle.layer_event`, :meth:`~TransferHandle.wait_layer_on`),
+        so an engine's layer ``i`` waits for layer ``i``'s bytes only.  ``before`` still orders
+        the stream behind the whole restore.  Without it every layer completes with the whole
+        transfer (page-major order, the fastest for a restore nobody waits on per layer).
         """
 
     def mark(self, stream: Any) -> StreamMark | None:
