@@ -30,7 +30,7 @@ from hostkv_providers.device._engine import (
 from hostkv_providers.device._hostmem import _REGISTERED_STARTS, CudaPinnedAllocation
 from hostkv_providers.device._order import Gate, StreamMark, _NoGate, _open_leaked, _Worker
 from hostkv_providers.device._planes import _PAGE, KVPlanes, _MiB
-from hostkv_providers.device._transfer import TransferHandle, _GroupHandle, _JobHandle
+from hostkv_providers.device._transfer import TransferHandle, _GroupHandle, _JobHandle, _LayerHandle
 
 # --------------------------------------------------------------------------------------------
 # CUDA
@@ -110,6 +110,11 @@ class _CudaHandle(_JobHandle):
         self.start_event: Any = None
         self.done_event: Any = None
         self.layer_events: list[Any] | None = None  # None: every layer completes with done_event
+        # Set by the worker once layer i's event is recorded: an engine's layer 0 need not wait
+        # for the worker to issue the copies of every later layer (~0.1 ms of Python per chunk).
+        self._recorded: list[threading.Event] | None = None
+        self._rec_lock = threading.Lock()
+        self._rec_callbacks: dict[int, list[Callable[[], None]]] = {}
         self._finished = False
         self.keep: object = None  # host buffers and planes, released once finished
         self._finalizer = weakref.finalize(self, _destroy_events, self._dev, [])
@@ -130,19 +135,48 @@ class _CudaHandle(_JobHandle):
         return True
 
     def _layer_ev(self, layer: int) -> Any:
-        # Only called once issued: the worker sets the events before it sets _issued.
+        # Only called once that layer is recorded (or everything is issued).
         evs = self.layer_events
         return self.done_event if evs is None else evs[layer]
 
+    def _recorded_flag(self, layer: int) -> threading.Event:
+        rec = self._recorded
+        return self._issued if rec is None else rec[layer]
+
+    def _fail(self, exc: BaseException) -> None:
+        super()._fail(exc)
+        for layer in range(len(self._recorded or ())):
+            self._set_recorded(layer)  # layer waiters wake and see the error
+
+    def _set_recorded(self, layer: int) -> None:
+        """Worker side: layer ``layer``'s event is recorded; run what waited for that."""
+        assert self._recorded is not None
+        with self._rec_lock:
+            self._recorded[layer].set()
+            fns = self._rec_callbacks.pop(layer, [])
+        for fn in fns:
+            fn()
+
+    def _when_recorded(self, layer: int, fn: Callable[[], None]) -> bool:
+        """Run ``fn()`` on the worker once layer ``layer``'s event is recorded: ``False`` (and
+        nothing registered) when it is recorded already."""
+        if self._recorded is None:
+            return False
+        with self._rec_lock:
+            if self._recorded[layer].is_set():
+                return False
+            self._rec_callbacks.setdefault(layer, []).append(fn)
+            return True
+
     def layer_event(self, layer: int) -> Any:
         self._check_layer(layer)
-        self._issued.wait()
+        self._recorded_flag(layer).wait()
         self._raise()
         return self._layer_ev(layer)
 
     def layer_done(self, layer: int) -> bool:
         self._check_layer(layer)
-        if not self._issued.is_set():
+        if not self._recorded_flag(layer).is_set():
             return False
         if self._error is not None:
             return True
@@ -154,10 +188,10 @@ class _CudaHandle(_JobHandle):
 
     def wait_layer(self, layer: int, timeout: float | None = None) -> bool:
         self._check_layer(layer)
-        if self.layer_events is None and self._issued.is_set():
+        if self._recorded is None and self._issued.is_set():
             return self.wait(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
-        if not self._issued.wait(timeout):
+        if not self._recorded_flag(layer).wait(timeout):
             return False
         self._raise()
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -168,6 +202,10 @@ class _CudaHandle(_JobHandle):
         s = _stream_handle(stream, "stream")
         if s is None:
             self.wait_layer(layer)
+            return
+        if self._recorded is not None and not self._recorded[layer].is_set():
+            # Not recorded yet: gate the stream now, open it from the worker (no host blocking).
+            self._engine.gate(stream).open_after([self.layer(layer)])
             return
         ev = self.layer_event(layer)
         with self._dev.scope():
@@ -442,6 +480,12 @@ class _CudaGate(Gate):
         flat: list[TransferHandle] = []
         for h in handles:
             flat.extend(h.handles if isinstance(h, _GroupHandle) else [h])
+        for h in flat:
+            if (isinstance(h, _LayerHandle) and isinstance(h.parent, _CudaHandle)
+                    and h.parent._when_recorded(h.index, lambda: self._open_after(handles))):
+                # That layer's event is not recorded yet: try again from the worker once it is,
+                # rather than block this thread until the worker got that far.
+                return
         try:
             events = [h.event for h in flat]
             with pool._dev.scope(), pool._lock:
@@ -641,6 +685,8 @@ class CudaCopyEngine(CopyEngine):
         gate = self.gate(before)
         handle = _CudaHandle(len(ids) * planes.layout.page_nbytes, self, planes.layout.num_layers)
         handle.keep = (planes, src)
+        if layerwise:
+            handle._recorded = [threading.Event() for _ in range(planes.layout.num_layers)]
         issue = self._issue_restore_layers if layerwise else self._issue_restore
         self._submit("restore", handle, lambda: issue(handle, planes, ids, pages), gate)
         return handle
@@ -799,9 +845,12 @@ class CudaCopyEngine(CopyEngine):
         start, done = dev.event(timing=True), dev.event(timing=True)
         layer_evs = [dev.event() for _ in spans]
         handle._set_events(start, done, layer_evs)
+        if handle._recorded is None:
+            handle._recorded = [threading.Event() for _ in spans]
+        mark = handle._set_recorded
         _cuda.check(d.cuEventRecord(start, dma), "cuEventRecord")
         if self.mode == "memcpy":
-            for ev, (p0, np_, _lo, _nb) in zip(layer_evs, spans, strict=True):
+            for layer, (ev, (p0, np_, _lo, _nb)) in enumerate(zip(layer_evs, spans, strict=True)):
                 for spec in layout.planes[p0: p0 + np_]:
                     for b, page in zip(ids, pages, strict=True):
                         dst = planes.ptrs[spec.index] + b * planes.block_strides[spec.index]
@@ -809,6 +858,7 @@ class CudaCopyEngine(CopyEngine):
                             _cuda.check(d.cuMemcpyHtoDAsync(dst + off - spec.offset, addr, n, dma),
                                         "cuMemcpyHtoDAsync")
                 _cuda.check(d.cuEventRecord(ev, dma), "cuEventRecord")
+                mark(layer)
             _cuda.check(d.cuEventRecord(done, dma), "cuEventRecord")
             return
         table = self._table(planes, layers=True)
@@ -817,7 +867,7 @@ class CudaCopyEngine(CopyEngine):
         n = len(ids)
         host_mem = d.CUmemorytype.CU_MEMORYTYPE_HOST
         dev_mem = d.CUmemorytype.CU_MEMORYTYPE_DEVICE
-        for ev, span in zip(layer_evs, spans, strict=True):
+        for layer, (ev, span) in enumerate(zip(layer_evs, spans, strict=True)):
             _p0, _np, lo, nb = span
             per = max(1, min(_MAX_CHUNK_PAGES, self.staging_bytes // nb))
             for c0 in range(0, n, per):
@@ -850,6 +900,7 @@ class CudaCopyEngine(CopyEngine):
                 self._launch(self._scatter_fn, table, planes, ids[c0:c1], staging, scatter, span)
                 _cuda.check(d.cuEventRecord(freed, scatter), "cuEventRecord")
             _cuda.check(d.cuEventRecord(ev, scatter), "cuEventRecord")
+            mark(layer)  # layer l's event is recorded: its waiters may use it now
         _cuda.check(d.cuEventRecord(done, scatter), "cuEventRecord")
 
     # -- lifecycle -----------------------------------------------------------------------------

@@ -22,7 +22,7 @@ import pytest
 
 import hostkv_providers as hk
 from hostkv_providers.cache import HostKVCache, paged_planes
-from hostkv_providers.device import CudaCopyEngine, CudaHostAllocator, HostPages, HostRegion, cuda_available
+from hostkv_providers.device import CudaCopyEngine, CudaHostAllocator, HostPages, HostRegion, KVPlanes, cuda_available
 
 torch = pytest.importorskip("torch")
 if not cuda_available() or not torch.cuda.is_available():
@@ -45,7 +45,8 @@ class Pool:
     def __init__(self) -> None:
         self.caches = [torch.empty((2, NBLOCKS, LAYOUT.page_tokens, LAYOUT.num_kv_heads, LAYOUT.head_dim),
                                    dtype=torch.bfloat16, device="cuda") for _ in range(L)]
-        self.planes = paged_planes(LAYOUT, self.caches)
+        self.tensors = paged_planes(LAYOUT, self.caches)
+        self.planes = KVPlanes.from_torch(LAYOUT, self.tensors)
         self.bytes = [c.view(torch.uint8) for c in self.caches]
 
     def fill_random(self, blocks: list[int], seed: int) -> None:
@@ -86,7 +87,7 @@ def host_copy_of(pool: Pool, blocks: list[int]) -> tuple[Any, np.ndarray]:
     alloc = CudaHostAllocator(0).allocate(len(blocks) * PAGE)
     buf = np.frombuffer(alloc.view, dtype=np.uint8)
     idx = torch.tensor(blocks, device="cuda")
-    packed = torch.cat([t[idx].reshape(len(blocks), -1) for t in pool.planes], dim=1).view(torch.uint8)
+    packed = torch.cat([t[idx].reshape(len(blocks), -1) for t in pool.tensors], dim=1).view(torch.uint8)
     torch.cuda.synchronize()
     # planes are in layout order, so the concatenation per block is the packed page
     buf[:] = packed.cpu().numpy().reshape(-1)
