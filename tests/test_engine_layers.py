@@ -220,8 +220,11 @@ def test_cache_layer_waits_never_see_stale_blocks(provider: Provider, stream: Ho
                 assert seen == [(i, True) for i in range(LAYOUT.num_layers)]
                 assert all(h.layer_done(i) for i in range(LAYOUT.num_layers))
                 assert h.wait_layer(3, 0)
-            # pinned: the hit went to the engine as one layer-major transfer; mmap: chunk by chunk
-            assert len(h._transfers) == (1 if isinstance(provider, PinnedProvider) else -(-PAGES // 5))
+            # pinned: layer 0 chunk by chunk, then layers 1.. in one transfer; mmap: chunk by chunk
+            chunks = -(-PAGES // 5)
+            assert len(h._transfers) == (chunks + 1 if isinstance(provider, PinnedProvider) else chunks)
+            if isinstance(provider, PinnedProvider):
+                assert [t.layers for t in h._transfers] == [range(1)] * chunks + [range(1, LAYOUT.num_layers)]
     finally:
         engine.close()
 
@@ -303,6 +306,101 @@ def test_cache_layer_api_misuse(stream: HostStream) -> None:
             assert empty.layer_done(3) and empty.wait_layer(0, 0) and empty.layer_event(0) is None
             empty.wait_layer_on(1, stream)
             assert stream.synchronize(10)
+    finally:
+        engine.close()
+        provider.close()
+
+
+def test_engine_layers_range_writes_only_those_layers(engine: CpuCopyEngine) -> None:
+    src = planes(seed=10)
+    pages, _buf = host_pages(src, range(PAGES))
+    dst = planes(fill=POISON)
+    ids = list(range(PAGES))
+    h = engine.restore(pages, KVPlanes.from_arrays(LAYOUT, dst), ids, layers=range(1, 3))
+    assert h.wait(10) and h.layers == range(1, 3)
+    assert h.moves_layer(1) and h.moves_layer(2) and not h.moves_layer(0) and not h.moves_layer(3)
+    for s in LAYOUT.planes:
+        got = dst[s.index][:PAGES].view(np.uint8)
+        if s.layer in (1, 2):
+            assert np.array_equal(got, src[s.index][:PAGES].view(np.uint8))
+        else:
+            assert (got == POISON).all()  # layers not asked for are left as they are
+    for layer in (0, 3):  # a layer the transfer does not write is never reported complete
+        for call in (h.layer_done, h.wait_layer, h.layer_event, h.layer):
+            with pytest.raises(CopyArgumentError):
+                call(layer)
+    assert h.wait_layer(2, 0) and h.layer_done(1)
+
+
+@pytest.mark.parametrize("bad", [range(0), range(2, 2), range(0, 5), range(0, 4, 2), range(-1, 2), [0, 1], (0, 1), 1])
+def test_engine_bad_layers_are_refused(engine: CpuCopyEngine, bad: Any) -> None:
+    pages, _buf = host_pages(planes(seed=11), range(1))
+    with pytest.raises(CopyArgumentError):
+        engine.restore(pages, KVPlanes.from_arrays(LAYOUT, planes(fill=0)), [0], layers=bad)
+
+
+def test_cache_layerwise_falls_back_when_a_chunk_has_no_chunk_views(stream: HostStream,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The second chunk's views are refused: the pages viewed so far finish layer-major, the rest
+    go chunk by chunk (page-major), and layer 0 then completes with the whole restore."""
+    provider = PinnedProvider(4 << 20, block=PAGE, allocator=OrdinaryAllocator(huge_pages=False))
+    engine = CpuCopyEngine()
+    src = planes(seed=12)
+    expect = [p[:PAGES] for p in src]
+    try:
+        with HostKVCache(provider, SALT, engine, chunk_pages=5) as cache:
+            keys = saved(cache, src)
+            real = provider.view_pages
+            calls = [0]
+
+            def flaky(lease: Any, ks: Any) -> Any:
+                calls[0] += 1
+                return None if calls[0] == 2 else real(lease, ks)
+
+            monkeypatch.setattr(provider, "view_pages", flaky)
+            dst = planes(fill=POISON)
+            ids = list(range(PAGES, 2 * PAGES))
+            h = cache.restore(cache.lookup(keys), KVPlanes.from_arrays(LAYOUT, dst), ids, layerwise=True)
+            seen: list[tuple[int, bool]] = []
+            for layer in range(LAYOUT.num_layers):
+                h.wait_layer_on(layer, stream)
+                stream.enqueue(lambda layer=layer: seen.append((layer, layer_ok(dst, expect, ids, layer))))
+            r = h.wait(10)
+            assert stream.synchronize(10)
+            assert r.pages == PAGES and r.viewed == PAGES
+            assert seen == [(i, True) for i in range(LAYOUT.num_layers)]
+            spans = [t.layers for t in h._transfers]
+            assert spans[:2] == [range(1), range(1, LAYOUT.num_layers)] and all(x is None for x in spans[2:])
+            assert layer_ok(dst, expect, ids, LAST)
+            rep = provider.evict(keys[:1])  # every view lease is gone: nothing is left leased
+            assert rep.entries == PAGES and rep.skipped == 0
+    finally:
+        engine.close()
+        provider.close()
+
+
+def test_cache_layerwise_verified_restore_truncates_at_a_flipped_byte() -> None:
+    import ctypes
+
+    provider = PinnedProvider(4 << 20, block=PAGE, allocator=OrdinaryAllocator(huge_pages=False), verify_reads=True)
+    engine = CpuCopyEngine()
+    src = planes(seed=13)
+    try:
+        with HostKVCache(provider, SALT, engine, chunk_pages=5) as cache:
+            keys = saved(cache, src)
+            ids = list(range(PAGES, 2 * PAGES))
+            dst = planes(fill=POISON)
+            ok = cache.restore(cache.lookup(keys), KVPlanes.from_arrays(LAYOUT, dst), ids, layerwise=True).wait(10)
+            assert ok.pages == PAGES and ok.stopped is None
+            for bad in (PAGES - 1, 7, 0):
+                with provider.lease([keys[bad]]) as lease:
+                    (reg,) = provider.view(lease, keys[bad])
+                    byte = ctypes.c_uint8.from_address(reg.address + PAGE // 2 + 3)
+                    byte.value ^= 0x04  # a flipped bit in the store's RAM
+                r = cache.restore(cache.lookup(keys), KVPlanes.from_arrays(LAYOUT, planes(fill=0)), ids,
+                                  layerwise=True).wait(10)
+                assert r.pages == bad and r.stopped is not None and "checksum" in r.stopped, (bad, r)
+                byte.value ^= 0x04
     finally:
         engine.close()
         provider.close()

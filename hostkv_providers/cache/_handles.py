@@ -98,6 +98,8 @@ class CacheHandle:
         self._transfers: list[Any] = []
         self._issued_evt = threading.Event()
         self._gates: list[tuple[Any, int | None]] = []  # (gate, layer or None for the whole)
+        # layers whose copies are all issued before the rest of the restore's (layer-wise restores)
+        self._ready: list[threading.Event] = [threading.Event() for _ in range(num_layers or 0)]
 
     def done(self) -> bool:
         """Whether the transfer has finished (successfully or not)."""
@@ -133,13 +135,18 @@ class CacheHandle:
             return
         self._order(stream, None)
 
+    def _issued_flag(self, layer: int | None) -> threading.Event:
+        """Set once every copy that writes ``layer`` (``None``: any) is issued."""
+        return self._issued_evt if layer is None or not self._ready else self._ready[layer]
+
     def _order(self, stream: Any, layer: int | None) -> None:
         gate_fn = getattr(self._engine, "gate", None)
+        flag = self._issued_flag(layer)
         with self._lock:
-            if not self._issued_evt.is_set() and gate_fn is not None:
+            if not flag.is_set() and gate_fn is not None:
                 self._gates.append((gate_fn(stream), layer))
                 return
-        self._issued_evt.wait()
+        flag.wait()
         transfers = self._layer_transfers(layer)
         if gate_fn is not None:
             gate_fn(stream).open_after(transfers)
@@ -153,7 +160,14 @@ class CacheHandle:
         transfers = list(self._transfers)
         if layer is None:
             return transfers
-        return [t.layer(layer) if callable(getattr(t, "layer", None)) else t for t in transfers]
+        out = []
+        for t in transfers:
+            moves = getattr(t, "moves_layer", None)
+            if moves is None:
+                out.append(t)  # an engine without per-layer completion: the whole transfer
+            elif moves(layer):
+                out.append(t.layer(layer))
+        return out
 
     def _check_layer(self, layer: int) -> int:
         n = self.num_layers
@@ -180,7 +194,7 @@ class CacheHandle:
         timeout.  Raises the transfer's error if the copies failed."""
         self._check_layer(layer)
         deadline = None if timeout is None else time.monotonic() + check_timeout(timeout)
-        if not self._issued_evt.wait(None if deadline is None else max(0.0, deadline - time.monotonic())):
+        if not self._issued_flag(layer).wait(None if deadline is None else max(0.0, deadline - time.monotonic())):
             return False
         for t in self._layer_transfers(layer):
             if not t.wait(None if deadline is None else max(0.0, deadline - time.monotonic())):
@@ -192,7 +206,7 @@ class CacheHandle:
         self._check_layer(layer)
         if self._done.is_set():
             return True
-        return self._issued_evt.is_set() and all(t.done() for t in self._layer_transfers(layer))
+        return self._issued_flag(layer).is_set() and all(t.done() for t in self._layer_transfers(layer))
 
     def layer_event(self, layer: int) -> Any:
         """The ``CUevent`` that completes layer ``layer`` (blocks until the copies are issued);
@@ -200,7 +214,7 @@ class CacheHandle:
         the restore only because one engine completes its restores in order; prefer
         :meth:`wait_layer_on`, which needs no such reasoning."""
         self._check_layer(layer)
-        self._issued_evt.wait()
+        self._issued_flag(layer).wait()
         for t in reversed(self._layer_transfers(layer)):
             ev = getattr(t, "event", None)
             if ev is not None:
@@ -221,12 +235,25 @@ class CacheHandle:
     def _add_transfer(self, transfer: Any) -> None:
         self._transfers.append(transfer)
 
+    def _layers_issued(self, layers: range) -> None:
+        """Every copy that writes one of ``layers`` is issued (more copies of other layers may
+        follow): open the gates waiting for those layers now."""
+        with self._lock:
+            for layer in layers:
+                self._ready[layer].set()
+            gates = [(g, lay) for g, lay in self._gates if lay is not None and lay in layers]
+            self._gates = [(g, lay) for g, lay in self._gates if lay is None or lay not in layers]
+        for g, layer in gates:
+            g.open_after(self._layer_transfers(layer))
+
     def _all_issued(self) -> None:
         """Every copy of this transfer is issued (or none will be): open the gates behind them."""
         with self._lock:
             if self._issued_evt.is_set():
                 return
             self._issued_evt.set()
+            for flag in self._ready:
+                flag.set()
             gates, self._gates = self._gates, []
         for g, layer in gates:
             g.open_after(self._layer_transfers(layer))

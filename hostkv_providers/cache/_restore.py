@@ -8,6 +8,8 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from hostkv_providers._blockhash import TREE_ALGORITHM
 from hostkv_providers._errors import (
     InvalidArgumentError,
@@ -165,14 +167,15 @@ def _run_restore(self: HostKVCache, handle: CacheHandle, hit: CacheHit, keys: Se
 def _restore_pages(self: HostKVCache, handle: CacheHandle, result: RestoreResult, hit: CacheHit, keys: Sequence[Key],
                    planes: Any, bids: Sequence[int], layerwise: bool = False) -> None:
     chunk = self.chunk_pages
-    # A layer-wise restore hands the whole range to the engine as one transfer when the provider
-    # gives chunk-level views (one address array, no per-page objects): layer 0 of the last
-    # page then lands at about 1/num_layers of the restore, not behind every earlier chunk.  On
-    # every other path the pages go chunk by chunk, page-major (the fastest), and every layer
-    # completes with the whole restore.
-    # (The library's engines take ``layerwise=``; an engine of the CopyEngineLike protocol may not.)
-    one_transfer = (layerwise and self._views and self._page_views and hit.lease is not None
-                    and isinstance(self.engine, CopyEngine))
+    # A layer-wise restore from chunk-level views (one address array per chunk, no per-page
+    # objects): layer 0 of each chunk goes to the engine as soon as the chunk's views are taken
+    # (taking them costs ~1 us a page, as much as layer 0's copy: the two overlap), then layers
+    # 1.. of the whole range as one layer-major transfer.  Layer 0 of the last page so lands at
+    # about 1/num_layers of the restore, not behind every earlier chunk.  On every other path the
+    # pages go chunk by chunk, page-major (the fastest), and every layer completes with the whole
+    # restore.  (The library's engines take ``layers=``; a CopyEngineLike engine may not.)
+    layered = (layerwise and self._views and self._page_views and hit.lease is not None
+               and isinstance(self.engine, CopyEngine) and self.layout.num_layers > 1)
     P = self.page_nbytes
     # in-flight engine transfers with what they read from: a bounce buffer or view leases, and
     # for a verified view chunk (its first page, the GPU's digests of the blocks, the checksums)
@@ -211,8 +214,10 @@ def _restore_pages(self: HostKVCache, handle: CacheHandle, result: RestoreResult
             # pins them: ~0.1 s per 512 MiB with the disk idle otherwise).
             self.provider.prefetch(keys[:chunk])
         i = 0
+        if layered:
+            i, check = _restore_layer_major(self, handle, result, keys, planes, bids, pending)
         while i < len(keys) and not bad:
-            part = keys[i:] if one_transfer else keys[i : i + chunk]
+            part = keys[i : i + chunk]
             srcs: list[Sequence[HostRegion]] | HostPages | None = None
             if self._views and hit.lease is not None:
                 # Small leases for the views (the hit's lease already pins the pages):
@@ -244,17 +249,10 @@ def _restore_pages(self: HostKVCache, handle: CacheHandle, result: RestoreResult
                 if srcs is None:
                     for vlease in vleases:
                         vlease.release()
-                    if one_transfer:  # not one run of pinned memory: chunk by chunk after all
-                        one_transfer = False
-                        continue
                 else:
                     verify = None
                     try:
-                        if one_transfer:
-                            engine: Any = self.engine
-                            h = engine.restore(srcs, planes, bids[i : i + len(part)], layerwise=True)
-                        else:
-                            h = self.engine.restore(srcs, planes, bids[i : i + len(part)])
+                        h = self.engine.restore(srcs, planes, bids[i : i + len(part)])
                         sums = getattr(srcs, "checksums", None)
                         if sums is not None and getattr(srcs, "algorithm", None) == TREE_ALGORITHM:
                             # views of a store that verifies reads: check the blocks on the GPU
@@ -321,3 +319,65 @@ def _restore_pages(self: HostKVCache, handle: CacheHandle, result: RestoreResult
             retire()
         if check is not None:
             check.close()
+
+
+def _restore_layer_major(self: HostKVCache, handle: CacheHandle, result: RestoreResult, keys: Sequence[Key],
+                         planes: Any, bids: Sequence[int], pending: list[Any]) -> tuple[int, RestoreCheck | None]:
+    """The layer-wise path of :func:`_restore_pages` (see there): layer 0 chunk by chunk as the
+    views are taken, then layers 1.. of every viewed page in one transfer.  Returns how many
+    leading pages it took (the caller restores the rest, if a chunk had no chunk-level views)
+    and the GPU verification it set up."""
+    chunk = self.chunk_pages
+    engine: Any = self.engine  # a CopyEngine (the caller checked): it takes layers=
+    num_layers = self.layout.num_layers
+    parts: list[HostPages] = []
+    leases: list[Lease] = []
+    check: RestoreCheck | None = None
+    i = 0
+    try:
+        while i < len(keys):
+            part = keys[i : i + chunk]
+            vlease = self.provider.lease(part)
+            leases.append(vlease)
+            pages = self.provider.view_pages(vlease, part)  # type: ignore[attr-defined]
+            if pages is None:
+                leases.pop().release()
+                break
+            parts.append(pages)
+            h = engine.restore(pages, planes, bids[i : i + len(part)], layers=range(1))
+            handle._add_transfer(h)
+            pending.append((h, None, [], None))
+            i += len(part)
+            time.sleep(0)  # let a waiting engine thread take the GIL between chunks
+        if not parts:
+            return 0, None
+        if i == len(keys):
+            handle._layers_issued(range(1))  # nothing else writes layer 0: its waiters may go now
+        addresses = np.concatenate([p.addresses for p in parts])
+        sums = None
+        if all(p.checksums is not None for p in parts):
+            sums = np.concatenate([p.checksums for p in parts])
+        every = HostPages(addresses, parts[0].page_nbytes, pinned=all(p.pinned for p in parts), readonly=True,
+                          keepalive=tuple(parts), checksums=sums, algorithm=parts[0].algorithm)
+        h = engine.restore(every, planes, bids[:i], layers=range(1, num_layers))
+        verify = None
+        if sums is not None and every.algorithm == TREE_ALGORITHM:
+            # views of a store that verifies reads: the blocks are checked on the GPU behind the
+            # last transfer (every layer of every page is in place once it is done)
+            check = restore_check(planes)
+            if check is not None:
+                verify = (0, check.enqueue(h, bids[:i]), sums)
+        handle._add_transfer(h)
+        pending.append((h, None, leases, verify))  # the views stay leased until the last copy is done
+        leases = []
+        result.viewed += i
+        result.pages += i
+        result.nbytes += i * self.page_nbytes
+        return i, check
+    finally:
+        if leases:  # a failure before the last transfer took them: free them behind the copies issued
+            if pending:
+                pending[-1][2].extend(leases)
+            else:
+                for lease in leases:
+                    lease.release()

@@ -17,6 +17,7 @@ from hostkv_providers.device._engine import (
     CopyEngine,
     _check_distinct,
     _check_ids,
+    _check_layers,
     _check_pages,
     _Page,
     _Pages,
@@ -73,7 +74,7 @@ class CpuCopyEngine(CopyEngine):
         return self._submit("save", planes, ids, pages, dst, wait_for=mark)
 
     def restore(self, src: Sequence[Any] | HostPages, planes: KVPlanes, block_ids: Sequence[int], *,
-                before: Any = None, layerwise: bool = False) -> TransferHandle:
+                before: Any = None, layerwise: bool = False, layers: range | None = None) -> TransferHandle:
         self._check_open()
         self._check_planes(planes)
         if planes.readonly:
@@ -81,16 +82,18 @@ class CpuCopyEngine(CopyEngine):
         ids = _check_ids(planes, block_ids)
         _check_distinct(ids)
         pages = _check_pages(planes.layout, src, len(ids), writable=False)
-        if not isinstance(layerwise, bool):
-            raise CopyArgumentError(f"layerwise must be a bool, got {layerwise!r}")
+        moved = _check_layers(planes.layout, layerwise, layers)
         gate = self.gate(before)
-        handle = self._submit("restore", planes, ids, pages, src, layerwise=layerwise)
+        handle = self._submit("restore", planes, ids, pages, src, moved=moved, limited=layers is not None)
         gate.open_after([handle])
         return handle
 
-    def _submit(self, direction: str, planes: KVPlanes, ids: list[int], pages: _Pages,
-                keep: object, wait_for: StreamMark | None = None, layerwise: bool = False) -> TransferHandle:
-        handle = _CpuHandle(len(ids) * planes.layout.page_nbytes, planes.layout.num_layers, layerwise)
+    def _submit(self, direction: str, planes: KVPlanes, ids: list[int], pages: _Pages, keep: object,
+                wait_for: StreamMark | None = None, moved: range | None = None,
+                limited: bool = False) -> TransferHandle:
+        handle = _CpuHandle(len(ids) * planes.layout.page_nbytes, planes.layout.num_layers, moved is not None)
+        if limited:
+            handle.layers = moved
         gather = direction == "save"
 
         def job() -> None:
@@ -99,9 +102,9 @@ class CpuCopyEngine(CopyEngine):
                 if wait_for is not None:
                     wait_for.wait_in(None)
                 t0 = time.perf_counter()
-                if layerwise:
+                if moved is not None:
                     specs = planes.layout.planes
-                    for layer in range(planes.layout.num_layers):
+                    for layer in moved:
                         _host_copy(planes, ids, pages, gather, [s for s in specs if s.layer == layer])
                         handle._set(layer)
                 else:

@@ -23,6 +23,7 @@ from hostkv_providers.device._engine import (
     CopyEngine,
     _check_distinct,
     _check_ids,
+    _check_layers,
     _check_pages,
     _Pages,
     _stream_handle,
@@ -122,7 +123,8 @@ class _CudaHandle(_JobHandle):
     def _set_events(self, start: Any, done: Any, layers: list[Any] | None = None) -> None:
         self.start_event, self.done_event, self.layer_events = start, done, layers
         self._finalizer.detach()
-        self._finalizer = weakref.finalize(self, _destroy_events, self._dev, [start, done, *(layers or ())])
+        owned = [start, done, *(ev for ev in layers or () if ev is not None)]
+        self._finalizer = weakref.finalize(self, _destroy_events, self._dev, owned)
         self._finalizer.atexit = False
 
     def _query(self, event: Any = None) -> bool:
@@ -210,6 +212,18 @@ class _CudaHandle(_JobHandle):
         ev = self.layer_event(layer)
         with self._dev.scope():
             _cuda.check(_cuda.driver().cuStreamWaitEvent(s, ev, 0), "cuStreamWaitEvent")
+
+    def layer_seconds(self, layer: int) -> float | None:
+        self._check_layer(layer)
+        if self.layer_events is None or not self.layer_done(layer) or self._error is not None:
+            return None
+        try:
+            with self._dev.scope():
+                ms = _cuda.check(_cuda.driver().cuEventElapsedTime(self.start_event, self.layer_events[layer]),
+                                 "elapsed")
+        except CopyEngineError:
+            return None
+        return float(ms) / 1e3
 
     def _wait_event(self, event: Any, timeout: float | None) -> bool:
         """Block until ``event`` (recorded) completes; ``False`` when ``timeout`` passed first."""
@@ -672,23 +686,25 @@ class CudaCopyEngine(CopyEngine):
         return handle
 
     def restore(self, src: Sequence[Any] | HostPages, planes: KVPlanes, block_ids: Sequence[int], *,
-                before: Any = None, layerwise: bool = False) -> TransferHandle:
+                before: Any = None, layerwise: bool = False, layers: range | None = None) -> TransferHandle:
         self._check_open()
         self._check_planes(planes)
         ids = _check_ids(planes, block_ids)
         _check_distinct(ids)
         pages = _check_pages(planes.layout, src, len(ids), writable=False)
-        if not isinstance(layerwise, bool):
-            raise CopyArgumentError(f"layerwise must be a bool, got {layerwise!r}")
+        moved = _check_layers(planes.layout, layerwise, layers)
         # The stream is held back from now on (a wait on a device-visible flag); the worker opens
         # it behind the copies.  The caller's thread does not wait for the worker.
         gate = self.gate(before)
         handle = _CudaHandle(len(ids) * planes.layout.page_nbytes, self, planes.layout.num_layers)
         handle.keep = (planes, src)
-        if layerwise:
-            handle._recorded = [threading.Event() for _ in range(planes.layout.num_layers)]
-        issue = self._issue_restore_layers if layerwise else self._issue_restore
-        self._submit("restore", handle, lambda: issue(handle, planes, ids, pages), gate)
+        if moved is None:
+            self._submit("restore", handle, lambda: self._issue_restore(handle, planes, ids, pages), gate)
+            return handle
+        handle.layers = moved if layers is not None else None
+        handle.nbytes = len(ids) * sum(span[3] for span in _layer_spans(planes.layout)[moved.start: moved.stop])
+        handle._recorded = [threading.Event() for _ in range(planes.layout.num_layers)]
+        self._submit("restore", handle, lambda: self._issue_restore_layers(handle, planes, ids, pages, moved), gate)
         return handle
 
     def _submit(self, direction: str, handle: _CudaHandle, issue: Callable[[], None],
@@ -827,7 +843,8 @@ class CudaCopyEngine(CopyEngine):
             _cuda.check(d.cuEventRecord(freed, scatter), "cuEventRecord")
         _cuda.check(d.cuEventRecord(done, scatter), "cuEventRecord")
 
-    def _issue_restore_layers(self, handle: _CudaHandle, planes: KVPlanes, ids: list[int], pages: _Pages) -> None:
+    def _issue_restore_layers(self, handle: _CudaHandle, planes: KVPlanes, ids: list[int], pages: _Pages,
+                              moved: range) -> None:
         """A layer-major restore: layer ``l`` of every page, then layer ``l + 1``; an event per layer.
 
         Within a host page a layer's planes are adjacent, so layer ``l`` of a run of adjacent
@@ -840,17 +857,19 @@ class CudaCopyEngine(CopyEngine):
         dev = self._dev
         layout = planes.layout
         P = layout.page_nbytes
-        spans = _layer_spans(layout)
+        all_spans = _layer_spans(layout)
         dma, scatter = self._streams["restore_dma"], self._streams["restore_scatter"]
         start, done = dev.event(timing=True), dev.event(timing=True)
-        layer_evs = [dev.event() for _ in spans]
+        # one event per layer moved (the list is indexed by layer; the others stay None)
+        layer_evs: list[Any] = [dev.event(timing=True) if lay in moved else None for lay in range(len(all_spans))]
         handle._set_events(start, done, layer_evs)
         if handle._recorded is None:
-            handle._recorded = [threading.Event() for _ in spans]
+            handle._recorded = [threading.Event() for _ in all_spans]
         mark = handle._set_recorded
+        todo = [(lay, layer_evs[lay], all_spans[lay]) for lay in moved]
         _cuda.check(d.cuEventRecord(start, dma), "cuEventRecord")
         if self.mode == "memcpy":
-            for layer, (ev, (p0, np_, _lo, _nb)) in enumerate(zip(layer_evs, spans, strict=True)):
+            for layer, ev, (p0, np_, _lo, _nb) in todo:
                 for spec in layout.planes[p0: p0 + np_]:
                     for b, page in zip(ids, pages, strict=True):
                         dst = planes.ptrs[spec.index] + b * planes.block_strides[spec.index]
@@ -867,7 +886,7 @@ class CudaCopyEngine(CopyEngine):
         n = len(ids)
         host_mem = d.CUmemorytype.CU_MEMORYTYPE_HOST
         dev_mem = d.CUmemorytype.CU_MEMORYTYPE_DEVICE
-        for layer, (ev, span) in enumerate(zip(layer_evs, spans, strict=True)):
+        for layer, ev, span in todo:
             _p0, _np, lo, nb = span
             per = max(1, min(_MAX_CHUNK_PAGES, self.staging_bytes // nb))
             for c0 in range(0, n, per):

@@ -171,7 +171,7 @@ class CopyEngine(abc.ABC):
 
     @abc.abstractmethod
     def restore(self, src: Sequence[Any] | HostPages, planes: KVPlanes, block_ids: Sequence[int], *,
-                before: Any = None, layerwise: bool = False) -> TransferHandle:
+                before: Any = None, layerwise: bool = False, layers: range | None = None) -> TransferHandle:
         """Scatter host page ``src[i]`` into block ``block_ids[i]`` of every plane.
 
         ``before``: a compute stream that must not run past this point until the restore is
@@ -184,6 +184,11 @@ class CopyEngine(abc.ABC):
         so an engine's layer ``i`` waits for layer ``i``'s bytes only.  ``before`` still orders
         the stream behind the whole restore.  Without it every layer completes with the whole
         transfer (page-major order, the fastest for a restore nobody waits on per layer).
+
+        ``layers``: a ``range`` of layers; only their planes are written (layer by layer, as
+        with ``layerwise``), the others' bytes in the blocks are left as they are.  A restore of
+        many pages can so be split into layer 0 of each part as soon as the part's pages are at
+        hand, then the other layers of all of them (``HostKVCache.restore(layerwise=True)``).
         """
 
     def mark(self, stream: Any) -> StreamMark | None:
@@ -213,6 +218,18 @@ class CopyEngine(abc.ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _check_layers(layout: KVLayout, layerwise: object, layers: object) -> range | None:
+    """Validate ``restore(layerwise=, layers=)``; the layers to move (``None``: all, page-major)."""
+    if not isinstance(layerwise, bool):
+        raise CopyArgumentError(f"layerwise must be a bool, got {layerwise!r}")
+    if layers is None:
+        return range(layout.num_layers) if layerwise else None
+    if not isinstance(layers, range) or layers.step != 1 or not 0 <= layers.start < layers.stop <= layout.num_layers:
+        raise CopyArgumentError(f"layers must be a non-empty range(a, b) within [0, {layout.num_layers}), "
+                                f"got {layers!r}")
+    return layers
 
 
 def _check_distinct(ids: Sequence[int]) -> None:

@@ -33,12 +33,15 @@ class TransferHandle:
     A transfer that was not issued layer by layer completes every layer at once: the layer
     methods then mean the whole transfer, so an engine that waits per layer is always correct,
     only earlier where the engine could deliver earlier.  ``num_layers`` is the layout's layer
-    count (``None`` where unknown); a layer outside ``[0, num_layers)`` raises
-    :class:`~hostkv_providers.errors.CopyArgumentError`.
+    count (``None`` where unknown); ``layers`` the layers the transfer moves (``None``: all of
+    them; a restore with ``layers=``).  Asking for a layer outside ``[0, num_layers)`` or outside
+    ``layers`` raises :class:`~hostkv_providers.errors.CopyArgumentError`: a transfer never
+    reports a layer it does not write as complete.
     """
 
     nbytes: int
     num_layers: int | None = None
+    layers: range | None = None
 
     def done(self) -> bool:
         raise NotImplementedError
@@ -71,7 +74,14 @@ class TransferHandle:
         if type(layer) is not int or layer < 0 or (self.num_layers is not None and layer >= self.num_layers):
             span = "a non-negative int" if self.num_layers is None else f"an int in [0, {self.num_layers})"
             raise CopyArgumentError(f"layer must be {span}, got {layer!r}")
+        if self.layers is not None and layer not in self.layers:
+            raise CopyArgumentError(f"this transfer moves layers [{self.layers.start}, {self.layers.stop}), "
+                                    f"not layer {layer}")
         return layer
+
+    def moves_layer(self, layer: int) -> bool:
+        """Whether this transfer writes layer ``layer`` (every transfer does, unless ``layers=``)."""
+        return self.layers is None or layer in self.layers
 
     def layer_event(self, layer: int) -> Any:
         """The CUDA event that completes layer ``layer`` (``None`` for host transfers)."""
@@ -92,6 +102,12 @@ class TransferHandle:
         """Order ``stream`` after layer ``layer`` of this transfer (host transfers: block)."""
         self._check_layer(layer)
         self.wait_on(stream)
+
+    def layer_seconds(self, layer: int) -> float | None:
+        """Device seconds from the transfer's start to layer ``layer`` in place (layer-wise CUDA
+        restores, once that layer is done; else ``None``)."""
+        self._check_layer(layer)
+        return None
 
     def layer(self, layer: int) -> TransferHandle:
         """Layer ``layer`` of this transfer as a handle of its own (``done``/``wait``/``event``/
@@ -232,8 +248,10 @@ class _GroupHandle(TransferHandle):
     def __init__(self, handles: Sequence[TransferHandle]) -> None:
         self.handles = list(handles)
         self.nbytes = sum(h.nbytes for h in self.handles)
-        layers = {h.num_layers for h in self.handles}
-        self.num_layers = layers.pop() if len(layers) == 1 else None
+        counts = {h.num_layers for h in self.handles}
+        self.num_layers = counts.pop() if len(counts) == 1 else None
+        spans = {h.layers for h in self.handles}
+        self.layers = spans.pop() if len(spans) == 1 else None
 
     def done(self) -> bool:
         return all(h.done() for h in self.handles)
