@@ -220,11 +220,13 @@ def test_cache_layer_waits_never_see_stale_blocks(provider: Provider, stream: Ho
                 assert seen == [(i, True) for i in range(LAYOUT.num_layers)]
                 assert all(h.layer_done(i) for i in range(LAYOUT.num_layers))
                 assert h.wait_layer(3, 0)
-            # pinned: layer 0 chunk by chunk, then layers 1.. in one transfer; mmap: chunk by chunk
-            chunks = -(-PAGES // 5)
-            assert len(h._transfers) == (chunks + 1 if isinstance(provider, PinnedProvider) else chunks)
+            # pinned: layer 0 part by part (5, then 7 pages: parts double), then layers 1.. in one
+            # transfer; mmap: chunk by chunk, page-major
             if isinstance(provider, PinnedProvider):
-                assert [t.layers for t in h._transfers] == [range(1)] * chunks + [range(1, LAYOUT.num_layers)]
+                assert [t.layers for t in h._transfers] == [range(1)] * 2 + [range(1, LAYOUT.num_layers)]
+                assert [t.nbytes for t in h._transfers[:2]] == [5 * PAGE // 4, 7 * PAGE // 4]
+            else:
+                assert len(h._transfers) == -(-PAGES // 5) and all(t.layers is None for t in h._transfers)
     finally:
         engine.close()
 
@@ -401,6 +403,38 @@ def test_cache_layerwise_verified_restore_truncates_at_a_flipped_byte() -> None:
                                   layerwise=True).wait(10)
                 assert r.pages == bad and r.stopped is not None and "checksum" in r.stopped, (bad, r)
                 byte.value ^= 0x04
+    finally:
+        engine.close()
+        provider.close()
+
+
+def test_cache_hit_released_during_a_layerwise_restore_stays_pinned_until_it_is_done(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The layer-wise path reads through the hit's own lease: releasing the hit meanwhile
+    (``release=False``, then ``hit.release()``) must not let its pages go before the copies."""
+    provider = PinnedProvider(4 << 20, block=PAGE, allocator=OrdinaryAllocator(huge_pages=False))
+    engine = CpuCopyEngine()
+    src = planes(seed=14)
+    expect = [p[:PAGES] for p in src]
+    try:
+        with HostKVCache(provider, SALT, engine, chunk_pages=5) as cache:
+            keys = saved(cache, src)
+            held = HeldCopy()
+            monkeypatch.setattr(cpu_engine_mod, "_host_copy", held)
+            dst = planes(fill=POISON)
+            ids = list(range(PAGES, 2 * PAGES))
+            hit = cache.lookup(keys)
+            h = cache.restore(hit, KVPlanes.from_arrays(LAYOUT, dst), ids, layerwise=True, release=False)
+            assert h.wait_layer(0, 10)  # layer 0 is in; layers 1.. are held back
+            hit.release()
+            assert hit.released
+            rep = provider.evict(keys[:1])
+            assert rep.entries == 0 and rep.skipped > 0  # still leased: the restore reads them
+            held.release.set()
+            assert h.wait(10).pages == PAGES
+            assert layer_ok(dst, expect, ids, LAST)
+            rep = provider.evict(keys[:1])
+            assert rep.entries == PAGES and rep.skipped == 0
     finally:
         engine.close()
         provider.close()

@@ -332,6 +332,10 @@ class CacheHit:
         self._anchor_key = anchor_key  # the page whose anchor the hit resumes from (need_anchor)
         self._anchor: bytes | None = None
         self._released = lease is None
+        # restores that read the pages through this hit's own lease (layer-wise restores): the
+        # lease is let go only once the last of them is done, whenever release() is called
+        self._readers = 0
+        self._hold_lock = threading.Lock()
         self.hybrid: Any = None  # hybrid hook (cache/_hybrid.py): the prefill this miss produces
 
     @property
@@ -375,11 +379,27 @@ class CacheHit:
         return self._released
 
     def release(self) -> None:
-        """Unpin the pages (idempotent)."""
-        if self._released:
-            return
-        self._released = True
+        """Unpin the pages (idempotent).  While a restore reads them through this hit's lease
+        (``restore(layerwise=True)`` from views), the pages stay pinned until it is done."""
+        with self._hold_lock:
+            if self._released:
+                return
+            self._released = True
+            if self._readers:
+                return  # the last reader lets the lease go
         if self.lease is not None:
+            self.lease.release()
+
+    def _hold(self) -> None:
+        """A restore reads the pages through this hit's lease from now on (the hit is unreleased)."""
+        with self._hold_lock:
+            self._readers += 1
+
+    def _unhold(self) -> None:
+        with self._hold_lock:
+            self._readers -= 1
+            go = self._readers == 0 and self._released
+        if go and self.lease is not None:
             self.lease.release()
 
     def __enter__(self) -> CacheHit:

@@ -132,6 +132,13 @@ def restore(self: HostKVCache, hit: CacheHit, into: Any, block_ids: Sequence[int
     if self._hybrid is not None:  # hybrid hook: where the anchors go
         self._hybrid.note_restore(handle, anchors_into, first_page)
 
+    # A layer-wise restore from views reads through the hit's own lease (see _restore_layer_major):
+    # the hit holds its pages until the restore is done, whenever it is released.
+    layered = (layerwise and self._views and self._page_views and hit.lease is not None
+               and isinstance(self.engine, CopyEngine) and self.layout.num_layers > 1)
+    if layered:
+        hit._hold()
+
     def finish(h: CacheHandle) -> None:
         with self._lock:
             if self._restores.get(ident) is h:
@@ -144,18 +151,25 @@ def restore(self: HostKVCache, hit: CacheHit, into: Any, block_ids: Sequence[int
                 self._restore_lat.add(h.seconds)
         if release:
             hit.release()
+        if layered:
+            hit._unhold()
 
     handle._on_finish(finish)
-    self._restore_pool.submit(self._run_restore, handle, hit, keys, planes, bids, layerwise)
+    try:
+        self._restore_pool.submit(self._run_restore, handle, hit, keys, planes, bids, layered)
+    except BaseException:
+        if layered:
+            hit._unhold()
+        raise
     return handle
 
 
 def _run_restore(self: HostKVCache, handle: CacheHandle, hit: CacheHit, keys: Sequence[Key], planes: Any,
-                 bids: Sequence[int], layerwise: bool = False) -> None:
+                 bids: Sequence[int], layered: bool = False) -> None:
     result = RestoreResult()
     handle._result = result
     try:
-        self._restore_pages(handle, result, hit, keys, planes, bids, layerwise)
+        self._restore_pages(handle, result, hit, keys, planes, bids, layered)
         if self._hybrid is not None:  # hybrid hook: anchors read with the restore, cut back
             self._hybrid.finish_restore(handle, result, keys, hit.keys)
     except BaseException as exc:
@@ -165,17 +179,15 @@ def _run_restore(self: HostKVCache, handle: CacheHandle, hit: CacheHit, keys: Se
 
 
 def _restore_pages(self: HostKVCache, handle: CacheHandle, result: RestoreResult, hit: CacheHit, keys: Sequence[Key],
-                   planes: Any, bids: Sequence[int], layerwise: bool = False) -> None:
+                   planes: Any, bids: Sequence[int], layered: bool = False) -> None:
+    # ``layered``: a layer-wise restore from chunk-level views (one address array per chunk, no
+    # per-page objects; restore() decided it and holds the hit): layer 0 of each chunk goes to
+    # the engine as soon as the chunk's views are taken (the views overlap layer 0's copy), then
+    # layers 1.. of the whole range as one layer-major transfer.  Layer 0 of the last page so
+    # lands at about 1/num_layers of the restore, not behind every earlier chunk.  On every other
+    # path the pages go chunk by chunk, page-major (the fastest), and every layer completes with
+    # the whole restore.  (The library's engines take ``layers=``; a CopyEngineLike may not.)
     chunk = self.chunk_pages
-    # A layer-wise restore from chunk-level views (one address array per chunk, no per-page
-    # objects): layer 0 of each chunk goes to the engine as soon as the chunk's views are taken
-    # (taking them costs ~1 us a page, as much as layer 0's copy: the two overlap), then layers
-    # 1.. of the whole range as one layer-major transfer.  Layer 0 of the last page so lands at
-    # about 1/num_layers of the restore, not behind every earlier chunk.  On every other path the
-    # pages go chunk by chunk, page-major (the fastest), and every layer completes with the whole
-    # restore.  (The library's engines take ``layers=``; a CopyEngineLike engine may not.)
-    layered = (layerwise and self._views and self._page_views and hit.lease is not None
-               and isinstance(self.engine, CopyEngine) and self.layout.num_layers > 1)
     P = self.page_nbytes
     # in-flight engine transfers with what they read from: a bounce buffer or view leases, and
     # for a verified view chunk (its first page, the GPU's digests of the blocks, the checksums)
@@ -215,7 +227,7 @@ def _restore_pages(self: HostKVCache, handle: CacheHandle, result: RestoreResult
             self.provider.prefetch(keys[:chunk])
         i = 0
         if layered:
-            i, check = _restore_layer_major(self, handle, result, keys, planes, bids, pending)
+            i, check = _restore_layer_major(self, handle, result, hit, keys, planes, bids, pending)
         while i < len(keys) and not bad:
             part = keys[i : i + chunk]
             srcs: list[Sequence[HostRegion]] | HostPages | None = None
@@ -321,63 +333,56 @@ def _restore_pages(self: HostKVCache, handle: CacheHandle, result: RestoreResult
             check.close()
 
 
-def _restore_layer_major(self: HostKVCache, handle: CacheHandle, result: RestoreResult, keys: Sequence[Key],
-                         planes: Any, bids: Sequence[int], pending: list[Any]) -> tuple[int, RestoreCheck | None]:
-    """The layer-wise path of :func:`_restore_pages` (see there): layer 0 chunk by chunk as the
+def _restore_layer_major(self: HostKVCache, handle: CacheHandle, result: RestoreResult, hit: CacheHit,
+                         keys: Sequence[Key], planes: Any, bids: Sequence[int],
+                         pending: list[Any]) -> tuple[int, RestoreCheck | None]:
+    """The layer-wise path of :func:`_restore_pages` (see there): layer 0 part by part as the
     views are taken, then layers 1.. of every viewed page in one transfer.  Returns how many
-    leading pages it took (the caller restores the rest, if a chunk had no chunk-level views)
+    leading pages it took (the caller restores the rest, if a part had no chunk-level views)
     and the GPU verification it set up."""
-    chunk = self.chunk_pages
-    engine: Any = self.engine  # a CopyEngine (the caller checked): it takes layers=
+    engine: Any = self.engine  # a CopyEngine (restore() checked): it takes layers=
     num_layers = self.layout.num_layers
     parts: list[HostPages] = []
-    leases: list[Lease] = []
-    check: RestoreCheck | None = None
+    # The views come through the hit's own lease, which restore() holds until the restore is
+    # done: a lease per chunk costs a few microseconds a page (more than layer 0's copy of that
+    # page), a view ~0.5 us.  The first part is small so that layer 0's copy starts at once, the
+    # later ones larger (view_pages checks the keys against the whole lease on every call).
+    step = min(256, self.chunk_pages)
     i = 0
-    try:
-        while i < len(keys):
-            part = keys[i : i + chunk]
-            vlease = self.provider.lease(part)
-            leases.append(vlease)
-            pages = self.provider.view_pages(vlease, part)  # type: ignore[attr-defined]
-            if pages is None:
-                leases.pop().release()
-                break
-            parts.append(pages)
-            h = engine.restore(pages, planes, bids[i : i + len(part)], layers=range(1))
-            handle._add_transfer(h)
-            pending.append((h, None, [], None))
-            i += len(part)
-            time.sleep(0)  # let a waiting engine thread take the GIL between chunks
-        if not parts:
-            return 0, None
-        if i == len(keys):
-            handle._layers_issued(range(1))  # nothing else writes layer 0: its waiters may go now
-        addresses = np.concatenate([p.addresses for p in parts])
-        sums = None
-        if all(p.checksums is not None for p in parts):
-            sums = np.concatenate([p.checksums for p in parts])
-        every = HostPages(addresses, parts[0].page_nbytes, pinned=all(p.pinned for p in parts), readonly=True,
-                          keepalive=tuple(parts), checksums=sums, algorithm=parts[0].algorithm)
-        h = engine.restore(every, planes, bids[:i], layers=range(1, num_layers))
-        verify = None
-        if sums is not None and every.algorithm == TREE_ALGORITHM:
-            # views of a store that verifies reads: the blocks are checked on the GPU behind the
-            # last transfer (every layer of every page is in place once it is done)
-            check = restore_check(planes)
-            if check is not None:
-                verify = (0, check.enqueue(h, bids[:i]), sums)
+    while i < len(keys):
+        part = keys[i : i + step]
+        pages = self.provider.view_pages(hit.lease, part)  # type: ignore[attr-defined]
+        if pages is None:
+            break
+        step = min(2 * step, 2048)
+        parts.append(pages)
+        h = engine.restore(pages, planes, bids[i : i + len(part)], layers=range(1))
         handle._add_transfer(h)
-        pending.append((h, None, leases, verify))  # the views stay leased until the last copy is done
-        leases = []
-        result.viewed += i
-        result.pages += i
-        result.nbytes += i * self.page_nbytes
-        return i, check
-    finally:
-        if leases:  # a failure before the last transfer took them: free them behind the copies issued
-            if pending:
-                pending[-1][2].extend(leases)
-            else:
-                for lease in leases:
-                    lease.release()
+        pending.append((h, None, [], None))
+        i += len(part)
+        time.sleep(0)  # let a waiting engine thread take the GIL between parts
+    if not parts:
+        return 0, None
+    if i == len(keys):
+        handle._layers_issued(range(1))  # nothing else writes layer 0: its waiters may go now
+    addresses = np.concatenate([p.addresses for p in parts])
+    sums = None
+    if all(p.checksums is not None for p in parts):
+        sums = np.concatenate([p.checksums for p in parts])
+    every = HostPages(addresses, parts[0].page_nbytes, pinned=all(p.pinned for p in parts), readonly=True,
+                      keepalive=tuple(parts), checksums=sums, algorithm=parts[0].algorithm)
+    h = engine.restore(every, planes, bids[:i], layers=range(1, num_layers))
+    verify = None
+    check: RestoreCheck | None = None
+    if sums is not None and every.algorithm == TREE_ALGORITHM:
+        # views of a store that verifies reads: the blocks are checked on the GPU behind the last
+        # transfer (every layer of every page is in place once it is done)
+        check = restore_check(planes)
+        if check is not None:
+            verify = (0, check.enqueue(h, bids[:i]), sums)
+    handle._add_transfer(h)
+    pending.append((h, None, [], verify))
+    result.viewed += i
+    result.pages += i
+    result.nbytes += i * self.page_nbytes
+    return i, check

@@ -92,8 +92,9 @@ class CpuCopyEngine(CopyEngine):
                 wait_for: StreamMark | None = None, moved: range | None = None,
                 limited: bool = False) -> TransferHandle:
         handle = _CpuHandle(len(ids) * planes.layout.page_nbytes, planes.layout.num_layers, moved is not None)
-        if limited:
+        if limited and moved is not None:
             handle.layers = moved
+            handle.nbytes = len(ids) * sum(s.nbytes for s in planes.layout.planes if s.layer in moved)
         gather = direction == "save"
 
         def job() -> None:
