@@ -360,7 +360,11 @@ def _restore_layer_major(self: HostKVCache, handle: CacheHandle, result: Restore
         handle._add_transfer(h)
         pending.append((h, None, [], None))
         i += len(part)
-        time.sleep(0)  # let a waiting engine thread take the GIL between parts
+        # Wait (GIL released) until the engine's worker has issued this part's copies before
+        # taking the next part's views: a thread running Python here would keep the worker from
+        # the GIL for up to the switch interval (5 ms), and layer 0's copies would wait for it.
+        # (The CUDA engine's layer_event blocks until that layer is recorded; host copies: no wait.)
+        h.layer_event(0)
     if not parts:
         return 0, None
     if i == len(keys):
