@@ -438,3 +438,29 @@ def test_cache_hit_released_during_a_layerwise_restore_stays_pinned_until_it_is_
     finally:
         engine.close()
         provider.close()
+
+
+def test_cache_ranged_layerwise_restore(stream: HostStream) -> None:
+    """``first_page=`` with ``layerwise``: pages [4, 12) of the hit, each layer ordered on its own."""
+    provider = PinnedProvider(4 << 20, block=PAGE, allocator=OrdinaryAllocator(huge_pages=False))
+    engine = CpuCopyEngine()
+    src = planes(seed=15)
+    try:
+        with HostKVCache(provider, SALT, engine, chunk_pages=3) as cache:
+            keys = saved(cache, src)
+            dst = planes(fill=POISON)
+            ids = list(range(PAGES, PAGES + 8))
+            expect = [p[4:PAGES] for p in src]
+            h = cache.restore(cache.lookup(keys), KVPlanes.from_arrays(LAYOUT, dst), ids, first_page=4,
+                              layerwise=True)
+            seen: list[bool] = []
+            for layer in range(LAYOUT.num_layers):
+                h.wait_layer_on(layer, stream)
+                stream.enqueue(lambda layer=layer: seen.append(layer_ok(dst, expect, ids, layer)))
+            assert h.wait(10).pages == 8
+            assert stream.synchronize(10)
+            assert seen == [True] * LAYOUT.num_layers
+            assert (dst[0][PAGES + 8:].view(np.uint8) == POISON).all()  # nothing else was written
+    finally:
+        engine.close()
+        provider.close()
