@@ -36,6 +36,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+from _files import data_files, read_prefix, store_files
 
 import hostkv_providers as hk
 from hostkv_providers.cache import HostKVCache, paged_planes
@@ -489,20 +490,13 @@ def _stall_dump() -> Any:
     return _DUMP[0]
 
 
-def _files(root: str) -> list[str]:
-    out = []
-    for dirpath, _dirs, files in os.walk(root):
-        out += [os.path.join(dirpath, f) for f in files]
-    return sorted(out)
-
-
 def drop_caches(root: str) -> None:
     os.sync()
     try:
         with open("/proc/sys/vm/drop_caches", "w") as f:
             f.write("3\n")
     except OSError:  # not root: evict the store's files only
-        for path in _files(root):
+        for path in store_files(root):
             fd = os.open(path, os.O_RDONLY)
             try:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
@@ -513,21 +507,7 @@ def drop_caches(root: str) -> None:
 def cold_read(root: str, limit: int) -> float:
     """Seconds to read the first ``limit`` bytes of the store's data files cold (16 MiB reads)."""
     drop_caches(root)
-    buf = bytearray(16 << 20)
-    data = [p for p in _files(root) if os.path.basename(p).startswith("data")] or _files(root)
-    n = 0
-    t = time.perf_counter()
-    for path in data:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            while n < limit:
-                k = os.readv(fd, [buf])
-                if not k:
-                    break
-                n += k
-        finally:
-            os.close(fd)
-    return time.perf_counter() - t
+    return read_prefix(data_files(root), limit)[1]
 
 
 def restart_phase(torch: Any, engine: Any, layout: hk.KVLayout, planes: Any, caches: list[Any], n: int,

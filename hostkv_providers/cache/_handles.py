@@ -10,12 +10,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from hostkv_providers._checks import check_timeout
 from hostkv_providers._errors import InvalidArgumentError, UnknownKeyError
 from hostkv_providers._keys import Key
-from hostkv_providers._provider import (
-    Lease,
-    check_timeout,
-)
+from hostkv_providers._reservation import Lease
 from hostkv_providers.metrics import LatencyHistogram
 
 if TYPE_CHECKING:

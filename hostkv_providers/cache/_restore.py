@@ -15,11 +15,8 @@ from hostkv_providers._errors import (
     InvalidArgumentError,
 )
 from hostkv_providers._keys import Key
-from hostkv_providers._provider import (
-    HostRegion,
-    Lease,
-)
-from hostkv_providers._region import HostPages
+from hostkv_providers._region import HostPages, HostRegion
+from hostkv_providers._reservation import Lease
 from hostkv_providers.cache._common import (
     _VIEW_LEASE_PAGES,
     _as_planes,

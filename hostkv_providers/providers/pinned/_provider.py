@@ -30,34 +30,24 @@ import numpy as np
 import numpy.typing as npt
 
 from hostkv_providers._blockhash import TREE_ALGORITHM, tree_checksum_parts
+from hostkv_providers._chain import ChainRun, ReservedChain, _check_checksums
+from hostkv_providers._checks import check_flag, check_progress, check_retain_share, writable_buffer
 from hostkv_providers._checksum import CHECKSUM_ALGORITHM, checksum_parts
 from hostkv_providers._errors import (
     CapacityError,
     HostKVError,
+    IncompleteWriteError,
     InFlightError,
     InvalidArgumentError,
+    ReservationError,
     UnknownKeyError,
 )
 from hostkv_providers._keys import Key
 from hostkv_providers._options import Option, OptionSet
-from hostkv_providers._provider import (
-    Corrupt,
-    EntryInfo,
-    EvictReport,
-    HostRegion,
-    Lease,
-    Provider,
-    ProviderStats,
-    Reservation,
-    ReservedChain,
-    VerifyReport,
-    _check_checksums,
-    check_flag,
-    check_progress,
-    check_retain_share,
-    writable_buffer,
-)
-from hostkv_providers._region import HostPages
+from hostkv_providers._provider import Corrupt, Provider
+from hostkv_providers._region import HostPages, HostRegion
+from hostkv_providers._reports import EntryInfo, EvictReport, ProviderStats, VerifyReport
+from hostkv_providers._reservation import Lease, Reservation
 from hostkv_providers._span import ByteSpan
 from hostkv_providers.device._hostmem import (
     _MADV_POPULATE_WRITE,
@@ -140,6 +130,35 @@ class _Arena:
                 break
         return out
 
+    def allocate_pages(self, npages: int, nblocks: int) -> npt.NDArray[np.int64] | None:
+        """``npages`` pieces of ``nblocks`` contiguous blocks each, as their start blocks (a numpy
+        array), taken from the largest free runs first; ``None`` (nothing taken) when the free
+        runs cannot be cut into that many pieces (fragmentation).  A chain run's pages this way
+        cost a few dict operations per free run used, not per page."""
+        taken: list[tuple[int, int]] = []
+        need = npages
+        for start, length in sorted(self._runs.items(), key=lambda r: -r[1]):
+            k = min(need, length // nblocks)
+            if k <= 0:
+                break
+            taken.append(self._take(start, length, k * nblocks))
+            need -= k
+            if need == 0:
+                break
+        if need:
+            self.release(taken)
+            return None
+        return np.concatenate([np.arange(st, st + ln, nblocks, dtype=np.int64) for st, ln in taken])
+
+    def release_pages(self, starts: npt.NDArray[np.int64], nblocks: int) -> None:
+        """Give back pieces from :meth:`allocate_pages` (adjacent pieces go back as one run)."""
+        if not len(starts):
+            return
+        st = np.sort(starts)
+        breaks = np.flatnonzero(np.diff(st) != nblocks) + 1
+        for piece in np.split(st, breaks):
+            self._release_run(int(piece[0]), len(piece) * nblocks)
+
     def release(self, runs: Sequence[tuple[int, int]]) -> None:
         for start, length in runs:
             self._release_run(start, length)
@@ -211,6 +230,85 @@ class _PinnedReservation(Reservation):
     def regions(self) -> Sequence[HostRegion]:
         self.check_open(self._provider)
         return self._regions
+
+
+class _PinnedRun(ChainRun):
+    """A chain run of new pages in the arena (``PinnedProvider.reserve_many``'s fast path): the
+    index holds it as one flight (``TreeIndex.begin_run``), its pages are ``starts`` (one piece of
+    ``nblocks`` arena blocks each) and it seals with one ``TreeIndex.commit_run``."""
+
+    __slots__ = ("_prov", "_run", "keys", "n", "nblocks", "nbytes", "parent", "salt_tag", "sealed", "starts",
+                 "state", "written")
+
+    def __init__(self, prov: PinnedProvider, run: Any, keys: list[Key], parent: Key | None, nbytes: int,
+                 salt_tag: str, starts: npt.NDArray[np.int64], nblocks: int) -> None:
+        self._prov = prov
+        self._run = run
+        self.keys = keys
+        self.parent = parent
+        self.n = len(keys)
+        self.nbytes = nbytes
+        self.salt_tag = salt_tag
+        self.starts = starts
+        self.nblocks = nblocks
+        self.state = "open"
+        self.written = False
+        self.sealed = 0
+
+    def materialize(self) -> list[Reservation]:
+        prov = self._prov
+        with prov._lock:
+            if self.state == "open":
+                prov._index.split_run(self._run)
+                self.state = "materialized"
+                state = "open"
+            else:
+                state = self.state
+        parents = [self.parent, *self.keys[:-1]]
+        out: list[Reservation] = []
+        for k, p, st in zip(self.keys, parents, self.starts.tolist(), strict=True):
+            r = _PinnedReservation(prov, k, p, self.nbytes, self.salt_tag, [(st, self.nblocks)])
+            if self.written:
+                r.mark_written()
+            if state != "open":
+                r._finish(state)
+            out.append(r)
+        return out
+
+    def seal(self, checksums: Sequence[int] | None, algorithm: str | None) -> None:
+        prov = self._prov
+        prov._check_usable()
+        if self.state != "open":
+            raise ReservationError(f"this chain run is {self.state}", hint="reserve the pages again")
+        if not self.written:
+            raise IncompleteWriteError("the chain run's pages were not marked written",
+                                       hint="call ReservedChain.mark_written() once the copy into .pages is done")
+        if checksums is not None and algorithm == prov.checksum_algorithm:
+            digests = np.asarray(checksums, dtype=np.uint64)
+        else:
+            digests = np.array(_checksums(prov._page_regions(self.starts, self.nbytes), prov._sum), dtype=np.uint64)
+        with prov._usable():
+            if self.state != "open":
+                raise ReservationError(f"this chain run is {self.state}")
+            try:
+                prov._index.commit_run(self._run, nbytes=self.nbytes, csums=digests, tag=self.salt_tag,
+                                       run_start=self.starts, run_len=self.nblocks)
+            except UnknownKeyError:
+                prov._arena.release_pages(self.starts, self.nblocks)
+                self.state = "aborted"
+                raise
+            self.state = "sealed"
+            self.sealed = self.n
+        prov._tally("seals", self.n)
+
+    def abort(self) -> None:
+        prov = self._prov
+        with prov._usable():
+            if self.state != "open":
+                return
+            prov._index.cancel_run(self._run)
+            prov._arena.release_pages(self.starts, self.nblocks)
+            self.state = "aborted"
 
 
 class PinnedProvider(Provider):
@@ -567,6 +665,12 @@ class PinnedProvider(Provider):
         ks = self._keys(keys)
         if isinstance(parents, (bytes, bytearray, memoryview, str)) or len(parents) != len(ks):
             raise InvalidArgumentError(f"{len(parents)} parents for {len(ks)} keys; give one per key")
+        if len(ks) > 1 and list(parents[1:]) == ks[:-1]:
+            # a chain run (each page's parent the page before): try it as one run, no per-page objects
+            _k0, p0, n = self._reserve_args(ks[0], parents[0], nbytes, salt_tag)
+            chain = self._reserve_run(ks, p0, n, salt_tag)
+            if chain is not None:
+                return chain
         checked = [self._reserve_args(k, p, nbytes, salt_tag) for k, p in zip(ks, parents, strict=True)]
         out: list[Reservation | None] = []
         error: HostKVError | None = None
@@ -578,6 +682,49 @@ class PinnedProvider(Provider):
                     error = exc
                     break
         return ReservedChain(out, error, self._chain_pages(out, nbytes))
+
+    def _reserve_run(self, ks: list[Key], parent: Key | None, nbytes: int, salt_tag: str) -> ReservedChain | None:
+        """The chain run ``ks`` (all new) as one :class:`_PinnedRun`, or ``None`` when it is not
+        the plain case (see ``TreeIndex.begin_run``) or the arena is too fragmented: the caller
+        then reserves page by page.  ``ks[0]`` and ``parent`` were validated; the other keys are
+        validated ``Key``s (``_keys``) and so are their parents (the keys before them)."""
+        nblocks = -(-nbytes // self._block)
+        cost = nblocks * self._block
+        if cost * len(ks) > self._budget or len(set(ks)) != len(ks) or parent in ks:
+            return None
+        with self._usable():
+            idx = self._index
+            while self._pending and idx.used_cost + cost * len(ks) > idx.budget:
+                self._ready.wait(0.5)  # prefer memory still being pinned over evicting hits
+                self._check_usable()
+            begun = idx.begin_run(ks, parent, cost)
+            if begun is None:
+                return None
+            run, evicted = begun
+            self._free_rows(evicted)
+            starts = self._arena.allocate_pages(len(ks), nblocks)
+            if starts is None:
+                idx.cancel_run(run)
+                return None
+        pr = _PinnedRun(self, run, ks, parent, nbytes, salt_tag, starts, nblocks)
+        return ReservedChain(error=None, pages=self._pages_at(starts, nbytes), run=pr)
+
+    def _pages_at(self, starts: npt.NDArray[np.int64], nbytes: int) -> HostPages:
+        """The pages starting at arena blocks ``starts`` as one :class:`HostPages`."""
+        arena = self._arena
+        bases = np.array([c.address for c in arena.chunks], dtype=np.uint64)
+        addrs = bases[starts // arena.bpc] + (starts % arena.bpc).astype(np.uint64) * np.uint64(arena.block)
+        return HostPages(addrs, nbytes, pinned=self._allocator.pinned, readonly=False)
+
+    def _page_regions(self, starts: npt.NDArray[np.int64], nbytes: int) -> list[list[HostRegion]]:
+        """Regions of pages at ``starts`` (for host hashing of a run sealed without checksums)."""
+        arena = self._arena
+        out: list[list[HostRegion]] = []
+        for st in starts.tolist():
+            chunk = arena.chunks[st // arena.bpc]
+            lo = (st % arena.bpc) * arena.block
+            out.append([HostRegion(0, chunk.view[lo : lo + nbytes], chunk.address + lo, False)])
+        return out
 
     def _chain_pages(self, out: Sequence[Reservation | None], nbytes: int) -> HostPages | None:
         """The reserved pages as one :class:`HostPages` (addresses in a numpy array) when each is

@@ -39,6 +39,21 @@ import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+from hostkv_providers._capabilities import (
+    SupportsBatch,
+    SupportsBatchViews,
+    SupportsIterate,
+    SupportsRetain,
+    SupportsStoreCounters,
+    SupportsViews,
+)
+from hostkv_providers._chain import _DEFERRED, ReservedChain, _check_checksums, _DeferredReservation
+from hostkv_providers._checks import (
+    check_retain_share,
+    check_timeout,
+    scatter_into,
+    writable_buffer,
+)
 from hostkv_providers._errors import (
     CapacityError,
     HostKVError,
@@ -49,30 +64,10 @@ from hostkv_providers._errors import (
 )
 from hostkv_providers._keys import Key
 from hostkv_providers._options import Option, OptionSet
-from hostkv_providers._provider import (
-    _DEFERRED,
-    Corrupt,
-    EntryInfo,
-    EvictReport,
-    HostRegion,
-    Lease,
-    Provider,
-    ProviderStats,
-    Reservation,
-    ReservedChain,
-    SupportsBatch,
-    SupportsBatchViews,
-    SupportsIterate,
-    SupportsRetain,
-    SupportsStoreCounters,
-    SupportsViews,
-    _check_checksums,
-    _DeferredReservation,
-    check_retain_share,
-    check_timeout,
-    scatter_into,
-    writable_buffer,
-)
+from hostkv_providers._provider import Corrupt, Provider
+from hostkv_providers._region import HostRegion
+from hostkv_providers._reports import EntryInfo, EvictReport, ProviderStats
+from hostkv_providers._reservation import Lease, Reservation
 from hostkv_providers._span import ByteSpan
 from hostkv_providers.providers._counters import STORE_COUNTED
 from hostkv_providers.providers._tree import TreeIndex
