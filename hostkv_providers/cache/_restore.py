@@ -342,9 +342,11 @@ def _restore_layer_major(self: HostKVCache, handle: CacheHandle, result: Restore
     parts: list[HostPages] = []
     # The views come through the hit's own lease, which restore() holds until the restore is
     # done: a lease per chunk costs a few microseconds a page (more than layer 0's copy of that
-    # page), a view ~0.5 us.  The first part is small so that layer 0's copy starts at once, the
-    # later ones larger (view_pages checks the keys against the whole lease on every call).
-    step = min(256, self.chunk_pages)
+    # page).  One call takes the whole hit's views when the provider finds them through the
+    # lease's own rows (pinned: a slice comparison and a generation check, ~0.1 us a page), so
+    # layer 0 of every page goes as one transfer; a part that has no chunk-level views ends the
+    # loop and the caller restores the rest page-major.
+    step = len(keys)
     i = 0
     while i < len(keys):
         part = keys[i : i + step]

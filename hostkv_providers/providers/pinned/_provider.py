@@ -969,12 +969,21 @@ class PinnedProvider(Provider):
         ks = self._keys(keys)
         if not isinstance(lease, Lease) or lease.released or lease.token is None or lease._provider is not self:
             raise InvalidArgumentError("view_pages() needs an unreleased lease of this provider")
-        leased = lease.keys if len(ks) == 1 else frozenset(lease.keys)
+        # The common case, a run of the lease's own keys (a restore of a hit, whole or part by
+        # part): the lease's token already names their rows, so the keys are matched by one
+        # C-speed slice comparison and the rows checked by generation, not looked up one by one.
+        known = self._leased_rows(lease, ks)
+        leased = lease.keys if len(ks) == 1 else (frozenset(lease.keys) if known is None else ())
         with self._usable():
             idx, arena = self._index, self._arena
-            rows = np.asarray(idx.rows_of(ks), dtype=np.int64)
-            if not len(rows) or (rows < 0).any() or any(k not in leased for k in ks):
-                return None
+            if known is not None:
+                rows, gens = known
+                if not len(rows) or not (idx.alive[rows].all() and (idx.gen[rows] == gens).all()):
+                    return None  # an entry of the lease was dropped (corrupt) meanwhile
+            else:
+                rows = np.asarray(idx.rows_of(ks), dtype=np.int64)
+                if not len(rows) or (rows < 0).any() or any(k not in leased for k in ks):
+                    return None
             if idx.scatter and any(r in idx.scatter for r in rows.tolist()):
                 return None  # a scattered entry is not one run
             sizes = idx.nbytes[rows]
@@ -990,6 +999,26 @@ class PinnedProvider(Provider):
         # on the GPU (a view is never checked here: that would read every byte on the host).
         return HostPages(addrs, nbytes, pinned=self._allocator.pinned, readonly=True, keepalive=lease,
                          checksums=sums, algorithm=self.checksum_algorithm)
+
+    @staticmethod
+    def _leased_rows(lease: Lease, ks: list[Key]) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.uint64]] | None:
+        """The ``(rows, gens)`` of ``ks`` from ``lease``'s token when ``ks`` is a run of the
+        lease's keys (``lease.keys[j]`` is ``token[0][j]``), else ``None``."""
+        lk = lease.keys
+        n = len(ks)
+        if not n or n > len(lk):
+            return None
+        j = 0
+        if lk[0] != ks[0]:
+            try:
+                j = lk.index(ks[0])
+            except ValueError:
+                return None
+        if lk[j : j + n] != tuple(ks):
+            return None
+        token_rows, token_gens = lease.token  # type: ignore[misc]
+        return (np.asarray(token_rows[j : j + n], dtype=np.int64),
+                np.asarray(token_gens[j : j + n], dtype=np.uint64))
 
     # -- eviction ----------------------------------------------------------------------------
     def _evict(self, ks: list[Key] | None, nbytes: int) -> EvictReport:

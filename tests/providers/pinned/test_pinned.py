@@ -831,3 +831,23 @@ def test_sealing_a_run_after_close_is_a_closed_error(closing: list[Provider]) ->
     with pytest.raises(ClosedError):
         rc.seal()
     rc.abort()  # swallowed: the memory went with the provider
+
+
+def test_view_pages_of_a_run_of_the_lease_keys(closing: list[Provider]) -> None:
+    p = _pinned(32, verify_reads=True)
+    closing.append(p)
+    keys = chain("pin-viewpages", 10)
+    put_chain(p, keys, PAGE)
+    stranger = chain("pin-viewpages-other", 1)[0]
+    put_page(p, stranger, None, PAGE)
+    with p.lease(keys) as lease:
+        whole = p.view_pages(lease, keys)
+        part = p.view_pages(lease, keys[3:7])  # a run of the lease's keys: found through its rows
+        assert whole is not None and part is not None
+        assert part.addresses.tolist() == whole.addresses.tolist()[3:7]
+        assert part.checksums is not None and len(part.checksums) == 4
+        assert p.view_pages(lease, [keys[2], keys[5]]) is not None  # not a run: looked up key by key
+        assert p.view_pages(lease, [stranger]) is None  # not leased
+        p._drop(p._index.row_of(keys[6]))  # corrupt meanwhile: its subtree goes
+        assert p.view_pages(lease, keys[3:7]) is None
+        assert p.view_pages(lease, keys[3:6]) is not None
