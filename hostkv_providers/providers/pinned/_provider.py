@@ -1016,7 +1016,8 @@ class PinnedProvider(Provider):
                 return None
         if lk[j : j + n] != tuple(ks):
             return None
-        token_rows, token_gens = lease.token  # type: ignore[misc]
+        token: _Token = lease.token  # type: ignore[assignment]
+        token_rows, token_gens = token
         return (np.asarray(token_rows[j : j + n], dtype=np.int64),
                 np.asarray(token_gens[j : j + n], dtype=np.uint64))
 
