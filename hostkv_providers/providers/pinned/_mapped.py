@@ -50,8 +50,8 @@ from hostkv_providers.providers.pinned._provider import (
     _DEFAULT_BLOCK,
     _DEFAULT_CHUNK,
     PinnedProvider,
-    _PinnedReservation,
 )
+from hostkv_providers.providers.pinned._run import _PinnedReservation
 
 __all__ = ["MappedPinnedProvider", "MirrorHandle", "StreamFence"]
 
