@@ -772,16 +772,45 @@ class TreeIndex:
 
     # -- holds -----------------------------------------------------------------------------------
     def hold_rows(self, rows: Sequence[int]) -> None:
-        for row in rows:
-            if row >= 0:
-                self._hold(row)
-                self.touch(row)
+        """Hold (lease) and touch the rows ``>= 0``; by slices past a few rows (a restore leases
+        a chunk of a chain at a time: per-row Python there was the restore thread's GIL share)."""
+        if len(rows) <= 8:
+            for row in rows:
+                if row >= 0:
+                    self._hold(row)
+                    self.touch(row)
+            return
+        arr = np.asarray(rows, dtype=np.int64)
+        arr = arr[arr >= 0]
+        if not len(arr):
+            return
+        np.add.at(self.hold, arr, 1)
+        # (touched in order, as one by one would; a held row is not evictable: nothing to push)
+        self.tick[arr] = np.arange(self.clock + 1, self.clock + 1 + len(arr))
+        self.clock += len(arr)
+        self.used[arr] = time.time()
 
     def release_rows(self, rows: Sequence[int], gens: Sequence[int]) -> None:
-        for row, g in zip(rows, gens, strict=True):
-            # rows removed (or recycled, or of an index replaced since) never match: gens are unique
-            if self.is_live(row, g):
-                self._unhold(row)
+        """Undo :meth:`hold_rows` for the ``(row, gen)`` pairs still live: rows removed (or
+        recycled, or of an index replaced since) never match, gens are unique."""
+        if len(rows) <= 8:
+            for row, gen in zip(rows, gens, strict=True):
+                if self.is_live(row, gen):
+                    self._unhold(row)
+            return
+        arr = np.asarray(rows, dtype=np.int64)
+        gs = np.asarray(gens, dtype=np.int64)  # (a missing row's gen may be -1; gens are counters)
+        if len(arr) != len(gs):
+            raise ValueError("rows and gens differ in length")
+        ok = (arr >= 0) & (arr < self.n)
+        arr, gs = arr[ok], gs[ok]
+        arr = arr[self.alive[arr] & (self.gen[arr].astype(np.int64) == gs)]
+        if not len(arr):
+            return
+        np.subtract.at(self.hold, arr, 1)
+        freed = np.unique(arr[(self.hold[arr] == 0) & (self.children[arr] == 0) & ~self.retained[arr]])
+        for row in freed.tolist():  # leaves only (a chain's last page): a few pushes
+            heapq.heappush(self._heap, self.m_tick[row] << _ROW_BITS | row)
 
     def _hold(self, row: int) -> None:
         self.m_hold[row] += 1
