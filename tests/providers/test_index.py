@@ -561,3 +561,27 @@ def test_a_run_keeps_no_per_page_objects_the_gc_tracks() -> None:
     gc.collect()
     assert len(gc.get_objects()) - before < 200  # (one object per page would be 20,000)
     assert len(idx) == 20_000
+
+
+def test_holds_by_slices_match_holds_one_by_one() -> None:
+    big, small = TreeIndex(budget=10_000), TreeIndex(budget=10_000)
+    keys = chain("hold-slices", 20)
+    for idx in (big, small):
+        prev = None
+        for k in keys:
+            seal(idx, k, prev)
+            prev = k
+    rows = big.rows_of(keys)
+    gens = [int(big.gen[r]) for r in rows]
+    big.hold_rows([*rows, -1, rows[-1]])  # slices (> 8 rows), a missing row, a row twice
+    for r in [*rows, rows[-1]]:
+        small.hold_rows([r])  # one by one
+    assert big.hold[: big.n].tolist() == small.hold[: small.n].tolist()
+    assert big.evict_cost(10) == [] and small.evict_cost(10) == []  # every row leased
+    stale = chain("hold-slices-gone", 1)[0]
+    seal(big, stale)
+    big.release_rows([*rows, big.row_of(stale)], [*gens, 999_999])  # a wrong gen is ignored
+    assert big.hold[rows].tolist() == [0] * 19 + [1]
+    assert keys_of(big, big.evict_cost(10)) == [stale]  # the chain's leaf is still held once
+    big.release_rows([rows[-1]], [gens[-1]])
+    assert keys_of(big, big.evict_cost(10)) == [keys[-1]]  # released: an evictable leaf again
