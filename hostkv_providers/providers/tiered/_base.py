@@ -45,6 +45,7 @@ class _TieredBase(Provider):
     _queue: queue.Queue[tuple[Any, ...] | None]
     _room: threading.Condition  # guards _queued_pages; notified when write-backs finish
     _queued_pages: int
+    _wb_rounds: int  # write-back rounds finished (guarded by _room): a waiter's wake-up test
     _queue_pages: int
     _writer_error: BaseException | None
     _writer: threading.Thread

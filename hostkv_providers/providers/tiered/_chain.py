@@ -18,6 +18,7 @@ from hostkv_providers._provider import (
     _DEFERRED,
     Reservation,
     ReservedChain,
+    SupportsBatch,
     _check_checksums,
     _DeferredReservation,
 )
@@ -33,12 +34,6 @@ class _Chains(_WriteBack):
         """Back-pressure: wait (without any lock held) while the write-back queue is full."""
         with self._room:
             while self._queued_pages >= self._queue_pages and self._writer.is_alive():
-                self._room.wait(0.5)
-
-    def _wait_write_back_below(self, pages: int) -> None:
-        """Wait (no lock held) until at most ``pages`` write-backs are queued or in progress."""
-        with self._room:
-            while self._queued_pages > max(0, pages) and self._writer.is_alive():
                 self._room.wait(0.5)
 
     def reserve_many(self, keys: Sequence[bytes], parents: Sequence[bytes | None], nbytes: int, *,
@@ -119,48 +114,152 @@ class _Chains(_WriteBack):
 
     def _reserve_fast_run(self, run: Sequence[tuple[Key, Key | None]], nbytes: int,
                           salt_tag: str) -> list[Reservation]:
-        """Fast-tier reservations for a prefix of ``run`` (all of it unless the fast tier is full
-        even after a flush); no lock held (flush waits for the writer)."""
+        """Fast-tier reservations for a prefix of ``run``: what the fast tier can take *now*.
+
+        No waiting for write-backs to free fast memory: the rest of the run gets ordinary buffers
+        and is written through to the slow tier at seal, one ``put_many`` per run
+        (:meth:`_store_through`).  Waiting here serialised a save over a full fast tier with the
+        write-back: the caller (HostKVCache) reserves chunk k+1 before it seals chunk k, so with
+        two chunks in fast memory every reservation waited for the write-back of the chunk
+        sealed just before it (2,000 x 4 KiB over a 2 MiB fast tier: 1.3-2x the time of a fast
+        tier that holds the chain)."""
+        ks = [k for k, _ in run]
+        if not ks:
+            return []
+        # A copy left in the fast tier by an entry evicted earlier must not dedup this one.
+        stale = [k for k, here in zip(ks, self.fast.present(ks), strict=True) if here]
+        if stale:
+            self.fast.evict(stale)
+        # Each run is a tree of its own in the fast tier: its first page lands there as a root
+        # (the tiered index keeps the real tree).  Chained onto the previous run instead, the
+        # fast tier would hold one long chain whose only leaf is the parent of the page being
+        # reserved (held): nothing evictable, so once full it could never take another page
+        # (2,000 x 4 KiB over a 2 MiB fast tier: 1,485 pages fell back to per-page stores).
+        mine = set(ks)
+        fast_parents = [None] + [p if p in mine else None for _, p in run[1:]]
+        rc = self.fast.reserve_many(ks, fast_parents, nbytes, salt_tag=salt_tag)
         got: list[Reservation] = []
-        for attempt in range(4):
-            rest = run[len(got):]
-            if not rest:
+        for r in rc.reservations:
+            if r is None:  # stored in the fast tier since the eviction above: not ours to seal
                 break
-            ks = [k for k, _ in rest]
-            # A copy left in the fast tier by an entry evicted earlier must not dedup this one.
-            stale = [k for k, here in zip(ks, self.fast.present(ks), strict=True) if here]
-            if stale:
-                self.fast.evict(stale)
-            # Each run is a tree of its own in the fast tier: its first page lands there as a root
-            # (the tiered index keeps the real tree).  Chained onto the previous run instead, the
-            # fast tier would hold one long chain whose only leaf is the parent of the page being
-            # reserved (held): nothing evictable, so once full it could never take another page
-            # (2,000 x 4 KiB over a 2 MiB fast tier: 1,485 pages fell back to per-page stores).
-            mine = set(ks)
-            fast_parents = [None] + [p if p in mine else None for _, p in rest[1:]]
-            rc = self.fast.reserve_many(ks, fast_parents, nbytes, salt_tag=salt_tag)
-            raced = None in rc.reservations  # stored in the fast tier since the eviction above
-            for r in rc.reservations:
-                if r is None:
-                    break
-                got.append(r)
-            if raced:
-                # not ours to seal: give back what follows it; the rest is stored at seal
-                for r in rc.reservations[len(got) - (len(run) - len(rest)) + 1:]:
-                    if r is not None:
-                        with contextlib.suppress(HostKVError):
-                            self.fast.abort(r)
-                break
-            if len(got) == len(run):
-                break
-            # Pages waiting for write-back pin fast memory: wait until as many as this run still
-            # needs have gone (the writer stores them batch by batch, so the save and the
-            # write-back keep running side by side), the last time for all of them.
-            if attempt < 2:
-                self._wait_write_back_below(self._queued_pages - (len(run) - len(got)))
-            elif attempt == 2:
-                self.flush()
+            got.append(r)
+        for r in rc.reservations[len(got):]:  # give back what follows it; the rest is stored at seal
+            if r is not None:
+                with contextlib.suppress(HostKVError):
+                    self.fast.abort(r)
         return got
+
+    def _wait_landed(self, key: Key | None) -> None:
+        """Wait (no lock held) until ``key`` is no longer waiting for its write-back: in the slow
+        tier, or dropped (then storing a child fails as it should, with ``UnknownKeyError``)."""
+        if key is None:
+            return
+        idx = self._index
+        while True:
+            with self._room:
+                seen = self._wb_rounds
+            with self._lock:
+                row = idx.row_of(key)
+                if row < 0 or int(idx.gen[row]) not in self._pend:
+                    return
+            with self._room:
+                while self._wb_rounds == seen and self._writer.is_alive():
+                    self._room.wait(0.5)
+            if not self._writer.is_alive():
+                return
+
+    def _store_through(self, run: Sequence[_DeferredReservation]) -> None:
+        """Store a run of deferred reservations (a chain run whose bytes wait in ordinary buffers:
+        the fast tier had no room for it at ``reserve_many``) straight in the slow tier, with one
+        ``put_many``, root first; their tiered rows are published once it returned.
+
+        The run's first parent must be in the slow tier first: when it still waits for its
+        write-back, this waits for that one (not for the whole queue); the rest of a chain then
+        follows write-through, each run's parent already there.  On failure the stored pages are
+        a prefix; the failing one is left open (``seal_many`` aborts it and the rest) and its
+        error raised."""
+        for r in run:
+            r.check_open(self)
+            r.check_complete()
+        self._wait_landed(run[0].parent)
+        idx = self._index
+        error: HostKVError | None = None
+        flown: list[_DeferredReservation] = []
+        self._check_usable()
+        with self._lock:
+            self._check_usable()
+            for r in run:
+                try:
+                    ok, evicted, _ = idx.begin_chained(r.key, r.parent, r.nbytes)
+                except (CapacityError, InFlightError, UnknownKeyError) as exc:
+                    error = exc
+                    break
+                self._drop_from_tiers(evicted)
+                if not ok:  # sealed meanwhile by another writer: that copy stands (and may be
+                    break   # waiting for its write-back: the rest go page by page below)
+                flown.append(r)
+            # The key was evicted before and saved again; a stale copy of the evicted entry (with
+            # its anchors) may still be in the slow tier: replace it rather than adopt it.
+            ks = [r.key for r in flown]
+            doomed = [k for k in ks if k in self._doomed]
+            self._doomed.difference_update(doomed)
+        stored = 0
+        try:
+            if ks:
+                stale = [k for k, here in zip(ks, self.slow.present(ks), strict=True) if here]
+                if stale:  # also an orphan of a cancelled write-back
+                    self.slow.evict(stale)
+                stale = [k for k, here in zip(ks, self.fast.present(ks), strict=True) if here]
+                if stale:  # a copy left in the fast tier must not be read for this entry
+                    with contextlib.suppress(HostKVError):
+                        self.fast.evict(stale)
+                tag = run[0].salt_tag
+                items = [(r.key, r.parent, r._view) for r in flown]
+                if isinstance(self.slow, SupportsBatch) and all(r.salt_tag == tag for r in flown):
+                    got: list[bool | HostKVError] = self.slow.put_many(items, salt_tag=tag)
+                else:
+                    got = []
+                    for (k, p, d), r in zip(items, flown, strict=True):
+                        try:
+                            got.append(self.slow.put(k, p, d, salt_tag=r.salt_tag))
+                        except HostKVError as exc:
+                            got.append(exc)
+                            break
+            else:
+                got = []
+            with self._lock:
+                for r, g in zip(flown, got, strict=False):
+                    if not (g is True or g is False):  # False: the same key (same bytes) was there
+                        error = error or (g if isinstance(g, HostKVError) else HostKVError(str(g)))
+                        break
+                    if self._closed:
+                        break
+                    try:
+                        idx.commit(r.key, nbytes=r.nbytes, tag=r.salt_tag)
+                    except UnknownKeyError as exc:  # its parent was dropped meanwhile
+                        with contextlib.suppress(HostKVError):
+                            self.slow.evict([r.key])
+                        error = exc
+                        break
+                    r._finish("sealed")
+                    stored += 1
+                for r in flown[stored:]:
+                    idx.cancel(r.key)
+                self._counters["write_through"] += stored
+        except BaseException:
+            with self._lock:
+                for r in flown[stored:]:
+                    idx.cancel(r.key)
+            raise
+        finally:
+            if stored:
+                self._tally("seals", stored)
+        if self._closed and stored < len(flown):
+            self._check_usable()  # ClosedError: the rest is aborted by seal_many
+        if error is not None:
+            raise error
+        for r in run[len(flown):]:  # after a key another writer sealed: the per-page path
+            r._store()
 
     def seal_many(self, reservations: Sequence[Reservation], *, checksums: Sequence[int] | None = None,
                   algorithm: str | None = None) -> None:
@@ -206,8 +305,20 @@ class _Chains(_WriteBack):
                             self._tally("seals")
                     i = j
                 elif isinstance(res, _DeferredReservation):
-                    res._store()
-                    i += 1
+                    j = i
+                    while (j < len(reservations) and isinstance(reservations[j], _DeferredReservation)
+                           and reservations[j].state == "open"):
+                        j += 1
+                    if j == i:  # not open: let _store() raise the reservation's own error
+                        res._store()
+                        i += 1
+                        continue
+                    deferred = [r for r in reservations[i:j] if isinstance(r, _DeferredReservation)]
+                    try:
+                        self._store_through(deferred)
+                    finally:
+                        i += sum(1 for r in deferred if r.state == "sealed")
+                    i = j
                 else:
                     self.seal(res)
                     i += 1

@@ -145,6 +145,7 @@ class TieredProvider(_Chains):
         self._queue = queue.Queue()
         self._room = threading.Condition(threading.Lock())
         self._queued_pages = 0
+        self._wb_rounds = 0
         self._queue_pages = queue_pages
         self._writer_error = None
         # Keys the tiered index has dropped that the slow tier may still hold: an eviction the

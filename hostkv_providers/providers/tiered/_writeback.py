@@ -109,6 +109,7 @@ class _WriteBack(_Figures):
                     self._purge_doomed_logged()
                     with self._room:
                         self._queued_pages -= npages
+                        self._wb_rounds += 1
                         self._room.notify_all()
                 for _ in items:
                     self._queue.task_done()
