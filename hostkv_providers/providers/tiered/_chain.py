@@ -1,5 +1,6 @@
 """The tiered provider's chain reservation (``reserve_many``/``seal_many``: a save DMAs straight
-into the fast tier) and the back-pressure that paces seals behind the write-back."""
+into the fast tier), the write-through of what a full fast tier cannot take, and the
+back-pressure that paces seals behind the write-back."""
 
 from __future__ import annotations
 
@@ -45,10 +46,10 @@ class _Chains(_WriteBack):
         key of this call or of an earlier ``reserve_many``), then the fast tier reserves the run
         with its own ``reserve_many``, the run's first page as a root there (the fast tier is a
         byte cache under the tiered index; runs rooted apart stay evictable run by run).  Pages
-        the fast tier cannot take even after a ``flush`` (pending write-backs pin its memory)
-        are not refused: they get ordinary
-        buffers and are stored when sealed, by the per-page path (fast tier or written
-        through), like the base class's default; so are the pages after a parent of that kind.
+        the fast tier cannot take right now (pending write-backs pin its memory) are not
+        refused and not waited for: they get ordinary buffers (deferred reservations, like the
+        base class's default; so do the pages after a parent of that kind), and ``seal_many``
+        writes them through to the slow tier, a run per ``put_many`` (:meth:`_store_through`).
         """
         ks = self._keys(keys)
         if isinstance(parents, (bytes, bytearray, memoryview, str)) or len(parents) != len(ks):
@@ -96,12 +97,17 @@ class _Chains(_WriteBack):
                     self._index.cancel(k)
             for j, k, p in flown[len(inners):]:
                 out[j] = self._deferred(k, p, nbytes, salt_tag)
-        if error is None:
-            for k, p, n in checked[deferred_from:]:
-                if self.present([k])[0]:
+        if error is None and deferred_from < len(checked):
+            tail = checked[deferred_from:]
+            with self._lock:  # one lock round for the tail, not a present()/in_flight() per page
+                self._check_usable()
+                contains, flights = self._index.contains_fn, self._index.flights
+                states = [(contains(k), k in flights) for k, _, _ in tail]
+            for (k, p, n), (here, busy) in zip(tail, states, strict=True):
+                if here:
                     out.append(None)
                     continue
-                if self.in_flight(k):
+                if busy:
                     error = InFlightError(f"key {k.hex()[:16]} is being written by another writer", key=k)
                     break
                 out.append(self._deferred(k, p, n, salt_tag))
@@ -266,8 +272,9 @@ class _Chains(_WriteBack):
         """Seal root first (see ``Provider.seal_many``): each run of fast-tier reservations with
         one ``seal_many`` of the fast tier (for ``pinned``: checksums on a few threads, commits
         in one lock round; given ``checksums`` in the fast tier's algorithm are passed on to it),
-        then their tiered rows and write-backs; deferred pages are stored and written-through
-        reservations sealed one by one.  On failure the sealed ones are a prefix and every other
+        then their tiered rows and write-backs; each run of deferred pages is written through to
+        the slow tier with one ``put_many`` (:meth:`_store_through`), and reservations written
+        through by ``reserve`` are sealed one by one.  On failure the sealed ones are a prefix and every other
         one is aborted."""
         _check_checksums(checksums, algorithm, len(reservations))
         for res in reservations:
