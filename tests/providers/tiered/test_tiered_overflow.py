@@ -250,3 +250,56 @@ def test_close_while_an_overflow_waits_for_its_parent_loses_nothing(tmp_path: Pa
         assert all(t2.read_bytes(k) == page_bytes(k, PAGE) for k in keys[:n])
     finally:
         t2.close()
+
+
+def test_overflow_whose_parent_fails_its_write_back_stores_nothing(tmp_path: Path) -> None:
+    """The slow tier fails the write-back of the run the overflow hangs from (an I/O error): the
+    parent is dropped with its subtree, and the overflow, which waited for it, is refused
+    (``UnknownKeyError``) and aborted; nothing of the chain is left in the tiered index or the
+    slow tier, and the same chain can be saved again afterwards."""
+    t = TieredProvider(_pinned(8 * PAGE), _mmap(tmp_path / "slow", 128 * PAGE), budget_bytes=64 * PAGE)
+    try:
+        keys = chain("overflow-io-error", 24)
+        orig_put_many, orig_reserve = t.slow.put_many, t.slow.reserve  # type: ignore[attr-defined]
+
+        def failing(*a: Any, **kw: Any) -> Any:
+            if threading.current_thread() is t._writer:
+                raise hk.errors.StorageIOError("injected: the disk refused the write-back")
+            return None
+
+        def put_many(items: Any, **kw: Any) -> Any:
+            failing()
+            return orig_put_many(items, **kw)
+
+        def reserve(*a: Any, **kw: Any) -> Any:
+            failing()
+            return orig_reserve(*a, **kw)
+
+        t.slow.put_many = put_many  # type: ignore[attr-defined]
+        t.slow.reserve = reserve  # type: ignore[method-assign]
+        rc = t.reserve_many(keys, [None, *keys[:-1]], PAGE)
+        ress = [r for r in rc.reservations if r is not None]
+        for r in ress:
+            _fill(r)
+        with pytest.raises(hk.errors.UnknownKeyError):
+            t.seal_many(ress)
+        assert [r.state for r in ress[8:]] == ["aborted"] * 16
+        assert t.flush(60)
+        assert t.present(keys) == [False] * 24
+        assert t.slow.present(keys) == [False] * 24
+        # (the fast tier may keep unindexed copies of the failed run: never read, evicted by its
+        # LRU or when the key is reserved again, as the save below does)
+        assert t.fast.present(keys[8:]) == [False] * 16
+        st = t.stats()
+        assert st.extra["write_back_failures"] >= 1 and st.extra["write_through"] == 0  # (the rest: its subtree)
+        assert st.in_flight == 0 and st.used_bytes == 0
+        t.slow.put_many, t.slow.reserve = orig_put_many, orig_reserve  # type: ignore[attr-defined,method-assign]
+        rc = t.reserve_many(keys, [None, *keys[:-1]], PAGE)
+        ress = [r for r in rc.reservations if r is not None]
+        for r in ress:
+            _fill(r)
+        t.seal_many(ress)
+        assert all(t.read_bytes(k) == page_bytes(k, PAGE) for k in keys)
+        assert t.flush(60) and t.slow.longest_prefix(keys) == 24
+    finally:
+        t.close()
