@@ -267,6 +267,58 @@ class _Chains(_WriteBack):
         for r in run[len(flown):]:  # after a key another writer sealed: the per-page path
             r._store()
 
+    def _put_run(self, run: Sequence[tuple[Key, Key | None, memoryview]], salt_tag: str,
+                 failed: set[Key]) -> list[bool | HostKVError]:
+        """``put_many``'s results for one chain run (each page's parent the one before it, one
+        size), stored with ``reserve_many`` + a copy per page + ``seal_many``; adds the keys
+        that failed to ``failed``."""
+        ks = [k for k, _, _ in run]
+        rc = self.reserve_many(ks, [p for _, p, _ in run], run[0][2].nbytes, salt_tag=salt_tag)
+        ress = rc.reservations
+        out: list[bool | HostKVError] = []
+        mine: list[Reservation] = []
+        try:
+            for (_, _, view), r in zip(run, ress, strict=False):
+                if r is not None:
+                    r.write(0, view)
+                    mine.append(r)
+        except BaseException:
+            for r in ress:
+                if r is not None and r.state == "open":
+                    with contextlib.suppress(HostKVError):
+                        r.abort()
+            raise
+        error: HostKVError | None = None
+        try:
+            self.seal_many(mine)  # root first; on failure a sealed prefix, the rest aborted
+        except (CapacityError, InFlightError, UnknownKeyError) as exc:
+            error = exc
+        for m, r in enumerate(ress):
+            k = ks[m]
+            orphan = self._failed_parent(run[m][1], failed, k)
+            if orphan is not None:
+                out.append(orphan)
+            elif r is None:
+                out.append(False)
+                self._tally("dedup")
+            elif r.state == "sealed":
+                out.append(True)
+            else:
+                failed.add(k)
+                out.append(error or UnknownKeyError(f"page {k.hex()[:16]} was not stored"))
+        if len(ress) < len(run):  # reserve_many stopped there
+            k = ks[len(ress)]
+            orphan = self._failed_parent(run[len(ress)][1], failed, k)
+            if orphan is not None:
+                out.append(orphan)
+            else:
+                failed.add(k)
+                out.append(rc.error or UnknownKeyError(f"page {k.hex()[:16]} was not reserved"))
+            for (k, p, _) in run[len(ress) + 1:]:
+                out.append(self._failed_parent(p, failed, k)
+                           or UnknownKeyError(f"page {k.hex()[:16]} was not reserved"))
+        return out
+
     def seal_many(self, reservations: Sequence[Reservation], *, checksums: Sequence[int] | None = None,
                   algorithm: str | None = None) -> None:
         """Seal root first (see ``Provider.seal_many``): each run of fast-tier reservations with

@@ -73,6 +73,11 @@ from ._entries import _Ent, _info, _LeaseToken, _read_batch, _TieredReservation
 
 __all__ = ["TieredProvider"]
 
+#: Longest chain run ``put_many`` reserves at once: what the fast tier cannot take waits in
+#: ordinary buffers until the run's seal, so this bounds that transient memory (HostKVCache's
+#: chunks are 256 pages by default).
+_PUT_RUN = 256
+
 
 class TieredProvider(_Chains):
     """A fast provider over a slow one (see the module docstring).
@@ -459,23 +464,31 @@ class TieredProvider(_Chains):
     # -- batches -----------------------------------------------------------------------
     def put_many(self, items: Sequence[tuple[bytes, bytes | None, object]], *,
                  salt_tag: str = "") -> list[bool | HostKVError]:
-        """Store many pages, root first (:class:`~hostkv_providers.SupportsBatch`).  Each page
-        takes the per-page path (fast-tier reservation, write-back queued in seal order), so this
-        saves the caller's per-call overhead only; per item ``True``, ``False`` (dedup) or its
-        error, and every item whose parent failed in this call gets ``UnknownKeyError``."""
+        """Store many pages, root first (:class:`~hostkv_providers.SupportsBatch`); per item
+        ``True``, ``False`` (dedup) or its error, and every item whose parent failed in this call
+        gets ``UnknownKeyError``.  Each chain run of the items (each page's parent the item
+        before it, one size) is stored as a chain reservation: ``reserve_many`` (fast-tier
+        memory where it has room), one copy per page, ``seal_many`` (the overflow written
+        through with one ``put_many`` of the slow tier) — not a reserve/write/seal per page,
+        which waited for the whole write-back queue per page once the fast tier was full."""
         checked = self._put_many_args(items, salt_tag, tag_max=self._tag_max)
         out: list[bool | HostKVError] = []
         failed: set[Key] = set()
-        for k, p, view in checked:
+        i = 0
+        while i < len(checked):
+            k, p, view = checked[i]
             orphan = self._failed_parent(p, failed, k)
             if orphan is not None:
                 out.append(orphan)
+                i += 1
                 continue
-            try:
-                out.append(self.put(k, p, view, salt_tag=salt_tag))
-            except (CapacityError, InFlightError, UnknownKeyError) as exc:
-                failed.add(k)
-                out.append(exc)
+            j, seen = i + 1, {k}
+            while (j < len(checked) and j - i < _PUT_RUN and checked[j][1] == checked[j - 1][0]
+                   and checked[j][2].nbytes == view.nbytes and checked[j][0] not in seen):
+                seen.add(checked[j][0])
+                j += 1
+            out.extend(self._put_run(checked[i:j], salt_tag, failed))
+            i = j
         return out
 
     def prefetch(self, keys: Sequence[bytes]) -> None:

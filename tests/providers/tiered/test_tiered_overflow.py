@@ -303,3 +303,31 @@ def test_overflow_whose_parent_fails_its_write_back_stores_nothing(tmp_path: Pat
         assert t.flush(60) and t.slow.longest_prefix(keys) == 24
     finally:
         t.close()
+
+
+def test_put_many_past_a_full_fast_tier_stores_chain_runs(tmp_path: Path) -> None:
+    """put_many stores chain runs with the chain path (overflow written through, no per-page
+    flush); per-item results keep their meaning: True, False for a page already stored,
+    UnknownKeyError for a page whose parent is unknown and for the pages under it, while an
+    independent chain later in the same call is still stored."""
+    t = TieredProvider(_pinned(8 * PAGE), _mmap(tmp_path / "slow", 1024 * PAGE), budget_bytes=512 * PAGE)
+    try:
+        keys = chain("put-many-overflow", 300)
+        put_chain(t, keys[:3], PAGE)
+        stray, under = chain("put-many-stray", 2)
+        other = chain("put-many-other", 5)
+        items: list[tuple[bytes, bytes | None, bytes]] = [
+            (k, keys[i - 1] if i else None, page_bytes(k, PAGE)) for i, k in enumerate(keys)]
+        items += [(under, stray, page_bytes(under, PAGE))]  # its parent was never stored
+        items += [(k, other[i - 1] if i else None, page_bytes(k, PAGE)) for i, k in enumerate(other)]
+        got = t.put_many(items)
+        assert got[:3] == [False] * 3 and got[3:300] == [True] * 297
+        assert isinstance(got[300], hk.errors.UnknownKeyError)
+        assert got[301:] == [True] * 5
+        st = t.stats()
+        assert st.extra["write_through"] > 0 and st.entries == 305
+        assert all(t.read_bytes(k) == page_bytes(k, PAGE) for k in (*keys, *other))
+        assert t.present([under]) == [False]
+        assert t.flush(60) and t.slow.longest_prefix(keys) == 300 and t.slow.longest_prefix(other) == 5
+    finally:
+        t.close()
