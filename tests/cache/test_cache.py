@@ -17,7 +17,6 @@ from hostkv_providers import (
     KVLayout,
     PinnedProvider,
     Provider,
-    Salt,
 )
 from hostkv_providers._keys import Key
 from hostkv_providers.cache._cache import (
@@ -32,23 +31,7 @@ from hostkv_providers.cache._cache import (
 from hostkv_providers.device._copy import CpuCopyEngine, KVPlanes
 from hostkv_providers.device._hostmem import OrdinaryAllocator
 
-# page = 2 layers x (k, v) x 4 tokens x 2 heads x 32 dims x 4 bytes = 4096 bytes
-LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, page_tokens=4, dtype="float32")
-SALT = Salt("test/model", LAYOUT)
-PAGE = LAYOUT.page_nbytes
-NBLOCKS = 64
-
-
-def make_planes(seed: int | None = None) -> list[np.ndarray]:
-    rng = np.random.default_rng(seed)
-    shape = (NBLOCKS, LAYOUT.page_tokens, LAYOUT.num_kv_heads, LAYOUT.head_dim)
-    if seed is None:
-        return [np.zeros(shape, np.float32) for _ in LAYOUT.planes]
-    return [rng.standard_normal(shape, dtype=np.float32) for _ in LAYOUT.planes]
-
-
-def page_of(planes: Sequence[np.ndarray], block: int) -> bytes:
-    return b"".join(p[block].tobytes() for p in planes)
+from ._cache_common import LAYOUT, NBLOCKS, PAGE, SALT, make_planes, page_of, tokens
 
 
 class NoViews(Provider):
@@ -164,10 +147,6 @@ def cache(provider: Provider, engine: CpuCopyEngine) -> Iterator[HostKVCache]:
     c = HostKVCache(provider, SALT, engine, chunk_pages=3, staging_allocator=OrdinaryAllocator())
     yield c
     c.close()
-
-
-def tokens(n: int, seed: int = 0) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 32000, size=n)
 
 
 # ------------------------------------------------------------------------------------------

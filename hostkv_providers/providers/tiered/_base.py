@@ -12,7 +12,9 @@ from typing import Any
 
 from hostkv_providers._errors import HostKVError
 from hostkv_providers._keys import Key
-from hostkv_providers._provider import HostRegion, Lease, Provider
+from hostkv_providers._provider import Provider
+from hostkv_providers._region import HostRegion
+from hostkv_providers._reservation import Lease
 from hostkv_providers.providers._tree import TreeIndex
 
 from ._entries import _Pending

@@ -7,6 +7,8 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Sequence
 
+from hostkv_providers._capabilities import SupportsBatch
+from hostkv_providers._chain import _DEFERRED, ReservedChain, _check_checksums, _DeferredReservation
 from hostkv_providers._errors import (
     CapacityError,
     HostKVError,
@@ -15,14 +17,7 @@ from hostkv_providers._errors import (
     UnknownKeyError,
 )
 from hostkv_providers._keys import Key
-from hostkv_providers._provider import (
-    _DEFERRED,
-    Reservation,
-    ReservedChain,
-    SupportsBatch,
-    _check_checksums,
-    _DeferredReservation,
-)
+from hostkv_providers._reservation import Reservation
 
 from ._entries import _TieredReservation
 from ._writeback import _WriteBack

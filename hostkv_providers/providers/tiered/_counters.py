@@ -7,8 +7,9 @@ import os
 import time
 from collections.abc import Mapping
 
+from hostkv_providers._capabilities import SupportsStoreCounters
 from hostkv_providers._errors import HostKVError
-from hostkv_providers._provider import ProviderStats, SupportsStoreCounters
+from hostkv_providers._reports import ProviderStats
 from hostkv_providers.providers._counters import STORE_COUNTED
 
 from ._base import _log, _TieredBase

@@ -5,15 +5,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from hostkv_providers._capabilities import SupportsBatch
 from hostkv_providers._keys import Key
-from hostkv_providers._provider import (
-    EntryInfo,
-    HostRegion,
-    Lease,
-    Provider,
-    Reservation,
-    SupportsBatch,
-)
+from hostkv_providers._provider import Provider
+from hostkv_providers._region import HostRegion
+from hostkv_providers._reports import EntryInfo
+from hostkv_providers._reservation import Lease, Reservation
 from hostkv_providers._span import ByteSpan
 from hostkv_providers.providers._tree import TreeIndex
 

@@ -37,6 +37,18 @@ import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+from hostkv_providers._capabilities import (
+    SupportsBatch,
+    SupportsBatchViews,
+    SupportsIterate,
+    SupportsRetain,
+    SupportsViews,
+)
+from hostkv_providers._checks import (
+    check_retain_share,
+    scatter_into,
+    writable_buffer,
+)
 from hostkv_providers._errors import (
     CapacityError,
     HostKVError,
@@ -47,23 +59,10 @@ from hostkv_providers._errors import (
 )
 from hostkv_providers._keys import Key
 from hostkv_providers._options import Option, OptionSet
-from hostkv_providers._provider import (
-    Corrupt,
-    EntryInfo,
-    EvictReport,
-    HostRegion,
-    Lease,
-    Provider,
-    Reservation,
-    SupportsBatch,
-    SupportsBatchViews,
-    SupportsIterate,
-    SupportsRetain,
-    SupportsViews,
-    check_retain_share,
-    scatter_into,
-    writable_buffer,
-)
+from hostkv_providers._provider import Corrupt, Provider
+from hostkv_providers._region import HostRegion
+from hostkv_providers._reports import EntryInfo, EvictReport
+from hostkv_providers._reservation import Lease, Reservation
 from hostkv_providers._span import ByteSpan
 from hostkv_providers.providers._tree import TreeIndex
 

@@ -11,6 +11,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from hostkv_providers._capabilities import SupportsBatch
+from hostkv_providers._checks import check_timeout
 from hostkv_providers._errors import (
     CapacityError,
     HostKVError,
@@ -18,7 +20,7 @@ from hostkv_providers._errors import (
     UnknownKeyError,
 )
 from hostkv_providers._keys import Key
-from hostkv_providers._provider import Lease, SupportsBatch, check_timeout
+from hostkv_providers._reservation import Lease
 
 from ._base import _log
 from ._counters import _PUBLISH_EVERY, _Figures

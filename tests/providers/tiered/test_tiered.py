@@ -16,7 +16,7 @@ import hostkv_providers as hk
 import hostkv_providers.providers.tiered._writeback as tiered_wb
 from hostkv_providers import CapacityError, InvalidArgumentError, PinnedProvider, Provider
 from hostkv_providers._keys import Key
-from hostkv_providers._provider import Reservation
+from hostkv_providers._reservation import Reservation
 from hostkv_providers.cache._cache import HostKVCache
 from hostkv_providers.device._copy import CpuCopyEngine
 from hostkv_providers.device._hostmem import OrdinaryAllocator

@@ -15,7 +15,7 @@ import pytest
 
 import hostkv_providers as hk
 from hostkv_providers import CapacityError, PinnedProvider, Provider
-from hostkv_providers._provider import Reservation
+from hostkv_providers._reservation import Reservation
 from hostkv_providers.cache._cache import HostKVCache
 from hostkv_providers.device._copy import CpuCopyEngine
 from hostkv_providers.device._hostmem import OrdinaryAllocator
