@@ -191,6 +191,16 @@ class _WriteBack(_Figures):
                 if not ok:
                     _log.warning("tiered write-back of %s failed: %s", node.key.hex()[:16], r)
                 self._written_back(node, ok)
+            # A failed page drops its subtree at once, while the rest of the batch still held
+            # their fast-tier leases: the per-page evictions of _written_back skipped the pages
+            # above a leased one, leaving copies in the fast tier that no index row names.  Now
+            # that every lease of the batch is released, evict those (unless saved again: then
+            # the key is in the index or in flight, and its copy is the new entry's).
+            contains, flights = idx.contains_fn, idx.flights
+            gone = [n.key for n in took if not contains(n.key) and n.key not in flights]
+            if gone:
+                with contextlib.suppress(HostKVError):
+                    self.fast.evict(gone)
         for node in single:
             self._write_back_one(node)
 
