@@ -437,7 +437,7 @@ def decode_phase(torch: Any, cache: HostKVCache, keys: list[hk.Key], caches: lis
         dump = _stall_dump()
         for _ in range(nsteps):
             if dump is not None:  # every thread's stack when a step takes > 3x its usual time
-                faulthandler.dump_traceback_later(0.04, file=dump)
+                faulthandler.dump_traceback_later(_STALL_S, file=dump)
             t = time.perf_counter()
             step()
             xs.append((time.perf_counter() - t) * 1e3)
@@ -478,6 +478,10 @@ def decode_phase(torch: Any, cache: HostKVCache, keys: list[hk.Key], caches: lis
 
 
 _DUMP: list[Any] = []
+
+
+#: ``HOSTKV_BENCH_STALL_MS``: a decode step slower than this is a stall for the dump (default 40 ms)
+_STALL_S = float(os.environ.get("HOSTKV_BENCH_STALL_MS", "40")) / 1e3
 
 
 def _stall_dump() -> Any:

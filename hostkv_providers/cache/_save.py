@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import itertools
+import operator
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -120,9 +122,14 @@ def save(
 
     def finish(h: CacheHandle) -> None:
         with self._lock:
-            for i in job.claimed:
-                if self._claims.get(ks[i]) is job:
-                    del self._claims[ks[i]]
+            claims = self._claims
+            mine = [ks[i] for i in job.claimed]
+            if all(map(operator.is_, map(claims.get, mine), itertools.repeat(job))):  # (C speed)
+                list(map(claims.__delitem__, mine))
+            else:
+                for k in mine:
+                    if claims.get(k) is job:
+                        del claims[k]
             res: SaveResult = h._result
             st = self._stats
             st.saved_pages += res.stored
@@ -140,15 +147,22 @@ def save(
     refused = False
     with self._lock:
         present = self.provider.present(ks[:admitted]) if admitted else []
-        for i in range(admitted):
-            if present[i]:
-                continue
-            owner = self._claims.get(ks[i])
-            if owner is not None:
-                job.deps[i] = owner
-            else:
-                self._claims[ks[i]] = job
-                job.claimed.append(i)
+        claims = self._claims
+        if not any(present) and not any(map(claims.__contains__, ks[:admitted])):
+            # the common case (a new chain, no other save of it in flight here) at C speed: a
+            # Python loop per page held the GIL for milliseconds on the engine's calling thread
+            claims.update(zip(ks[:admitted], itertools.repeat(job)))
+            job.claimed.extend(range(admitted))
+        else:
+            for i in range(admitted):
+                if present[i]:
+                    continue
+                owner = claims.get(ks[i])
+                if owner is not None:
+                    job.deps[i] = owner
+                else:
+                    claims[ks[i]] = job
+                    job.claimed.append(i)
         self._stats.saves += 1
         self._stats.rejected_pages += len(ks) - admitted
         # Queued under the same lock as the claims: a save that depends on an earlier one's
