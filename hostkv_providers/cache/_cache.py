@@ -539,7 +539,7 @@ class HostKVCache:
                 if any(isinstance(b, bool) or not isinstance(b, int | np.integer) for b in out):
                     raise InvalidArgumentError("block ids must be ints")
                 out = [int(b) for b in out]
-        if any(b < 0 for b in out):
+        if out and min(out) < 0:  # (min/max at C speed: these run on the engine's thread per call)
             raise InvalidArgumentError("block ids must be >= 0")
         if exact and len(out) != limit:
             raise InvalidArgumentError(f"{len(out)} block ids for {limit} {what}; give one per page")
@@ -550,9 +550,9 @@ class HostKVCache:
     @staticmethod
     def _check_blocks(planes: Any, bids: Sequence[int]) -> None:
         nb = int(getattr(planes, "num_blocks", 0))
-        bad = [b for b in bids if b >= nb]
-        if bad:
-            raise InvalidArgumentError(f"block id {bad[0]} outside the planes' {nb} blocks")
+        if bids and max(bids) >= nb:
+            bad = next(b for b in bids if b >= nb)
+            raise InvalidArgumentError(f"block id {bad} outside the planes' {nb} blocks")
 
     def _check_open(self) -> None:
         if self._closed:
