@@ -631,8 +631,10 @@ class SlotFile:
         while this thread writes the same buffers (both only read them; XXH3 and ``pwritev``
         release the GIL), so the hash costs no time of its own; a smaller one is hashed group
         by group right before each group is written (the kernel's copy then reads bytes the
-        hash has just brought into the CPU caches).  Either way every digest is in place, and
-        no hash is still running, when this returns or raises."""
+        hash has just brought into the CPU caches, so groups stay at ``_GROUP_NBYTES``); with
+        the hashes on the pool the adjacent runs go out in as few calls as ``IOV_MAX`` allows.
+        Either way every digest is in place, and no hash is still running, when this returns
+        or raises."""
         self._need_writable()
         for slot, nbytes, data in runs:
             if data.nbytes != nbytes:
@@ -672,7 +674,12 @@ class SlotFile:
                         done -= b.nbytes
                         pos += b.nbytes
 
-        groups = self._groups([(slot, nbytes) for slot, nbytes, _ in runs])
+        if not hash_ahead and digests is not None:  # hashed group by group: small groups
+            max_nbytes = _GROUP_NBYTES
+        else:  # no hash pass between the calls: as few pwritev calls as the threads allow
+            parts = _IO_THREADS if not hash_ahead and _use_pool(total_nbytes, len(runs)) else 1
+            max_nbytes = max(_GROUP_NBYTES, -(-total_nbytes // parts))
+        groups = self._groups([(slot, nbytes) for slot, nbytes, _ in runs], max_nbytes)
         if not hash_ahead:
             _spread(groups, total_nbytes, work)
             return
