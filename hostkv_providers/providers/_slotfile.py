@@ -636,10 +636,12 @@ class SlotFile:
         Either way every digest is in place, and no hash is still running, when this returns
         or raises."""
         self._need_writable()
+        sn, count = self.slot_nbytes, self.slot_count
         for slot, nbytes, data in runs:
             if data.nbytes != nbytes:
                 raise SpanError(f"a whole-entry write of {data.nbytes} bytes for an entry of {nbytes}")
-            self._data_range(slot, nbytes)
+            if type(slot) is not int or slot < 0 or slot + max(1, -(-nbytes // sn)) > count:
+                self._data_range(slot, nbytes)  # raises with the full message
         digest = xxhash.xxh3_64_intdigest
         if digests is not None:
             digests[:] = [0] * len(runs)
