@@ -285,3 +285,38 @@ def test_begin_write_runs_zeroes_every_run_and_checks_all_first(tmp_path: Path) 
         assert sf.header(3) == slotfile.SlotHeader(key, None, 4, 4096, 3, 0, 0, 0)
     finally:
         sf.close()
+
+
+@pytest.mark.parametrize("kind", ["mmap", "lmdb"])
+def test_a_hash_failing_on_the_pool_fails_the_chunk_after_every_write(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
+    """A hash task on the I/O pool that raises (here: a stand-in XXH3 that fails on one page)
+    fails the whole chunk once the caller's ``pwritev`` calls are over: nothing is stored, the
+    space is given back, and no header vouches for the page."""
+    monkeypatch.setattr(slotfile, "_PARALLEL_MIN_NBYTES", slotfile._parallel_min_nbytes(16))
+    real = xxhash.xxh3_64_intdigest
+    keys = chain(f"hash-fail-{kind}", BATCH)
+    bad = page_bytes(keys[9], SMALL)
+
+    def digest(b: bytes | memoryview) -> int:
+        if threading.current_thread().name.startswith("hostkv-io") and bytes(b[:64]) == bad[:64]:
+            raise RuntimeError("simulated hash failure")
+        return int(real(b))
+
+    if kind == "mmap":
+        p: Provider = MmapProvider(str(tmp_path / "s"), budget_bytes=16 * MiB, slot_nbytes=SMALL)
+    else:
+        p = LmdbProvider(tmp_path / "s", budget_bytes=16 * MiB, inline_max=0, file_nbytes=16 * MiB)
+    try:
+        monkeypatch.setattr(xxhash, "xxh3_64_intdigest", digest)
+        with pytest.raises(RuntimeError, match="simulated hash failure"):
+            p.put_many([(k, None, page_bytes(k, SMALL)) for k in keys])  # type: ignore[attr-defined]
+        monkeypatch.setattr(xxhash, "xxh3_64_intdigest", real)
+        assert p.present(keys) == [False] * BATCH
+        assert p.stats().used_bytes == 0
+        assert p.put_many([(k, None, page_bytes(k, SMALL)) for k in keys]) == [True] * BATCH  # type: ignore[attr-defined]
+        outs = [bytearray(SMALL) for _ in keys]
+        assert p.read_many(keys, outs) == [True] * BATCH  # type: ignore[attr-defined]
+        assert [bytes(o) for o in outs] == [page_bytes(k, SMALL) for k in keys]
+    finally:
+        p.close()
