@@ -697,9 +697,15 @@ class SlotFile:
         n = len(runs)
         parts = max(1, min(_IO_THREADS, total_nbytes // _HASH_SLICE_NBYTES, n))
         step = -(-n // parts)
-        futures = [_pool().submit(hash_slice, lo, min(n, lo + step)) for lo in range(0, n, step)]
+        futures: list[concurrent.futures.Future[None]] = []
         error: BaseException | None = None
         try:
+            for lo in range(0, n, step):
+                try:
+                    futures.append(_pool().submit(hash_slice, lo, min(n, lo + step)))
+                except RuntimeError:  # the interpreter is exiting (no new pool tasks): hash here
+                    hash_slice(lo, n)
+                    break
             work(groups)
         except BaseException as exc:
             error = exc

@@ -320,3 +320,24 @@ def test_a_hash_failing_on_the_pool_fails_the_chunk_after_every_write(
         assert [bytes(o) for o in outs] == [page_bytes(k, SMALL) for k in keys]
     finally:
         p.close()
+
+
+def test_writes_hash_on_the_callers_thread_when_the_pool_takes_no_tasks(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """At interpreter exit a thread pool refuses new tasks (``RuntimeError``): a put_many then
+    hashes its pages itself and stores them with the right checksums."""
+    monkeypatch.setattr(slotfile, "_PARALLEL_MIN_NBYTES", slotfile._parallel_min_nbytes(16))
+
+    class Refusing:
+        def submit(self, *args: object) -> None:
+            raise RuntimeError("cannot schedule new futures after interpreter shutdown")
+
+    p = MmapProvider(str(tmp_path / "s"), budget_bytes=16 * MiB, slot_nbytes=SMALL)
+    try:
+        monkeypatch.setattr(slotfile, "_pool", lambda: Refusing())
+        keys = chain("refused", BATCH)
+        assert p.put_many([(k, None, page_bytes(k, SMALL)) for k in keys]) == [True] * BATCH
+        assert p.verify().ok
+        assert all(p.read_bytes(k) == page_bytes(k, SMALL) for k in keys)
+    finally:
+        p.close()
