@@ -35,6 +35,7 @@ import time
 from typing import Any
 
 import numpy as np
+from _files import data_files, read_prefix, store_files
 
 import hostkv_providers as hk
 from hostkv_providers.cache import HostKVCache, paged_planes
@@ -101,16 +102,9 @@ def open_slow(url: str) -> hk.Provider:
     return LmdbProvider.from_url(location, options)
 
 
-def _store_files(root: str) -> list[str]:
-    out = []
-    for dirpath, _dirs, files in os.walk(root):
-        out += [os.path.join(dirpath, f) for f in files]
-    return sorted(out)
-
-
 def drop_page_cache(root: str) -> None:
     """fsync and evict every file of a store from the page cache (unmapped pages only)."""
-    for path in _store_files(root):
+    for path in store_files(root):
         fd = os.open(path, os.O_RDONLY)
         try:
             os.fsync(fd)
@@ -125,23 +119,12 @@ def raw_read_files(root: str, limit: int) -> dict[str, float]:
     16 MiB ``readv`` calls, cold then warm."""
     buf = bytearray(16 << 20)
     out: dict[str, float] = {}
-    data = [p for p in _store_files(root) if os.path.basename(p).startswith("data")] or _store_files(root)
+    data = data_files(root)
     for label in ("cold_gbps", "warm_gbps"):
         if label == "cold_gbps":
             drop_page_cache(root)
-        n = 0
-        t = time.perf_counter()
-        for path in data:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                while n < limit:
-                    k = os.readv(fd, [buf])
-                    if not k:
-                        break
-                    n += k
-            finally:
-                os.close(fd)
-        out[label] = round(n / (time.perf_counter() - t) / 1e9, 2)
+        n, seconds = read_prefix(data, limit, buf)
+        out[label] = round(n / seconds / 1e9, 2)
         out["gb"] = round(n / 1e9, 2)
     return out
 

@@ -36,6 +36,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+from _files import data_files, read_prefix, store_files
 
 import hostkv_providers as hk
 from hostkv_providers.cache import HostKVCache, paged_planes
@@ -231,13 +232,67 @@ def pinned_phase(torch: Any, cache: HostKVCache, provider: Any, keys: list[hk.Ke
     cache.restore(hit, planes, dst[:part], release=False).wait()
     ranged_ms = (time.perf_counter() - t) * 1e3
     hit.release()
+    layered = layerwise_restores(torch, cache, keys, caches, planes, src, dst)
     return {"bulk_d2h_ms": round(d2h_ms, 1), "bulk_h2d_ms": round(h2d_ms, 1), "saves": saves,
             "seal_hash_gbps": hash_gbps, "hash_threads": seal_threads,
             "save_sealed_x_bulk": round(d2h_ms / best["sealed_ms"], 3),
             "save_copied_x_bulk": round(d2h_ms / best["copied_ms"], 3),
             "restores": restores, "restore_best_x_bulk": round(h2d_ms / rbest, 3),
             "restore_median_x_bulk": round(h2d_ms / rmed, 3), "bytes_ok": ok,
-            "ranged_first_1_32_ms": round(ranged_ms, 1), "ranged_goal_ms": round(rbest / LAYERS + 1, 1)}
+            "ranged_first_1_32_ms": round(ranged_ms, 1), "ranged_goal_ms": round(rbest / LAYERS + 1, 1),
+            "layerwise": layered}
+
+
+def layerwise_restores(torch: Any, cache: HostKVCache, keys: list[hk.Key], caches: list[Any], planes: Any,
+                       src: list[int], dst: list[int], reps: int = 4) -> dict[str, Any]:
+    """restore(layerwise=True): time from the call to layer 0 usable on an engine stream
+    (``wait_layer_on(0, stream)``, then an event recorded on the stream is done), and to the
+    whole restore; a page-major restore alternates with it in the same run (lookups untimed)."""
+    stream = torch.cuda.Stream()
+    runs = []
+    for _ in range(reps):
+        for mode in ("layerwise", "page_major"):
+            hit = cache.lookup(keys)
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            h = cache.restore(hit, planes, dst, layerwise=mode == "layerwise")
+            h.wait_layer_on(0, stream)
+            ev = torch.cuda.Event()
+            ev.record(stream)
+            ev.synchronize()
+            first = time.perf_counter() - t
+            r = h.wait()
+            runs.append({"mode": mode, "layer0_ms": round(first * 1e3, 2),
+                         "ms": round((time.perf_counter() - t) * 1e3, 1), "pages": r.pages})
+    torch.cuda.synchronize()
+    ok = all(same(torch, c, src[:64], dst[:64]) and same(torch, c, src[-64:], dst[-64:]) for c in caches)
+    # The copy engine alone, the views taken before the clock starts: how much of layer 0's time
+    # is the cache's (leases and views of the hit's pages) and how much the copy's.
+    prov: Any = cache.provider
+    engine: Any = cache.engine
+    alone = []
+    with prov.lease(keys) as lease:
+        pages = prov.view_pages(lease, keys)
+        for _ in range(reps):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            h = engine.restore(pages, planes, dst, layerwise=True)
+            h.wait_layer_on(0, stream)
+            ev = torch.cuda.Event()
+            ev.record(stream)
+            ev.synchronize()
+            first = time.perf_counter() - t
+            h.wait()
+            alone.append({"layer0_ms": round(first * 1e3, 2), "ms": round((time.perf_counter() - t) * 1e3, 1),
+                          "device_layer0_ms": round((h.layer_seconds(0) or 0) * 1e3, 2),
+                          "device_ms": round((h.seconds or 0) * 1e3, 1)})
+    lw = [x for x in runs if x["mode"] == "layerwise"]
+    pm = [x for x in runs if x["mode"] == "page_major"]
+    full = min(x["ms"] for x in lw)
+    return {"runs": runs, "layer0_best_ms": min(x["layer0_ms"] for x in lw),
+            "layer0_median_ms": round(statistics.median(x["layer0_ms"] for x in lw), 2),
+            "full_best_ms": full, "page_major_best_ms": min(x["ms"] for x in pm),
+            "goal_ms": round(full / LAYERS + 1, 2), "bytes_ok": ok, "engine_alone": alone}
 
 
 def verified_phase(torch: Any, engine: Any, layout: hk.KVLayout, planes: Any, keys: list[hk.Key], src: list[int],
@@ -435,20 +490,13 @@ def _stall_dump() -> Any:
     return _DUMP[0]
 
 
-def _files(root: str) -> list[str]:
-    out = []
-    for dirpath, _dirs, files in os.walk(root):
-        out += [os.path.join(dirpath, f) for f in files]
-    return sorted(out)
-
-
 def drop_caches(root: str) -> None:
     os.sync()
     try:
         with open("/proc/sys/vm/drop_caches", "w") as f:
             f.write("3\n")
     except OSError:  # not root: evict the store's files only
-        for path in _files(root):
+        for path in store_files(root):
             fd = os.open(path, os.O_RDONLY)
             try:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
@@ -459,21 +507,7 @@ def drop_caches(root: str) -> None:
 def cold_read(root: str, limit: int) -> float:
     """Seconds to read the first ``limit`` bytes of the store's data files cold (16 MiB reads)."""
     drop_caches(root)
-    buf = bytearray(16 << 20)
-    data = [p for p in _files(root) if os.path.basename(p).startswith("data")] or _files(root)
-    n = 0
-    t = time.perf_counter()
-    for path in data:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            while n < limit:
-                k = os.readv(fd, [buf])
-                if not k:
-                    break
-                n += k
-        finally:
-            os.close(fd)
-    return time.perf_counter() - t
+    return read_prefix(data_files(root), limit)[1]
 
 
 def restart_phase(torch: Any, engine: Any, layout: hk.KVLayout, planes: Any, caches: list[Any], n: int,
@@ -558,6 +592,17 @@ def render(r: dict[str, Any]) -> str:
                      f"{pin['bulk_h2d_ms']} ms | {pin['restore_best_x_bulk']}x / {pin['restore_median_x_bulk']}x |")
         lines.append(f"| ranged restore of the first 1/32 of the hit | {pin['ranged_first_1_32_ms']} ms | goal "
                      f"{pin['ranged_goal_ms']} ms | |")
+        lw = pin.get("layerwise")
+        if lw:
+            rate = round(lw["page_major_best_ms"] / lw["full_best_ms"], 3)
+            lines.append(f"| layer-wise restore: layer 0 usable (ms; best / median; full layer-wise restore "
+                         f"{lw['full_best_ms']} ms, page-major {lw['page_major_best_ms']} ms) | "
+                         f"{lw['layer0_best_ms']} / {lw['layer0_median_ms']} ms | goal (full)/{LAYERS} + 1 = "
+                         f"{lw['goal_ms']} ms | full {rate}x page-major |")
+            al = min(lw["engine_alone"], key=lambda x: x["layer0_ms"])
+            lines.append(f"| the copy engine alone, views taken beforehand: layer 0 usable (device: layer 0 "
+                         f"{al['device_layer0_ms']} ms of {al['device_ms']} ms) | {al['layer0_ms']} ms | "
+                         f"full {al['ms']} ms | |")
     ver = r.get("verified")
     if ver:
         cost = ver.get("verification_cost")

@@ -14,7 +14,6 @@ only, so it is expected to hit nothing after a restart.  A third row runs LMCach
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import sys
 import tempfile
@@ -27,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "integ
 import _lmcache_engine as eng
 import torch
 from _memo import memoize
+from _report import print_rows
 
 # A realistic chunk (the tests use tiny ones): 256 tokens x 8 layers x K/V x 8 heads x 128 dims
 # bf16 = 8 MiB (MemoryFormat.KV_2LTD).
@@ -84,12 +84,7 @@ def main() -> None:
                                                 eng.REMOTE, n),
             "LMCache LocalDiskBackend": run(lambda: eng.make_manager(None, disk=str(base / "disk") + "/",
                                                                      cpu_gb=cpu_gb), "LocalDiskBackend", n)}
-    print(f"| LMCache 0.5.6 ({n} chunks, {rows['hostkv mmap']['GB']:.2f} GB) | store GB/s | load GB/s "
-          "| restart hit rate |")
-    print("| --- | --- | --- | --- |")
-    for name, r in rows.items():
-        print(f"| {name} | {r['store_GBps']:.2f} | {r['load_GBps']:.2f} | {r['restart_hit_rate']:.0%} |")
-    print(json.dumps(rows))
+    print_rows(f"LMCache 0.5.6 ({n} chunks, {rows['hostkv mmap']['GB']:.2f} GB)", rows)
     if args.dir is None:
         shutil.rmtree(base, ignore_errors=True)
 

@@ -15,7 +15,6 @@ the clock stops.  Needs ./.engine-site (scripts/dev-install.sh).
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import sys
 import tempfile
@@ -27,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "integ
 
 import _sglang_engine as eng
 import numpy as np
+from _report import print_rows
 
 # A realistic page (the tests use tiny ones): 64 tokens x 8 layers x K/V x 8 heads x 128 dims
 # bf16 = 2 MiB, the host pool's flat page_first page.
@@ -94,12 +94,7 @@ def main() -> None:
             for k in ("store_GBps", "load_GBps"):
                 best[k] = max(best[k], r[k])
             best["restart_hit_rate"] = min(best["restart_hit_rate"], r["restart_hit_rate"])
-    print(f"| SGLang 0.5.23 HiCacheController, L3 ({n} pages, {rows['hostkv mmap']['GB']:.2f} GB) "
-          "| store GB/s | load GB/s | restart hit rate |")
-    print("| --- | --- | --- | --- |")
-    for name, r in rows.items():
-        print(f"| {name} | {r['store_GBps']:.2f} | {r['load_GBps']:.2f} | {r['restart_hit_rate']:.0%} |")
-    print(json.dumps(rows))
+    print_rows(f"SGLang 0.5.23 HiCacheController, L3 ({n} pages, {rows['hostkv mmap']['GB']:.2f} GB)", rows)
     if args.dir is None:
         shutil.rmtree(base, ignore_errors=True)
 

@@ -14,7 +14,6 @@ looked up and promoted -- *load GB/s* is the bytes over the time until every pro
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import sys
 import tempfile
@@ -26,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "integ
 
 import _vllm_engine as eng
 from _memo import memoize
+from _report import print_rows
 
 ROW = 1 << 20  # 1 MiB chunks (the per-chunk scheduler work is vLLM's, the same for both tiers)
 
@@ -70,12 +70,7 @@ def main() -> None:
         ("vLLM fs tier", {"type": "fs", "root_dir": str(base / "fs")}),
     ):
         rows[name] = run(tier, n)
-    print(f"| vLLM 0.33.0 tier ({n} chunks, {rows['hostkv mmap']['GB']:.2f} GB) | store GB/s | load GB/s "
-          "| restart hit rate |")
-    print("| --- | --- | --- | --- |")
-    for name, r in rows.items():
-        print(f"| {name} | {r['store_GBps']:.2f} | {r['load_GBps']:.2f} | {r['restart_hit_rate']:.0%} |")
-    print(json.dumps(rows))
+    print_rows(f"vLLM 0.33.0 tier ({n} chunks, {rows['hostkv mmap']['GB']:.2f} GB)", rows)
     if args.dir is None:
         shutil.rmtree(base, ignore_errors=True)
 

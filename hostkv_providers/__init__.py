@@ -23,8 +23,10 @@ from hostkv_providers import cache, device, errors, providers
 from hostkv_providers._errors import CapacityError, CorruptStoreError, HostKVError, InvalidArgumentError
 from hostkv_providers._keys import ZERO_KEY, Key, MediaItem, Salt, chain_keys
 from hostkv_providers._layout import KVLayout
-from hostkv_providers._provider import EntryInfo, Lease, Provider, ProviderStats, Reservation
+from hostkv_providers._provider import Provider
 from hostkv_providers._registry import available_providers, open_provider
+from hostkv_providers._reports import EntryInfo, ProviderStats
+from hostkv_providers._reservation import Lease, Reservation
 from hostkv_providers._span import ByteSpan
 from hostkv_providers.cache._cache import CacheHandle, CacheHit, HostKVCache, RestoreResult, SaveResult
 from hostkv_providers.device._copy import cuda_available, default_copy_engine

@@ -15,11 +15,13 @@ __all__ = [
     "BudgetWarning",
     "CapacityError",
     "ClosedError",
+    "CopyArgumentError",
+    "CopyEngineError",
     "CorruptStoreError",
     "HostKVError",
+    "InFlightError",
     "IncompatibleStoreError",
     "IncompleteWriteError",
-    "InFlightError",
     "InvalidArgumentError",
     "LockedError",
     "NoSpaceError",
@@ -32,8 +34,6 @@ __all__ = [
     "UnknownProviderError",
     "UnsafeStoreError",
     "UsedAfterForkError",
-    "CopyEngineError",
-    "CopyArgumentError",
 ]
 
 

@@ -6,52 +6,7 @@ carries a one-line ``hint`` the CLI prints.
 
 from __future__ import annotations
 
-from hostkv_providers._errors import (
-    BudgetWarning,
-    CapacityError,
-    ClosedError,
-    CopyArgumentError,
-    CopyEngineError,
-    CorruptStoreError,
-    HostKVError,
-    IncompatibleStoreError,
-    IncompleteWriteError,
-    InFlightError,
-    InvalidArgumentError,
-    LockedError,
-    NoSpaceError,
-    ReservationError,
-    RetainedError,
-    SpanError,
-    StorageIOError,
-    StoreNotFoundError,
-    UnknownKeyError,
-    UnknownProviderError,
-    UnsafeStoreError,
-    UsedAfterForkError,
-)
+from hostkv_providers import _errors
+from hostkv_providers._errors import *  # noqa: F403  (the public names: _errors.__all__, listed once)
 
-__all__ = [
-    "BudgetWarning",
-    "CapacityError",
-    "ClosedError",
-    "CopyArgumentError",
-    "CopyEngineError",
-    "CorruptStoreError",
-    "HostKVError",
-    "InFlightError",
-    "IncompatibleStoreError",
-    "IncompleteWriteError",
-    "InvalidArgumentError",
-    "LockedError",
-    "NoSpaceError",
-    "ReservationError",
-    "RetainedError",
-    "SpanError",
-    "StorageIOError",
-    "StoreNotFoundError",
-    "UnknownKeyError",
-    "UnknownProviderError",
-    "UnsafeStoreError",
-    "UsedAfterForkError",
-]
+__all__ = _errors.__all__

@@ -37,8 +37,10 @@ import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+from hostkv_providers._capabilities import SupportsStoreCounters
 from hostkv_providers._errors import HostKVError, InvalidArgumentError
-from hostkv_providers._provider import Provider, ProviderStats, SupportsStoreCounters
+from hostkv_providers._provider import Provider
+from hostkv_providers._reports import ProviderStats
 
 __all__ = ["DEFAULT_BUCKETS", "LatencyHistogram", "ProviderCollector", "provider_tiers"]
 

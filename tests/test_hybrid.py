@@ -27,8 +27,9 @@ from hostkv_providers.cache import (
 from hostkv_providers.device._copy import CpuCopyEngine
 from hostkv_providers.device._hostmem import OrdinaryAllocator
 
-# the helpers of test_cache.py (the suite runs with --import-mode=importlib: load it by path)
-_spec = importlib.util.spec_from_file_location("_hostkv_test_cache", Path(__file__).parent / "cache" / "test_cache.py")
+# the cache tests' helpers (the suite runs with --import-mode=importlib: load them by path)
+_spec = importlib.util.spec_from_file_location(
+    "_hostkv_cache_common", Path(__file__).parent / "cache" / "_cache_common.py")
 assert _spec is not None and _spec.loader is not None
 _tc = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_tc)

@@ -49,6 +49,8 @@ from typing import Any
 
 import numpy as np
 
+from hostkv_providers._capabilities import SupportsBatch, SupportsBatchViews, SupportsViews
+from hostkv_providers._checks import check_anchor_name, check_timeout
 from hostkv_providers._errors import (
     ClosedError,
     HostKVError,
@@ -56,14 +58,7 @@ from hostkv_providers._errors import (
 )
 from hostkv_providers._keys import ZERO_KEY, Key, MediaItem, Salt, as_key, chain_keys
 from hostkv_providers._layout import KVLayout
-from hostkv_providers._provider import (
-    Provider,
-    SupportsBatch,
-    SupportsBatchViews,
-    SupportsViews,
-    check_anchor_name,
-    check_timeout,
-)
+from hostkv_providers._provider import Provider
 from hostkv_providers.cache import _restore, _save
 from hostkv_providers.cache._admission import (
     AdmissionPolicy,

@@ -12,10 +12,7 @@ from hostkv_providers._errors import (
     InvalidArgumentError,
 )
 from hostkv_providers._layout import KVLayout
-from hostkv_providers._provider import (
-    HostRegion,
-)
-from hostkv_providers._region import HostPages
+from hostkv_providers._region import HostPages, HostRegion
 from hostkv_providers.device._hostmem import HostAllocation, HostAllocator, OrdinaryAllocator
 
 AnchorBlobs = Mapping[str, object]

@@ -10,12 +10,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from hostkv_providers._checks import check_timeout
 from hostkv_providers._errors import InvalidArgumentError, UnknownKeyError
 from hostkv_providers._keys import Key
-from hostkv_providers._provider import (
-    Lease,
-    check_timeout,
-)
+from hostkv_providers._reservation import Lease
 from hostkv_providers.metrics import LatencyHistogram
 
 if TYPE_CHECKING:
@@ -66,11 +64,23 @@ class CacheHandle:
     the restored bytes; a save: the blocks may be overwritten by kernels enqueued afterwards),
     also when the copies have not been issued yet.  :attr:`event` is the completion event of the
     copies (a ``CUevent``; ``None`` for host copies), available once they are issued.
+
+    Per-layer completion (a restore started with ``layerwise=True``): :meth:`wait_layer_on`,
+    :meth:`wait_layer`, :meth:`layer_done` and :meth:`layer_event` are the same for layer ``i``
+    of every restored page only, so an engine's layer ``i`` prefill waits for layer ``i``'s bytes
+    and no more.  An engine that uses them passes no ``before=`` to the restore (that orders the
+    stream behind the whole restore) and calls ``wait_layer_on(i, stream)`` before it enqueues
+    layer ``i``'s kernels.  They never report a layer early: where a path cannot complete layers
+    one by one (bounce buffers, several copies per hit, a restore without ``layerwise``) a layer
+    completes with the whole restore.  Like :meth:`wait_on` they say that the bytes were
+    copied; how many pages are valid (a checksum failure truncates the hit) is
+    ``wait().pages``, which the engine checks before it keeps what it computed from them.
     """
 
-    def __init__(self, kind: str, engine: Any = None) -> None:
+    def __init__(self, kind: str, engine: Any = None, num_layers: int | None = None) -> None:
         self.kind = kind
         self._engine = engine
+        self.num_layers = num_layers
         self._done = threading.Event()
         self._copied = threading.Event()
         self._result: Any = None
@@ -85,7 +95,9 @@ class CacheHandle:
         # device-copy ordering: transfers issued so far, gates waiting for the last of them
         self._transfers: list[Any] = []
         self._issued_evt = threading.Event()
-        self._gates: list[Any] = []
+        self._gates: list[tuple[Any, int | None]] = []  # (gate, layer or None for the whole)
+        # layers whose copies are all issued before the rest of the restore's (layer-wise restores)
+        self._ready: list[threading.Event] = [threading.Event() for _ in range(num_layers or 0)]
 
     def done(self) -> bool:
         """Whether the transfer has finished (successfully or not)."""
@@ -119,17 +131,93 @@ class CacheHandle:
         if stream is None:
             self.wait()
             return
+        self._order(stream, None)
+
+    def _issued_flag(self, layer: int | None) -> threading.Event:
+        """Set once every copy that writes ``layer`` (``None``: any) is issued."""
+        return self._issued_evt if layer is None or not self._ready else self._ready[layer]
+
+    def _order(self, stream: Any, layer: int | None) -> None:
         gate_fn = getattr(self._engine, "gate", None)
+        flag = self._issued_flag(layer)
         with self._lock:
-            if not self._issued_evt.is_set() and gate_fn is not None:
-                self._gates.append(gate_fn(stream))
+            if not flag.is_set() and gate_fn is not None:
+                self._gates.append((gate_fn(stream), layer))
                 return
-        self._issued_evt.wait()
+        flag.wait()
+        transfers = self._layer_transfers(layer)
         if gate_fn is not None:
-            gate_fn(stream).open_after(list(self._transfers))
+            gate_fn(stream).open_after(transfers)
         else:
-            for t in list(self._transfers):
+            for t in transfers:
                 t.wait_on(stream)
+
+    def _layer_transfers(self, layer: int | None) -> list[Any]:
+        """The transfers a wait for ``layer`` (``None``: everything) waits on: every transfer's
+        part of that layer (a transfer that cannot tell its layers apart: all of it)."""
+        transfers = list(self._transfers)
+        if layer is None:
+            return transfers
+        out = []
+        for t in transfers:
+            moves = getattr(t, "moves_layer", None)
+            if moves is None:
+                out.append(t)  # an engine without per-layer completion: the whole transfer
+            elif moves(layer):
+                out.append(t.layer(layer))
+        return out
+
+    def _check_layer(self, layer: int) -> int:
+        n = self.num_layers
+        if type(layer) is not int or layer < 0 or (n is not None and layer >= n):
+            span = "a non-negative int" if n is None else f"an int in [0, {n})"
+            raise InvalidArgumentError(f"layer must be {span}, got {layer!r}")
+        return layer
+
+    def wait_layer_on(self, layer: int, stream: Any) -> None:
+        """Order ``stream`` after layer ``layer`` of this restore's copies, without blocking the host.
+
+        Work enqueued on ``stream`` after this call runs only once layer ``layer`` of every
+        restored page is in the blocks (whether or not the copies have been issued yet: the
+        stream is gated until they are).  Layer ``i`` completing implies every layer before it.
+        ``stream=None`` blocks until then (:meth:`wait_layer`)."""
+        self._check_layer(layer)
+        if stream is None:
+            self.wait_layer(layer)
+            return
+        self._order(stream, layer)
+
+    def wait_layer(self, layer: int, timeout: float | None = None) -> bool:
+        """Block until layer ``layer`` of every restored page is in the blocks; ``False`` on
+        timeout.  Raises the transfer's error if the copies failed."""
+        self._check_layer(layer)
+        deadline = None if timeout is None else time.monotonic() + check_timeout(timeout)
+        if not self._issued_flag(layer).wait(None if deadline is None else max(0.0, deadline - time.monotonic())):
+            return False
+        for t in self._layer_transfers(layer):
+            if not t.wait(None if deadline is None else max(0.0, deadline - time.monotonic())):
+                return False
+        return True
+
+    def layer_done(self, layer: int) -> bool:
+        """Whether layer ``layer`` of every restored page is in the blocks (polls)."""
+        self._check_layer(layer)
+        if self._done.is_set():
+            return True
+        return self._issued_flag(layer).is_set() and all(t.done() for t in self._layer_transfers(layer))
+
+    def layer_event(self, layer: int) -> Any:
+        """The ``CUevent`` that completes layer ``layer`` (blocks until the copies are issued);
+        ``None`` for host copies or when nothing was copied.  One event stands for every copy of
+        the restore only because one engine completes its restores in order; prefer
+        :meth:`wait_layer_on`, which needs no such reasoning."""
+        self._check_layer(layer)
+        self._issued_flag(layer).wait()
+        for t in reversed(self._layer_transfers(layer)):
+            ev = getattr(t, "event", None)
+            if ev is not None:
+                return ev
+        return None
 
     @property
     def event(self) -> Any:
@@ -145,16 +233,28 @@ class CacheHandle:
     def _add_transfer(self, transfer: Any) -> None:
         self._transfers.append(transfer)
 
+    def _layers_issued(self, layers: range) -> None:
+        """Every copy that writes one of ``layers`` is issued (more copies of other layers may
+        follow): open the gates waiting for those layers now."""
+        with self._lock:
+            for layer in layers:
+                self._ready[layer].set()
+            gates = [(g, lay) for g, lay in self._gates if lay is not None and lay in layers]
+            self._gates = [(g, lay) for g, lay in self._gates if lay is None or lay not in layers]
+        for g, layer in gates:
+            g.open_after(self._layer_transfers(layer))
+
     def _all_issued(self) -> None:
         """Every copy of this transfer is issued (or none will be): open the gates behind them."""
         with self._lock:
             if self._issued_evt.is_set():
                 return
             self._issued_evt.set()
+            for flag in self._ready:
+                flag.set()
             gates, self._gates = self._gates, []
-        transfers = list(self._transfers)
-        for g in gates:
-            g.open_after(transfers)
+        for g, layer in gates:
+            g.open_after(self._layer_transfers(layer))
 
     @property
     def error(self) -> BaseException | None:
@@ -230,6 +330,10 @@ class CacheHit:
         self._anchor_key = anchor_key  # the page whose anchor the hit resumes from (need_anchor)
         self._anchor: bytes | None = None
         self._released = lease is None
+        # restores that read the pages through this hit's own lease (layer-wise restores): the
+        # lease is let go only once the last of them is done, whenever release() is called
+        self._readers = 0
+        self._hold_lock = threading.Lock()
         self.hybrid: Any = None  # hybrid hook (cache/_hybrid.py): the prefill this miss produces
 
     @property
@@ -273,11 +377,27 @@ class CacheHit:
         return self._released
 
     def release(self) -> None:
-        """Unpin the pages (idempotent)."""
-        if self._released:
-            return
-        self._released = True
+        """Unpin the pages (idempotent).  While a restore reads them through this hit's lease
+        (``restore(layerwise=True)`` from views), the pages stay pinned until it is done."""
+        with self._hold_lock:
+            if self._released:
+                return
+            self._released = True
+            if self._readers:
+                return  # the last reader lets the lease go
         if self.lease is not None:
+            self.lease.release()
+
+    def _hold(self) -> None:
+        """A restore reads the pages through this hit's lease from now on (the hit is unreleased)."""
+        with self._hold_lock:
+            self._readers += 1
+
+    def _unhold(self) -> None:
+        with self._hold_lock:
+            self._readers -= 1
+            go = self._readers == 0 and self._released
+        if go and self.lease is not None:
             self.lease.release()
 
     def __enter__(self) -> CacheHit:

@@ -39,10 +39,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from hostkv_providers._checks import check_anchor_name, readable_bytes
 from hostkv_providers._checksum import checksum
 from hostkv_providers._errors import InvalidArgumentError
 from hostkv_providers._keys import Key
-from hostkv_providers._provider import check_anchor_name, readable_bytes
 
 if TYPE_CHECKING:
     from hostkv_providers.cache._cache import CacheHandle, CacheHit, HostKVCache, RestoreResult, SaveResult

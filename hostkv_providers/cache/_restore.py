@@ -8,16 +8,15 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from hostkv_providers._blockhash import TREE_ALGORITHM
 from hostkv_providers._errors import (
     InvalidArgumentError,
 )
 from hostkv_providers._keys import Key
-from hostkv_providers._provider import (
-    HostRegion,
-    Lease,
-)
-from hostkv_providers._region import HostPages
+from hostkv_providers._region import HostPages, HostRegion
+from hostkv_providers._reservation import Lease
 from hostkv_providers.cache._common import (
     _VIEW_LEASE_PAGES,
     _as_planes,
@@ -29,6 +28,7 @@ from hostkv_providers.cache._handles import (
     CacheHit,
     RestoreResult,
 )
+from hostkv_providers.device import CopyEngine
 
 if TYPE_CHECKING:
     from hostkv_providers.cache._cache import HostKVCache
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 def restore(self: HostKVCache, hit: CacheHit, into: Any, block_ids: Sequence[int], *, before: Any = None,
             release: bool = True, first_page: int = 0,
-            anchors_into: Mapping[str, Any] | None = None) -> CacheHandle:
+            anchors_into: Mapping[str, Any] | None = None, layerwise: bool = False) -> CacheHandle:
     """Copy the hit's pages into the engine's KV blocks, asynchronously.
 
     Parameters
@@ -68,6 +68,16 @@ def restore(self: HostKVCache, hit: CacheHit, into: Any, block_ids: Sequence[int
     anchors_into:
         Hybrid caches: ``{name: writable buffer}`` the anchors are copied into (once, on the
         restore thread); ``result.anchors[name]`` then views that buffer.
+    layerwise:
+        Complete the restore layer by layer: the handle's :meth:`CacheHandle.wait_layer_on`
+        ``(i, stream)`` orders ``stream`` behind layer ``i`` of every page only, so the
+        engine's layer ``i`` prefill overlaps the copy of the later layers (pass no
+        ``before=`` then: it orders the stream behind the whole restore).  Delivered layer by
+        layer where the hit's pages are zero-copy views of pinned memory in one run
+        (``pinned://``, the fast tier of ``tiered://``): the whole range goes to the copy
+        engine as one layer-major transfer.  Through bounce buffers (``mmap://``, ``lmdb://``,
+        ``tiered://``'s slow tier) and per-page views, every layer completes with the whole
+        restore (the per-layer calls stay correct, they are just not earlier).
 
     Returns
     -------
@@ -85,11 +95,13 @@ def restore(self: HostKVCache, hit: CacheHit, into: Any, block_ids: Sequence[int
     if not hit.num_pages or first_page == hit.num_pages:
         # nothing to restore; a finished handle keeps callers uniform
         self._block_ids(block_ids, 0, "hit pages")
-        done = CacheHandle("restore", self.engine)
+        done = CacheHandle("restore", self.engine, self.layout.num_layers)
         done._finish(RestoreResult())
         return done
     if hit.released:
         raise InvalidArgumentError("the hit was released; look it up again")
+    if not isinstance(layerwise, bool):
+        raise InvalidArgumentError(f"layerwise must be a bool, got {layerwise!r}")
     bids = self._block_ids(block_ids, hit.num_pages - first_page, "hit pages")
     planes = _as_planes(self.layout, into)
     self._check_blocks(planes, bids)
@@ -104,7 +116,7 @@ def restore(self: HostKVCache, hit: CacheHit, into: Any, block_ids: Sequence[int
             if before is not None:  # the caller's stream is ordered behind the shared copies
                 prior.wait_on(before)
             return prior
-        handle = CacheHandle("restore", self.engine)
+        handle = CacheHandle("restore", self.engine, self.layout.num_layers)
         self._restores[ident] = handle
         if before is not None:
             try:
@@ -116,6 +128,13 @@ def restore(self: HostKVCache, hit: CacheHit, into: Any, block_ids: Sequence[int
                 raise
     if self._hybrid is not None:  # hybrid hook: where the anchors go
         self._hybrid.note_restore(handle, anchors_into, first_page)
+
+    # A layer-wise restore from views reads through the hit's own lease (see _restore_layer_major):
+    # the hit holds its pages until the restore is done, whenever it is released.
+    layered = (layerwise and self._views and self._page_views and hit.lease is not None
+               and isinstance(self.engine, CopyEngine) and self.layout.num_layers > 1)
+    if layered:
+        hit._hold()
 
     def finish(h: CacheHandle) -> None:
         with self._lock:
@@ -129,18 +148,25 @@ def restore(self: HostKVCache, hit: CacheHit, into: Any, block_ids: Sequence[int
                 self._restore_lat.add(h.seconds)
         if release:
             hit.release()
+        if layered:
+            hit._unhold()
 
     handle._on_finish(finish)
-    self._restore_pool.submit(self._run_restore, handle, hit, keys, planes, bids)
+    try:
+        self._restore_pool.submit(self._run_restore, handle, hit, keys, planes, bids, layered)
+    except BaseException:
+        if layered:
+            hit._unhold()
+        raise
     return handle
 
 
 def _run_restore(self: HostKVCache, handle: CacheHandle, hit: CacheHit, keys: Sequence[Key], planes: Any,
-                 bids: Sequence[int]) -> None:
+                 bids: Sequence[int], layered: bool = False) -> None:
     result = RestoreResult()
     handle._result = result
     try:
-        self._restore_pages(handle, result, hit, keys, planes, bids)
+        self._restore_pages(handle, result, hit, keys, planes, bids, layered)
         if self._hybrid is not None:  # hybrid hook: anchors read with the restore, cut back
             self._hybrid.finish_restore(handle, result, keys, hit.keys)
     except BaseException as exc:
@@ -150,7 +176,14 @@ def _run_restore(self: HostKVCache, handle: CacheHandle, hit: CacheHit, keys: Se
 
 
 def _restore_pages(self: HostKVCache, handle: CacheHandle, result: RestoreResult, hit: CacheHit, keys: Sequence[Key],
-                   planes: Any, bids: Sequence[int]) -> None:
+                   planes: Any, bids: Sequence[int], layered: bool = False) -> None:
+    # ``layered``: a layer-wise restore from chunk-level views (one address array per chunk, no
+    # per-page objects; restore() decided it and holds the hit): layer 0 of each chunk goes to
+    # the engine as soon as the chunk's views are taken (the views overlap layer 0's copy), then
+    # layers 1.. of the whole range as one layer-major transfer.  Layer 0 of the last page so
+    # lands at about 1/num_layers of the restore, not behind every earlier chunk.  On every other
+    # path the pages go chunk by chunk, page-major (the fastest), and every layer completes with
+    # the whole restore.  (The library's engines take ``layers=``; a CopyEngineLike may not.)
     chunk = self.chunk_pages
     P = self.page_nbytes
     # in-flight engine transfers with what they read from: a bounce buffer or view leases, and
@@ -190,6 +223,8 @@ def _restore_pages(self: HostKVCache, handle: CacheHandle, result: RestoreResult
             # pins them: ~0.1 s per 512 MiB with the disk idle otherwise).
             self.provider.prefetch(keys[:chunk])
         i = 0
+        if layered:
+            i, check = _restore_layer_major(self, handle, result, hit, keys, planes, bids, pending)
         while i < len(keys) and not bad:
             part = keys[i : i + chunk]
             srcs: list[Sequence[HostRegion]] | HostPages | None = None
@@ -293,3 +328,64 @@ def _restore_pages(self: HostKVCache, handle: CacheHandle, result: RestoreResult
             retire()
         if check is not None:
             check.close()
+
+
+def _restore_layer_major(self: HostKVCache, handle: CacheHandle, result: RestoreResult, hit: CacheHit,
+                         keys: Sequence[Key], planes: Any, bids: Sequence[int],
+                         pending: list[Any]) -> tuple[int, RestoreCheck | None]:
+    """The layer-wise path of :func:`_restore_pages` (see there): layer 0 part by part as the
+    views are taken, then layers 1.. of every viewed page in one transfer.  Returns how many
+    leading pages it took (the caller restores the rest, if a part had no chunk-level views)
+    and the GPU verification it set up."""
+    engine: Any = self.engine  # a CopyEngine (restore() checked): it takes layers=
+    num_layers = self.layout.num_layers
+    parts: list[HostPages] = []
+    # The views come through the hit's own lease, which restore() holds until the restore is
+    # done: a lease per chunk costs a few microseconds a page (more than layer 0's copy of that
+    # page).  One call takes the whole hit's views when the provider finds them through the
+    # lease's own rows (pinned: a slice comparison and a generation check, ~0.1 us a page), so
+    # layer 0 of every page goes as one transfer; a part that has no chunk-level views ends the
+    # loop and the caller restores the rest page-major.
+    step = len(keys)
+    i = 0
+    while i < len(keys):
+        part = keys[i : i + step]
+        pages = self.provider.view_pages(hit.lease, part)  # type: ignore[attr-defined]
+        if pages is None:
+            break
+        step = min(2 * step, 2048)
+        parts.append(pages)
+        h = engine.restore(pages, planes, bids[i : i + len(part)], layers=range(1))
+        handle._add_transfer(h)
+        pending.append((h, None, [], None))
+        i += len(part)
+        # Wait (GIL released) until the engine's worker has issued this part's copies before
+        # taking the next part's views: a thread running Python here would keep the worker from
+        # the GIL for up to the switch interval (5 ms), and layer 0's copies would wait for it.
+        # (The CUDA engine's layer_event blocks until that layer is recorded; host copies: no wait.)
+        h.layer_event(0)
+    if not parts:
+        return 0, None
+    if i == len(keys):
+        handle._layers_issued(range(1))  # nothing else writes layer 0: its waiters may go now
+    addresses = np.concatenate([p.addresses for p in parts])
+    sums = None
+    if all(p.checksums is not None for p in parts):
+        sums = np.concatenate([p.checksums for p in parts])
+    every = HostPages(addresses, parts[0].page_nbytes, pinned=all(p.pinned for p in parts), readonly=True,
+                      keepalive=tuple(parts), checksums=sums, algorithm=parts[0].algorithm)
+    h = engine.restore(every, planes, bids[:i], layers=range(1, num_layers))
+    verify = None
+    check: RestoreCheck | None = None
+    if sums is not None and every.algorithm == TREE_ALGORITHM:
+        # views of a store that verifies reads: the blocks are checked on the GPU behind the last
+        # transfer (every layer of every page is in place once it is done)
+        check = restore_check(planes)
+        if check is not None:
+            verify = (0, check.enqueue(h, bids[:i]), sums)
+    handle._add_transfer(h)
+    pending.append((h, None, [], verify))
+    result.viewed += i
+    result.pages += i
+    result.nbytes += i * self.page_nbytes
+    return i, check

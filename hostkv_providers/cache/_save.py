@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from hostkv_providers._blockhash import TREE_ALGORITHM
+from hostkv_providers._chain import ReservedChain
+from hostkv_providers._checks import check_anchor_name, readable_bytes
 from hostkv_providers._errors import (
     CapacityError,
     ClosedError,
@@ -24,13 +26,8 @@ from hostkv_providers._errors import (
     UnknownKeyError,
 )
 from hostkv_providers._keys import Key, as_key
-from hostkv_providers._provider import (
-    HostRegion,
-    Lease,
-    Reservation,
-    check_anchor_name,
-    readable_bytes,
-)
+from hostkv_providers._region import HostRegion
+from hostkv_providers._reservation import Lease
 from hostkv_providers.cache._admission import (
     AdmissionRequest,
 )
@@ -422,7 +419,7 @@ def _direct_chunks(self: HostKVCache, job: _SaveJob, result: SaveResult, planes:
     prov = self.provider
     P = self.page_nbytes
     tag = self.salt.tag
-    inflight: collections.deque[tuple[int, list[Reservation | None], Any]] = collections.deque()
+    inflight: collections.deque[tuple[int, ReservedChain, Any]] = collections.deque()
     pos = s
     # Checksums from the GPU (xxh3-256k-tree stores, pages in CUDA memory): each chunk is hashed
     # in HBM behind the save's `after` mark and its copy is ordered behind the hash, so the
@@ -431,27 +428,41 @@ def _direct_chunks(self: HostKVCache, job: _SaveJob, result: SaveResult, planes:
     digests: dict[int, Any] = {}
 
     def seal_oldest() -> str | None:
-        lo, ress, h = inflight.popleft()
+        # Chain-level: a chunk-level run (pinned) is sealed with no Python object per page.
+        lo, rc, h = inflight.popleft()
         if h is not None:
             h.wait()
-        real = [r for r in ress if r is not None]
-        for res in real:
-            res.mark_written()
+        rc.mark_written()
         failure: HostKVError | None = None
         dg = digests.pop(lo, None)
-        if real:
+        nres = len(rc.positions()) if rc.run is None else len(rc)
+        if nres:
             try:
                 if dg is not None:
-                    prov.seal_many(real, checksums=dg.roots(), algorithm=TREE_ALGORITHM)
+                    rc.seal(checksums=dg.roots(), algorithm=TREE_ALGORITHM)
                 else:
-                    prov.seal_many(real)
+                    rc.seal()
             except HostKVError as exc:  # a prefix is sealed, the rest aborted
                 failure = exc
-        for m, r in enumerate(ress):
+        sealed = rc.sealed
+        if sealed == nres:
+            result.stored += sealed
+            result.nbytes += sealed * P
+            result.dedup += len(rc) - nres
+            for i in sorted(b for b in blobs if lo <= b < lo + len(rc)):
+                why = self._attach(ks[i], i, blobs, result)
+                if why is not None:
+                    return why
+            return None
+        # a failure part-way: count up to the first page that was not sealed, as the pages go
+        done = 0
+        for m in (range(len(rc)) if rc.run is not None else range(len(rc.reservations))):
+            r = None if rc.run is not None else rc.reservations[m]
             i = lo + m
-            if r is None:
+            if rc.run is None and r is None:
                 result.dedup += 1
-            elif r.state == "sealed":
+            elif done < sealed:
+                done += 1
                 result.stored += 1
                 result.nbytes += P
             else:
@@ -468,9 +479,9 @@ def _direct_chunks(self: HostKVCache, job: _SaveJob, result: SaveResult, planes:
             hi = min(n, pos + self.chunk_pages)
             chunk_keys = ks[pos:hi]
             rc = prov.reserve_many(chunk_keys, [prev, *chunk_keys[:-1]], P, salt_tag=tag)
-            ress = rc.reservations
-            if ress:
-                idx = [pos + m for m, r in enumerate(ress) if r is not None]
+            got = len(rc)
+            if got:
+                idx = [pos + m for m in rc.positions()]
                 h = None
                 if idx:
                     try:
@@ -483,18 +494,15 @@ def _direct_chunks(self: HostKVCache, job: _SaveJob, result: SaveResult, planes:
                         if rc.pages is not None and isinstance(self.engine, CopyEngine):
                             h = self.engine.save(planes, chunk_bids, rc.pages, after=order)
                         else:
-                            h = self.engine.save(planes, chunk_bids, [r.regions() for r in ress if r is not None],
-                                                 after=order)
+                            h = self.engine.save(planes, chunk_bids,
+                                                 [r.regions() for r in rc.reservations if r is not None], after=order)
                     except BaseException:
-                        for r in ress:
-                            if r is not None:
-                                with contextlib.suppress(HostKVError):
-                                    prov.abort(r)
+                        rc.abort()
                         raise
                     job.handle._add_transfer(h)
-                inflight.append((pos, ress, h))
-                prev = chunk_keys[len(ress) - 1]
-                pos += len(ress)
+                inflight.append((pos, rc, h))
+                prev = chunk_keys[got - 1]
+                pos += got
             if pos >= n:
                 job.handle._all_issued()
             err = rc.error
@@ -549,14 +557,11 @@ def _direct_chunks(self: HostKVCache, job: _SaveJob, result: SaveResult, planes:
         if sums is not None:
             with contextlib.suppress(Exception):
                 sums.close()
-        for _lo, ress, h in inflight:
+        for _lo, rc, h in inflight:
             if h is not None:
                 with contextlib.suppress(Exception):
                     h.wait()
-            for r in ress:
-                if r is not None and r.state == "open":
-                    with contextlib.suppress(HostKVError):
-                        prov.abort(r)
+            rc.abort()
     return stop
 
 

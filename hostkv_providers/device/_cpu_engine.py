@@ -11,11 +11,13 @@ from typing import Any
 from hostkv_providers._errors import (
     CopyArgumentError,
 )
+from hostkv_providers._layout import PlaneSpec
 from hostkv_providers._region import HostPages
 from hostkv_providers.device._engine import (
     CopyEngine,
     _check_distinct,
     _check_ids,
+    _check_layers,
     _check_pages,
     _Page,
     _Pages,
@@ -72,7 +74,7 @@ class CpuCopyEngine(CopyEngine):
         return self._submit("save", planes, ids, pages, dst, wait_for=mark)
 
     def restore(self, src: Sequence[Any] | HostPages, planes: KVPlanes, block_ids: Sequence[int], *,
-                before: Any = None) -> TransferHandle:
+                before: Any = None, layerwise: bool = False, layers: range | None = None) -> TransferHandle:
         self._check_open()
         self._check_planes(planes)
         if planes.readonly:
@@ -80,14 +82,19 @@ class CpuCopyEngine(CopyEngine):
         ids = _check_ids(planes, block_ids)
         _check_distinct(ids)
         pages = _check_pages(planes.layout, src, len(ids), writable=False)
+        moved = _check_layers(planes.layout, layerwise, layers)
         gate = self.gate(before)
-        handle = self._submit("restore", planes, ids, pages, src)
+        handle = self._submit("restore", planes, ids, pages, src, moved=moved, limited=layers is not None)
         gate.open_after([handle])
         return handle
 
-    def _submit(self, direction: str, planes: KVPlanes, ids: list[int], pages: _Pages,
-                keep: object, wait_for: StreamMark | None = None) -> TransferHandle:
-        handle = _CpuHandle(len(ids) * planes.layout.page_nbytes)
+    def _submit(self, direction: str, planes: KVPlanes, ids: list[int], pages: _Pages, keep: object,
+                wait_for: StreamMark | None = None, moved: range | None = None,
+                limited: bool = False) -> TransferHandle:
+        handle = _CpuHandle(len(ids) * planes.layout.page_nbytes, planes.layout.num_layers, moved is not None)
+        if limited and moved is not None:
+            handle.layers = moved
+            handle.nbytes = len(ids) * sum(s.nbytes for s in planes.layout.planes if s.layer in moved)
         gather = direction == "save"
 
         def job() -> None:
@@ -96,9 +103,15 @@ class CpuCopyEngine(CopyEngine):
                 if wait_for is not None:
                     wait_for.wait_in(None)
                 t0 = time.perf_counter()
-                _host_copy(planes, ids, pages, gather)
+                if moved is not None:
+                    specs = planes.layout.planes
+                    for layer in moved:
+                        _host_copy(planes, ids, pages, gather, [s for s in specs if s.layer == layer])
+                        handle._set(layer)
+                else:
+                    _host_copy(planes, ids, pages, gather)
                 handle._seconds = time.perf_counter() - t0
-                handle._issued.set()
+                handle._set(None)
             except BaseException as exc:
                 handle._fail(exc)
 
@@ -116,10 +129,12 @@ class CpuCopyEngine(CopyEngine):
             w.stop()
 
 
-def _host_copy(planes: KVPlanes, ids: list[int], pages: _Pages, gather: bool) -> None:
-    """Move plane slices between host planes and host pages with ``memmove`` (GIL released)."""
+def _host_copy(planes: KVPlanes, ids: list[int], pages: _Pages, gather: bool,
+               specs: Sequence[PlaneSpec] | None = None) -> None:
+    """Move plane slices (``specs``: those planes only) between host planes and host pages with
+    ``memmove`` (GIL released)."""
     memmove = ctypes.memmove
-    specs = planes.layout.planes
+    specs = planes.layout.planes if specs is None else specs
     for b, page in zip(ids, pages, strict=True):
         if len(page[2]) == 1:
             base = page[1][0]

@@ -23,6 +23,7 @@ from hostkv_providers.device._engine import (
     CopyEngine,
     _check_distinct,
     _check_ids,
+    _check_layers,
     _check_pages,
     _Pages,
     _stream_handle,
@@ -30,7 +31,7 @@ from hostkv_providers.device._engine import (
 from hostkv_providers.device._hostmem import _REGISTERED_STARTS, CudaPinnedAllocation
 from hostkv_providers.device._order import Gate, StreamMark, _NoGate, _open_leaked, _Worker
 from hostkv_providers.device._planes import _PAGE, KVPlanes, _MiB
-from hostkv_providers.device._transfer import TransferHandle, _GroupHandle, _JobHandle
+from hostkv_providers.device._transfer import TransferHandle, _GroupHandle, _JobHandle, _LayerHandle
 
 # --------------------------------------------------------------------------------------------
 # CUDA
@@ -99,32 +100,155 @@ class _Ids(ctypes.Structure):
 
 
 class _CudaHandle(_JobHandle):
-    """Completion is the CUDA event ``done_event``, recorded by the issuing worker."""
+    """Completion is the CUDA event ``done_event``, recorded by the issuing worker; a layer-wise
+    restore also records ``layer_events[i]`` behind the last scatter of layer ``i``."""
 
-    def __init__(self, nbytes: int, engine: CudaCopyEngine) -> None:
+    def __init__(self, nbytes: int, engine: CudaCopyEngine, num_layers: int | None = None) -> None:
         super().__init__(nbytes)
         self._engine = engine
         self._dev = engine._dev
+        self.num_layers = num_layers
         self.start_event: Any = None
         self.done_event: Any = None
+        self.layer_events: list[Any] | None = None  # None: every layer completes with done_event
+        # Set by the worker once layer i's event is recorded: an engine's layer 0 need not wait
+        # for the worker to issue the copies of every later layer (~0.1 ms of Python per chunk).
+        self._recorded: list[threading.Event] | None = None
+        self._rec_lock = threading.Lock()
+        self._rec_callbacks: dict[int, list[Callable[[], None]]] = {}
         self._finished = False
         self.keep: object = None  # host buffers and planes, released once finished
         self._finalizer = weakref.finalize(self, _destroy_events, self._dev, [])
 
-    def _set_events(self, start: Any, done: Any) -> None:
-        self.start_event, self.done_event = start, done
+    def _set_events(self, start: Any, done: Any, layers: list[Any] | None = None) -> None:
+        self.start_event, self.done_event, self.layer_events = start, done, layers
         self._finalizer.detach()
-        self._finalizer = weakref.finalize(self, _destroy_events, self._dev, [start, done])
+        owned = [start, done, *(ev for ev in layers or () if ev is not None)]
+        self._finalizer = weakref.finalize(self, _destroy_events, self._dev, owned)
         self._finalizer.atexit = False
 
-    def _query(self) -> bool:
+    def _query(self, event: Any = None) -> bool:
         d = _cuda.driver()
         with self._dev.scope():
-            (err,) = d.cuEventQuery(self.done_event)
+            (err,) = d.cuEventQuery(self.done_event if event is None else event)
         if int(err) == int(d.CUresult.CUDA_ERROR_NOT_READY):
             return False
         _cuda.check((err,), "transfer")
         return True
+
+    def _layer_ev(self, layer: int) -> Any:
+        # Only called once that layer is recorded (or everything is issued).
+        evs = self.layer_events
+        return self.done_event if evs is None else evs[layer]
+
+    def _recorded_flag(self, layer: int) -> threading.Event:
+        rec = self._recorded
+        return self._issued if rec is None else rec[layer]
+
+    def _fail(self, exc: BaseException) -> None:
+        super()._fail(exc)
+        for layer in range(len(self._recorded or ())):
+            self._set_recorded(layer)  # layer waiters wake and see the error
+
+    def _set_recorded(self, layer: int) -> None:
+        """Worker side: layer ``layer``'s event is recorded; run what waited for that."""
+        assert self._recorded is not None
+        with self._rec_lock:
+            self._recorded[layer].set()
+            fns = self._rec_callbacks.pop(layer, [])
+        for fn in fns:
+            fn()
+
+    def _when_recorded(self, layer: int, fn: Callable[[], None]) -> bool:
+        """Run ``fn()`` on the worker once layer ``layer``'s event is recorded: ``False`` (and
+        nothing registered) when it is recorded already."""
+        if self._recorded is None:
+            return False
+        with self._rec_lock:
+            if self._recorded[layer].is_set():
+                return False
+            self._rec_callbacks.setdefault(layer, []).append(fn)
+            return True
+
+    def layer_event(self, layer: int) -> Any:
+        self._check_layer(layer)
+        self._recorded_flag(layer).wait()
+        self._raise()
+        return self._layer_ev(layer)
+
+    def layer_done(self, layer: int) -> bool:
+        self._check_layer(layer)
+        if not self._recorded_flag(layer).is_set():
+            return False
+        if self._error is not None:
+            return True
+        try:
+            return self._query(self._layer_ev(layer))
+        except CopyEngineError as exc:
+            self._error = exc
+            return True
+
+    def wait_layer(self, layer: int, timeout: float | None = None) -> bool:
+        self._check_layer(layer)
+        if self._recorded is None and self._issued.is_set():
+            return self.wait(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self._recorded_flag(layer).wait(timeout):
+            return False
+        self._raise()
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        return self._wait_event(self._layer_ev(layer), left)
+
+    def wait_layer_on(self, layer: int, stream: Any) -> None:
+        self._check_layer(layer)
+        s = _stream_handle(stream, "stream")
+        if s is None:
+            self.wait_layer(layer)
+            return
+        if self._recorded is not None and not self._recorded[layer].is_set():
+            # Not recorded yet: gate the stream now, open it from the worker (no host blocking).
+            self._engine.gate(stream).open_after([self.layer(layer)])
+            return
+        ev = self.layer_event(layer)
+        with self._dev.scope():
+            _cuda.check(_cuda.driver().cuStreamWaitEvent(s, ev, 0), "cuStreamWaitEvent")
+
+    def layer_seconds(self, layer: int) -> float | None:
+        self._check_layer(layer)
+        if self.layer_events is None or not self.layer_done(layer) or self._error is not None:
+            return None
+        try:
+            with self._dev.scope():
+                ms = _cuda.check(_cuda.driver().cuEventElapsedTime(self.start_event, self.layer_events[layer]),
+                                 "elapsed")
+        except CopyEngineError:
+            return None
+        return float(ms) / 1e3
+
+    def _wait_event(self, event: Any, timeout: float | None) -> bool:
+        """Block until ``event`` (recorded) completes; ``False`` when ``timeout`` passed first."""
+        if timeout is None:
+            try:
+                with self._dev.scope():
+                    _cuda.check(_cuda.driver().cuEventSynchronize(event), "transfer")
+            except CopyEngineError as exc:
+                self._error = exc
+                raise
+            return True
+        deadline = time.monotonic() + timeout
+        pause = 5e-5
+        while True:
+            try:
+                if self._query(event):
+                    return True
+            except CopyEngineError as exc:
+                self._error = exc
+                raise
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, 2e-3)
 
     def _finish(self) -> None:
         if not self._finished:
@@ -157,27 +281,9 @@ class _CudaHandle(_JobHandle):
         if not self._issued.wait(timeout):
             return False
         self._raise()
-        if timeout is None:
-            try:
-                with self._dev.scope():
-                    _cuda.check(_cuda.driver().cuEventSynchronize(self.done_event), "transfer")
-            except CopyEngineError as exc:
-                self._error = exc
-                raise
-        else:
-            pause = 5e-5
-            while True:
-                try:
-                    if self._query():
-                        break
-                except CopyEngineError as exc:
-                    self._error = exc
-                    raise
-                left = deadline - time.monotonic()  # type: ignore[operator]
-                if left <= 0:
-                    return False
-                time.sleep(min(pause, left))
-                pause = min(pause * 2, 2e-3)
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if not self._wait_event(self.done_event, left):
+            return False
         self._finish()
         return True
 
@@ -220,6 +326,35 @@ def _coalesce_pages(addresses: Any, page_nbytes: int) -> list[tuple[int, int, in
     lengths = np.diff(np.append(first, k))
     return [(int(i) * page_nbytes, int(addresses[i]), int(n) * page_nbytes)
             for i, n in zip(first.tolist(), lengths.tolist(), strict=True)]
+
+
+def _layer_spans(layout: Any) -> list[tuple[int, int, int, int]]:
+    """Per layer: ``(first plane index, planes, first byte in the page, bytes)``.  A layer's
+    planes are adjacent in ``layout.planes`` and in the page (:class:`KVLayout` packs layer by
+    layer)."""
+    out: list[tuple[int, int, int, int]] = []
+    for spec in layout.planes:
+        if out and spec.layer == len(out) - 1:
+            p0, k, lo, nb = out[-1]
+            if spec.offset != lo + nb:
+                raise CopyArgumentError(f"plane {spec.index}: the planes of layer {spec.layer} are not adjacent")
+            out[-1] = (p0, k + 1, lo, nb + spec.nbytes)
+        else:
+            if spec.layer != len(out):
+                raise CopyArgumentError(f"plane {spec.index}: layer {spec.layer} out of packing order")
+            out.append((spec.index, 1, spec.offset, spec.nbytes))
+    return out
+
+
+def _page_addresses(pages: _Pages) -> Any:
+    """The pages' start addresses as a ``uint64`` array when every page is one region, else ``None``."""
+    import numpy as np
+
+    if isinstance(pages, HostPages):
+        return pages.addresses
+    if all(len(page[1]) == 1 for page in pages):
+        return np.fromiter((page[1][0] for page in pages), dtype=np.uint64, count=len(pages))
+    return None
 
 
 def _destroy_events(dev: _cuda.Device, events: list[Any]) -> None:
@@ -359,6 +494,12 @@ class _CudaGate(Gate):
         flat: list[TransferHandle] = []
         for h in handles:
             flat.extend(h.handles if isinstance(h, _GroupHandle) else [h])
+        for h in flat:
+            if (isinstance(h, _LayerHandle) and isinstance(h.parent, _CudaHandle)
+                    and h.parent._when_recorded(h.index, lambda: self._open_after(handles))):
+                # That layer's event is not recorded yet: try again from the worker once it is,
+                # rather than block this thread until the worker got that far.
+                return
         try:
             events = [h.event for h in flat]
             with pool._dev.scope(), pool._lock:
@@ -482,23 +623,26 @@ class CudaCopyEngine(CopyEngine):
                     f"the allocation that holds them")
         self._checked.add(key)
 
-    def _table(self, planes: KVPlanes) -> _Table:
-        """The device-side plane table for ``planes`` (uploaded once, on the aux stream)."""
-        key = (planes.ptrs, planes.block_strides, tuple((s.offset, s.nbytes) for s in planes.layout.planes))
+    def _table(self, planes: KVPlanes, *, layers: bool = False) -> _Table:
+        """The device-side plane table for ``planes`` (uploaded once, on the aux stream).  With
+        ``layers`` a plane's offset counts from its layer's first byte (layer-major staging)."""
+        key = (planes.ptrs, planes.block_strides, tuple((s.offset, s.nbytes) for s in planes.layout.planes), layers)
         with self._table_lock:  # both direction workers may ask at once
             table = self._tables.get(key)
             if table is None:
-                table = self._tables[key] = self._upload_table(planes)
+                table = self._tables[key] = self._upload_table(planes, layers)
             return table
 
-    def _upload_table(self, planes: KVPlanes) -> _Table:
+    def _upload_table(self, planes: KVPlanes, layers: bool = False) -> _Table:
         n = len(planes.ptrs)
         nbytes = 32 * n
         host = CudaPinnedAllocation(nbytes, self._dev, threads=1)
         arr = (ctypes.c_uint64 * (4 * n)).from_address(host.address)
+        base = {layer: lo for layer, (_p0, _np, lo, _nb) in enumerate(_layer_spans(planes.layout))} if layers else {}
         for spec in planes.layout.planes:
             p = spec.index
-            arr[4 * p: 4 * p + 4] = [planes.ptrs[p], planes.block_strides[p], spec.offset, spec.nbytes]
+            arr[4 * p: 4 * p + 4] = [planes.ptrs[p], planes.block_strides[p], spec.offset - base.get(spec.layer, 0),
+                                     spec.nbytes]
         dev_ptr = self._dev.mem_alloc_async(nbytes, self._streams["aux"])
         d = _cuda.driver()
         _cuda.check(d.cuMemcpyHtoDAsync(dev_ptr, host.address, nbytes, self._streams["aux"]), "table upload")
@@ -542,18 +686,25 @@ class CudaCopyEngine(CopyEngine):
         return handle
 
     def restore(self, src: Sequence[Any] | HostPages, planes: KVPlanes, block_ids: Sequence[int], *,
-                before: Any = None) -> TransferHandle:
+                before: Any = None, layerwise: bool = False, layers: range | None = None) -> TransferHandle:
         self._check_open()
         self._check_planes(planes)
         ids = _check_ids(planes, block_ids)
         _check_distinct(ids)
         pages = _check_pages(planes.layout, src, len(ids), writable=False)
+        moved = _check_layers(planes.layout, layerwise, layers)
         # The stream is held back from now on (a wait on a device-visible flag); the worker opens
         # it behind the copies.  The caller's thread does not wait for the worker.
         gate = self.gate(before)
-        handle = _CudaHandle(len(ids) * planes.layout.page_nbytes, self)
+        handle = _CudaHandle(len(ids) * planes.layout.page_nbytes, self, planes.layout.num_layers)
         handle.keep = (planes, src)
-        self._submit("restore", handle, lambda: self._issue_restore(handle, planes, ids, pages), gate)
+        if moved is None:
+            self._submit("restore", handle, lambda: self._issue_restore(handle, planes, ids, pages), gate)
+            return handle
+        handle.layers = moved if layers is not None else None
+        handle.nbytes = len(ids) * sum(span[3] for span in _layer_spans(planes.layout)[moved.start: moved.stop])
+        handle._recorded = [threading.Event() for _ in range(planes.layout.num_layers)]
+        self._submit("restore", handle, lambda: self._issue_restore_layers(handle, planes, ids, pages, moved), gate)
         return handle
 
     def _submit(self, direction: str, handle: _CudaHandle, issue: Callable[[], None],
@@ -582,14 +733,19 @@ class CudaCopyEngine(CopyEngine):
             yield lo, min(n, lo + per)
 
     def _launch(self, fn: Any, table: _Table, planes: KVPlanes, ids: Sequence[int], staging: int,
-                stream: Any) -> None:
+                stream: Any, span: tuple[int, int, int, int] | None = None) -> None:
+        """One pack kernel over pages ``ids``; ``span`` (a :func:`_layer_spans` entry) limits it
+        to one layer's planes, read from layer-major staging (``span``'s bytes per page)."""
         layout = planes.layout
-        nplanes = len(layout.planes)
-        tiles = max(1, -(-max(s.nbytes for s in layout.planes) // self.tile_bytes))
+        specs = layout.planes if span is None else layout.planes[span[0]: span[0] + span[1]]
+        nplanes = len(specs)
+        tiles = max(1, -(-max(s.nbytes for s in specs) // self.tile_bytes))
+        table_ptr = table.dev_ptr + (0 if span is None else 32 * span[0])
+        stride = layout.page_nbytes if span is None else span[3]
         idv = _Ids()
         idv.v[: len(ids)] = list(ids)
-        args = [ctypes.c_uint64(table.dev_ptr), ctypes.c_int32(nplanes), ctypes.c_int32(len(ids)), idv,
-                ctypes.c_uint64(staging), ctypes.c_uint64(layout.page_nbytes), ctypes.c_uint64(self.tile_bytes),
+        args = [ctypes.c_uint64(table_ptr), ctypes.c_int32(nplanes), ctypes.c_int32(len(ids)), idv,
+                ctypes.c_uint64(staging), ctypes.c_uint64(stride), ctypes.c_uint64(self.tile_bytes),
                 ctypes.c_uint64(tiles)]
         params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
         grid = max(1, min(self.ctas, len(ids) * nplanes * tiles))
@@ -685,6 +841,85 @@ class CudaCopyEngine(CopyEngine):
             _cuda.check(d.cuStreamWaitEvent(scatter, loaded, 0), "cuStreamWaitEvent")
             self._launch(self._scatter_fn, table, planes, ids[lo:hi], staging, scatter)
             _cuda.check(d.cuEventRecord(freed, scatter), "cuEventRecord")
+        _cuda.check(d.cuEventRecord(done, scatter), "cuEventRecord")
+
+    def _issue_restore_layers(self, handle: _CudaHandle, planes: KVPlanes, ids: list[int], pages: _Pages,
+                              moved: range) -> None:
+        """A layer-major restore: layer ``l`` of every page, then layer ``l + 1``; an event per layer.
+
+        Within a host page a layer's planes are adjacent, so layer ``l`` of a run of adjacent
+        host pages is a pitched region (rows of the layer's bytes, ``page_nbytes`` apart): one
+        ``cuMemcpy2DAsync`` moves it into layer-major staging, then the scatter kernel writes that
+        layer's planes of those pages into their blocks.  Layer ``l``'s event is recorded on the
+        scatter stream behind its last scatter: stream order makes it imply every earlier layer.
+        """
+        d = _cuda.driver()
+        dev = self._dev
+        layout = planes.layout
+        P = layout.page_nbytes
+        all_spans = _layer_spans(layout)
+        dma, scatter = self._streams["restore_dma"], self._streams["restore_scatter"]
+        start, done = dev.event(timing=True), dev.event(timing=True)
+        # one event per layer moved (the list is indexed by layer; the others stay None)
+        layer_evs: list[Any] = [dev.event(timing=True) if lay in moved else None for lay in range(len(all_spans))]
+        handle._set_events(start, done, layer_evs)
+        if handle._recorded is None:
+            handle._recorded = [threading.Event() for _ in all_spans]
+        mark = handle._set_recorded
+        todo = [(lay, layer_evs[lay], all_spans[lay]) for lay in moved]
+        _cuda.check(d.cuEventRecord(start, dma), "cuEventRecord")
+        if self.mode == "memcpy":
+            for layer, ev, (p0, np_, _lo, _nb) in todo:
+                for spec in layout.planes[p0: p0 + np_]:
+                    for b, page in zip(ids, pages, strict=True):
+                        dst = planes.ptrs[spec.index] + b * planes.block_strides[spec.index]
+                        for off, addr, n in _segments(page, spec.offset, spec.nbytes):
+                            _cuda.check(d.cuMemcpyHtoDAsync(dst + off - spec.offset, addr, n, dma),
+                                        "cuMemcpyHtoDAsync")
+                _cuda.check(d.cuEventRecord(ev, dma), "cuEventRecord")
+                mark(layer)
+            _cuda.check(d.cuEventRecord(done, dma), "cuEventRecord")
+            return
+        table = self._table(planes, layers=True)
+        _cuda.check(d.cuStreamWaitEvent(scatter, table.event, 0), "cuStreamWaitEvent(table)")
+        addresses = _page_addresses(pages)
+        n = len(ids)
+        host_mem = d.CUmemorytype.CU_MEMORYTYPE_HOST
+        dev_mem = d.CUmemorytype.CU_MEMORYTYPE_DEVICE
+        for layer, ev, span in todo:
+            _p0, _np, lo, nb = span
+            per = max(1, min(_MAX_CHUNK_PAGES, self.staging_bytes // nb))
+            for c0 in range(0, n, per):
+                c1 = min(n, c0 + per)
+                s = self._slot["restore"]
+                self._slot["restore"] = s ^ 1
+                staging = self._staging["restore"][s]
+                loaded, freed = self._slot_events["restore"][s]
+                _cuda.check(d.cuStreamWaitEvent(dma, freed, 0), "cuStreamWaitEvent")  # scatter out of slot done
+                if addresses is not None:
+                    for off, addr, m in _coalesce_pages(addresses[c0:c1], P):
+                        cp = d.CUDA_MEMCPY2D()
+                        cp.srcMemoryType = host_mem
+                        cp.srcHost = addr + lo
+                        cp.srcPitch = P
+                        cp.dstMemoryType = dev_mem
+                        cp.dstDevice = staging + (off // P) * nb
+                        cp.dstPitch = nb
+                        cp.WidthInBytes = nb
+                        cp.Height = m // P
+                        _cuda.check(d.cuMemcpy2DAsync(cp, dma), "cuMemcpy2DAsync")
+                else:  # pages in several regions: the layer's bytes piece by piece
+                    assert not isinstance(pages, HostPages)
+                    for j in range(c0, c1):
+                        for off, addr, m in _segments(pages[j], lo, nb):
+                            _cuda.check(d.cuMemcpyHtoDAsync(staging + (j - c0) * nb + off - lo, addr, m, dma),
+                                        "cuMemcpyHtoDAsync")
+                _cuda.check(d.cuEventRecord(loaded, dma), "cuEventRecord")
+                _cuda.check(d.cuStreamWaitEvent(scatter, loaded, 0), "cuStreamWaitEvent")
+                self._launch(self._scatter_fn, table, planes, ids[c0:c1], staging, scatter, span)
+                _cuda.check(d.cuEventRecord(freed, scatter), "cuEventRecord")
+            _cuda.check(d.cuEventRecord(ev, scatter), "cuEventRecord")
+            mark(layer)  # layer l's event is recorded: its waiters may use it now
         _cuda.check(d.cuEventRecord(done, scatter), "cuEventRecord")
 
     # -- lifecycle -----------------------------------------------------------------------------

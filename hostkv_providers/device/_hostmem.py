@@ -16,7 +16,7 @@ import threading
 import time
 import warnings
 import weakref
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -115,18 +115,13 @@ class HostAllocator(Protocol):
         """Allocate ``nbytes`` (the implementation may round up to its page size)."""
 
 
-class OrdinaryAllocation:
-    """Anonymous, page-aligned, pageable memory (``mmap``)."""
+class _Allocation:
+    """What every allocation of this module shares: its view (until ``close``), its address, and
+    whether it is page-locked (a class constant)."""
 
-    def __init__(self, nbytes: int, *, huge_pages: bool = True) -> None:
-        if nbytes <= 0:
-            raise InvalidArgumentError(f"allocation size must be > 0, got {nbytes}")
-        self._map: mmap.mmap | None = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        if huge_pages:
-            advise_huge_pages(self._map)
-        self._view: memoryview | None = memoryview(self._map)
-        self._address = buffer_address(self._view)
-        self._lock = threading.Lock()
+    _pinned: ClassVar[bool]
+    _view: memoryview | None
+    _address: int
 
     @property
     def view(self) -> memoryview:
@@ -140,7 +135,23 @@ class OrdinaryAllocation:
 
     @property
     def pinned(self) -> bool:
-        return False
+        return self._pinned
+
+
+class OrdinaryAllocation(_Allocation):
+    """Anonymous, page-aligned, pageable memory (``mmap``)."""
+
+    _pinned = False
+
+    def __init__(self, nbytes: int, *, huge_pages: bool = True) -> None:
+        if nbytes <= 0:
+            raise InvalidArgumentError(f"allocation size must be > 0, got {nbytes}")
+        self._map: mmap.mmap | None = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if huge_pages:
+            advise_huge_pages(self._map)
+        self._view: memoryview | None = memoryview(self._map)
+        self._address = buffer_address(self._view)
+        self._lock = threading.Lock()
 
     def close(self) -> None:
         with self._lock:
@@ -232,12 +243,14 @@ def _prefault(address: int, nbytes: int, threads: int) -> None:
         raise errors[0]
 
 
-class CudaPinnedAllocation:
+class CudaPinnedAllocation(_Allocation):
     """Page-locked host memory: pre-faulted anonymous memory registered with the driver.
 
     Falls back to ``cuMemHostAlloc`` where registration is refused.  ``device_address`` is the
     device-side address of the memory when it was allocated ``mapped`` (else ``None``).
     """
+
+    _pinned = True
 
     def __init__(self, nbytes: int, dev: _cuda.Device, *, mapped: bool = False, threads: int = 4,
                  huge_pages: bool = True) -> None:
@@ -289,20 +302,6 @@ class CudaPinnedAllocation:
         self._finalizer = weakref.finalize(self, _release_pinned, dev, address, self._host_alloc, self._map,
                                            [view, self._view])
         self._finalizer.atexit = False  # no CUDA calls during interpreter shutdown; exit frees it all
-
-    @property
-    def view(self) -> memoryview:
-        if self._view is None:
-            raise InvalidArgumentError("allocation is closed")
-        return self._view
-
-    @property
-    def address(self) -> int:
-        return self._address
-
-    @property
-    def pinned(self) -> bool:
-        return True
 
     def close(self) -> None:
         with self._lock:

@@ -11,7 +11,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from hostkv_providers.device._transfer import TransferHandle
+from hostkv_providers.device._transfer import TransferHandle, _LayerHandle
 
 # ============================================================================================
 # Stream order: marks (a stream's position, captured now) and gates (a stream held back)
@@ -161,6 +161,24 @@ class _HostGate(Gate):
     def _open_after(self, handles: list[TransferHandle]) -> None:
         self._finalizer.detach()
         ev = self._event
+        hooks = [getattr(h, "_on_done", None) for h in handles]
+        if handles and all(callable(hook) for hook in hooks) and all(
+                not isinstance(h, _LayerHandle) or callable(getattr(h.parent, "_on_done", None)) for h in handles):
+            # Host transfers say when they (or one layer of them) are done: the stream opens then,
+            # not behind the rest of a layer-wise copy in the worker's queue.
+            left = [len(handles)]
+            lock = threading.Lock()
+
+            def one() -> None:
+                with lock:
+                    left[0] -= 1
+                    last = left[0] == 0
+                if last:
+                    ev.set()
+
+            for hook in hooks:
+                hook(one)  # type: ignore[misc]
+            return
 
         def job() -> None:
             for h in handles:

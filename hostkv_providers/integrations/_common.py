@@ -13,10 +13,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from hostkv_providers._capabilities import SupportsBatch
 from hostkv_providers._errors import HostKVError, InvalidArgumentError
 from hostkv_providers._keys import Key, Salt
 from hostkv_providers._layout import KVLayout
-from hostkv_providers._provider import Provider, SupportsBatch
+from hostkv_providers._provider import Provider
 from hostkv_providers._registry import open_provider
 
 __all__ = [

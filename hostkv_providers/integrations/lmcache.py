@@ -63,7 +63,8 @@ from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 from hostkv_providers._errors import HostKVError, InvalidArgumentError
 from hostkv_providers._keys import Key, Salt
 from hostkv_providers._layout import DTYPE_ITEMSIZE, KVLayout
-from hostkv_providers._provider import Lease, Provider
+from hostkv_providers._provider import Provider
+from hostkv_providers._reservation import Lease
 from hostkv_providers.integrations._common import (
     AdapterStats,
     EngineKeyer,

@@ -36,10 +36,11 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
+from hostkv_providers._capabilities import SupportsIterate
 from hostkv_providers._errors import InvalidArgumentError
 from hostkv_providers._keys import Key, Salt
 from hostkv_providers._layout import DTYPE_ITEMSIZE, KVLayout
-from hostkv_providers._provider import Provider, SupportsIterate
+from hostkv_providers._provider import Provider
 from hostkv_providers.integrations._common import (
     AdapterStats,
     EngineKeyer,

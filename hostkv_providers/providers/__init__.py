@@ -15,6 +15,33 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from hostkv_providers._blockhash import TREE_ALGORITHM, tree_checksum, tree_checksum_parts
+from hostkv_providers._capabilities import (
+    CAPABILITY_FLAGS,
+    CAPABILITY_NAMES,
+    CAPABILITY_PROTOCOLS,
+    SupportsBatch,
+    SupportsBatchViews,
+    SupportsCompact,
+    SupportsDeviceMapped,
+    SupportsIterate,
+    SupportsPinnedViews,
+    SupportsRetain,
+    SupportsStoreCounters,
+    SupportsVerify,
+    SupportsViews,
+)
+from hostkv_providers._chain import ChainRun, ReservedChain
+from hostkv_providers._checks import (
+    check_anchor_name,
+    check_flag,
+    check_progress,
+    check_retain_share,
+    check_span,
+    check_timeout,
+    readable_bytes,
+    scatter_into,
+    writable_buffer,
+)
 from hostkv_providers._checksum import CHECKSUM_ALGORITHM, checksum, checksum_parts
 from hostkv_providers._keys import (
     FORMAT_VERSION,
@@ -28,42 +55,7 @@ from hostkv_providers._keys import (
     parse_salt_tag,
 )
 from hostkv_providers._options import Option, Options, OptionSet, format_size, parse_size
-from hostkv_providers._provider import (
-    CAPABILITY_FLAGS,
-    CAPABILITY_NAMES,
-    CAPABILITY_PROTOCOLS,
-    COUNTED,
-    CompactReport,
-    Corrupt,
-    EntryInfo,
-    EvictReport,
-    Lease,
-    Progress,
-    Provider,
-    ProviderStats,
-    Reservation,
-    ReservedChain,
-    SupportsBatch,
-    SupportsBatchViews,
-    SupportsCompact,
-    SupportsDeviceMapped,
-    SupportsIterate,
-    SupportsPinnedViews,
-    SupportsRetain,
-    SupportsStoreCounters,
-    SupportsVerify,
-    SupportsViews,
-    VerifyReport,
-    check_anchor_name,
-    check_flag,
-    check_progress,
-    check_retain_share,
-    check_span,
-    check_timeout,
-    readable_bytes,
-    scatter_into,
-    writable_buffer,
-)
+from hostkv_providers._provider import COUNTED, Corrupt, Provider
 from hostkv_providers._region import HostRegion
 from hostkv_providers._registry import (
     DISABLE_PLUGINS_ENV,
@@ -74,6 +66,15 @@ from hostkv_providers._registry import (
     parse_url,
     provider_class,
 )
+from hostkv_providers._reports import (
+    CompactReport,
+    EntryInfo,
+    EvictReport,
+    Progress,
+    ProviderStats,
+    VerifyReport,
+)
+from hostkv_providers._reservation import Lease, Reservation
 from hostkv_providers._span import ByteSpan
 from hostkv_providers.providers._indexed import IndexedProvider
 from hostkv_providers.providers._tree import TreeIndex
@@ -140,6 +141,7 @@ __all__ = [
     "Reservation",
     "SaltTag",
     "StreamFence",
+    "ChainRun",
     "ReservedChain",
     "SupportsBatch",
     "SupportsBatchViews",

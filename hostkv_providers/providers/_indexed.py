@@ -16,20 +16,13 @@ import os
 import threading
 from collections.abc import Iterator, Sequence
 
+from hostkv_providers._checks import check_retain_share, writable_buffer
 from hostkv_providers._checksum import checksum
 from hostkv_providers._errors import InvalidArgumentError, UnknownKeyError
 from hostkv_providers._keys import Key
-from hostkv_providers._provider import (
-    Corrupt,
-    EntryInfo,
-    EvictReport,
-    Lease,
-    Provider,
-    ProviderStats,
-    Reservation,
-    check_retain_share,
-    writable_buffer,
-)
+from hostkv_providers._provider import Corrupt, Provider
+from hostkv_providers._reports import EntryInfo, EvictReport, ProviderStats
+from hostkv_providers._reservation import Lease, Reservation
 from hostkv_providers._span import ByteSpan
 from hostkv_providers.providers._tree import TreeIndex
 

@@ -36,6 +36,7 @@ quadratic (22 s).
 from __future__ import annotations
 
 import heapq
+import itertools
 import time
 from collections.abc import Container, Iterator, Sequence
 from typing import Any
@@ -71,6 +72,27 @@ class _Flight:
         self.parent_gen = parent_gen
         self.pkey = pkey
         self.chained = chained
+
+
+class _Run:
+    """A chain run reserved in one go (:meth:`TreeIndex.begin_run`): ``keys[i]``'s parent is
+    ``keys[i - 1]``, ``keys[0]``'s the run's parent.  Every key maps to this one object in
+    ``flights``, and its attributes are a ``_Flight``'s *for the run's root*, so the rules that
+    look a flight up by key (in flight?, chained children adopted at the parent's commit, the
+    in-flight cost summed over ``flights.values()``: ``cost`` is per page) hold unchanged.  One
+    object per run instead of one per page: no per-page Python objects on a save's hot path."""
+
+    __slots__ = ("chained", "cost", "keys", "open", "parent", "parent_gen", "pkey")
+
+    def __init__(self, keys: list[Key], parent: int, cost: int, parent_gen: int, pkey: Key | None,
+                 chained: bool) -> None:
+        self.keys = keys
+        self.parent = parent
+        self.cost = cost
+        self.parent_gen = parent_gen
+        self.pkey = pkey
+        self.chained = chained
+        self.open = True
 
 
 class TreeIndex:
@@ -131,7 +153,7 @@ class TreeIndex:
             setattr(self, name, np.zeros(0, dtype=dtype))
         self._grow(capacity)
         self.anchors: dict[int, dict[str, Any]] = {}  # row -> name -> provider-private anchor record
-        self.flights: dict[Key, _Flight] = {}
+        self.flights: dict[Key, _Flight | _Run] = {}
         self.count = 0
         self.used_cost = 0  # sealed cost + in-flight cost
         self.sealed_cost = 0
@@ -368,7 +390,7 @@ class TreeIndex:
                 cf.parent_gen = int(self.gen[row])
                 self._hold(row)
 
-    def _parent_alive(self, flight: _Flight) -> bool:
+    def _parent_alive(self, flight: _Flight | _Run) -> bool:
         """Whether the flight's parent is still the entry it pinned (alive, same generation)."""
         return self.is_live(flight.parent, flight.parent_gen)
 
@@ -377,6 +399,8 @@ class TreeIndex:
         """Turn the in-flight reservation ``key`` into a sealed row (returned); ``cols`` set a
         subclass's columns.  ``UnknownKeyError`` (the flight is gone) when its parent was dropped
         or, for a chained flight, never sealed."""
+        if isinstance(self.flights.get(key), _Run):
+            self.split_run(self.flights[key])  # type: ignore[arg-type]  # (one page of a run: rare)
         flight = self.flights.pop(key)
         prow = flight.parent
         if flight.chained and prow < 0:
@@ -429,6 +453,8 @@ class TreeIndex:
         return self.n - 1
 
     def cancel(self, key: Key) -> None:
+        if isinstance(self.flights.get(key), _Run):
+            self.split_run(self.flights[key])  # type: ignore[arg-type]
         flight = self.flights.pop(key, None)
         if flight is None:
             return
@@ -443,6 +469,150 @@ class TreeIndex:
                     del self._waiting[flight.pkey]
         if self._waiting:
             self._adopt_children(key, -1)
+
+    # -- chain runs (chunk-level reservations) ---------------------------------------------------
+    def begin_run(self, keys: list[Key], parent: Key | None, cost: int) -> tuple[_Run, list[int]] | None:
+        """Reserve ``keys`` as one chain run (``keys[i]``'s parent ``keys[i - 1]``, the first's
+        ``parent``: ``None``, a sealed key or a key in flight), ``cost`` each, in O(1) Python work
+        plus C-speed passes over the keys.  Returns ``(run, evicted_rows)``, or ``None`` — nothing
+        changed — when the run is not the plain case (a key sealed or in flight, a repeated key, a
+        parent neither sealed nor in flight, or not room for all of it): the caller then reserves
+        page by page, which gives each page its exact outcome (dedup, ``InFlightError``, a prefix
+        on ``CapacityError``)."""
+        n = len(keys)
+        fl = self.flights
+        if (not n or any(map(fl.__contains__, keys)) or any(map(self.contains_fn, keys))
+                or len(set(keys)) != n):
+            return None
+        prow = -1
+        chained = False
+        if parent is not None:
+            prow = self.row_of(parent)
+            if prow < 0:
+                if parent not in fl:
+                    return None
+                chained = True
+        try:
+            evicted = self.make_room(n * cost, protect=prow)
+        except CapacityError:
+            return None  # (make_room evicted nothing)
+        run = _Run(keys, prow, cost, self.m_gen[prow] if prow >= 0 else 0, parent if chained else None, chained)
+        fl.update(zip(keys, itertools.repeat(run)))
+        self.used_cost += n * cost
+        if chained:
+            self._waiting.setdefault(parent, []).append(keys[0])  # type: ignore[arg-type]
+        elif prow >= 0:
+            self._hold(prow)
+        return run, evicted
+
+    def commit_run(self, run: _Run, *, nbytes: int, csums: npt.NDArray[np.uint64] | None = None,
+                   tag: str | bytes = "", **cols: Any) -> npt.NDArray[np.int64]:
+        """Seal every page of ``run`` at once (columns assigned by slices; one clock read); the
+        rows, root first.  All or nothing: ``UnknownKeyError`` — the run cancelled, nothing
+        sealed — when its parent was dropped or, for a chained run, not sealed before it."""
+        if not run.open:
+            raise UnknownKeyError("the run was already sealed or cancelled")
+        keys = run.keys
+        n = len(keys)
+        prow = run.parent
+        if (run.chained and prow < 0) or (prow >= 0 and not self.is_live(prow, run.parent_gen)):
+            what = (f"parent {run.pkey.hex()[:16] if run.pkey else '?'} was not sealed before this page"
+                    if prow < 0 else "the parent was dropped (corrupt) before the seal")
+            self.cancel_run(run)
+            raise UnknownKeyError(what, hint="seal a chain root first (seal_many does); save the chain again "
+                                             "from its first missing page")
+        run.open = False
+        fl = self.flights
+        for k in keys:
+            del fl[k]
+        free = self._free_rows
+        take = min(len(free), n)
+        reused = free[len(free) - take:]
+        del free[len(free) - take:]
+        fresh = n - take
+        if self.n + fresh > self.cap:
+            self._grow(max(self.cap * 2, self.n + fresh))
+        rows = np.empty(n, np.int64)
+        rows[:take] = reused
+        rows[take:] = np.arange(self.n, self.n + fresh)
+        self.n += fresh
+        gen0 = self._next_gen
+        self._next_gen += n
+        self.key[rows] = np.frombuffer(b"".join(keys), dtype="V32")
+        self.parent[rows[0]] = prow
+        self.parent[rows[1:]] = rows[:-1]
+        self.nbytes[rows] = nbytes
+        self.cost[rows] = run.cost
+        self.gen[rows] = np.arange(gen0, gen0 + n, dtype=np.uint64)
+        if csums is not None:
+            self.csum[rows] = csums
+        self.has_csum[rows] = csums is not None
+        now = time.time()
+        self.created[rows] = now
+        self.used[rows] = now
+        self.tick[rows] = np.arange(self.clock + 1, self.clock + n + 1)
+        self.clock += n
+        t = tag.decode("utf-8", "replace") if isinstance(tag, bytes) else tag
+        tid = self._tag_ids.get(t)
+        if tid is None:
+            tid = self._tag_ids[t] = len(self.tags)
+            self.tags.append(t)
+        self.tag_id[rows] = tid
+        for name, value in cols.items():
+            getattr(self, name)[rows] = value
+        self.children[rows[:-1]] = 1  # (recycled rows were reset by recycle(); new rows are zero)
+        self.alive[rows] = True
+        row_list = rows.tolist()
+        self._dict.update(zip(keys, row_list, strict=True))
+        self.count += n
+        self.sealed_cost += n * run.cost
+        if prow >= 0:
+            self.m_children[prow] += 1
+            self._unhold(prow)
+        if self._waiting:
+            for k in self._waiting.keys() & set(keys):
+                self._adopt_children(k, self._dict[k])
+        last = row_list[-1]
+        if self._evictable(last):
+            heapq.heappush(self._heap, self.m_tick[last] << _ROW_BITS | last)
+        return rows
+
+    def cancel_run(self, run: _Run) -> None:
+        """Drop an open run's reservations (all of them); chained children of its keys are
+        orphaned (their commit fails), as :meth:`cancel` does for one flight."""
+        if not run.open:
+            return
+        run.open = False
+        fl = self.flights
+        for k in run.keys:
+            if fl.get(k) is run:
+                del fl[k]
+        self.used_cost -= len(run.keys) * run.cost
+        if run.parent >= 0 and self.is_live(run.parent, run.parent_gen):
+            self._unhold(run.parent)
+        if run.chained and run.parent < 0 and run.pkey is not None:
+            waiting = self._waiting.get(run.pkey)
+            if waiting is not None and run.keys[0] in waiting:
+                waiting.remove(run.keys[0])
+                if not waiting:
+                    del self._waiting[run.pkey]
+        if self._waiting:
+            for k in self._waiting.keys() & set(run.keys):
+                self._adopt_children(k, -1)
+
+    def split_run(self, run: _Run) -> None:
+        """Turn an open run into one flight per page (what :meth:`begin_chained` would have made),
+        for a caller that seals or aborts its pages one by one; the run's hold on its parent
+        passes to its first page's flight."""
+        if not run.open:
+            return
+        run.open = False
+        fl = self.flights
+        keys = run.keys
+        fl[keys[0]] = _Flight(run.parent, run.cost, run.parent_gen, run.pkey, run.chained)
+        for prev, k in itertools.pairwise(keys):
+            fl[k] = _Flight(-1, run.cost, 0, prev, chained=True)
+            self._waiting.setdefault(prev, []).append(k)
 
     # -- budget ----------------------------------------------------------------------------------
     def make_room(self, cost: int, protect: int = -1) -> list[int]:
@@ -464,14 +634,14 @@ class TreeIndex:
                     self._reinsert(row)
                 raise CapacityError(
                     f"{cost} bytes do not fit: budget {self.budget}, used {self.used_cost}, and only "
-                    f"{sum(int(self.cost[r]) for r in removed)} of it is evictable (the rest is leased, "
+                    f"{int(self.cost[removed].sum()) if removed else 0} of it is evictable (the rest is leased, "
                     f"in flight or retained: {self.retained_cost} retained)"
                 )
         finally:
             if protect >= 0:
                 self._unhold(protect)
         self.evictions += len(removed)
-        self.evicted_cost += sum(int(self.cost[r]) for r in removed)
+        self.evicted_cost += int(self.cost[removed].sum()) if removed else 0
         return removed
 
     def _reinsert(self, row: int) -> None:
@@ -523,22 +693,69 @@ class TreeIndex:
         return -1
 
     def _evict_lru(self, need: int) -> list[int]:
+        """Remove LRU evictable leaves until ``need`` cost is freed; the rows, in removal order.
+
+        A leaf's parent that it alone keeps from being a leaf, and that is no younger, is the next
+        least-recently-used leaf once the leaf is gone (every other evictable leaf is younger than
+        the leaf just taken): such runs up a chain — the tail of a saved prompt, root-first ticks —
+        are taken in one walk and removed together (:meth:`_remove_chain`), without the heap round
+        trip and bookkeeping of each page (a full store evicts on every save: issue 14, the save
+        thread's GIL share)."""
         out: list[int] = []
         freed = 0
+        parent, children, hold, retained, tick, cost, alive = (
+            self.m_parent, self.m_children, self.m_hold, self.m_retained, self.m_tick, self.m_cost, self.m_alive)
         while freed < need:
             row = self.pop_lru_leaf()
             if row < 0:
                 break
-            freed += self.m_cost[row]
-            self._remove(row)
-            out.append(row)
+            freed += cost[row]
+            chain = [row]
+            t = tick[row]
+            p = parent[row]
+            while (freed < need and p >= 0 and alive[p] and children[p] == 1 and not hold[p] and not retained[p]
+                   and tick[p] <= t):
+                chain.append(p)
+                freed += cost[p]
+                t = tick[p]
+                p = parent[p]
+            if len(chain) == 1:
+                self._remove(row)
+            else:
+                self._remove_chain(chain)
+            out.extend(chain)
         return out
+
+    def _remove_chain(self, rows: list[int]) -> None:
+        """:meth:`_remove` of ``rows``, a leaf then its ancestors (each the only child of the next,
+        none held or retained), with the columns left exactly as removing them one by one would
+        (so a tentative eviction's ``_reinsert`` undoes it)."""
+        if len(self._base_k64):
+            for row in rows:
+                self._unmap(row)
+        else:
+            raw = self.key[rows].tobytes()
+            pop = self._dict.pop
+            for i in range(0, len(raw), 32):
+                pop(raw[i : i + 32], None)
+        arr = np.asarray(rows, dtype=np.int64)
+        self.alive[arr] = False
+        self.children[arr[1:]] = 0  # each lost its one child, the row before it
+        self.count -= len(rows)
+        c = int(self.cost[arr].sum())
+        self.used_cost -= c
+        self.sealed_cost -= c
+        p = self.m_parent[rows[-1]]
+        if p >= 0 and self.m_alive[p]:
+            self.m_children[p] -= 1
+            if self._evictable(p):
+                heapq.heappush(self._heap, self.m_tick[p] << _ROW_BITS | p)
 
     def evict_cost(self, need: int) -> list[int]:
         """Evict LRU evictable leaves until ``need`` cost is freed (or none is left)."""
         out = self._evict_lru(need)
         self.evictions += len(out)
-        self.evicted_cost += sum(int(self.cost[r]) for r in out)
+        self.evicted_cost += int(self.cost[out].sum()) if out else 0
         return out
 
     def add_cost(self, row: int, delta: int) -> list[int]:
@@ -555,16 +772,45 @@ class TreeIndex:
 
     # -- holds -----------------------------------------------------------------------------------
     def hold_rows(self, rows: Sequence[int]) -> None:
-        for row in rows:
-            if row >= 0:
-                self._hold(row)
-                self.touch(row)
+        """Hold (lease) and touch the rows ``>= 0``; by slices past a few rows (a restore leases
+        a chunk of a chain at a time: per-row Python there was the restore thread's GIL share)."""
+        if len(rows) <= 8:
+            for row in rows:
+                if row >= 0:
+                    self._hold(row)
+                    self.touch(row)
+            return
+        arr = np.asarray(rows, dtype=np.int64)
+        arr = arr[arr >= 0]
+        if not len(arr):
+            return
+        np.add.at(self.hold, arr, 1)
+        # (touched in order, as one by one would; a held row is not evictable: nothing to push)
+        self.tick[arr] = np.arange(self.clock + 1, self.clock + 1 + len(arr))
+        self.clock += len(arr)
+        self.used[arr] = time.time()
 
     def release_rows(self, rows: Sequence[int], gens: Sequence[int]) -> None:
-        for row, g in zip(rows, gens, strict=True):
-            # rows removed (or recycled, or of an index replaced since) never match: gens are unique
-            if self.is_live(row, g):
-                self._unhold(row)
+        """Undo :meth:`hold_rows` for the ``(row, gen)`` pairs still live: rows removed (or
+        recycled, or of an index replaced since) never match, gens are unique."""
+        if len(rows) <= 8:
+            for row, gen in zip(rows, gens, strict=True):
+                if self.is_live(row, gen):
+                    self._unhold(row)
+            return
+        arr = np.asarray(rows, dtype=np.int64)
+        gs = np.asarray(gens, dtype=np.int64)  # (a missing row's gen may be -1; gens are counters)
+        if len(arr) != len(gs):
+            raise ValueError("rows and gens differ in length")
+        ok = (arr >= 0) & (arr < self.n)
+        arr, gs = arr[ok], gs[ok]
+        arr = arr[self.alive[arr] & (self.gen[arr].astype(np.int64) == gs)]
+        if not len(arr):
+            return
+        np.subtract.at(self.hold, arr, 1)
+        freed = np.unique(arr[(self.hold[arr] == 0) & (self.children[arr] == 0) & ~self.retained[arr]])
+        for row in freed.tolist():  # leaves only (a chain's last page): a few pushes
+            heapq.heappush(self._heap, self.m_tick[row] << _ROW_BITS | row)
 
     def _hold(self, row: int) -> None:
         self.m_hold[row] += 1

@@ -13,22 +13,28 @@ that hand out their own memory (``pinned``, ``tiered``) keep the same rules:
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import numpy as np
 import pytest
 
+from hostkv_providers._blockhash import TREE_ALGORITHM, tree_checksum
+from hostkv_providers._chain import ReservedChain
+from hostkv_providers._checksum import CHECKSUM_ALGORITHM, checksum
 from hostkv_providers._errors import (
     CapacityError,
     HostKVError,
+    IncompleteWriteError,
     InFlightError,
     InvalidArgumentError,
     ReservationError,
     UnknownKeyError,
 )
 from hostkv_providers._keys import Key
-from hostkv_providers._provider import Provider, Reservation, ReservedChain
+from hostkv_providers._provider import Provider
+from hostkv_providers._reservation import Reservation
 from hostkv_providers.testing._pages import chain, page_bytes, put_chain
 
 __all__ = ["BatchChainTests"]
@@ -54,6 +60,30 @@ def _fill(res: Reservation) -> None:
 
 def _parents(keys: Sequence[Key], first: Key | None = None) -> list[Key | None]:
     return [first, *keys[:-1]]
+
+
+def _fill_chain(rc: ReservedChain, keys: Sequence[Key], nbytes: int) -> None:
+    """Write every reserved page of ``rc`` the way a copy engine does: into ``rc.pages`` when the
+    provider hands out its memory as one chunk (no per-page objects), else page by page."""
+    pos = rc.positions()
+    if rc.pages is not None:
+        assert len(rc.pages.addresses) == len(pos) and rc.pages.page_nbytes == nbytes
+        for i, addr in zip(pos, rc.pages.addresses.tolist(), strict=True):
+            ctypes.memmove(addr, page_bytes(keys[i], nbytes), nbytes)
+        rc.mark_written()
+        return
+    for i in pos:
+        r = rc.reservations[i]
+        assert r is not None
+        _fill(r)
+
+
+def _sums(keys: Sequence[Key], nbytes: int, algorithm: str) -> list[int] | None:
+    if algorithm == TREE_ALGORITHM:
+        return [tree_checksum(page_bytes(k, nbytes)) for k in keys]
+    if algorithm == CHECKSUM_ALGORITHM:
+        return [checksum(page_bytes(k, nbytes)) for k in keys]
+    return None
 
 
 class BatchChainTests:
@@ -82,6 +112,75 @@ class BatchChainTests:
             info = provider.entry(k)
             assert info is not None and info.salt_tag == "tag-rm"
         assert [provider.entry(k).parent for k in keys] == _parents(keys)  # type: ignore[union-attr]
+
+    # -- the chain-level methods (a chunk-level run or per-page reservations behind them) --------
+    def test_chain_level_seal_roundtrip(self, provider: Provider) -> None:
+        keys = chain("rm-chain-level", 6)
+        rc = provider.reserve_many(keys, _parents(keys), self.page_nbytes)
+        assert rc.error is None and len(rc) == 6 and rc.positions() == list(range(6))
+        assert provider.present(keys) == [False] * 6  # nothing visible before the seal
+        _fill_chain(rc, keys, self.page_nbytes)
+        rc.seal()
+        assert rc.sealed == 6
+        assert provider.present(keys) == [True] * 6 and not any(provider.in_flight(k) for k in keys)
+        for k in keys:
+            assert provider.read_bytes(k) == page_bytes(k, self.page_nbytes)
+        assert all(r is not None and r.state == "sealed" for r in rc.reservations)
+
+    def test_chain_level_seal_with_checksums(self, provider: Provider) -> None:
+        keys = chain("rm-chain-sums", 4)
+        rc = provider.reserve_many(keys, _parents(keys), self.page_nbytes)
+        _fill_chain(rc, keys, self.page_nbytes)
+        alg = provider.checksum_algorithm
+        rc.seal(checksums=_sums(keys, self.page_nbytes, alg), algorithm=alg)
+        for k in keys:  # the given checksums are the bytes' own: verified reads hit
+            assert provider.read_bytes(k) == page_bytes(k, self.page_nbytes)
+
+    def test_chain_level_abort_then_reserve_again(self, provider: Provider) -> None:
+        keys = chain("rm-chain-abort", 5)
+        used = provider.stats().used_bytes
+        rc = provider.reserve_many(keys, _parents(keys), self.page_nbytes)
+        assert len(rc) == 5
+        rc.abort()
+        rc.abort()  # idempotent
+        assert rc.sealed == 0
+        assert provider.present(keys) == [False] * 5 and not any(provider.in_flight(k) for k in keys)
+        assert provider.stats().used_bytes == used
+        again = provider.reserve_many(keys, _parents(keys), self.page_nbytes)
+        _fill_chain(again, keys, self.page_nbytes)
+        again.seal()
+        assert provider.longest_prefix(keys) == 5
+
+    def test_chain_level_refuses_unwritten_pages(self, provider: Provider) -> None:
+        keys = chain("rm-chain-unwritten", 3)
+        rc = provider.reserve_many(keys, _parents(keys), self.page_nbytes)
+        with pytest.raises(IncompleteWriteError):
+            rc.seal()
+        assert provider.present(keys) == [False] * 3 and not any(provider.in_flight(k) for k in keys)
+
+    def test_chain_level_runs_seal_root_first(self, provider: Provider) -> None:
+        keys = chain("rm-chain-runs", 8)
+        first = provider.reserve_many(keys[:4], _parents(keys[:4]), self.page_nbytes)
+        second = provider.reserve_many(keys[4:], _parents(keys[4:], keys[3]), self.page_nbytes)
+        assert len(first) == 4 and len(second) == 4
+        _fill_chain(first, keys[:4], self.page_nbytes)
+        _fill_chain(second, keys[4:], self.page_nbytes)
+        first.seal()
+        second.seal()
+        assert provider.longest_prefix(keys) == 8
+        for k in keys:
+            assert provider.read_bytes(k) == page_bytes(k, self.page_nbytes)
+
+    def test_chain_level_child_run_fails_without_its_parent(self, provider: Provider) -> None:
+        keys = chain("rm-chain-orphan", 6)
+        first = provider.reserve_many(keys[:3], _parents(keys[:3]), self.page_nbytes)
+        second = provider.reserve_many(keys[3:], _parents(keys[3:], keys[2]), self.page_nbytes)
+        _fill_chain(second, keys[3:], self.page_nbytes)
+        first.abort()  # the parent run goes: its child run cannot be sealed
+        with pytest.raises(UnknownKeyError):
+            second.seal()
+        assert second.sealed == 0
+        assert provider.present(keys) == [False] * 6 and not any(provider.in_flight(k) for k in keys)
 
     def test_reserve_many_in_runs(self, provider: Provider) -> None:
         """A long chain reserved run by run: the second run's first parent is still in flight."""

@@ -25,6 +25,14 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from hostkv_providers._capabilities import (
+    SupportsBatch,
+    SupportsBatchViews,
+    SupportsCompact,
+    SupportsIterate,
+    SupportsVerify,
+    SupportsViews,
+)
 from hostkv_providers._errors import (
     ClosedError,
     HostKVError,
@@ -36,17 +44,8 @@ from hostkv_providers._errors import (
     UsedAfterForkError,
 )
 from hostkv_providers._keys import Key
-from hostkv_providers._provider import (
-    Lease,
-    Provider,
-    Reservation,
-    SupportsBatch,
-    SupportsBatchViews,
-    SupportsCompact,
-    SupportsIterate,
-    SupportsVerify,
-    SupportsViews,
-)
+from hostkv_providers._provider import Provider
+from hostkv_providers._reservation import Lease, Reservation
 from hostkv_providers._span import ByteSpan
 from hostkv_providers.testing._families._base import SuiteBase
 from hostkv_providers.testing._pages import anchor_bytes, chain, key_of, page_bytes, put_chain
@@ -77,6 +76,39 @@ def _tally(provider: Provider, method: str, outcome: str) -> None:
         return
     with open(path, "a", encoding="utf-8") as fh:
         fh.write(json.dumps({"provider": type(provider).__name__, "method": method, "outcome": outcome}) + "\n")
+
+
+def expect_refused(provider: Provider, label: str, call: Callable[[], object],
+                   errors: type[BaseException] | tuple[type[BaseException], ...] = InvalidArgumentError,
+                   *, unchanged: Callable[[], None], may_succeed: bool = False, what: str | None = None) -> None:
+    """``call()`` raises one of ``errors``, rooted at ``HostKVError`` (or, with ``may_succeed``,
+    returns), and then ``unchanged()`` (an assertion that the store is as it was) holds.  The
+    outcome is tallied under ``label`` (``HOSTKV_HOSTILE_TALLY``); ``what`` (default ``label``)
+    names the call in the failure messages.  Shared by the suite and the cache's hostile tests."""
+    method = label if what is None else what
+    outcome = "typed"
+    try:
+        try:
+            call()
+        except errors as exc:
+            if not isinstance(exc, HostKVError):
+                outcome = f"untyped {type(exc).__name__}"
+                raise AssertionError(f"{method}: {type(exc).__name__} is not a HostKVError: {exc}") from exc
+        except Exception as exc:
+            outcome = f"wrong error {type(exc).__name__}"
+            raise AssertionError(f"{method}: expected {errors}, got {type(exc).__name__}: {exc}") from exc
+        else:
+            if not may_succeed:
+                outcome = "no error"
+                raise AssertionError(f"{method}: no error raised (expected {errors})")
+            outcome = "ok"
+        try:
+            unchanged()
+        except AssertionError:
+            outcome = "store changed"
+            raise
+    finally:
+        _tally(provider, label, outcome)
 
 
 class _Store:
@@ -130,29 +162,8 @@ class HostileInputTests(SuiteBase):
                 *, may_succeed: bool = False) -> None:
         """``call()`` raises one of ``errors`` (or, with ``may_succeed``, returns) and the store
         is unchanged."""
-        outcome = "typed"
-        try:
-            try:
-                call()
-            except errors as exc:
-                if not isinstance(exc, HostKVError):
-                    outcome = f"untyped {type(exc).__name__}"
-                    raise AssertionError(f"{method}: {type(exc).__name__} is not a HostKVError: {exc}") from exc
-            except Exception as exc:
-                outcome = f"wrong error {type(exc).__name__}"
-                raise AssertionError(f"{method}: expected {errors}, got {type(exc).__name__}: {exc}") from exc
-            else:
-                if not may_succeed:
-                    outcome = "no error"
-                    raise AssertionError(f"{method}: no error raised (expected {errors})")
-                outcome = "ok"
-            try:
-                store.assert_unchanged(method)
-            except AssertionError:
-                outcome = "store changed"
-                raise
-        finally:
-            _tally(store.provider, method.split("(")[0], outcome)
+        expect_refused(store.provider, method.split("(")[0], call, errors,
+                       unchanged=lambda: store.assert_unchanged(method), may_succeed=may_succeed, what=method)
 
     # ==========================================================================================
     # Wrong types and sizes

@@ -34,7 +34,8 @@ from hypothesis.stateful import (
 
 from hostkv_providers._errors import CapacityError, IncompleteWriteError, InFlightError, UnknownKeyError
 from hostkv_providers._keys import Key
-from hostkv_providers._provider import Lease, Provider, Reservation
+from hostkv_providers._provider import Provider
+from hostkv_providers._reservation import Lease, Reservation
 from hostkv_providers._span import ByteSpan
 from hostkv_providers.testing._pages import key_of, page_bytes
 

@@ -48,9 +48,15 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from hostkv_providers._capabilities import (
+    SupportsBatch,
+    SupportsCompact,
+    SupportsIterate,
+    SupportsVerify,
+)
 from hostkv_providers._errors import CapacityError, HostKVError, InFlightError, UnknownKeyError
 from hostkv_providers._keys import Key
-from hostkv_providers._provider import Provider, SupportsBatch, SupportsCompact, SupportsIterate, SupportsVerify
+from hostkv_providers._provider import Provider
 from hostkv_providers._registry import open_provider
 from hostkv_providers.testing._pages import anchor_bytes, key_of, page_bytes
 

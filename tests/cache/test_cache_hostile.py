@@ -15,33 +15,14 @@ import pytest
 from hostkv_providers import (
     ClosedError,
     HostKVCache,
-    HostKVError,
     InvalidArgumentError,
-    KVLayout,
     PinnedProvider,
     Provider,
-    Salt,
 )
 from hostkv_providers.device import CpuCopyEngine, OrdinaryAllocator
-from hostkv_providers.testing._hostile import BAD_KEYS, BAD_TIMEOUTS, _tally
+from hostkv_providers.testing._hostile import BAD_KEYS, BAD_TIMEOUTS, expect_refused
 
-# the geometry of tests/cache/test_cache.py: 2 layers x (k, v) x 4 tokens x 2 heads x 32 dims x 4 B
-LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, page_tokens=4, dtype="float32")
-SALT = Salt("test/model", LAYOUT)
-PAGE = LAYOUT.page_nbytes
-NBLOCKS = 64
-
-
-def make_planes(seed: int | None = None) -> list[np.ndarray]:
-    rng = np.random.default_rng(seed)
-    shape = (NBLOCKS, LAYOUT.page_tokens, LAYOUT.num_kv_heads, LAYOUT.head_dim)
-    if seed is None:
-        return [np.zeros(shape, np.float32) for _ in LAYOUT.planes]
-    return [rng.standard_normal(shape, dtype=np.float32) for _ in LAYOUT.planes]
-
-
-def tokens(n: int, seed: int = 0) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 32000, size=n)
+from ._cache_common import NBLOCKS, PAGE, SALT, make_planes, tokens
 
 
 @pytest.fixture
@@ -64,26 +45,11 @@ def _state(provider: Provider, keys: list[bytes]) -> tuple[object, ...]:
 def _expect(provider: Provider, keys: list[bytes], method: str, call: Callable[[], object],
             errors: type[BaseException] | tuple[type[BaseException], ...] = InvalidArgumentError) -> None:
     before = _state(provider, keys)
-    outcome = "typed"
-    try:
-        try:
-            call()
-        except errors as exc:
-            if not isinstance(exc, HostKVError):
-                outcome = f"untyped {type(exc).__name__}"
-                raise AssertionError(f"{method}: {exc!r} is not a HostKVError") from exc
-        except Exception as exc:
-            outcome = f"wrong error {type(exc).__name__}"
-            raise AssertionError(f"{method}: {type(exc).__name__}: {exc}") from exc
-        else:
-            outcome = "no error"
-            raise AssertionError(f"{method}: no error raised")
+
+    def unchanged() -> None:
         assert _state(provider, keys) == before, f"{method} changed the store"
-    except BaseException:
-        outcome = "failed" if outcome == "typed" else outcome
-        raise
-    finally:
-        _tally(provider, f"HostKVCache.{method}", outcome)
+
+    expect_refused(provider, f"HostKVCache.{method}", call, errors, unchanged=unchanged, what=method)
 
 
 def test_hostile_constructor(setup: tuple[HostKVCache, Provider, CpuCopyEngine]) -> None:

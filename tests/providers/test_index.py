@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 
+import numpy as np
 import pytest
 
 from hostkv_providers import CapacityError, InFlightError, Key, UnknownKeyError
@@ -421,3 +422,166 @@ def test_the_index_keeps_no_per_entry_objects_the_gc_tracks() -> None:
     del held
     assert len(idx) == 20_000
     assert grown < 100, f"{grown} new GC-tracked objects for 20,000 entries"
+
+
+# -- chain runs: one flight for a run of pages, sealed by slices ----------------------------------
+def test_begin_run_declines_all_but_the_plain_case_and_changes_nothing() -> None:
+    idx = TreeIndex(budget=1000)
+    stored = chain("run-stored", 2)
+    seal(idx, stored[0])
+    used, flights = idx.used_cost, dict(idx.flights)
+    keys = chain("run-decline", 3)
+    assert idx.begin_run([stored[0], *keys], None, 10) is None  # a key already sealed
+    assert idx.begin_run([keys[0], keys[1], keys[0]], None, 10) is None  # a repeated key
+    assert idx.begin_run(keys, chain("nowhere", 1)[0], 10) is None  # a parent neither sealed nor in flight
+    assert idx.begin_run(keys, None, 400) is None  # 1,200 does not fit in 1,000: the per-page path gives a prefix
+    ok, _, _ = idx.begin(keys[1], None, 10)
+    assert ok
+    assert idx.begin_run(keys, None, 10) is None  # a key in flight at another writer
+    idx.cancel(keys[1])
+    assert idx.used_cost == used and idx.flights == flights
+
+
+def test_commit_run_seals_a_chain_that_evicts_leaf_first() -> None:
+    idx = TreeIndex(budget=100)
+    root = chain("run-root", 1)[0]
+    seal(idx, root)
+    keys = chain("run-chain", 4)
+    begun = idx.begin_run(keys, root, 10)
+    assert begun is not None
+    run, evicted = begun
+    assert evicted == [] and all(k in idx.flights for k in keys) and idx.row_of(keys[0]) < 0
+    assert idx.used_cost == 50 and idx.sealed_cost == 10
+    rows = idx.commit_run(run, nbytes=8, tag="t", csums=np.arange(4, dtype=np.uint64))
+    assert not idx.flights and len(idx) == 5 and idx.sealed_cost == 50
+    assert [idx.parent_key(int(r)) for r in rows] == [root, *keys[:-1]]
+    assert [idx.checksum_of(int(r)) for r in rows] == [0, 1, 2, 3]
+    assert idx.tag_of(int(rows[0])) == "t" and int(idx.nbytes[rows[2]]) == 8
+    assert len({int(idx.gen[r]) for r in rows}) == 4
+    # only leaves go, the deepest first, and the root last
+    assert keys_of(idx, idx.evict_cost(10)) == [keys[3]]
+    assert keys_of(idx, idx.evict_cost(30)) == [keys[2], keys[1], keys[0]]
+    assert keys_of(idx, idx.evict_cost(10)) == [root]
+
+
+def test_chained_runs_commit_root_first_only() -> None:
+    idx = TreeIndex(budget=1000)
+    keys = chain("run-chained", 6)
+    first = idx.begin_run(keys[:3], None, 10)
+    second = idx.begin_run(keys[3:], keys[2], 10)  # its parent is still in flight
+    assert first is not None and second is not None
+    with pytest.raises(UnknownKeyError):
+        idx.commit_run(second[0], nbytes=10)  # before its parent: cancelled, nothing sealed
+    assert idx.used_cost == 30 and not any(k in idx.flights for k in keys[3:])
+    again = idx.begin_run(keys[3:], keys[2], 10)
+    assert again is not None
+    idx.commit_run(first[0], nbytes=10)
+    last_of_first = row(idx, keys[2])
+    assert int(idx.hold[last_of_first]) == 1  # held for the child run in flight under it
+    idx.commit_run(again[0], nbytes=10)
+    assert int(idx.hold[last_of_first]) == 0 and idx.parent_key(row(idx, keys[3])) == keys[2]
+    assert len(idx) == 6 and idx.used_cost == idx.sealed_cost == 60
+
+
+def test_cancel_run_orphans_runs_and_flights_under_it() -> None:
+    idx = TreeIndex(budget=1000)
+    keys = chain("run-cancel", 4)
+    first = idx.begin_run(keys[:2], None, 10)
+    assert first is not None
+    other = chain("run-cancel-other", 1)[0]
+    ok, _, _ = idx.begin_chained(other, keys[0], 10)  # another writer's page under the run's root
+    assert ok
+    second = idx.begin_run(keys[2:], keys[1], 10)
+    assert second is not None
+    idx.cancel_run(first[0])
+    idx.cancel_run(first[0])  # idempotent
+    with pytest.raises(UnknownKeyError):
+        idx.commit(other, nbytes=10)
+    with pytest.raises(UnknownKeyError):
+        idx.commit_run(second[0], nbytes=10)
+    assert not idx.flights and idx.used_cost == 0 and len(idx) == 0
+
+
+def test_commit_run_hands_rows_to_flights_waiting_under_its_pages() -> None:
+    idx = TreeIndex(budget=1000)
+    keys = chain("run-waiters", 3)
+    run, _ = idx.begin_run(keys, None, 10) or (None, None)
+    assert run is not None
+    fork = chain("run-waiters-fork", 1)[0]
+    ok, _, _ = idx.begin_chained(fork, keys[1], 10)  # a fork from the run's middle page
+    assert ok
+    idx.commit_run(run, nbytes=10)
+    assert int(idx.hold[row(idx, keys[1])]) == 1
+    idx.commit(fork, nbytes=10)
+    assert idx.parent_key(row(idx, fork)) == keys[1] and int(idx.children[row(idx, keys[1])]) == 2
+
+
+def test_a_run_split_into_flights_commits_page_by_page() -> None:
+    idx = TreeIndex(budget=1000)
+    root = chain("run-split-root", 1)[0]
+    seal(idx, root)
+    keys = chain("run-split", 3)
+    run, _ = idx.begin_run(keys, root, 10) or (None, None)
+    assert run is not None
+    commit(idx, keys[0])  # one page of a run: the run becomes flights (rare path)
+    assert keys[1] in idx.flights and not isinstance(idx.flights[keys[1]], type(run))
+    with pytest.raises(UnknownKeyError):
+        idx.commit_run(run, nbytes=10)  # the run itself is inert now
+    commit(idx, keys[1])
+    idx.cancel(keys[2])
+    assert [idx.row_of(k) >= 0 for k in keys] == [True, True, False]
+    assert idx.used_cost == idx.sealed_cost == 30 and int(idx.hold[row(idx, root)]) == 0
+
+
+def test_commit_run_fails_when_its_parent_was_dropped() -> None:
+    idx = TreeIndex(budget=1000)
+    root = chain("run-dropped-root", 1)[0]
+    seal(idx, root)
+    keys = chain("run-dropped", 2)
+    run, _ = idx.begin_run(keys, root, 10) or (None, None)
+    assert run is not None
+    idx.drop(row(idx, root))
+    with pytest.raises(UnknownKeyError):
+        idx.commit_run(run, nbytes=10)
+    assert not idx.flights and idx.used_cost == 0
+
+
+def test_a_run_keeps_no_per_page_objects_the_gc_tracks() -> None:
+    idx = TreeIndex(budget=1 << 40)
+    keys = chain("run-gc", 20_000)
+    gc.collect()
+    before = len(gc.get_objects())
+    prev = None
+    for lo in range(0, len(keys), 256):
+        part = keys[lo : lo + 256]
+        begun = idx.begin_run(part, prev, 10)
+        assert begun is not None
+        idx.commit_run(begun[0], nbytes=10)
+        prev = part[-1]
+    gc.collect()
+    assert len(gc.get_objects()) - before < 200  # (one object per page would be 20,000)
+    assert len(idx) == 20_000
+
+
+def test_holds_by_slices_match_holds_one_by_one() -> None:
+    big, small = TreeIndex(budget=10_000), TreeIndex(budget=10_000)
+    keys = chain("hold-slices", 20)
+    for idx in (big, small):
+        prev = None
+        for k in keys:
+            seal(idx, k, prev)
+            prev = k
+    rows = big.rows_of(keys)
+    gens = [int(big.gen[r]) for r in rows]
+    big.hold_rows([*rows, -1, rows[-1]])  # slices (> 8 rows), a missing row, a row twice
+    for r in [*rows, rows[-1]]:
+        small.hold_rows([r])  # one by one
+    assert big.hold[: big.n].tolist() == small.hold[: small.n].tolist()
+    assert big.evict_cost(10) == [] and small.evict_cost(10) == []  # every row leased
+    stale = chain("hold-slices-gone", 1)[0]
+    seal(big, stale)
+    big.release_rows([*rows, big.row_of(stale)], [*gens, 999_999])  # a wrong gen is ignored
+    assert big.hold[rows].tolist() == [0] * 19 + [1]
+    assert keys_of(big, big.evict_cost(10)) == [stale]  # the chain's leaf is still held once
+    big.release_rows([rows[-1]], [gens[-1]])
+    assert keys_of(big, big.evict_cost(10)) == [keys[-1]]  # released: an evictable leaf again

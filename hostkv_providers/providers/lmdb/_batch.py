@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+from hostkv_providers._checks import writable_buffer
 from hostkv_providers._checksum import checksum
 from hostkv_providers._errors import (
     CapacityError,
@@ -43,7 +44,6 @@ from hostkv_providers._errors import (
     UnknownKeyError,
 )
 from hostkv_providers._keys import Key
-from hostkv_providers._provider import writable_buffer
 from hostkv_providers.providers._slotfile import ReadResult, SlotFile
 
 from ._format import _TAG_MAX, _BadRecord, _crash, _Entry, _Flight, _slot_nbytes

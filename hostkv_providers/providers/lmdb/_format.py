@@ -15,9 +15,7 @@ from hostkv_providers._errors import (
     IncompatibleStoreError,
 )
 from hostkv_providers._keys import FORMAT_VERSION, KEY_ALGORITHM, Key
-from hostkv_providers._provider import (
-    EntryInfo,
-)
+from hostkv_providers._reports import EntryInfo
 from hostkv_providers.providers import _fsutil
 
 STORE_FORMAT = "hostkv-lmdb"

@@ -12,9 +12,7 @@ from typing import TYPE_CHECKING, Any
 import lmdb
 
 from hostkv_providers._keys import Key
-from hostkv_providers._provider import (
-    Progress,
-)
+from hostkv_providers._reports import Progress
 from hostkv_providers.providers import _fsutil
 from hostkv_providers.providers._slotfile import (
     ReadResult,

@@ -70,6 +70,13 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from hostkv_providers._checks import (
+    check_flag,
+    check_progress,
+    check_retain_share,
+    scatter_into,
+    writable_buffer,
+)
 from hostkv_providers._checksum import checksum
 from hostkv_providers._errors import (
     CapacityError,
@@ -84,24 +91,17 @@ from hostkv_providers._errors import (
 )
 from hostkv_providers._keys import KEY_NBYTES, Key
 from hostkv_providers._options import Option, OptionSet
-from hostkv_providers._provider import (
+from hostkv_providers._provider import Corrupt, Provider
+from hostkv_providers._region import HostRegion
+from hostkv_providers._reports import (
     CompactReport,
-    Corrupt,
     EntryInfo,
     EvictReport,
-    HostRegion,
-    Lease,
     Progress,
-    Provider,
     ProviderStats,
-    Reservation,
     VerifyReport,
-    check_flag,
-    check_progress,
-    check_retain_share,
-    scatter_into,
-    writable_buffer,
 )
+from hostkv_providers._reservation import Lease, Reservation
 from hostkv_providers._span import ByteSpan
 from hostkv_providers.providers import _fsutil
 from hostkv_providers.providers._budget import check_disk_budget

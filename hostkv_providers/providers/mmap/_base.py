@@ -15,11 +15,9 @@ import numpy as np
 import numpy.typing as npt
 
 from hostkv_providers._keys import Key
-from hostkv_providers._provider import (
-    HostRegion,
-    Provider,
-    Reservation,
-)
+from hostkv_providers._provider import Provider
+from hostkv_providers._region import HostRegion
+from hostkv_providers._reservation import Reservation
 from hostkv_providers.providers import _fsutil
 from hostkv_providers.providers._slotfile import SlotFile
 

@@ -10,17 +10,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 import xxhash
 
+from hostkv_providers._checks import check_flag, check_progress
 from hostkv_providers._errors import (
     HostKVError,
     ReservationError,
 )
-from hostkv_providers._provider import (
-    CompactReport,
-    Progress,
-    VerifyReport,
-    check_flag,
-    check_progress,
-)
+from hostkv_providers._reports import CompactReport, Progress, VerifyReport
 from hostkv_providers.providers import _fsutil
 from hostkv_providers.providers._slotfile import (
     FLAG_ANCHOR,

@@ -47,6 +47,8 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
+from hostkv_providers._chain import _check_checksums
+from hostkv_providers._checks import check_retain_share, writable_buffer
 from hostkv_providers._checksum import checksum_parts
 from hostkv_providers._errors import (
     CapacityError,
@@ -59,17 +61,9 @@ from hostkv_providers._errors import (
 )
 from hostkv_providers._keys import Key
 from hostkv_providers._options import Option, OptionSet
-from hostkv_providers._provider import (
-    Corrupt,
-    EntryInfo,
-    EvictReport,
-    Lease,
-    ProviderStats,
-    Reservation,
-    _check_checksums,
-    check_retain_share,
-    writable_buffer,
-)
+from hostkv_providers._provider import Corrupt
+from hostkv_providers._reports import EntryInfo, EvictReport, ProviderStats
+from hostkv_providers._reservation import Lease, Reservation
 from hostkv_providers._span import ByteSpan
 from hostkv_providers.providers import _fsutil
 from hostkv_providers.providers._budget import check_disk_budget

@@ -18,6 +18,7 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
+from hostkv_providers._checks import check_anchor_name
 from hostkv_providers._checksum import CHECKSUM_ALGORITHM
 from hostkv_providers._errors import (
     CorruptStoreError,
@@ -27,9 +28,6 @@ from hostkv_providers._errors import (
     StoreNotFoundError,
 )
 from hostkv_providers._keys import FORMAT_VERSION, KEY_ALGORITHM
-from hostkv_providers._provider import (
-    check_anchor_name,
-)
 from hostkv_providers.providers import _fsutil
 from hostkv_providers.providers._slotfile import (
     FLAG_ANCHOR,

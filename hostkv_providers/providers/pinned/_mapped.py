@@ -40,7 +40,8 @@ import numpy as np
 from hostkv_providers._blockhash import TREE_ALGORITHM
 from hostkv_providers._errors import CopyEngineError, HostKVError, InvalidArgumentError, ReservationError
 from hostkv_providers._keys import Key
-from hostkv_providers._provider import Lease, ProviderStats, Reservation
+from hostkv_providers._reports import ProviderStats
+from hostkv_providers._reservation import Lease, Reservation
 from hostkv_providers.device import _cuda
 from hostkv_providers.device._engine import _stream_handle
 from hostkv_providers.device._hostmem import CudaHostAllocator, HostAllocator, OrdinaryAllocator
@@ -49,8 +50,8 @@ from hostkv_providers.providers.pinned._provider import (
     _DEFAULT_BLOCK,
     _DEFAULT_CHUNK,
     PinnedProvider,
-    _PinnedReservation,
 )
+from hostkv_providers.providers.pinned._run import _PinnedReservation
 
 __all__ = ["MappedPinnedProvider", "MirrorHandle", "StreamFence"]
 

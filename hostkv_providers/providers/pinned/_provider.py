@@ -18,9 +18,7 @@ store run at a fraction of memcpy speed.  Page-locked memory is faulted in by it
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
-import os
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -30,6 +28,8 @@ import numpy as np
 import numpy.typing as npt
 
 from hostkv_providers._blockhash import TREE_ALGORITHM, tree_checksum_parts
+from hostkv_providers._chain import ReservedChain, _check_checksums
+from hostkv_providers._checks import check_flag, check_progress, check_retain_share, writable_buffer
 from hostkv_providers._checksum import CHECKSUM_ALGORITHM, checksum_parts
 from hostkv_providers._errors import (
     CapacityError,
@@ -40,177 +40,35 @@ from hostkv_providers._errors import (
 )
 from hostkv_providers._keys import Key
 from hostkv_providers._options import Option, OptionSet
-from hostkv_providers._provider import (
-    Corrupt,
-    EntryInfo,
-    EvictReport,
-    HostRegion,
-    Lease,
-    Provider,
-    ProviderStats,
-    Reservation,
-    ReservedChain,
-    VerifyReport,
-    _check_checksums,
-    check_flag,
-    check_progress,
-    check_retain_share,
-    writable_buffer,
-)
-from hostkv_providers._region import HostPages
+from hostkv_providers._provider import Corrupt, Provider
+from hostkv_providers._region import HostPages, HostRegion
+from hostkv_providers._reports import EntryInfo, EvictReport, ProviderStats, VerifyReport
+from hostkv_providers._reservation import Lease, Reservation
 from hostkv_providers._span import ByteSpan
 from hostkv_providers.device._hostmem import (
     _MADV_POPULATE_WRITE,
-    HostAllocation,
     HostAllocator,
     OrdinaryAllocator,
     _madvise_fn,
-    copy_bytes,
 )
 from hostkv_providers.providers._budget import physical_memory
 from hostkv_providers.providers._counters import STORE_COUNTED
-from hostkv_providers.providers._tree import TreeIndex
+from hostkv_providers.providers.pinned._arena import (
+    _Arena,
+    _blocks_cost,
+    _checksums,
+    _gather,
+    _PinnedIndex,
+    _scatter,
+    _Token,
+)
+from hostkv_providers.providers.pinned._run import _PinnedReservation, _PinnedRun
 
 __all__ = ["PinnedProvider"]
 
 _DEFAULT_BLOCK = 64 * 1024
 _DEFAULT_CHUNK = 256 * 1024 * 1024
 _PREFAULT_PIECE = 8 << 20  # one madvise call: close() waits at most this long for the prefaulter
-
-
-class _Arena:
-    """Blocks in chunks of host memory, with a coalescing free-run list."""
-
-    def __init__(self, block: int, blocks_per_chunk: int) -> None:
-        self.block = block
-        self.bpc = blocks_per_chunk
-        self.chunks: list[HostAllocation] = []
-        self.total = 0  # blocks in ready chunks
-        self.free = 0
-        self._runs: dict[int, int] = {}  # start block -> length
-        self._ends: dict[int, int] = {}  # end block (exclusive) -> start
-
-    def add_chunk(self, alloc: HostAllocation, nblocks: int) -> None:
-        start = len(self.chunks) * self.bpc
-        self.chunks.append(alloc)
-        self.total += nblocks
-        self._release_run(start, nblocks)
-
-    def _release_run(self, start: int, length: int) -> None:
-        self.free += length
-        end = start + length
-        # coalesce with neighbours, but never across a chunk boundary (not contiguous memory)
-        if start % self.bpc and start in self._ends:
-            prev = self._ends.pop(start)
-            length += self._runs.pop(prev)
-            start = prev
-        if end % self.bpc and end in self._runs:
-            nxt_len = self._runs.pop(end)
-            del self._ends[end + nxt_len]
-            length += nxt_len
-        self._runs[start] = length
-        self._ends[start + length] = start
-
-    def _take(self, start: int, length: int, want: int) -> tuple[int, int]:
-        del self._runs[start]
-        del self._ends[start + length]
-        take = min(length, want)
-        if take < length:
-            self._runs[start + take] = length - take
-            self._ends[start + length] = start + take
-        self.free -= take
-        return start, take
-
-    def allocate(self, nblocks: int) -> list[tuple[int, int]]:
-        """``nblocks`` blocks as ``[(start, length)]`` runs; caller checked ``free >= nblocks``."""
-        best = None
-        for start, length in self._runs.items():
-            if length >= nblocks and (best is None or length < best[1]):
-                best = (start, length)
-                if length == nblocks:
-                    break
-        if best is not None:
-            return [self._take(best[0], best[1], nblocks)]
-        out: list[tuple[int, int]] = []
-        need = nblocks
-        for start, length in sorted(self._runs.items(), key=lambda r: -r[1]):
-            out.append(self._take(start, length, need))
-            need -= out[-1][1]
-            if need == 0:
-                break
-        return out
-
-    def release(self, runs: Sequence[tuple[int, int]]) -> None:
-        for start, length in runs:
-            self._release_run(start, length)
-
-    def regions(self, runs: Sequence[tuple[int, int]], nbytes: int, pinned: bool, *,
-                readonly: bool = False) -> list[HostRegion]:
-        out: list[HostRegion] = []
-        offset = 0
-        for start, length in runs:
-            chunk = self.chunks[start // self.bpc]
-            lo = (start % self.bpc) * self.block
-            size = min(length * self.block, nbytes - offset)
-            if size <= 0:
-                break
-            view = chunk.view[lo : lo + size]
-            out.append(HostRegion(offset, view.toreadonly() if readonly else view, chunk.address + lo, pinned))
-            offset += size
-        return out
-
-    def close(self) -> None:
-        for chunk in self.chunks:
-            chunk.close()
-        self.chunks.clear()
-
-
-class _PinnedIndex(TreeIndex):
-    """The tree index with an entry's blocks: one contiguous run in the columns; the rare
-    scattered entry (a fragmented arena) keeps its run list in ``scatter``."""
-
-    COLS = (*TreeIndex.COLS, ("run_start", np.int64, 0), ("run_len", np.int64, 0))
-    run_start: npt.NDArray[np.int64]
-    run_len: npt.NDArray[np.int64]
-    m_run_start: Any
-    m_run_len: Any
-
-    def __init__(self, budget: int) -> None:
-        super().__init__(budget)
-        self.scatter: dict[int, list[tuple[int, int]]] = {}
-
-    def runs(self, row: int) -> list[tuple[int, int]]:
-        runs = self.scatter.get(row)
-        return runs if runs is not None else [(self.m_run_start[row], self.m_run_len[row])]
-
-
-#: A lease's token and a ``Corrupt`` token name entries by ``(row, gen)`` pairs: rows are recycled.
-_Token = tuple[list[int], list[int]]
-
-
-class _PinnedReservation(Reservation):
-    # The regions (a list, a HostRegion and a memoryview per arena run) are built on first use:
-    # a chain reservation that a copy engine fills through ``ReservedChain.pages`` and that is
-    # sealed with checksums from the GPU never builds them (no per-page objects on that path).
-    __slots__ = ("_regs", "runs")
-
-    def __init__(self, provider: PinnedProvider, key: Key, parent: Key | None, nbytes: int, salt_tag: str,
-                 runs: list[tuple[int, int]]) -> None:
-        super().__init__(provider, key, parent, nbytes, salt_tag)
-        self.runs = runs
-        self._regs: list[HostRegion] | None = None
-
-    @property
-    def _regions(self) -> list[HostRegion]:
-        regs = self._regs
-        if regs is None:
-            prov: PinnedProvider = self._provider  # type: ignore[assignment]
-            regs = self._regs = prov._arena.regions(self.runs, self.nbytes, prov._allocator.pinned)
-        return regs
-
-    def regions(self) -> Sequence[HostRegion]:
-        self.check_open(self._provider)
-        return self._regions
 
 
 class PinnedProvider(Provider):
@@ -567,6 +425,12 @@ class PinnedProvider(Provider):
         ks = self._keys(keys)
         if isinstance(parents, (bytes, bytearray, memoryview, str)) or len(parents) != len(ks):
             raise InvalidArgumentError(f"{len(parents)} parents for {len(ks)} keys; give one per key")
+        if len(ks) > 1 and list(parents[1:]) == ks[:-1]:
+            # a chain run (each page's parent the page before): try it as one run, no per-page objects
+            _k0, p0, n = self._reserve_args(ks[0], parents[0], nbytes, salt_tag)
+            chain = self._reserve_run(ks, p0, n, salt_tag)
+            if chain is not None:
+                return chain
         checked = [self._reserve_args(k, p, nbytes, salt_tag) for k, p in zip(ks, parents, strict=True)]
         out: list[Reservation | None] = []
         error: HostKVError | None = None
@@ -578,6 +442,49 @@ class PinnedProvider(Provider):
                     error = exc
                     break
         return ReservedChain(out, error, self._chain_pages(out, nbytes))
+
+    def _reserve_run(self, ks: list[Key], parent: Key | None, nbytes: int, salt_tag: str) -> ReservedChain | None:
+        """The chain run ``ks`` (all new) as one :class:`_PinnedRun`, or ``None`` when it is not
+        the plain case (see ``TreeIndex.begin_run``) or the arena is too fragmented: the caller
+        then reserves page by page.  ``ks[0]`` and ``parent`` were validated; the other keys are
+        validated ``Key``s (``_keys``) and so are their parents (the keys before them)."""
+        nblocks = -(-nbytes // self._block)
+        cost = nblocks * self._block
+        if cost * len(ks) > self._budget or len(set(ks)) != len(ks) or parent in ks:
+            return None
+        with self._usable():
+            idx = self._index
+            while self._pending and idx.used_cost + cost * len(ks) > idx.budget:
+                self._ready.wait(0.5)  # prefer memory still being pinned over evicting hits
+                self._check_usable()
+            begun = idx.begin_run(ks, parent, cost)
+            if begun is None:
+                return None
+            run, evicted = begun
+            self._free_rows(evicted)
+            starts = self._arena.allocate_pages(len(ks), nblocks)
+            if starts is None:
+                idx.cancel_run(run)
+                return None
+        pr = _PinnedRun(self, run, ks, parent, nbytes, salt_tag, starts, nblocks)
+        return ReservedChain(error=None, pages=self._pages_at(starts, nbytes), run=pr)
+
+    def _pages_at(self, starts: npt.NDArray[np.int64], nbytes: int) -> HostPages:
+        """The pages starting at arena blocks ``starts`` as one :class:`HostPages`."""
+        arena = self._arena
+        bases = np.array([c.address for c in arena.chunks], dtype=np.uint64)
+        addrs = bases[starts // arena.bpc] + (starts % arena.bpc).astype(np.uint64) * np.uint64(arena.block)
+        return HostPages(addrs, nbytes, pinned=self._allocator.pinned, readonly=False)
+
+    def _page_regions(self, starts: npt.NDArray[np.int64], nbytes: int) -> list[list[HostRegion]]:
+        """Regions of pages at ``starts`` (for host hashing of a run sealed without checksums)."""
+        arena = self._arena
+        out: list[list[HostRegion]] = []
+        for st in starts.tolist():
+            chunk = arena.chunks[st // arena.bpc]
+            lo = (st % arena.bpc) * arena.block
+            out.append([HostRegion(0, chunk.view[lo : lo + nbytes], chunk.address + lo, False)])
+        return out
 
     def _chain_pages(self, out: Sequence[Reservation | None], nbytes: int) -> HostPages | None:
         """The reserved pages as one :class:`HostPages` (addresses in a numpy array) when each is
@@ -822,12 +729,21 @@ class PinnedProvider(Provider):
         ks = self._keys(keys)
         if not isinstance(lease, Lease) or lease.released or lease.token is None or lease._provider is not self:
             raise InvalidArgumentError("view_pages() needs an unreleased lease of this provider")
-        leased = lease.keys if len(ks) == 1 else frozenset(lease.keys)
+        # The common case, a run of the lease's own keys (a restore of a hit, whole or part by
+        # part): the lease's token already names their rows, so the keys are matched by one
+        # C-speed slice comparison and the rows checked by generation, not looked up one by one.
+        known = self._leased_rows(lease, ks)
+        leased = lease.keys if len(ks) == 1 else (frozenset(lease.keys) if known is None else ())
         with self._usable():
             idx, arena = self._index, self._arena
-            rows = np.asarray(idx.rows_of(ks), dtype=np.int64)
-            if not len(rows) or (rows < 0).any() or any(k not in leased for k in ks):
-                return None
+            if known is not None:
+                rows, gens = known
+                if not len(rows) or not (idx.alive[rows].all() and (idx.gen[rows] == gens).all()):
+                    return None  # an entry of the lease was dropped (corrupt) meanwhile
+            else:
+                rows = np.asarray(idx.rows_of(ks), dtype=np.int64)
+                if not len(rows) or (rows < 0).any() or any(k not in leased for k in ks):
+                    return None
             if idx.scatter and any(r in idx.scatter for r in rows.tolist()):
                 return None  # a scattered entry is not one run
             sizes = idx.nbytes[rows]
@@ -843,6 +759,27 @@ class PinnedProvider(Provider):
         # on the GPU (a view is never checked here: that would read every byte on the host).
         return HostPages(addrs, nbytes, pinned=self._allocator.pinned, readonly=True, keepalive=lease,
                          checksums=sums, algorithm=self.checksum_algorithm)
+
+    @staticmethod
+    def _leased_rows(lease: Lease, ks: list[Key]) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.uint64]] | None:
+        """The ``(rows, gens)`` of ``ks`` from ``lease``'s token when ``ks`` is a run of the
+        lease's keys (``lease.keys[j]`` is ``token[0][j]``), else ``None``."""
+        lk = lease.keys
+        n = len(ks)
+        if not n or n > len(lk):
+            return None
+        j = 0
+        if lk[0] != ks[0]:
+            try:
+                j = lk.index(ks[0])
+            except ValueError:
+                return None
+        if lk[j : j + n] != tuple(ks):
+            return None
+        token: _Token = lease.token  # type: ignore[assignment]
+        token_rows, token_gens = token
+        return (np.asarray(token_rows[j : j + n], dtype=np.int64),
+                np.asarray(token_gens[j : j + n], dtype=np.uint64))
 
     # -- eviction ----------------------------------------------------------------------------
     def _evict(self, ks: list[Key] | None, nbytes: int) -> EvictReport:
@@ -867,15 +804,24 @@ class PinnedProvider(Provider):
     def _free_rows(self, rows: Sequence[int]) -> None:
         """Give removed rows' blocks back to the arena and the rows to the index."""
         idx = self._index
+        if len(rows) > 8 and not idx.scatter:
+            # (a chain evicted for room: its pages' blocks go back as runs, not page by page)
+            arr = np.asarray(rows, dtype=np.int64)
+            lens = idx.run_len[arr]
+            if int(lens.min()) == int(lens.max()):
+                self._arena.release_pages(idx.run_start[arr], int(lens[0]))
+                self._recycle(rows)
+                return
         for row in rows:
             self._arena.release(idx.runs(row))
         self._recycle(rows)
 
     def _recycle(self, rows: Sequence[int]) -> None:
         idx = self._index
-        for row in rows:
-            idx.scatter.pop(row, None)
-            idx.anchors.pop(row, None)
+        if idx.scatter or idx.anchors:
+            for row in rows:
+                idx.scatter.pop(row, None)
+                idx.anchors.pop(row, None)
         idx.recycle(rows)
 
     def _drop(self, row: int) -> list[int]:
@@ -1074,55 +1020,6 @@ def _check_present(keys: Sequence[Key], rows: Sequence[int]) -> None:
             raise UnknownKeyError(f"entry {k.hex()[:16]} is not stored; nothing was retained",
                                   hint="retain sealed entries only (save the prefix first)")
 
-
-def _blocks_cost(runs: Sequence[tuple[int, int]], block: int) -> int:
-    return block * sum(int(length) for _, length in runs)
-
-
-def _scatter(regions: Sequence[HostRegion], span: ByteSpan, src: memoryview) -> None:
-    """Copy ``src`` into bytes ``span`` of an entry laid out over ``regions``."""
-    for r in regions:
-        lo = max(span.offset, r.offset)
-        hi = min(span.end, r.offset + len(r.view))
-        if lo < hi:
-            copy_bytes(r.view[lo - r.offset : hi - r.offset], src[lo - span.offset : hi - span.offset])
-
-
-def _gather(regions: Sequence[HostRegion], span: ByteSpan, dst: memoryview) -> None:
-    """Copy bytes ``span`` of an entry laid out over ``regions`` into ``dst``."""
-    for r in regions:
-        lo = max(span.offset, r.offset)
-        hi = min(span.end, r.offset + len(r.view))
-        if lo < hi:
-            copy_bytes(dst[lo - span.offset : hi - span.offset], r.view[lo - r.offset : hi - r.offset])
-
-
-# Seal-time hashing of large batches (zero-copy saves): XXH3 releases the GIL, so a few threads
-# scale it.  H200 host, 13.4 GB chain: 8 threads hash at 45 GB/s and the save seals in 474 ms
-# (DMA done at 313 ms); 12 threads hash at 56 GB/s alone but slow the DMA they overlap (528 /
-# 386 ms), so the count stays at 8.
-_HASH_THREADS = max(2, min(8, (os.cpu_count() or 2) // 2))
-_hash_pool: concurrent.futures.ThreadPoolExecutor | None = None
-_hash_pool_lock = threading.Lock()
-
-
-def _checksums(entries: Sequence[Sequence[HostRegion]],
-               fn: Callable[[Iterable[object]], int] = tree_checksum_parts) -> list[int]:
-    """Seal checksums of many entries; large batches are split over a few threads (one task per
-    thread, not per page: no per-page futures)."""
-    global _hash_pool
-    total = sum(sum(r.view.nbytes for r in regs) for regs in entries)
-    if len(entries) < 2 or total < (8 << 20):
-        return [fn(r.view for r in regs) for regs in entries]
-    with _hash_pool_lock:
-        if _hash_pool is None:
-            _hash_pool = concurrent.futures.ThreadPoolExecutor(_HASH_THREADS, thread_name_prefix="hostkv-hash")
-        pool = _hash_pool
-    step = -(-len(entries) // _HASH_THREADS)
-    parts = [entries[i : i + step] for i in range(0, len(entries), step)]
-    futures = [pool.submit(lambda part: [fn(r.view for r in regs) for regs in part], part)
-               for part in parts]
-    return [d for f in futures for d in f.result()]
 
 
 def _default_allocator(require_pinned: bool = False) -> HostAllocator:

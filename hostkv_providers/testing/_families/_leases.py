@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from hostkv_providers._provider import Lease, Provider
+from hostkv_providers._provider import Provider
+from hostkv_providers._reservation import Lease
 from hostkv_providers.testing._pages import chain, key_of, put_chain, put_page
 
 from ._base import ProviderFactory, SuiteBase, _check_budget

@@ -9,9 +9,10 @@ from collections.abc import Callable, Sequence
 
 import pytest
 
+from hostkv_providers._capabilities import SupportsIterate, SupportsVerify, SupportsViews
 from hostkv_providers._errors import CapacityError, ClosedError, InFlightError, UnknownKeyError, UsedAfterForkError
 from hostkv_providers._keys import Key
-from hostkv_providers._provider import Provider, SupportsIterate, SupportsVerify, SupportsViews
+from hostkv_providers._provider import Provider
 from hostkv_providers.testing._pages import chain, key_of, page_bytes, put_chain, put_page
 
 from ._base import ProviderFactory, SuiteBase, _check_budget, _fork_failure, _wait_child

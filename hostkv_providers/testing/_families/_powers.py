@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from hostkv_providers._errors import HostKVError, InvalidArgumentError, UnknownKeyError
-from hostkv_providers._provider import (
-    Provider,
+from hostkv_providers._capabilities import (
     SupportsBatch,
     SupportsBatchViews,
     SupportsIterate,
     SupportsVerify,
     SupportsViews,
 )
+from hostkv_providers._errors import HostKVError, InvalidArgumentError, UnknownKeyError
+from hostkv_providers._provider import Provider
 from hostkv_providers.testing._pages import chain, key_of, page_bytes, put_chain, put_page
 
 from ._base import SuiteBase, _check_budget

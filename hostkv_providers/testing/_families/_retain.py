@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from hostkv_providers._capabilities import SupportsRetain
 from hostkv_providers._errors import CapacityError, RetainedError, UnknownKeyError
-from hostkv_providers._provider import Provider, SupportsRetain
+from hostkv_providers._provider import Provider
 from hostkv_providers.testing._pages import chain, key_of, page_bytes, put_chain, put_page
 
 from ._base import ProviderFactory, SuiteBase, _check_budget, _check_closure

@@ -116,6 +116,17 @@ def _check_share(value: object) -> float:
     return float(value)
 
 
+def _check_readonly(readonly: object, budget_bytes: int | None, resize: object) -> bool:
+    """``readonly`` must be a bool, and a read-only open sets no budget (``budget=``, ``resize=``):
+    the rule of every open, checked before anything connects."""
+    if type(readonly) is not bool:
+        raise InvalidArgumentError(f"readonly must be True or False, got {readonly!r}")
+    if readonly and (budget_bytes is not None or resize):
+        raise InvalidArgumentError("a read-only open cannot set the budget",
+                                   hint="drop budget=/resize= or readonly=")
+    return readonly
+
+
 def parse_trailer(value: bytes, key: bytes) -> tuple[int, int] | None:
     """``(nbytes, checksum)`` from a stored value's trailer, or ``None`` when it is not a valid
     page of ``key`` (wrong magic, wrong key echo, or a length that disagrees with the value)."""
@@ -721,12 +732,7 @@ class RedisProvider(Provider):
     ) -> None:
         super().__init__()
         self._retain_share = _check_share(retain_share)
-        if type(readonly) is not bool:
-            raise InvalidArgumentError(f"readonly must be True or False, got {readonly!r}")
-        if readonly and (budget_bytes is not None or resize):
-            raise InvalidArgumentError("a read-only open cannot set the budget",
-                                       hint="drop budget=/resize= or readonly=")
-        self._readonly = readonly
+        self._readonly = _check_readonly(readonly, budget_bytes, resize)
         if not isinstance(url, str) or "://" not in url:
             raise InvalidArgumentError(f"url must be a redis:// URL, got {url!r}")
         if not isinstance(namespace, str) or not _NAMESPACE.match(namespace):

@@ -88,7 +88,7 @@ from redis.crc import key_slot
 from redis.retry import Retry
 
 from ._errors import ServerUnavailableError
-from ._provider import RedisProvider, _redact
+from ._provider import RedisProvider, _check_readonly, _redact
 
 __all__ = ["DEFAULT_GROUP", "DEFAULT_SHARDS", "RedisShardedProvider", "shard_tags"]
 
@@ -168,12 +168,7 @@ class RedisShardedProvider(Provider):
         retain_share: float = 0.5,
     ) -> None:
         super().__init__()
-        if type(readonly) is not bool:
-            raise InvalidArgumentError(f"readonly must be True or False, got {readonly!r}")
-        if readonly and (budget_bytes is not None or resize):
-            raise InvalidArgumentError("a read-only open cannot set the budget",
-                                       hint="drop budget=/resize= or readonly=")
-        self._readonly = readonly
+        self._readonly = _check_readonly(readonly, budget_bytes, resize)
         if type(shards) is not int or not 1 <= shards <= 4096:
             raise InvalidArgumentError(f"shards must be an int in [1, 4096], got {shards!r}")
         if type(group) is not int or not 1 <= group <= 1024:

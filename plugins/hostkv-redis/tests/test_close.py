@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from hostkv_providers import ClosedError, ReservationError, UsedAfterForkError
+from hostkv_providers import ClosedError, Key, Reservation, ReservationError, UsedAfterForkError
 from hostkv_providers.testing import key_of, page_bytes
 
 from hostkv_redis import RedisProvider
@@ -21,6 +21,24 @@ Make = Callable[..., RedisProvider]
 def _server_flights(server: RedisServer, namespace: str) -> int:
     with server.client() as c:
         return int(c.zcard(f"hkv:{{{namespace}}}:fz"))
+
+
+def _slow_seal(p: RedisProvider, k: Key) -> tuple[Reservation, threading.Event, threading.Event]:
+    """A reservation of ``k``'s page, written; its seal, once called, sets ``inside`` on its way to
+    the server and waits there until ``release`` is set."""
+    res = p.reserve(k, None, PAGE)
+    assert res is not None
+    res.write(0, page_bytes(k, PAGE))
+    inside, release = threading.Event(), threading.Event()
+    ship = p._seal_batch
+
+    def slow_seal(batch: Any) -> Any:
+        inside.set()
+        release.wait(10)
+        return ship(batch)
+
+    p._seal_batch = slow_seal  # type: ignore[method-assign, assignment]
+    return res, inside, release
 
 
 def test_a_seal_refused_by_a_closing_provider_leaves_no_flight(make_redis: Make, redis_server: RedisServer) -> None:
@@ -68,18 +86,7 @@ def test_close_waits_for_a_seal_under_way(make_redis: Make, redis_server: RedisS
     reserve after close() began gets ClosedError."""
     p = make_redis()
     k = key_of("close-waits")
-    res = p.reserve(k, None, PAGE)
-    assert res is not None
-    res.write(0, page_bytes(k, PAGE))
-    inside, release = threading.Event(), threading.Event()
-    ship = p._seal_batch
-
-    def slow_seal(batch: Any) -> Any:
-        inside.set()
-        release.wait(10)
-        return ship(batch)
-
-    p._seal_batch = slow_seal  # type: ignore[method-assign, assignment]
+    res, inside, release = _slow_seal(p, k)
     errors: list[BaseException] = []
 
     def seal() -> None:
@@ -134,18 +141,7 @@ def test_errors_from_a_connection_close_shut_are_closed_errors(make_redis: Make)
 def test_racing_seal_and_abort_is_typed(make_redis: Make) -> None:
     p = make_redis()
     k = key_of("race-claim")
-    res = p.reserve(k, None, PAGE)
-    assert res is not None
-    res.write(0, page_bytes(k, PAGE))
-    inside, release = threading.Event(), threading.Event()
-    ship = p._seal_batch
-
-    def slow_seal(batch: Any) -> Any:
-        inside.set()
-        release.wait(10)
-        return ship(batch)
-
-    p._seal_batch = slow_seal  # type: ignore[method-assign, assignment]
+    res, inside, release = _slow_seal(p, k)
     t = threading.Thread(target=p.seal, args=(res,))
     t.start()
     assert inside.wait(10)

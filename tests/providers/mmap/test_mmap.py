@@ -30,14 +30,7 @@ from hostkv_providers.providers.mmap import _provider as _mmap
 from hostkv_providers.providers.mmap._provider import MmapProvider
 from hostkv_providers.testing import anchor_bytes, chain, key_of, page_bytes, put_chain, put_page
 
-PAGE = 16384
-
-
-def make(path: Path, **kw: object) -> MmapProvider:
-    kw.setdefault("budget_bytes", 64 * PAGE)
-    kw.setdefault("slot_nbytes", PAGE)
-    return MmapProvider(str(path), **kw)  # type: ignore[arg-type]
-
+from ._mmap_common import PAGE, abandon_copy, make, reserve_written
 
 # -- identity and files ---------------------------------------------------------------------------
 
@@ -204,12 +197,7 @@ def test_durability_modes_roundtrip(tmp_path: Path, durability: str) -> None:
 def test_group_commit_shares_syncs(tmp_path: Path) -> None:
     p = make(tmp_path / "s", durability="sync", budget_bytes=256 * PAGE)
     keys = [key_of(f"gc-{i}") for i in range(64)]
-    reservations = []
-    for k in keys:
-        res = p.reserve(k, None, PAGE)
-        assert res is not None
-        res.write(0, page_bytes(k, PAGE))
-        reservations.append(res)
+    reservations = reserve_written(p, keys)
     p.seal_many(reservations)
     st = p.stats()
     assert st.seals == 64
@@ -307,24 +295,12 @@ def test_failed_fsync_fails_every_waiting_seal(tmp_path: Path, monkeypatch: pyte
 # -- recovery -------------------------------------------------------------------------------------
 
 
-def _abandon_copy(p: MmapProvider, dest: Path) -> None:
-    """Copy an open store as a kill -9 would leave it (page-cache state, no close())."""
-    dest.mkdir(mode=0o700)
-    for name in os.listdir(p.path):
-        src = os.path.join(p.path, name)
-        with open(src, "rb") as f:
-            data = f.read()
-        fd = os.open(dest / name, os.O_WRONLY | os.O_CREAT, 0o600)
-        os.write(fd, data)
-        os.close(fd)
-
-
 def test_journal_truncated_at_every_512_byte_boundary(tmp_path: Path) -> None:
     p = make(tmp_path / "s", budget_bytes=64 * PAGE)
     keys = chain("torn", 12)
     put_chain(p, keys, PAGE)
     image = tmp_path / "image"
-    _abandon_copy(p, image)
+    abandon_copy(p, image)
     p.close()
     journal = image / "index.1.journal"
     valid_end = _mmap.REC_NBYTES * (1 + 12)
@@ -393,7 +369,7 @@ def test_reopen_many_entries_with_anchors_and_snapshot(tmp_path: Path) -> None:
     st = p.stats()
     present = p.present(keys)
     image = tmp_path / "image"
-    _abandon_copy(p, image)  # journal + snapshot state of a crash
+    abandon_copy(p, image)  # journal + snapshot state of a crash
     p.close()
     for where in (tmp_path / "s", image):
         q = MmapProvider(str(where))

@@ -18,28 +18,10 @@ from hostkv_providers._errors import (
     UnknownKeyError,
 )
 from hostkv_providers._keys import Key
-from hostkv_providers.providers.mmap._provider import MmapProvider
 from hostkv_providers.testing import chain, key_of, page_bytes, put_page
 from hostkv_providers.testing.crash import CrashHarness, Workload
 
-PAGE = 16384
-
-
-def make(path: Path, **kw: object) -> MmapProvider:
-    kw.setdefault("budget_bytes", 64 * PAGE)
-    kw.setdefault("slot_nbytes", PAGE)
-    return MmapProvider(str(path), **kw)  # type: ignore[arg-type]
-
-
-def abandon_copy(p: MmapProvider, dest: Path) -> None:
-    """Copy an open store as a kill -9 would leave it (page-cache state, no close())."""
-    dest.mkdir(mode=0o700)
-    for name in os.listdir(p.path):
-        with open(os.path.join(p.path, name), "rb") as f:
-            data = f.read()
-        fd = os.open(dest / name, os.O_WRONLY | os.O_CREAT, 0o600)
-        os.write(fd, data)
-        os.close(fd)
+from ._mmap_common import PAGE, abandon_copy, make, reserve_written
 
 
 def test_snapshot_during_seal_many_keeps_every_acknowledged_seal(tmp_path: Path) -> None:
@@ -48,12 +30,7 @@ def test_snapshot_during_seal_many_keeps_every_acknowledged_seal(tmp_path: Path)
     # entries are not in the index yet, and a kill -9 after seal_many returned lost them.
     p = make(tmp_path / "s", snapshot_every=1)
     keys = [key_of(f"snap-{i}") for i in range(8)]
-    reservations = []
-    for k in keys:
-        res = p.reserve(k, None, PAGE)
-        assert res is not None
-        res.write(0, page_bytes(k, PAGE))
-        reservations.append(res)
+    reservations = reserve_written(p, keys)
     p.seal_many(reservations)
     abandon_copy(p, tmp_path / "image")
     p.close()

@@ -32,7 +32,7 @@ import pytest
 
 from hostkv_providers._errors import CapacityError, HostKVError, UnknownKeyError
 from hostkv_providers._keys import Key
-from hostkv_providers._provider import Reservation
+from hostkv_providers._reservation import Reservation
 from hostkv_providers.providers.mmap._provider import MmapProvider
 from hostkv_providers.testing import anchor_bytes, key_of, page_bytes
 from hostkv_providers.testing.powercut import PowerCut, write_image

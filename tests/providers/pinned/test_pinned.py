@@ -709,3 +709,145 @@ def test_a_full_store_adds_no_per_page_objects_the_gc_tracks(closing: list[Provi
     grown = len(gc.get_objects()) - before
     assert p.stats().entries == n
     assert grown < 100, f"{grown} new GC-tracked objects for {n} pages"
+
+
+# -- chain runs: reserve_many of a chain as one run, sealed at once ------------------------------
+def _chain_parents(keys: list[Key], first: Key | None = None) -> list[Key | None]:
+    return [first, *keys[:-1]]
+
+
+def _write_pages(rc: Any, keys: list[Key], nbytes: int) -> None:
+    import ctypes
+
+    for k, addr in zip(keys, rc.pages.addresses.tolist(), strict=True):
+        ctypes.memmove(addr, page_bytes(k, nbytes), nbytes)
+    rc.mark_written()
+
+
+def test_reserve_many_of_a_chain_is_one_run_into_the_arena(closing: list[Provider]) -> None:
+    p = _pinned(32)
+    closing.append(p)
+    keys = chain("pin-run", 8)
+    rc = p.reserve_many(keys, _chain_parents(keys), PAGE)
+    assert rc.run is not None and len(rc) == 8 and rc.error is None
+    assert len(set(rc.pages.addresses.tolist())) == 8
+    assert p.stats().used_bytes == 8 * PAGE and p.stats().extra["free_blocks"] == 24
+    _write_pages(rc, keys, PAGE)
+    rc.seal()
+    assert rc.sealed == 8 and p.longest_prefix(keys) == 8
+    for k, addr in zip(keys, rc.pages.addresses.tolist(), strict=True):
+        regions = p._entry_regions(k)
+        assert regions is not None and regions[0].address == addr  # sealed where the DMA wrote
+        assert p.read_bytes(k) == page_bytes(k, PAGE)
+    assert p.verify().ok
+    assert p.stats().extra["free_blocks"] == 24
+
+
+def test_a_run_aborted_or_sealed_wrong_gives_its_blocks_back(closing: list[Provider]) -> None:
+    p = _pinned(16)
+    closing.append(p)
+    keys = chain("pin-run-abort", 6)
+    rc = p.reserve_many(keys, _chain_parents(keys), PAGE)
+    assert rc.run is not None
+    rc.abort()
+    assert p.stats().extra["free_blocks"] == 16 and p.stats().used_bytes == 0
+    first = p.reserve_many(keys[:3], _chain_parents(keys[:3]), PAGE)
+    second = p.reserve_many(keys[3:], _chain_parents(keys[3:], keys[2]), PAGE)
+    assert first.run is not None and second.run is not None
+    _write_pages(second, keys[3:], PAGE)
+    first.abort()
+    with pytest.raises(UnknownKeyError):
+        second.seal()
+    assert p.stats().extra["free_blocks"] == 16 and not p.present(keys)[0]
+
+
+def test_a_run_materialized_into_reservations_seals_page_by_page(closing: list[Provider]) -> None:
+    p = _pinned(16)
+    closing.append(p)
+    keys = chain("pin-run-mat", 4)
+    rc = p.reserve_many(keys, _chain_parents(keys), PAGE)
+    assert rc.run is not None
+    ress = rc.reservations  # per-page reservations on demand; the run is inert from now on
+    assert rc.run is None and [r.key for r in ress if r is not None] == keys
+    for r in ress:
+        assert r is not None
+        r.write(0, page_bytes(r.key, PAGE))
+    p.seal_many(ress[:2])  # type: ignore[arg-type]
+    ress[2].abort()  # type: ignore[union-attr]
+    with pytest.raises(UnknownKeyError):
+        ress[3].seal()  # type: ignore[union-attr]
+    assert p.present(keys) == [True, True, False, False]
+    assert p.stats().extra["free_blocks"] == 14
+
+
+def test_a_fragmented_arena_falls_back_to_page_by_page(closing: list[Provider]) -> None:
+    p = _pinned(8)  # 2-block pages in an arena whose free blocks are all single
+    closing.append(p)
+    singles = chain("pin-frag-singles", 8)
+    for k in singles:
+        put_page(p, k, None, PAGE)
+    for k in singles[::2]:
+        p.evict([k])
+    keys = chain("pin-frag-run", 2)
+    rc = p.reserve_many(keys, _chain_parents(keys), 2 * PAGE - 100)
+    assert rc.run is None  # no 2-block pieces: scattered per-page reservations instead
+    for r in rc.reservations:
+        assert r is not None
+        r.write(0, page_bytes(r.key, 2 * PAGE - 100))
+    rc.seal()
+    for k in keys:
+        assert p.read_bytes(k) == page_bytes(k, 2 * PAGE - 100)
+
+
+def test_a_run_keeps_no_per_page_objects(closing: list[Provider]) -> None:
+    p = _pinned(20_000)
+    closing.append(p)
+    keys = chain("pin-run-gc", 10_000)
+    gc.collect()
+    before = len(gc.get_objects())
+    chains = []
+    prev = None
+    for lo in range(0, len(keys), 500):
+        part = keys[lo : lo + 500]
+        chains.append(p.reserve_many(part, _chain_parents(part, prev), PAGE))
+        prev = part[-1]
+    gc.collect()
+    assert len(gc.get_objects()) - before < 500  # while in flight (one per page would be 10,000)
+    for rc in chains:
+        rc.mark_written()
+        rc.seal(checksums=[0] * len(rc), algorithm=p.checksum_algorithm)
+    del chains
+    gc.collect()
+    assert len(gc.get_objects()) - before < 200
+    assert p.longest_prefix(keys) == 10_000
+
+
+def test_sealing_a_run_after_close_is_a_closed_error(closing: list[Provider]) -> None:
+    p = _pinned(8)
+    keys = chain("pin-run-closed", 3)
+    rc = p.reserve_many(keys, _chain_parents(keys), PAGE)
+    rc.mark_written()
+    p.close()
+    with pytest.raises(ClosedError):
+        rc.seal()
+    rc.abort()  # swallowed: the memory went with the provider
+
+
+def test_view_pages_of_a_run_of_the_lease_keys(closing: list[Provider]) -> None:
+    p = _pinned(32, verify_reads=True)
+    closing.append(p)
+    keys = chain("pin-viewpages", 10)
+    put_chain(p, keys, PAGE)
+    stranger = chain("pin-viewpages-other", 1)[0]
+    put_page(p, stranger, None, PAGE)
+    with p.lease(keys) as lease:
+        whole = p.view_pages(lease, keys)
+        part = p.view_pages(lease, keys[3:7])  # a run of the lease's keys: found through its rows
+        assert whole is not None and part is not None
+        assert part.addresses.tolist() == whole.addresses.tolist()[3:7]
+        assert part.checksums is not None and len(part.checksums) == 4
+        assert p.view_pages(lease, [keys[2], keys[5]]) is not None  # not a run: looked up key by key
+        assert p.view_pages(lease, [stranger]) is None  # not leased
+        p._drop(p._index.row_of(keys[6]))  # corrupt meanwhile: its subtree goes
+        assert p.view_pages(lease, keys[3:7]) is None
+        assert p.view_pages(lease, keys[3:6]) is not None

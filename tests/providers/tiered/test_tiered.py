@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 import hostkv_providers as hk
-import hostkv_providers.providers.tiered._provider as tiered_mod
+import hostkv_providers.providers.tiered._writeback as tiered_wb
 from hostkv_providers import CapacityError, InvalidArgumentError, PinnedProvider, Provider
 from hostkv_providers._keys import Key
-from hostkv_providers._provider import Reservation
+from hostkv_providers._reservation import Reservation
 from hostkv_providers.cache._cache import HostKVCache
 from hostkv_providers.device._copy import CpuCopyEngine
 from hostkv_providers.device._hostmem import OrdinaryAllocator
@@ -362,7 +362,7 @@ def test_eviction_racing_write_back_does_not_resurrect(tmp_path: Path, slow_kind
     the eviction comes (the slow tier then refuses to evict K7, a parent of an in-flight page);
     ``root``: K7's own write-back is in flight; ``root-sealed``: K7 has just landed in the slow
     tier, but its writer has not seen the eviction yet."""
-    monkeypatch.setattr(tiered_mod, "_WRITE_BACK_BATCH", 1)  # the hooks sit in the per-page path
+    monkeypatch.setattr(tiered_wb, "_WRITE_BACK_BATCH", 1)  # the hooks sit in the per-page path
     budget = 16 * PAGE
 
     def make() -> TieredProvider:
@@ -410,11 +410,11 @@ def test_close_with_queued_write_backs_uses_no_released_lease(tmp_path: Path, sl
     """Evicting pages whose write-backs are queued or in flight, then closing, writes nothing
     with a released fast-tier lease (no failed write-back is logged) and keeps what was not
     evicted."""
-    monkeypatch.setattr(tiered_mod, "_WRITE_BACK_BATCH", 1)  # the hook sits in the per-page path
+    monkeypatch.setattr(tiered_wb, "_WRITE_BACK_BATCH", 1)  # the hook sits in the per-page path
     budget = 32 * PAGE
     keys = chain("close-race", 12)
     t = TieredProvider(_pinned(budget), _open_slow(slow_kind, tmp_path / "slow", 2 * budget), budget_bytes=budget)
-    with caplog.at_level("WARNING", logger="hostkv_providers.providers.tiered._provider"):
+    with caplog.at_level("WARNING", logger="hostkv_providers.providers.tiered"):
         try:
             entered, go = _pause_slow_reserve(t, keys[2])
             put_chain(t, keys, PAGE)

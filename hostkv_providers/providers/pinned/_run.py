@@ -1,0 +1,130 @@
+"""The pinned provider's reservations: one page (``_PinnedReservation``) and a chain run of pages
+reserved and sealed as one (``_PinnedRun``, ``reserve_many``'s chunk-level path)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
+
+from hostkv_providers._chain import ChainRun
+from hostkv_providers._errors import (
+    IncompleteWriteError,
+    ReservationError,
+    UnknownKeyError,
+)
+from hostkv_providers._keys import Key
+from hostkv_providers._region import HostRegion
+from hostkv_providers._reservation import Reservation
+from hostkv_providers.providers.pinned._arena import _checksums
+
+if TYPE_CHECKING:
+    from hostkv_providers.providers.pinned._provider import PinnedProvider
+
+__all__: list[str] = []
+
+
+class _PinnedReservation(Reservation):
+    # The regions (a list, a HostRegion and a memoryview per arena run) are built on first use:
+    # a chain reservation that a copy engine fills through ``ReservedChain.pages`` and that is
+    # sealed with checksums from the GPU never builds them (no per-page objects on that path).
+    __slots__ = ("_regs", "runs")
+
+    def __init__(self, provider: PinnedProvider, key: Key, parent: Key | None, nbytes: int, salt_tag: str,
+                 runs: list[tuple[int, int]]) -> None:
+        super().__init__(provider, key, parent, nbytes, salt_tag)
+        self.runs = runs
+        self._regs: list[HostRegion] | None = None
+
+    @property
+    def _regions(self) -> list[HostRegion]:
+        regs = self._regs
+        if regs is None:
+            prov: PinnedProvider = self._provider  # type: ignore[assignment]
+            regs = self._regs = prov._arena.regions(self.runs, self.nbytes, prov._allocator.pinned)
+        return regs
+
+    def regions(self) -> Sequence[HostRegion]:
+        self.check_open(self._provider)
+        return self._regions
+
+
+class _PinnedRun(ChainRun):
+    """A chain run of new pages in the arena (``PinnedProvider.reserve_many``'s fast path): the
+    index holds it as one flight (``TreeIndex.begin_run``), its pages are ``starts`` (one piece of
+    ``nblocks`` arena blocks each) and it seals with one ``TreeIndex.commit_run``."""
+
+    __slots__ = ("_prov", "_run", "keys", "n", "nblocks", "nbytes", "parent", "salt_tag", "sealed", "starts",
+                 "state", "written")
+
+    def __init__(self, prov: PinnedProvider, run: Any, keys: list[Key], parent: Key | None, nbytes: int,
+                 salt_tag: str, starts: npt.NDArray[np.int64], nblocks: int) -> None:
+        self._prov = prov
+        self._run = run
+        self.keys = keys
+        self.parent = parent
+        self.n = len(keys)
+        self.nbytes = nbytes
+        self.salt_tag = salt_tag
+        self.starts = starts
+        self.nblocks = nblocks
+        self.state = "open"
+        self.written = False
+        self.sealed = 0
+
+    def materialize(self) -> list[Reservation]:
+        prov = self._prov
+        with prov._lock:
+            if self.state == "open":
+                prov._index.split_run(self._run)
+                self.state = "materialized"
+                state = "open"
+            else:
+                state = self.state
+        parents = [self.parent, *self.keys[:-1]]
+        out: list[Reservation] = []
+        for k, p, st in zip(self.keys, parents, self.starts.tolist(), strict=True):
+            r = _PinnedReservation(prov, k, p, self.nbytes, self.salt_tag, [(st, self.nblocks)])
+            if self.written:
+                r.mark_written()
+            if state != "open":
+                r._finish(state)
+            out.append(r)
+        return out
+
+    def seal(self, checksums: Sequence[int] | None, algorithm: str | None) -> None:
+        prov = self._prov
+        prov._check_usable()
+        if self.state != "open":
+            raise ReservationError(f"this chain run is {self.state}", hint="reserve the pages again")
+        if not self.written:
+            raise IncompleteWriteError("the chain run's pages were not marked written",
+                                       hint="call ReservedChain.mark_written() once the copy into .pages is done")
+        if checksums is not None and algorithm == prov.checksum_algorithm:
+            digests = np.asarray(checksums, dtype=np.uint64)
+        else:
+            digests = np.array(_checksums(prov._page_regions(self.starts, self.nbytes), prov._sum), dtype=np.uint64)
+        with prov._usable():
+            if self.state != "open":
+                raise ReservationError(f"this chain run is {self.state}")
+            try:
+                prov._index.commit_run(self._run, nbytes=self.nbytes, csums=digests, tag=self.salt_tag,
+                                       run_start=self.starts, run_len=self.nblocks)
+            except UnknownKeyError:
+                prov._arena.release_pages(self.starts, self.nblocks)
+                self.state = "aborted"
+                raise
+            self.state = "sealed"
+            self.sealed = self.n
+        prov._tally("seals", self.n)
+
+    def abort(self) -> None:
+        prov = self._prov
+        with prov._usable():
+            if self.state != "open":
+                return
+            prov._index.cancel_run(self._run)
+            prov._arena.release_pages(self.starts, self.nblocks)
+            self.state = "aborted"

@@ -1,0 +1,347 @@
+"""The tiered provider's write-back: sealed fast-tier pages are queued in seal order (so parent
+before child) and a background thread stores them in the slow tier, a batch per ``put_many``;
+evictions racing a write-back are undone afterwards (the doomed keys); ``flush()``."""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from hostkv_providers._capabilities import SupportsBatch
+from hostkv_providers._checks import check_timeout
+from hostkv_providers._errors import (
+    CapacityError,
+    HostKVError,
+    InFlightError,
+    UnknownKeyError,
+)
+from hostkv_providers._keys import Key
+from hostkv_providers._reservation import Lease
+
+from ._base import _log
+from ._counters import _PUBLISH_EVERY, _Figures
+from ._entries import _Pending, _TieredReservation
+
+_WRITE_BACK_BATCH = 256  # queued pages the writer stores with one put_many of the slow tier
+
+
+class _WriteBack(_Figures):
+    """The write-back queue and thread (a part of :class:`TieredProvider`)."""
+
+    def _commit_sealed(self, res: _TieredReservation, through: bool) -> None:
+        """Publish a reservation whose inner one is sealed: the tiered row, and (fast tier) the
+        lease that pins the only copy until the write-back has run (a ``_Pending``)."""
+        inner = res.inner
+        fast_lease = None if through else self.fast.lease([res.key])
+        with self._lock:
+            if self._closed:
+                if fast_lease is not None:
+                    fast_lease.release()
+                res._finish("aborted")
+                return
+            try:
+                row = self._index.commit(res.key, nbytes=res.nbytes, tag=res.salt_tag)
+            except UnknownKeyError:
+                res._finish("aborted")
+                if fast_lease is not None:
+                    fast_lease.release()
+                with contextlib.suppress(HostKVError):
+                    inner.provider.evict([res.key])
+                raise
+            res._finish("sealed")
+            if not through:
+                pend = _Pending(self._index, row, fast_lease)
+                self._pend[pend.gen] = pend
+                with self._room:
+                    self._queued_pages += 1
+                self._queue.put(("page", pend))
+
+    def _write_back_loop(self) -> None:
+        ahead: list[tuple[Any, ...] | None] = []  # taken off the queue while collecting pages
+        while True:
+            if time.monotonic() >= self._publish_at:
+                self._publish_logged()
+            if ahead:
+                item = ahead.pop()
+            else:
+                try:
+                    item = self._queue.get(timeout=_PUBLISH_EVERY)
+                except queue.Empty:
+                    continue
+            items: list[tuple[Any, ...] | None] = [item]
+            try:
+                if item is None:
+                    return
+                kind = item[0]
+                if kind == "page":
+                    self._wb_since = item[1].created
+                    # The pages queued behind this one go out with it, in queue (= seal) order:
+                    # one put_many of the slow tier instead of a reserve/write/seal each.
+                    pages: list[_Pending] = [item[1]]
+                    while len(pages) < _WRITE_BACK_BATCH:
+                        try:
+                            nxt = self._queue.get_nowait()
+                        except queue.Empty:
+                            break
+                        items.append(nxt)
+                        if nxt is None or nxt[0] != "page":
+                            items.pop()
+                            ahead.append(nxt)  # an anchor or the stop: after this batch
+                            break
+                        pages.append(nxt[1])
+                    if len(pages) == 1 or not isinstance(self.slow, SupportsBatch):
+                        for node in pages:
+                            self._write_back_one(node)
+                    else:
+                        self._write_back_many(pages)
+                elif kind == "anchor":
+                    try:
+                        self._write_anchor(item[1], item[2], item[3], item[4])
+                    except BaseException as exc:  # keep the writer alive
+                        self._writer_error = exc
+                        _log.error("tiered write-back of an anchor failed: %r", exc)
+            finally:
+                npages = sum(1 for it in items if it is not None and it[0] == "page")
+                if npages:
+                    self._wb_since = 0.0
+                    self._purge_doomed_logged()
+                    with self._room:
+                        self._queued_pages -= npages
+                        self._wb_rounds += 1
+                        self._room.notify_all()
+                for _ in items:
+                    self._queue.task_done()
+
+    def _write_back_one(self, node: _Pending) -> None:
+        try:
+            self._write_back(node)
+        except BaseException as exc:  # keep the writer alive; the entry is dropped
+            self._writer_failed(node, exc)
+
+    def _writer_failed(self, node: _Pending, exc: BaseException) -> None:
+        self._writer_error = exc
+        _log.error("tiered write-back failed: %r", exc)
+        with self._lock:
+            if self._index.is_live(node.row, node.gen):
+                self._drop_from_tiers(self._index.drop(node.row))
+            self._finish_pending(node)
+
+    def _write_back_many(self, nodes: Sequence[_Pending]) -> None:
+        """:meth:`_write_back` for a run of queued pages with one ``put_many`` of the slow tier.
+
+        The per-page rules hold: a page evicted before its turn is skipped; one evicted while
+        the batch is being stored is made doomed afterwards (evicted from the slow tier again,
+        as a per-page write-back evicted between its last check and its seal is); a stale copy
+        of an earlier, evicted entry is replaced.  Pages that are not one contiguous region of
+        the fast tier go page by page."""
+        idx = self._index
+        todo: list[tuple[_Pending, Lease]] = []
+        stale: list[Key] = []
+        single: list[_Pending] = []
+        with self._lock:
+            for node in nodes:
+                if node.cancelled or not idx.is_live(node.row, node.gen):
+                    self._finish_pending(node)
+                    continue
+                lease = node.fast_lease
+                if lease is None or lease.released or not self._fast_views:
+                    single.append(node)
+                    continue
+                node.writing = True
+                if node.key in self._doomed:
+                    self._doomed.discard(node.key)
+                    stale.append(node.key)
+                todo.append((node, lease))
+        items: list[tuple[bytes, bytes | None, object]] = []
+        took: list[_Pending] = []
+        try:
+            if stale:
+                with contextlib.suppress(HostKVError):
+                    self.slow.evict(stale)
+            for node, lease in todo:
+                regions = self._view_fast(lease, node.key)
+                if regions is None:
+                    raise UnknownKeyError(f"{node.key.hex()[:16]} vanished from the fast tier")
+                data: object = regions[0].view if len(regions) == 1 else b"".join(bytes(r.view) for r in regions)
+                items.append((node.key, node.parent, data))
+                took.append(node)
+            slow = self.slow
+            assert isinstance(slow, SupportsBatch)
+            if took and len({n.tag for n in took}) == 1:
+                got: list[bool | HostKVError] = slow.put_many(items, salt_tag=took[0].tag)
+            else:  # several salt tags in one batch (rare): one call per page
+                got = [self.slow.put(k, p, d, salt_tag=n.tag) for (k, p, d), n in zip(items, took, strict=True)]
+        except BaseException as exc:
+            # the whole call failed: every page of it is treated as a failed write-back
+            _log.warning("tiered write-back of %d pages failed: %s", len(todo), exc)
+            got = [exc if isinstance(exc, HostKVError) else HostKVError(str(exc))] * len(took)
+            took_set = {id(n) for n in took}
+            with self._lock:  # pages not reached before the failure
+                for node, _ in todo:
+                    if id(node) not in took_set:
+                        node.writing = False
+                        single.append(node)
+        with self._lock:
+            for node, r in zip(took, got, strict=True):
+                ok = r is True or r is False  # False: already there (a cancelled write-back left it)
+                if not ok:
+                    _log.warning("tiered write-back of %s failed: %s", node.key.hex()[:16], r)
+                self._written_back(node, ok)
+            # A failed page drops its subtree at once, while the rest of the batch still held
+            # their fast-tier leases: the per-page evictions of _written_back skipped the pages
+            # above a leased one, leaving copies in the fast tier that no index row names.  Now
+            # that every lease of the batch is released, evict those (unless saved again: then
+            # the key is in the index or in flight, and its copy is the new entry's).
+            contains, flights = idx.contains_fn, idx.flights
+            gone = [n.key for n in took if not contains(n.key) and n.key not in flights]
+            if gone:
+                with contextlib.suppress(HostKVError):
+                    self.fast.evict(gone)
+        for node in single:
+            self._write_back_one(node)
+
+    def _written_back(self, node: _Pending, ok: bool) -> None:
+        """The end of a page's write-back (lock held): publish it as in the slow tier, or undo."""
+        idx = self._index
+        node.writing = False
+        live = idx.is_live(node.row, node.gen)
+        if node.cancelled or not live:
+            # Evicted while it was being written: take it out of both tiers again.  Its
+            # parent may have been doomed too (the slow tier skipped it while this page was
+            # in flight under it); _write_back_loop purges both now that the flight is over.
+            self._finish_pending(node)
+            with contextlib.suppress(HostKVError):
+                self.fast.evict([node.key])
+            if ok:
+                self._doomed.add(node.key)
+        elif ok:
+            self._counters["write_backs"] += 1
+            if self._slow_tree:
+                self._advance_tail("write", self.slow, node.key)
+        else:
+            self._counters["write_back_failures"] += 1
+            self._drop_from_tiers(idx.drop(node.row))
+        self._finish_pending(node)
+
+    def _write_back(self, node: _Pending) -> None:
+        idx = self._index
+        with self._lock:
+            if node.cancelled or not idx.is_live(node.row, node.gen):
+                self._finish_pending(node)
+                return
+            # While this is set, an eviction only marks the entry cancelled: the fast-tier lease
+            # (and so the memory being copied from) stays ours until the copy is over.
+            node.writing = True
+            lease = node.fast_lease
+            if lease is not None and lease.released:  # never view() through a released lease
+                lease = None
+            # The key was evicted before and saved again; a stale copy of the evicted entry (with
+            # its anchors) may still be in the slow tier: replace it rather than adopt it.
+            stale = node.key in self._doomed
+            self._doomed.discard(node.key)
+        if stale:
+            with contextlib.suppress(HostKVError):
+                self.slow.evict([node.key])
+        ok = False
+        try:
+            res = self.slow.reserve(node.key, node.parent, node.nbytes, salt_tag=node.tag)
+            if res is None:
+                ok = True  # already there (an earlier, cancelled write-back left it): same key, same bytes
+            else:
+                try:
+                    regions = self._view_fast(lease, node.key) if lease is not None else None
+                    if regions is None:
+                        data = self.fast.read_bytes(node.key)
+                        if data is None:
+                            raise UnknownKeyError(f"{node.key.hex()[:16]} vanished from the fast tier")
+                        res.write(0, data)
+                    else:
+                        for r in regions:
+                            res.write(r.offset, r.view)
+                    with self._lock:
+                        lost = node.cancelled or not idx.is_live(node.row, node.gen)
+                    if lost:  # evicted while being copied: do not make it durable at all
+                        res.abort()
+                    else:
+                        # An eviction may still come between this check and the seal: the
+                        # re-check below then evicts it from the slow tier again.
+                        res.seal()
+                        ok = True
+                except BaseException:
+                    if res.state == "open":
+                        res.abort()
+                    raise
+        except (CapacityError, UnknownKeyError, InFlightError, HostKVError) as exc:
+            _log.warning("tiered write-back of %s failed: %s", node.key.hex()[:16], exc)
+        with self._lock:
+            self._written_back(node, ok)
+
+    def _purge_doomed(self) -> None:
+        """Evict from the slow tier the doomed keys the index has not taken back (lock held).
+
+        A doomed key saved again (in the index, or in flight) is left alone here: its own
+        write-back replaces the stale copy (``_write_back``), a write-through evicts it first
+        (``_reserve_inner``).  A key stays doomed while the slow tier still holds it (evicting it
+        was skipped again: a child still in flight there), and is retried after the next write-back."""
+        if not self._doomed:
+            return
+        contains, flights = self._index.contains_fn, self._index.flights
+        gone = [k for k in self._doomed if not contains(k) and k not in flights]
+        if not gone:
+            return
+        self.slow.evict(gone)  # subtrees, deepest first: a doomed child goes before its parent
+        for k, there in zip(gone, self.slow.present(gone), strict=True):
+            if not there:
+                self._doomed.discard(k)
+
+    def _purge_doomed_logged(self) -> None:
+        try:
+            with self._lock:
+                self._purge_doomed()
+        except HostKVError as exc:  # the writer must live on; close() retries
+            _log.warning("tiered: evicting stale pages from the slow tier failed: %s", exc)
+
+    def _write_anchor(self, row: int, gen: int, name: str, blob: bytes) -> None:
+        idx = self._index
+        try:
+            with self._lock:
+                if not idx.is_live(row, gen) or gen in self._pend:
+                    return  # evicted (or its page's write-back failed and dropped it)
+                key = idx.key_of(row)
+            self.slow.put_anchor(key, name, blob)
+        finally:
+            with self._lock:
+                table = self._unsynced.get(gen)
+                if table is not None and table.get(name) is blob:
+                    del table[name]
+                    if not table:
+                        del self._unsynced[gen]
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued write-back has reached the slow tier; ``False`` on timeout.
+
+        ``timeout`` is seconds ``>= 0`` or ``None`` (no limit).  Raises ``ClosedError`` after
+        ``close`` (nothing is queued then, but a ``True`` would claim a write-back happened).
+        Then publishes this instance's figures to the store-wide counters."""
+        deadline = None if timeout is None else time.monotonic() + check_timeout(timeout)
+        self._check_usable()
+        done = self._flush(deadline)
+        self._publish_logged()
+        return done
+
+    def _flush(self, deadline: float | None) -> bool:
+        if self._writer is threading.current_thread():
+            return False
+        with self._queue.all_tasks_done:
+            while self._queue.unfinished_tasks:
+                if not self._writer.is_alive():
+                    return False  # cannot happen short of interpreter shutdown; never hang on it
+                wait = 0.1 if deadline is None else min(0.1, deadline - time.monotonic())
+                if wait <= 0:
+                    return False
+                self._queue.all_tasks_done.wait(wait)
+        return True

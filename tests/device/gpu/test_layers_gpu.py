@@ -1,0 +1,279 @@
+"""Layer-wise restore on a real GPU: layer ``i``'s completion never fires before layer ``i``'s bytes
+are in the blocks, and the whole handle (``before=``, ``wait_on``) still orders everything.
+
+Each trial poisons the destination blocks, restores with ``layerwise=True`` and, right after the
+call and with no host synchronisation, enqueues on the engine's stream, per layer ``i``:
+``wait_layer_on(i, cs)`` then a kernel that counts bytes of layers ``0..i`` differing from the
+expected pages into a device counter.  A negative control checks the *last* layer right behind
+layer 0's wait and must see poison in some trial (the layers really complete one by one, and the
+check would see bytes that are not there yet).  Host pages: adjacent in pinned memory (one pitched
+copy per layer and chunk), shuffled (many small copies), several regions per page (piece by piece);
+destination blocks in order and shuffled.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+import hostkv_providers as hk
+from hostkv_providers.cache import HostKVCache, paged_planes
+from hostkv_providers.device import CudaCopyEngine, CudaHostAllocator, HostPages, HostRegion, KVPlanes, cuda_available
+
+torch = pytest.importorskip("torch")
+if not cuda_available() or not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+
+pytestmark = pytest.mark.gpu
+
+LAYOUT = hk.KVLayout(num_layers=8, num_kv_heads=8, head_dim=128, page_tokens=16, dtype="bfloat16")  # 512 KiB
+SALT = hk.Salt("test/gpu-layers", LAYOUT)
+PAGE = LAYOUT.page_nbytes
+PAGES = 192
+NBLOCKS = 2 * PAGES + 8
+TRIALS = 100
+L = LAYOUT.num_layers
+
+
+class Pool:
+    """vLLM-style per-layer ``[2, blocks, 16, 8, 128]`` bf16 caches on the device."""
+
+    def __init__(self) -> None:
+        self.caches = [torch.empty((2, NBLOCKS, LAYOUT.page_tokens, LAYOUT.num_kv_heads, LAYOUT.head_dim),
+                                   dtype=torch.bfloat16, device="cuda") for _ in range(L)]
+        self.tensors = paged_planes(LAYOUT, self.caches)
+        self.planes = KVPlanes.from_torch(LAYOUT, self.tensors)
+        self.bytes = [c.view(torch.uint8) for c in self.caches]
+
+    def fill_random(self, blocks: list[int], seed: int) -> None:
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        idx = torch.tensor(blocks, device="cuda")
+        for b in self.bytes:
+            b[:, idx] = torch.randint(0, 256, (2, len(blocks), *b.shape[2:]), dtype=torch.uint8, device="cuda",
+                                      generator=g)
+
+    def poison(self, blocks: list[int]) -> None:
+        idx = torch.tensor(blocks, device="cuda")
+        for b in self.bytes:
+            b[:, idx] = 0xEE
+
+    def gather(self, blocks: list[int]) -> list[Any]:
+        idx = torch.tensor(blocks, device="cuda")
+        return [b[:, idx].clone() for b in self.bytes]
+
+    def mismatches(self, idx: Any, expect: list[Any], layers: range) -> Any:
+        """Bytes of layers ``layers`` of blocks ``idx`` that differ from ``expect`` (enqueued only)."""
+        return sum((self.bytes[i][:, idx] != expect[i]).sum() for i in layers)
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[CudaCopyEngine]:
+    e = CudaCopyEngine(0)
+    yield e
+    e.close()
+
+
+@pytest.fixture(scope="module")
+def pool() -> Pool:
+    return Pool()
+
+
+def host_copy_of(pool: Pool, blocks: list[int]) -> tuple[Any, np.ndarray]:
+    """The pages of ``blocks`` packed into pinned host memory (page ``i`` at ``i * PAGE``)."""
+    alloc = CudaHostAllocator(0).allocate(len(blocks) * PAGE)
+    buf = np.frombuffer(alloc.view, dtype=np.uint8)
+    idx = torch.tensor(blocks, device="cuda")
+    packed = torch.cat([t[idx].reshape(len(blocks), -1) for t in pool.tensors], dim=1).view(torch.uint8)
+    torch.cuda.synchronize()
+    # planes are in layout order, so the concatenation per block is the packed page
+    buf[:] = packed.cpu().numpy().reshape(-1)
+    return alloc, buf
+
+
+@pytest.mark.parametrize("order", ["adjacent", "shuffled_host", "regions"])
+@pytest.mark.parametrize("blocks", ["in_order", "shuffled"])
+def test_layer_event_never_fires_before_its_bytes(engine: CudaCopyEngine, pool: Pool, order: str,
+                                                   blocks: str) -> None:
+    rng = random.Random(f"{order}-{blocks}")
+    src = list(range(PAGES))
+    pool.fill_random(src, seed=3)
+    alloc, _buf = host_copy_of(pool, src)
+    try:
+        perm = list(range(PAGES))
+        if order == "shuffled_host":
+            rng.shuffle(perm)  # page i comes from host page perm[i]: no two adjacent
+        dst = list(range(PAGES, 2 * PAGES))
+        if blocks == "shuffled":
+            rng.shuffle(dst)
+        base = alloc.address
+        if order == "regions":
+            cut = PAGE // 3 + 16  # a region boundary inside a layer
+            view = alloc.view
+            pages: Any = [[HostRegion(0, view[i * PAGE: i * PAGE + cut], base + i * PAGE, True),
+                           HostRegion(cut, view[i * PAGE + cut: (i + 1) * PAGE], base + i * PAGE + cut, True)]
+                          for i in range(PAGES)]
+        else:
+            pages = HostPages(np.array([base + p * PAGE for p in perm], dtype=np.uint64), PAGE, pinned=True,
+                              readonly=True, keepalive=alloc)
+        expect_src = [perm[i] for i in range(PAGES)]  # block dst[i] must hold source block perm[i]
+        expect = pool.gather(expect_src)
+        idx = torch.tensor(dst, device="cuda")
+        cs = torch.cuda.Stream()
+        trials = TRIALS if order == "adjacent" else 10
+        counts = []
+        for _trial in range(trials):
+            with torch.cuda.stream(cs):
+                pool.poison(dst)
+            cs.synchronize()
+            h = engine.restore(pages, pool.planes, dst, layerwise=True)
+            row = []
+            for i in range(L):
+                h.wait_layer_on(i, cs)
+                with torch.cuda.stream(cs):  # the engine's layer-i kernel, enqueued at once
+                    row.append(pool.mismatches(idx, expect, range(i + 1)))
+            counts.append(row)
+            h.wait()
+        cs.synchronize()
+        stale = [(t, i) for t, row in enumerate(counts) for i, c in enumerate(row) if int(c.item())]
+        assert not stale, f"{len(stale)} layer checks read poison, first (trial, layer) {stale[:5]}"
+        # the whole transfer: done means every layer
+        with torch.cuda.stream(cs):
+            pool.poison(dst)
+        cs.synchronize()
+        h = engine.restore(pages, pool.planes, dst, layerwise=True, before=cs)
+        with torch.cuda.stream(cs):
+            whole = pool.mismatches(idx, expect, range(L))
+        h.wait()
+        cs.synchronize()
+        assert int(whole.item()) == 0
+        assert h.layer_event(L - 1) is not None and h.layer_done(0) and h.wait_layer(3, 1.0)
+        if order == "adjacent" and blocks == "in_order":
+            # negative control: right behind layer 0's wait, the last layer is not there yet
+            control = []
+            for _trial in range(10):
+                with torch.cuda.stream(cs):
+                    pool.poison(dst)
+                cs.synchronize()
+                h = engine.restore(pages, pool.planes, dst, layerwise=True)
+                h.wait_layer_on(0, cs)
+                with torch.cuda.stream(cs):
+                    control.append(pool.mismatches(idx, expect, range(L - 1, L)))
+                h.wait()
+            cs.synchronize()
+            assert sum(int(c.item()) > 0 for c in control) > 0, "the last layer was always there with layer 0"
+    finally:
+        torch.cuda.synchronize()
+        alloc.close()
+
+
+def test_layers_range_writes_only_those_layers(engine: CudaCopyEngine, pool: Pool) -> None:
+    src = list(range(PAGES))
+    pool.fill_random(src, seed=6)
+    alloc, _buf = host_copy_of(pool, src)
+    try:
+        dst = list(range(PAGES, 2 * PAGES))
+        expect = pool.gather(src)
+        idx = torch.tensor(dst, device="cuda")
+        pages = HostPages(np.arange(PAGES, dtype=np.uint64) * PAGE + alloc.address, PAGE, pinned=True, readonly=True)
+        pool.poison(dst)
+        torch.cuda.synchronize()
+        h = engine.restore(pages, pool.planes, dst, layers=range(2, 5))
+        h.wait()
+        for i in range(L):
+            if i in range(2, 5):
+                assert int(pool.mismatches(idx, expect, range(i, i + 1)).item()) == 0, i
+            else:  # untouched: still all poison
+                assert bool((pool.bytes[i][:, idx] == 0xEE).all()), i
+        assert h.layer_seconds(4) is not None and 0 < h.layer_seconds(2) <= h.layer_seconds(4)
+        with pytest.raises(hk.errors.CopyArgumentError):
+            h.layer_event(0)
+    finally:
+        torch.cuda.synchronize()
+        alloc.close()
+
+
+def test_page_major_restore_completes_every_layer_with_the_whole(engine: CudaCopyEngine, pool: Pool) -> None:
+    src = list(range(PAGES))
+    pool.fill_random(src, seed=5)
+    alloc, _buf = host_copy_of(pool, src)
+    try:
+        dst = list(range(PAGES, 2 * PAGES))
+        expect = pool.gather(src)
+        idx = torch.tensor(dst, device="cuda")
+        cs = torch.cuda.Stream()
+        pages = HostPages(np.arange(PAGES, dtype=np.uint64) * PAGE + alloc.address, PAGE, pinned=True, readonly=True)
+        for _trial in range(20):
+            with torch.cuda.stream(cs):
+                pool.poison(dst)
+            cs.synchronize()
+            h = engine.restore(pages, pool.planes, dst)
+            h.wait_layer_on(0, cs)  # without layerwise: layer 0 is the whole restore
+            with torch.cuda.stream(cs):
+                bad = pool.mismatches(idx, expect, range(L))
+            h.wait()
+            cs.synchronize()
+            assert int(bad.item()) == 0
+            assert h.layer_event(0) == h.event
+    finally:
+        torch.cuda.synchronize()
+        alloc.close()
+
+
+@pytest.mark.parametrize("kind", ["pinned", "mmap"])
+def test_cache_layerwise_restore_orders_each_layer(engine: CudaCopyEngine, pool: Pool, kind: str,
+                                                    tmp_path: Any) -> None:
+    """HostKVCache.restore(layerwise=True): pinned views go as one layer-major transfer; mmap (bounce
+    buffers) completes every layer with the whole restore; both never show a layer early, and
+    ``before=`` still orders the stream behind everything."""
+    if kind == "pinned":
+        provider = hk.open(f"pinned://?budget=256MiB&block={PAGE}&background=false")
+    else:
+        provider = hk.open(f"mmap://{tmp_path}/mmap?budget=256MiB&durability=none")
+    src = list(range(PAGES))
+    dst = list(range(PAGES, 2 * PAGES))
+    try:
+        with HostKVCache(provider, SALT, engine, chunk_pages=32) as cache:
+            keys = cache.keys(list(range(PAGES * LAYOUT.page_tokens)))
+            pool.fill_random(src, seed=9)
+            torch.cuda.synchronize()
+            assert cache.save(keys, pool.planes, src).wait().stored == PAGES
+            expect = pool.gather(src)
+            idx = torch.tensor(dst, device="cuda")
+            cs = torch.cuda.Stream()
+            counts = []
+            trials = TRIALS if kind == "pinned" else 20
+            for _trial in range(trials):
+                with torch.cuda.stream(cs):
+                    pool.poison(dst)
+                cs.synchronize()
+                h = cache.restore(cache.lookup(keys), pool.planes, dst, layerwise=True)
+                row = []
+                for i in range(L):
+                    h.wait_layer_on(i, cs)  # often before the restore thread issued anything
+                    with torch.cuda.stream(cs):
+                        row.append(pool.mismatches(idx, expect, range(i + 1)))
+                counts.append(row)
+                assert h.wait().pages == PAGES
+            cs.synchronize()
+            stale = sum(int(c.item()) > 0 for row in counts for c in row)
+            assert stale == 0, f"{kind}: {stale} layer checks read poison"
+            # pinned: layer 0 of every page in one transfer (the whole hit's views in one call),
+            # then layers 1.. in one transfer; mmap: chunk by chunk
+            assert len(h._transfers) == (2 if kind == "pinned" else PAGES // 32)
+            whole = []
+            for _trial in range(20):
+                with torch.cuda.stream(cs):
+                    pool.poison(dst)
+                cs.synchronize()
+                h = cache.restore(cache.lookup(keys), pool.planes, dst, layerwise=True, before=cs)
+                with torch.cuda.stream(cs):
+                    whole.append(pool.mismatches(idx, expect, range(L)))
+                h.wait()
+            cs.synchronize()
+            assert sum(int(c.item()) > 0 for c in whole) == 0
+    finally:
+        provider.close()
