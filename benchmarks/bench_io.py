@@ -251,7 +251,9 @@ def main() -> None:
         rows = bench(root, a.page, a.pages, a.chunk, a.rounds)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    print(f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs, {a.page // 1024} KiB pages, {a.pages} pages "
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    print(f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs ({usable} usable: the batch paths' parallel "
+          f"threshold follows this), {a.page // 1024} KiB pages, {a.pages} pages "
           f"per pass, {a.chunk} per call, {a.rounds} rounds\n")
     print("| case | provider MiB/s | baseline MiB/s | ratio (median of paired) |")
     print("| --- | ---: | ---: | ---: |")

@@ -133,14 +133,48 @@ _HSUM_AT = SLOT_HEADER_NBYTES - 8
 #: Batched reads/writes: at most this many buffers (Linux IOV_MAX) and bytes per system call.
 _IOV_MAX = 1024
 _GROUP_NBYTES = 1 << 20  # larger groups save few calls, and the verify pass then reads from farther caches
+#: Writes on the I/O pool: one hash task per this many bytes (at most ``_IO_THREADS``).
+_HASH_SLICE_NBYTES = 4 << 20
 _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 #: The smallest per-call read-ahead clamp to expect (the kernel's default ``read_ahead_kb``).
 _WILLNEED_PIECE = 128 * 1024
-# Batch reads and writes of at least this many bytes are spread over a few I/O threads (preadv,
-# pwritev and XXH3 all release the GIL): several requests in flight keep a cold disk busy, and the
-# copies and hashes of a warm batch run on several cores instead of one.
-_PARALLEL_MIN_NBYTES = 8 << 20
-_IO_THREADS = max(2, min(4, os.cpu_count() or 1))
+
+
+def _usable_cores() -> int:
+    """The CPUs this process may run on (its affinity mask: a container's or ``taskset``'s
+    limit, not the host's count), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # no affinity API (macOS): the host's count
+        return max(1, os.cpu_count() or 1)
+
+
+#: Cores from which a batch of ``_PARALLEL_MIN_NBYTES_MANY`` is worth splitting.
+_MANY_CORES = 8
+_PARALLEL_MIN_NBYTES_FEW = 8 << 20
+_PARALLEL_MIN_NBYTES_MANY = 2 << 20
+
+
+def _parallel_min_nbytes(cores: int) -> int:
+    """The batch size from which reads (and the hashes of writes) go to the I/O threads, for a
+    process that may use ``cores`` CPUs.
+
+    Measured (docs/benchmarks.md, 256 KiB pages, 4 MiB calls): on a 16-core host a 4 MiB batch
+    read by 4 threads ran at 1.05-1.14x of a one-thread raw ``preadv`` + XXH3 loop against
+    0.76-0.83x on one thread; on 2 cores (shared with other work) splitting a 4 MiB call cost
+    more than it gained.  Between those two machines nothing was measured: 8 cores and more
+    count as many."""
+    return _PARALLEL_MIN_NBYTES_MANY if cores >= _MANY_CORES else _PARALLEL_MIN_NBYTES_FEW
+
+
+# Batch reads and writes of at least this many bytes use a few I/O threads (preadv, pwritev and
+# XXH3 all release the GIL): reads are split into sequential sub-ranges (several requests in
+# flight keep a cold disk busy, the copies and hashes of a warm batch run on several cores
+# instead of one); writes keep their pwritev calls on the caller's thread (the page cache's
+# write path serialises on the file) while the pool hashes the same buffers meanwhile.
+_CORES = _usable_cores()
+_PARALLEL_MIN_NBYTES = _parallel_min_nbytes(_CORES)
+_IO_THREADS = max(2, min(4, _CORES))
 _io_pool: concurrent.futures.ThreadPoolExecutor | None = None
 _io_pool_pid = 0
 _io_pool_lock = threading.Lock()
@@ -173,13 +207,33 @@ def _hint_pool() -> concurrent.futures.ThreadPoolExecutor:
         return _hint_exec
 
 
+def _use_pool(nbytes: int, parts: int) -> bool:
+    """Whether a batch of ``nbytes`` in ``parts`` pieces goes to the I/O pool: large enough for
+    this machine (``_PARALLEL_MIN_NBYTES``), more than one piece, and not already on a pool
+    thread (which waiting on its own pool could deadlock)."""
+    return (parts >= 2 and nbytes >= _PARALLEL_MIN_NBYTES
+            and not threading.current_thread().name.startswith("hostkv-io"))
+
+
+def _join(futures: Sequence[concurrent.futures.Future[None]], error: BaseException | None) -> None:
+    """Wait for every future (none is left running on buffers the caller may reuse), then raise
+    ``error`` or the first of theirs."""
+    for f in futures:
+        try:
+            f.result()
+        except BaseException as exc:
+            error = error or exc
+    if error is not None:
+        raise error
+
+
 def _spread(groups: list[tuple[int, list[int]]], nbytes: int, work: Any) -> None:
     """Run ``work(slice_of_groups)`` for contiguous slices of ``groups``: on the I/O pool when
     the batch is large (each thread then reads or writes one sequential sub-range, which keeps
     the kernel's read-ahead sequential), else inline.  The first error is raised after every
     slice finished (none is left running on buffers the caller may reuse)."""
     n = min(_IO_THREADS, len(groups))
-    if n < 2 or nbytes < _PARALLEL_MIN_NBYTES or threading.current_thread().name.startswith("hostkv-io"):
+    if not _use_pool(nbytes, n):
         work(groups)
         return
     step = -(-len(groups) // n)
@@ -189,13 +243,7 @@ def _spread(groups: list[tuple[int, list[int]]], nbytes: int, work: Any) -> None
         work(groups[:step])
     except BaseException as exc:
         error = exc
-    for f in futures:
-        try:
-            f.result()
-        except BaseException as exc:
-            error = error or exc
-    if error is not None:
-        raise error
+    _join(futures, error)
 _ZERO_HEADER = bytes(SLOT_HEADER_NBYTES)
 _ZERO_KEY = bytes(KEY_NBYTES)
 
@@ -523,6 +571,28 @@ class SlotFile:
         lo = FILE_HEADER_NBYTES + slot * SLOT_HEADER_NBYTES
         self._v()[lo : lo + nslots * SLOT_HEADER_NBYTES] = bytes(nslots * SLOT_HEADER_NBYTES)
 
+    def begin_write_runs(self, runs: Sequence[tuple[int, int]]) -> None:
+        """:meth:`begin_write` of many runs ``(slot, nslots)`` (a batch's protocol step 1): every
+        run is checked first, then the headers of runs that lie back to back are zeroed with one
+        copy each."""
+        self._need_writable()
+        count = self.slot_count
+        for slot, nslots in runs:
+            if type(slot) is not int or type(nslots) is not int or slot < 0 or nslots <= 0 \
+                    or slot + nslots > count:
+                self._check_run(slot, nslots)  # raises with the full message
+        v = self._v()
+        lo = hi = -1
+        for slot, nslots in sorted(runs):
+            a = FILE_HEADER_NBYTES + slot * SLOT_HEADER_NBYTES
+            if a > hi:
+                if hi > lo:
+                    v[lo:hi] = bytes(hi - lo)
+                lo = a
+            hi = max(hi, a + nslots * SLOT_HEADER_NBYTES)
+        if hi > lo:
+            v[lo:hi] = bytes(hi - lo)
+
     def write(self, slot: int, nbytes: int, offset: int, data: object) -> None:
         """Copy ``data`` to bytes ``[offset, offset+len)`` of the entry (``nbytes``) at ``slot``.
 
@@ -556,14 +626,22 @@ class SlotFile:
         back (an entry that fills its slots exactly, then the next run) go out in one
         ``pwritev``: one system call for many pages instead of one each.
 
-        ``digests``: when given, receives the XXH3-64 of every ``data`` (in ``runs`` order), each
-        group hashed right before it is written: the kernel's copy then reads bytes the hash has
-        just brought into the CPU caches (hashing a whole batch first evicts its first pages)."""
+        ``digests``: when given, receives the XXH3-64 of every ``data`` (in ``runs`` order).  A
+        batch large enough for the I/O pool (see :func:`_parallel_min_nbytes`) is hashed there
+        while this thread writes the same buffers (both only read them; XXH3 and ``pwritev``
+        release the GIL), so the hash costs no time of its own; a smaller one is hashed group
+        by group right before each group is written (the kernel's copy then reads bytes the
+        hash has just brought into the CPU caches, so groups stay at ``_GROUP_NBYTES``); with
+        the hashes on the pool the adjacent runs go out in as few calls as ``IOV_MAX`` allows.
+        Either way every digest is in place, and no hash is still running, when this returns
+        or raises."""
         self._need_writable()
+        sn, count = self.slot_nbytes, self.slot_count
         for slot, nbytes, data in runs:
             if data.nbytes != nbytes:
                 raise SpanError(f"a whole-entry write of {data.nbytes} bytes for an entry of {nbytes}")
-            self._data_range(slot, nbytes)
+            if type(slot) is not int or slot < 0 or slot + max(1, -(-nbytes // sn)) > count:
+                self._data_range(slot, nbytes)  # raises with the full message
         digest = xxhash.xxh3_64_intdigest
         if digests is not None:
             digests[:] = [0] * len(runs)
@@ -575,11 +653,13 @@ class SlotFile:
                 self._v()[lo : lo + nbytes] = data
             return
         fd = self.fd
+        total_nbytes = sum(r[1] for r in runs)
+        hash_ahead = digests is not None and _use_pool(total_nbytes, len(runs))
 
         def work(groups: Sequence[tuple[int, list[int]]]) -> None:
             for start, group in groups:
                 bufs = [runs[j][2] for j in group]
-                if digests is not None:
+                if digests is not None and not hash_ahead:
                     for j in group:
                         digests[j] = digest(runs[j][2])
                 total = sum(b.nbytes for b in bufs)
@@ -596,18 +676,52 @@ class SlotFile:
                         done -= b.nbytes
                         pos += b.nbytes
 
-        _spread(self._groups([(slot, nbytes) for slot, nbytes, _ in runs]), sum(r[1] for r in runs), work)
+        if not hash_ahead and digests is not None:  # hashed group by group: small groups
+            max_nbytes = _GROUP_NBYTES
+        else:  # no hash pass between the calls: as few pwritev calls as the threads allow
+            parts = _IO_THREADS if not hash_ahead and _use_pool(total_nbytes, len(runs)) else 1
+            max_nbytes = max(_GROUP_NBYTES, -(-total_nbytes // parts))
+        groups = self._groups([(slot, nbytes) for slot, nbytes, _ in runs], max_nbytes)
+        if not hash_ahead:
+            _spread(groups, total_nbytes, work)
+            return
+        assert digests is not None
+        out = digests
 
-    def _groups(self, runs: Sequence[tuple[int, int]]) -> list[tuple[int, list[int]]]:
+        def hash_slice(lo: int, hi: int) -> None:
+            for j in range(lo, hi):
+                out[j] = digest(runs[j][2])
+
+        # one hash task per _HASH_SLICE_NBYTES (the pwritev calls are the long pole: XXH3 runs
+        # several times faster than the kernel's copy into the page cache), in write order
+        n = len(runs)
+        parts = max(1, min(_IO_THREADS, total_nbytes // _HASH_SLICE_NBYTES, n))
+        step = -(-n // parts)
+        futures: list[concurrent.futures.Future[None]] = []
+        error: BaseException | None = None
+        try:
+            for lo in range(0, n, step):
+                try:
+                    futures.append(_pool().submit(hash_slice, lo, min(n, lo + step)))
+                except RuntimeError:  # the interpreter is exiting (no new pool tasks): hash here
+                    hash_slice(lo, n)
+                    break
+            work(groups)
+        except BaseException as exc:
+            error = exc
+        _join(futures, error)
+
+    def _groups(self, runs: Sequence[tuple[int, int]], max_nbytes: int = _GROUP_NBYTES
+                ) -> list[tuple[int, list[int]]]:
         """Indices of ``runs`` ``(slot, nbytes)`` in groups whose bytes are contiguous in the file,
-        each ``(file offset, [indices])``; at most ``_IOV_MAX`` buffers and ``_GROUP_NBYTES``."""
+        each ``(file offset, [indices])``; at most ``_IOV_MAX`` buffers and ``max_nbytes``."""
         out: list[tuple[int, list[int]]] = []
         sn = self.slot_nbytes
         end = -1
         size = 0
         for j, (slot, nbytes) in enumerate(runs):
             lo = self.data_offset + slot * sn
-            if lo == end and len(out[-1][1]) < _IOV_MAX and size + nbytes <= _GROUP_NBYTES:
+            if lo == end and len(out[-1][1]) < _IOV_MAX and size + nbytes <= max_nbytes:
                 out[-1][1].append(j)
                 size += nbytes
             else:
@@ -789,7 +903,14 @@ class SlotFile:
                         pos += b.nbytes
                 finish(js)
 
-        _spread(self._groups([(reads[j][0], reads[j][4]) for j in live]), sum(reads[j][4] for j in live), work)
+        total = sum(reads[j][4] for j in live)
+        max_nbytes = _GROUP_NBYTES
+        if not verify:
+            # Unverified reads have no hash pass that wants its group still in the CPU caches:
+            # as few preadv calls as the threads allow (one per thread, or one for the call).
+            parts = _IO_THREADS if _use_pool(total, len(live)) else 1
+            max_nbytes = max(_GROUP_NBYTES, -(-total // parts))
+        _spread(self._groups([(reads[j][0], reads[j][4]) for j in live], max_nbytes), total, work)
         return results
 
     def will_need(self, file_offset: int, nbytes: int) -> None:

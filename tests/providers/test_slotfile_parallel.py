@@ -15,9 +15,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import xxhash
 
 import hostkv_providers.providers._slotfile as slotfile
-from hostkv_providers import LmdbProvider, MmapProvider, Provider, StorageIOError
+from hostkv_providers import InvalidArgumentError, LmdbProvider, MmapProvider, Provider, StorageIOError
 from hostkv_providers.testing import chain, page_bytes
 
 MiB = 1 << 20
@@ -115,12 +116,14 @@ def test_an_io_error_on_a_worker_fails_the_batch(store: tuple[Provider, bool, li
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     p, _, _ = store
     keys, items = _items("par-eio")
-    count = [0]
+    written = [0]
     real = os.pwritev
 
     def failing(fd: int, bufs: list[memoryview], offset: int) -> int:
-        count[0] += 1
-        if count[0] == 7:
+        # the call that would carry the 18th MiB fails, whatever the grouping (one call for
+        # the batch while the pool hashes, or a call per group hashed right before it)
+        written[0] += sum(memoryview(b).nbytes for b in bufs)
+        if written[0] > 17 * MiB:
             raise OSError(errno.EIO, "simulated I/O error")
         return real(fd, bufs, offset)
 
@@ -144,5 +147,197 @@ def test_large_prefetch_hints_from_the_background(tmp_path: Path, monkeypatch: p
         slotfile._hint_pool().submit(lambda: None).result(30)  # the hints queued before this ran
         assert sum(n for _, n in calls) == N * PAGE
         assert all(name.startswith("hostkv-hint") for name, _ in calls)
+    finally:
+        p.close()
+
+
+# -- the machine-dependent threshold -----------------------------------------------------------
+
+
+def test_the_parallel_threshold_follows_the_usable_cores() -> None:
+    assert slotfile._parallel_min_nbytes(16) == 2 * MiB  # a 4 MiB batch is split
+    assert slotfile._parallel_min_nbytes(8) == 2 * MiB
+    assert slotfile._parallel_min_nbytes(7) == 8 * MiB
+    assert slotfile._parallel_min_nbytes(2) == 8 * MiB  # a 4 MiB batch stays on one thread
+    assert slotfile._parallel_min_nbytes(1) == 8 * MiB
+
+
+def test_usable_cores_are_the_affinity_mask_not_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(3)), raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    assert slotfile._usable_cores() == 3
+
+    def missing(pid: int) -> set[int]:
+        raise AttributeError("no affinity API here")
+
+    monkeypatch.setattr(os, "sched_getaffinity", missing, raising=False)
+    assert slotfile._usable_cores() == 64  # the fallback: the host's count
+    monkeypatch.setattr(os, "cpu_count", lambda: None)
+    assert slotfile._usable_cores() == 1
+
+
+SMALL = 256 * 1024
+BATCH = 16  # 4 MiB: split on a machine of many cores, one thread on a small one
+
+
+@pytest.mark.parametrize("kind", ["mmap", "lmdb"])
+@pytest.mark.parametrize("cores", [16, 2])
+def test_a_4mib_batch_uses_the_pool_exactly_on_a_many_core_machine(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str, cores: int) -> None:
+    """The core count is injected: the choice is deterministic on any machine.  On 16 cores the
+    4 MiB batch's reads are split over the I/O threads and its hashes run there while the
+    caller writes; on 2 cores everything stays on the caller's thread.  Bytes and seal-time
+    checksums are the same either way."""
+    monkeypatch.setattr(slotfile, "_PARALLEL_MIN_NBYTES", slotfile._parallel_min_nbytes(cores))
+    monkeypatch.setattr(slotfile, "_IO_THREADS", 4)
+    io_threads: list[str] = []
+    hash_threads: list[str] = []
+    real_preadv, real_pwritev, real_digest = os.preadv, os.pwritev, xxhash.xxh3_64_intdigest
+
+    def preadv(fd: int, bufs: list[memoryview], offset: int) -> int:
+        io_threads.append("r:" + threading.current_thread().name)
+        return real_preadv(fd, bufs, offset)
+
+    def pwritev(fd: int, bufs: list[memoryview], offset: int) -> int:
+        io_threads.append("w:" + threading.current_thread().name)
+        return real_pwritev(fd, bufs, offset)
+
+    def digest(b: bytes | memoryview) -> int:
+        if memoryview(b).nbytes == SMALL:  # a page, not a header
+            hash_threads.append(threading.current_thread().name)
+        return int(real_digest(b))
+
+    if kind == "mmap":
+        p: Provider = MmapProvider(str(tmp_path / "s"), budget_bytes=16 * MiB, slot_nbytes=SMALL)
+    else:
+        p = LmdbProvider(tmp_path / "s", budget_bytes=16 * MiB, inline_max=0, file_nbytes=16 * MiB)
+    try:
+        monkeypatch.setattr(os, "preadv", preadv)
+        monkeypatch.setattr(os, "pwritev", pwritev)
+        monkeypatch.setattr(xxhash, "xxh3_64_intdigest", digest)
+        keys = chain(f"cores-{cores}", BATCH)
+        items = [(k, keys[i - 1] if i else None, page_bytes(k, SMALL)) for i, k in enumerate(keys)]
+        assert p.put_many(items) == [True] * BATCH  # type: ignore[attr-defined]
+        assert hash_threads and all(n.startswith("hostkv-io") == (cores == 16) for n in hash_threads)
+        assert all(not n.startswith("w:hostkv-io") for n in io_threads)  # writes: the caller's thread
+        hash_threads.clear()
+        io_threads.clear()
+        outs = [bytearray(SMALL) for _ in keys]
+        assert p.read_many(keys, outs) == [True] * BATCH  # type: ignore[attr-defined]
+        assert [bytes(o) for o in outs] == [page_bytes(k, SMALL) for k in keys]
+        on_pool = {n.startswith("r:hostkv-io") for n in io_threads}
+        assert (True in on_pool) == (cores == 16)
+        # verified where each slice was read: the caller's thread reads one slice itself
+        assert any(n.startswith("hostkv-io") for n in hash_threads) == (cores == 16)
+        monkeypatch.setattr(xxhash, "xxh3_64_intdigest", real_digest)
+        assert p.verify().ok  # type: ignore[attr-defined]  # the checksums are the bytes'
+    finally:
+        p.close()
+
+
+@pytest.mark.parametrize("cores", [16, 2])
+def test_unverified_reads_use_one_preadv_per_thread(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    cores: int) -> None:
+    """``verify=never`` has no hash pass that wants small groups: a contiguous 4 MiB batch is one
+    ``preadv`` on one thread, or one per I/O thread where the batch is split."""
+    monkeypatch.setattr(slotfile, "_PARALLEL_MIN_NBYTES", slotfile._parallel_min_nbytes(cores))
+    monkeypatch.setattr(slotfile, "_IO_THREADS", 4)
+    path = str(tmp_path / "s")
+    p = MmapProvider(path, budget_bytes=16 * MiB, slot_nbytes=SMALL)
+    keys = chain("nv", BATCH)
+    assert p.put_many([(k, None, page_bytes(k, SMALL)) for k in keys]) == [True] * BATCH
+    p.close()
+    q = MmapProvider(path, budget_bytes=16 * MiB, slot_nbytes=SMALL, verify="never")
+    try:
+        calls: list[tuple[str, int]] = []
+        real = os.preadv
+
+        def preadv(fd: int, bufs: list[memoryview], offset: int) -> int:
+            calls.append((threading.current_thread().name, len(bufs)))
+            return real(fd, bufs, offset)
+
+        monkeypatch.setattr(os, "preadv", preadv)
+        outs = [bytearray(SMALL) for _ in keys]
+        assert q.read_many(keys, outs) == [True] * BATCH
+        assert [bytes(o) for o in outs] == [page_bytes(k, SMALL) for k in keys]
+        if cores == 16:
+            assert sorted(n for _, n in calls) == [4, 4, 4, 4]
+            assert sum(name.startswith("hostkv-io") for name, _ in calls) == 3  # and the caller's
+        else:
+            assert calls == [(threading.current_thread().name, BATCH)]
+    finally:
+        q.close()
+
+
+def test_begin_write_runs_zeroes_every_run_and_checks_all_first(tmp_path: Path) -> None:
+    sf = slotfile.SlotFile.create(str(tmp_path / "f.slots"), slot_nbytes=4096, slot_count=16, file_id=1,
+                                  store_id=bytes(16), durable=False)
+    try:
+        key = bytes(range(32))
+        for slot in range(16):
+            sf.write_header(slot, key=key, parent=None, generation=slot + 1, nbytes=4096, checksum=slot)
+        with pytest.raises(InvalidArgumentError):
+            sf.begin_write_runs([(0, 1), (15, 2)])  # the second run leaves the file
+        assert all(sf.header(s) is not None for s in range(16))  # nothing was zeroed
+        sf.begin_write_runs([(5, 1), (0, 2), (2, 1), (9, 3), (6, 1)])
+        cleared = {0, 1, 2, 5, 6, 9, 10, 11}
+        assert [sf.header(s) is None for s in range(16)] == [s in cleared for s in range(16)]
+        assert sf.header(3) == slotfile.SlotHeader(key, None, 4, 4096, 3, 0, 0, 0)
+    finally:
+        sf.close()
+
+
+@pytest.mark.parametrize("kind", ["mmap", "lmdb"])
+def test_a_hash_failing_on_the_pool_fails_the_chunk_after_every_write(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
+    """A hash task on the I/O pool that raises (here: a stand-in XXH3 that fails on one page)
+    fails the whole chunk once the caller's ``pwritev`` calls are over: nothing is stored, the
+    space is given back, and no header vouches for the page."""
+    monkeypatch.setattr(slotfile, "_PARALLEL_MIN_NBYTES", slotfile._parallel_min_nbytes(16))
+    real = xxhash.xxh3_64_intdigest
+    keys = chain(f"hash-fail-{kind}", BATCH)
+    bad = page_bytes(keys[9], SMALL)
+
+    def digest(b: bytes | memoryview) -> int:
+        if threading.current_thread().name.startswith("hostkv-io") and bytes(b[:64]) == bad[:64]:
+            raise RuntimeError("simulated hash failure")
+        return int(real(b))
+
+    if kind == "mmap":
+        p: Provider = MmapProvider(str(tmp_path / "s"), budget_bytes=16 * MiB, slot_nbytes=SMALL)
+    else:
+        p = LmdbProvider(tmp_path / "s", budget_bytes=16 * MiB, inline_max=0, file_nbytes=16 * MiB)
+    try:
+        monkeypatch.setattr(xxhash, "xxh3_64_intdigest", digest)
+        with pytest.raises(RuntimeError, match="simulated hash failure"):
+            p.put_many([(k, None, page_bytes(k, SMALL)) for k in keys])  # type: ignore[attr-defined]
+        monkeypatch.setattr(xxhash, "xxh3_64_intdigest", real)
+        assert p.present(keys) == [False] * BATCH
+        assert p.stats().used_bytes == 0
+        assert p.put_many([(k, None, page_bytes(k, SMALL)) for k in keys]) == [True] * BATCH  # type: ignore[attr-defined]
+        outs = [bytearray(SMALL) for _ in keys]
+        assert p.read_many(keys, outs) == [True] * BATCH  # type: ignore[attr-defined]
+        assert [bytes(o) for o in outs] == [page_bytes(k, SMALL) for k in keys]
+    finally:
+        p.close()
+
+
+def test_writes_hash_on_the_callers_thread_when_the_pool_takes_no_tasks(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """At interpreter exit a thread pool refuses new tasks (``RuntimeError``): a put_many then
+    hashes its pages itself and stores them with the right checksums."""
+    monkeypatch.setattr(slotfile, "_PARALLEL_MIN_NBYTES", slotfile._parallel_min_nbytes(16))
+
+    class Refusing:
+        def submit(self, *args: object) -> None:
+            raise RuntimeError("cannot schedule new futures after interpreter shutdown")
+
+    p = MmapProvider(str(tmp_path / "s"), budget_bytes=16 * MiB, slot_nbytes=SMALL)
+    try:
+        monkeypatch.setattr(slotfile, "_pool", lambda: Refusing())
+        keys = chain("refused", BATCH)
+        assert p.put_many([(k, None, page_bytes(k, SMALL)) for k in keys]) == [True] * BATCH
+        assert p.verify().ok
+        assert all(p.read_bytes(k) == page_bytes(k, SMALL) for k in keys)
     finally:
         p.close()

@@ -202,8 +202,7 @@ def _put_chunk(p: LmdbProvider, items: Sequence[tuple[Key, Key | None, memoryvie
             sf = files[fid] = p._s.slot_file(fid)
             # Invalidate every slot's header before any byte of it changes, so neither a stale
             # record nor a reader in another process can accept a half-overwritten slot.
-            for s in group:
-                sf.begin_write(s[6], 1)
+            sf.begin_write_runs([(s[6], 1) for s in group])
             got_d: list[int] = []
             sf.write_runs([(s[6], s[3].nbytes, s[3]) for s in group], got_d)
             for s, d in zip(group, got_d, strict=True):

@@ -547,11 +547,13 @@ class MmapProvider(_Maintenance):
             by_file: dict[int, list[tuple[int, int, memoryview]]] = {}
             where: dict[int, list[int]] = {}  # per file: positions in todo
             for t, (_, res, view) in enumerate(todo):
-                # slot protocol step 1 for every run before any of their bytes change
-                self._files[res.file].begin_write(res.slot, res.nslots)
-                _fsutil.crash_point("mmap.reserve.after_clear")
                 by_file.setdefault(res.file, []).append((res.slot, res.nbytes, view))
                 where.setdefault(res.file, []).append(t)
+            # slot protocol step 1 for every run before any of their bytes change
+            for fid, runs in by_file.items():
+                self._files[fid].begin_write_runs([(slot, run_nslots(nbytes, self._slot))
+                                                   for slot, nbytes, _ in runs])
+            _fsutil.crash_point("mmap.reserve.after_clear")
             # the caller's buffers, hashed while they are the source (no re-read of the file)
             digests = [0] * len(todo)
             for fid, runs in by_file.items():
@@ -580,17 +582,27 @@ class MmapProvider(_Maintenance):
             raise
         _fsutil.crash_point("mmap.seal.after_journal")
         # One locked pass, in item order: a parent from this batch becomes a row before its
-        # children resolve it, and no other thread can evict it in between.
+        # children resolve it, and no other thread can evict it in between.  What _seal_finish
+        # does per seal, with the lock taken, the counter settled and the snapshot check made
+        # once for the chunk.
         nbytes = 0
         with self._lock:
-            for (i, _, view), pr in zip(todo, prepared, strict=True):
+            commit = self._idx.commit
+            self._unfinished -= len(prepared)
+            for (i, _, view), (res, sf, digest, created, tag, _) in zip(todo, prepared, strict=True):
                 try:
-                    self._seal_finish(pr)
-                except UnknownKeyError as exc:
+                    commit(res.key, nbytes=res.nbytes, file=res.file, slot=res.slot, nslots=res.nslots,
+                           gen=res.gen, csum=digest, tag=tag, created=created)
+                except UnknownKeyError as exc:  # its parent was dropped (corrupt) meanwhile
+                    sf.clear(res.slot, res.nslots)
+                    self._release_run(res.file, res.slot, res.nslots)
+                    res._finish("aborted")
                     results[i] = exc
                     continue
+                res._finish("sealed")
                 results[i] = True
                 nbytes += view.nbytes
+            self._maybe_snapshot()
         self._tally("seals", sum(r is True for r in results))
         self._tally("bytes_written", nbytes)
         return results
