@@ -220,12 +220,11 @@ def test_cache_layer_waits_never_see_stale_blocks(provider: Provider, stream: Ho
                 assert seen == [(i, True) for i in range(LAYOUT.num_layers)]
                 assert all(h.layer_done(i) for i in range(LAYOUT.num_layers))
                 assert h.wait_layer(3, 0)
-            # pinned: layer 0 of every page in one transfer (the views of the whole hit in one call,
-            # through the lease's rows), then layers 1.. in one transfer; mmap: chunk by chunk,
-            # page-major
+            # pinned: one layer-major transfer of every layer (the views of the whole hit in one
+            # call, through the lease's rows); mmap: chunk by chunk, page-major
             if isinstance(provider, PinnedProvider):
-                assert [t.layers for t in h._transfers] == [range(1), range(1, LAYOUT.num_layers)]
-                assert h._transfers[0].nbytes == PAGES * PAGE // 4
+                assert len(h._transfers) == 1
+                assert h._transfers[0].nbytes == PAGES * PAGE
             else:
                 assert len(h._transfers) == -(-PAGES // 5) and all(t.layers is None for t in h._transfers)
     finally:
@@ -344,8 +343,8 @@ def test_engine_bad_layers_are_refused(engine: CpuCopyEngine, bad: Any) -> None:
 
 def test_cache_layerwise_falls_back_when_a_chunk_has_no_chunk_views(stream: HostStream,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """The second chunk's views are refused: the pages viewed so far finish layer-major, the rest
-    go chunk by chunk (page-major), and layer 0 then completes with the whole restore."""
+    """The whole hit's views are refused: the restore goes chunk by chunk (page-major, each chunk's
+    views taken on its own), and every layer then completes with the whole restore."""
     provider = PinnedProvider(4 << 20, block=PAGE, allocator=OrdinaryAllocator(huge_pages=False))
     engine = CpuCopyEngine()
     src = planes(seed=12)
@@ -358,7 +357,7 @@ def test_cache_layerwise_falls_back_when_a_chunk_has_no_chunk_views(stream: Host
 
             def flaky(lease: Any, ks: Any) -> Any:
                 calls[0] += 1
-                return None if calls[0] == 2 else real(lease, ks)
+                return None if calls[0] == 1 else real(lease, ks)
 
             monkeypatch.setattr(provider, "view_pages", flaky)
             dst = planes(fill=POISON)
@@ -372,8 +371,8 @@ def test_cache_layerwise_falls_back_when_a_chunk_has_no_chunk_views(stream: Host
             assert stream.synchronize(10)
             assert r.pages == PAGES and r.viewed == PAGES
             assert seen == [(i, True) for i in range(LAYOUT.num_layers)]
-            spans = [t.layers for t in h._transfers]
-            assert spans[:2] == [range(1), range(1, LAYOUT.num_layers)] and all(x is None for x in spans[2:])
+            assert calls[0] == 1 + -(-PAGES // 5)  # the refused whole-hit call, then one per chunk
+            assert all(t.layers is None for t in h._transfers)
             assert layer_ok(dst, expect, ids, LAST)
             rep = provider.evict(keys[:1])  # every view lease is gone: nothing is left leased
             assert rep.entries == PAGES and rep.skipped == 0

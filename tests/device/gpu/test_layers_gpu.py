@@ -261,9 +261,9 @@ def test_cache_layerwise_restore_orders_each_layer(engine: CudaCopyEngine, pool:
             cs.synchronize()
             stale = sum(int(c.item()) > 0 for row in counts for c in row)
             assert stale == 0, f"{kind}: {stale} layer checks read poison"
-            # pinned: layer 0 of every page in one transfer (the whole hit's views in one call),
-            # then layers 1.. in one transfer; mmap: chunk by chunk
-            assert len(h._transfers) == (2 if kind == "pinned" else PAGES // 32)
+            # pinned: one layer-major transfer of every layer (the whole hit's views in one call);
+            # mmap: chunk by chunk
+            assert len(h._transfers) == (1 if kind == "pinned" else PAGES // 32)
             whole = []
             for _trial in range(20):
                 with torch.cuda.stream(cs):
