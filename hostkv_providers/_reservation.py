@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 import warnings
 from collections.abc import Sequence
@@ -183,13 +184,9 @@ class Lease:
     ) -> None:
         self._provider = provider
         self.present: tuple[bool, ...] = tuple(present)
-        self.keys: tuple[Key, ...] = tuple(k for k, p in zip(requested, self.present, strict=False) if p)
-        n = 0
-        for p in self.present:
-            if not p:
-                break
-            n += 1
-        self.prefix_len = n
+        # (C speed: a restore leases a chain of thousands of pages on the engine's thread)
+        self.keys: tuple[Key, ...] = tuple(itertools.compress(requested, self.present))
+        self.prefix_len = self.present.index(False) if False in self.present else len(self.present)
         self.token = token  # provider-private lease handle
         self._released = False
 

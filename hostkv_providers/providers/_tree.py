@@ -784,7 +784,8 @@ class TreeIndex:
         arr = arr[arr >= 0]
         if not len(arr):
             return
-        np.add.at(self.hold, arr, 1)
+        u, c = np.unique(arr, return_counts=True)  # (not ufunc.at: slow per element on older numpy)
+        self.hold[u] += c.astype(self.hold.dtype)
         # (touched in order, as one by one would; a held row is not evictable: nothing to push)
         self.tick[arr] = np.arange(self.clock + 1, self.clock + 1 + len(arr))
         self.clock += len(arr)
@@ -807,8 +808,9 @@ class TreeIndex:
         arr = arr[self.alive[arr] & (self.gen[arr].astype(np.int64) == gs)]
         if not len(arr):
             return
-        np.subtract.at(self.hold, arr, 1)
-        freed = np.unique(arr[(self.hold[arr] == 0) & (self.children[arr] == 0) & ~self.retained[arr]])
+        u, c = np.unique(arr, return_counts=True)
+        self.hold[u] -= c.astype(self.hold.dtype)
+        freed = u[(self.hold[u] == 0) & (self.children[u] == 0) & ~self.retained[u]]
         for row in freed.tolist():  # leaves only (a chain's last page): a few pushes
             heapq.heappush(self._heap, self.m_tick[row] << _ROW_BITS | row)
 

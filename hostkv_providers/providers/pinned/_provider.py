@@ -899,6 +899,8 @@ class PinnedProvider(Provider):
         idx = self._index
         live = [r for r in rows if r >= 0]
         idx.hold_rows(live)
+        if len(live) > 8:
+            return live, idx.gen[np.asarray(live, dtype=np.int64)].tolist()
         gen = idx.m_gen
         return live, [gen[r] for r in live]
 
@@ -919,7 +921,7 @@ class PinnedProvider(Provider):
             token: _Token = lease.token  # type: ignore[assignment]
             self._lease_tokens.pop(id(token), None)
             self._index.release_rows(*token)
-            for g in token[1]:
+            for g in token[1] if self._limbo else ():  # (limbo: dropped entries still leased; rare)
                 held = self._limbo.get(g)
                 if held is None:
                     continue
