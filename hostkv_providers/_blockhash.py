@@ -173,13 +173,23 @@ def _root_int(digests: Sequence[int], nbytes: int) -> int:
 
 def tree_checksum_parts(parts: Iterable[object]) -> int:
     """The ``xxh3-256k-tree`` checksum of the concatenation of ``parts`` (no copy of the bytes)."""
+    parts = list(parts)
+    if len(parts) == 1:
+        return tree_checksum(parts[0])
     digests, total = _digests_of(parts)
     return _root_int(digests, total)
 
 
 def tree_checksum(data: object) -> int:
     """The ``xxh3-256k-tree`` checksum of one buffer."""
-    return tree_checksum_parts((data,))
+    mv = memoryview(data).cast("B")  # type: ignore[arg-type]
+    n = mv.nbytes
+    if 256 <= n <= BLOCK and not n % 64:
+        # one block that needs no padding: its digest is XXH3-64 of the bytes (a 4 KiB page's
+        # seal without the streaming hasher and the block loop)
+        return _root_int((int(xxhash.xxh3_64_intdigest(mv)),), n)
+    digests, total = _digests_of((mv,))
+    return _root_int(digests, total)
 
 
 # -- the numpy transcription of XXH3-64 of blocks (the GPU kernel's algorithm) ----------------

@@ -197,3 +197,13 @@ def test_cpu_engine_save_and_verified_restore_truncate_at_a_flipped_byte() -> No
     finally:
         engine.close()
         prov.close()
+
+
+@pytest.mark.parametrize("n", [256, 320, 4096, 4100, 65536, 1 << 18, (1 << 18) + 64, 1 << 20, 100])
+def test_one_buffer_fast_path_equals_the_block_walk(n: int) -> None:
+    data = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8).tobytes()
+    digests, total = bh._digests_of((data,))
+    want = bh._root_int(digests, total)
+    assert bh.tree_checksum(data) == want
+    assert bh.tree_checksum_parts([data]) == want
+    assert bh.tree_checksum_parts([data[: n // 3], data[n // 3 :]]) == want
