@@ -24,6 +24,7 @@ from hostkv_providers.cache import HostKVCache
 from hostkv_providers.device import CpuCopyEngine, HostPages, HostStream, KVPlanes, OrdinaryAllocator
 from hostkv_providers.device import _cpu_engine as cpu_engine_mod
 from hostkv_providers.errors import CopyArgumentError, InvalidArgumentError
+from hostkv_providers.testing import engine_planes
 
 LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_dim=16, page_tokens=4, dtype="float32")
 SALT = Salt("test/layers", LAYOUT)
@@ -35,14 +36,7 @@ LAST = LAYOUT.num_layers - 1
 
 
 def planes(fill: int | None = None, seed: int = 0) -> list[np.ndarray]:
-    shape = (NBLOCKS, LAYOUT.page_tokens, LAYOUT.num_kv_heads, LAYOUT.head_dim)
-    if fill is not None:
-        out = [np.empty(shape, np.float32) for _ in LAYOUT.planes]
-        for p in out:
-            p.view(np.uint8).fill(fill)
-        return out
-    rng = np.random.default_rng(seed)
-    return [rng.standard_normal(shape, dtype=np.float32) for _ in LAYOUT.planes]
+    return engine_planes(LAYOUT, NBLOCKS, fill=fill, seed=seed)
 
 
 def layer_ok(arrays: Sequence[np.ndarray], expect: Sequence[np.ndarray], blocks: Sequence[int], upto: int) -> bool:

@@ -22,6 +22,7 @@ import hostkv_providers as hk
 from hostkv_providers import KVLayout, PinnedProvider, Provider, Salt
 from hostkv_providers.cache import HostKVCache
 from hostkv_providers.device import CpuCopyEngine, HostStream, OrdinaryAllocator
+from hostkv_providers.testing import engine_planes
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, page_tokens=4, dtype="float32")
 SALT = Salt("test/order", LAYOUT)
@@ -32,14 +33,7 @@ POISON = 0xEE
 
 
 def planes(fill: int | None = None, seed: int = 0) -> list[np.ndarray]:
-    shape = (NBLOCKS, LAYOUT.page_tokens, LAYOUT.num_kv_heads, LAYOUT.head_dim)
-    if fill is not None:
-        out = [np.empty(shape, np.float32) for _ in LAYOUT.planes]
-        for p in out:
-            p.view(np.uint8).fill(fill)
-        return out
-    rng = np.random.default_rng(seed)
-    return [rng.standard_normal(shape, dtype=np.float32) for _ in LAYOUT.planes]
+    return engine_planes(LAYOUT, NBLOCKS, fill=fill, seed=seed)
 
 
 def pages_of(ps: Sequence[np.ndarray], blocks: Sequence[int]) -> list[bytes]:

@@ -25,7 +25,15 @@ from hostkv_providers.testing._families._persistence import PersistenceTests
 from hostkv_providers.testing._families._powers import CapabilityTests
 from hostkv_providers.testing._families._retain import RetainTests
 from hostkv_providers.testing._families._writes import WriteTests
-from hostkv_providers.testing._pages import anchor_bytes, chain, key_of, page_bytes, put_chain, put_page
+from hostkv_providers.testing._pages import (
+    anchor_bytes,
+    chain,
+    engine_planes,
+    key_of,
+    page_bytes,
+    put_chain,
+    put_page,
+)
 from hostkv_providers.testing._suite import ProviderTests
 
 if TYPE_CHECKING:
@@ -51,6 +59,7 @@ __all__ = [
     "anchor_bytes",
     "chain",
     "key_of",
+    "engine_planes",
     "page_bytes",
     "put_chain",
     "put_page",

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from hostkv_providers._keys import Key
+from hostkv_providers._layout import KVLayout
 from hostkv_providers._provider import Provider
 
 __all__ = ["anchor_bytes", "chain", "key_of", "page_bytes", "put_chain", "put_page"]
@@ -54,3 +55,17 @@ def put_chain(provider: Provider, keys: Sequence[Key], nbytes: int, parent: Key 
     for key in keys:
         put_page(provider, key, parent, nbytes)
         parent = key
+
+
+def engine_planes(layout: KVLayout, nblocks: int, *, fill: int | None = None, seed: int = 0) -> list[np.ndarray]:
+    """Host arrays standing in for an engine's paged KV planes (one per plane of ``layout``,
+    ``nblocks`` blocks): every byte ``fill`` (poison a restore must overwrite), else random
+    float32 values from ``seed``."""
+    shape = (nblocks, layout.page_tokens, layout.num_kv_heads, layout.head_dim)
+    if fill is not None:
+        out = [np.empty(shape, np.float32) for _ in layout.planes]
+        for p in out:
+            p.view(np.uint8).fill(fill)
+        return out
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(shape, dtype=np.float32) for _ in layout.planes]
