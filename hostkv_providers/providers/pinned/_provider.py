@@ -67,6 +67,7 @@ from hostkv_providers.providers.pinned._run import _PinnedReservation, _PinnedRu
 __all__ = ["PinnedProvider"]
 
 _DEFAULT_BLOCK = 64 * 1024
+_ARRAY_LEASE = 256  # leases of at least this many entries keep their rows as arrays (view_pages)
 _DEFAULT_CHUNK = 256 * 1024 * 1024
 _PREFAULT_PIECE = 8 << 20  # one madvise call: close() waits at most this long for the prefaulter
 
@@ -172,6 +173,9 @@ class PinnedProvider(Provider):
         self._arena = _Arena(block, chunk // block)
         self._index = _PinnedIndex(0)
         self._lease_tokens: dict[int, _Token] = {}  # live leases, by id of their token
+        # Long leases (a hit's whole chain), by id of their token: their rows and gens as arrays
+        # and their keys joined, so view_pages of a run of them is a memcmp and two slices.
+        self._lease_arrays: dict[int, tuple[npt.NDArray[np.int64], npt.NDArray[np.uint64], bytes]] = {}
         # dropped but still leased, by gen: (blocks, lease count)
         self._limbo: dict[int, tuple[list[tuple[int, int]], int]] = {}
         total_blocks = budget_bytes // block
@@ -760,8 +764,7 @@ class PinnedProvider(Provider):
         return HostPages(addrs, nbytes, pinned=self._allocator.pinned, readonly=True, keepalive=lease,
                          checksums=sums, algorithm=self.checksum_algorithm)
 
-    @staticmethod
-    def _leased_rows(lease: Lease, ks: list[Key]) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.uint64]] | None:
+    def _leased_rows(self, lease: Lease, ks: list[Key]) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.uint64]] | None:
         """The ``(rows, gens)`` of ``ks`` from ``lease``'s token when ``ks`` is a run of the
         lease's keys (``lease.keys[j]`` is ``token[0][j]``), else ``None``."""
         lk = lease.keys
@@ -774,6 +777,12 @@ class PinnedProvider(Provider):
                 j = lk.index(ks[0])
             except ValueError:
                 return None
+        arrays = self._lease_arrays.get(id(lease.token))
+        if arrays is not None:  # a long lease: one memcmp of the joined keys, slices of its arrays
+            rows_arr, gens_arr, joined = arrays
+            if joined[32 * j : 32 * (j + n)] != b"".join(ks):
+                return None
+            return rows_arr[j : j + n], gens_arr[j : j + n]
         if lk[j : j + n] != tuple(ks):
             return None
         token: _Token = lease.token  # type: ignore[assignment]
@@ -912,7 +921,11 @@ class PinnedProvider(Provider):
             rows = self._index.rows_of(ks)
             token = self._hold_rows(rows)
             self._lease_tokens[id(token)] = token
-            return Lease(self, ks, [r >= 0 for r in rows], token=token)
+            lease = Lease(self, ks, [r >= 0 for r in rows], token=token)
+            if len(token[0]) >= _ARRAY_LEASE:
+                self._lease_arrays[id(token)] = (np.asarray(token[0], dtype=np.int64),
+                                                 np.asarray(token[1], dtype=np.uint64), b"".join(lease.keys))
+            return lease
 
     def _release_lease(self, lease: Lease) -> None:
         with self._lock:
@@ -920,6 +933,7 @@ class PinnedProvider(Provider):
                 return
             token: _Token = lease.token  # type: ignore[assignment]
             self._lease_tokens.pop(id(token), None)
+            self._lease_arrays.pop(id(token), None)
             self._index.release_rows(*token)
             for g in token[1] if self._limbo else ():  # (limbo: dropped entries still leased; rare)
                 held = self._limbo.get(g)

@@ -833,10 +833,11 @@ def test_sealing_a_run_after_close_is_a_closed_error(closing: list[Provider]) ->
     rc.abort()  # swallowed: the memory went with the provider
 
 
-def test_view_pages_of_a_run_of_the_lease_keys(closing: list[Provider]) -> None:
-    p = _pinned(32, verify_reads=True)
+@pytest.mark.parametrize("n", [10, 300])  # (300: a long lease, its rows kept as arrays)
+def test_view_pages_of_a_run_of_the_lease_keys(closing: list[Provider], n: int) -> None:
+    p = _pinned(n + 22, verify_reads=True)
     closing.append(p)
-    keys = chain("pin-viewpages", 10)
+    keys = chain("pin-viewpages", n)
     put_chain(p, keys, PAGE)
     stranger = chain("pin-viewpages-other", 1)[0]
     put_page(p, stranger, None, PAGE)
@@ -848,6 +849,8 @@ def test_view_pages_of_a_run_of_the_lease_keys(closing: list[Provider]) -> None:
         assert part.checksums is not None and len(part.checksums) == 4
         assert p.view_pages(lease, [keys[2], keys[5]]) is not None  # not a run: looked up key by key
         assert p.view_pages(lease, [stranger]) is None  # not leased
+        assert p.view_pages(lease, [*keys[3:6], stranger]) is None  # a stranger in the run
         p._drop(p._index.row_of(keys[6]))  # corrupt meanwhile: its subtree goes
         assert p.view_pages(lease, keys[3:7]) is None
         assert p.view_pages(lease, keys[3:6]) is not None
+    assert not p._lease_arrays  # (released with the lease)
