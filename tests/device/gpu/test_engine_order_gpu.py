@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 import hostkv_providers as hk
-from hostkv_providers.cache import HostKVCache, paged_planes
+from hostkv_providers.cache import HostKVCache
 from hostkv_providers.device import CudaCopyEngine, cuda_available
 
 torch = pytest.importorskip("torch")
@@ -31,6 +31,8 @@ if not cuda_available() or not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
 pytestmark = pytest.mark.gpu
+
+from ._pool import Pool  # noqa: E402  (after the skips: it imports torch)
 
 LAYOUT = hk.KVLayout(num_layers=8, num_kv_heads=8, head_dim=128, page_tokens=16, dtype="bfloat16")  # 512 KiB
 SALT = hk.Salt("test/gpu-order", LAYOUT)
@@ -61,37 +63,6 @@ def slowed(fn: Callable[..., Any], seconds: float) -> Callable[..., Any]:
     return call
 
 
-class Pool:
-    """vLLM-style per-layer ``[2, blocks, 16, 8, 128]`` bf16 caches on the device."""
-
-    def __init__(self) -> None:
-        self.caches = [torch.empty((2, NBLOCKS, LAYOUT.page_tokens, LAYOUT.num_kv_heads, LAYOUT.head_dim),
-                                   dtype=torch.bfloat16, device="cuda") for _ in range(LAYOUT.num_layers)]
-        self.planes = paged_planes(LAYOUT, self.caches)
-        self.bytes = [c.view(torch.uint8) for c in self.caches]
-
-    def fill_random(self, blocks: list[int], seed: int) -> None:
-        g = torch.Generator(device="cuda").manual_seed(seed)
-        idx = torch.tensor(blocks, device="cuda")
-        for b in self.bytes:
-            b[:, idx] = torch.randint(0, 256, (2, len(blocks), *b.shape[2:]), dtype=torch.uint8, device="cuda",
-                                      generator=g)
-
-    def poison(self, blocks: list[int]) -> None:
-        idx = torch.tensor(blocks, device="cuda")
-        for b in self.bytes:
-            b[:, idx] = 0xEE
-
-    def gather(self, blocks: list[int]) -> list[Any]:
-        idx = torch.tensor(blocks, device="cuda")
-        return [b[:, idx].clone() for b in self.bytes]
-
-    def mismatches(self, blocks: list[int], expect: list[Any]) -> Any:
-        """Bytes of ``blocks`` that differ from ``expect``, as a 0-d device tensor (enqueued only)."""
-        idx = torch.tensor(blocks, device="cuda")
-        return sum((b[:, idx] != e).sum() for b, e in zip(self.bytes, expect, strict=True))
-
-
 @pytest.fixture(scope="module")
 def engine() -> Iterator[CudaCopyEngine]:
     e = CudaCopyEngine(0)
@@ -101,7 +72,7 @@ def engine() -> Iterator[CudaCopyEngine]:
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_restore_before_stream_never_reads_stale_blocks(kind: str, engine: CudaCopyEngine, tmp_path: Path) -> None:
-    pool = Pool()
+    pool = Pool(LAYOUT, NBLOCKS)
     cs = torch.cuda.Stream()
     provider = open_kind(kind, tmp_path)
     src = list(range(PAGES))
@@ -161,7 +132,7 @@ def test_restore_before_stream_never_reads_stale_blocks(kind: str, engine: CudaC
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_save_after_stream_reads_blocks_as_of_the_call(kind: str, engine: CudaCopyEngine, tmp_path: Path) -> None:
-    pool = Pool()
+    pool = Pool(LAYOUT, NBLOCKS)
     cs = torch.cuda.Stream()
     provider = open_kind(kind, tmp_path)
     blocks = list(range(PAGES))

@@ -21,14 +21,16 @@ import numpy as np
 import pytest
 
 import hostkv_providers as hk
-from hostkv_providers.cache import HostKVCache, paged_planes
-from hostkv_providers.device import CudaCopyEngine, CudaHostAllocator, HostPages, HostRegion, KVPlanes, cuda_available
+from hostkv_providers.cache import HostKVCache
+from hostkv_providers.device import CudaCopyEngine, CudaHostAllocator, HostPages, HostRegion, cuda_available
 
 torch = pytest.importorskip("torch")
 if not cuda_available() or not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
 pytestmark = pytest.mark.gpu
+
+from ._pool import Pool  # noqa: E402  (after the skips: it imports torch)
 
 LAYOUT = hk.KVLayout(num_layers=8, num_kv_heads=8, head_dim=128, page_tokens=16, dtype="bfloat16")  # 512 KiB
 SALT = hk.Salt("test/gpu-layers", LAYOUT)
@@ -37,37 +39,6 @@ PAGES = 192
 NBLOCKS = 2 * PAGES + 8
 TRIALS = 100
 L = LAYOUT.num_layers
-
-
-class Pool:
-    """vLLM-style per-layer ``[2, blocks, 16, 8, 128]`` bf16 caches on the device."""
-
-    def __init__(self) -> None:
-        self.caches = [torch.empty((2, NBLOCKS, LAYOUT.page_tokens, LAYOUT.num_kv_heads, LAYOUT.head_dim),
-                                   dtype=torch.bfloat16, device="cuda") for _ in range(L)]
-        self.tensors = paged_planes(LAYOUT, self.caches)
-        self.planes = KVPlanes.from_torch(LAYOUT, self.tensors)
-        self.bytes = [c.view(torch.uint8) for c in self.caches]
-
-    def fill_random(self, blocks: list[int], seed: int) -> None:
-        g = torch.Generator(device="cuda").manual_seed(seed)
-        idx = torch.tensor(blocks, device="cuda")
-        for b in self.bytes:
-            b[:, idx] = torch.randint(0, 256, (2, len(blocks), *b.shape[2:]), dtype=torch.uint8, device="cuda",
-                                      generator=g)
-
-    def poison(self, blocks: list[int]) -> None:
-        idx = torch.tensor(blocks, device="cuda")
-        for b in self.bytes:
-            b[:, idx] = 0xEE
-
-    def gather(self, blocks: list[int]) -> list[Any]:
-        idx = torch.tensor(blocks, device="cuda")
-        return [b[:, idx].clone() for b in self.bytes]
-
-    def mismatches(self, idx: Any, expect: list[Any], layers: range) -> Any:
-        """Bytes of layers ``layers`` of blocks ``idx`` that differ from ``expect`` (enqueued only)."""
-        return sum((self.bytes[i][:, idx] != expect[i]).sum() for i in layers)
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +50,7 @@ def engine() -> Iterator[CudaCopyEngine]:
 
 @pytest.fixture(scope="module")
 def pool() -> Pool:
-    return Pool()
+    return Pool(LAYOUT, NBLOCKS)
 
 
 def host_copy_of(pool: Pool, blocks: list[int]) -> tuple[Any, np.ndarray]:
@@ -134,7 +105,7 @@ def test_layer_event_never_fires_before_its_bytes(engine: CudaCopyEngine, pool: 
             for i in range(L):
                 h.wait_layer_on(i, cs)
                 with torch.cuda.stream(cs):  # the engine's layer-i kernel, enqueued at once
-                    row.append(pool.mismatches(idx, expect, range(i + 1)))
+                    row.append(pool.layer_mismatches(idx, expect, range(i + 1)))
             counts.append(row)
             h.wait()
         cs.synchronize()
@@ -146,7 +117,7 @@ def test_layer_event_never_fires_before_its_bytes(engine: CudaCopyEngine, pool: 
         cs.synchronize()
         h = engine.restore(pages, pool.planes, dst, layerwise=True, before=cs)
         with torch.cuda.stream(cs):
-            whole = pool.mismatches(idx, expect, range(L))
+            whole = pool.layer_mismatches(idx, expect, range(L))
         h.wait()
         cs.synchronize()
         assert int(whole.item()) == 0
@@ -161,7 +132,7 @@ def test_layer_event_never_fires_before_its_bytes(engine: CudaCopyEngine, pool: 
                 h = engine.restore(pages, pool.planes, dst, layerwise=True)
                 h.wait_layer_on(0, cs)
                 with torch.cuda.stream(cs):
-                    control.append(pool.mismatches(idx, expect, range(L - 1, L)))
+                    control.append(pool.layer_mismatches(idx, expect, range(L - 1, L)))
                 h.wait()
             cs.synchronize()
             assert sum(int(c.item()) > 0 for c in control) > 0, "the last layer was always there with layer 0"
@@ -185,7 +156,7 @@ def test_layers_range_writes_only_those_layers(engine: CudaCopyEngine, pool: Poo
         h.wait()
         for i in range(L):
             if i in range(2, 5):
-                assert int(pool.mismatches(idx, expect, range(i, i + 1)).item()) == 0, i
+                assert int(pool.layer_mismatches(idx, expect, range(i, i + 1)).item()) == 0, i
             else:  # untouched: still all poison
                 assert bool((pool.bytes[i][:, idx] == 0xEE).all()), i
         assert h.layer_seconds(4) is not None and 0 < h.layer_seconds(2) <= h.layer_seconds(4)
@@ -213,7 +184,7 @@ def test_page_major_restore_completes_every_layer_with_the_whole(engine: CudaCop
             h = engine.restore(pages, pool.planes, dst)
             h.wait_layer_on(0, cs)  # without layerwise: layer 0 is the whole restore
             with torch.cuda.stream(cs):
-                bad = pool.mismatches(idx, expect, range(L))
+                bad = pool.layer_mismatches(idx, expect, range(L))
             h.wait()
             cs.synchronize()
             assert int(bad.item()) == 0
@@ -255,7 +226,7 @@ def test_cache_layerwise_restore_orders_each_layer(engine: CudaCopyEngine, pool:
                 for i in range(L):
                     h.wait_layer_on(i, cs)  # often before the restore thread issued anything
                     with torch.cuda.stream(cs):
-                        row.append(pool.mismatches(idx, expect, range(i + 1)))
+                        row.append(pool.layer_mismatches(idx, expect, range(i + 1)))
                 counts.append(row)
                 assert h.wait().pages == PAGES
             cs.synchronize()
@@ -271,7 +242,7 @@ def test_cache_layerwise_restore_orders_each_layer(engine: CudaCopyEngine, pool:
                 cs.synchronize()
                 h = cache.restore(cache.lookup(keys), pool.planes, dst, layerwise=True, before=cs)
                 with torch.cuda.stream(cs):
-                    whole.append(pool.mismatches(idx, expect, range(L)))
+                    whole.append(pool.layer_mismatches(idx, expect, range(L)))
                 h.wait()
             cs.synchronize()
             assert sum(int(c.item()) > 0 for c in whole) == 0
