@@ -33,6 +33,7 @@ from hostkv_providers._checks import check_flag, check_progress, check_retain_sh
 from hostkv_providers._checksum import CHECKSUM_ALGORITHM, checksum_parts
 from hostkv_providers._errors import (
     CapacityError,
+    ClosedError,
     HostKVError,
     InFlightError,
     InvalidArgumentError,
@@ -379,6 +380,8 @@ class PinnedProvider(Provider):
                and not self._index.contains(k)):
             self._ready.wait(0.5)
             self._check_usable()
+            if self._closing:  # (close() waits for this call: do not wait for memory meanwhile)
+                raise ClosedError(f"{type(self).__name__} is closing")
         try:
             ok, evicted, _ = (self._index.begin_chained if chained else self._index.begin)(k, p, cost)
         except CapacityError as exc:
@@ -461,6 +464,8 @@ class PinnedProvider(Provider):
             while self._pending and idx.used_cost + cost * len(ks) > idx.budget:
                 self._ready.wait(0.5)  # prefer memory still being pinned over evicting hits
                 self._check_usable()
+                if self._closing:
+                    raise ClosedError(f"{type(self).__name__} is closing")
             begun = idx.begin_run(ks, parent, cost)
             if begun is None:
                 return None
@@ -1008,6 +1013,12 @@ class PinnedProvider(Provider):
 
     def close(self) -> None:
         self._check_not_forked()  # the child must not free the parent's arena
+        if not self._closed:
+            # Writes copy into the arena without the provider lock (a reservation's blocks are
+            # its writer's): wait for the write-path calls under way before the arena is freed,
+            # or a write racing close() indexes freed chunks (IndexError) or copies into memory
+            # that is gone (the hostile suite's close-while-writing race caught it).
+            self._quiesce()
         with self._lock:
             if self._closed:
                 return

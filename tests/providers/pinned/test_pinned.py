@@ -854,3 +854,46 @@ def test_view_pages_of_a_run_of_the_lease_keys(closing: list[Provider], n: int) 
         assert p.view_pages(lease, keys[3:7]) is None
         assert p.view_pages(lease, keys[3:6]) is not None
     assert not p._lease_arrays  # (released with the lease)
+
+
+def test_close_waits_for_a_write_copying_into_the_arena(closing: list[Provider],
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A write copies into the arena without the provider lock: close() must wait for it before
+    the arena is freed (it raced once: the write indexed freed chunks, or could copy into memory
+    that is gone)."""
+    import hostkv_providers.providers.pinned._provider as pinned_mod
+
+    p = _pinned(8)
+    key = key_of("pin-close-during-write")
+    res = p.reserve(key, None, PAGE)
+    assert res is not None
+    inside, go = threading.Event(), threading.Event()
+    real = pinned_mod._scatter
+
+    def slow_scatter(*args: Any) -> None:
+        inside.set()
+        assert go.wait(10)
+        real(*args)
+
+    monkeypatch.setattr(pinned_mod, "_scatter", slow_scatter)
+    errors: list[BaseException] = []
+
+    def write() -> None:
+        try:
+            res.write(0, page_bytes(key, PAGE))
+        except BaseException as exc:
+            errors.append(exc)
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    assert inside.wait(10)
+    closer = threading.Thread(target=p.close)
+    closer.start()
+    time.sleep(0.2)
+    assert closer.is_alive()  # close() waits for the write under way ...
+    go.set()
+    writer.join(10)
+    closer.join(10)
+    assert not closer.is_alive() and not errors  # ... which then completes into live memory
+    with pytest.raises(ClosedError):
+        p.reserve(key_of("pin-after-close"), None, PAGE)
