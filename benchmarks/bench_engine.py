@@ -31,16 +31,17 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.parse
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 from _files import data_files, read_prefix, store_files
+from bench_tiered_cliff import CASES as CLIFF_CASES
+from bench_tiered_cliff import one_save
 
 import hostkv_providers as hk
 from hostkv_providers.cache import HostKVCache, paged_planes
-from hostkv_providers.device import CpuCopyEngine, KVPlanes
+from hostkv_providers.device import KVPlanes
 
 T0 = time.perf_counter()
 LAYERS, HEADS, DIM, TOKENS = 32, 8, 128, 16
@@ -556,25 +557,10 @@ def tiered_cliff(where: str | None, n: int = 2000) -> dict[str, Any]:
     shape = (n, layout.page_tokens, layout.num_kv_heads, layout.head_dim)
     arrays = [np.random.default_rng(0).standard_normal(shape, dtype=np.float32) for _ in layout.planes]
     out: dict[str, Any] = {}
-    for label, fast_budget in (("fits_64MiB", "64MiB"), ("small_2MiB", "2MiB")):
-        root = tempfile.mkdtemp(prefix="bench-cliff-", dir=where)
-        fast = urllib.parse.quote(f"pinned://?budget={fast_budget}&block=4096&background=false&pin=no", safe="")
-        slow = urllib.parse.quote(f"mmap://{root}/s?budget=64MiB&slot=4KiB&durability=none", safe="")
-        p = hk.open(f"tiered://?fast={fast}&slow={slow}")
-        eng = CpuCopyEngine()
-        try:
-            with HostKVCache(p, hk.Salt("bench/cliff", layout), eng) as c:
-                keys = c.keys(list(range(n * layout.page_tokens)))
-                t = time.perf_counter()
-                r = c.save(keys, arrays, list(range(n))).wait()
-                save_s = time.perf_counter() - t
-                p.flush()  # type: ignore[attr-defined]
-                total_s = time.perf_counter() - t
-            out[label] = {"stored": r.stored, "save_s": round(save_s, 3), "with_write_back_s": round(total_s, 3)}
-        finally:
-            p.close()
-            eng.close()
-            shutil.rmtree(root, ignore_errors=True)
+    for label, fast_budget in CLIFF_CASES:  # (the save, its write-back and a read-back check)
+        r = one_save(where, fast_budget, arrays, layout, n)
+        out[label] = {"stored": r["stored"], "wrong": r["wrong"], "save_s": round(r["save_s"], 3),
+                      "with_write_back_s": round(r["with_write_back_s"], 3)}
     out["save_x"] = round(out["small_2MiB"]["save_s"] / out["fits_64MiB"]["save_s"], 3)
     out["with_write_back_x"] = round(out["small_2MiB"]["with_write_back_s"] / out["fits_64MiB"]["with_write_back_s"], 3)
     return out

@@ -934,7 +934,7 @@ class Provider(abc.ABC, metaclass=_ProviderMeta):
             hits = list(map(contains, keys))
         except TypeError:  # unhashable items (bytearray ...) or not iterable
             return list(map(contains, Provider._keys(keys)))
-        if not all(hits) and not (set(map(type, keys)) == {bytes} and set(map(len, keys)) == {KEY_NBYTES}):
+        if not all(hits) and not Provider._plain_keys(keys):
             # (all 32-byte bytes: valid keys, checked at C speed; a new chain misses every page,
             # and one as_key per page was 3-6 ms of GIL on a save's calling thread)
             for key, hit in zip(keys, hits, strict=True):
@@ -956,6 +956,11 @@ class Provider(abc.ABC, metaclass=_ProviderMeta):
         return keys
 
     @staticmethod
+    def _plain_keys(keys: Sequence[object]) -> bool:
+        """Whether every item is a 32-byte ``bytes`` (a valid key), checked at C speed."""
+        return set(map(type, keys)) == {bytes} and set(map(len, keys)) == {KEY_NBYTES}  # type: ignore[arg-type]
+
+    @staticmethod
     def _keys(values: Sequence[bytes]) -> list[Key]:
         """Validate a batch of keys; the common case (all 32-byte ``bytes``) runs at C speed."""
         if isinstance(values, (bytes, bytearray, memoryview, str)):
@@ -964,7 +969,7 @@ class Provider(abc.ABC, metaclass=_ProviderMeta):
             keys = list(values)
         except TypeError:
             raise InvalidArgumentError(f"keys must be a sequence, got {type(values).__name__}") from None
-        if keys and set(map(type, keys)) == {bytes} and set(map(len, keys)) == {KEY_NBYTES}:
+        if keys and Provider._plain_keys(keys):
             return keys  # type: ignore[return-value]  # validated above: every item is a Key
         return [as_key(v) for v in keys]
 

@@ -175,11 +175,10 @@ def _run_restore(self: HostKVCache, handle: CacheHandle, hit: CacheHit, keys: Se
 
 def _restore_pages(self: HostKVCache, handle: CacheHandle, result: RestoreResult, hit: CacheHit, keys: Sequence[Key],
                    planes: Any, bids: Sequence[int], layered: bool = False) -> None:
-    # ``layered``: a layer-wise restore from chunk-level views (one address array per chunk, no
-    # per-page objects; restore() decided it and holds the hit): layer 0 of each chunk goes to
-    # the engine as soon as the chunk's views are taken (the views overlap layer 0's copy), then
-    # layers 1.. of the whole range as one layer-major transfer.  Layer 0 of the last page so
-    # lands at about 1/num_layers of the restore, not behind every earlier chunk.  On every other
+    # ``layered``: a layer-wise restore from chunk-level views (restore() decided it and holds
+    # the hit): the whole hit's views, then one layer-major transfer with an event per layer
+    # (_restore_layer_major), so layer 0 of the last page lands at about 1/num_layers of the
+    # restore, not behind every earlier chunk.  On every other
     # path the pages go chunk by chunk, page-major (the fastest), and every layer completes with
     # the whole restore.  (The library's engines take ``layers=``; a CopyEngineLike may not.)
     chunk = self.chunk_pages

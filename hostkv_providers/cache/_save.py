@@ -449,7 +449,8 @@ def _direct_chunks(self: HostKVCache, job: _SaveJob, result: SaveResult, planes:
         rc.mark_written()
         failure: HostKVError | None = None
         dg = digests.pop(lo, None)
-        nres = len(rc.positions()) if rc.run is None else len(rc)
+        reserved = rc.positions()
+        nres = len(reserved)
         if nres:
             try:
                 if dg is not None:
@@ -469,11 +470,11 @@ def _direct_chunks(self: HostKVCache, job: _SaveJob, result: SaveResult, planes:
                     return why
             return None
         # a failure part-way: count up to the first page that was not sealed, as the pages go
+        new = set(reserved)
         done = 0
-        for m in (range(len(rc)) if rc.run is not None else range(len(rc.reservations))):
-            r = None if rc.run is not None else rc.reservations[m]
+        for m in range(len(rc)):
             i = lo + m
-            if rc.run is None and r is None:
+            if m not in new:
                 result.dedup += 1
             elif done < sealed:
                 done += 1

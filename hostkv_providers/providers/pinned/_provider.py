@@ -68,7 +68,6 @@ from hostkv_providers.providers.pinned._run import _PinnedReservation, _PinnedRu
 __all__ = ["PinnedProvider"]
 
 _DEFAULT_BLOCK = 64 * 1024
-_ARRAY_LEASE = 256  # leases of at least this many entries keep their rows as arrays (view_pages)
 _DEFAULT_CHUNK = 256 * 1024 * 1024
 _PREFAULT_PIECE = 8 << 20  # one madvise call: close() waits at most this long for the prefaulter
 
@@ -174,9 +173,6 @@ class PinnedProvider(Provider):
         self._arena = _Arena(block, chunk // block)
         self._index = _PinnedIndex(0)
         self._lease_tokens: dict[int, _Token] = {}  # live leases, by id of their token
-        # Long leases (a hit's whole chain), by id of their token: their rows and gens as arrays
-        # and their keys joined, so view_pages of a run of them is a memcmp and two slices.
-        self._lease_arrays: dict[int, tuple[npt.NDArray[np.int64], npt.NDArray[np.uint64], bytes]] = {}
         # dropped but still leased, by gen: (blocks, lease count)
         self._limbo: dict[int, tuple[list[tuple[int, int]], int]] = {}
         total_blocks = budget_bytes // block
@@ -367,6 +363,15 @@ class PinnedProvider(Provider):
         with self._usable():
             return self._reserve_locked(k, p, nbytes, salt_tag)
 
+    def _wait_for_memory(self, cost: int) -> None:
+        """(Lock held.)  Prefer memory still being pinned over evicting entries that could be
+        hits: wait while the arena is still filling and ``cost`` more does not fit."""
+        while self._pending and self._index.used_cost + cost > self._index.budget:
+            self._ready.wait(0.5)
+            self._check_usable()
+            if self._closing:  # (close() waits for this call: do not wait for memory meanwhile)
+                raise ClosedError(f"{type(self).__name__} is closing")
+
     def _reserve_locked(self, k: Key, p: Key | None, nbytes: int, salt_tag: str,
                         chained: bool = False) -> _PinnedReservation | None:
         """Reserve under the provider lock (``None``: already stored); ``chained``: the parent may
@@ -375,13 +380,8 @@ class PinnedProvider(Provider):
         cost = nblocks * self._block
         if cost > self._budget:
             raise CapacityError(f"{nbytes} bytes exceed the whole budget of {self._budget}")
-        # Prefer memory still being pinned over evicting entries that could be hits.
-        while (self._pending and self._index.used_cost + cost > self._index.budget
-               and not self._index.contains(k)):
-            self._ready.wait(0.5)
-            self._check_usable()
-            if self._closing:  # (close() waits for this call: do not wait for memory meanwhile)
-                raise ClosedError(f"{type(self).__name__} is closing")
+        if not self._index.contains(k):
+            self._wait_for_memory(cost)
         try:
             ok, evicted, _ = (self._index.begin_chained if chained else self._index.begin)(k, p, cost)
         except CapacityError as exc:
@@ -461,11 +461,7 @@ class PinnedProvider(Provider):
             return None
         with self._usable():
             idx = self._index
-            while self._pending and idx.used_cost + cost * len(ks) > idx.budget:
-                self._ready.wait(0.5)  # prefer memory still being pinned over evicting hits
-                self._check_usable()
-                if self._closing:
-                    raise ClosedError(f"{type(self).__name__} is closing")
+            self._wait_for_memory(cost * len(ks))
             begun = idx.begin_run(ks, parent, cost)
             if begun is None:
                 return None
@@ -769,7 +765,8 @@ class PinnedProvider(Provider):
         return HostPages(addrs, nbytes, pinned=self._allocator.pinned, readonly=True, keepalive=lease,
                          checksums=sums, algorithm=self.checksum_algorithm)
 
-    def _leased_rows(self, lease: Lease, ks: list[Key]) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.uint64]] | None:
+    @staticmethod
+    def _leased_rows(lease: Lease, ks: list[Key]) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.uint64]] | None:
         """The ``(rows, gens)`` of ``ks`` from ``lease``'s token when ``ks`` is a run of the
         lease's keys (``lease.keys[j]`` is ``token[0][j]``), else ``None``."""
         lk = lease.keys
@@ -782,12 +779,6 @@ class PinnedProvider(Provider):
                 j = lk.index(ks[0])
             except ValueError:
                 return None
-        arrays = self._lease_arrays.get(id(lease.token))
-        if arrays is not None:  # a long lease: one memcmp of the joined keys, slices of its arrays
-            rows_arr, gens_arr, joined = arrays
-            if joined[32 * j : 32 * (j + n)] != b"".join(ks):
-                return None
-            return rows_arr[j : j + n], gens_arr[j : j + n]
         if lk[j : j + n] != tuple(ks):
             return None
         token: _Token = lease.token  # type: ignore[assignment]
@@ -926,11 +917,7 @@ class PinnedProvider(Provider):
             rows = self._index.rows_of(ks)
             token = self._hold_rows(rows)
             self._lease_tokens[id(token)] = token
-            lease = Lease(self, ks, [r >= 0 for r in rows], token=token)
-            if len(token[0]) >= _ARRAY_LEASE:
-                self._lease_arrays[id(token)] = (np.asarray(token[0], dtype=np.int64),
-                                                 np.asarray(token[1], dtype=np.uint64), b"".join(lease.keys))
-            return lease
+            return Lease(self, ks, [r >= 0 for r in rows], token=token)
 
     def _release_lease(self, lease: Lease) -> None:
         with self._lock:
@@ -938,7 +925,6 @@ class PinnedProvider(Provider):
                 return
             token: _Token = lease.token  # type: ignore[assignment]
             self._lease_tokens.pop(id(token), None)
-            self._lease_arrays.pop(id(token), None)
             self._index.release_rows(*token)
             for g in token[1] if self._limbo else ():  # (limbo: dropped entries still leased; rare)
                 held = self._limbo.get(g)

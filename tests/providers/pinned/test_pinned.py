@@ -833,7 +833,7 @@ def test_sealing_a_run_after_close_is_a_closed_error(closing: list[Provider]) ->
     rc.abort()  # swallowed: the memory went with the provider
 
 
-@pytest.mark.parametrize("n", [10, 300])  # (300: a long lease, its rows kept as arrays)
+@pytest.mark.parametrize("n", [10, 300])
 def test_view_pages_of_a_run_of_the_lease_keys(closing: list[Provider], n: int) -> None:
     p = _pinned(n + 22, verify_reads=True)
     closing.append(p)
@@ -853,7 +853,6 @@ def test_view_pages_of_a_run_of_the_lease_keys(closing: list[Provider], n: int) 
         p._drop(p._index.row_of(keys[6]))  # corrupt meanwhile: its subtree goes
         assert p.view_pages(lease, keys[3:7]) is None
         assert p.view_pages(lease, keys[3:6]) is not None
-    assert not p._lease_arrays  # (released with the lease)
 
 
 def test_close_waits_for_a_write_copying_into_the_arena(closing: list[Provider],
