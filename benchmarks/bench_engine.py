@@ -141,10 +141,17 @@ def gpu_phases(torch: Any, args: Any, phases: set[str], results: dict[str, Any],
         results["pinned_open_s"] = round(time.perf_counter() - t, 2)
         cache = HostKVCache(provider, hk.Salt("bench/engine", layout), engine)
         keys = cache.keys(np.arange(n * TOKENS) % 50_000 + 7)
-    if "pinned" in phases and cache is not None:
+    # The same cache on an engine with direct DMA for runs of consecutive blocks (direct="auto";
+    # the default engine stages every page): measured side by side, a trade (see CudaCopyEngine).
+    engine_d = CudaCopyEngine(0, direct="auto")
+    cache_d = HostKVCache(provider, hk.Salt("bench/engine", layout), engine_d) if provider is not None else None
+    if "pinned" in phases and cache is not None and cache_d is not None:
         results["pinned"] = pinned_phase(torch, cache, provider, keys, caches, planes, src, dst, nbytes,
                                          results["bulk"])
         log("pinned", results["pinned"])
+        results["pinned_direct"] = direct_phase(torch, cache_d, provider, keys, caches, planes, src, dst, nbytes,
+                                                results["bulk"])
+        log("pinned, direct", results["pinned_direct"])
         dump()
     if "verified" in phases and cache is not None:
         results["verified"] = verified_phase(torch, engine, layout, planes, keys, src, dst, nbytes,
@@ -154,8 +161,11 @@ def gpu_phases(torch: Any, args: Any, phases: set[str], results: dict[str, Any],
     if "decode" in phases and cache is not None:
         if "pinned" not in phases:
             cache.save(keys, planes, src).wait()
-        results["decode"] = decode_phase(torch, cache, keys, caches, planes, src, dst, args.steps, n)
+        results["decode"] = decode_phase(torch, cache, keys, caches, planes, src, dst, args.steps, n, cache_d)
         dump()
+    if cache_d is not None:
+        cache_d.close()
+    engine_d.close()
     if cache is not None:
         cache.close()
     if provider is not None:
@@ -234,6 +244,19 @@ def pinned_phase(torch: Any, cache: HostKVCache, provider: Any, keys: list[hk.Ke
     ranged_ms = (time.perf_counter() - t) * 1e3
     hit.release()
     layered = layerwise_restores(torch, cache, keys, caches, planes, src, dst)
+    # The same into scattered blocks (a shuffled block table: no run of consecutive blocks, so no
+    # direct DMA: every page goes through the engine's staging and scatter kernel).
+    dst_s = scattered(dst)
+    scat = []
+    for _ in range(3):
+        hit = cache.lookup(keys)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        cache.restore(hit, planes, dst_s).wait()
+        scat.append(round((time.perf_counter() - t) * 1e3, 1))
+    torch.cuda.synchronize()
+    ok_s = all(same(torch, c, src[:64], dst_s[:64]) and same(torch, c, src[-64:], dst_s[-64:]) for c in caches)
+    layered_s = layerwise_restores(torch, cache, keys, caches, planes, src, dst_s, reps=3, alone=False)
     return {"bulk_d2h_ms": round(d2h_ms, 1), "bulk_h2d_ms": round(h2d_ms, 1), "saves": saves,
             "seal_hash_gbps": hash_gbps, "hash_threads": seal_threads,
             "save_sealed_x_bulk": round(d2h_ms / best["sealed_ms"], 3),
@@ -241,11 +264,48 @@ def pinned_phase(torch: Any, cache: HostKVCache, provider: Any, keys: list[hk.Ke
             "restores": restores, "restore_best_x_bulk": round(h2d_ms / rbest, 3),
             "restore_median_x_bulk": round(h2d_ms / rmed, 3), "bytes_ok": ok,
             "ranged_first_1_32_ms": round(ranged_ms, 1), "ranged_goal_ms": round(rbest / LAYERS + 1, 1),
-            "layerwise": layered}
+            "layerwise": layered,
+            "scattered": {"restores_ms": scat, "restore_best_x_bulk": round(h2d_ms / min(scat), 3),
+                          "restore_median_x_bulk": round(h2d_ms / statistics.median(scat), 3), "bytes_ok": ok_s,
+                          "layerwise": layered_s}}
+
+
+def direct_phase(torch: Any, cache: HostKVCache, provider: Any, keys: list[hk.Key], caches: list[Any], planes: Any,
+                 src: list[int], dst: list[int], nbytes: int, bulk_r: dict[str, float]) -> dict[str, Any]:
+    """Save, restore and layer-wise restore through an engine with ``direct="auto"``: the chain's
+    pages go by 2D DMA straight between the arena and the (consecutive) blocks."""
+    d2h_ms = nbytes / (bulk_r["d2h_gbps"] * 1e9) * 1e3
+    h2d_ms = nbytes / (bulk_r["h2d_gbps"] * 1e9) * 1e3
+    saves = []
+    for _ in range(2):
+        provider.evict(keys[:1])
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        res = cache.save(keys, planes, src).wait()
+        saves.append(round((time.perf_counter() - t) * 1e3, 1))
+        assert res.stored == len(keys), res
+    restores = []
+    for _ in range(3):
+        hit = cache.lookup(keys)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        cache.restore(hit, planes, dst).wait()
+        restores.append(round((time.perf_counter() - t) * 1e3, 1))
+    torch.cuda.synchronize()
+    ok = all(same(torch, c, src[:64], dst[:64]) and same(torch, c, src[-64:], dst[-64:]) for c in caches)
+    layered = layerwise_restores(torch, cache, keys, caches, planes, src, dst, reps=3)
+    return {"saves_ms": saves, "save_x_bulk": round(d2h_ms / min(saves), 3), "restores_ms": restores,
+            "restore_best_x_bulk": round(h2d_ms / min(restores), 3), "bytes_ok": ok, "layerwise": layered}
+
+
+def scattered(blocks: list[int]) -> list[int]:
+    """``blocks`` in a fixed shuffled order: an engine's block table after churn."""
+    perm = np.random.default_rng(7).permutation(len(blocks))
+    return [blocks[int(i)] for i in perm]
 
 
 def layerwise_restores(torch: Any, cache: HostKVCache, keys: list[hk.Key], caches: list[Any], planes: Any,
-                       src: list[int], dst: list[int], reps: int = 4) -> dict[str, Any]:
+                       src: list[int], dst: list[int], reps: int = 4, alone: bool = True) -> dict[str, Any]:
     """restore(layerwise=True): time from the call to layer 0 usable on an engine stream
     (``wait_layer_on(0, stream)``, then an event recorded on the stream is done), and to the
     whole restore; a page-major restore alternates with it in the same run (lookups untimed)."""
@@ -271,10 +331,10 @@ def layerwise_restores(torch: Any, cache: HostKVCache, keys: list[hk.Key], cache
     # is the cache's (leases and views of the hit's pages) and how much the copy's.
     prov: Any = cache.provider
     engine: Any = cache.engine
-    alone = []
+    alone_runs = []
     with prov.lease(keys) as lease:
         pages = prov.view_pages(lease, keys)
-        for _ in range(reps):
+        for _ in range(reps if alone else 0):
             torch.cuda.synchronize()
             t = time.perf_counter()
             h = engine.restore(pages, planes, dst, layerwise=True)
@@ -284,7 +344,7 @@ def layerwise_restores(torch: Any, cache: HostKVCache, keys: list[hk.Key], cache
             ev.synchronize()
             first = time.perf_counter() - t
             h.wait()
-            alone.append({"layer0_ms": round(first * 1e3, 2), "ms": round((time.perf_counter() - t) * 1e3, 1),
+            alone_runs.append({"layer0_ms": round(first * 1e3, 2), "ms": round((time.perf_counter() - t) * 1e3, 1),
                           "device_layer0_ms": round((h.layer_seconds(0) or 0) * 1e3, 2),
                           "device_ms": round((h.seconds or 0) * 1e3, 1)})
     lw = [x for x in runs if x["mode"] == "layerwise"]
@@ -293,7 +353,7 @@ def layerwise_restores(torch: Any, cache: HostKVCache, keys: list[hk.Key], cache
     return {"runs": runs, "layer0_best_ms": min(x["layer0_ms"] for x in lw),
             "layer0_median_ms": round(statistics.median(x["layer0_ms"] for x in lw), 2),
             "full_best_ms": full, "page_major_best_ms": min(x["ms"] for x in pm),
-            "goal_ms": round(full / LAYERS + 1, 2), "bytes_ok": ok, "engine_alone": alone}
+            "goal_ms": round(full / LAYERS + 1, 2), "bytes_ok": ok, "engine_alone": alone_runs}
 
 
 def verified_phase(torch: Any, engine: Any, layout: hk.KVLayout, planes: Any, keys: list[hk.Key], src: list[int],
@@ -376,7 +436,8 @@ def decode_step(torch: Any, caches: list[Any], table: Any) -> tuple[Callable[[],
 
 
 def decode_phase(torch: Any, cache: HostKVCache, keys: list[hk.Key], caches: list[Any], planes: Any,
-                 src: list[int], dst: list[int], steps: int, n: int) -> dict[str, Any]:
+                 src: list[int], dst: list[int], steps: int, n: int,
+                 cache_d: HostKVCache | None = None) -> dict[str, Any]:
     cs = torch.cuda.Stream()
     table = torch.arange(0, min(400, n), device="cuda")  # the decoding sequence's blocks (not restored into)
     body, _out = decode_step(torch, caches, table)
@@ -422,12 +483,50 @@ def decode_phase(torch: Any, cache: HostKVCache, keys: list[hk.Key], caches: lis
             counts["saves"] += 1
             i += 1
 
+    # the same loads on a shuffled block table (no run of consecutive blocks: no direct DMA)
+    dst_s, src_s = scattered(dst), scattered(src)
+
+    def restores_scattered() -> None:
+        hit = cache.lookup(keys)
+        try:
+            while not stop.is_set():
+                cache.restore(hit, planes, dst_s, release=False).wait()
+                counts["restores"] += 1
+        finally:
+            hit.release()
+
+    def saves_scattered() -> None:
+        i = 0
+        while not stop.is_set():
+            cache.save(save_keys[i % 2], planes, src_s).wait()
+            counts["saves"] += 1
+            i += 1
+
+    # the same loads through the engine with direct DMA (consecutive blocks: every page direct)
+    def restores_direct() -> None:
+        assert cache_d is not None
+        hit = cache_d.lookup(keys)
+        try:
+            while not stop.is_set():
+                cache_d.restore(hit, planes, dst, release=False).wait()
+                counts["restores"] += 1
+        finally:
+            hit.release()
+
+    def saves_direct() -> None:
+        assert cache_d is not None
+        i = 0
+        while not stop.is_set():
+            cache_d.save(save_keys[i % 2], planes, src).wait()
+            counts["saves"] += 1
+            i += 1
+
     def measure(step: Callable[[], None], load: Callable[[], None] | None, nsteps: int) -> dict[str, Any]:
         watch = GcWatch()
         gc.callbacks.append(watch)
         th = None
         counts.update(restores=0, saves=0)
-        if load is restores and cache.provider.longest_prefix(keys) < n:  # evicted by the saves
+        if load in (restores, restores_scattered, restores_direct) and cache.provider.longest_prefix(keys) < n:
             cache.save(keys, planes, src).wait()
         if load is not None:
             stop.clear()
@@ -455,7 +554,12 @@ def decode_phase(torch: Any, cache: HostKVCache, keys: list[hk.Key], caches: lis
     for mode, step in (("graph", replay), ("eager", eager)):
         base = measure(step, None, steps)
         out[f"{mode}_alone"] = base
-        for name, load in (("restores", restores), ("saves", saves)):
+        loads = [("restores", restores), ("saves", saves)]
+        if mode == "graph":
+            loads += [("restores_scattered", restores_scattered), ("saves_scattered", saves_scattered)]
+            if cache_d is not None:
+                loads += [("restores_direct", restores_direct), ("saves_direct", saves_direct)]
+        for name, load in loads:
             r = measure(step, load, steps)
             r["p50_x"] = round(r["p50_ms"] / base["p50_ms"], 3)
             r["p99_x"] = round(r["p99_ms"] / base["p99_ms"], 3)
@@ -593,6 +697,25 @@ def render(r: dict[str, Any]) -> str:
             lines.append(f"| the copy engine alone, views taken beforehand: layer 0 usable (device: layer 0 "
                          f"{al['device_layer0_ms']} ms of {al['device_ms']} ms) | {al['layer0_ms']} ms | "
                          f"full {al['ms']} ms | |")
+        dr = r.get("pinned_direct")
+        if dr:
+            lines.append(f"| with direct DMA (direct=\"auto\"): save until sealed / lookup + restore (best) | "
+                         f"{min(dr['saves_ms'])} / {min(dr['restores_ms'])} ms | bulk {pin['bulk_d2h_ms']} / "
+                         f"{pin['bulk_h2d_ms']} ms | {dr['save_x_bulk']}x / {dr['restore_best_x_bulk']}x |")
+            dl = dr["layerwise"]
+            da = min(dl["engine_alone"], key=lambda x: x["layer0_ms"])
+            lines.append(f"| with direct DMA: layer 0 usable (best / median; full {dl['full_best_ms']} ms; the "
+                         f"engine alone {da['layer0_ms']} ms, device {da['device_layer0_ms']} ms) | "
+                         f"{dl['layer0_best_ms']} / {dl['layer0_median_ms']} ms | goal {dl['goal_ms']} ms | |")
+        sc = pin.get("scattered")
+        if sc:
+            lines.append(f"| restore into scattered blocks (shuffled block table: staging + scatter kernel; best / "
+                         f"median) | {min(sc['restores_ms'])} ms | bulk H2D {pin['bulk_h2d_ms']} ms | "
+                         f"{sc['restore_best_x_bulk']}x / {sc['restore_median_x_bulk']}x |")
+            ls = sc["layerwise"]
+            lines.append(f"| layer-wise restore into scattered blocks: layer 0 usable (best / median; full "
+                         f"{ls['full_best_ms']} ms) | {ls['layer0_best_ms']} / {ls['layer0_median_ms']} ms | goal "
+                         f"{ls['goal_ms']} ms | |")
     ver = r.get("verified")
     if ver:
         cost = ver.get("verification_cost")
@@ -607,9 +730,15 @@ def render(r: dict[str, Any]) -> str:
     if dec:
         for mode in ("graph", "eager"):
             base = dec[f"{mode}_alone"]
-            for load in ("restores", "saves"):
-                x = dec[f"{mode}_{load}"]
-                lines.append(f"| {mode} decode step during back-to-back {load} (p50 / p99; {x[load]} done; "
+            for load in ("restores", "saves", "restores_scattered", "saves_scattered", "restores_direct",
+                         "saves_direct"):
+                x = dec.get(f"{mode}_{load}")
+                if x is None:
+                    continue
+                what = load.replace("_scattered", " into/from scattered blocks").replace(
+                    "_direct", " with direct DMA (direct=\"auto\")")
+                done = x[load.split("_")[0]]
+                lines.append(f"| {mode} decode step during back-to-back {what} (p50 / p99; {done} done; "
                              f"GC passes {x['gc_passes']}, full {x['gc_full']}, max {x['gc_max_ms']} ms) | "
                              f"{x['p50_ms']} / {x['p99_ms']} ms | alone {base['p50_ms']} / {base['p99_ms']} ms | "
                              f"{x['p50_x']}x / {x['p99_x']}x |")

@@ -86,6 +86,7 @@ from hostkv_providers.cache._handles import (
     _SaveJob,
 )
 from hostkv_providers.cache._hybrid import HybridState, make_hybrid
+from hostkv_providers.device._engine import BlockIds
 from hostkv_providers.device._hostmem import HostAllocator
 from hostkv_providers.metrics import ProviderCollector
 
@@ -548,11 +549,14 @@ class HostKVCache:
         return out
 
     @staticmethod
-    def _check_blocks(planes: Any, bids: Sequence[int]) -> None:
+    def _check_blocks(planes: Any, bids: list[int]) -> BlockIds:
+        """``bids`` (from :meth:`_block_ids`) within the planes' blocks: as :class:`BlockIds`, which
+        the package's engines take without checking them again."""
         nb = int(getattr(planes, "num_blocks", 0))
         if bids and max(bids) >= nb:
             bad = next(b for b in bids if b >= nb)
             raise InvalidArgumentError(f"block id {bad} outside the planes' {nb} blocks")
+        return BlockIds(bids, nb)
 
     def _check_open(self) -> None:
         if self._closed:

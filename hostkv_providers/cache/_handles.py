@@ -55,6 +55,10 @@ class RestoreResult:
     invalidated: tuple[str, ...] = ()
 
 
+def _no_wait(_stream: Any) -> bool:
+    return False  # a CopyEngineLike's transfer without _try_wait_on: gate it
+
+
 class CacheHandle:
     """An asynchronous save or restore.  ``done()`` polls, ``wait()`` blocks and returns the
     :class:`SaveResult` / :class:`RestoreResult` (or raises the error the transfer hit).
@@ -147,6 +151,10 @@ class CacheHandle:
         flag.wait()
         transfers = self._layer_transfers(layer)
         if gate_fn is not None:
+            # Copies whose events are recorded already need no gate: the stream waits on them
+            # (one cuStreamWaitEvent each; a layer-wise restore's layer 0 is recorded at the call).
+            if transfers and all(getattr(t, "_try_wait_on", _no_wait)(stream) for t in transfers):
+                return
             gate_fn(stream).open_after(transfers)
         else:
             for t in transfers:

@@ -102,7 +102,7 @@ def restore(self: HostKVCache, hit: CacheHit, into: Any, block_ids: Sequence[int
         raise InvalidArgumentError(f"layerwise must be a bool, got {layerwise!r}")
     bids = self._block_ids(block_ids, hit.num_pages - first_page, "hit pages")
     planes = _as_planes(self.layout, into)
-    self._check_blocks(planes, bids)
+    bids = self._check_blocks(planes, bids)
     keys = hit.keys[first_page : first_page + len(bids)]
     ident = (keys, planes.ptrs, planes.block_strides, tuple(bids))
     with self._lock:
@@ -150,8 +150,14 @@ def restore(self: HostKVCache, hit: CacheHit, into: Any, block_ids: Sequence[int
             hit._unhold()
 
     handle._on_finish(finish)
+    pre: tuple[Any, HostPages] | BaseException | None = None
+    if layered:
+        try:
+            pre = _start_layer_major(self, handle, hit, keys, planes, bids)
+        except BaseException as exc:  # reported through the handle, as on the restore thread
+            pre = exc
     try:
-        self._restore_pool.submit(self._run_restore, handle, hit, keys, planes, bids, layered)
+        self._restore_pool.submit(self._run_restore, handle, hit, keys, planes, bids, layered, pre)
     except BaseException:
         if layered:
             hit._unhold()
@@ -160,11 +166,12 @@ def restore(self: HostKVCache, hit: CacheHit, into: Any, block_ids: Sequence[int
 
 
 def _run_restore(self: HostKVCache, handle: CacheHandle, hit: CacheHit, keys: Sequence[Key], planes: Any,
-                 bids: Sequence[int], layered: bool = False) -> None:
+                 bids: Sequence[int], layered: bool = False,
+                 pre: tuple[Any, HostPages] | BaseException | None = None) -> None:
     result = RestoreResult()
     handle._result = result
     try:
-        self._restore_pages(handle, result, hit, keys, planes, bids, layered)
+        self._restore_pages(handle, result, hit, keys, planes, bids, layered, pre)
         if self._hybrid is not None:  # hybrid hook: anchors read with the restore, cut back
             self._hybrid.finish_restore(handle, result, keys, hit.keys)
     except BaseException as exc:
@@ -174,11 +181,13 @@ def _run_restore(self: HostKVCache, handle: CacheHandle, hit: CacheHit, keys: Se
 
 
 def _restore_pages(self: HostKVCache, handle: CacheHandle, result: RestoreResult, hit: CacheHit, keys: Sequence[Key],
-                   planes: Any, bids: Sequence[int], layered: bool = False) -> None:
+                   planes: Any, bids: Sequence[int], layered: bool = False,
+                   pre: tuple[Any, HostPages] | BaseException | None = None) -> None:
     # ``layered``: a layer-wise restore from chunk-level views (restore() decided it and holds
-    # the hit): the whole hit's views, then one layer-major transfer with an event per layer
-    # (_restore_layer_major), so layer 0 of the last page lands at about 1/num_layers of the
-    # restore, not behind every earlier chunk.  On every other
+    # the hit): the whole hit's views, then one layer-major transfer with an event per layer,
+    # both started on the caller's thread (_start_layer_major: ``pre``), so layer 0 of the last
+    # page lands at about 1/num_layers of the restore, not behind every earlier chunk and the
+    # hand-off to this thread; here it is verified and waited for.  On every other
     # path the pages go chunk by chunk, page-major (the fastest), and every layer completes with
     # the whole restore.  (The library's engines take ``layers=``; a CopyEngineLike may not.)
     chunk = self.chunk_pages
@@ -220,8 +229,10 @@ def _restore_pages(self: HostKVCache, handle: CacheHandle, result: RestoreResult
             # pins them: ~0.1 s per 512 MiB with the disk idle otherwise).
             self.provider.prefetch(keys[:chunk])
         i = 0
-        if layered:
-            i, check = _restore_layer_major(self, handle, result, hit, keys, planes, bids, pending)
+        if isinstance(pre, BaseException):
+            raise pre
+        if pre is not None:
+            i, check = _finish_layer_major(self, result, pre, planes, bids, pending)
         while i < len(keys) and not bad:
             part = keys[i : i + chunk]
             srcs: list[Sequence[HostRegion]] | HostPages | None = None
@@ -327,28 +338,37 @@ def _restore_pages(self: HostKVCache, handle: CacheHandle, result: RestoreResult
             check.close()
 
 
-def _restore_layer_major(self: HostKVCache, handle: CacheHandle, result: RestoreResult, hit: CacheHit,
-                         keys: Sequence[Key], planes: Any, bids: Sequence[int],
-                         pending: list[Any]) -> tuple[int, RestoreCheck | None]:
-    """The layer-wise path of :func:`_restore_pages` (see there): the whole hit's views, then one
-    layer-major transfer with an event per layer.  Returns how many leading pages it took (0:
-    no chunk-level views, the caller restores page-major) and the GPU verification it set up."""
+def _start_layer_major(self: HostKVCache, handle: CacheHandle, hit: CacheHit, keys: Sequence[Key], planes: Any,
+                       bids: Sequence[int]) -> tuple[Any, HostPages] | None:
+    """The layer-wise path of :func:`_restore_pages`, started on the caller's thread: the whole
+    hit's views, then ONE layer-major transfer with an event per layer.  ``None``: the hit's pages
+    have no chunk-level views (the restore thread restores them page-major)."""
     engine: Any = self.engine  # a CopyEngine (restore() checked): it takes layerwise=
-    num_layers = self.layout.num_layers
     # The views of the whole hit in one call, through the hit's own lease (which restore() holds
-    # until the restore is done; pinned finds them through the lease's rows, ~0.1 us a page),
-    # then ONE layer-major transfer of every layer with an event per layer: the engine's worker
-    # issues all of it at once, long before layer 0's copies are done.  (Issuing layers 1.. as a
-    # second transfer once layer 0 was recorded put ~200 copies' worth of Python on the worker
-    # right when layer 0 completed, and the engine's thread then waited for the GIL: layer 0
-    # usable at 11.8 ms against 9.4 ms for the engine alone, H200.)  A hit whose pages have no
-    # chunk-level views returns 0: the caller restores it page-major.
+    # until the restore is done; pinned finds them through the lease's rows, ~0.1 us a page).
+    # All of it goes to the engine at once: where every page goes by direct DMA the engine
+    # enqueues layer 0's copies right here, before this call returns; otherwise its worker
+    # issues every layer long before layer 0's copies are done.  (Issuing layers 1.. as a second
+    # transfer once layer 0 was recorded put ~200 copies' worth of Python on the worker right when
+    # layer 0 completed, and the engine's thread then waited for the GIL: layer 0 usable at
+    # 11.8 ms against 9.4 ms for the engine alone, H200.)
     every = self.provider.view_pages(hit.lease, keys)  # type: ignore[attr-defined]
     if every is None:
-        return 0, None
-    i = len(keys)
+        return None
+    h = engine.restore(every, planes, bids, layerwise=True)
+    handle._add_transfer(h)
+    handle._layers_issued(range(self.layout.num_layers))  # nothing else writes these blocks: waiters may go
+    return h, every
+
+
+def _finish_layer_major(self: HostKVCache, result: RestoreResult, pre: tuple[Any, HostPages], planes: Any,
+                        bids: Sequence[int], pending: list[Any]) -> tuple[int, RestoreCheck | None]:
+    """The restore thread's part of a layer-wise restore begun by :func:`_start_layer_major`: the
+    GPU verification behind it, and its place among the transfers waited for.  Returns how many
+    leading pages it took and the verification it set up."""
+    h, every = pre
+    i = len(every)
     sums = every.checksums
-    h = engine.restore(every, planes, bids[:i], layerwise=True)
     verify = None
     check: RestoreCheck | None = None
     if sums is not None and every.algorithm == TREE_ALGORITHM:
@@ -357,8 +377,6 @@ def _restore_layer_major(self: HostKVCache, handle: CacheHandle, result: Restore
         check = restore_check(planes)
         if check is not None:
             verify = (0, check.enqueue(h, bids[:i]), sums)
-    handle._add_transfer(h)
-    handle._layers_issued(range(num_layers))  # nothing else writes these blocks: waiters may go
     pending.append((h, None, [], verify))
     result.viewed += i
     result.pages += i

@@ -18,7 +18,7 @@ from hostkv_providers._errors import (
     CopyEngineError,
 )
 from hostkv_providers._region import HostPages
-from hostkv_providers.device import _cuda
+from hostkv_providers.device import _cuda, _direct
 from hostkv_providers.device._cpu_engine import _segments
 from hostkv_providers.device._engine import (
     CopyEngine,
@@ -125,7 +125,7 @@ class _CudaHandle(_JobHandle):
     def _set_events(self, start: Any, done: Any, layers: list[Any] | None = None) -> None:
         self.start_event, self.done_event, self.layer_events = start, done, layers
         if self._finalizer is not None:
-            self._finalizer.detach()
+            self._finalizer()  # events of an issue begun before and given up (destroyed on a worker)
         owned = [start, done, *(ev for ev in layers or () if ev is not None)]
         self._finalizer = weakref.finalize(self, self._reaper.bury, owned)
         self._finalizer.atexit = False
@@ -215,6 +215,29 @@ class _CudaHandle(_JobHandle):
         ev = self.layer_event(layer)
         with self._dev.scope():
             _cuda.check(_cuda.driver().cuStreamWaitEvent(s, ev, 0), "cuStreamWaitEvent")
+
+    def _try_wait_layer_on(self, layer: int, stream: Any) -> bool:
+        """:meth:`wait_layer_on` when layer ``layer`` is recorded already: one ``cuStreamWaitEvent``
+        (``False`` and nothing done otherwise, or for a failed transfer)."""
+        flag = self._recorded_flag(layer)
+        if not flag.is_set() or self._error is not None:
+            return False
+        s = _stream_handle(stream, "stream")
+        if s is None:
+            return False
+        with self._dev.scope():
+            _cuda.check(_cuda.driver().cuStreamWaitEvent(s, self._layer_ev(layer), 0), "cuStreamWaitEvent")
+        return True
+
+    def _try_wait_on(self, stream: Any) -> bool:
+        if not self._issued.is_set() or self._error is not None:
+            return False
+        s = _stream_handle(stream, "stream")
+        if s is None:
+            return False
+        with self._dev.scope():
+            _cuda.check(_cuda.driver().cuStreamWaitEvent(s, self.done_event, 0), "cuStreamWaitEvent")
+        return True
 
     def layer_seconds(self, layer: int) -> float | None:
         self._check_layer(layer)
@@ -358,6 +381,21 @@ def _page_addresses(pages: _Pages) -> Any:
     if all(len(page[1]) == 1 for page in pages):
         return np.fromiter((page[1][0] for page in pages), dtype=np.uint64, count=len(pages))
     return None
+
+
+def _subset(ids: list[int], pages: _Pages, rest: Any) -> tuple[list[int], _Pages]:
+    """The pages left to the staging path by a :class:`~._direct.DirectPlan` (``rest``: their
+    indices; ``None``: all of them)."""
+    if rest is None:
+        return ids, pages
+    idx = rest.tolist()
+    sub_ids = [ids[i] for i in idx]
+    if isinstance(pages, HostPages):
+        if not idx:
+            return sub_ids, []
+        return sub_ids, HostPages(pages.addresses[rest], pages.page_nbytes, pinned=pages.pinned,
+                                  readonly=pages.readonly)
+    return sub_ids, [pages[i] for i in idx]
 
 
 def _destroy_events(dev: _cuda.Device, events: list[Any]) -> None:
@@ -562,6 +600,22 @@ class _CudaGate(Gate):
             self._arr[self._slot] = 1
 
 
+@dataclass
+class _LayerJob:
+    """A layer-major restore in the making (:meth:`CudaCopyEngine._layers_begin`): its events, the
+    pages left to the staging path, and ``last``, the stream every layer's event is recorded on."""
+
+    handle: _CudaHandle
+    spans: list[tuple[int, int, int, int]]
+    layer_evs: list[Any]
+    done: Any
+    ids_s: list[int]
+    pages_s: _Pages
+    addresses: Any
+    table: _Table | None
+    last: Any
+
+
 class CudaCopyEngine(CopyEngine):
     """The CUDA copy engine for planes in device memory.
 
@@ -584,6 +638,16 @@ class CudaCopyEngine(CopyEngine):
     cache_hints:
         Use evict-first (streaming) loads and stores in the pack kernel, so the copy does not push
         the engine's data out of L2.
+    direct:
+        Runs of pages whose block ids are consecutive and whose host pages are adjacent go by DMA
+        straight between host memory and the blocks (one 2D copy per plane and run: no staging, no
+        kernel, no SM of the engine's taken): ``"auto"`` for runs of at least 16 MiB of planes whose
+        slices are at least 8 KiB, ``"always"`` for every run, ``"never"`` (the default) for none;
+        other pages take the staging path.  A trade, measured on the H200 (docs/benchmarks.md): a
+        graph-captured decode step beside back-to-back restores runs at 1.02x of its time alone
+        with direct runs against 1.05-1.08x beside the staging path's scatter kernel, but the
+        restores themselves are slower (2D rows of one plane slice, 32 KiB, from host memory:
+        0.89-0.94x of a bulk copy against 0.94-0.98x staged, and much slower beside the decode).
 
     Streams: two non-blocking, lowest-priority streams per direction (pack and DMA), so the pack
     of chunk ``k+1`` overlaps the DMA of chunk ``k``; staging reuse is ordered by events.
@@ -591,7 +655,7 @@ class CudaCopyEngine(CopyEngine):
 
     def __init__(self, device: int = 0, *, staging_bytes: int = 64 * _MiB, mode: str = "auto",
                  ctas: int | None = None, threads: int = 256, tile_bytes: int = 16384,
-                 cache_hints: bool = True) -> None:
+                 cache_hints: bool = True, direct: str = "never") -> None:
         super().__init__()
         if not _cuda.available():
             raise CopyEngineError(f"CUDA is not usable: {_cuda.unavailable_reason()}", hint="use CpuCopyEngine")
@@ -603,6 +667,7 @@ class CudaCopyEngine(CopyEngine):
             raise CopyArgumentError(f"tile_bytes must be a positive multiple of 16, got {tile_bytes!r}")
         if type(threads) is not int or not 32 <= threads <= 1024:
             raise CopyArgumentError(f"threads must be an int in [32, 1024], got {threads!r}")
+        self.direct = _direct.check_direct(direct)
         self._dev = _cuda.device(device)
         self.device = device
         self._gather_fn: Any = None
@@ -642,6 +707,9 @@ class CudaCopyEngine(CopyEngine):
         self._table_lock = threading.Lock()
         self._checked: set[tuple[Any, ...]] = set()
         self._workers = {"save": _Worker("hostkv-cuda-save"), "restore": _Worker("hostkv-cuda-restore")}
+        # One issuer at a time per direction (staging slots and their events): the worker, or the
+        # caller's thread for a layer-wise restore's first layer (_inline_first_layer).
+        self._issue_locks = {"save": threading.Lock(), "restore": threading.Lock()}
         self._flags = _FlagPool(dev)
         self._reaper = _Reaper(dev)
 
@@ -730,7 +798,8 @@ class CudaCopyEngine(CopyEngine):
         handle = _CudaHandle(len(ids) * planes.layout.page_nbytes, self)
         handle.keep = (planes, dst, mark)
         after_ev = mark.event if isinstance(mark, _CudaMark) else None
-        self._submit("save", handle, lambda: self._issue_save(handle, planes, ids, pages, after_ev))
+        dplan = self._plan(planes, ids, pages)
+        self._submit("save", handle, lambda: self._issue_save(handle, planes, ids, pages, after_ev, dplan))
         return handle
 
     def restore(self, src: Sequence[Any] | HostPages, planes: KVPlanes, block_ids: Sequence[int], *,
@@ -741,19 +810,50 @@ class CudaCopyEngine(CopyEngine):
         _check_distinct(ids)
         pages = _check_pages(planes.layout, src, len(ids), writable=False)
         moved = _check_layers(planes.layout, layerwise, layers)
+        dplan = self._plan(planes, ids, pages)
         # The stream is held back from now on (a wait on a device-visible flag); the worker opens
         # it behind the copies.  The caller's thread does not wait for the worker.
         gate = self.gate(before)
         handle = _CudaHandle(len(ids) * planes.layout.page_nbytes, self, planes.layout.num_layers)
         handle.keep = (planes, src)
         if moved is None:
-            self._submit("restore", handle, lambda: self._issue_restore(handle, planes, ids, pages), gate)
+            self._submit("restore", handle, lambda: self._issue_restore(handle, planes, ids, pages, dplan), gate)
             return handle
         handle.layers = moved if layers is not None else None
         handle.nbytes = len(ids) * sum(span[3] for span in _layer_spans(planes.layout)[moved.start: moved.stop])
         handle._recorded = [threading.Event() for _ in range(planes.layout.num_layers)]
-        self._submit("restore", handle, lambda: self._issue_restore_layers(handle, planes, ids, pages, moved), gate)
+        pre = self._inline_first_layer(handle, planes, ids, pages, moved, dplan)
+        self._submit("restore", handle,
+                     lambda: self._issue_restore_layers(handle, planes, ids, pages, moved, dplan, pre), gate)
         return handle
+
+    def _plan(self, planes: KVPlanes, ids: list[int], pages: _Pages) -> _direct.DirectPlan:
+        if self.direct == "never":
+            return _direct.NO_PLAN
+        return _direct.plan(self.direct, planes.layout, ids, _page_addresses(pages))
+
+    def _inline_first_layer(self, handle: _CudaHandle, planes: KVPlanes, ids: list[int], pages: _Pages,
+                            moved: range, dplan: _direct.DirectPlan) -> _LayerJob | None:
+        """Enqueue the first layer of a layer-wise restore on the caller's thread, when no restore
+        is being issued by the worker: its copies then start at the call, not after the hand-off
+        to the worker (~0.4 ms) — the engine's layer-0 prefill waits for exactly these.  The
+        restore issue lock keeps the staging buffers and their events to one issuer at a time;
+        when the worker holds it, or in ``memcpy`` mode (a copy per slice: too long for the
+        caller's thread), ``None``: the worker issues every layer."""
+        if self.mode != "kernel" and not dplan.all_direct:
+            return None
+        lock = self._issue_locks["restore"]
+        if not lock.acquire(blocking=False):
+            return None
+        try:
+            with self._dev.scope():
+                job = self._layers_begin(handle, planes, ids, pages, moved, dplan)
+                self._layers_issue(job, planes, ids, dplan, [moved.start])
+        except CopyEngineError:
+            return None  # the worker issues every layer (copies already enqueued repeat the same bytes)
+        finally:
+            lock.release()
+        return job
 
     def _submit(self, direction: str, handle: _CudaHandle, issue: Callable[[], None],
                 gate: Gate | None = None) -> None:
@@ -761,7 +861,8 @@ class CudaCopyEngine(CopyEngine):
             try:
                 self._dev.activate()
                 self._reaper.reap()
-                issue()
+                with self._issue_locks[direction]:
+                    issue()
                 handle._issued.set()
             except BaseException as exc:
                 handle._fail(exc)
@@ -826,24 +927,29 @@ class CudaCopyEngine(CopyEngine):
         return out
 
     def _issue_save(self, handle: _CudaHandle, planes: KVPlanes, ids: list[int], pages: _Pages,
-                    after_ev: Any) -> None:
+                    after_ev: Any, dplan: _direct.DirectPlan = _direct.NO_PLAN) -> None:
         d = _cuda.driver()
         dev = self._dev
         pack, dma = self._streams["save_pack"], self._streams["save_dma"]
         start, done = dev.event(timing=True), dev.event(timing=True)
         handle._set_events(start, done)
-        first = dma if self.mode == "memcpy" else pack
+        first = dma if self.mode == "memcpy" or dplan.runs else pack
         if after_ev is not None:  # the mark owns the event (destroyed with it)
             _cuda.check(d.cuStreamWaitEvent(first, after_ev, 0), "cuStreamWaitEvent(after)")
+            if first is not pack and self.mode != "memcpy":
+                _cuda.check(d.cuStreamWaitEvent(pack, after_ev, 0), "cuStreamWaitEvent(after)")
         _cuda.check(d.cuEventRecord(start, first), "cuEventRecord")
         layout = planes.layout
+        if dplan.runs:  # straight from the blocks into the host pages, then the rest staged
+            _direct.issue(d, planes, ids, dplan, layout.planes, dma, to_device=False)
+            ids, pages = _subset(ids, pages, dplan.rest)
         if self.mode == "memcpy":
             for b, page in zip(ids, pages, strict=True):
                 for spec in layout.planes:
                     src = planes.ptrs[spec.index] + b * planes.block_strides[spec.index]
                     for off, addr, n in _segments(page, spec.offset, spec.nbytes):
                         _cuda.check(d.cuMemcpyDtoHAsync(addr, src + off - spec.offset, n, dma), "cuMemcpyDtoHAsync")
-        else:
+        elif ids:
             table = self._table(planes)
             _cuda.check(d.cuStreamWaitEvent(pack, table.event, 0), "cuStreamWaitEvent(table)")
             for lo, hi in self._chunks(len(ids), layout.page_nbytes):
@@ -860,7 +966,8 @@ class CudaCopyEngine(CopyEngine):
                 _cuda.check(d.cuEventRecord(freed, dma), "cuEventRecord")
         _cuda.check(d.cuEventRecord(done, dma), "cuEventRecord")
 
-    def _issue_restore(self, handle: _CudaHandle, planes: KVPlanes, ids: list[int], pages: _Pages) -> None:
+    def _issue_restore(self, handle: _CudaHandle, planes: KVPlanes, ids: list[int], pages: _Pages,
+                       dplan: _direct.DirectPlan = _direct.NO_PLAN) -> None:
         d = _cuda.driver()
         dev = self._dev
         dma, scatter = self._streams["restore_dma"], self._streams["restore_scatter"]
@@ -868,7 +975,10 @@ class CudaCopyEngine(CopyEngine):
         handle._set_events(start, done)
         _cuda.check(d.cuEventRecord(start, dma), "cuEventRecord")
         layout = planes.layout
-        if self.mode == "memcpy":
+        if dplan.runs:  # straight into the blocks first (the staged chunks' events then imply them)
+            _direct.issue(d, planes, ids, dplan, layout.planes, dma, to_device=True)
+            ids, pages = _subset(ids, pages, dplan.rest)
+        if not ids or self.mode == "memcpy":
             for b, page in zip(ids, pages, strict=True):
                 for spec in layout.planes:
                     dst = planes.ptrs[spec.index] + b * planes.block_strides[spec.index]
@@ -893,83 +1003,103 @@ class CudaCopyEngine(CopyEngine):
         _cuda.check(d.cuEventRecord(done, scatter), "cuEventRecord")
 
     def _issue_restore_layers(self, handle: _CudaHandle, planes: KVPlanes, ids: list[int], pages: _Pages,
-                              moved: range) -> None:
+                              moved: range, dplan: _direct.DirectPlan = _direct.NO_PLAN,
+                              pre: _LayerJob | None = None) -> None:
         """A layer-major restore: layer ``l`` of every page, then layer ``l + 1``; an event per layer.
 
-        Within a host page a layer's planes are adjacent, so layer ``l`` of a run of adjacent
-        host pages is a pitched region (rows of the layer's bytes, ``page_nbytes`` apart): one
+        Direct runs (``dplan``) move layer ``l``'s planes by one 2D copy each.  Within a host page a
+        layer's planes are adjacent, so layer ``l`` of a run of adjacent host pages is a pitched
+        region (rows of the layer's bytes, ``page_nbytes`` apart): for the staged pages one
         ``cuMemcpy2DAsync`` moves it into layer-major staging, then the scatter kernel writes that
-        layer's planes of those pages into their blocks.  Layer ``l``'s event is recorded on the
-        scatter stream behind its last scatter: stream order makes it imply every earlier layer.
+        layer's planes of those pages into their blocks.  Layer ``l``'s event is recorded behind its
+        last copy (on the scatter stream when any page is staged, else on the DMA stream: the same
+        stream for every layer), so stream order makes it imply every earlier layer.  ``pre``:
+        :meth:`_inline_first_layer` began the transfer and issued layer ``moved.start``.
         """
+        job = pre if pre is not None else self._layers_begin(handle, planes, ids, pages, moved, dplan)
+        rest = [lay for lay in moved if pre is None or lay != moved.start]
+        self._layers_issue(job, planes, ids, dplan, rest)
+        _cuda.check(_cuda.driver().cuEventRecord(job.done, job.last), "cuEventRecord")
+
+    def _layers_begin(self, handle: _CudaHandle, planes: KVPlanes, ids: list[int], pages: _Pages, moved: range,
+                      dplan: _direct.DirectPlan) -> _LayerJob:
         d = _cuda.driver()
         dev = self._dev
-        layout = planes.layout
-        P = layout.page_nbytes
-        all_spans = _layer_spans(layout)
+        spans = _layer_spans(planes.layout)
         dma, scatter = self._streams["restore_dma"], self._streams["restore_scatter"]
         start, done = dev.event(timing=True), dev.event(timing=True)
         # one event per layer moved (the list is indexed by layer; the others stay None)
-        layer_evs: list[Any] = [dev.event(timing=True) if lay in moved else None for lay in range(len(all_spans))]
+        layer_evs = [dev.event(timing=True) if lay in moved else None for lay in range(len(spans))]
         handle._set_events(start, done, layer_evs)
         if handle._recorded is None:
-            handle._recorded = [threading.Event() for _ in all_spans]
-        mark = handle._set_recorded
-        todo = [(lay, layer_evs[lay], all_spans[lay]) for lay in moved]
+            handle._recorded = [threading.Event() for _ in spans]
         _cuda.check(d.cuEventRecord(start, dma), "cuEventRecord")
-        if self.mode == "memcpy":
-            for layer, ev, (p0, np_, _lo, _nb) in todo:
-                for spec in layout.planes[p0: p0 + np_]:
-                    for b, page in zip(ids, pages, strict=True):
-                        dst = planes.ptrs[spec.index] + b * planes.block_strides[spec.index]
-                        for off, addr, n in _segments(page, spec.offset, spec.nbytes):
-                            _cuda.check(d.cuMemcpyHtoDAsync(dst + off - spec.offset, addr, n, dma),
-                                        "cuMemcpyHtoDAsync")
-                _cuda.check(d.cuEventRecord(ev, dma), "cuEventRecord")
-                mark(layer)
-            _cuda.check(d.cuEventRecord(done, dma), "cuEventRecord")
-            return
-        table = self._table(planes, layers=True)
-        _cuda.check(d.cuStreamWaitEvent(scatter, table.event, 0), "cuStreamWaitEvent(table)")
-        addresses = _page_addresses(pages)
-        n = len(ids)
+        ids_s, pages_s = _subset(ids, pages, dplan.rest) if dplan.runs else (ids, pages)
+        staged = bool(ids_s) and self.mode == "kernel"
+        table = None
+        if staged:
+            table = self._table(planes, layers=True)
+            _cuda.check(d.cuStreamWaitEvent(scatter, table.event, 0), "cuStreamWaitEvent(table)")
+        return _LayerJob(handle, spans, layer_evs, done, ids_s, pages_s,
+                         _page_addresses(pages_s) if staged else None, table, scatter if staged else dma)
+
+    def _layers_issue(self, job: _LayerJob, planes: KVPlanes, ids: list[int], dplan: _direct.DirectPlan,
+                      layers: list[int]) -> None:
+        """Issue ``layers`` (in order) of a layer-major restore begun by :meth:`_layers_begin`."""
+        d = _cuda.driver()
+        layout = planes.layout
+        P = layout.page_nbytes
+        dma, scatter = self._streams["restore_dma"], self._streams["restore_scatter"]
+        ids_s, pages_s, addresses = job.ids_s, job.pages_s, job.addresses
+        n = len(ids_s)
         host_mem = d.CUmemorytype.CU_MEMORYTYPE_HOST
         dev_mem = d.CUmemorytype.CU_MEMORYTYPE_DEVICE
-        for layer, ev, span in todo:
-            _p0, _np, lo, nb = span
-            per = max(1, min(_MAX_CHUNK_PAGES, self.staging_bytes // nb))
-            for c0 in range(0, n, per):
-                c1 = min(n, c0 + per)
-                s = self._slot["restore"]
-                self._slot["restore"] = s ^ 1
-                staging = self._staging["restore"][s]
-                loaded, freed = self._slot_events["restore"][s]
-                _cuda.check(d.cuStreamWaitEvent(dma, freed, 0), "cuStreamWaitEvent")  # scatter out of slot done
-                if addresses is not None:
-                    for off, addr, m in _coalesce_pages(addresses[c0:c1], P):
-                        cp = d.CUDA_MEMCPY2D()
-                        cp.srcMemoryType = host_mem
-                        cp.srcHost = addr + lo
-                        cp.srcPitch = P
-                        cp.dstMemoryType = dev_mem
-                        cp.dstDevice = staging + (off // P) * nb
-                        cp.dstPitch = nb
-                        cp.WidthInBytes = nb
-                        cp.Height = m // P
-                        _cuda.check(d.cuMemcpy2DAsync(cp, dma), "cuMemcpy2DAsync")
-                else:  # pages in several regions: the layer's bytes piece by piece
-                    assert not isinstance(pages, HostPages)
-                    for j in range(c0, c1):
-                        for off, addr, m in _segments(pages[j], lo, nb):
-                            _cuda.check(d.cuMemcpyHtoDAsync(staging + (j - c0) * nb + off - lo, addr, m, dma),
+        for layer in layers:
+            ev = job.layer_evs[layer]
+            span = job.spans[layer]
+            p0, np_, lo, nb = span
+            if dplan.runs:  # before the staged chunks on the DMA stream: their events imply these
+                _direct.issue(d, planes, ids, dplan, layout.planes[p0: p0 + np_], dma, to_device=True)
+            if job.table is None:  # memcpy mode (or every page direct): one copy per slice, on the DMA stream
+                for spec in layout.planes[p0: p0 + np_]:
+                    for b, page in zip(ids_s, pages_s, strict=True):
+                        dst = planes.ptrs[spec.index] + b * planes.block_strides[spec.index]
+                        for off, addr, m in _segments(page, spec.offset, spec.nbytes):
+                            _cuda.check(d.cuMemcpyHtoDAsync(dst + off - spec.offset, addr, m, dma),
                                         "cuMemcpyHtoDAsync")
-                _cuda.check(d.cuEventRecord(loaded, dma), "cuEventRecord")
-                _cuda.check(d.cuStreamWaitEvent(scatter, loaded, 0), "cuStreamWaitEvent")
-                self._launch(self._scatter_fn, table, planes, ids[c0:c1], staging, scatter, span)
-                _cuda.check(d.cuEventRecord(freed, scatter), "cuEventRecord")
-            _cuda.check(d.cuEventRecord(ev, scatter), "cuEventRecord")
-            mark(layer)  # layer l's event is recorded: its waiters may use it now
-        _cuda.check(d.cuEventRecord(done, scatter), "cuEventRecord")
+            else:
+                per = max(1, min(_MAX_CHUNK_PAGES, self.staging_bytes // nb))
+                for c0 in range(0, n, per):
+                    c1 = min(n, c0 + per)
+                    s = self._slot["restore"]
+                    self._slot["restore"] = s ^ 1
+                    staging = self._staging["restore"][s]
+                    loaded, freed = self._slot_events["restore"][s]
+                    _cuda.check(d.cuStreamWaitEvent(dma, freed, 0), "cuStreamWaitEvent")  # scatter out of slot done
+                    if addresses is not None:
+                        for off, addr, m in _coalesce_pages(addresses[c0:c1], P):
+                            cp = d.CUDA_MEMCPY2D()
+                            cp.srcMemoryType = host_mem
+                            cp.srcHost = addr + lo
+                            cp.srcPitch = P
+                            cp.dstMemoryType = dev_mem
+                            cp.dstDevice = staging + (off // P) * nb
+                            cp.dstPitch = nb
+                            cp.WidthInBytes = nb
+                            cp.Height = m // P
+                            _cuda.check(d.cuMemcpy2DAsync(cp, dma), "cuMemcpy2DAsync")
+                    else:  # pages in several regions: the layer's bytes piece by piece
+                        assert not isinstance(pages_s, HostPages)
+                        for j in range(c0, c1):
+                            for off, addr, m in _segments(pages_s[j], lo, nb):
+                                _cuda.check(d.cuMemcpyHtoDAsync(staging + (j - c0) * nb + off - lo, addr, m, dma),
+                                            "cuMemcpyHtoDAsync")
+                    _cuda.check(d.cuEventRecord(loaded, dma), "cuEventRecord")
+                    _cuda.check(d.cuStreamWaitEvent(scatter, loaded, 0), "cuStreamWaitEvent")
+                    self._launch(self._scatter_fn, job.table, planes, ids_s[c0:c1], staging, scatter, span)
+                    _cuda.check(d.cuEventRecord(freed, scatter), "cuEventRecord")
+            _cuda.check(d.cuEventRecord(ev, job.last), "cuEventRecord")
+            job.handle._set_recorded(layer)  # layer l's event is recorded: its waiters may use it now
 
     # -- lifecycle -----------------------------------------------------------------------------
     def close(self) -> None:

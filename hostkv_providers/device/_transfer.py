@@ -63,6 +63,11 @@ class TransferHandle:
         """Order ``stream`` after this transfer (host transfers: block until done)."""
         self.wait()
 
+    def _try_wait_on(self, stream: Any) -> bool:
+        """Order ``stream`` after this transfer if that needs neither the host to block nor a
+        gate (its completion event is already recorded); ``False``: nothing was done."""
+        return False
+
     @property
     def gbps(self) -> float | None:
         """Achieved GB/s (10^9 bytes per second), once done."""
@@ -139,6 +144,10 @@ class _LayerHandle(TransferHandle):
 
     def wait_on(self, stream: Any) -> None:
         self.parent.wait_layer_on(self.index, stream)
+
+    def _try_wait_on(self, stream: Any) -> bool:
+        try_layer = getattr(self.parent, "_try_wait_layer_on", None)
+        return bool(try_layer is not None and try_layer(self.index, stream))
 
     def layer(self, layer: int) -> TransferHandle:
         raise CopyArgumentError("a layer of a transfer has no layers of its own")
@@ -274,6 +283,9 @@ class _GroupHandle(TransferHandle):
     def wait_on(self, stream: Any) -> None:
         for h in self.handles:
             h.wait_on(stream)
+
+    def _try_wait_on(self, stream: Any) -> bool:
+        return all(h._try_wait_on(stream) for h in self.handles)
 
     def layer(self, layer: int) -> TransferHandle:
         return _GroupHandle([h.layer(layer) for h in self.handles])

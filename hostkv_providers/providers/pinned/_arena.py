@@ -160,7 +160,7 @@ class _PinnedIndex(TreeIndex):
 
 
 #: A lease's token and a ``Corrupt`` token name entries by ``(row, gen)`` pairs: rows are recycled.
-_Token = tuple[list[int], list[int]]
+_Token = tuple[Any, Any]  # (rows, gens): lists for a few rows, numpy arrays for a chain's
 
 
 def _blocks_cost(runs: Sequence[tuple[int, int]], block: int) -> int:

@@ -22,7 +22,7 @@ import contextlib
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -731,13 +731,14 @@ class PinnedProvider(Provider):
         """:meth:`views` as one :class:`HostPages` (an address per page, no per-page objects), or
         ``None`` unless every key is leased, of one size and in one contiguous run of the arena
         (always so when ``block`` is the page size)."""
-        ks = self._keys(keys)
         if not isinstance(lease, Lease) or lease.released or lease.token is None or lease._provider is not self:
             raise InvalidArgumentError("view_pages() needs an unreleased lease of this provider")
         # The common case, a run of the lease's own keys (a restore of a hit, whole or part by
         # part): the lease's token already names their rows, so the keys are matched by one
-        # C-speed slice comparison and the rows checked by generation, not looked up one by one.
-        known = self._leased_rows(lease, ks)
+        # C-speed slice comparison (equal to the lease's keys: valid keys, no further check) and
+        # the rows checked by generation, not looked up one by one.
+        known = self._leased_rows(lease, keys) if isinstance(keys, list | tuple) and keys else None
+        ks: list[Key] = cast(list[Key], list(keys)) if known is not None else self._keys(keys)
         leased = lease.keys if len(ks) == 1 else (frozenset(lease.keys) if known is None else ())
         with self._usable():
             idx, arena = self._index, self._arena
@@ -766,7 +767,7 @@ class PinnedProvider(Provider):
                          checksums=sums, algorithm=self.checksum_algorithm)
 
     @staticmethod
-    def _leased_rows(lease: Lease, ks: list[Key]) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.uint64]] | None:
+    def _leased_rows(lease: Lease, ks: Sequence[bytes]) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.uint64]] | None:
         """The ``(rows, gens)`` of ``ks`` from ``lease``'s token when ``ks`` is a run of the
         lease's keys (``lease.keys[j]`` is ``token[0][j]``), else ``None``."""
         lk = lease.keys
@@ -902,10 +903,14 @@ class PinnedProvider(Provider):
     def _hold_rows(self, rows: Sequence[int]) -> _Token:
         """Hold the present ``rows`` (lock held); the ``(rows, gens)`` token releases them."""
         idx = self._index
+        if len(rows) > 8:
+            # arrays (a chain's lease): view_pages slices them for a restore with no conversion
+            arr = np.asarray(rows, dtype=np.int64)
+            arr = arr[arr >= 0]
+            idx.hold_rows(cast(Sequence[int], arr))  # (numpy rows: it takes them by slices)
+            return arr, idx.gen[arr]
         live = [r for r in rows if r >= 0]
         idx.hold_rows(live)
-        if len(live) > 8:
-            return live, idx.gen[np.asarray(live, dtype=np.int64)].tolist()
         gen = idx.m_gen
         return live, [gen[r] for r in live]
 

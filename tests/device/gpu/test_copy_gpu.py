@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from hostkv_providers import ClosedError, HostRegion, KVLayout, OrdinaryAllocator, PinnedProvider
+from hostkv_providers import ClosedError, HostPages, HostRegion, KVLayout, OrdinaryAllocator, PinnedProvider
 from hostkv_providers._errors import CopyArgumentError
 from hostkv_providers._keys import Salt, chain_keys
 from hostkv_providers.cache import StagingPool
@@ -304,3 +304,97 @@ def test_staging_pool_with_cuda() -> None:
             assert out.page(10 + i) == provider.read_bytes(k)
     eng.close()
     provider.close()
+
+
+# -- direct DMA between host pages and blocks (runs of consecutive blocks) ------------------------
+RUN_IDS = [5, 6, 7, 8, 20, 30, 31, 0, 12, 13, 14, 15, 16, 17, 2]  # runs of 4, 1, 2, 1, 6, 1
+RUN_DST = [3, 38, 21, 22, 23, 24, 9, 30, 31, 32, 33, 34, 35, 1, 27]  # runs of 1, 1, 4, 1, 6, 1, 1
+
+
+@pytest.mark.parametrize("direct", ["always", "never", "auto"])
+@pytest.mark.parametrize("mode", ["kernel", "memcpy"])
+@pytest.mark.parametrize("layout", [PLAIN, SCALED, LATENT], ids=["plain", "scaled-unaligned", "latent"])
+def test_direct_runs_round_trip(direct: str, mode: str, layout: KVLayout, allocator: Any) -> None:
+    """Saves and restores (page-major and layer-wise) whose ids mix runs of consecutive blocks with
+    single blocks: the runs go straight by 2D DMA (``always``), the rest through staging; the bytes
+    are the same as through staging alone (``never``), and no other block is written."""
+    src = DevicePlanes(layout, 40, seed=11)
+    eng = CudaCopyEngine(staging_bytes=max(4096, 3 * layout.page_nbytes), mode=mode, direct=direct)
+    assert eng.direct == direct
+    n = len(RUN_IDS)
+    mem = allocator.allocate(n * layout.page_nbytes)
+    try:
+        addrs = np.arange(n, dtype=np.uint64) * np.uint64(layout.page_nbytes) + np.uint64(mem.address)
+        pages = HostPages(addrs, layout.page_nbytes, pinned=True, readonly=False, keepalive=mem)
+        if direct == "always":
+            plan = eng._plan(src.planes, RUN_IDS, pages)
+            assert [k for _lo, k in plan.runs] == [4, 1, 2, 1, 6, 1]  # every run (min 1 page) goes direct
+        assert eng.save(src.planes, RUN_IDS, pages).wait(timeout=60)
+        view = bytes(mem.view)
+        P = layout.page_nbytes
+        for i, b in enumerate(RUN_IDS):
+            assert view[i * P: (i + 1) * P] == src.page(b), f"saved page {i} (block {b})"
+        ro = HostPages(addrs, P, pinned=True, readonly=True, keepalive=mem)
+        for layerwise in (False, True):
+            dst = DevicePlanes(layout, 40, seed=12, fill=0)
+            h = eng.restore(ro, dst.planes, RUN_DST, layerwise=layerwise)
+            for layer in range(layout.num_layers):
+                assert h.wait_layer(layer, timeout=60)
+            assert h.wait(timeout=60)
+            for i, b in enumerate(RUN_DST):
+                assert dst.page(b) == src.page(RUN_IDS[i]), f"layerwise={layerwise}: block {b}"
+            torch.cuda.synchronize()
+            rest = [b for b in range(40) if b not in RUN_DST]
+            for t in dst.tensors:
+                assert int(t[rest].count_nonzero()) == 0  # nothing else written
+    finally:
+        eng.close()
+        mem.close()
+
+
+def test_direct_restore_orders_the_stream_and_layer_zero_is_recorded_at_the_call(allocator: Any) -> None:
+    """A layer-wise restore whose pages all go direct enqueues layer 0 on the caller's thread:
+    layer 0 is recorded when ``restore()`` returns, ``wait_layer_on(0, s)`` is a plain event wait,
+    and a kernel behind it (and behind ``before=``) never sees the poison."""
+    layout = PLAIN
+    n = 32
+    dp = DevicePlanes(layout, 2 * n, seed=13, fill=0)
+    eng = CudaCopyEngine(direct="always")
+    mem = allocator.allocate(n * layout.page_nbytes)
+    try:
+        np.frombuffer(mem.view, dtype=np.uint8)[:] = 9
+        P = layout.page_nbytes
+        pages = HostPages(np.arange(n, dtype=np.uint64) * np.uint64(P) + np.uint64(mem.address), P, pinned=True,
+                          readonly=True, keepalive=mem)
+        cs = torch.cuda.Stream()
+        per_layer = sum(t[n:].numel() for t in dp.tensors[:2])
+        bad = []
+        for _trial in range(20):
+            for t in dp.tensors:
+                t[n:].fill_(0xEE)
+            torch.cuda.synchronize()
+            with torch.cuda.stream(cs):
+                torch.cuda._sleep(2_000_000)  # the stream is busy: the waits are enqueued, not past
+            h = eng.restore(pages, dp.planes, list(range(n, 2 * n)), layerwise=True)
+            assert h._recorded is not None and h._recorded[0].is_set()  # recorded at the call
+            h.wait_layer_on(0, cs)
+            with torch.cuda.stream(cs):
+                bad.append(sum((t[n:] != 9).sum() for t in dp.tensors[:2]))
+            h.wait_layer_on(layout.num_layers - 1, cs)
+            with torch.cuda.stream(cs):
+                bad.append(sum((t[n:] != 9).sum() for t in dp.tensors))
+            h.wait()
+        cs.synchronize()
+        assert per_layer and all(int(b.item()) == 0 for b in bad)
+        # before= orders everything
+        for t in dp.tensors:
+            t[n:].fill_(0xEE)
+        torch.cuda.synchronize()
+        eng.restore(pages, dp.planes, list(range(n, 2 * n)), layerwise=True, before=cs)
+        with torch.cuda.stream(cs):
+            total = sum((t[n:] != 9).sum() for t in dp.tensors)
+        cs.synchronize()
+        assert int(total.item()) == 0
+    finally:
+        eng.close()
+        mem.close()

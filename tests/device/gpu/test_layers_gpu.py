@@ -41,9 +41,10 @@ TRIALS = 100
 L = LAYOUT.num_layers
 
 
-@pytest.fixture(scope="module")
-def engine() -> Iterator[CudaCopyEngine]:
-    e = CudaCopyEngine(0)
+@pytest.fixture(scope="module", params=["auto", "never"])
+def engine(request: pytest.FixtureRequest) -> Iterator[CudaCopyEngine]:
+    """The engine with direct DMA for runs of consecutive blocks, and without it (staging only)."""
+    e = CudaCopyEngine(0, direct=request.param)
     yield e
     e.close()
 
@@ -66,7 +67,7 @@ def host_copy_of(pool: Pool, blocks: list[int]) -> tuple[Any, np.ndarray]:
 
 
 @pytest.mark.parametrize("order", ["adjacent", "shuffled_host", "regions"])
-@pytest.mark.parametrize("blocks", ["in_order", "shuffled"])
+@pytest.mark.parametrize("blocks", ["in_order", "shuffled", "runs"])
 def test_layer_event_never_fires_before_its_bytes(engine: CudaCopyEngine, pool: Pool, order: str,
                                                    blocks: str) -> None:
     rng = random.Random(f"{order}-{blocks}")
@@ -80,6 +81,10 @@ def test_layer_event_never_fires_before_its_bytes(engine: CudaCopyEngine, pool: 
         dst = list(range(PAGES, 2 * PAGES))
         if blocks == "shuffled":
             rng.shuffle(dst)
+        elif blocks == "runs":  # runs of 40 consecutive blocks (direct under "auto"), the rest shuffled
+            tail = dst[160:]
+            rng.shuffle(tail)
+            dst = dst[80:120] + dst[:40] + tail + dst[120:160] + dst[40:80]
         base = alloc.address
         if order == "regions":
             cut = PAGE // 3 + 16  # a region boundary inside a layer

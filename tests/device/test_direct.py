@@ -1,0 +1,69 @@
+"""The direct-DMA plan of the CUDA copy engine (``device/_direct.py``), on the CPU: which pages of a
+transfer go straight between host pages and blocks, which stay on the staging path."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import hostkv_providers as hk
+from hostkv_providers.device import _direct
+from hostkv_providers.device._hostmem import _REGISTERED_STARTS
+from hostkv_providers.errors import CopyArgumentError
+
+BIG = hk.KVLayout(num_layers=4, num_kv_heads=8, head_dim=128, page_tokens=16, dtype="bfloat16")  # 32 KiB slices
+SMALL = hk.KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, page_tokens=4, dtype="float32")  # 1 KiB slices
+
+
+def addrs(n: int, layout: hk.KVLayout, base: int = 1 << 40) -> np.ndarray:
+    return np.arange(n, dtype=np.uint64) * np.uint64(layout.page_nbytes) + np.uint64(base)
+
+
+def test_runs_break_at_ids_and_host_gaps() -> None:
+    ids = [5, 6, 7, 8, 20, 30, 31, 0, 12, 13]
+    a = addrs(len(ids), BIG)
+    a[8:] += np.uint64(BIG.page_nbytes)  # host pages 8, 9 sit one page further: a break before 8
+    plan = _direct.plan("always", BIG, ids, a)
+    assert plan.runs == [(0, 4), (4, 1), (5, 2), (7, 1), (8, 2)]
+    assert plan.rest is not None and plan.rest.tolist() == [] and plan.all_direct
+    ids2 = [5, 6, 7, 8, 9, 10, 11, 12, 40]
+    p2 = _direct.plan("always", BIG, ids2, addrs(len(ids2), BIG))
+    assert p2.runs == [(0, 8), (8, 1)]
+
+
+def test_auto_takes_long_runs_of_wide_slices_only() -> None:
+    per = -(-_direct.DIRECT_MIN_RUN_BYTES // BIG.page_nbytes)  # pages for 16 MiB
+    ids = list(range(100, 100 + per)) + [7, 3] + list(range(200, 200 + per - 1))
+    plan = _direct.plan("auto", BIG, ids, addrs(len(ids), BIG))
+    assert plan.runs == [(0, per)]  # the second run is one page short
+    assert plan.rest is not None and plan.rest.tolist() == list(range(per, len(ids)))
+    assert not plan.all_direct
+    # slices under 8 KiB: nothing direct however long the run
+    ids = list(range(4096 * 8))
+    assert _direct.plan("auto", SMALL, ids, addrs(len(ids), SMALL)).runs == []
+    assert _direct.plan("always", SMALL, ids[:3], addrs(3, SMALL)).runs == [(0, 3)]
+
+
+def test_never_no_addresses_and_empty() -> None:
+    ids = list(range(64))
+    assert _direct.plan("never", BIG, ids, addrs(64, BIG)) is _direct.NO_PLAN
+    assert _direct.plan("always", BIG, ids, None) is _direct.NO_PLAN  # pages in several pieces
+    assert _direct.plan("always", BIG, [], addrs(0, BIG)) is _direct.NO_PLAN
+    assert not _direct.NO_PLAN.all_direct and _direct.NO_PLAN.rest is None
+
+
+def test_a_run_never_crosses_into_another_registration() -> None:
+    ids = list(range(8))
+    a = addrs(8, BIG, base=1 << 41)
+    start = int(a[5])
+    _REGISTERED_STARTS.add(start)
+    try:
+        assert _direct.plan("always", BIG, ids, a).runs == [(0, 5), (5, 3)]
+    finally:
+        _REGISTERED_STARTS.discard(start)
+
+
+def test_mode_is_checked() -> None:
+    assert _direct.check_direct("auto") == "auto"
+    with pytest.raises(CopyArgumentError, match="direct must be one of"):
+        _direct.check_direct("yes")
