@@ -106,6 +106,8 @@ def test_layer_event_never_fires_before_its_bytes(engine: CudaCopyEngine, pool: 
                 pool.poison(dst)
             cs.synchronize()
             h = engine.restore(pages, pool.planes, dst, layerwise=True)
+            # the engine was idle: layer 0 was issued and recorded on this thread, in the call
+            assert h._recorded is not None and h._recorded[0].is_set()  # type: ignore[attr-defined]
             row = []
             for i in range(L):
                 h.wait_layer_on(i, cs)
