@@ -853,8 +853,8 @@ class CudaCopyEngine(CopyEngine):
             with self._dev.scope():
                 job = self._layers_begin(handle, planes, ids, pages, moved, dplan)
                 self._layers_issue(job, planes, ids, dplan, [moved.start])
-        except CopyEngineError:
-            return None  # the worker issues every layer (copies already enqueued repeat the same bytes)
+        except Exception:  # the worker issues every layer and reports what fails there
+            return None  # (copies already enqueued repeat the same bytes; the stream gate stays the worker's)
         finally:
             lock.release()
         return job
