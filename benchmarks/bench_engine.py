@@ -464,62 +464,36 @@ def decode_phase(torch: Any, cache: HostKVCache, keys: list[hk.Key], caches: lis
     stop = threading.Event()
     counts = {"restores": 0, "saves": 0}
 
-    def restores() -> None:
-        # One lookup, then restores back to back (the lookup of a chain runs on the scheduler's
-        # own thread in an engine; the pinned phase times it on its own).
-        hit = cache.lookup(keys)
-        try:
+    def restore_loop(c: HostKVCache, blocks: list[int]) -> Callable[[], None]:
+        def restores() -> None:
+            # One lookup, then restores back to back (the lookup of a chain runs on the
+            # scheduler's own thread in an engine; the pinned phase times it on its own).
+            hit = c.lookup(keys)
+            try:
+                while not stop.is_set():
+                    c.restore(hit, planes, blocks, release=False).wait()
+                    counts["restores"] += 1
+            finally:
+                hit.release()
+
+        return restores
+
+    def save_loop(c: HostKVCache, blocks: list[int]) -> Callable[[], None]:
+        def saves() -> None:
+            i = 0
             while not stop.is_set():
-                cache.restore(hit, planes, dst, release=False).wait()
-                counts["restores"] += 1
-        finally:
-            hit.release()
+                c.save(save_keys[i % 2], planes, blocks).wait()  # the other chain is evicted (LRU)
+                counts["saves"] += 1
+                i += 1
 
-    def saves() -> None:
-        i = 0
-        while not stop.is_set():
-            ks = save_keys[i % 2]
-            cache.save(ks, planes, src).wait()  # the other chain is evicted to make room (LRU)
-            counts["saves"] += 1
-            i += 1
+        return saves
 
+    restores, saves = restore_loop(cache, dst), save_loop(cache, src)
     # the same loads on a shuffled block table (no run of consecutive blocks: no direct DMA)
-    dst_s, src_s = scattered(dst), scattered(src)
-
-    def restores_scattered() -> None:
-        hit = cache.lookup(keys)
-        try:
-            while not stop.is_set():
-                cache.restore(hit, planes, dst_s, release=False).wait()
-                counts["restores"] += 1
-        finally:
-            hit.release()
-
-    def saves_scattered() -> None:
-        i = 0
-        while not stop.is_set():
-            cache.save(save_keys[i % 2], planes, src_s).wait()
-            counts["saves"] += 1
-            i += 1
-
-    # the same loads through the engine with direct DMA (consecutive blocks: every page direct)
-    def restores_direct() -> None:
-        assert cache_d is not None
-        hit = cache_d.lookup(keys)
-        try:
-            while not stop.is_set():
-                cache_d.restore(hit, planes, dst, release=False).wait()
-                counts["restores"] += 1
-        finally:
-            hit.release()
-
-    def saves_direct() -> None:
-        assert cache_d is not None
-        i = 0
-        while not stop.is_set():
-            cache_d.save(save_keys[i % 2], planes, src).wait()
-            counts["saves"] += 1
-            i += 1
+    restores_scattered, saves_scattered = restore_loop(cache, scattered(dst)), save_loop(cache, scattered(src))
+    # and through the engine with direct DMA (consecutive blocks: every page direct)
+    restores_direct = restore_loop(cache_d, dst) if cache_d is not None else None
+    saves_direct = save_loop(cache_d, src) if cache_d is not None else None
 
     def measure(step: Callable[[], None], load: Callable[[], None] | None, nsteps: int) -> dict[str, Any]:
         watch = GcWatch()
@@ -557,7 +531,7 @@ def decode_phase(torch: Any, cache: HostKVCache, keys: list[hk.Key], caches: lis
         loads = [("restores", restores), ("saves", saves)]
         if mode == "graph":
             loads += [("restores_scattered", restores_scattered), ("saves_scattered", saves_scattered)]
-            if cache_d is not None:
+            if restores_direct is not None and saves_direct is not None:
                 loads += [("restores_direct", restores_direct), ("saves_direct", saves_direct)]
         for name, load in loads:
             r = measure(step, load, steps)
