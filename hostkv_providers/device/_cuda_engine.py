@@ -39,6 +39,10 @@ from hostkv_providers.device._transfer import TransferHandle, _GroupHandle, _Job
 # --------------------------------------------------------------------------------------------
 
 _MAX_CHUNK_PAGES = 512  # block ids travel as a by-value kernel parameter (2 KiB of the 4 KiB limit)
+# A layer-wise restore's first staged chunks issued on the caller's thread (~0.1-0.2 ms each):
+# two keep the DMA busy (~0.6 ms a chunk of 32 MiB) through the hand-off to the worker, which
+# issues the rest; the whole first layer there held an engine's thread ~2.6 ms (H200).
+_INLINE_CHUNKS = 2
 
 _KERNEL_SOURCE = r"""
 typedef unsigned long long u64;
@@ -618,6 +622,8 @@ class _LayerJob:
     addresses: Any
     table: _Table | None
     last: Any
+    resume_layer: int = -1  # a layer issued in part (its first chunks, on the caller's thread)
+    resume_at: int = 0  # the staged page it goes on from
 
 
 class CudaCopyEngine(CopyEngine):
@@ -838,12 +844,14 @@ class CudaCopyEngine(CopyEngine):
 
     def _inline_first_layer(self, handle: _CudaHandle, planes: KVPlanes, ids: list[int], pages: _Pages,
                             moved: range, dplan: _direct.DirectPlan) -> _LayerJob | None:
-        """Enqueue the first layer of a layer-wise restore on the caller's thread, when no restore
-        is being issued by the worker: its copies then start at the call, not after the hand-off
-        to the worker (~0.4 ms) — the engine's layer-0 prefill waits for exactly these.  The
-        restore issue lock keeps the staging buffers and their events to one issuer at a time;
-        when the worker holds it, or in ``memcpy`` mode (a copy per slice: too long for the
-        caller's thread), ``None``: the worker issues every layer."""
+        """Start a layer-wise restore on the caller's thread, when no restore is being issued by
+        the worker: the first layer's direct runs and its first staged chunks (``_INLINE_CHUNKS``;
+        a layer that fits in them is recorded before the call returns), so layer 0's copies start
+        at the call, not after the hand-off to the worker (~0.4 ms) — the engine's layer-0 prefill
+        waits for exactly these; the worker goes on from there.  The restore issue lock keeps the
+        staging buffers and their events to one issuer at a time; when the worker holds it, or in
+        ``memcpy`` mode (a copy per slice: too long for the caller's thread), ``None``: the worker
+        issues every layer."""
         if self.mode != "kernel" and not dplan.all_direct:
             return None
         lock = self._issue_locks["restore"]
@@ -852,7 +860,7 @@ class CudaCopyEngine(CopyEngine):
         try:
             with self._dev.scope():
                 job = self._layers_begin(handle, planes, ids, pages, moved, dplan)
-                self._layers_issue(job, planes, ids, dplan, [moved.start])
+                self._layers_issue(job, planes, ids, dplan, [moved.start], chunks=_INLINE_CHUNKS)
         except Exception:  # the worker issues every layer and reports what fails there
             return None  # (copies already enqueued repeat the same bytes; the stream gate stays the worker's)
         finally:
@@ -1021,7 +1029,9 @@ class CudaCopyEngine(CopyEngine):
         :meth:`_inline_first_layer` began the transfer and issued layer ``moved.start``.
         """
         job = pre if pre is not None else self._layers_begin(handle, planes, ids, pages, moved, dplan)
-        rest = [lay for lay in moved if pre is None or lay != moved.start]
+        # (the first layer again when the caller issued only its first chunks: it goes on from there)
+        done_first = pre is not None and job.resume_layer != moved.start
+        rest = [lay for lay in moved if not (done_first and lay == moved.start)]
         self._layers_issue(job, planes, ids, dplan, rest)
         _cuda.check(_cuda.driver().cuEventRecord(job.done, job.last), "cuEventRecord")
 
@@ -1050,8 +1060,12 @@ class CudaCopyEngine(CopyEngine):
                          _page_addresses(pages_s) if staged else None, table, scatter if staged else dma)
 
     def _layers_issue(self, job: _LayerJob, planes: KVPlanes, ids: list[int], dplan: _direct.DirectPlan,
-                      layers: list[int]) -> None:
-        """Issue ``layers`` (in order) of a layer-major restore begun by :meth:`_layers_begin`."""
+                      layers: list[int], chunks: int | None = None) -> None:
+        """Issue ``layers`` (in order) of a layer-major restore begun by :meth:`_layers_begin`.
+
+        ``chunks``: issue only that many staged chunks of the first of ``layers`` (its direct runs
+        too) and stop there, its event not recorded yet; a later call for that layer goes on from
+        there (``job.resume_layer`` / ``job.resume_at``)."""
         d = _cuda.driver()
         layout = planes.layout
         P = layout.page_nbytes
@@ -1066,7 +1080,9 @@ class CudaCopyEngine(CopyEngine):
                 ev = job.layer_evs[layer] = self._dev.event(timing=True)
             span = job.spans[layer]
             p0, np_, lo, nb = span
-            if dplan.runs:  # before the staged chunks on the DMA stream: their events imply these
+            resumed = layer == job.resume_layer
+            start_at = job.resume_at if resumed else 0
+            if dplan.runs and not resumed:  # before the staged chunks on the DMA stream: their events imply these
                 _direct.issue(d, planes, ids, dplan, layout.planes[p0: p0 + np_], dma, to_device=True)
             if job.table is None:  # memcpy mode (or every page direct): one copy per slice, on the DMA stream
                 for spec in layout.planes[p0: p0 + np_]:
@@ -1077,7 +1093,12 @@ class CudaCopyEngine(CopyEngine):
                                         "cuMemcpyHtoDAsync")
             else:
                 per = max(1, min(_MAX_CHUNK_PAGES, self.staging_bytes // nb))
-                for c0 in range(0, n, per):
+                for c0 in range(start_at, n, per):
+                    if chunks is not None:
+                        if not chunks:  # the caller's share of this layer is issued: the worker goes on
+                            job.resume_layer, job.resume_at = layer, c0
+                            return
+                        chunks -= 1
                     c1 = min(n, c0 + per)
                     s = self._slot["restore"]
                     self._slot["restore"] = s ^ 1
