@@ -33,7 +33,7 @@ def test_runs_break_at_ids_and_host_gaps() -> None:
 
 def test_auto_takes_long_runs_of_wide_slices_only() -> None:
     per = -(-_direct.DIRECT_MIN_RUN_BYTES // BIG.page_nbytes)  # pages for 16 MiB
-    ids = list(range(100, 100 + per)) + [7, 3] + list(range(200, 200 + per - 1))
+    ids = [*range(100, 100 + per), 7, 3, *range(200, 200 + per - 1)]
     plan = _direct.plan("auto", BIG, ids, addrs(len(ids), BIG))
     assert plan.runs == [(0, per)]  # the second run is one page short
     assert plan.rest is not None and plan.rest.tolist() == list(range(per, len(ids)))
