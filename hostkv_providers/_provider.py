@@ -314,6 +314,39 @@ class Provider(abc.ABC, metaclass=_ProviderMeta):
             out.append((k, p, view))
         return out
 
+    def _put_many_columns(self, items: object, salt_tag: object, *, tag_max: int | None = None
+                          ) -> tuple[list[Key], list[Key | None], list[memoryview]]:
+        """:meth:`_put_many_args` as three lists (keys, parents, byte views) for a batch path
+        that works on columns: the same checks and errors, the salt tag checked once (with the
+        first item) instead of per item, and no tuple built per page."""
+        if isinstance(items, (bytes, bytearray, memoryview, str)) or not isinstance(items, Sequence):
+            raise InvalidArgumentError("put_many items are (key, parent, data) tuples")
+        keys: list[Key] = []
+        parents: list[Key | None] = []
+        views: list[memoryview] = []
+        if not len(items):
+            return keys, parents, views
+        for it in items:
+            if not isinstance(it, tuple) or len(it) != 3:
+                raise InvalidArgumentError("put_many items are (key, parent, data) tuples")
+            k, p, data = it
+            view = readable_bytes(data)
+            if not keys:  # the first item: every check, the salt tag's included
+                k, p, _ = self._reserve_args(k, p, view.nbytes, salt_tag, tag_max=tag_max)
+            else:
+                if type(k) is not bytes or len(k) != KEY_NBYTES:
+                    k = as_key(k)
+                if p is not None and (type(p) is not bytes or len(p) != KEY_NBYTES):
+                    p = as_key(p, "parent")
+                if not view.nbytes:
+                    raise InvalidArgumentError(f"nbytes must be a positive int, got {view.nbytes!r}")
+                if p == k:
+                    raise InvalidArgumentError("an entry cannot be its own parent")
+            keys.append(k)
+            parents.append(p)
+            views.append(view)
+        return keys, parents, views
+
     def _read_many_args(self, keys: object, outs: object) -> tuple[list[Key], Sequence[object]]:
         """Validate ``read_many``'s arguments: the keys, and one output buffer per key (each
         buffer is checked against its entry's size by the read itself)."""
