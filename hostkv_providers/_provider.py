@@ -324,13 +324,21 @@ class Provider(abc.ABC, metaclass=_ProviderMeta):
         keys: list[Key] = []
         parents: list[Key | None] = []
         views: list[memoryview] = []
-        if not len(items):
-            return keys, parents, views
+        add_key, add_parent, add_view = keys.append, parents.append, views.append
         for it in items:
             if not isinstance(it, tuple) or len(it) != 3:
                 raise InvalidArgumentError("put_many items are (key, parent, data) tuples")
             k, p, data = it
-            view = readable_bytes(data)
+            # readable_bytes, inline (this runs once per page)
+            try:
+                view = memoryview(data)
+            except TypeError:
+                raise InvalidArgumentError(
+                    f"data must support the buffer protocol, got {type(data).__name__}") from None
+            if not view.c_contiguous:
+                raise InvalidArgumentError("data must be C-contiguous")
+            if view.ndim != 1 or view.format != "B":
+                view = view.cast("B")
             if not keys:  # the first item: every check, the salt tag's included
                 k, p, _ = self._reserve_args(k, p, view.nbytes, salt_tag, tag_max=tag_max)
             else:
@@ -339,12 +347,12 @@ class Provider(abc.ABC, metaclass=_ProviderMeta):
                 if p is not None and (type(p) is not bytes or len(p) != KEY_NBYTES):
                     p = as_key(p, "parent")
                 if not view.nbytes:
-                    raise InvalidArgumentError(f"nbytes must be a positive int, got {view.nbytes!r}")
+                    raise InvalidArgumentError("nbytes must be a positive int, got 0")
                 if p == k:
                     raise InvalidArgumentError("an entry cannot be its own parent")
-            keys.append(k)
-            parents.append(p)
-            views.append(view)
+            add_key(k)
+            add_parent(p)
+            add_view(view)
         return keys, parents, views
 
     def _read_many_args(self, keys: object, outs: object) -> tuple[list[Key], Sequence[object]]:

@@ -156,7 +156,23 @@ def _encode_seal_batch(keys: bytes, parents: Sequence[bytes | None], tag: bytes,
                        digests: npt.NDArray[np.uint64], created: float, seq0: int) -> bytes:
     """The seal records of a ``put_many`` batch of equal pages as one blob, byte for byte what
     :func:`_encode_seals` gives record by record (``keys``: the 32-byte keys joined; generations
-    ``gen0 + j``), built as one record array: no Python object per page."""
+    ``gen0 + j``): :func:`_seal_batch_head` then :func:`_seal_batch_finish`."""
+    head = _seal_batch_head(keys, parents, tag, nslots, files, slots, nbytes, gen0)
+    return _seal_batch_finish(head, digests, created, seq0)
+
+
+#: Record words that depend on the bytes (the checksum), the seal time and the journal order:
+#: the last three of the fold (``checksum``, ``created``, ``seq``).
+_LATE_WORDS = 3
+
+
+def _seal_batch_head(keys: bytes, parents: Sequence[bytes | None], tag: bytes, nslots: int,
+                     files: npt.NDArray[np.int64], slots: npt.NDArray[np.int64], nbytes: int,
+                     gen0: int) -> tuple[npt.NDArray[Any], npt.NDArray[np.uint64] | None]:
+    """The part of a batch's seal records known at reservation: every field but the checksum,
+    the seal time and the seq, and (for a small batch) the fold over the words before them.  A
+    put_many computes it before its data goes out, while the CPU caches still hold the index
+    (after a few MiB of page copies each numpy call costs several times more)."""
     n = len(files)
     recs = np.zeros(n, RECORD_DTYPE)
     recs["op"] = OP_SEAL
@@ -172,17 +188,31 @@ def _encode_seal_batch(keys: bytes, parents: Sequence[bytes | None], tag: bytes,
     recs["slot"] = slots
     recs["nbytes"] = nbytes
     recs["gen"] = np.arange(gen0, gen0 + n, dtype=np.uint64)
+    if n > 64:
+        return recs, None  # fold64 at the end: per element it is cheaper than per row
+    # fold64 with the words as rows (one contiguous row per ufunc call: a small batch pays per
+    # call, not per element); integer array arithmetic wraps without warnings
+    h = np.full(n, _FOLD_SEED, dtype=np.uint64)
+    for w in recs.view(np.uint64).reshape(n, _WORDS)[:, : _WORDS - 1 - _LATE_WORDS].T.copy():
+        h ^= w
+        h *= _FOLD_MUL
+    return recs, h
+
+
+def _seal_batch_finish(head: tuple[npt.NDArray[Any], npt.NDArray[np.uint64] | None],
+                       digests: npt.NDArray[np.uint64], created: float, seq0: int) -> bytes:
+    """The records of :func:`_seal_batch_head` completed (checksums, seal time, seqs, folds),
+    as one blob."""
+    recs, h = head
+    n = len(recs)
     recs["checksum"] = digests
     recs["created"] = created
     recs["seq"] = np.arange(seq0, seq0 + n, dtype=np.uint64)
     words = recs.view(np.uint64).reshape(n, _WORDS)
-    if n > 64:
+    if h is None:
         recs["fold"] = fold64(words)
     else:
-        # fold64 with the words as rows (one contiguous row per ufunc call: a small batch pays
-        # per call, not per element); integer array arithmetic wraps without warnings
-        h = np.full(n, _FOLD_SEED, dtype=np.uint64)
-        for w in words[:, : _WORDS - 1].T.copy():
+        for w in words[:, _WORDS - 1 - _LATE_WORDS : _WORDS - 1].T.copy():
             h ^= w
             h *= _FOLD_MUL
         h ^= h >> np.uint64(31)

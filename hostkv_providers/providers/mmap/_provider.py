@@ -90,8 +90,9 @@ from ._format import (
     OP_RETAIN,
     REC_NBYTES,
     RECORD_DTYPE,
-    _encode_seal_batch,
     _encode_seals,
+    _seal_batch_finish,
+    _seal_batch_head,
 )
 
 # Tests reach the record layout through this module (the format itself lives in ._format).
@@ -576,6 +577,9 @@ class MmapProvider(_Maintenance):
             self._next_gen += n
         if pos is not None:
             self._tally("dedup", total - n)
+        key_blob = b"".join(keys)
+        tag = salt_tag.encode()
+        records = _seal_batch_head(key_blob, parents, tag, nslots, fids, slots, nb, gen0)
         slot_list = slots.tolist()
         by_file = self._by_file(fids)
         digests: list[int] = []
@@ -608,7 +612,6 @@ class MmapProvider(_Maintenance):
                                                    [digests[j] for j in sel])
             _fsutil.crash_point("mmap.seal.after_header")
             created = time.time()
-            tag = salt_tag.encode()
             csums = np.array(digests, np.uint64)
             self._check_usable()
             with self._lock:
@@ -624,8 +627,7 @@ class MmapProvider(_Maintenance):
                 self._abort_batch(batch, by_file, fids, slot_list, nslots)
             raise
         try:
-            self._commit(_encode_seal_batch(b"".join(keys), parents, tag, nslots, fids, slots, nb, gen0, csums,
-                                            created, seq0))
+            self._commit(_seal_batch_finish(records, csums, created, seq0))
         except BaseException:
             with self._lock:
                 self._unfinished -= n
