@@ -233,3 +233,24 @@ def test_close_waits_for_a_put_many_under_way(kind: str, tmp_path: Path, monkeyp
     _readback(q, keys)
     _settled(q, 10)
     q.close()
+
+
+def test_a_full_store_evicts_a_chunk_per_chunk_and_reopens_as_it_was(kind: str, tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    p = _open(kind, tmp_path / "s", budget_pages=16)
+    rounds = [chain(f"full-{r}", 16) for r in range(4)]
+    with monkeypatch.context() as m:
+        _batch_only(m, kind)
+        for keys in rounds:  # each chunk evicts the previous one's 16 pages (drop records in one blob)
+            assert p.put_many(_items(keys, [None] * 16)) == [True] * 16
+    assert all(p.present(keys) == [False] * 16 for keys in rounds[:-1])
+    _readback(p, rounds[-1])
+    _settled(p, 16)
+    p.close()
+    q = _open(kind, tmp_path / "s", budget_pages=16)
+    assert all(q.present(keys) == [False] * 16 for keys in rounds[:-1])
+    _readback(q, rounds[-1])
+    _settled(q, 16)
+    assert q.put_many(_items(rounds[0], [None] * 16)) == [True] * 16  # the freed slots serve again
+    _readback(q, rounds[0])
+    q.close()

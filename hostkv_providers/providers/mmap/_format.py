@@ -220,6 +220,17 @@ def _seal_batch_finish(head: tuple[npt.NDArray[Any], npt.NDArray[np.uint64] | No
     return recs.tobytes()
 
 
+def _encode_drops(keys: npt.NDArray[Any], seq: int) -> bytes:
+    """The drop records of many entries (``V32`` keys) as one blob, byte for byte what
+    ``_encode(OP_DROP, key, seq=seq)`` gives for each."""
+    recs = np.zeros(len(keys), RECORD_DTYPE)
+    recs["op"] = OP_DROP
+    recs["key"] = keys
+    recs["seq"] = seq
+    _seal_folds(recs)
+    return recs.tobytes()
+
+
 def _build_records(cols: dict[str, Any]) -> npt.NDArray[Any]:
     """Snapshot records from :meth:`MmapProvider._snapshot_columns`, folded: the seals, then
     the anchors (stamped with the newest tick: they must sort after their entry's seal)."""

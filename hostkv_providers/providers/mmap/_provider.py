@@ -90,6 +90,7 @@ from ._format import (
     OP_RETAIN,
     REC_NBYTES,
     RECORD_DTYPE,
+    _encode_drops,
     _encode_seals,
     _seal_batch_finish,
     _seal_batch_head,
@@ -1080,28 +1081,48 @@ class MmapProvider(_Maintenance):
 
     def _free_rows_storage(self, rows: Sequence[int], *, journal: bool) -> None:
         """Journal the removal of ``rows`` (already out of the index), clear their slot headers
-        and free their runs and anchors.  Caller holds the lock."""
+        and free their runs and anchors.  Caller holds the lock.  Many rows (a full store evicts
+        a chunk's worth for every put_many chunk) go by arrays: their drop records encoded as
+        one blob, their headers zeroed and runs freed per data file in one pass each."""
         if not rows:
             return
         idx = self._idx
         if journal and not self._readonly:
             idx.clock += 1
-            recs = [self._encode(OP_DROP, idx.key[r].tobytes(), seq=idx.clock) for r in rows]
+            if len(rows) >= 8:
+                recs = [_encode_drops(idx.key[np.asarray(rows, np.int64)], idx.clock)]
+            else:
+                recs = [self._encode(OP_DROP, idx.key[r].tobytes(), seq=idx.clock) for r in rows]
             self._journal(recs)
             _fsutil.crash_point("mmap.evict.after_drop")
-        for r in rows:
-            fid, slot, nslots = int(idx.file[r]), int(idx.slot[r]), int(idx.nslots[r])
-            sf = self._files.get(fid)
-            if not self._readonly:
-                if sf is not None and not sf.closed:
-                    sf.clear(slot, nslots)
-                self._release_run(fid, slot, nslots)
-            for a in (idx.anchors.pop(r, None) or {}).values():
-                asf = self._files.get(a.file)
+        if len(rows) >= 8 and not self._readonly:
+            arr = np.asarray(rows, np.int64)
+            fids, slots, nslots = idx.file[arr], idx.slot[arr], idx.nslots[arr]
+            for fid in np.unique(fids).tolist():
+                sel = fids == fid
+                fslots, fn = slots[sel], nslots[sel]
+                sf = self._files.get(fid)
+                for ns in np.unique(fn).tolist():
+                    runs = fslots[fn == ns]
+                    if sf is not None and not sf.closed:
+                        sf.begin_write_slots(runs.tolist(), ns)
+                    self._release_runs(fid, runs, ns)
+        else:
+            for r in rows:
+                fid, slot, nslots1 = int(idx.file[r]), int(idx.slot[r]), int(idx.nslots[r])
+                sf = self._files.get(fid)
                 if not self._readonly:
-                    if asf is not None and not asf.closed:
-                        asf.clear(a.slot, a.nslots)
-                    self._release_run(a.file, a.slot, a.nslots)
+                    if sf is not None and not sf.closed:
+                        sf.clear(slot, nslots1)
+                    self._release_run(fid, slot, nslots1)
+        if idx.anchors:
+            for r in rows:
+                for a in (idx.anchors.pop(r, None) or {}).values():
+                    asf = self._files.get(a.file)
+                    if not self._readonly:
+                        if asf is not None and not asf.closed:
+                            asf.clear(a.slot, a.nslots)
+                        self._release_run(a.file, a.slot, a.nslots)
         idx.recycle(rows)
         self._sync_evictions()
 

@@ -374,3 +374,14 @@ def test_batch_seal_records_equal_the_per_record_encoding(tmp_path: Path, n: int
                     for j, (k, q) in enumerate(zip(keys, parents, strict=True)))
     assert got == want
     p.close()
+
+
+def test_batch_drop_records_equal_the_per_record_encoding(tmp_path: Path) -> None:
+    import numpy as np
+
+    from hostkv_providers.providers.mmap import _format
+    p = make(tmp_path / "s")
+    keys = [key_of(f"drop-enc-{i}") for i in range(12)]
+    got = _format._encode_drops(np.frombuffer(b"".join(keys), "V32"), 991)
+    assert got == b"".join(p._encode(_format.OP_DROP, k, seq=991) for k in keys)
+    p.close()
