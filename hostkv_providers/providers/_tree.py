@@ -721,11 +721,13 @@ class TreeIndex:
 
     def commit_batch(self, batch: _Batch, *, nbytes: int, csums: npt.NDArray[np.uint64],
                      tag: str | bytes = "", created: float | None = None,
-                     gens: npt.NDArray[np.uint64] | None = None, **cols: Any) -> npt.NDArray[np.int64] | None:
-        """Seal every page of ``batch`` at once (columns assigned by slices); the rows, in batch
-        order.  ``None`` when a sealed parent of some page was dropped (corrupt) meanwhile: the
-        batch is then split into one flight per page (:meth:`split_run`) and the caller commits
-        page by page (:meth:`commit`), which fails exactly the pages under the dropped parent.
+                     gens: npt.NDArray[np.uint64] | None = None, key_blob: bytes | None = None,
+                     **cols: Any) -> npt.NDArray[np.int64] | None:
+        """Seal every page of ``batch`` at once (columns assigned by slices; ``key_blob``: the
+        keys joined, if the caller has them); the rows, in batch order.  ``None`` when a sealed
+        parent of some page was dropped (corrupt) meanwhile: the batch is then split into one
+        flight per page (:meth:`split_run`) and the caller commits page by page
+        (:meth:`commit`), which fails exactly the pages under the dropped parent.
         ``UnknownKeyError`` when the batch is no longer open."""
         if not batch.open:
             raise UnknownKeyError("the batch was already sealed or cancelled")
@@ -768,7 +770,7 @@ class TreeIndex:
             par[inner] = rows[ppos[inner]]
             self.parent[at] = par
             nchild = np.bincount(ppos[inner], minlength=n)
-        self.key[at] = np.frombuffer(b"".join(keys), dtype="V32")
+        self.key[at] = np.frombuffer(key_blob if key_blob is not None else b"".join(keys), dtype="V32")
         self.nbytes[at] = nbytes
         self.cost[at] = batch.cost
         if gens is None:
@@ -786,7 +788,8 @@ class TreeIndex:
         self._set_tags(at, tag)
         for name, value in cols.items():
             getattr(self, name)[at] = value
-        self.children[at] = 0 if nchild is None else nchild  # (recycled rows: reset by recycle())
+        if nchild is not None:  # (else 0 already: a new row is zero, a recycled one reset by recycle())
+            self.children[at] = nchild
         self.alive[at] = True
         row_list = rows.tolist()
         self._dict.update(zip(keys, row_list, strict=True))

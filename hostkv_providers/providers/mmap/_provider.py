@@ -639,7 +639,7 @@ class MmapProvider(_Maintenance):
         with self._lock:
             self._unfinished -= n
             if idx.commit_batch(batch, nbytes=nb, csums=csums, tag=tag, created=created,
-                                gens=np.arange(gen0, gen0 + n, dtype=np.uint64),
+                                gens=np.arange(gen0, gen0 + n, dtype=np.uint64), key_blob=key_blob,
                                 file=fids, slot=slots, nslots=nslots) is None:
                 # a stored parent was dropped (corrupt) while the bytes went out: page by page,
                 # in order, so exactly the pages under it fail (their records are journaled;

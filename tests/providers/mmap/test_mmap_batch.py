@@ -352,7 +352,7 @@ def test_batch_encoded_seal_records_equal_the_per_record_encoding(tmp_path: Path
     p.close()
 
 
-@pytest.mark.parametrize("n", [1, 20, 100])  # the row-wise fold (<= 64) and fold64
+@pytest.mark.parametrize("n", [1, 20, 33, 64, 100])  # lane integers (<= 32), numpy rows (<= 64), fold64
 @pytest.mark.parametrize("tag", [b"", b"tag-xyz"])
 def test_batch_seal_records_equal_the_per_record_encoding(tmp_path: Path, n: int, tag: bytes) -> None:
     """``put_many``'s batch path encodes a chunk's seal records as one array (its head before
