@@ -7,7 +7,8 @@ same load; the cost per page is ``(t_put - t_raw) / chunk`` with each side's fas
 all passes (best of N: the least disturbed one, this is a noisy shared machine; a store's
 first call, which creates its data file, does not count).  Cases: ``fresh`` (a new store),
 ``freed`` (the slots freed by evicting the previous pass), ``sync`` (``durability=sync``, raw
-side + one ``fdatasync`` per call).
+side + one ``fdatasync`` per call); and warm ``read_many`` against one ``preadv`` of the raw
+file (+ XXH3 of each page), mmap also with ``verify=never`` against ``preadv`` alone.
 
 ``--trees NAME=PATH ...`` runs the measuring process once per tree in turn (each with
 ``PYTHONPATH`` set to that tree), ``--alternate`` times, alternating A, B, A, B, ..., and prints
@@ -41,11 +42,11 @@ def _keys(n: int, tag: str) -> list[bytes]:
     return [hashlib.blake2b(f"{tag}/{i}".encode(), digest_size=32).digest() for i in range(n)]
 
 
-def _open(kind: str, path: str, page: int, budget: int, durability: str) -> Any:
+def _open(kind: str, path: str, page: int, budget: int, durability: str, verify: str = "read") -> Any:
     from hostkv_providers.providers import LmdbProvider, MmapProvider
 
     if kind == "mmap":
-        return MmapProvider(path, budget_bytes=budget, slot_nbytes=page, durability=durability)
+        return MmapProvider(path, budget_bytes=budget, slot_nbytes=page, durability=durability, verify=verify)
     return LmdbProvider(path, budget_bytes=budget, durability=durability, inline_max=0,
                         file_nbytes=max(page, 256 * MiB))
 
@@ -82,12 +83,40 @@ def _measure(kind: str, root: str, page: int, chunk: int, npages: int, passes: i
         best[case] = min(best.get(case, float("inf")), (t_put - t_raw) / chunk * 1e6)
         best[case + " raw"] = min(best.get(case + " raw", float("inf")), t_raw / chunk * 1e6)
 
+    outs = [memoryview(bytearray(page)) for _ in range(chunk)]
+
+    def read_pass(case: str, prov: Any, keys: list[bytes], hashed: bool) -> None:
+        """Warm reads: ``read_many`` of a chunk against one ``preadv`` of as many pages of the
+        raw file (+ XXH3 of each when ``hashed``), best call of each side."""
+        t_raw = t_get = float("inf")
+        for lo in range(0, len(keys) - chunk + 1, chunk):
+            ks = keys[lo : lo + chunk]
+            t0 = perf()
+            os.preadv(fd, outs, (lo % npages) * page)
+            if hashed:
+                for b in outs:
+                    digest(b)
+            t1 = perf()
+            got = prov.read_many(ks, outs)
+            t2 = perf()
+            if got != [True] * chunk:
+                raise RuntimeError("read_many missed")
+            t_raw, t_get = min(t_raw, t1 - t0), min(t_get, t2 - t1)
+        best[case] = min(best.get(case, float("inf")), (t_get - t_raw) / chunk * 1e6)
+
     budget = (npages + 2 * chunk) * page
     for rep in range(passes):
         store = os.path.join(root, f"{kind}-{rep}")
         p = _open(kind, store, page, budget, "process")
         keys = _keys(npages, f"{rep}-a")
         one_pass("fresh", p, keys, False)
+        read_pass("read_many warm (vs preadv + XXH3)", p, keys, True)
+        if kind == "mmap":
+            from hostkv_providers.providers import MmapProvider
+
+            q = MmapProvider(store, verify="never", readonly=True)  # a reader beside the writer
+            read_pass("read_many warm, verify=never (vs preadv)", q, keys, False)
+            q.close()
         p.evict(keys)
         one_pass("freed", p, _keys(npages, f"{rep}-b"), False)
         p.close()
