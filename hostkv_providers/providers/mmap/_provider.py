@@ -571,6 +571,9 @@ class MmapProvider(_Maintenance):
             try:
                 self._free_rows_storage(evicted, journal=True)
                 fids, slots = self._allocate_many(n, nslots)
+            except CapacityError:  # fragmented, nothing evictable: page by page says which pages fit
+                idx.cancel_run(batch)
+                return None
             except BaseException:
                 idx.cancel_run(batch)
                 raise
@@ -580,11 +583,12 @@ class MmapProvider(_Maintenance):
             self._tally("dedup", total - n)
         key_blob = b"".join(keys)
         tag = salt_tag.encode()
-        records = _seal_batch_head(key_blob, parents, tag, nslots, fids, slots, nb, gen0)
         slot_list = slots.tolist()
         by_file = self._by_file(fids)
         digests: list[int] = []
         try:
+            # the seal records but what the bytes decide (see _seal_batch_head)
+            records = _seal_batch_head(key_blob, parents, tag, nslots, fids, slots, nb, gen0)
             # slot protocol step 1 for every run before any of their bytes change
             for fid, sel in by_file:
                 self._files[fid].begin_write_slots(slot_list if sel is None else [slot_list[j] for j in sel],
@@ -656,7 +660,7 @@ class MmapProvider(_Maintenance):
                         self._release_run(fid, slot, nslots)
                         mine[j] = exc
             self._maybe_snapshot()
-        nseals = n if mine.count(True) == n else mine.count(True)
+        nseals = mine.count(True)
         self._tally("seals", nseals)
         self._tally("bytes_written", nseals * nb)
         if pos is None:
