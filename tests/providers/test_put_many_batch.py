@@ -254,3 +254,19 @@ def test_a_full_store_evicts_a_chunk_per_chunk_and_reopens_as_it_was(kind: str, 
     assert q.put_many(_items(rounds[0], [None] * 16)) == [True] * 16  # the freed slots serve again
     _readback(q, rounds[0])
     q.close()
+
+
+def test_mmap_batch_fills_scattered_free_slots_first_fit(tmp_path: Path) -> None:
+    p = _open("mmap", tmp_path / "s", budget_pages=32)
+    old = chain("scatter-old", 32)
+    assert p.put_many(_items(old, [None] * 32)) == [True] * 32
+    p.evict(old[1::2])  # every other slot free: no run of two
+    files = dict(p._files)
+    keys = chain("scatter-new", 16)
+    assert p.put_many(_items(keys, [None] * 16)) == [True] * 16
+    assert p._files == files  # into the freed slots, no new data file
+    taken = sorted(int(p._idx.slot[p._idx.row_of(k)]) for k in keys)
+    assert taken == list(range(1, 32, 2))
+    _readback(p, [*old[::2], *keys])
+    _settled(p, 32)
+    p.close()

@@ -115,9 +115,13 @@ class _Allocation(_MmapBase):
                             need = n - got
                             end = min(hi, pos + max(need, 65536))
                             if pos + need <= end and free[pos : pos + need].all():  # the common case
-                                take = np.arange(pos, pos + need, dtype=np.int64)
-                            else:
-                                take = np.flatnonzero(free[pos:end])[:need] + pos
+                                free[pos : pos + need] = False
+                                fids[got:] = fid
+                                slots[got:] = np.arange(pos, pos + need, dtype=np.int64)
+                                got = n
+                                self._cursor[fid] = pos + need
+                                break
+                            take = np.flatnonzero(free[pos:end])[:need] + pos
                             if len(take):
                                 free[take] = False
                                 fids[got : got + len(take)] = fid

@@ -673,9 +673,9 @@ class MmapProvider(_Maintenance):
     @staticmethod
     def _by_file(fids: npt.NDArray[np.int64]) -> list[tuple[int, list[int] | None]]:
         """The data files of a batch, each with the batch positions in it (``None``: all)."""
-        first = int(fids[0])
-        if (fids == first).all():
-            return [(first, None)]
+        ids = fids.tolist()
+        if ids.count(ids[0]) == len(ids):  # (Python on a chunk's list: cheaper than numpy calls)
+            return [(ids[0], None)]
         return [(int(f), np.flatnonzero(fids == f).tolist()) for f in np.unique(fids)]
 
     def _abort_batch(self, batch: Any, by_file: list[tuple[int, list[int] | None]], fids: npt.NDArray[np.int64],
