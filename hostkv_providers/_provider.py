@@ -314,6 +314,47 @@ class Provider(abc.ABC, metaclass=_ProviderMeta):
             out.append((k, p, view))
         return out
 
+    def _put_many_columns(self, items: object, salt_tag: object, *, tag_max: int | None = None
+                          ) -> tuple[list[Key], list[Key | None], list[memoryview]]:
+        """:meth:`_put_many_args` as three lists (keys, parents, byte views) for a batch path
+        that works on columns: the same checks and errors, the salt tag checked once (with the
+        first item) instead of per item, and no tuple built per page."""
+        if isinstance(items, (bytes, bytearray, memoryview, str)) or not isinstance(items, Sequence):
+            raise InvalidArgumentError("put_many items are (key, parent, data) tuples")
+        keys: list[Key] = []
+        parents: list[Key | None] = []
+        views: list[memoryview] = []
+        add_key, add_parent, add_view = keys.append, parents.append, views.append
+        for it in items:
+            if not isinstance(it, tuple) or len(it) != 3:
+                raise InvalidArgumentError("put_many items are (key, parent, data) tuples")
+            k, p, data = it
+            # readable_bytes, inline (this runs once per page)
+            try:
+                view = memoryview(data)
+            except TypeError:
+                raise InvalidArgumentError(
+                    f"data must support the buffer protocol, got {type(data).__name__}") from None
+            if not view.c_contiguous:
+                raise InvalidArgumentError("data must be C-contiguous")
+            if view.ndim != 1 or view.format != "B":
+                view = view.cast("B")
+            if not keys:  # the first item: every check, the salt tag's included
+                k, p, _ = self._reserve_args(k, p, view.nbytes, salt_tag, tag_max=tag_max)
+            else:
+                if type(k) is not bytes or len(k) != KEY_NBYTES:
+                    k = as_key(k)
+                if p is not None and (type(p) is not bytes or len(p) != KEY_NBYTES):
+                    p = as_key(p, "parent")
+                if not view.nbytes:
+                    raise InvalidArgumentError("nbytes must be a positive int, got 0")
+                if p == k:
+                    raise InvalidArgumentError("an entry cannot be its own parent")
+            add_key(k)
+            add_parent(p)
+            add_view(view)
+        return keys, parents, views
+
     def _read_many_args(self, keys: object, outs: object) -> tuple[list[Key], Sequence[object]]:
         """Validate ``read_many``'s arguments: the keys, and one output buffer per key (each
         buffer is checked against its entry's size by the read itself)."""

@@ -761,6 +761,151 @@ class SlotFile:
         lo = FILE_HEADER_NBYTES + slot * SLOT_HEADER_NBYTES
         m[lo : lo + SLOT_HEADER_NBYTES] = body + _digest(body).to_bytes(8, "little")
 
+    # -- batches of equal entries (put_many's chunk path: lists of ints, no tuple per page) -----
+    def _check_slots(self, slots: Sequence[int], nslots: int) -> None:
+        if slots and (nslots <= 0 or min(slots) < 0 or max(slots) + nslots > self.slot_count):
+            self._check_run(min(slots) if min(slots) < 0 else max(slots), max(nslots, 1))  # raises
+            raise InvalidArgumentError(f"slot runs of {nslots} outside {self.path}")
+
+    def begin_write_slots(self, slots: Sequence[int], nslots: int) -> None:
+        """:meth:`begin_write_runs` of disjoint runs of ``nslots`` slots starting at ``slots``
+        (every run checked first): protocol step 1, before any data byte of them changes.  Runs
+        that tile one range (fresh space) are zeroed with one copy."""
+        self._need_writable()
+        self._check_slots(slots, nslots)
+        if not slots:
+            return
+        v = self._v()
+        lo, hi = min(slots), max(slots) + nslots
+        if hi - lo == len(slots) * nslots:
+            a = FILE_HEADER_NBYTES + lo * SLOT_HEADER_NBYTES
+            v[a : a + (hi - lo) * SLOT_HEADER_NBYTES] = bytes((hi - lo) * SLOT_HEADER_NBYTES)
+            return
+        lo = hi = -1
+        for slot in sorted(slots):
+            a = FILE_HEADER_NBYTES + slot * SLOT_HEADER_NBYTES
+            if a > hi:
+                if hi > lo:
+                    v[lo:hi] = bytes(hi - lo)
+                lo = a
+            hi = max(hi, a + nslots * SLOT_HEADER_NBYTES)
+        if hi > lo:
+            v[lo:hi] = bytes(hi - lo)
+
+    def write_slots(self, slots: Sequence[int], nbytes: int, views: Sequence[memoryview],
+                    digests: list[int]) -> None:
+        """:meth:`write_runs` of entries of equal size ``nbytes`` at ``slots`` (one per buffer of
+        ``views``, headers already zeroed): runs that lie back to back go out in one ``pwritev``;
+        ``digests`` receives the XXH3-64 of every buffer, computed as :meth:`write_runs` does (on
+        the I/O pool beside the writes for a large batch, else right before each group's write).
+        Every digest is in place, and no hash task still runs, when this returns or raises."""
+        self._need_writable()
+        n = len(views)
+        if len(slots) != n:
+            raise InvalidArgumentError(f"{len(slots)} slots for {n} buffers")
+        for v in views:
+            if v.nbytes != nbytes:
+                raise SpanError(f"a whole-entry write of {v.nbytes} bytes for an entry of {nbytes}")
+        sn = self.slot_nbytes
+        nslots = max(1, -(-nbytes // sn))
+        self._check_slots(slots, nslots)
+        digest = xxhash.xxh3_64_intdigest
+        digests[:] = [0] * n
+        if not n:
+            return
+        if self.io != "syscall":
+            m = self._v()
+            base = self.data_offset
+            for j, slot in enumerate(slots):
+                digests[j] = digest(views[j])
+                m[base + slot * sn : base + slot * sn + nbytes] = views[j]
+            return
+        fd = self.fd
+        total = n * nbytes
+        hash_ahead = _use_pool(total, n)
+        # hashes on the pool: as few pwritev calls as IOV_MAX allows; else hashed group by group
+        # right before each write, in groups of _GROUP_NBYTES (still in the caches for the copy)
+        per_group = _IOV_MAX if hash_ahead else max(1, min(_IOV_MAX, _GROUP_NBYTES // nbytes))
+        # groups [a, b) of positions whose runs follow each other back to back in the file (only
+        # an entry that fills its slots exactly is followed by the next run's first byte)
+        step = nslots if nbytes == nslots * sn else -1
+        edges = [0]
+        prev = slots[0]
+        a = 0
+        for j in range(1, n):
+            s = slots[j]
+            if s != prev + step or j - a >= per_group:
+                edges.append(j)
+                a = j
+            prev = s
+        edges.append(n)
+        base = self.data_offset
+        path = self.path
+
+        def work(lo: int, hi: int) -> None:
+            for g in range(lo, hi):
+                a, b = edges[g], edges[g + 1]
+                start = base + slots[a] * sn
+                if not hash_ahead:
+                    for j in range(a, b):
+                        digests[j] = digest(views[j])
+                try:
+                    done = os.pwritev(fd, views[a:b], start) if b - a > 1 else os.pwrite(fd, views[a], start)
+                except OSError as exc:
+                    raise _fsutil.io_error(exc, f"writing slots of {path}") from exc
+                if done < (b - a) * nbytes:  # a short write: finish page by page from where it stopped
+                    pos = start
+                    for buf in views[a:b]:
+                        if done < buf.nbytes:
+                            _fsutil.write_all(fd, buf[max(done, 0):], pos + max(done, 0),
+                                              f"writing slots of {path}")
+                        done -= buf.nbytes
+                        pos += buf.nbytes
+
+        ngroups = len(edges) - 1
+        if not hash_ahead:
+            work(0, ngroups)
+            return
+
+        def hash_slice(lo: int, hi: int) -> None:
+            for j in range(lo, hi):
+                digests[j] = digest(views[j])
+
+        parts = max(1, min(_IO_THREADS, total // _HASH_SLICE_NBYTES, n))
+        per = -(-n // parts)
+        futures: list[concurrent.futures.Future[None]] = []
+        error: BaseException | None = None
+        try:
+            for lo in range(0, n, per):
+                try:
+                    futures.append(_pool().submit(hash_slice, lo, min(n, lo + per)))
+                except RuntimeError:  # the interpreter is exiting (no new pool tasks): hash here
+                    hash_slice(lo, n)
+                    break
+            work(0, ngroups)
+        except BaseException as exc:
+            error = exc
+        _join(futures, error)
+
+    def write_headers(self, slots: Sequence[int], keys: Sequence[bytes], parents: Sequence[bytes | None],
+                      generations: Sequence[int], nbytes: int, checksums: Sequence[int],
+                      _pack: Any = _HEADER_STRUCT.pack, _digest: Any = xxhash.xxh3_64_intdigest) -> None:
+        """:meth:`write_header_of` of many entries of size ``nbytes`` (protocol step 3, after
+        their data): byte for byte what :meth:`write_header` writes, in one loop over the
+        columns (no tuple per page)."""
+        self._need_writable()
+        n = len(slots)
+        if not (len(keys) == len(parents) == len(generations) == len(checksums) == n):
+            raise InvalidArgumentError("write_headers: columns of different lengths")
+        self._check_slots(slots, max(1, -(-nbytes // self.slot_nbytes)))
+        m = self._v()
+        for j in range(n):
+            p = parents[j]
+            body = _pack(SLOT_MAGIC, keys[j], p or _ZERO_KEY, generations[j], nbytes, checksums[j],
+                         FLAG_HAS_PARENT if p is not None else 0, 0, 0, 0)
+            lo = FILE_HEADER_NBYTES + slots[j] * SLOT_HEADER_NBYTES
+            m[lo : lo + SLOT_HEADER_NBYTES] = body + _digest(body).to_bytes(8, "little")
+
     def clear(self, slot: int, nslots: int = 1) -> None:
         """Zero the headers of a run (free it on the medium; same as :meth:`begin_write`)."""
         self.begin_write(slot, nslots)

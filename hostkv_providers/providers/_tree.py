@@ -95,6 +95,27 @@ class _Run:
         self.open = True
 
 
+class _Batch(_Run):
+    """A batch of pages reserved in one go (:meth:`TreeIndex.begin_batch`): a forest, not only a
+    chain.  ``ppos[i]`` is the position of ``keys[i]``'s parent in the batch (always ``< i``) or
+    -1; ``prow[i]``/``pgen[i]`` name a parent that was already sealed (a row held by the batch,
+    once per page under it) or -1.  Like a :class:`_Run`, every key maps to this one object in
+    ``flights`` with ``cost`` per page; its root attributes (``parent``, ``chained`` ...) are
+    those of a flight without a parent, so the rules that look a flight up by key hold
+    unchanged.  What ``put_many`` of a file store reserves per chunk: no object per page."""
+
+    __slots__ = ("ninner", "nparents", "pgen", "ppos", "prow")
+
+    def __init__(self, keys: list[Key], cost: int, ppos: npt.NDArray[np.int64], prow: npt.NDArray[np.int64],
+                 pgen: npt.NDArray[np.uint64], nparents: int, ninner: int) -> None:
+        super().__init__(keys, -1, cost, 0, None, False)
+        self.ppos = ppos
+        self.prow = prow
+        self.pgen = pgen
+        self.nparents = nparents  # pages under a sealed parent
+        self.ninner = ninner  # pages under a parent in the batch
+
+
 class TreeIndex:
     """A prefix-closed tree with LRU-leaf eviction, holds, retained entries and an O(1) budget
     guard, over numpy columns (see the module docstring).
@@ -257,6 +278,16 @@ class TreeIndex:
             tid = self._tag_ids[t] = len(self.tags)
             self.tags.append(t)
         self.m_tag_id[row] = tid
+
+    def _set_tags(self, rows: npt.NDArray[np.int64] | slice, tag: str | bytes) -> None:
+        """:meth:`_set_tag` of many rows at once (a subclass that stores tags differently
+        overrides both)."""
+        t = tag.decode("utf-8", "replace") if isinstance(tag, bytes) else tag
+        tid = self._tag_ids.get(t)
+        if tid is None:
+            tid = self._tag_ids[t] = len(self.tags)
+            self.tags.append(t)
+        self.tag_id[rows] = tid
 
     def checksum_of(self, row: int) -> int | None:
         return self.m_csum[row] if self.m_has_csum[row] else None
@@ -552,12 +583,7 @@ class TreeIndex:
         self.used[rows] = now
         self.tick[rows] = np.arange(self.clock + 1, self.clock + n + 1)
         self.clock += n
-        t = tag.decode("utf-8", "replace") if isinstance(tag, bytes) else tag
-        tid = self._tag_ids.get(t)
-        if tid is None:
-            tid = self._tag_ids[t] = len(self.tags)
-            self.tags.append(t)
-        self.tag_id[rows] = tid
+        self._set_tags(rows, tag)
         for name, value in cols.items():
             getattr(self, name)[rows] = value
         self.children[rows[:-1]] = 1  # (recycled rows were reset by recycle(); new rows are zero)
@@ -588,6 +614,10 @@ class TreeIndex:
             if fl.get(k) is run:
                 del fl[k]
         self.used_cost -= len(run.keys) * run.cost
+        if isinstance(run, _Batch):
+            for prow, pgen in zip(run.prow.tolist(), run.pgen.tolist(), strict=True):
+                if prow >= 0 and self.is_live(prow, pgen):
+                    self._unhold(prow)
         if run.parent >= 0 and self.is_live(run.parent, run.parent_gen):
             self._unhold(run.parent)
         if run.chained and run.parent < 0 and run.pkey is not None:
@@ -609,10 +639,180 @@ class TreeIndex:
         run.open = False
         fl = self.flights
         keys = run.keys
+        if isinstance(run, _Batch):
+            # (each page under a sealed parent holds it already: the hold passes to its flight)
+            for i, (j, prow, pgen) in enumerate(zip(run.ppos.tolist(), run.prow.tolist(), run.pgen.tolist(),
+                                                    strict=True)):
+                if j >= 0:
+                    fl[keys[i]] = _Flight(-1, run.cost, 0, keys[j], chained=True)
+                    self._waiting.setdefault(keys[j], []).append(keys[i])
+                else:
+                    fl[keys[i]] = _Flight(prow, run.cost, pgen)
+            return
         fl[keys[0]] = _Flight(run.parent, run.cost, run.parent_gen, run.pkey, run.chained)
         for prev, k in itertools.pairwise(keys):
             fl[k] = _Flight(-1, run.cost, 0, prev, chained=True)
             self._waiting.setdefault(prev, []).append(k)
+
+    # -- batches (a chunk of put_many: a forest reserved and sealed as one) -----------------------
+    def begin_batch(self, keys: list[Key], parents: list[Key | None], cost: int
+                    ) -> tuple[_Batch, list[int]] | None:
+        """Reserve ``keys`` (``cost`` each) as one :class:`_Batch`: ``parents[i]`` is ``None``, a
+        sealed key, or a key *earlier* in the batch.  C-speed passes over the keys, plus a little
+        Python per page whose parent is neither ``None`` nor the page just before it (a chain).
+        Returns ``(batch, evicted_rows)``, or ``None`` — nothing changed — when the batch is not
+        the plain case (a key sealed, in flight or repeated, a parent neither sealed nor earlier
+        in the batch, or not room for all of it): the caller then reserves page by page, which
+        gives each page its exact outcome (dedup, ``InFlightError``, ``UnknownKeyError``, a
+        prefix on ``CapacityError``).  Room is made for the whole batch at once, taking the
+        least-recently-used leaves in the order page-by-page reservations would take them."""
+        n = len(keys)
+        if not n or len(parents) != n:
+            return None
+        fl = self.flights
+        if (fl and any(map(fl.__contains__, keys))) or any(map(self.contains_fn, keys)) or len(set(keys)) != n:
+            return None
+        prow = np.full(n, -1, np.int64)
+        ext: list[int] = []  # rows of the sealed parents, one per page under one
+        ninner = 0
+        if parents.count(None) == n:
+            ppos = prow.copy()
+        elif parents[1:] == keys[:-1]:  # a chain; its root's parent sealed (or none)
+            ppos = np.arange(-1, n - 1, dtype=np.int64)
+            ninner = n - 1
+            if parents[0] is not None:
+                r = self.row_of(parents[0])
+                if r < 0:
+                    return None
+                prow[0] = r
+                ext.append(r)
+        else:
+            at = dict(zip(keys, range(n), strict=True)).get
+            pp = [-1 if p is None else at(p, -2) for p in parents]
+            for i, j in enumerate(pp):
+                if j == -2:
+                    r = self.row_of(parents[i])  # type: ignore[arg-type]
+                    if r < 0:
+                        return None  # neither sealed nor in this batch (nor: in flight elsewhere)
+                    prow[i] = r
+                    ext.append(r)
+                    pp[i] = -1
+                elif j >= i:
+                    return None  # a parent later in the batch
+                elif j >= 0:
+                    ninner += 1
+            ppos = np.asarray(pp, dtype=np.int64)
+        pgen = np.zeros(n, np.uint64)
+        for r in ext:
+            self.m_hold[r] += 1  # first: making room must not evict a parent
+        try:
+            evicted = self.make_room(n * cost)
+        except CapacityError:
+            for r in ext:
+                self._unhold(r)  # (make_room evicted nothing)
+            return None
+        if ext:
+            sel = prow >= 0
+            pgen[sel] = self.gen[prow[sel]]
+        batch = _Batch(keys, cost, ppos, prow, pgen, len(ext), ninner)
+        fl.update(zip(keys, itertools.repeat(batch)))
+        self.used_cost += n * cost
+        return batch, evicted
+
+    def commit_batch(self, batch: _Batch, *, nbytes: int, csums: npt.NDArray[np.uint64],
+                     tag: str | bytes = "", created: float | None = None,
+                     gens: npt.NDArray[np.uint64] | None = None, key_blob: bytes | None = None,
+                     **cols: Any) -> npt.NDArray[np.int64] | None:
+        """Seal every page of ``batch`` at once (columns assigned by slices; ``key_blob``: the
+        keys joined, if the caller has them); the rows, in batch order.  ``None`` when a sealed
+        parent of some page was dropped (corrupt) meanwhile: the batch is then split into one
+        flight per page (:meth:`split_run`) and the caller commits page by page
+        (:meth:`commit`), which fails exactly the pages under the dropped parent.
+        ``UnknownKeyError`` when the batch is no longer open."""
+        if not batch.open:
+            raise UnknownKeyError("the batch was already sealed or cancelled")
+        keys = batch.keys
+        n = len(keys)
+        prow, ppos = batch.prow, batch.ppos
+        ext: list[int] = []
+        if batch.nparents:
+            ext = prow[prow >= 0].tolist()
+            for r, g in zip(ext, batch.pgen[prow >= 0].tolist(), strict=True):
+                if not self.is_live(r, g):
+                    self.split_run(batch)
+                    return None
+        batch.open = False
+        fl = self.flights
+        for k in keys:
+            del fl[k]
+        free = self._free_rows
+        take = min(len(free), n)
+        fresh = n - take
+        if self.n + fresh > self.cap:
+            self._grow(max(self.cap * 2, self.n + fresh))
+        at: slice | npt.NDArray[np.int64]
+        if take:
+            rows = np.empty(n, np.int64)
+            rows[:take] = free[len(free) - take:]
+            del free[len(free) - take:]
+            rows[take:] = np.arange(self.n, self.n + fresh)
+            at = rows
+        else:  # fresh rows: contiguous, assigned by slices
+            rows = np.arange(self.n, self.n + n, dtype=np.int64)
+            at = slice(self.n, self.n + n)
+        self.n += fresh
+        nchild: npt.NDArray[np.int64] | None = None
+        if not batch.nparents and not batch.ninner:
+            self.parent[at] = -1
+        else:
+            inner = ppos >= 0
+            par = prow.copy()
+            par[inner] = rows[ppos[inner]]
+            self.parent[at] = par
+            nchild = np.bincount(ppos[inner], minlength=n)
+        self.key[at] = np.frombuffer(key_blob if key_blob is not None else b"".join(keys), dtype="V32")
+        self.nbytes[at] = nbytes
+        self.cost[at] = batch.cost
+        if gens is None:
+            gens = np.arange(self._next_gen, self._next_gen + n, dtype=np.uint64)
+        self.gen[at] = gens
+        self._next_gen = max(self._next_gen, int(gens.max())) + 1
+        self.csum[at] = csums
+        self.has_csum[at] = True
+        now = time.time()
+        self.created[at] = now if created is None else created
+        self.used[at] = now
+        tick0 = self.clock + 1
+        self.tick[at] = np.arange(tick0, tick0 + n)
+        self.clock += n
+        self._set_tags(at, tag)
+        for name, value in cols.items():
+            getattr(self, name)[at] = value
+        if nchild is not None:  # (else 0 already: a new row is zero, a recycled one reset by recycle())
+            self.children[at] = nchild
+        self.alive[at] = True
+        row_list = rows.tolist()
+        self._dict.update(zip(keys, row_list, strict=True))
+        self.count += n
+        self.sealed_cost += n * batch.cost
+        for r in ext:
+            # one more child under a sealed parent, and its page's hold released (it has a child
+            # now: not a leaf, nothing to push)
+            self.m_children[r] += 1
+            self.m_hold[r] -= 1
+        if self._waiting:
+            for k in self._waiting.keys() & set(keys):
+                self._adopt_children(k, self._dict[k])
+        # the new leaves into the LRU heap (a new row is not held nor retained: evictable)
+        push, heap = heapq.heappush, self._heap
+        if nchild is None:
+            for t, row in enumerate(row_list, tick0):
+                push(heap, t << _ROW_BITS | row)
+        else:
+            leaf = nchild == 0
+            for t, row in zip((np.flatnonzero(leaf) + tick0).tolist(), rows[leaf].tolist(), strict=True):
+                push(heap, t << _ROW_BITS | row)
+        return rows
 
     # -- budget ----------------------------------------------------------------------------------
     def make_room(self, cost: int, protect: int = -1) -> list[int]:

@@ -585,3 +585,137 @@ def test_holds_by_slices_match_holds_one_by_one() -> None:
     assert keys_of(big, big.evict_cost(10)) == [stale]  # the chain's leaf is still held once
     big.release_rows([rows[-1]], [gens[-1]])
     assert keys_of(big, big.evict_cost(10)) == [keys[-1]]  # released: an evictable leaf again
+
+
+# -- batches: a put_many chunk (a forest) reserved as one flight, sealed by slices ---------------
+def _state(idx: TreeIndex) -> dict[Key, tuple[Key | None, int, int, int, int]]:
+    """Per sealed key: parent, nbytes, cost, children, hold (what a batch must leave exactly as
+    page-by-page reservations and commits would)."""
+    out = {}
+    for r in idx.live_rows().tolist():
+        out[idx.key_of(r)] = (idx.parent_key(r), int(idx.nbytes[r]), int(idx.cost[r]), int(idx.children[r]),
+                              int(idx.hold[r]))
+    return out
+
+
+def test_begin_batch_declines_all_but_the_plain_case_and_changes_nothing() -> None:
+    idx = TreeIndex(budget=1000)
+    stored = chain("batch-stored", 2)
+    seal(idx, stored[0])
+    used, flights, holds = idx.used_cost, dict(idx.flights), idx.hold.copy()
+    keys = chain("batch-decline", 3)
+    none3: list[Key | None] = [None, None, None]
+    assert idx.begin_batch([stored[0], *keys[:2]], none3, 10) is None  # a key already sealed
+    assert idx.begin_batch([keys[0], keys[1], keys[0]], none3, 10) is None  # a repeated key
+    assert idx.begin_batch(keys, [chain("nowhere", 1)[0], None, None], 10) is None  # parent unknown
+    assert idx.begin_batch(keys, [None, keys[2], None], 10) is None  # a parent later in the batch
+    assert idx.begin_batch(keys, [stored[0], stored[0], stored[0]], 400) is None  # 1,200 does not fit
+    assert idx.begin_batch(keys, none3[:2], 10) is None  # columns of different lengths
+    ok, _, _ = idx.begin(keys[1], None, 10)
+    assert ok
+    assert idx.begin_batch(keys, none3, 10) is None  # a key in flight at another writer
+    assert idx.begin_batch([stored[1]], [keys[1]], 10) is None  # its parent is in flight elsewhere
+    idx.cancel(keys[1])
+    assert idx.used_cost == used and idx.flights == flights and (idx.hold == holds).all()
+
+
+@pytest.mark.parametrize("shape", ["roots", "chain", "forest"])
+def test_commit_batch_leaves_the_index_as_page_by_page_commits_do(shape: str) -> None:
+    base = chain(f"batch-{shape}-base", 2)
+    keys = chain(f"batch-{shape}", 6)
+    if shape == "roots":
+        parents: list[Key | None] = [None] * 6
+    elif shape == "chain":
+        parents = [base[1], *keys[:-1]]
+    else:  # two chains under stored pages, a root, a fork inside the batch
+        parents = [base[0], keys[0], base[1], None, keys[0], base[0]]
+    ref, idx = TreeIndex(budget=1000), TreeIndex(budget=1000)
+    for t in (ref, idx):
+        seal(t, base[0])
+        seal(t, base[1], base[0])
+    for k, q in zip(keys, parents, strict=True):  # the reference: the per-page protocol
+        ok, _, _ = ref.begin_chained(k, q, 10)
+        assert ok
+    for k in keys:
+        ref.commit(k, nbytes=8, csum=1, tag="t")
+    begun = idx.begin_batch(keys, parents, 10)
+    assert begun is not None
+    batch, evicted = begun
+    assert evicted == [] and all(idx.flights[k] is batch for k in keys) and idx.used_cost == 80
+    held = {q: parents.count(q) for q in base}
+    assert [int(idx.hold[row(idx, q)]) for q in base] == [held[base[0]], held[base[1]]]
+    rows = idx.commit_batch(batch, nbytes=8, csums=np.ones(6, np.uint64), tag="t")
+    assert rows is not None and keys_of(idx, rows.tolist()) == keys
+    assert _state(idx) == _state(ref)
+    assert not idx.flights and idx.used_cost == idx.sealed_cost == ref.sealed_cost
+    assert len({int(idx.gen[r]) for r in rows}) == 6 and idx.tag_of(int(rows[0])) == "t"
+    # the LRU order is the per-page one too: evicting everything takes the same leaves in turn
+    assert keys_of(idx, idx.evict_cost(80)) == keys_of(ref, ref.evict_cost(80))
+
+
+def test_commit_batch_reuses_recycled_rows() -> None:
+    idx = TreeIndex(budget=1000)
+    old = chain("batch-old", 4)
+    for k in old:
+        seal(idx, k)
+    idx.recycle(idx.evict_cost(40))
+    keys = chain("batch-reuse", 6)
+    batch, _ = idx.begin_batch(keys, [None, *keys[:-1]], 10) or (None, None)
+    assert batch is not None
+    rows = idx.commit_batch(batch, nbytes=10, csums=np.zeros(6, np.uint64))
+    assert rows is not None and idx.n == 6  # four recycled rows, two new ones
+    assert [idx.parent_key(int(r)) for r in rows] == [None, *keys[:-1]]
+    assert [int(idx.children[r]) for r in rows] == [1] * 5 + [0]
+    assert keys_of(idx, idx.evict_cost(10)) == [keys[-1]]
+
+
+def test_commit_batch_with_a_dropped_parent_splits_into_flights() -> None:
+    idx = TreeIndex(budget=1000)
+    base = chain("batch-drop-base", 1)[0]
+    seal(idx, base)
+    keys = chain("batch-drop", 3)
+    batch, _ = idx.begin_batch(keys, [base, keys[0], None], 10) or (None, None)
+    assert batch is not None
+    idx.drop(row(idx, base))  # corrupt meanwhile
+    assert idx.commit_batch(batch, nbytes=10, csums=np.zeros(3, np.uint64)) is None
+    assert all(not isinstance(idx.flights[k], type(batch)) for k in keys)  # one flight per page now
+    with pytest.raises(UnknownKeyError):
+        idx.commit(keys[0], nbytes=10)
+    with pytest.raises(UnknownKeyError):
+        idx.commit(keys[1], nbytes=10)  # its parent never sealed
+    idx.commit(keys[2], nbytes=10)
+    assert not idx.flights and len(idx) == 1 and idx.used_cost == idx.sealed_cost == 10
+
+
+def test_cancel_batch_releases_its_holds_and_orphans_waiters() -> None:
+    idx = TreeIndex(budget=1000)
+    base = chain("batch-cancel-base", 1)[0]
+    seal(idx, base)
+    keys = chain("batch-cancel", 3)
+    batch, _ = idx.begin_batch(keys, [base, base, keys[0]], 10) or (None, None)
+    assert batch is not None
+    other = chain("batch-cancel-other", 1)[0]
+    ok, _, _ = idx.begin_chained(other, keys[1], 10)  # another writer's page under a batch page
+    assert ok
+    assert int(idx.hold[row(idx, base)]) == 2
+    idx.cancel_run(batch)
+    idx.cancel_run(batch)  # idempotent
+    assert int(idx.hold[row(idx, base)]) == 0
+    with pytest.raises(UnknownKeyError):
+        idx.commit(other, nbytes=10)
+    with pytest.raises(UnknownKeyError):
+        idx.commit_batch(batch, nbytes=10, csums=np.zeros(3, np.uint64))
+    assert not idx.flights and idx.used_cost == 10
+    assert keys_of(idx, idx.evict_cost(10)) == [base]  # evictable again
+
+
+def test_begin_batch_makes_room_without_evicting_its_parents() -> None:
+    idx = TreeIndex(budget=50)
+    base = chain("batch-room-base", 3)
+    for k in base:
+        seal(idx, k)  # three roots, base[0] least recently used
+    keys = chain("batch-room", 3)
+    begun = idx.begin_batch(keys, [base[0], None, None], 10)
+    assert begun is not None
+    assert keys_of(idx, begun[1]) == [base[1]]  # base[0] is held as a parent: the next LRU leaf goes
+    assert idx.used_cost == 50

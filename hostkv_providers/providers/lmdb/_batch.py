@@ -46,7 +46,21 @@ from hostkv_providers._errors import (
 from hostkv_providers._keys import Key
 from hostkv_providers.providers._slotfile import ReadResult, SlotFile
 
-from ._format import _TAG_MAX, _BadRecord, _crash, _Entry, _Flight, _slot_nbytes
+from ._format import (
+    _CRC,
+    _ENTRY,
+    _ENTRY_VERSION,
+    _FLIGHT,
+    _HAS_PARENT,
+    _TAG_MAX,
+    _ZERO32,
+    _BadRecord,
+    _crash,
+    _crc32,
+    _Entry,
+    _Flight,
+    _slot_nbytes,
+)
 from ._gate import _alive
 from ._txn import _Tx
 
@@ -62,16 +76,228 @@ PUT_CHUNK = 64
 _Slot = tuple[int, Key, "Key | None", memoryview, int, int, int]
 
 
+class _NotPlain(Exception):
+    """Raised inside a batch transaction that finds the chunk is not the plain case: the nested
+    transaction rolls back (nothing changed) and the chunk goes page by page."""
+
+
 def put_many(p: LmdbProvider, items: Sequence[tuple[bytes, bytes | None, object]],
              salt_tag: str) -> list[bool | HostKVError]:
     p._writable("put_many")
-    checked = p._put_many_args(items, salt_tag, tag_max=_TAG_MAX)
+    keys, parents, views = p._put_many_columns(items, salt_tag, tag_max=_TAG_MAX)
     p._check_usable()
     out: list[bool | HostKVError] = []
     failed: set[Key] = set()  # keys that failed in this call: their children fail too
-    for lo in range(0, len(checked), PUT_CHUNK):
-        out += _put_chunk(p, checked[lo : lo + PUT_CHUNK], salt_tag, failed)
+    # close() waits for the call (it must not release the environment under a chunk between its
+    # reservation and its seal: the flights would outlive the handle, issue 16 item 7)
+    with p._write_call():
+        for lo in range(0, len(keys), PUT_CHUNK):
+            hi = lo + PUT_CHUNK
+            got = _put_batch(p, keys[lo:hi], parents[lo:hi], views[lo:hi], salt_tag, failed)
+            if got is None:
+                got = _put_chunk(p, list(zip(keys[lo:hi], parents[lo:hi], views[lo:hi], strict=True)), salt_tag,
+                                 failed)
+            out += got
     return out
+
+
+def _put_batch(p: LmdbProvider, keys: list[Key], parents: list[Key | None], views: list[memoryview],
+               salt_tag: str, failed: set[Key]) -> list[bool | HostKVError] | None:
+    """A chunk of equal slot pages as one batch: the records of :func:`_put_chunk`, byte for
+    byte, written by two transactions that work on the chunk's columns (one budget check and
+    one slot allocation for all of it, the flight and entry records packed directly, a parent
+    from the chunk inserted with its child counted instead of inserted as a leaf and updated),
+    slot headers zeroed, data written and headers written per file in one pass each.  ``None``
+    (nothing changed) when the chunk is not the plain case (sizes differ or are inline, a key
+    repeated, in flight or whose parent failed, a parent neither stored nor earlier in the
+    chunk, not room for all of it, a flight reclaimed meanwhile): then :func:`_put_chunk`."""
+    nb = views[0].nbytes
+    if nb <= p._inline_max or any(v.nbytes != nb for v in views) or len(set(keys)) != len(keys):
+        return None
+    if failed and any(q in failed for q in parents if q is not None):
+        return None
+    at = {k: j for j, k in enumerate(keys)}
+    for j, q in enumerate(parents):
+        if q is not None and at.get(q, -1) >= j:
+            return None  # a parent later in the chunk
+    owner, ttl = p._owner, p._lease_ttl
+    slot_nbytes = _slot_nbytes(nb)
+    pack_flight = _FLIGHT.pack
+
+    def reserve(tx: _Tx) -> tuple[list[int], int, list[int], list[int], list[bytes], list[int]]:
+        """The plain chunk's reservations: positions to store (the others are stored: dedup),
+        first generation, file ids, slots, the flight records written, the parents' gens."""
+        t, db = tx.t, tx.db
+        entries, flights = db["entries"], db["flights"]
+        get = t.get
+        if any(get(k, db=flights) is not None for k in keys):
+            raise _NotPlain  # in flight (or a dead writer's flight to reclaim): page by page
+        todo = [j for j, k in enumerate(keys) if get(k, db=entries) is None]
+        if not todo:
+            return todo, 0, [], [], [], []
+        n = len(todo)
+        if n * nb > tx.c.budget:
+            raise _NotPlain
+        gen0 = tx.c.gen + 1
+        gen_of = {keys[j]: gen0 + i for i, j in enumerate(todo)}
+        held: dict[Key, _Entry] = {}
+        pgens: list[int] = []
+        for j in todo:
+            q = parents[j]
+            if q is None:
+                pgens.append(0)
+            elif q in gen_of:
+                pgens.append(gen_of[q])
+            else:  # a stored parent (possibly stored as dedup in this chunk): held per page
+                pe = held.get(q) or tx.get_or_drop(q)
+                if pe is None:
+                    raise _NotPlain  # not stored: page by page gives the exact errors
+                held[q] = pe
+                tx.hold(pe)
+                pgens.append(pe.gen)
+        tx.make_room(n * nb)  # CapacityError: the nested transaction rolls back, page by page
+        fids, slots = tx.alloc_slots(slot_nbytes, n)
+        tx.c.gen += n
+        tx.c.used += n * nb
+        now = time.time()
+        recs: list[bytes] = []
+        put = t.put
+        for i, j in enumerate(todo):
+            q = parents[j]
+            rec = pack_flight(owner, 0 if q is None else 1, q or _ZERO32, pgens[i], nb, nb, gen0 + i, fids[i],
+                              slots[i], now, now + ttl)
+            put(keys[j], rec, db=flights)
+            recs.append(rec)
+        return todo, gen0, fids, slots, recs, pgens
+
+    try:
+        todo, gen0, fids, slots, recs, pgens = p._s.submit(reserve)
+    except (_NotPlain, CapacityError):
+        return None
+    _crash("lmdb.reserve.after_commit")
+    total = len(keys)
+    results: list[bool | HostKVError] = [False] * total
+    if len(todo) < total:
+        p._tally("dedup", total - len(todo))
+    if not todo:
+        return results
+    n = len(todo)
+    tkeys = [keys[j] for j in todo] if n < total else keys
+    tparents = [parents[j] for j in todo] if n < total else parents
+    tviews = [views[j] for j in todo] if n < total else views
+    gens = range(gen0, gen0 + n)
+    digests = [0] * n
+    files: dict[int, SlotFile] = {}
+    try:
+        by_file: dict[int, list[int]] = {}
+        for i, fid in enumerate(fids):
+            by_file.setdefault(fid, []).append(i)
+        for fid, sel in by_file.items():
+            sf = files[fid] = p._s.slot_file(fid)
+            one = len(sel) == n
+            fslots = slots if one else [slots[i] for i in sel]
+            # Invalidate every slot's header before any byte of it changes, so neither a stale
+            # record nor a reader in another process can accept a half-overwritten slot.
+            sf.begin_write_slots(fslots, 1)
+            got: list[int] = []
+            sf.write_slots(fslots, nb, tviews if one else [tviews[i] for i in sel], got)
+            if one:
+                digests = got
+            else:
+                for i, d in zip(sel, got, strict=True):
+                    digests[i] = d
+            # data first, then the header that vouches for it
+            if one:
+                sf.write_headers(fslots, tkeys, tparents, gens, nb, digests)
+            else:
+                sf.write_headers(fslots, [tkeys[i] for i in sel], [tparents[i] for i in sel],
+                                 [gens[i] for i in sel], nb, [digests[i] for i in sel])
+        _crash("lmdb.seal.after_header")
+    except BaseException:
+        _abort_keys(p, tkeys, gens)
+        raise
+    tag = salt_tag.encode()
+    pos = {k: i for i, k in enumerate(tkeys)}
+    nchild = [0] * n
+    ext: dict[Key, list[int]] = {}  # stored parent -> the pages under it
+    for i, q in enumerate(tparents):
+        if q is None:
+            continue
+        j = pos.get(q, -1)
+        if j >= 0:
+            nchild[j] += 1
+        else:
+            ext.setdefault(q, []).append(i)
+    pack_entry, pack_crc = _ENTRY.pack, _CRC.pack
+
+    def seal(tx: _Tx) -> None:
+        t, db = tx.t, tx.db
+        flights, entries, lru, children = db["flights"], db["entries"], db["lru"], db["children"]
+        get, put, delete = t.get, t.put, t.delete
+        for k, rec in zip(tkeys, recs, strict=True):
+            raw = get(k, db=flights)
+            if raw is None or bytes(raw) != rec:
+                raise _NotPlain  # reclaimed or replaced meanwhile: page by page
+        parents_now: list[tuple[_Entry, int]] = []
+        for q, under in ext.items():
+            pe = tx.get_or_drop(q)
+            if pe is None or pe.gen != pgens[under[0]]:
+                raise _NotPlain  # dropped (corrupt) meanwhile: page by page fails exactly those
+            parents_now.append((pe, len(under)))
+        for k in tkeys:
+            delete(k, db=flights)
+        tick0 = tx.c.tick + 1
+        tx.c.tick += n
+        now = time.time()
+        for i, k in enumerate(tkeys):
+            par = tparents[i]
+            body = pack_entry(_ENTRY_VERSION, 0 if par is None else _HAS_PARENT, par or _ZERO32, nb, nb, digests[i],
+                              now, now, tick0 + i, nchild[i], 0, gen0 + i, fids[i], slots[i]) + tag
+            put(k, body + pack_crc(_crc32(body)), db=entries)
+            if not nchild[i]:
+                put((tick0 + i).to_bytes(8, "big") + k, b"", db=lru)
+            if par is not None:
+                put(par + k, b"", db=children)
+        for pe, m in parents_now:
+            was = pe.evictable
+            pe.children += m
+            pe.hold = max(0, pe.hold - m)  # each page's reservation held it once
+            if was:
+                delete(pe.lru_key, db=lru)
+            tx.put(pe)
+        tx.c.sealed += n * nb
+
+    try:
+        p._s.submit(seal, durable=True, sync_files=tuple(files.values()))
+    except _NotPlain:
+        # the flights changed under us (reclaimed, a parent dropped): the per-page seal gives
+        # every page its exact outcome from the records as they are
+        return _seal_pages(p, [(todo[i], tkeys[i], tparents[i], tviews[i], gen0 + i, fids[i], slots[i])
+                               for i in range(n)], {todo[i]: digests[i] for i in range(n)}, {}, files, salt_tag,
+                           failed, results)
+    except BaseException:
+        # R7: a failed sync or commit fails the chunk for good; give the space back
+        _abort_keys(p, tkeys, gens)
+        raise
+    for j in todo:
+        results[j] = True
+    p._tally("seals", n)
+    p._tally("bytes_written", n * nb)
+    return results
+
+
+def _abort_keys(p: LmdbProvider, keys: Sequence[Key], gens: Sequence[int]) -> None:
+    """:func:`_abort_all` of a batch's reservations (keys and their generations)."""
+    if not keys:
+        return
+    abort_ops = [p._abort_op(k, g) for k, g in zip(keys, gens, strict=True)]
+
+    def op(tx: _Tx) -> None:
+        for a in reversed(abort_ops):  # children first: each releases its hold on its parent
+            a(tx)
+
+    with contextlib.suppress(HostKVError):
+        p._s.submit(op, frees=True)
 
 
 def _reserve_op(p: LmdbProvider, items: Sequence[tuple[Key, Key | None, memoryview]],
@@ -214,6 +440,14 @@ def _put_chunk(p: LmdbProvider, items: Sequence[tuple[Key, Key | None, memoryvie
     except BaseException:
         _abort_all(p, slots)
         raise
+    return _seal_pages(p, slots, digests, blobs, files, salt_tag, failed, results)
+
+
+def _seal_pages(p: LmdbProvider, slots: Sequence[_Slot], digests: dict[int, int], blobs: dict[int, bytes],
+                files: dict[int, SlotFile], salt_tag: str, failed: set[Key],
+                results: list[bool | HostKVError]) -> list[bool | HostKVError]:
+    """Step 3 of :func:`_put_chunk` page by page: one write transaction turns every flight of
+    ``slots`` (written, hashed: ``digests`` by chunk position) into an entry, root first."""
     seals = [(s[0], s[1], s[4], s[5], s[6], s[3].nbytes, digests[s[0]], blobs.get(s[0])) for s in slots]
     chunk_keys = {s[1] for s in slots}
 

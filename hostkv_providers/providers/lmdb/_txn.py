@@ -340,6 +340,41 @@ class _Tx:
         self.t.put(b"cur" + prefix, fid.to_bytes(8, "big"), db=meta)
         return fid, 0
 
+    def alloc_slots(self, slot_nbytes: int, n: int) -> tuple[list[int], list[int]]:
+        """``n`` slots of ``slot_nbytes`` (file ids, slots), the ones :meth:`alloc_slot` called
+        ``n`` times would hand out, in the same order: free slots first (one cursor walk), then
+        the current file's next unused slots with one update of its high-water mark, then new
+        files."""
+        fids: list[int] = []
+        slots: list[int] = []
+        prefix = slot_nbytes.to_bytes(8, "big")
+        cur = self.t.cursor(db=self.db["free"])
+        if cur.set_range(prefix):
+            while len(fids) < n:
+                k = bytes(cur.key())
+                if k[:8] != prefix:
+                    break
+                fids.append(int.from_bytes(k[8:16], "big"))
+                slots.append(int.from_bytes(k[16:24], "big"))
+                if not cur.delete():  # (deletes, then stands on the next record)
+                    break
+        meta = self.db["meta"]
+        while len(fids) < n:
+            raw = self.t.get(b"cur" + prefix, db=meta)
+            if raw is not None:
+                fid = int.from_bytes(raw, "big")
+                sn, count, hw = self.file_record(fid)
+                take = min(count - hw, n - len(fids))
+                if take > 0:
+                    self.t.put(fid.to_bytes(8, "big"), _FILE.pack(sn, count, hw + take), db=self.db["files"])
+                    fids += [fid] * take
+                    slots += range(hw, hw + take)
+                    continue
+            fid, slot = self.alloc_slot(slot_nbytes)  # a new slot file
+            fids.append(fid)
+            slots.append(slot)
+        return fids, slots
+
     def free_slot(self, file_id: int, slot: int) -> None:
         try:
             sn = self.file_record(file_id)[0]

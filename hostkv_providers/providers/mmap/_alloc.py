@@ -54,6 +54,12 @@ class _Allocation(_MmapBase):
         if free is not None:
             free[slot : slot + nslots] = True
 
+    def _release_runs(self, fid: int, slots: npt.NDArray[np.int64], nslots: int) -> None:
+        """:meth:`_release_run` of runs of ``nslots`` starting at ``slots``."""
+        free = self._free.get(fid)
+        if free is not None and len(slots):
+            free[slots if nslots == 1 else (slots[:, None] + np.arange(nslots)).reshape(-1)] = True
+
     def _find_run(self, nslots: int) -> tuple[int, int] | None:
         """First-fit from a per-file cursor, scanning windows of the free map (amortised O(1)
         per allocation instead of a scan of a million-slot map), wrapping around once."""
@@ -88,6 +94,52 @@ class _Allocation(_MmapBase):
                             return fid, s
                     pos = end
         return None
+
+    def _allocate_many(self, n: int, nslots: int) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        """``n`` free runs of ``nslots`` (file ids, first slots), first fit from each file's cursor
+        as :meth:`_allocate` of each would take them; single slots are found with array scans
+        (fresh space: one check), the rest and whatever the free maps lack then come from
+        :meth:`_allocate` (which grows the store or evicts).  Caller holds the lock and already
+        reserved the budget; on an error every run taken here is free again."""
+        fids = np.empty(n, np.int64)
+        slots = np.empty(n, np.int64)
+        got = 0
+        try:
+            if nslots == 1:
+                for fid, free in self._free.items():  # file ids are added in increasing order
+                    size = len(free)
+                    start = self._cursor.get(fid, 0) % size if size else 0
+                    for lo, hi in ((start, size), (0, start)):
+                        pos = lo
+                        while pos < hi and got < n:
+                            need = n - got
+                            end = min(hi, pos + max(need, 65536))
+                            if pos + need <= end and free[pos : pos + need].all():  # the common case
+                                free[pos : pos + need] = False
+                                fids[got:] = fid
+                                slots[got:] = np.arange(pos, pos + need, dtype=np.int64)
+                                got = n
+                                self._cursor[fid] = pos + need
+                                break
+                            take = np.flatnonzero(free[pos:end])[:need] + pos
+                            if len(take):
+                                free[take] = False
+                                fids[got : got + len(take)] = fid
+                                slots[got : got + len(take)] = take
+                                got += len(take)
+                                self._cursor[fid] = int(take[-1]) + 1
+                            pos = end
+                    if got == n:
+                        break
+            while got < n:
+                fid, slot = self._allocate(nslots, -1)
+                fids[got], slots[got] = fid, slot
+                got += 1
+        except BaseException:
+            for j in range(got):
+                self._release_run(int(fids[j]), int(slots[j]), nslots)
+            raise
+        return fids, slots
 
     def _allocate(self, nslots: int, protect: int) -> tuple[int, int]:
         """A free run of ``nslots``; grows the store by a data file or evicts LRU leaves when the

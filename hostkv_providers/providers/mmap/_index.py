@@ -51,6 +51,11 @@ class _Index(TreeIndex):
         self.tag[row] = raw.ljust(_TAG_MAX, b"\0")
         self.tag_len[row] = len(raw)
 
+    def _set_tags(self, rows: npt.NDArray[np.int64] | slice, tag: str | bytes) -> None:
+        raw = tag.encode("utf-8") if isinstance(tag, str) else tag
+        self.tag[rows] = np.void(raw.ljust(_TAG_MAX, b"\0"))
+        self.tag_len[rows] = len(raw)
+
     # -- bulk load -------------------------------------------------------------------------------
     def load_columns(self, L: npt.NDArray[np.uint64], parent_rows: npt.NDArray[np.int64],
                      costs: npt.NDArray[np.int64], base_k64: npt.NDArray[np.uint64],

@@ -96,11 +96,11 @@ class _Journal(_Allocation):
             self._jalloc = new
         _fsutil.write_all(fd, blob, self._jend, "appending to the index journal")
         self._jend = need
-        self._jrecords += len(records)
+        self._jrecords += len(blob) // REC_NBYTES  # (an item may be a batch's records joined)
 
     def _flush_none(self, force: bool = False) -> None:
         """``durability=none``: write buffered records in batches (caller holds the lock)."""
-        if self._nbuf and (force or len(self._nbuf) >= _NONE_BATCH
+        if self._nbuf and (force or sum(map(len, self._nbuf)) >= _NONE_BATCH * REC_NBYTES
                            or time.monotonic() - self._nbuf_t > _NONE_INTERVAL):
             batch, self._nbuf = self._nbuf, []
             self._nbuf_t = time.monotonic()
@@ -115,7 +115,8 @@ class _Journal(_Allocation):
             self._append(records)
 
     def _commit(self, record: bytes | Sequence[bytes]) -> None:
-        """Make seal records durable per the mode; raise if they could not be (R7)."""
+        """Make seal records durable per the mode; raise if they could not be (R7).  One
+        ``bytes`` may hold many records joined (a ``put_many`` chunk's: one wait for all)."""
         records = [record] if isinstance(record, bytes) else list(record)
         if self._durability == "none":
             with self._lock:

@@ -90,7 +90,10 @@ from ._format import (
     OP_RETAIN,
     REC_NBYTES,
     RECORD_DTYPE,
+    _encode_drops,
     _encode_seals,
+    _seal_batch_finish,
+    _seal_batch_head,
 )
 
 # Tests reach the record layout through this module (the format itself lives in ._format).
@@ -506,18 +509,191 @@ class MmapProvider(_Maintenance):
         """
         self._check_usable()
         self._need_writer("put_many")
-        checked = self._put_many_args(items, salt_tag, tag_max=_TAG_MAX)
+        keys, parents, views = self._put_many_columns(items, salt_tag, tag_max=_TAG_MAX)
         out: list[bool | HostKVError] = []
         with self._write_call():  # close() waits for it (it must not close a file under a pwrite)
-            for lo in range(0, len(checked), _PUT_BATCH):
+            for lo in range(0, len(keys), _PUT_BATCH):
                 if lo and self._closing:  # a close began during the last chunk's snapshot
                     raise ClosedError(f"{type(self).__name__} closed during put_many",
                                       hint=f"the first {lo} items are stored")
-                out += self._put_chunk(checked[lo : lo + _PUT_BATCH], salt_tag)
+                hi = lo + _PUT_BATCH
+                out += self._put_chunk(keys[lo:hi], parents[lo:hi], views[lo:hi], salt_tag)
                 self._snapshot_due()
         return out
 
-    def _put_chunk(self, items: Sequence[tuple[Key, Key | None, memoryview]],
+    def _put_chunk(self, keys: list[Key], parents: list[Key | None], views: list[memoryview],
+                   salt_tag: str) -> list[bool | HostKVError]:
+        """One chunk of ``put_many``: the batch path when the chunk is the plain case, else page
+        by page (the exact outcome of every page)."""
+        done = self._put_batch(keys, parents, views, salt_tag)
+        if done is not None:
+            return done
+        return self._put_pages(list(zip(keys, parents, views, strict=True)), salt_tag)
+
+    def _put_batch(self, keys: list[Key], parents: list[Key | None], views: list[memoryview],
+                   salt_tag: str) -> list[bool | HostKVError] | None:
+        """The chunk as one batch of equal pages (``TreeIndex.begin_batch``): reservations, slot
+        allocation, slot headers, journal records and the index commit each one pass over the
+        chunk's columns, no object per page; the protocol per page is unchanged (headers zeroed,
+        data, checksum from the caller's buffer, slot header, journal record, index).  ``None``
+        (nothing changed) when the chunk is not the plain case: pages of different sizes, a key
+        in flight or repeated, a parent neither stored nor earlier in the chunk, not room for
+        all of it.  Keys already stored are dedup (``False``) and may be parents of the others."""
+        nb = views[0].nbytes
+        for v in views:
+            if v.nbytes != nb:
+                return None
+        nslots = run_nslots(nb, self._slot)
+        cost = nslots * self._slot
+        if cost > self._budget:
+            return None
+        idx = self._idx
+        total = len(keys)
+        pos: list[int] | None = None
+        self._check_usable()
+        with self._lock:
+            self._check_usable()
+            self._check_failed()
+            stored = list(map(idx.contains_fn, keys))
+            if any(stored):  # dedup: the others form the batch (a stored key may be a parent)
+                pos = [i for i, s in enumerate(stored) if not s]
+                if not pos:
+                    self._tally("dedup", total)
+                    return [False] * total
+                keys = [keys[i] for i in pos]
+                parents = [parents[i] for i in pos]
+                views = [views[i] for i in pos]
+            begun = idx.begin_batch(keys, parents, cost)
+            if begun is None:
+                return None
+            batch, evicted = begun
+            n = len(keys)
+            try:
+                self._free_rows_storage(evicted, journal=True)
+                fids, slots = self._allocate_many(n, nslots)
+            except CapacityError:  # fragmented, nothing evictable: page by page says which pages fit
+                idx.cancel_run(batch)
+                return None
+            except BaseException:
+                idx.cancel_run(batch)
+                raise
+            gen0 = self._next_gen
+            self._next_gen += n
+        if pos is not None:
+            self._tally("dedup", total - n)
+        key_blob = b"".join(keys)
+        tag = salt_tag.encode()
+        slot_list = slots.tolist()
+        by_file = self._by_file(fids)
+        digests: list[int] = []
+        try:
+            # the seal records but what the bytes decide (see _seal_batch_head)
+            records = _seal_batch_head(key_blob, parents, tag, nslots, fids, slots, nb, gen0)
+            # slot protocol step 1 for every run before any of their bytes change
+            for fid, sel in by_file:
+                self._files[fid].begin_write_slots(slot_list if sel is None else [slot_list[j] for j in sel],
+                                                   nslots)
+            _fsutil.crash_point("mmap.reserve.after_clear")
+            # the caller's buffers, hashed while they are the source (no re-read of the file);
+            # then the headers that vouch for them (data first)
+            gens = range(gen0, gen0 + n)
+            if len(by_file) == 1:
+                sf = self._files[by_file[0][0]]
+                sf.write_slots(slot_list, nb, views, digests)
+                _fsutil.crash_point("mmap.write.partial")
+                sf.write_headers(slot_list, keys, parents, gens, nb, digests)
+            else:
+                digests[:] = [0] * n
+                parts = [(fid, sel or []) for fid, sel in by_file]
+                for fid, sel in parts:
+                    got: list[int] = []
+                    self._files[fid].write_slots([slot_list[j] for j in sel], nb, [views[j] for j in sel], got)
+                    for j, d in zip(sel, got, strict=True):
+                        digests[j] = d
+                _fsutil.crash_point("mmap.write.partial")
+                for fid, sel in parts:
+                    self._files[fid].write_headers([slot_list[j] for j in sel], [keys[j] for j in sel],
+                                                   [parents[j] for j in sel], [gens[j] for j in sel], nb,
+                                                   [digests[j] for j in sel])
+            _fsutil.crash_point("mmap.seal.after_header")
+            created = time.time()
+            csums = np.array(digests, np.uint64)
+            self._check_usable()
+            with self._lock:
+                self._check_usable()
+                if not batch.open:
+                    raise ClosedError(f"{type(self).__name__}: the reservations of this put_many were released")
+                seq0 = idx.clock + 1
+                idx.clock += n
+                self._dirty_files.update(fid for fid, _ in by_file)
+                self._unfinished += n
+        except BaseException:
+            with self._lock:
+                self._abort_batch(batch, by_file, fids, slot_list, nslots)
+            raise
+        try:
+            self._commit(_seal_batch_finish(records, csums, created, seq0))
+        except BaseException:
+            with self._lock:
+                self._unfinished -= n
+                self._abort_batch(batch, by_file, fids, slot_list, nslots)
+            raise
+        _fsutil.crash_point("mmap.seal.after_journal")
+        mine: list[bool | HostKVError] = [True] * n
+        with self._lock:
+            self._unfinished -= n
+            if idx.commit_batch(batch, nbytes=nb, csums=csums, tag=tag, created=created,
+                                gens=np.arange(gen0, gen0 + n, dtype=np.uint64), key_blob=key_blob,
+                                file=fids, slot=slots, nslots=nslots) is None:
+                # a stored parent was dropped (corrupt) while the bytes went out: page by page,
+                # in order, so exactly the pages under it fail (their records are journaled;
+                # open drops an entry whose parent is gone)
+                for j, k in enumerate(keys):
+                    fid, slot = int(fids[j]), slot_list[j]
+                    try:
+                        idx.commit(k, nbytes=nb, file=fid, slot=slot, nslots=nslots, gen=gen0 + j,
+                                   csum=digests[j], tag=tag, created=created)
+                    except UnknownKeyError as exc:
+                        dsf = self._files.get(fid)
+                        if dsf is not None and not dsf.closed:
+                            dsf.clear(slot, nslots)
+                        self._release_run(fid, slot, nslots)
+                        mine[j] = exc
+            self._maybe_snapshot()
+        nseals = mine.count(True)
+        self._tally("seals", nseals)
+        self._tally("bytes_written", nseals * nb)
+        if pos is None:
+            return mine
+        results: list[bool | HostKVError] = [False] * total
+        for i, r in zip(pos, mine, strict=True):
+            results[i] = r
+        return results
+
+    @staticmethod
+    def _by_file(fids: npt.NDArray[np.int64]) -> list[tuple[int, list[int] | None]]:
+        """The data files of a batch, each with the batch positions in it (``None``: all)."""
+        ids = fids.tolist()
+        if ids.count(ids[0]) == len(ids):  # (Python on a chunk's list: cheaper than numpy calls)
+            return [(ids[0], None)]
+        return [(int(f), np.flatnonzero(fids == f).tolist()) for f in np.unique(fids)]
+
+    def _abort_batch(self, batch: Any, by_file: list[tuple[int, list[int] | None]], fids: npt.NDArray[np.int64],
+                     slots: list[int], nslots: int) -> None:
+        """Release a batch that will not be sealed (caller holds the lock): its flights, its
+        slot headers (zeroed: a header written for bytes no record points at) and its runs."""
+        if not batch.open:
+            return
+        self._idx.cancel_run(batch)
+        for fid, sel in by_file:
+            s = slots if sel is None else [slots[j] for j in sel]
+            sf = self._files.get(fid)
+            if sf is not None and not sf.closed:
+                sf.begin_write_slots(s, nslots)
+            self._release_runs(fid, np.asarray(s, np.int64), nslots)
+        self._tally("aborts", len(batch.keys))
+
+    def _put_pages(self, items: Sequence[tuple[Key, Key | None, memoryview]],
                    salt_tag: str) -> list[bool | HostKVError]:
         results: list[bool | HostKVError] = [False] * len(items)
         todo: list[tuple[int, _MmapReservation, memoryview]] = []
@@ -909,28 +1085,48 @@ class MmapProvider(_Maintenance):
 
     def _free_rows_storage(self, rows: Sequence[int], *, journal: bool) -> None:
         """Journal the removal of ``rows`` (already out of the index), clear their slot headers
-        and free their runs and anchors.  Caller holds the lock."""
+        and free their runs and anchors.  Caller holds the lock.  Many rows (a full store evicts
+        a chunk's worth for every put_many chunk) go by arrays: their drop records encoded as
+        one blob, their headers zeroed and runs freed per data file in one pass each."""
         if not rows:
             return
         idx = self._idx
         if journal and not self._readonly:
             idx.clock += 1
-            recs = [self._encode(OP_DROP, idx.key[r].tobytes(), seq=idx.clock) for r in rows]
+            if len(rows) >= 8:
+                recs = [_encode_drops(idx.key[np.asarray(rows, np.int64)], idx.clock)]
+            else:
+                recs = [self._encode(OP_DROP, idx.key[r].tobytes(), seq=idx.clock) for r in rows]
             self._journal(recs)
             _fsutil.crash_point("mmap.evict.after_drop")
-        for r in rows:
-            fid, slot, nslots = int(idx.file[r]), int(idx.slot[r]), int(idx.nslots[r])
-            sf = self._files.get(fid)
-            if not self._readonly:
-                if sf is not None and not sf.closed:
-                    sf.clear(slot, nslots)
-                self._release_run(fid, slot, nslots)
-            for a in (idx.anchors.pop(r, None) or {}).values():
-                asf = self._files.get(a.file)
+        if len(rows) >= 8 and not self._readonly:
+            arr = np.asarray(rows, np.int64)
+            fids, slots, nslots = idx.file[arr], idx.slot[arr], idx.nslots[arr]
+            for fid in np.unique(fids).tolist():
+                sel = fids == fid
+                fslots, fn = slots[sel], nslots[sel]
+                sf = self._files.get(fid)
+                for ns in np.unique(fn).tolist():
+                    runs = fslots[fn == ns]
+                    if sf is not None and not sf.closed:
+                        sf.begin_write_slots(runs.tolist(), ns)
+                    self._release_runs(fid, runs, ns)
+        else:
+            for r in rows:
+                fid, slot, nslots1 = int(idx.file[r]), int(idx.slot[r]), int(idx.nslots[r])
+                sf = self._files.get(fid)
                 if not self._readonly:
-                    if asf is not None and not asf.closed:
-                        asf.clear(a.slot, a.nslots)
-                    self._release_run(a.file, a.slot, a.nslots)
+                    if sf is not None and not sf.closed:
+                        sf.clear(slot, nslots1)
+                    self._release_run(fid, slot, nslots1)
+        if idx.anchors:
+            for r in rows:
+                for a in (idx.anchors.pop(r, None) or {}).values():
+                    asf = self._files.get(a.file)
+                    if not self._readonly:
+                        if asf is not None and not asf.closed:
+                            asf.clear(a.slot, a.nslots)
+                        self._release_run(a.file, a.slot, a.nslots)
         idx.recycle(rows)
         self._sync_evictions()
 

@@ -350,3 +350,38 @@ def test_batch_encoded_seal_records_equal_the_per_record_encoding(tmp_path: Path
         r.parent = None
         r.abort()
     p.close()
+
+
+@pytest.mark.parametrize("n", [1, 20, 33, 64, 100])  # lane integers (<= 32), numpy rows (<= 64), fold64
+@pytest.mark.parametrize("tag", [b"", b"tag-xyz"])
+def test_batch_seal_records_equal_the_per_record_encoding(tmp_path: Path, n: int, tag: bytes) -> None:
+    """``put_many``'s batch path encodes a chunk's seal records as one array (its head before
+    the data goes out, the checksums, time and seq after): byte for byte ``_encode``'s."""
+    import numpy as np
+
+    from hostkv_providers.providers.mmap import _format
+    p = make(tmp_path / "s")
+    keys = [key_of(f"benc-{i}") for i in range(n)]
+    parents = [None if i % 3 == 0 else key_of(f"benc-parent-{i}") for i in range(n)]
+    files = np.array([1 + i % 2 for i in range(n)], np.int64)
+    slots = np.arange(7, 7 + n, dtype=np.int64)
+    digests = np.array([(i * 0x9E3779B97F4A7C15) & ((1 << 64) - 1) for i in range(n)], np.uint64)
+    got = _format._encode_seal_batch(b"".join(keys), parents, tag, 2, files, slots, 3 * PAGE // 2, 40, digests,
+                                     1234.5, 77)
+    want = b"".join(p._encode(_format.OP_SEAL, k, parent=q, tag=tag, file=int(files[j]), slot=int(slots[j]),
+                              nslots=2, nbytes=3 * PAGE // 2, gen=40 + j, checksum=int(digests[j]), created=1234.5,
+                              seq=77 + j)
+                    for j, (k, q) in enumerate(zip(keys, parents, strict=True)))
+    assert got == want
+    p.close()
+
+
+def test_batch_drop_records_equal_the_per_record_encoding(tmp_path: Path) -> None:
+    import numpy as np
+
+    from hostkv_providers.providers.mmap import _format
+    p = make(tmp_path / "s")
+    keys = [key_of(f"drop-enc-{i}") for i in range(12)]
+    got = _format._encode_drops(np.frombuffer(b"".join(keys), "V32"), 991)
+    assert got == b"".join(p._encode(_format.OP_DROP, k, seq=991) for k in keys)
+    p.close()
