@@ -146,7 +146,9 @@ def main() -> None:
         acc: dict[str, dict[str, float]] = {}
         for _ in range(a.alternate):
             for name, path in trees:
-                env = dict(os.environ, PYTHONPATH=os.path.abspath(path))
+                # the tree first; what PYTHONPATH held already (e.g. a wheel directory) after it
+                rest = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+                env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.abspath(path), *rest]))
                 cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--kind", *a.kind,
                        "--page", str(a.page), "--chunk", str(a.chunk), "--pages", str(a.pages),
                        "--passes", str(a.passes)] + (["--dir", a.dir] if a.dir else [])
