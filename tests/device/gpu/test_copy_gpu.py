@@ -370,9 +370,10 @@ def test_direct_restore_orders_the_stream_and_layer_zero_is_recorded_at_the_call
         per_layer = sum(t[n:].numel() for t in dp.tensors[:2])
         bad = []
         for _trial in range(20):
-            for t in dp.tensors:
-                t[n:].fill_(0xEE)
-            torch.cuda.synchronize()
+            with torch.cuda.stream(cs):  # (on cs: behind the last trial's checks, not racing them)
+                for t in dp.tensors:
+                    t[n:].fill_(0xEE)
+            cs.synchronize()
             with torch.cuda.stream(cs):
                 torch.cuda._sleep(2_000_000)  # the stream is busy: the waits are enqueued, not past
             h = eng.restore(pages, dp.planes, list(range(n, 2 * n)), layerwise=True)
@@ -387,9 +388,10 @@ def test_direct_restore_orders_the_stream_and_layer_zero_is_recorded_at_the_call
         cs.synchronize()
         assert per_layer and all(int(b.item()) == 0 for b in bad)
         # before= orders everything
-        for t in dp.tensors:
-            t[n:].fill_(0xEE)
-        torch.cuda.synchronize()
+        with torch.cuda.stream(cs):
+            for t in dp.tensors:
+                t[n:].fill_(0xEE)
+        cs.synchronize()
         eng.restore(pages, dp.planes, list(range(n, 2 * n)), layerwise=True, before=cs)
         with torch.cuda.stream(cs):
             total = sum((t[n:] != 9).sum() for t in dp.tensors)
