@@ -48,7 +48,7 @@ import os
 import struct
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -225,6 +225,28 @@ def _join(futures: Sequence[concurrent.futures.Future[None]], error: BaseExcepti
             error = error or exc
     if error is not None:
         raise error
+
+
+def _hash_while(n: int, total_nbytes: int, hash_slice: Callable[[int, int], None], work: Callable[[], None]) -> None:
+    """Run ``work()`` (the writes) on this thread while the pool hashes items ``[0, n)``: one task
+    per ``_HASH_SLICE_NBYTES``, in write order (the pwritev calls are the long pole: XXH3 runs
+    several times faster than the kernel's copy into the page cache).  Every hash is waited for,
+    then the first error raised."""
+    parts = max(1, min(_IO_THREADS, total_nbytes // _HASH_SLICE_NBYTES, n))
+    step = -(-n // parts)
+    futures: list[concurrent.futures.Future[None]] = []
+    error: BaseException | None = None
+    try:
+        for lo in range(0, n, step):
+            try:
+                futures.append(_pool().submit(hash_slice, lo, min(n, lo + step)))
+            except RuntimeError:  # the interpreter is exiting (no new pool tasks): hash here
+                hash_slice(lo, n)
+                break
+        work()
+    except BaseException as exc:
+        error = exc
+    _join(futures, error)
 
 
 def _spread(groups: list[tuple[int, list[int]]], nbytes: int, work: Any) -> None:
@@ -692,24 +714,7 @@ class SlotFile:
             for j in range(lo, hi):
                 out[j] = digest(runs[j][2])
 
-        # one hash task per _HASH_SLICE_NBYTES (the pwritev calls are the long pole: XXH3 runs
-        # several times faster than the kernel's copy into the page cache), in write order
-        n = len(runs)
-        parts = max(1, min(_IO_THREADS, total_nbytes // _HASH_SLICE_NBYTES, n))
-        step = -(-n // parts)
-        futures: list[concurrent.futures.Future[None]] = []
-        error: BaseException | None = None
-        try:
-            for lo in range(0, n, step):
-                try:
-                    futures.append(_pool().submit(hash_slice, lo, min(n, lo + step)))
-                except RuntimeError:  # the interpreter is exiting (no new pool tasks): hash here
-                    hash_slice(lo, n)
-                    break
-            work(groups)
-        except BaseException as exc:
-            error = exc
-        _join(futures, error)
+        _hash_while(len(runs), total_nbytes, hash_slice, lambda: work(groups))
 
     def _groups(self, runs: Sequence[tuple[int, int]], max_nbytes: int = _GROUP_NBYTES
                 ) -> list[tuple[int, list[int]]]:
@@ -871,21 +876,7 @@ class SlotFile:
             for j in range(lo, hi):
                 digests[j] = digest(views[j])
 
-        parts = max(1, min(_IO_THREADS, total // _HASH_SLICE_NBYTES, n))
-        per = -(-n // parts)
-        futures: list[concurrent.futures.Future[None]] = []
-        error: BaseException | None = None
-        try:
-            for lo in range(0, n, per):
-                try:
-                    futures.append(_pool().submit(hash_slice, lo, min(n, lo + per)))
-                except RuntimeError:  # the interpreter is exiting (no new pool tasks): hash here
-                    hash_slice(lo, n)
-                    break
-            work(0, ngroups)
-        except BaseException as exc:
-            error = exc
-        _join(futures, error)
+        _hash_while(n, total, hash_slice, lambda: work(0, ngroups))
 
     def write_headers(self, slots: Sequence[int], keys: Sequence[bytes], parents: Sequence[bytes | None],
                       generations: Sequence[int], nbytes: int, checksums: Sequence[int],
