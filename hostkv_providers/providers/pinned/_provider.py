@@ -847,7 +847,7 @@ class PinnedProvider(Provider):
         dead = set(gens.values())
         pins: dict[int, int] = {}
         for _rows, token_gens in self._lease_tokens.values():
-            for g in token_gens:
+            for g in token_gens.tolist() if isinstance(token_gens, np.ndarray) else token_gens:
                 if g in dead:
                     pins[g] = pins.get(g, 0) + 1
         for r in dropped:
@@ -931,7 +931,9 @@ class PinnedProvider(Provider):
             token: _Token = lease.token  # type: ignore[assignment]
             self._lease_tokens.pop(id(token), None)
             self._index.release_rows(*token)
-            for g in token[1] if self._limbo else ():  # (limbo: dropped entries still leased; rare)
+            # (limbo: dropped entries still leased; rare)
+            gens = (token[1].tolist() if isinstance(token[1], np.ndarray) else token[1]) if self._limbo else ()
+            for g in gens:
                 held = self._limbo.get(g)
                 if held is None:
                     continue

@@ -545,6 +545,28 @@ def test_leased_views_of_a_dropped_entry_are_never_reused(closing: list[Provider
     assert p.read_bytes(big) == page_bytes(big, 3 * PAGE)
 
 
+def test_a_chain_lease_keeps_a_dropped_entry_in_limbo(closing: list[Provider]) -> None:
+    """The same through a chain's lease (more than 8 keys: the lease holds its rows as arrays):
+    the dropped page stays in limbo until that lease lets go, and its view_pages fast path then
+    refuses the chain."""
+    p = _pinned(16, verify_reads=True)
+    closing.append(p)
+    keys = chain("limbo-chain", 12)
+    put_chain(p, keys, PAGE)
+    lease = p.lease(keys)
+    assert p.view_pages(lease, keys) is not None
+    regions = p._entry_regions(keys[-1])
+    assert regions is not None
+    regions[0].view[3] ^= 1  # a memory fault in the chain's last page
+    assert p.verify(repair=True).dropped == 1
+    assert p.stats().extra["limbo_entries"] == 1
+    assert p.view_pages(lease, keys) is None  # an entry of the lease is gone
+    assert p.view_pages(lease, keys[:-1]) is not None
+    lease.release()
+    assert p.stats().extra["limbo_entries"] == 0
+    assert p.present(keys) == [True] * 11 + [False]
+
+
 # ============================================================================================
 # Batches (put_many / read_many)
 # ============================================================================================
