@@ -8,7 +8,7 @@ import os
 import threading
 import weakref
 from abc import abstractmethod
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -105,7 +105,8 @@ class _MmapBase(Provider):
     The store is one object split by role into layers (each a file of this folder, each a base of
     the next): :class:`._alloc._Allocation` → :class:`._journal._Journal` →
     :class:`._snapshot._Snapshots` → :class:`._recovery._Recovery` →
-    :class:`._maintenance._Maintenance` → :class:`._provider.MmapProvider` (the verbs).  The
+    :class:`._maintenance._Maintenance` → :class:`._anchors._Anchors` →
+    :class:`._batch._BatchWrites` → :class:`._provider.MmapProvider` (the verbs).  The
     attributes every layer shares are declared here; ``MmapProvider.__init__`` and ``_open`` set
     them.
     """
@@ -176,6 +177,19 @@ class _MmapBase(Provider):
     @abstractmethod
     def _drop_row(self, row: int) -> int:
         """Drop one entry and its subtree; the bytes freed."""
+
+    @abstractmethod
+    def _reserve_locked(self, k: Key, p: Key | None, nbytes: int, salt_tag: str,
+                        pending_ok: Container[Key] = ()) -> _MmapReservation | None:
+        """Budget, index flight and a free run for a reservation (caller holds the lock)."""
+
+    @abstractmethod
+    def _abort_locked(self, reservation: _MmapReservation) -> bool:
+        """Release an open reservation (caller holds the lock); ``False`` if it was not open."""
+
+    @abstractmethod
+    def _seal_undo(self, prepared: tuple[_MmapReservation, SlotFile, int, float, bytes, bytes]) -> None:
+        """Undo a prepared seal whose journal record was not written."""
 
     def _check_usable(self) -> None:
         # The base class compares os.getpid() on every call; a fork counter bumped by an
