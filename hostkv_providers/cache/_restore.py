@@ -157,7 +157,7 @@ def restore(self: HostKVCache, hit: CacheHit, into: Any, block_ids: Sequence[int
         except BaseException as exc:  # reported through the handle, as on the restore thread
             pre = exc
     try:
-        self._restore_pool.submit(self._run_restore, handle, hit, keys, planes, bids, layered, pre)
+        self._restore_pool.submit(self._run_restore, handle, hit, keys, planes, bids, pre)
     except BaseException:
         if layered:
             hit._unhold()
@@ -166,12 +166,11 @@ def restore(self: HostKVCache, hit: CacheHit, into: Any, block_ids: Sequence[int
 
 
 def _run_restore(self: HostKVCache, handle: CacheHandle, hit: CacheHit, keys: Sequence[Key], planes: Any,
-                 bids: Sequence[int], layered: bool = False,
-                 pre: tuple[Any, HostPages] | BaseException | None = None) -> None:
+                 bids: Sequence[int], pre: tuple[Any, HostPages] | BaseException | None = None) -> None:
     result = RestoreResult()
     handle._result = result
     try:
-        self._restore_pages(handle, result, hit, keys, planes, bids, layered, pre)
+        self._restore_pages(handle, result, hit, keys, planes, bids, pre)
         if self._hybrid is not None:  # hybrid hook: anchors read with the restore, cut back
             self._hybrid.finish_restore(handle, result, keys, hit.keys)
     except BaseException as exc:
@@ -181,11 +180,11 @@ def _run_restore(self: HostKVCache, handle: CacheHandle, hit: CacheHit, keys: Se
 
 
 def _restore_pages(self: HostKVCache, handle: CacheHandle, result: RestoreResult, hit: CacheHit, keys: Sequence[Key],
-                   planes: Any, bids: Sequence[int], layered: bool = False,
+                   planes: Any, bids: Sequence[int],
                    pre: tuple[Any, HostPages] | BaseException | None = None) -> None:
-    # ``layered``: a layer-wise restore from chunk-level views (restore() decided it and holds
-    # the hit): the whole hit's views, then one layer-major transfer with an event per layer,
-    # both started on the caller's thread (_start_layer_major: ``pre``), so layer 0 of the last
+    # ``pre``: a layer-wise restore from chunk-level views (restore() decided it and holds the
+    # hit): the whole hit's views, then one layer-major transfer with an event per layer, both
+    # started on the caller's thread (_start_layer_major; its error, if it failed), so layer 0 of the last
     # page lands at about 1/num_layers of the restore, not behind every earlier chunk and the
     # hand-off to this thread; here it is verified and waited for.  On every other
     # path the pages go chunk by chunk, page-major (the fastest), and every layer completes with

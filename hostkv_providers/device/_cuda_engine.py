@@ -39,7 +39,7 @@ from hostkv_providers.device._transfer import TransferHandle, _GroupHandle, _Job
 # --------------------------------------------------------------------------------------------
 
 _MAX_CHUNK_PAGES = 512  # block ids travel as a by-value kernel parameter (2 KiB of the 4 KiB limit)
-# A layer-wise restore's first staged chunks issued on the caller's thread (~0.1-0.2 ms each):
+# A layer-wise restore's first staged chunks issued on the caller's thread (0.6-1.2 ms for two, H200):
 # two keep the DMA busy (~0.6 ms a chunk of 32 MiB) through the hand-off to the worker, which
 # issues the rest; the whole first layer there held an engine's thread ~2.6 ms (H200).
 _INLINE_CHUNKS = 2

@@ -227,6 +227,22 @@ def _join(futures: Sequence[concurrent.futures.Future[None]], error: BaseExcepti
         raise error
 
 
+def _zero_headers(v: memoryview, slots: Sequence[int], nslots: int | Sequence[int]) -> None:
+    """Zero the slot headers of the runs starting at ``slots`` (in slot order; ``nslots`` slots
+    each, or ``nslots[i]`` for the run at ``slots[i]``): runs that lie back to back (or overlap)
+    in one copy."""
+    lo = hi = -1
+    for i, slot in enumerate(slots):
+        a = FILE_HEADER_NBYTES + slot * SLOT_HEADER_NBYTES
+        if a > hi:
+            if hi > lo:
+                v[lo:hi] = bytes(hi - lo)
+            lo = a
+        hi = max(hi, a + (nslots if isinstance(nslots, int) else nslots[i]) * SLOT_HEADER_NBYTES)
+    if hi > lo:
+        v[lo:hi] = bytes(hi - lo)
+
+
 def _hash_while(n: int, total_nbytes: int, hash_slice: Callable[[int, int], None], work: Callable[[], None]) -> None:
     """Run ``work()`` (the writes) on this thread while the pool hashes items ``[0, n)``: one task
     per ``_HASH_SLICE_NBYTES``, in write order (the pwritev calls are the long pole: XXH3 runs
@@ -603,17 +619,8 @@ class SlotFile:
             if type(slot) is not int or type(nslots) is not int or slot < 0 or nslots <= 0 \
                     or slot + nslots > count:
                 self._check_run(slot, nslots)  # raises with the full message
-        v = self._v()
-        lo = hi = -1
-        for slot, nslots in sorted(runs):
-            a = FILE_HEADER_NBYTES + slot * SLOT_HEADER_NBYTES
-            if a > hi:
-                if hi > lo:
-                    v[lo:hi] = bytes(hi - lo)
-                lo = a
-            hi = max(hi, a + nslots * SLOT_HEADER_NBYTES)
-        if hi > lo:
-            v[lo:hi] = bytes(hi - lo)
+        ordered = sorted(runs)
+        _zero_headers(self._v(), [slot for slot, _ in ordered], [nslots for _, nslots in ordered])
 
     def write(self, slot: int, nbytes: int, offset: int, data: object) -> None:
         """Copy ``data`` to bytes ``[offset, offset+len)`` of the entry (``nbytes``) at ``slot``.
@@ -786,16 +793,7 @@ class SlotFile:
             a = FILE_HEADER_NBYTES + lo * SLOT_HEADER_NBYTES
             v[a : a + (hi - lo) * SLOT_HEADER_NBYTES] = bytes((hi - lo) * SLOT_HEADER_NBYTES)
             return
-        lo = hi = -1
-        for slot in sorted(slots):
-            a = FILE_HEADER_NBYTES + slot * SLOT_HEADER_NBYTES
-            if a > hi:
-                if hi > lo:
-                    v[lo:hi] = bytes(hi - lo)
-                lo = a
-            hi = max(hi, a + nslots * SLOT_HEADER_NBYTES)
-        if hi > lo:
-            v[lo:hi] = bytes(hi - lo)
+        _zero_headers(v, sorted(slots), nslots)
 
     def write_slots(self, slots: Sequence[int], nbytes: int, views: Sequence[memoryview],
                     digests: list[int]) -> None:
