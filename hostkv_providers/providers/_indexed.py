@@ -231,14 +231,8 @@ class IndexedProvider(Provider):
     # -- the rest --------------------------------------------------------------------------------
     def stats(self) -> ProviderStats:
         with self._locked(self._lock):
-            idx = self._index
-            n = idx.n
-            return ProviderStats(
-                name=self.name, entries=idx.count, used_bytes=idx.used_cost, budget_bytes=self._budget,
-                anchors=sum(len(t) for t in idx.anchors.values()),
-                leased=int(((idx.hold[:n] > 0) & idx.alive[:n]).sum()), in_flight=len(idx.flights),
-                evictions=idx.evictions, evicted_bytes=idx.evicted_cost, retained=idx.retained_count,
-                retained_bytes=idx.retained_cost, **self._tallies())
+            return ProviderStats(name=self.name, budget_bytes=self._budget, **self._index.stats_fields(),
+                                 **self._tallies())
 
     def close(self) -> None:
         self._check_not_forked()  # a forked child must not clear the parent's store

@@ -39,7 +39,7 @@ import heapq
 import itertools
 import time
 from collections.abc import Container, Iterator, Sequence
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 import numpy.typing as npt
@@ -57,6 +57,19 @@ def key_u64(key: bytes) -> int:
     """The key's first 8 bytes as an int: the sort key of the bulk-loaded key map."""
     return int.from_bytes(key[:8], "little")
 
+
+class IndexStats(TypedDict):
+    """:meth:`TreeIndex.stats_fields`: keyword arguments of :class:`~hostkv_providers.ProviderStats`."""
+
+    entries: int
+    used_bytes: int
+    anchors: int
+    leased: int
+    in_flight: int
+    evictions: int
+    evicted_bytes: int
+    retained: int
+    retained_bytes: int
 
 class _Flight:
     # The parent's generation too: if the parent row is dropped (corrupt) and recycled for another
@@ -301,6 +314,16 @@ class TreeIndex:
 
     def live_rows(self) -> npt.NDArray[np.intp]:
         return np.flatnonzero(self.alive[: self.n])
+
+    def stats_fields(self) -> IndexStats:
+        """The :class:`~hostkv_providers.ProviderStats` fields every store over this index reports
+        alike (entries, bytes, anchors, leases, flights, evictions, retained entries)."""
+        n = self.n
+        return {"entries": self.count, "used_bytes": self.used_cost,
+                "anchors": sum(len(t) for t in self.anchors.values()),
+                "leased": int(((self.hold[:n] > 0) & self.alive[:n]).sum()), "in_flight": len(self.flights),
+                "evictions": self.evictions, "evicted_bytes": self.evicted_cost,
+                "retained": self.retained_count, "retained_bytes": self.retained_cost}
 
     def keys(self) -> Iterator[Key]:
         """The sealed keys (a snapshot)."""

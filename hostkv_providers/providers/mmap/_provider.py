@@ -862,20 +862,10 @@ class MmapProvider(_BatchWrites):
         self._check_usable()
         with self._lock:
             self._check_usable()
-            idx = self._idx
-            live = idx.live_rows()
             return ProviderStats(
                 name=self.name,
-                entries=idx.count,
-                used_bytes=idx.used_cost,
                 budget_bytes=self._budget,
-                anchors=sum(len(t) for t in idx.anchors.values()),
-                leased=int((idx.hold[live] > 0).sum()) if len(live) else 0,
-                in_flight=len(idx.flights),
-                evictions=idx.evictions,
-                evicted_bytes=idx.evicted_cost,
-                retained=idx.retained_count,
-                retained_bytes=idx.retained_cost,
+                **self._idx.stats_fields(),
                 extra={"durability": self._durability, "slot_nbytes": self._slot, "generation": self._gen,
                        "data_files": len(self._files), "journal_records": self._jrecords,
                        "open_seconds": round(getattr(self, "open_seconds", 0.0), 4), "readonly": self._readonly,

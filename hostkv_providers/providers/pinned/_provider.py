@@ -975,19 +975,10 @@ class PinnedProvider(Provider):
     def stats(self) -> ProviderStats:
         with self._usable():
             idx = self._index
-            n = idx.n
             return ProviderStats(
                 name=self.name,
-                entries=idx.count,
-                used_bytes=idx.used_cost,
                 budget_bytes=self._budget,
-                anchors=sum(len(t) for t in idx.anchors.values()),
-                leased=int(((idx.hold[:n] > 0) & idx.alive[:n]).sum()),
-                in_flight=len(idx.flights),
-                evictions=idx.evictions,
-                evicted_bytes=idx.evicted_cost,
-                retained=idx.retained_count,
-                retained_bytes=idx.retained_cost,
+                **idx.stats_fields(),
                 extra={"ready_bytes": self.ready_bytes, "block_nbytes": self._block, "limbo_entries": len(self._limbo),
                        "pinned": self._allocator.pinned, "free_blocks": self._arena.free},
                 **self._tallies(),

@@ -32,20 +32,11 @@ class _Figures(_TieredBase):
         with self._lock:
             self._check_usable()
             idx = self._index
-            n = idx.n
             pending = sum(1 for p in self._pend.values() if idx.is_live(p.row, p.gen))
             return ProviderStats(
                 name=self.name,
-                entries=idx.count,
-                used_bytes=idx.used_cost,
                 budget_bytes=self._budget,
-                anchors=sum(len(t) for t in idx.anchors.values()),
-                leased=int(((idx.hold[:n] > 0) & idx.alive[:n]).sum()),
-                in_flight=len(idx.flights),
-                evictions=idx.evictions,
-                evicted_bytes=idx.evicted_cost,
-                retained=idx.retained_count,
-                retained_bytes=idx.retained_cost,
+                **idx.stats_fields(),
                 extra={"pending_write_back": pending, "fast": self.fast.name, "slow": self.slow.name,
                        **self._counters},
                 **self._tallies(),
