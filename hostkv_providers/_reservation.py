@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING
 
-from hostkv_providers._errors import IncompleteWriteError, InvalidArgumentError, ReservationError
+from hostkv_providers._errors import ClosedError, IncompleteWriteError, InvalidArgumentError, ReservationError
 from hostkv_providers._keys import Key
 from hostkv_providers._region import HostRegion
 from hostkv_providers._span import ByteSpan
@@ -65,6 +65,12 @@ class Reservation:
         if self._provider is not provider:
             raise ReservationError("the reservation belongs to another provider")
         if self._state != "open":
+            if self._state == "aborted" and (provider.closed or getattr(provider, "_closing", False)):
+                # close() aborts the reservations left open between a caller's calls (a put's
+                # reserve done, its write or seal not begun): to that caller it is a close
+                # racing its put, which the contract answers with ClosedError
+                raise ClosedError(f"{type(provider).__name__} was closed while the reservation for "
+                                  f"{self.key.hex()[:16]} was open; close() aborted it")
             raise ReservationError(f"the reservation for {self.key.hex()[:16]} is already {self._state}")
         claim = self._claim
         if claim is not None and claim[0] != threading.get_ident():

@@ -694,6 +694,29 @@ class HostileInputTests(SuiteBase):
             assert st.used_bytes >= total
         assert len(listed) >= 3
 
+    def test_hostile_close_between_reserve_and_seal(self, provider: Provider) -> None:
+        """``close`` between a caller's calls (its reserve done, its seal not begun) aborts the
+        open reservation; that caller's next ``write``/``seal`` — also one that passed its
+        usability check before the close, which ``check_open`` then sees — raises
+        ``ClosedError``, never ``ReservationError`` (a put racing close once got
+        "already aborted" on lmdb, under CI's load)."""
+        s = self._hostile_store(provider)
+        key = key_of("hostile/close-between")
+        data = page_bytes(key, s.nbytes)
+        r = provider.reserve(key, None, s.nbytes)
+        assert r is not None
+        r.write(0, data[: s.nbytes // 2])
+        provider.close()
+        if r.state == "aborted":  # a provider whose close aborts the open reservations (lmdb)
+            with pytest.raises(ClosedError):
+                r.check_open(r.provider)  # the window: a call already past its usability check
+        with pytest.raises(ClosedError):
+            r.write(s.nbytes // 2, data[s.nbytes // 2 :])
+        with pytest.raises(ClosedError):
+            r.seal()
+        _tally(provider, "race:close|reserve", "typed")
+
+
 
 def _eq(got: object, want: object) -> None:
     assert got == want, f"got {got!r}, want {want!r}"

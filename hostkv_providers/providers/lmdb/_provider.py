@@ -80,6 +80,7 @@ from hostkv_providers._checks import (
 from hostkv_providers._checksum import checksum
 from hostkv_providers._errors import (
     CapacityError,
+    ClosedError,
     CorruptStoreError,
     HostKVError,
     InFlightError,
@@ -781,8 +782,13 @@ class LmdbProvider(Provider):
     def _confirm_corrupt(self, key: Key, gen: int | None) -> bool:
         """Re-check a failed read inside a write transaction, where no slot of a live entry can
         change; drop the entry with its subtree only if it still fails.  ``False``: the entry was
-        replaced or evicted meanwhile (a plain miss)."""
+        replaced or evicted meanwhile (a plain miss).
 
+        ``ClosedError`` once the store is closed: a close racing the copy closes the slot files
+        under it, which is no corruption, and the environment is gone for the re-check."""
+        closed = ClosedError(f"{type(self).__name__} was closed during the read")
+        if self._closed:
+            raise closed
         if self._readonly:
             return self._still_bad(key, gen)
 
@@ -801,7 +807,12 @@ class LmdbProvider(Provider):
             tx.c.checksum_failures += 1
             return True
 
-        return bool(self._s.submit(op, frees=True))
+        try:
+            return bool(self._s.submit(op, frees=True))
+        except StorageIOError:
+            if self._closed:  # closed between the check above and the transaction
+                raise closed from None
+            raise
 
     def view(self, lease: Lease, key: bytes) -> Sequence[HostRegion] | None:
         """Read-only host regions of a leased entry, valid while the lease is held.

@@ -51,6 +51,7 @@ from hostkv_providers._chain import _check_checksums
 from hostkv_providers._checks import check_retain_share, writable_buffer
 from hostkv_providers._errors import (
     CapacityError,
+    ClosedError,
     InvalidArgumentError,
     StorageIOError,
     UnknownKeyError,
@@ -597,7 +598,14 @@ class MmapProvider(_BatchWrites):
     def _read_failed(self, idx: _Index, row: int, gen: int, result: ReadResult) -> bool:
         """A read whose copy did not verify: drop the entry if its record is still current;
         ``True`` when that is a checksum failure, ``False`` for a stale read (counted here; the
-        caller counts the miss).  Caller holds the lock."""
+        caller counts the miss).  Caller holds the lock.
+
+        Raises ``ClosedError`` once the store is closed: a close racing the copy closes the data
+        files under it (the copy then fails its header check), which is neither corruption nor
+        a reason to drop a good entry (the hostile suite's close-while-writing race once dropped
+        it and failed on the closed journal)."""
+        if self._closed:
+            raise ClosedError(f"{type(self).__name__} was closed during the read")
         still = bool(idx is self._idx and idx.alive[row] and int(idx.gen[row]) == gen)
         # the record is still current and its slot disagrees: corruption (in the writer nobody
         # else reuses slots; in a reader a mismatch may be the writer's reuse)

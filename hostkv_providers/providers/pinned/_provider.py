@@ -173,6 +173,11 @@ class PinnedProvider(Provider):
         self._arena = _Arena(block, chunk // block)
         self._index = _PinnedIndex(0)
         self._lease_tokens: dict[int, _Token] = {}  # live leases, by id of their token
+        # Reads copying out of the arena without the lock (their rows held): close() waits for
+        # them before it frees the chunks, or a read racing close indexes a cleared chunk list
+        # (IndexError, caught by the hostile suite's close-while-writing race in CI) or copies
+        # from freed pinned memory.  Counted under the lock the read takes anyway.
+        self._copying = 0
         # dropped but still leased, by gen: (blocks, lease count)
         self._limbo: dict[int, tuple[list[tuple[int, int]], int]] = {}
         total_blocks = budget_bytes // block
@@ -613,6 +618,7 @@ class PinnedProvider(Provider):
             # what the copies need, read under the lock (a row may be recycled once released)
             found = [(r, int(idx.gen[r]), int(idx.nbytes[r]), idx.runs(r), idx.checksum_of(r)) if r >= 0 else None
                      for r in rows]
+            self._copying += 1
         # per key: None (miss or buffer too small), True (copied, checksum ok), False (bad copy)
         state: list[bool | None] = [None] * len(ks)
         short: InvalidArgumentError | None = None
@@ -633,6 +639,7 @@ class PinnedProvider(Provider):
             hits = nbytes = failures = 0
             with self._lock:
                 idx.release_rows(*held)
+                self._copied()
                 for i, (f, st) in enumerate(zip(found, state, strict=True)):
                     if f is None or not idx.is_live(f[0], f[1]):
                         continue
@@ -672,6 +679,7 @@ class PinnedProvider(Provider):
             span = ByteSpan.whole(nbytes) if span is None else span.validate(nbytes)
             dst = writable_buffer(out, span.nbytes)
             held = self._hold_rows([row])
+            self._copying += 1
         # The copy runs without the lock (the hold stops eviction).  Only a checksum drop — by
         # another reader or verify(repair=True) — can free a held entry's blocks meanwhile, and
         # it removes the row first; so an entry still live after the copy had its bytes all along.
@@ -692,9 +700,11 @@ class PinnedProvider(Provider):
         except BaseException:
             with self._lock:
                 idx.release_rows(*held)
+                self._copied()
             raise
         with self._lock:
             idx.release_rows(*held)
+            self._copied()
             if not idx.is_live(row, gen):
                 return None  # dropped or evicted meanwhile: a miss
             return span.nbytes if ok else Corrupt((row, gen))
@@ -914,6 +924,12 @@ class PinnedProvider(Provider):
         gen = idx.m_gen
         return live, [gen[r] for r in live]
 
+    def _copied(self) -> None:
+        """A read's copy out of the arena is over (lock held): wake a close waiting for it."""
+        self._copying -= 1
+        if not self._copying and self._closed:
+            self._ready.notify_all()
+
     def _hold_keys(self, ks: Sequence[Key]) -> _Token:
         return self._hold_rows(self._index.rows_of(ks))
 
@@ -1013,6 +1029,8 @@ class PinnedProvider(Provider):
         if self._prefaulter is not None and self._prefaulter is not threading.current_thread():
             self._prefaulter.join()  # it must be out of madvise before the chunks are unmapped
         with self._lock:
+            while self._copying:  # reads copying out of the arena (they finish; none can start)
+                self._ready.wait()
             self._finalizer()
 
 

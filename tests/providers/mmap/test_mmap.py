@@ -16,6 +16,7 @@ import pytest
 
 import hostkv_providers.providers._fsutil as fsutil
 from hostkv_providers._errors import (
+    ClosedError,
     CorruptStoreError,
     IncompatibleStoreError,
     InvalidArgumentError,
@@ -747,3 +748,47 @@ def test_fork_while_another_thread_holds_the_lock(tmp_path: Path) -> None:
     assert os.WEXITSTATUS(status) == 0
     assert p.read_bytes(key_of("f")) == page_bytes(key_of("f"), PAGE)
     p.close()
+
+
+@pytest.mark.parametrize("call", ["read", "read_many"])
+def test_a_close_racing_a_read_is_a_closed_error_and_drops_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   call: str) -> None:
+    """A read copies without the lock; a close meanwhile closes the data files under it, so the
+    copy fails its header check.  That is a ``ClosedError`` for the reader, not a checksum
+    failure: the entry is not dropped (the hostile suite's close race once did, and then
+    failed with ``StorageIOError`` on the closed journal), and it is intact after a reopen."""
+    p = make(tmp_path / "s")
+    key = key_of("mmap-close-during-read")
+    put_page(p, key, None, PAGE)
+    inside, go = threading.Event(), threading.Event()
+    name = "read_into" if call == "read" else "read_runs_into"
+    real = getattr(SlotFile, name)
+
+    def slow(self: SlotFile, *args: object, **kw: object) -> object:
+        inside.set()
+        assert go.wait(10)
+        return real(self, *args, **kw)
+
+    monkeypatch.setattr(SlotFile, name, slow)
+    got: list[object] = []
+
+    def read() -> None:
+        try:
+            got.append(p.read(key, bytearray(PAGE)) if call == "read" else p.read_many([key], [bytearray(PAGE)]))
+        except BaseException as exc:
+            got.append(exc)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    assert inside.wait(10)
+    p.close()
+    go.set()
+    reader.join(10)
+    assert len(got) == 1 and isinstance(got[0], ClosedError), got
+    monkeypatch.undo()
+    fresh = make(tmp_path / "s")
+    try:
+        assert fresh.read_bytes(key) == page_bytes(key, PAGE)
+        assert fresh.stats().checksum_failures == 0
+    finally:
+        fresh.close()

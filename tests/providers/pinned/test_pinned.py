@@ -918,3 +918,53 @@ def test_close_waits_for_a_write_copying_into_the_arena(closing: list[Provider],
     assert not closer.is_alive() and not errors  # ... which then completes into live memory
     with pytest.raises(ClosedError):
         p.reserve(key_of("pin-after-close"), None, PAGE)
+
+
+@pytest.mark.parametrize("verify", [False, True])
+@pytest.mark.parametrize("call", ["read", "read_many"])
+def test_close_waits_for_a_read_copying_out_of_the_arena(closing: list[Provider], monkeypatch: pytest.MonkeyPatch,
+                                                         call: str, verify: bool) -> None:
+    """A read copies out of the arena without the provider lock (its row held): close() must
+    wait for it before the chunks are freed.  CI caught the race: a read that had passed its
+    usability check indexed the cleared chunk list (IndexError) while close() freed the arena;
+    with pinned memory the copy would read freed memory."""
+    import hostkv_providers.providers.pinned._provider as pinned_mod
+
+    p = _pinned(8, verify_reads=verify)
+    key = key_of(f"pin-close-during-{call}")
+    want = page_bytes(key, PAGE)
+    assert p.put(key, None, want)
+    inside, go = threading.Event(), threading.Event()
+    real = pinned_mod._gather
+
+    def slow_gather(*args: Any) -> None:
+        inside.set()
+        assert go.wait(10)
+        real(*args)
+
+    monkeypatch.setattr(pinned_mod, "_gather", slow_gather)
+    got: list[object] = []
+    out = bytearray(PAGE)
+
+    def read() -> None:
+        try:
+            got.append(p.read(key, out) if call == "read" else p.read_many([key], [out]))
+        except BaseException as exc:
+            got.append(exc)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    assert inside.wait(10)
+    closer = threading.Thread(target=p.close)
+    closer.start()
+    time.sleep(0.2)
+    assert closer.is_alive()  # close() waits for the copy under way ...
+    go.set()
+    reader.join(10)
+    closer.join(10)
+    assert not closer.is_alive()
+    # ... which completes from live memory with the stored bytes
+    assert got == ([True] if call == "read" else [[True]]), got
+    assert bytes(out) == want
+    with pytest.raises(ClosedError):
+        p.read(key, bytearray(PAGE))
