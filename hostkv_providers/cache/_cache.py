@@ -526,13 +526,15 @@ class HostKVCache:
 
     @staticmethod
     def _block_ids(block_ids: Sequence[int], limit: int, what: str, exact: bool = False) -> list[int]:
+        # (C-speed passes only: this runs on the engine's thread on every call, for 6,400 ids)
         if isinstance(block_ids, (bytes, str)) or not isinstance(block_ids, Sequence | np.ndarray):
             raise InvalidArgumentError("block_ids must be a sequence of ints")
         if isinstance(block_ids, np.ndarray):
             if block_ids.ndim != 1 or block_ids.dtype.kind not in "iu":
                 raise InvalidArgumentError(f"block_ids must be a 1-D integer array, got {block_ids.dtype} "
                                            f"with {block_ids.ndim} dimensions")
-            out = [int(b) for b in block_ids.tolist()]
+            negative = bool(block_ids.size) and block_ids.min() < 0
+            out: list[int] = block_ids.tolist()  # Python ints (a comprehension over it cost 3x more)
         else:
             out = list(block_ids)
             if not set(map(type, out)) <= {int}:
@@ -540,7 +542,8 @@ class HostKVCache:
                 if any(isinstance(b, bool) or not isinstance(b, int | np.integer) for b in out):
                     raise InvalidArgumentError("block ids must be ints")
                 out = [int(b) for b in out]
-        if out and min(out) < 0:  # (min/max at C speed: these run on the engine's thread per call)
+            negative = bool(out) and min(out) < 0
+        if negative:
             raise InvalidArgumentError("block ids must be >= 0")
         if exact and len(out) != limit:
             raise InvalidArgumentError(f"{len(out)} block ids for {limit} {what}; give one per page")

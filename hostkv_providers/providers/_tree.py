@@ -468,7 +468,8 @@ class TreeIndex:
             self.used_cost -= flight.cost
             self._adopt_children(key, -1)
             raise UnknownKeyError(
-                "the parent was dropped (corrupt) before the seal",
+                f"parent {flight.pkey.hex()[:16] if flight.pkey else '?'} was dropped before this page's seal "
+                "(it failed its checksum, or a tiered store could not write it back to its slow tier)",
                 hint="save the chain again from its first missing page",
             )
         # (a recycled row had children, hold, retained and rcover reset by recycle(); a new one is zero)
@@ -571,7 +572,8 @@ class TreeIndex:
         prow = run.parent
         if (run.chained and prow < 0) or (prow >= 0 and not self.is_live(prow, run.parent_gen)):
             what = (f"parent {run.pkey.hex()[:16] if run.pkey else '?'} was not sealed before this page"
-                    if prow < 0 else "the parent was dropped (corrupt) before the seal")
+                    if prow < 0 else f"parent {run.pkey.hex()[:16] if run.pkey else '?'} was dropped before "
+                    "this page's seal (it failed its checksum, or a tiered store could not write it back)")
             self.cancel_run(run)
             raise UnknownKeyError(what, hint="seal a chain root first (seal_many does); save the chain again "
                                              "from its first missing page")

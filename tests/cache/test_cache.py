@@ -97,6 +97,21 @@ def test_save_lookup_restore_roundtrip(cache: HostKVCache, provider: Provider) -
         assert page_of(dst, b_dst) == page_of(src, b_src)
 
 
+@pytest.mark.parametrize("dtype", [np.int64, np.int32, np.uint32, np.uint64])
+def test_block_ids_as_numpy_arrays(cache: HostKVCache, dtype: type) -> None:
+    """Block tables as 1-D integer arrays (as engines keep them) save and restore exactly what
+    lists of the same ids do."""
+    src = make_planes(3)
+    ks = cache.keys(tokens(4 * 6, seed=int(np.dtype(dtype).itemsize)))
+    blocks = np.array([5, 0, 9, 2, 63, 7], dtype=dtype)
+    assert cache.save(ks, src, blocks).wait(30).stored == 6
+    dst = make_planes(None)
+    into = np.array([40, 12, 41, 3, 60, 1], dtype=dtype)
+    assert cache.restore(cache.lookup(ks), dst, into).wait(30).pages == 6
+    for b_src, b_dst in zip(blocks.tolist(), into.tolist(), strict=True):
+        assert page_of(dst, b_dst) == page_of(src, b_src)
+
+
 def test_partial_hit_restores_prefix_into_fewer_blocks(cache: HostKVCache) -> None:
     src = make_planes(2)
     ks = cache.keys(tokens(4 * 8))

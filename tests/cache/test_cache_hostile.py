@@ -92,7 +92,8 @@ def test_hostile_methods(setup: tuple[HostKVCache, Provider, CpuCopyEngine]) -> 
     _expect(provider, stored, "lookup(one key)", lambda: cache.lookup(keys[0]))  # type: ignore[arg-type]
     fresh = keys[2:4]
     for bids in (["a", "b"], [0.0, 1.0], [True, False], [1.7, 2.2], [-1, 2], [0, NBLOCKS], "ab", None, 5,
-                 np.array([0.0, 1.0]), np.array([[0, 1]]), [0], [0, 1, 2]):
+                 np.array([0.0, 1.0]), np.array([[0, 1]]), np.array([-1, 2]), np.array([0, NBLOCKS]),
+                 np.array([0, 1, 2]), np.array([True, False]), [0], [0, 1, 2]):
         _expect(provider, stored, "save(block_ids)", lambda: cache.save(fresh, src, bids))  # type: ignore[arg-type]
     for kwargs in ({"start_page": -1, "parent": keys[1]}, {"start_page": 2}, {"parent": keys[1]},
                    {"checkpoints": [-1], "anchors": lambda i: None}, {"checkpoints": ["a"], "anchors": lambda i: None},
@@ -103,7 +104,8 @@ def test_hostile_methods(setup: tuple[HostKVCache, Provider, CpuCopyEngine]) -> 
     _expect(provider, stored, "save(planes)", lambda: cache.save(fresh, src[:-1], [2, 3]))
     hit = cache.lookup(stored)
     dst = make_planes(None)
-    for bids in (["a", "b"], [0.5, 1], [True, 1], [-1, 0], [0, 1, 2], None):
+    for bids in (["a", "b"], [0.5, 1], [True, 1], [-1, 0], [0, 1, 2], None, np.array([-1, 0]),
+                 np.array([0, NBLOCKS], dtype=np.uint32), np.array([0.0, 1.0])):
         _expect(provider, stored, "restore(block_ids)", lambda: cache.restore(hit, dst, bids))  # type: ignore[arg-type]
     _expect(provider, stored, "restore(hit)", lambda: cache.restore("hit", dst, [0]))  # type: ignore[arg-type]
     _expect(provider, stored, "restore(planes)", lambda: cache.restore(hit, None, [0, 1]))
