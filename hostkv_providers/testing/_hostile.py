@@ -34,6 +34,7 @@ from hostkv_providers._capabilities import (
     SupportsViews,
 )
 from hostkv_providers._errors import (
+    CapacityError,
     ClosedError,
     HostKVError,
     InFlightError,
@@ -693,6 +694,76 @@ class HostileInputTests(SuiteBase):
             total = sum(e.nbytes + sum(e.anchors.values()) for e in fresh.iter_entries())
             assert st.used_bytes >= total
         assert len(listed) >= 3
+
+    def test_hostile_close_while_busy(self, provider: Provider) -> None:
+        """``close`` while four threads run a mix of verbs (put, read, and where the provider has
+        them read_many, put_many, lease + view, evict, present, stats, iter_entries): every call
+        completes or raises ``ClosedError`` (or a typed error of its own: capacity, in flight,
+        unknown key); nothing else, and no signal death (a read racing close once indexed the
+        freed arena of ``pinned://``; another took a closed data file for corruption)."""
+        s = self._hostile_store(provider)
+        n = s.nbytes
+        allowed = (CapacityError, InFlightError, UnknownKeyError)
+        errors: list[str] = []
+        lock = threading.Lock()
+        stop = threading.Event()
+        done = [0, 0, 0, 0]
+
+        def busy(t: int) -> None:
+            i = 0
+            while not stop.is_set():
+                i += 1
+                verb = (t + i) % 8
+                try:
+                    if verb == 0:
+                        k = key_of(f"hostile/busy/{t}/{i}")
+                        provider.put(k, None, page_bytes(k, n))
+                    elif verb == 1:
+                        provider.read(s.keys[i % len(s.keys)], bytearray(n))
+                    elif verb == 2 and isinstance(provider, SupportsBatch):
+                        provider.read_many(s.keys, [bytearray(n) for _ in s.keys])
+                    elif verb == 3 and isinstance(provider, SupportsBatch):
+                        ks = [key_of(f"hostile/busy/{t}/{i}/{j}") for j in range(3)]
+                        provider.put_many([(k, None, page_bytes(k, n)) for k in ks])
+                    elif verb == 4:
+                        with provider.lease(s.keys) as lease:
+                            if isinstance(provider, SupportsViews):
+                                provider.view(lease, s.keys[0])
+                    elif verb == 5:
+                        provider.evict([key_of(f"hostile/busy/{t}/{i - 5}")])
+                    elif verb == 6:
+                        provider.present(s.keys)
+                        provider.stats()
+                    elif verb == 7 and isinstance(provider, SupportsIterate):
+                        list(provider.iter_entries())
+                except ClosedError:
+                    return
+                except allowed:
+                    pass
+                except HostKVError as exc:
+                    if "closed" not in str(exc).lower():
+                        with lock:
+                            errors.append(f"verb {verb}: {type(exc).__name__}: {exc}")
+                    return
+                except BaseException as exc:
+                    with lock:
+                        errors.append(f"verb {verb}: {type(exc).__name__}: {exc}")
+                    return
+                done[t] = i
+
+        threads = [threading.Thread(target=busy, args=(t,)) for t in range(4)]
+        for t in threads:
+            t.start()
+        # close once every thread has gone round its verbs a few times (or one has stopped)
+        while min(done) < 24 and all(t.is_alive() for t in threads):
+            threading.Event().wait(0.001)
+        provider.close()
+        stop.set()
+        for t in threads:
+            t.join(60)
+        _tally(provider, "race:close|busy", "typed" if not errors else "wrong error")
+        assert not errors, errors
+        assert not any(t.is_alive() for t in threads)
 
     def test_hostile_close_between_reserve_and_seal(self, provider: Provider) -> None:
         """``close`` between a caller's calls (its reserve done, its seal not begun) aborts the
