@@ -88,7 +88,8 @@ from redis.crc import key_slot
 from redis.retry import Retry
 
 from ._errors import ServerUnavailableError
-from ._provider import RedisProvider, _check_readonly, _redact
+from ._provider import RedisProvider, _check_readonly
+from ._wire import _redact
 
 __all__ = ["DEFAULT_GROUP", "DEFAULT_SHARDS", "RedisShardedProvider", "shard_tags"]
 
