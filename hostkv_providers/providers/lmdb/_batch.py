@@ -92,19 +92,36 @@ def put_many(p: LmdbProvider, items: Sequence[tuple[bytes, bytes | None, object]
     failed: set[Key] = set()  # keys that failed in this call: their children fail too
     # close() waits for the call (it must not release the environment under a chunk between its
     # reservation and its seal: the flights would outlive the handle, issue 16 item 7)
+    # durability=sync: a one-transaction chunk that is not the call's last commits without the
+    # index sync (LMDB's own commit still syncs its data pages, and the next commit's sync makes
+    # this commit's meta page durable too); the call's last durable commit, or one index sync at
+    # the end, makes every chunk durable before put_many returns.  Each chunk's slot bytes are
+    # still synced before the commit that publishes them.
+    deferred = False
     with p._write_call():
-        for lo in range(0, len(keys), PUT_CHUNK):
-            hi = lo + PUT_CHUNK
-            ks, ps, vs = keys[lo:hi], parents[lo:hi], views[lo:hi]
-            got = None
-            if _plain(p, ks, ps, views[lo:hi], failed):
-                got = _put_direct(p, ks, ps, vs, salt_tag)
+        try:
+            for lo in range(0, len(keys), PUT_CHUNK):
+                hi = lo + PUT_CHUNK
+                ks, ps, vs = keys[lo:hi], parents[lo:hi], views[lo:hi]
+                last = hi >= len(keys)
+                got = None
+                if _plain(p, ks, ps, views[lo:hi], failed):
+                    got = _put_direct(p, ks, ps, vs, salt_tag, durable=last)
+                    if got is not None:
+                        deferred = not last  # the last chunk's commit synced the index
+                    else:
+                        got = _put_batch(p, ks, ps, vs, salt_tag, failed)
                 if got is None:
-                    got = _put_batch(p, ks, ps, vs, salt_tag, failed)
-            if got is None:
-                got = _put_chunk(p, list(zip(keys[lo:hi], parents[lo:hi], views[lo:hi], strict=True)), salt_tag,
-                                 failed)
-            out += got
+                    got = _put_chunk(p, list(zip(keys[lo:hi], parents[lo:hi], views[lo:hi], strict=True)),
+                                     salt_tag, failed)
+                out += got
+        except BaseException:
+            if deferred:
+                with contextlib.suppress(HostKVError):
+                    p._s.sync_index()  # what was committed is durable even when the call fails
+            raise
+        if deferred:
+            p._s.sync_index()  # (the last chunk took another path; its durable commit may not run)
     return out
 
 
@@ -123,7 +140,7 @@ def _plain(p: LmdbProvider, keys: list[Key], parents: list[Key | None], views: l
 
 
 def _put_direct(p: LmdbProvider, keys: list[Key], parents: list[Key | None], views: list[memoryview],
-                salt_tag: str) -> list[bool | HostKVError] | None:
+                salt_tag: str, *, durable: bool = True) -> list[bool | HostKVError] | None:
     """A plain chunk (see :func:`_plain`) that fits without evicting, in ONE write transaction:
     slots allocated (free ones first), headers zeroed, data written and hashed, headers written,
     with ``durability=sync`` the slot files synced, then the entries inserted and the
@@ -141,6 +158,9 @@ def _put_direct(p: LmdbProvider, keys: list[Key], parents: list[Key | None], vie
     that needs eviction, whose victims' slots a rolled-back transaction would leave indexed,
     goes the two-transaction way of :func:`_put_batch` instead).  The transaction function may
     run again after a map resize; it then rewrites the same free slots.
+
+    ``durable=False`` (``durability=sync`` only): the commit is not followed by the index sync
+    (the caller runs :meth:`_Shared.sync_index` before it returns).
 
     ``None`` (nothing changed) when the chunk is not this case: a key in flight, a parent not
     stored, not room without eviction."""
@@ -259,7 +279,7 @@ def _put_direct(p: LmdbProvider, keys: list[Key], parents: list[Key | None], vie
         return todo
 
     try:
-        todo = s.submit(op, durable=True)
+        todo = s.submit(op, durable=durable)
     except _NotPlain:
         return None
     total = len(keys)

@@ -202,10 +202,51 @@ def test_durability_sync_syncs_data_then_commits_then_syncs_the_index_once_per_c
         m.setattr(type(p._s), "_commit_batch", commit)
         m.setattr(p._s, "env", _EnvProxy(p._s.env, events))
         assert p.put_many(_items(keys, [None, *keys[:-1]])) == [True] * len(keys)
-    # per chunk: the slot bytes, then the commit that publishes them, then the index sync (LMDB's
-    # own commit syncs data.mdb inside the commit); no reservation commit before the data
-    assert events == ["slot-sync", "commit", "index-sync"] * 2
+    # per chunk: the slot bytes, then the commit that publishes them (LMDB's own commit syncs
+    # data.mdb's pages inside it); no reservation commit before the data; the index sync (the
+    # meta page) once, after the call's last commit
+    assert events == ["slot-sync", "commit", "slot-sync", "commit", "index-sync"]
     _readback(p, keys)
+    # one chunk: one of each
+    events.clear()
+    one = chain("sync-one", 8)
+    with monkeypatch.context() as m:
+        _direct_only(m)
+        m.setattr(SlotFile, "sync", slot_sync)
+        m.setattr(type(p._s), "_commit_batch", commit)
+        m.setattr(p._s, "env", _EnvProxy(p._s.env, events))
+        assert p.put_many(_items(one, [None] * 8)) == [True] * 8
+    assert events == ["slot-sync", "commit", "index-sync"]
+    p.close()
+    q = _open(tmp_path / "s", budget_pages=256, durability="sync")
+    _readback(q, [*keys, *one])
+    q.close()
+
+
+def test_durability_sync_a_failing_later_chunk_still_syncs_the_committed_ones(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    p = _open(tmp_path / "s", budget_pages=256, durability="sync")
+    events: list[str] = []
+    keys = chain("sync-fail", 2 * lmdb_batch.PUT_CHUNK)
+    real_sync = SlotFile.sync
+    calls: list[int] = []
+
+    def second_fails(self: SlotFile) -> None:
+        calls.append(1)
+        if len(calls) == 2:
+            raise StorageIOError("sync failed (test)")
+        real_sync(self)
+
+    with monkeypatch.context() as m:
+        _direct_only(m)
+        m.setattr(SlotFile, "sync", second_fails)
+        m.setattr(p._s, "env", _EnvProxy(p._s.env, events))
+        with pytest.raises(StorageIOError):
+            p.put_many(_items(keys, [None] * len(keys)))
+    assert events == ["index-sync"]  # the first chunk's commit made durable before the error
+    n = lmdb_batch.PUT_CHUNK
+    assert p.present(keys) == [True] * n + [False] * n
+    assert _db_counts(p)["flights"] == 0
     p.close()
 
 
