@@ -12,6 +12,14 @@
 3. with ``durability=sync`` one ``fdatasync`` per slot file touched, then one write transaction
    turns every flight into an entry, root first (with ``sync``: one index sync).
 
+A chunk of equal slot pages that fits without evicting (fresh space, slots freed earlier: the
+common case) does all three steps inside ONE write transaction instead (:func:`_put_direct`):
+while it holds LMDB's write lock no other writer, in this process or another, can take its keys
+or slots, so it writes no flight records and commits once; with ``durability=sync`` that is one
+slot-file sync, LMDB's commit (which syncs data.mdb's pages) and one index sync per call.  A
+chunk that must evict takes the two transactions of steps 1-3, so that the victims' removal is
+committed before their slots are overwritten.
+
 Crash safety is the single path's: a crash before step 3 commits leaves flights of a dead owner
 (reclaimed on open or when in the way) and slots whose headers were zeroed or describe bytes no
 entry points at; the commit of step 3 is atomic, so a chunk's pages appear together, root first
@@ -300,10 +308,11 @@ def _put_batch(p: LmdbProvider, keys: list[Key], parents: list[Key | None], view
     byte, written by two transactions that work on the chunk's columns (one budget check and
     one slot allocation for all of it, the flight and entry records packed directly, a parent
     from the chunk inserted with its child counted instead of inserted as a leaf and updated),
-    slot headers zeroed, data written and headers written per file in one pass each.  ``None``
-    (nothing changed) when the chunk is not the plain case (sizes differ or are inline, a key
-    repeated, in flight or whose parent failed, a parent neither stored nor earlier in the
-    chunk, not room for all of it, a flight reclaimed meanwhile): then :func:`_put_chunk`."""
+    slot headers zeroed, data written and headers written per file in one pass each.  For a
+    chunk :func:`_plain` accepted that :func:`_put_direct` did not take (it needs eviction, or
+    a key was in flight).  ``None`` (nothing changed) when the chunk is not the plain case (a
+    key in flight, a parent not stored, not room for all of it, a flight reclaimed
+    meanwhile): then :func:`_put_chunk`."""
     nb = views[0].nbytes
     owner, ttl = p._owner, p._lease_ttl
     slot_nbytes = _slot_nbytes(nb)
