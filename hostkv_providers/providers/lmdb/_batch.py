@@ -12,6 +12,14 @@
 3. with ``durability=sync`` one ``fdatasync`` per slot file touched, then one write transaction
    turns every flight into an entry, root first (with ``sync``: one index sync).
 
+A chunk of equal slot pages that fits without evicting (fresh space, slots freed earlier: the
+common case) does all three steps inside ONE write transaction instead (:func:`_put_direct`):
+while it holds LMDB's write lock no other writer, in this process or another, can take its keys
+or slots, so it writes no flight records and commits once; with ``durability=sync`` that is one
+slot-file sync, LMDB's commit (which syncs data.mdb's pages) and one index sync per call.  A
+chunk that must evict takes the two transactions of steps 1-3, so that the victims' removal is
+committed before their slots are overwritten.
+
 Crash safety is the single path's: a crash before step 3 commits leaves flights of a dead owner
 (reclaimed on open or when in the way) and slots whose headers were zeroed or describe bytes no
 entry points at; the commit of step 3 is atomic, so a chunk's pages appear together, root first
@@ -31,6 +39,8 @@ import contextlib
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
+
+import xxhash
 
 from hostkv_providers._checks import writable_buffer
 from hostkv_providers._checksum import checksum
@@ -90,15 +100,206 @@ def put_many(p: LmdbProvider, items: Sequence[tuple[bytes, bytes | None, object]
     failed: set[Key] = set()  # keys that failed in this call: their children fail too
     # close() waits for the call (it must not release the environment under a chunk between its
     # reservation and its seal: the flights would outlive the handle, issue 16 item 7)
+    # durability=sync: a one-transaction chunk that is not the call's last commits without the
+    # index sync (LMDB's own commit still syncs its data pages, and the next commit's sync makes
+    # this commit's meta page durable too); the call's last durable commit, or one index sync at
+    # the end, makes every chunk durable before put_many returns.  Each chunk's slot bytes are
+    # still synced before the commit that publishes them.
+    deferred = False
     with p._write_call():
-        for lo in range(0, len(keys), PUT_CHUNK):
-            hi = lo + PUT_CHUNK
-            got = _put_batch(p, keys[lo:hi], parents[lo:hi], views[lo:hi], salt_tag, failed)
-            if got is None:
-                got = _put_chunk(p, list(zip(keys[lo:hi], parents[lo:hi], views[lo:hi], strict=True)), salt_tag,
-                                 failed)
-            out += got
+        try:
+            for lo in range(0, len(keys), PUT_CHUNK):
+                hi = lo + PUT_CHUNK
+                ks, ps, vs = keys[lo:hi], parents[lo:hi], views[lo:hi]
+                last = hi >= len(keys)
+                got = None
+                if _plain(p, ks, ps, views[lo:hi], failed):
+                    got = _put_direct(p, ks, ps, vs, salt_tag, durable=last)
+                    if got is not None:
+                        deferred = not last  # the last chunk's commit synced the index
+                    else:
+                        got = _put_batch(p, ks, ps, vs, salt_tag, failed)
+                if got is None:
+                    got = _put_chunk(p, list(zip(keys[lo:hi], parents[lo:hi], views[lo:hi], strict=True)),
+                                     salt_tag, failed)
+                out += got
+        except BaseException:
+            if deferred:
+                with contextlib.suppress(HostKVError):
+                    p._s.sync_index()  # what was committed is durable even when the call fails
+            raise
+        if deferred:
+            p._s.sync_index()  # (the last chunk took another path; its durable commit may not run)
     return out
+
+
+def _plain(p: LmdbProvider, keys: list[Key], parents: list[Key | None], views: list[memoryview],
+           failed: set[Key]) -> bool:
+    """Whether a chunk may take a batch path (:func:`_put_direct`, :func:`_put_batch`): pages of
+    one size stored in slots, no key twice, no parent that failed in this call or comes later in
+    the chunk.  Otherwise :func:`_put_chunk` gives every page its exact outcome."""
+    nb = views[0].nbytes
+    if nb <= p._inline_max or any(v.nbytes != nb for v in views) or len(set(keys)) != len(keys):
+        return False
+    if failed and any(q in failed for q in parents if q is not None):
+        return False
+    at = {k: j for j, k in enumerate(keys)}
+    return all(q is None or at.get(q, -1) < j for j, q in enumerate(parents))
+
+
+def _put_direct(p: LmdbProvider, keys: list[Key], parents: list[Key | None], views: list[memoryview],
+                salt_tag: str, *, durable: bool = True) -> list[bool | HostKVError] | None:
+    """A plain chunk (see :func:`_plain`) that fits without evicting, in ONE write transaction:
+    slots allocated (free ones first), headers zeroed, data written and hashed, headers written,
+    with ``durability=sync`` the slot files synced, then the entries inserted and the
+    transaction committed (with ``sync``: LMDB's commit sync, then the index sync).  The records
+    are byte for byte those :func:`_put_batch` writes, less the flights: no other writer can
+    take a slot or a key while this transaction holds LMDB's write lock, so the reservation
+    needs no commit of its own (one commit and, with ``sync``, one ``fdatasync`` of data.mdb
+    fewer per chunk).
+
+    Crash safety: nothing is visible until the commit, and the commit comes after the data,
+    the headers and (``sync``) their sync.  A crash or an error before it leaves only slots that
+    are free in the committed index (the allocation rolls back with the transaction; a slot
+    file created in it is an orphan recovery removes): no slot is leaked and no committed
+    entry's bytes were touched, because only slots that were free before are written (a chunk
+    that needs eviction, whose victims' slots a rolled-back transaction would leave indexed,
+    goes the two-transaction way of :func:`_put_batch` instead).  The transaction function may
+    run again after a map resize; it then rewrites the same free slots.
+
+    ``durable=False`` (``durability=sync`` only): the commit is not followed by the index sync
+    (the caller runs :meth:`_Shared.sync_index` before it returns).
+
+    ``None`` (nothing changed) when the chunk is not this case: a key in flight, a parent not
+    stored, not room without eviction."""
+    nb = views[0].nbytes
+    slot_nbytes = _slot_nbytes(nb)
+    sync = p._s.durability == "sync"
+    s = p._s
+    tag = salt_tag.encode()
+    pack_entry, pack_crc = _ENTRY.pack, _CRC.pack
+
+    def op(tx: _Tx) -> list[int]:
+        t, db = tx.t, tx.db
+        entries, flights, lru, children = db["entries"], db["flights"], db["lru"], db["children"]
+        get, delete = t.get, t.delete
+        # (one stat instead of a lookup per key: there are no flights at all in the common case)
+        if t.stat(flights)["entries"] and any(get(k, db=flights) is not None for k in keys):
+            raise _NotPlain  # in flight (or a dead writer's flight to reclaim)
+        # the stored keys (dedup) in one call: getmulti walks the keys in C
+        found = t.cursor(db=entries).getmulti(keys)
+        if found:
+            have = {bytes(k) for k, _ in found}
+            todo = [j for j, k in enumerate(keys) if k not in have]
+            if not todo:
+                return todo
+        else:
+            todo = list(range(len(keys)))
+        n = len(todo)
+        if tx.c.used + n * nb > tx.c.budget:
+            raise _NotPlain  # needs eviction (or does not fit): two transactions
+        tk = [keys[j] for j in todo] if n < len(keys) else keys
+        tp = [parents[j] for j in todo] if n < len(keys) else parents
+        tv = [views[j] for j in todo] if n < len(keys) else views
+        pos = {k: i for i, k in enumerate(tk)}
+        nchild = [0] * n
+        ext: dict[Key, int] = {}  # stored parent -> how many pages of the chunk hang under it
+        for q in tp:
+            if q is None:
+                continue
+            i = pos.get(q, -1)
+            if i >= 0:
+                nchild[i] += 1
+            else:
+                ext[q] = ext.get(q, 0) + 1
+        stored: list[tuple[_Entry, int]] = []
+        for q, m in ext.items():
+            pe = tx.get_or_drop(q)
+            if pe is None:
+                raise _NotPlain  # not stored (or damaged): page by page gives the exact errors
+            stored.append((pe, m))
+        fids, slots = tx.alloc_slots(slot_nbytes, n)
+        gen0 = tx.c.gen + 1
+        gens = range(gen0, gen0 + n)
+        digests = [0] * n
+        by_file: dict[int, list[int]] = {}
+        if fids.count(fids[0]) == n:  # the common case, one slot file: no per-page grouping
+            by_file[fids[0]] = list(range(n))
+        else:
+            for i, fid in enumerate(fids):
+                by_file.setdefault(fid, []).append(i)
+        for fid, sel in by_file.items():
+            sf = s.slot_file(fid)
+            one = len(sel) == n
+            fslots = slots if one else [slots[i] for i in sel]
+            # Invalidate every slot's header before any byte of it changes (a reader in another
+            # process may still look at a slot freed under a snapshot older than its free).
+            sf.begin_write_slots(fslots, 1)
+            got: list[int] = []
+            sf.write_slots(fslots, nb, tv if one else [tv[i] for i in sel], got)
+            if one:
+                digests = got
+            else:
+                for i, d in zip(sel, got, strict=True):
+                    digests[i] = d
+            # data first, then the header that vouches for it
+            if one:
+                sf.write_headers(fslots, tk, tp, gens, nb, digests)
+            else:
+                sf.write_headers(fslots, [tk[i] for i in sel], [tp[i] for i in sel], [gens[i] for i in sel], nb,
+                                 [digests[i] for i in sel])
+        _crash("lmdb.seal.after_header")
+        if sync:
+            # the page bytes reach stable storage before the commit that points at them (R7: a
+            # failed sync raises here and the whole chunk rolls back)
+            for fid in by_file:
+                s.slot_file(fid).sync()
+        tx.c.gen += n
+        tx.c.used += n * nb
+        tx.c.sealed += n * nb
+        tick0 = tx.c.tick + 1
+        tx.c.tick += n
+        now = time.time()
+        xxh = xxhash.xxh3_64_intdigest  # _crc32, inline (once per page)
+        recs: list[tuple[bytes, bytes]] = []
+        leaves: list[tuple[bytes, bytes]] = []
+        links: list[tuple[bytes, bytes]] = []
+        for i, k in enumerate(tk):
+            par = tp[i]
+            body = pack_entry(_ENTRY_VERSION, 0 if par is None else _HAS_PARENT, par or _ZERO32, nb, nb, digests[i],
+                              now, now, tick0 + i, nchild[i], 0, gen0 + i, fids[i], slots[i]) + tag
+            recs.append((k, body + pack_crc(xxh(body) & 0xFFFFFFFF)))
+            if not nchild[i]:
+                leaves.append(((tick0 + i).to_bytes(8, "big") + k, b""))
+            if par is not None:
+                links.append((par + k, b""))
+        # one putmulti per database: the puts run in C (the records are those of put() per key)
+        t.cursor(db=entries).putmulti(recs)
+        if leaves:
+            t.cursor(db=lru).putmulti(leaves)
+        if links:
+            t.cursor(db=children).putmulti(links)
+        for pe, m in stored:
+            if pe.evictable:  # a leaf until now: it leaves the LRU list
+                delete(pe.lru_key, db=lru)
+            pe.children += m
+            tx.put(pe)
+        return todo
+
+    try:
+        todo = s.submit(op, durable=durable)
+    except _NotPlain:
+        return None
+    total = len(keys)
+    results: list[bool | HostKVError] = [False] * total
+    if len(todo) < total:
+        p._tally("dedup", total - len(todo))
+    for j in todo:
+        results[j] = True
+    if todo:
+        p._tally("seals", len(todo))
+        p._tally("bytes_written", len(todo) * nb)
+    return results
 
 
 def _put_batch(p: LmdbProvider, keys: list[Key], parents: list[Key | None], views: list[memoryview],
@@ -107,19 +308,12 @@ def _put_batch(p: LmdbProvider, keys: list[Key], parents: list[Key | None], view
     byte, written by two transactions that work on the chunk's columns (one budget check and
     one slot allocation for all of it, the flight and entry records packed directly, a parent
     from the chunk inserted with its child counted instead of inserted as a leaf and updated),
-    slot headers zeroed, data written and headers written per file in one pass each.  ``None``
-    (nothing changed) when the chunk is not the plain case (sizes differ or are inline, a key
-    repeated, in flight or whose parent failed, a parent neither stored nor earlier in the
-    chunk, not room for all of it, a flight reclaimed meanwhile): then :func:`_put_chunk`."""
+    slot headers zeroed, data written and headers written per file in one pass each.  For a
+    chunk :func:`_plain` accepted that :func:`_put_direct` did not take (it needs eviction, or
+    a key was in flight).  ``None`` (nothing changed) when the chunk is not the plain case (a
+    key in flight, a parent not stored, not room for all of it, a flight reclaimed
+    meanwhile): then :func:`_put_chunk`."""
     nb = views[0].nbytes
-    if nb <= p._inline_max or any(v.nbytes != nb for v in views) or len(set(keys)) != len(keys):
-        return None
-    if failed and any(q in failed for q in parents if q is not None):
-        return None
-    at = {k: j for j, k in enumerate(keys)}
-    for j, q in enumerate(parents):
-        if q is not None and at.get(q, -1) >= j:
-            return None  # a parent later in the chunk
     owner, ttl = p._owner, p._lease_ttl
     slot_nbytes = _slot_nbytes(nb)
     pack_flight = _FLIGHT.pack

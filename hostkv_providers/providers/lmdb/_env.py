@@ -621,6 +621,21 @@ class _Shared:
                     if t.durable and t.error is None:
                         t.error = err
 
+    def sync_index(self) -> None:
+        """``durability=sync``: make every committed transaction durable (LMDB's meta page; its
+        data pages were synced by each commit) — for a caller that committed with
+        ``durable=False`` and must be durable before it returns.  ``StorageIOError`` on failure
+        (never retried into a success, R7)."""
+        if self.durability != "sync":
+            return
+        self.gate.acquire_shared()
+        try:
+            self.env.sync(True)
+        except lmdb.Error as exc:
+            raise StorageIOError(f"syncing the LMDB index failed: {exc}") from exc
+        finally:
+            self.gate.release_shared()
+
     def _commit_batch(self, live: list[_Ticket], touches: dict[Key, float]) -> None:
         self.gate.acquire_shared()
         try:

@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from hostkv_providers._errors import (
     CapacityError,
     CorruptStoreError,
@@ -350,14 +352,20 @@ class _Tx:
         prefix = slot_nbytes.to_bytes(8, "big")
         cur = self.t.cursor(db=self.db["free"])
         if cur.set_range(prefix):
-            while len(fids) < n:
-                k = bytes(cur.key())
-                if k[:8] != prefix:
+            taken: list[bytes] = []
+            key, delete = cur.key, cur.delete
+            while len(taken) < n:
+                k = bytes(key())
+                if k[:8] != prefix or len(k) != 24:
                     break
-                fids.append(int.from_bytes(k[8:16], "big"))
-                slots.append(int.from_bytes(k[16:24], "big"))
-                if not cur.delete():  # (deletes, then stands on the next record)
+                taken.append(k)
+                if not delete():  # (deletes, then stands on the next record)
                     break
+            if taken:
+                # the records' (slot size, file id, slot) columns, decoded for the whole chunk at once
+                cols = np.frombuffer(b"".join(taken), dtype=">u8").reshape(-1, 3)
+                fids += cols[:, 1].tolist()
+                slots += cols[:, 2].tolist()
         meta = self.db["meta"]
         while len(fids) < n:
             raw = self.t.get(b"cur" + prefix, db=meta)
