@@ -390,6 +390,35 @@ class TreeIndex:
                 self._heap_bound = -1
             heapq.heappush(self._heap, self.clock << _ROW_BITS | row)
 
+    def touch_rows(self, rows: npt.NDArray[np.int64]) -> None:
+        """:meth:`touch` of every row of ``rows`` (live rows, in order) over the columns: the same
+        ticks (a row touched twice keeps its last one, as the loop leaves it), one
+        ``time.time()``, and a heap candidate per evictable row, so the LRU order is the loop's."""
+        n = len(rows)
+        if not n:
+            return
+        tick0 = self.clock + 1
+        self.clock += n
+        ticks = np.arange(tick0, tick0 + n, dtype=np.int64)
+        if len(set(rows.tolist())) != n:
+            # duplicates: keep the last occurrence of each row (its tick is the one left in place)
+            uniq, rev_first = np.unique(rows[::-1], return_index=True)
+            rows, ticks = uniq, (n - 1 - rev_first) + tick0
+        self.tick[rows] = ticks
+        self.used[rows] = time.time()
+        ev = (self.children[rows] | self.hold[rows]) == 0
+        ev &= ~self.retained[rows]
+        items = ((ticks << _ROW_BITS) | rows)[ev].tolist()
+        if not items:
+            return
+        if len(self._heap) + len(items) > 4 * self.count + 1024:
+            # mostly stale entries (a reader touches without ever evicting): rebuild lazily
+            self._heap = []
+            self._heap_bound = -1
+        push, heap = heapq.heappush, self._heap
+        for item in items:
+            push(heap, item)
+
     # -- reservations ----------------------------------------------------------------------------
     def begin(self, key: Key, parent: Key | None, cost: int,
               pending_ok: Container[Key] = ()) -> tuple[bool, list[int], int]:

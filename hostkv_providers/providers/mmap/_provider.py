@@ -100,6 +100,33 @@ __all__ = ["MMAP_FORMAT", "MMAP_FORMAT_VERSION", "RECORD_DTYPE", "MmapProvider"]
 # ------------------------------------------------------------------------------------------------
 
 
+
+def _out_views(outs: Sequence[object], at: list[int], sizes: list[int]
+               ) -> tuple[list[memoryview], list[int] | None, InvalidArgumentError | None]:
+    """The output views of ``read_many``: ``outs[at[t]]`` as a flat writable byte view of
+    ``sizes[t]`` bytes (what ``writable_buffer`` makes of it).  Returns the views, the positions
+    ``t`` that have one (``None``: all), and the first error of the others (in key order)."""
+    n = len(at)
+    views: list[memoryview]
+    try:
+        views = list(map(memoryview, outs if n == len(outs) else [outs[i] for i in at]))  # type: ignore[arg-type]
+    except TypeError:
+        views = []
+    if (len(views) == n and all(v.format == "B" and v.ndim == 1 and v.c_contiguous and not v.readonly
+                                and v.nbytes == size for v, size in zip(views, sizes, strict=True))):
+        return views, None, None  # the common case: flat byte buffers of exactly the entry's size
+    dsts: list[memoryview] = []
+    keep: list[int] = []
+    bad: InvalidArgumentError | None = None
+    for t, (i, size) in enumerate(zip(at, sizes, strict=True)):
+        try:
+            dsts.append(writable_buffer(outs[i], size))
+        except InvalidArgumentError as exc:
+            bad = bad or exc
+            continue
+        keep.append(t)
+    return dsts, (None if len(keep) == n else keep), bad
+
 class MmapProvider(_BatchWrites):
     """File store of fixed-size slots with a checksummed journal (see the module docstring).
 
@@ -633,62 +660,74 @@ class MmapProvider(_BatchWrites):
             n_outs = -1
         if n_outs != len(ks):
             raise InvalidArgumentError(f"{len(ks)} keys need a sequence of as many output buffers")
-        results = [False] * len(ks)
+        n = len(ks)
         bad: InvalidArgumentError | None = None
-        # per data file: the reads (slot, out, key, generation, nbytes, checksum) and, in the same
-        # order, (position in keys, row) of each
-        reads: dict[int, list[tuple[int, memoryview, bytes, int, int, int]]] = {}
-        where: dict[int, list[tuple[int, int]]] = {}
         self._check_usable()
+        # The chunk path: the lookups, the columns and the touches over arrays, the reads of each
+        # data file by one SlotFile.read_batch; per entry only its output view is a Python object.
         with self._lock:
             self._check_usable()
             idx = self._idx
-            row_of, touch = idx.row_of, idx.touch
-            nbytes_of, file_of, slot_of, gen_of, csum_of = (idx.nbytes.item, idx.file.item, idx.slot.item,
-                                                            idx.gen.item, idx.csum.item)
-            nread = hits = 0
-            for i, k in enumerate(ks):
-                row = row_of(k)
-                if row < 0:
-                    continue
-                nbytes = nbytes_of(row)
-                try:
-                    dst = writable_buffer(outs[i], nbytes)
-                except InvalidArgumentError as exc:
-                    bad = bad or exc
-                    continue
-                touch(row)
-                fid = file_of(row)
-                if fid not in reads:
-                    reads[fid], where[fid] = [], []
-                reads[fid].append((slot_of(row), dst, k, gen_of(row), nbytes, csum_of(row)))
-                where[fid].append((i, row))
-                nread += nbytes
-                hits += 1
+            rows = idx.rows_of(ks)
+            at = list(range(n)) if -1 not in rows else [i for i, r in enumerate(rows) if r >= 0]
+            hit = np.array(rows if len(at) == n else [rows[i] for i in at], np.int64)
+            sizes = idx.nbytes[hit]
+            dsts, keep, bad = _out_views(outs, at, sizes.tolist())
+            if keep is not None:
+                at = [at[t] for t in keep]
+                hit, sizes = hit[keep], sizes[keep]
+            hits = len(at)
+            if hits:
+                idx.touch_rows(hit)
+                fids = idx.file[hit]
+                slots, gens, csums = idx.slot[hit], idx.gen[hit], idx.csum[hit]
             files = self._files
+        nread = int(sizes.sum()) if hits else 0
+        results = [False] * n
         failed: list[tuple[int, int, ReadResult, int]] = []  # row, generation, result, nbytes
-        for fid, batch in reads.items():
-            sf = files[fid]
-            try:
-                got = sf.read_runs_into(batch, verify=self._verify_reads)
-            except StorageIOError:
-                if not sf.closed:
-                    raise
-                got = [ReadResult.STALE] * len(batch)  # refresh/compaction swapped the files: misses
-            for (i, row), r, rd in zip(where[fid], got, batch, strict=True):
-                if r is ReadResult.OK:
-                    results[i] = True
+        if hits:
+            fid0 = int(fids[0])
+            if int(fids.min()) == int(fids.max()):
+                by_file: list[tuple[int, list[int] | None]] = [(fid0, None)]
+            else:  # several data files: one batch each, in the order of their first entry
+                pos: dict[int, list[int]] = {}
+                for t, f in enumerate(fids.tolist()):
+                    pos.setdefault(f, []).append(t)
+                by_file = list(pos.items())
+            for fid, sel in by_file:
+                sf = files[fid]
+                if sel is None:
+                    cols = (slots, gens, sizes, csums)
+                    bufs, ps, ks_sel = dsts, at, [ks[i] for i in at]
                 else:
-                    failed.append((row, rd[3], r, rd[4]))
+                    cols = (slots[sel], gens[sel], sizes[sel], csums[sel])
+                    bufs, ps = [dsts[t] for t in sel], [at[t] for t in sel]
+                    ks_sel = [ks[i] for i in ps]
+                try:
+                    codes = sf.read_batch(*cols, b"".join(ks_sel), bufs, verify=self._verify_reads).tolist()
+                except StorageIOError:
+                    if not sf.closed:
+                        raise
+                    codes = [ReadResult.STALE] * len(bufs)  # refresh/compaction swapped the files: misses
+                if 1 not in codes and 2 not in codes:
+                    for i in ps:
+                        results[i] = True
+                    continue
+                for t, (i, c) in enumerate(zip(ps, codes, strict=True)):
+                    if c == ReadResult.OK:
+                        results[i] = True
+                    else:
+                        ht = t if sel is None else sel[t]
+                        failed.append((int(hit[ht]), int(gens[ht]), ReadResult(c), int(sizes[ht])))
         failures = 0
         if failed:
             with self._lock:
-                for row, gen, r, n in failed:
+                for row, gen, r, size in failed:
                     failures += self._read_failed(idx, row, gen, r)
                     hits -= 1
-                    nread -= n
+                    nread -= size
         self._tally("hits", hits)
-        self._tally("misses", len(ks) - hits)
+        self._tally("misses", n - hits)
         self._tally("bytes_read", nread)
         self._tally("checksum_failures", failures)
         if bad is not None:
