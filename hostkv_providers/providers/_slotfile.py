@@ -355,6 +355,10 @@ _IDENT_TAIL = struct.Struct("<QQQ")  # generation, nbytes, checksum at bytes [72
 #: The 8-byte words of a slot header a read compares (magic, key, generation, nbytes, checksum):
 #: words 0-4 are bytes [0, 40), words 9-11 bytes [72, 96) -- what :meth:`SlotFile._ident_is` checks.
 _IDENT_WORDS = np.array([0, 1, 2, 3, 4, 9, 10, 11], dtype=np.intp)
+_HEADER_WORDS = SLOT_HEADER_NBYTES // 8
+#: A header row (16 words) with ones where ``_IDENT_WORDS`` are: ``row & mask`` keeps what a read compares.
+_IDENT_MASK = np.zeros(_HEADER_WORDS, np.uint64)
+_IDENT_MASK[_IDENT_WORDS] = np.uint64(0xFFFFFFFFFFFFFFFF)
 _U64 = np.dtype("<u8")
 _NBYTES_OF = operator.attrgetter("nbytes")
 
@@ -1064,22 +1068,26 @@ class SlotFile:
             raise InvalidArgumentError(f"read_batch: {kw.nbytes} key bytes for {n} keys of {KEY_NBYTES}")
         if not n:
             return np.zeros(0, np.uint8)
-        sizes = np.fromiter(map(_NBYTES_OF, outs), np.int64, n)
-        if sizes.tobytes() != nb.tobytes():
-            j = int(np.flatnonzero(sizes != nb)[0])
-            raise SpanError(f"a whole-entry read into {int(sizes[j])} bytes of an entry of {int(nb[j])}")
+        # (the argument checks on lists: builtins over a list beat numpy calls on small batches)
+        nb_l = nb.tolist()
+        sizes = list(map(_NBYTES_OF, outs))
+        if sizes != nb_l:
+            j = next(j for j in range(n) if sizes[j] != nb_l[j])
+            raise SpanError(f"a whole-entry read into {sizes[j]} bytes of an entry of {nb_l[j]}")
         sn = self.slot_nbytes
-        # (sizes are >= 0 here: max(1, ceil(nbytes / sn)) slots per run)
-        ends = sl + (np.maximum(nb, 1) + (sn - 1)) // sn
-        if int(sl.min()) < 0 or int(ends.max()) > self.slot_count:
-            j = int(np.flatnonzero((sl < 0) | (ends > self.slot_count))[0])
-            self._check_run(int(sl[j]), int(ends[j] - sl[j]))  # raises with the full message
-        want = np.empty((n, len(_IDENT_WORDS)), np.uint64)
+        sl_l = sl.tolist()
+        # (sizes are >= 0 here: a run is max(1, ceil(nbytes / sn)) slots; the widest bounds all)
+        if min(sl_l) < 0 or max(sl_l) + max(1, -(-max(nb_l) // sn)) > self.slot_count:
+            for slot, size in zip(sl_l, nb_l, strict=True):
+                if slot < 0 or slot + max(1, -(-size // sn)) > self.slot_count:
+                    self._check_run(slot, run_nslots(size, sn))  # raises with the full message
+        # the header rows this batch expects, zero outside the compared words (see _idents_match)
+        want = np.zeros((n, _HEADER_WORDS), np.uint64)
         want[:, 0] = SLOT_MAGIC
         want[:, 1:5] = kw.view(_U64).reshape(n, 4)
-        want[:, 5] = gens
-        want[:, 6] = nb
-        want[:, 7] = sums
+        want[:, 9] = gens
+        want[:, 10] = nb
+        want[:, 11] = sums
         pre = self._idents_match(sl, want)
         if pre is None:
             live = None  # every header matched (the common case)
@@ -1104,7 +1112,7 @@ class SlotFile:
                     digests[t] = digest(out)
         else:
             fd = self.fd
-            total = int(lnb.sum())
+            total = sum(nb_l) if live is None else int(lnb.sum())
             max_nbytes = _GROUP_NBYTES
             if not verify:
                 # Unverified reads have no hash pass that wants its group still in the CPU caches:
@@ -1168,8 +1176,8 @@ class SlotFile:
         h = self._headers
         if h is None:
             raise StorageIOError(f"slot file {self.path} is closed")
-        words = h.view(_U64).reshape(self.slot_count, SLOT_HEADER_NBYTES // 8)
-        got = words[slots[:, None], _IDENT_WORDS]
+        got = h.view(_U64).reshape(self.slot_count, _HEADER_WORDS).take(slots, axis=0)
+        got &= _IDENT_MASK
         if got.tobytes() == want.tobytes():
             return None
         ok: npt.NDArray[np.bool_] = (got == want).all(axis=1)
@@ -1183,10 +1191,18 @@ class SlotFile:
         bytes each (a group holds at least one entry), in order."""
         m = len(slots)
         sn = self.slot_nbytes
-        lo = self.data_offset + slots * sn
+        base = self.data_offset
         nb0 = int(nbytes[0])
         if m == 1:
-            return [(int(lo[0]), 0, 1)]
+            return [(base + int(slots[0]) * sn, 0, 1)]
+        step = nb0 // sn
+        if nb0 and not nb0 % sn:
+            s = slots.tolist()
+            if s == list(range(s[0], s[0] + m * step, step)) and nbytes.tolist() == [nb0] * m:
+                # one run of equal entries filling their slots (the common case): cut every k
+                k = min(_IOV_MAX, max(1, max_nbytes // nb0))
+                return [(base + (s[0] + g * step) * sn, g, min(g + k, m)) for g in range(0, m, k)]
+        lo = base + slots * sn
         if int(nbytes.min()) == int(nbytes.max()):
             # equal sizes (the common case): runs split every k entries
             if not nb0 or nb0 % sn:

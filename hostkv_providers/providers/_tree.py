@@ -406,9 +406,9 @@ class TreeIndex:
             rows, ticks = uniq, (n - 1 - rev_first) + tick0
         self.tick[rows] = ticks
         self.used[rows] = time.time()
-        ev = (self.children[rows] | self.hold[rows]) == 0
-        ev &= ~self.retained[rows]
-        items = ((ticks << _ROW_BITS) | rows)[ev].tolist()
+        busy = self.children.take(rows) | self.hold.take(rows)
+        busy |= self.retained.take(rows)
+        items = ((ticks << _ROW_BITS) | rows)[busy == 0].tolist()
         if not items:
             return
         if len(self._heap) + len(items) > 4 * self.count + 1024:

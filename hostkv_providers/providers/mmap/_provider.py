@@ -37,6 +37,7 @@ number of readers (``readonly=true``).  A reader sees the store as of its open o
 from __future__ import annotations
 
 import contextlib
+import operator
 import os
 import threading
 import time
@@ -101,6 +102,9 @@ __all__ = ["MMAP_FORMAT", "MMAP_FORMAT_VERSION", "RECORD_DTYPE", "MmapProvider"]
 
 
 
+_VIEW_TRAITS = operator.attrgetter("format", "ndim", "c_contiguous", "readonly", "nbytes")
+
+
 def _out_views(outs: Sequence[object], at: list[int], sizes: list[int]
                ) -> tuple[list[memoryview], list[int] | None, InvalidArgumentError | None]:
     """The output views of ``read_many``: ``outs[at[t]]`` as a flat writable byte view of
@@ -112,8 +116,9 @@ def _out_views(outs: Sequence[object], at: list[int], sizes: list[int]
         views = list(map(memoryview, outs if n == len(outs) else [outs[i] for i in at]))  # type: ignore[arg-type]
     except TypeError:
         views = []
-    if (len(views) == n and all(v.format == "B" and v.ndim == 1 and v.c_contiguous and not v.readonly
-                                and v.nbytes == size for v, size in zip(views, sizes, strict=True))):
+    if len(views) == n and n and (
+            set(map(_VIEW_TRAITS, views)) == {("B", 1, True, False, sizes[0])} if sizes.count(sizes[0]) == n
+            else all(_VIEW_TRAITS(v) == ("B", 1, True, False, size) for v, size in zip(views, sizes, strict=True))):
         return views, None, None  # the common case: flat byte buffers of exactly the entry's size
     dsts: list[memoryview] = []
     keep: list[int] = []
@@ -671,27 +676,27 @@ class MmapProvider(_BatchWrites):
             rows = idx.rows_of(ks)
             at = list(range(n)) if -1 not in rows else [i for i, r in enumerate(rows) if r >= 0]
             hit = np.array(rows if len(at) == n else [rows[i] for i in at], np.int64)
-            sizes = idx.nbytes[hit]
+            sizes = idx.nbytes.take(hit)
             dsts, keep, bad = _out_views(outs, at, sizes.tolist())
             if keep is not None:
                 at = [at[t] for t in keep]
-                hit, sizes = hit[keep], sizes[keep]
+                hit, sizes = hit.take(keep), sizes.take(keep)
             hits = len(at)
             if hits:
                 idx.touch_rows(hit)
-                fids = idx.file[hit]
-                slots, gens, csums = idx.slot[hit], idx.gen[hit], idx.csum[hit]
+                fids = idx.file.take(hit)
+                slots, gens, csums = idx.slot.take(hit), idx.gen.take(hit), idx.csum.take(hit)
             files = self._files
-        nread = int(sizes.sum()) if hits else 0
+        nread = sum(sizes.tolist()) if hits else 0
         results = [False] * n
         failed: list[tuple[int, int, ReadResult, int]] = []  # row, generation, result, nbytes
         if hits:
-            fid0 = int(fids[0])
-            if int(fids.min()) == int(fids.max()):
-                by_file: list[tuple[int, list[int] | None]] = [(fid0, None)]
+            fl = fids.tolist()
+            if fl.count(fl[0]) == hits:
+                by_file: list[tuple[int, list[int] | None]] = [(fl[0], None)]
             else:  # several data files: one batch each, in the order of their first entry
                 pos: dict[int, list[int]] = {}
-                for t, f in enumerate(fids.tolist()):
+                for t, f in enumerate(fl):
                     pos.setdefault(f, []).append(t)
                 by_file = list(pos.items())
             for fid, sel in by_file:
@@ -727,9 +732,11 @@ class MmapProvider(_BatchWrites):
                     hits -= 1
                     nread -= size
         self._tally("hits", hits)
-        self._tally("misses", n - hits)
+        if n - hits:  # (adding 0 changes no counter)
+            self._tally("misses", n - hits)
         self._tally("bytes_read", nread)
-        self._tally("checksum_failures", failures)
+        if failures:
+            self._tally("checksum_failures", failures)
         if bad is not None:
             raise bad
         return results
