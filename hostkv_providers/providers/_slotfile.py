@@ -43,6 +43,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import enum
+import itertools
 import mmap
 import operator
 import os
@@ -361,6 +362,22 @@ _IDENT_MASK = np.zeros(_HEADER_WORDS, np.uint64)
 _IDENT_MASK[_IDENT_WORDS] = np.uint64(0xFFFFFFFFFFFFFFFF)
 _U64 = np.dtype("<u8")
 _NBYTES_OF = operator.attrgetter("nbytes")
+#: The compared fields of a slot header, as ``struct`` reads them (magic, key, generation, nbytes,
+#: checksum: ``_IDENT_NFIELDS`` values; the parent and the tail skipped): ``_ident_struct(n)``
+#: unpacks ``n`` headers in a row.
+_IDENT_FORMAT = "Q32s32xQQQ32x"
+_IDENT_NFIELDS = 5
+assert struct.calcsize("<" + _IDENT_FORMAT) == SLOT_HEADER_NBYTES
+#: Batches of at most this many entries may take ``SlotFile._read_run_fast``.
+_FAST_MAX = 1024
+_ident_structs: dict[int, struct.Struct] = {}
+
+
+def _ident_struct(n: int) -> struct.Struct:
+    st = _ident_structs.get(n)
+    if st is None:
+        st = _ident_structs[n] = struct.Struct("<" + _IDENT_FORMAT * n)
+    return st
 
 
 def _encode_header(key: bytes, parent: bytes | None, generation: int, nbytes: int, checksum: int,
@@ -1003,15 +1020,13 @@ class SlotFile:
         n = len(reads)
         if not n:
             return []
-        codes = self.read_batch(
-            np.fromiter((r[0] for r in reads), np.int64, n), np.fromiter((r[3] for r in reads), np.uint64, n),
-            np.fromiter((r[4] for r in reads), np.int64, n), np.fromiter((r[5] for r in reads), np.uint64, n),
-            b"".join([r[2] for r in reads]), [r[1] for r in reads], verify=verify)
-        return [_RESULT_OF[c] for c in codes.tolist()]
+        codes = self.read_batch([r[0] for r in reads], [r[3] for r in reads], [r[4] for r in reads],
+                                [r[5] for r in reads], [r[2] for r in reads], [r[1] for r in reads], verify=verify)
+        return [_RESULT_OF[c] for c in codes]
 
-    def read_batch(self, slots: npt.ArrayLike, generations: npt.ArrayLike, nbytes: npt.ArrayLike,
-                   checksums: npt.ArrayLike, keys: object, outs: Sequence[memoryview], *,
-                   verify: bool = True) -> npt.NDArray[np.uint8]:
+    def read_batch(self, slots: Sequence[int] | npt.NDArray[np.int64], generations: Sequence[int] | npt.NDArray[Any],
+                   nbytes: Sequence[int] | npt.NDArray[np.int64], checksums: Sequence[int] | npt.NDArray[Any],
+                   keys: object, outs: Sequence[memoryview], *, verify: bool = True) -> bytes:
         """Whole-entry reads of a batch given as columns: entry ``j`` at ``slots[j]`` (record
         ``generations[j]``, ``nbytes[j]``, ``checksums[j]``, key ``j`` of ``keys``) into ``outs[j]``
         (a flat byte view of exactly ``nbytes[j]`` bytes).  The chunk path of the providers'
@@ -1023,8 +1038,8 @@ class SlotFile:
         slots, generations, nbytes, checksums
             One value per entry (integer arrays, or sequences, of ``len(outs)``).
         keys
-            The 32-byte keys: a ``V32`` array, or a bytes-like object of ``32 * len(outs)`` bytes
-            (the keys back to back).
+            The 32-byte keys: a list of them, a ``V32`` array, or a bytes-like object of
+            ``32 * len(outs)`` bytes (the keys back to back).
         outs
             Writable, flat, C-contiguous byte views, ``outs[j].nbytes == nbytes[j]``.
         verify
@@ -1032,8 +1047,8 @@ class SlotFile:
 
         Returns
         -------
-        numpy.ndarray of uint8
-            One ``ReadResult`` code per entry.  Each entry keeps the seqlock protocol of
+        bytes
+            One ``ReadResult`` code per entry (``bytes(n)``: all ``OK``).  Each entry keeps the seqlock protocol of
             :meth:`read_into`: its header must name the record (magic, key, generation, size,
             checksum) before the copies, checked for the whole batch at once over the header
             table, and again after them; ``OK`` only if both matched (and, with ``verify``, the
@@ -1054,20 +1069,30 @@ class SlotFile:
             The file is closed (also by a close racing the read) or a read failed.
         """
         n = len(outs)
+        if (isinstance(keys, list) and 0 < n <= _FAST_MAX and not isinstance(slots, np.ndarray)
+                and len(slots) == len(nbytes) == len(generations) == len(checksums) == len(keys) == n
+                and set(map(len, keys)) == {KEY_NBYTES}):
+            fast = self._read_run_fast(list(slots), list(generations), list(nbytes), list(checksums), keys,
+                                       outs, verify)
+            if fast is not None:
+                return fast
+        if isinstance(keys, list):
+            kw = np.frombuffer(b"".join(keys), np.uint8) if set(map(len, keys)) <= {KEY_NBYTES} \
+                else np.zeros(1, np.uint8)  # (a wrong length: refused below)
+        elif isinstance(keys, np.ndarray):
+            kw = np.ascontiguousarray(keys).view(np.uint8).reshape(-1)
+        else:
+            kw = np.frombuffer(keys, np.uint8)  # type: ignore[call-overload]
         sl = np.asarray(slots, dtype=np.int64)
         nb = np.asarray(nbytes, dtype=np.int64)
         gens = np.asarray(generations, dtype=np.uint64)
         sums = np.asarray(checksums, dtype=np.uint64)
-        if isinstance(keys, np.ndarray):
-            kw = np.ascontiguousarray(keys).view(np.uint8).reshape(-1)
-        else:
-            kw = np.frombuffer(keys, np.uint8)  # type: ignore[call-overload]
         if not (sl.shape == nb.shape == gens.shape == sums.shape == (n,)):
             raise InvalidArgumentError("read_batch: columns of different lengths")
         if kw.nbytes != n * KEY_NBYTES:
             raise InvalidArgumentError(f"read_batch: {kw.nbytes} key bytes for {n} keys of {KEY_NBYTES}")
         if not n:
-            return np.zeros(0, np.uint8)
+            return b""
         # (the argument checks on lists: builtins over a list beat numpy calls on small batches)
         nb_l = nb.tolist()
         sizes = list(map(_NBYTES_OF, outs))
@@ -1097,7 +1122,7 @@ class SlotFile:
             live = np.flatnonzero(pre)
             m = len(live)
             if not m:
-                return np.full(n, ReadResult.STALE, np.uint8)
+                return bytes([ReadResult.STALE]) * n
             lsl, lnb, lsums, lwant = sl[live], nb[live], sums[live], want[live]
             bufs = [outs[j] for j in live.tolist()]
         digest = xxhash.xxh3_64_intdigest
@@ -1154,17 +1179,110 @@ class SlotFile:
             if got_sums.tobytes() != lsums.tobytes():
                 bad = got_sums != lsums
         if post is None and bad is None and live is None:
-            return np.zeros(n, np.uint8)  # all OK
+            return bytes(n)  # all OK
         res = np.zeros(m, np.uint8)
         if post is not None:
             res[~post] = ReadResult.STALE
         if bad is not None:
             res[bad if post is None else bad & post] = ReadResult.CORRUPT
         if live is None:
-            return res
+            return res.tobytes()
         codes = np.full(n, ReadResult.STALE, np.uint8)
         codes[live] = res
-        return codes
+        return codes.tobytes()
+
+    def _read_run_fast(self, sl: list[int], gens: list[int], nb: list[int], sums: list[int], keys: list[bytes],
+                       outs: Sequence[memoryview], verify: bool) -> bytes | None:
+        """:meth:`read_batch` of a batch of one-slot entries that fill their slots and lie back to
+        back from ``sl[0]`` in order (what ``put_many`` lays out and ``read_many`` reads back),
+        or ``None`` when the batch is not one (then the general path reads it, from scratch).
+
+        The same protocol with a small footprint: the slot headers of the batch are one range
+        of the header table, unpacked with one ``struct`` call (the compared fields only, the
+        others skipped) and compared with the expected records as one tuple, before the copies
+        and again after them.  Measured on a 2-core VM (256 KiB pages, 16 per call): a read
+        call begins with the CPU caches emptied by the previous call's 4 MiB copy, where each
+        numpy call cost 5-15 us against ~1 us warm; this path makes no numpy call."""
+        n = len(outs)
+        sn = self.slot_nbytes
+        s0 = sl[0]
+        if sl != list(range(s0, s0 + n)) or nb != [sn] * n or s0 < 0 or s0 + n > self.slot_count:
+            return None
+        if list(map(_NBYTES_OF, outs)) != nb:
+            return None  # (the general path raises the SpanError)
+        m = self._map
+        if m is None:
+            raise StorageIOError(f"slot file {self.path} is closed")
+        want = tuple(itertools.chain.from_iterable(zip(itertools.repeat(SLOT_MAGIC, n), keys, gens, nb, sums,
+                                                       strict=True)))
+        unpack = _ident_struct(n).unpack
+        h0 = FILE_HEADER_NBYTES + s0 * SLOT_HEADER_NBYTES
+        h1 = h0 + n * SLOT_HEADER_NBYTES
+        try:
+            if unpack(m[h0:h1]) != want:
+                return None  # some header does not match: the general path sorts them out
+        except ValueError:  # closed by another thread meanwhile
+            raise StorageIOError(f"slot file {self.path} is closed") from None
+        digest = xxhash.xxh3_64_intdigest
+        bufs = list(outs)
+        got: list[int] = []
+        if self.io != "syscall":
+            v = self._v()
+            lo = self.data_offset + s0 * sn
+            for out in bufs:
+                out[:] = v[lo : lo + sn]
+                lo += sn
+                if verify:
+                    got.append(digest(out))
+        else:
+            fd = self.fd
+            total = n * sn
+            if verify:
+                k = max(1, min(_IOV_MAX, _GROUP_NBYTES // sn))
+            else:
+                parts = _IO_THREADS if _use_pool(total, n) else 1
+                k = max(1, min(_IOV_MAX, max(_GROUP_NBYTES, -(-total // parts)) // sn))
+            base = self.data_offset + s0 * sn
+            groups = [(base + a * sn, a, min(a + k, n)) for a in range(0, n, k)]
+            digests = [0] * n
+            path = self.path
+            pread_into = self._pread_into
+
+            def work(part: Sequence[tuple[int, int, int]]) -> None:
+                for start, a, b in part:
+                    chunk = bufs[a:b]
+                    try:
+                        done = os.preadv(fd, chunk, start)
+                    except OSError as exc:
+                        raise _fsutil.io_error(exc, f"reading {path}") from exc
+                    if done < (b - a) * sn:  # short: page by page from the start
+                        pos = start
+                        for x in chunk:
+                            pread_into(x, pos)
+                            pos += sn
+                    if verify:
+                        # right after each group's copy, while its bytes are still in the CPU caches
+                        for t in range(a, b):
+                            digests[t] = digest(bufs[t])
+
+            _spread(groups, total, work)
+            if verify:
+                got = digests
+        # the second header check of the seqlock, after every copy of the batch
+        try:
+            after = unpack(m[h0:h1])
+        except ValueError:
+            raise StorageIOError(f"slot file {self.path} is closed") from None
+        if after == want and (not verify or got == sums):
+            return bytes(n)
+        codes = bytearray(n)
+        w = _IDENT_NFIELDS
+        for j in range(n):
+            if after[j * w : j * w + w] != want[j * w : j * w + w]:
+                codes[j] = ReadResult.STALE
+            elif verify and got[j] != sums[j]:
+                codes[j] = ReadResult.CORRUPT
+        return bytes(codes)
 
     def _idents_match(self, slots: npt.NDArray[np.int64], want: npt.NDArray[np.uint64]
                       ) -> npt.NDArray[np.bool_] | None:

@@ -50,6 +50,8 @@ from hostkv_providers._keys import Key
 __all__ = ["TreeIndex"]
 
 _ROW_BITS = 32
+#: ``TreeIndex.touch_rows`` of at most this many rows runs as one loop over the column views.
+_TOUCH_LOOP_MAX = 256
 _ROW_MASK = (1 << _ROW_BITS) - 1
 
 
@@ -390,25 +392,42 @@ class TreeIndex:
                 self._heap_bound = -1
             heapq.heappush(self._heap, self.clock << _ROW_BITS | row)
 
-    def touch_rows(self, rows: npt.NDArray[np.int64]) -> None:
-        """:meth:`touch` of every row of ``rows`` (live rows, in order) over the columns: the same
-        ticks (a row touched twice keeps its last one, as the loop leaves it), one
-        ``time.time()``, and a heap candidate per evictable row, so the LRU order is the loop's."""
+    def touch_rows(self, rows: Sequence[int] | npt.NDArray[np.int64]) -> None:
+        """:meth:`touch` of every row of ``rows`` (live rows, in order): the same ticks (a row
+        touched twice keeps its last one), the same ``used`` time for all (one ``time.time()``)
+        and a heap candidate per evictable row, so the LRU order is the loop's.  A batch of up
+        to ``_TOUCH_LOOP_MAX`` rows in one tight loop over the column views (a read call starts
+        with cold CPU caches, where each numpy call costs several microseconds), a larger one
+        over the columns."""
         n = len(rows)
         if not n:
             return
-        tick0 = self.clock + 1
-        self.clock += n
-        ticks = np.arange(tick0, tick0 + n, dtype=np.int64)
-        if len(set(rows.tolist())) != n:
-            # duplicates: keep the last occurrence of each row (its tick is the one left in place)
-            uniq, rev_first = np.unique(rows[::-1], return_index=True)
-            rows, ticks = uniq, (n - 1 - rev_first) + tick0
-        self.tick[rows] = ticks
-        self.used[rows] = time.time()
-        busy = self.children.take(rows) | self.hold.take(rows)
-        busy |= self.retained.take(rows)
-        items = ((ticks << _ROW_BITS) | rows)[busy == 0].tolist()
+        if n <= _TOUCH_LOOP_MAX:
+            clock, now = self.clock, time.time()
+            tick, used, children, hold, retained = self.m_tick, self.m_used, self.m_children, self.m_hold, \
+                self.m_retained
+            items = []
+            for row in rows.tolist() if isinstance(rows, np.ndarray) else rows:
+                clock += 1
+                tick[row] = clock
+                used[row] = now
+                if not (children[row] or hold[row] or retained[row]):
+                    items.append(clock << _ROW_BITS | row)
+            self.clock = clock
+        else:
+            arr = np.asarray(rows, dtype=np.int64)
+            tick0 = self.clock + 1
+            self.clock += n
+            ticks = np.arange(tick0, tick0 + n, dtype=np.int64)
+            if len(set(arr.tolist())) != n:
+                # duplicates: keep the last occurrence of each row (its tick is the one left in place)
+                uniq, rev_first = np.unique(arr[::-1], return_index=True)
+                arr, ticks = uniq, (n - 1 - rev_first) + tick0
+            self.tick[arr] = ticks
+            self.used[arr] = time.time()
+            busy = self.children.take(arr) | self.hold.take(arr)
+            busy |= self.retained.take(arr)
+            items = ((ticks << _ROW_BITS) | arr)[busy == 0].tolist()
         if not items:
             return
         if len(self._heap) + len(items) > 4 * self.count + 1024:

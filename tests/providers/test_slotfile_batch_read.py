@@ -47,6 +47,15 @@ def _put(sf: SlotFile, slot: int, key: bytes, gen: int, nbytes: int) -> Rec:
     return slot, key, gen, nbytes, csum
 
 
+@pytest.fixture(params=["fast", "general"], autouse=True)
+def read_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both paths of read_batch: the one for a back-to-back run of one-slot entries (taken
+    where it applies) and the general one (forced)."""
+    if request.param == "general":
+        monkeypatch.setattr(slotfile, "_FAST_MAX", 0)
+    return str(request.param)
+
+
 @pytest.fixture(params=["syscall", "mmap"])
 def sf(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[SlotFile]:
     f = SlotFile.create(str(tmp_path / "f.slots"), slot_nbytes=SN, slot_count=COUNT, file_id=1, store_id=STORE,
@@ -77,8 +86,8 @@ def _batch(sf: SlotFile, asked: list[Rec], verify: bool) -> tuple[list[int], lis
     codes = sf.read_batch([r[0] for r in asked], [r[2] for r in asked], [r[3] for r in asked],
                           [r[4] for r in asked], b"".join(r[1] for r in asked), [memoryview(o) for o in outs],
                           verify=verify)
-    assert codes.dtype == np.uint8 and codes.shape == (len(asked),)
-    return codes.tolist(), outs
+    assert isinstance(codes, bytes) and len(codes) == len(asked)
+    return list(codes), outs
 
 
 def _oracle(sf: SlotFile, asked: list[Rec], verify: bool) -> tuple[list[int], list[bytearray]]:
@@ -190,20 +199,28 @@ def test_iov_max_splits_the_preadv_calls(sf: SlotFile, monkeypatch: pytest.Monke
         assert calls == []
 
 
-def _rewrite_after_first_check(monkeypatch: pytest.MonkeyPatch, action: Any) -> None:
-    """Run ``action()`` right after the first header check of each ``read_batch`` (before the
-    copies: a writer reusing the slot while the reader copies)."""
-    real = SlotFile._idents_match
-    state = {"n": 0}
+def _rewrite_before_the_copy(monkeypatch: pytest.MonkeyPatch, action: Any) -> None:
+    """Run ``action()`` once, when ``read_batch`` starts its copies (its first ``preadv``, or its
+    first use of the mapping with ``io == "mmap"``): after the first header check, as a writer
+    reusing the slot while the reader copies."""
+    state = {"armed": True}
+    real_preadv, real_v = os.preadv, SlotFile._v
 
-    def hooked(self: SlotFile, slots: Any, want: Any) -> Any:
-        got = real(self, slots, want)
-        state["n"] += 1
-        if state["n"] == 1:
+    def fire() -> None:
+        if state["armed"]:
+            state["armed"] = False
             action()
-        return got
 
-    monkeypatch.setattr(SlotFile, "_idents_match", hooked)
+    def preadv(fd: int, bufs: list[memoryview], offset: int) -> int:
+        fire()
+        return real_preadv(fd, bufs, offset)
+
+    def v(self: SlotFile) -> memoryview:
+        fire()
+        return real_v(self)
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    monkeypatch.setattr(SlotFile, "_v", v)
 
 
 @pytest.mark.parametrize("verify", [True, False])
@@ -221,7 +238,7 @@ def test_a_header_changed_during_the_copy_is_stale(sf: SlotFile, monkeypatch: py
         else:
             _put(sf, 2, recs[2][1], 10, SN)
 
-    _rewrite_after_first_check(monkeypatch, writer)
+    _rewrite_before_the_copy(monkeypatch, writer)
     codes, outs = _batch(sf, recs, verify)
     assert codes == [0, 0, ReadResult.STALE, 0, 0, 0]
     assert all(outs[j] == _bytes_of(recs[j][1], 9, SN) for j in (0, 1, 3, 4, 5))
@@ -260,9 +277,11 @@ def test_bad_arguments_raise_typed_errors(sf: SlotFile) -> None:
         sf.read_batch([s, s], [g], [n], [c], k, [memoryview(bytearray(n))])
     with pytest.raises(InvalidArgumentError):
         sf.read_batch([s], [g], [n], [c], k[:31], [memoryview(bytearray(n))])
-    assert sf.read_batch([], [], [], [], b"", []).tolist() == []
+    assert sf.read_batch([], [], [], [], b"", []) == b""
     keys = np.frombuffer(k, "V32")  # a V32 key column works as well as the bytes
-    assert sf.read_batch([s], [g], [n], [c], keys, [memoryview(bytearray(n))]).tolist() == [0]
+    assert sf.read_batch([s], [g], [n], [c], keys, [memoryview(bytearray(n))]) == b"\0"
+    assert sf.read_batch(np.array([s]), np.array([g], np.uint64), np.array([n]), np.array([c], np.uint64), [k],
+                         [memoryview(bytearray(n))]) == b"\0"
     sf.close()
     with pytest.raises(StorageIOError):
         sf.read_batch([s], [g], [n], [c], k, [memoryview(bytearray(n))])
@@ -324,9 +343,13 @@ def _tree(n: int) -> tuple[TreeIndex, list[int]]:
     return idx, rows
 
 
-def test_touch_rows_equals_a_loop_of_touch() -> None:
+@pytest.mark.parametrize("loop_max", [256, 0])
+def test_touch_rows_equals_a_loop_of_touch(monkeypatch: pytest.MonkeyPatch, loop_max: int) -> None:
     """The same ticks, clock and ``used`` times as one ``touch`` per row in order (a row touched
     twice keeps its last tick), and the same LRU eviction order afterwards."""
+    import hostkv_providers.providers._tree as tree
+
+    monkeypatch.setattr(tree, "_TOUCH_LOOP_MAX", loop_max)  # the loop and the column path
     rng = random.Random(5)
     for trial in range(20):
         a, rows = _tree(40)

@@ -105,6 +105,15 @@ __all__ = ["MMAP_FORMAT", "MMAP_FORMAT_VERSION", "RECORD_DTYPE", "MmapProvider"]
 _VIEW_TRAITS = operator.attrgetter("format", "ndim", "c_contiguous", "readonly", "nbytes")
 
 
+def _columns(rows: list[int]) -> Any:
+    """A getter of ``rows``' items from an index column (its memoryview): ``col(m) -> list``
+    (one C call per column, no per-entry Python)."""
+    if len(rows) <= 1:
+        return (lambda m: [m[rows[0]]]) if rows else (lambda m: [])
+    get = operator.itemgetter(*rows)
+    return lambda m: list(get(m))
+
+
 def _out_views(outs: Sequence[object], at: list[int], sizes: list[int]
                ) -> tuple[list[memoryview], list[int] | None, InvalidArgumentError | None]:
     """The output views of ``read_many``: ``outs[at[t]]`` as a flat writable byte view of
@@ -675,55 +684,54 @@ class MmapProvider(_BatchWrites):
             idx = self._idx
             rows = idx.rows_of(ks)
             at = list(range(n)) if -1 not in rows else [i for i, r in enumerate(rows) if r >= 0]
-            hit = np.array(rows if len(at) == n else [rows[i] for i in at], np.int64)
-            sizes = idx.nbytes.take(hit)
-            dsts, keep, bad = _out_views(outs, at, sizes.tolist())
+            hit = rows if len(at) == n else [rows[i] for i in at]
+            col = _columns(hit)
+            sizes = col(idx.m_nbytes)
+            dsts, keep, bad = _out_views(outs, at, sizes)
             if keep is not None:
                 at = [at[t] for t in keep]
-                hit, sizes = hit.take(keep), sizes.take(keep)
+                hit = [hit[t] for t in keep]
+                col = _columns(hit)
+                sizes = col(idx.m_nbytes)
             hits = len(at)
             if hits:
                 idx.touch_rows(hit)
-                fids = idx.file.take(hit)
-                slots, gens, csums = idx.slot.take(hit), idx.gen.take(hit), idx.csum.take(hit)
+                fids, slots, gens, csums = col(idx.m_file), col(idx.m_slot), col(idx.m_gen), col(idx.m_csum)
             files = self._files
-        nread = sum(sizes.tolist()) if hits else 0
+        nread = sum(sizes)
         results = [False] * n
         failed: list[tuple[int, int, ReadResult, int]] = []  # row, generation, result, nbytes
         if hits:
-            fl = fids.tolist()
-            if fl.count(fl[0]) == hits:
-                by_file: list[tuple[int, list[int] | None]] = [(fl[0], None)]
+            if fids.count(fids[0]) == hits:
+                by_file: list[tuple[int, list[int]]] = [(fids[0], list(range(hits)))]
             else:  # several data files: one batch each, in the order of their first entry
                 pos: dict[int, list[int]] = {}
-                for t, f in enumerate(fl):
+                for t, f in enumerate(fids):
                     pos.setdefault(f, []).append(t)
                 by_file = list(pos.items())
             for fid, sel in by_file:
                 sf = files[fid]
-                if sel is None:
+                if len(sel) == hits:
                     cols = (slots, gens, sizes, csums)
-                    bufs, ps, ks_sel = dsts, at, [ks[i] for i in at]
+                    bufs, ps = dsts, at
                 else:
-                    cols = (slots[sel], gens[sel], sizes[sel], csums[sel])
+                    cols = tuple([c[t] for t in sel] for c in (slots, gens, sizes, csums))  # type: ignore[assignment]
                     bufs, ps = [dsts[t] for t in sel], [at[t] for t in sel]
-                    ks_sel = [ks[i] for i in ps]
                 try:
-                    codes = sf.read_batch(*cols, b"".join(ks_sel), bufs, verify=self._verify_reads).tolist()
+                    codes = sf.read_batch(*cols, [ks[i] for i in ps], bufs, verify=self._verify_reads)
                 except StorageIOError:
                     if not sf.closed:
                         raise
-                    codes = [ReadResult.STALE] * len(bufs)  # refresh/compaction swapped the files: misses
-                if 1 not in codes and 2 not in codes:
+                    codes = bytes([ReadResult.STALE]) * len(bufs)  # refresh/compaction swapped the files: misses
+                if not any(codes):
                     for i in ps:
                         results[i] = True
                     continue
-                for t, (i, c) in enumerate(zip(ps, codes, strict=True)):
+                for t, i, c in zip(sel, ps, codes, strict=True):
                     if c == ReadResult.OK:
                         results[i] = True
                     else:
-                        ht = t if sel is None else sel[t]
-                        failed.append((int(hit[ht]), int(gens[ht]), ReadResult(c), int(sizes[ht])))
+                        failed.append((hit[t], gens[t], ReadResult(c), sizes[t]))
         failures = 0
         if failed:
             with self._lock:
