@@ -248,10 +248,36 @@ class TreeIndex:
         return -1
 
     def rows_of(self, keys: Sequence[bytes]) -> list[int]:
+        """:meth:`row_of` of each key.  After a bulk load the keys not yet in the dict are looked
+        up in the sorted key map for the whole batch at once (one ``searchsorted``, one
+        comparison of the candidates' keys), not one numpy call per key."""
+        get = self._dict.get
         if not len(self._base_k64):
-            get = self._dict.get
             return [-1 if r is None else r for r in map(get, keys)]
-        return [self.row_of(k) for k in keys]
+        found = list(map(get, keys))
+        if None not in found:
+            return found  # type: ignore[return-value]  # (no None in it)
+        miss = [j for j, r in enumerate(found) if r is None]
+        if len(miss) > 2:
+            mk = [keys[j] for j in miss]
+            base, brow = self._base_k64, self._base_row
+            hs = np.frombuffer(b"".join([k[:8] for k in mk]), "<u8")
+            pos = np.minimum(np.searchsorted(base, hs), len(base) - 1)
+            hit = base[pos] == hs
+            cand = np.where(hit, brow[pos], -1)
+            ok = cand >= 0
+            if bool(ok.all()) and self.key[cand].tobytes() == b"".join(mk):
+                for j, k, r in zip(miss, mk, cand.tolist(), strict=True):
+                    self._dict[k] = r  # cache, as row_of does
+                    found[j] = r
+                return found  # type: ignore[return-value]
+            for j, k, h in zip(miss, mk, hit.tolist(), strict=True):
+                # (no entry with these 8 key bytes: absent; else row_of walks the equal ones)
+                found[j] = self.row_of(k) if h else -1
+            return found  # type: ignore[return-value]
+        for j in miss:
+            found[j] = self.row_of(keys[j])
+        return found  # type: ignore[return-value]
 
     def contains(self, key: bytes) -> bool:
         """Whether ``key`` is sealed (C speed when nothing was bulk loaded)."""

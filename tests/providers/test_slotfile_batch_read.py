@@ -370,3 +370,35 @@ def test_touch_rows_equals_a_loop_of_touch(monkeypatch: pytest.MonkeyPatch, loop
         b.release_rows([rows[5], rows[9]], [int(b.gen[rows[5]]), int(b.gen[rows[9]])])
         assert a.evict_cost(250) == b.evict_cost(250)
         assert [a.pop_lru_leaf() for _ in range(3)] == [b.pop_lru_leaf() for _ in range(3)]
+
+
+def test_rows_of_after_a_bulk_load_equals_row_of() -> None:
+    """After a bulk load (the sorted key map, nothing in the dict yet) ``rows_of`` finds what
+    ``row_of`` finds key by key: present keys, absent ones, a removed one, and keys sharing
+    their first 8 bytes (the map's sort key)."""
+    from hostkv_providers.providers._tree import key_u64
+
+    def build() -> tuple[TreeIndex, list[bytes]]:
+        idx = TreeIndex(budget=1 << 40)
+        keys = [key_of(f"b{i}") for i in range(30)] + [b"S" * 8 + bytes([i]) * 24 for i in range(3)]
+        for k in keys:
+            ok, _, _ = idx.begin(k, None, 10)
+            assert ok
+            idx.commit(k, nbytes=10)
+        rows = np.array([idx.row_of(k) for k in keys], np.int64)
+        k64 = np.array([key_u64(k) for k in keys], np.uint64)
+        order = np.argsort(k64, kind="stable")
+        idx.set_key_map(k64[order], rows[order])
+        idx._dict.clear()  # as a bulk load leaves it: every key only in the sorted map
+        return idx, keys
+
+    a, keys = build()
+    b, _ = build()
+    gone = keys[4]
+    for idx in (a, b):
+        idx._unmap(idx.row_of(gone))
+        idx._dict.clear()
+    asked = [*keys[:10], key_of("absent"), b"S" * 8 + bytes([7]) * 24, gone, *keys[30:], keys[3], *keys[10:]]
+    assert a.rows_of(asked) == [b.row_of(k) for k in asked]
+    assert a.rows_of(asked) == [b.row_of(k) for k in asked]  # now from the dict
+    assert a.rows_of(asked[:2]) == [b.row_of(k) for k in asked[:2]]
