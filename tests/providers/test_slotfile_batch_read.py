@@ -84,7 +84,7 @@ def _layout(sf: SlotFile, rng: random.Random) -> list[Rec]:
 def _batch(sf: SlotFile, asked: list[Rec], verify: bool) -> tuple[list[int], list[bytearray]]:
     outs = [bytearray(r[3]) for r in asked]
     codes = sf.read_batch([r[0] for r in asked], [r[2] for r in asked], [r[3] for r in asked],
-                          [r[4] for r in asked], b"".join(r[1] for r in asked), [memoryview(o) for o in outs],
+                          [r[4] for r in asked], [r[1] for r in asked], [memoryview(o) for o in outs],
                           verify=verify)
     assert isinstance(codes, bytes) and len(codes) == len(asked)
     return list(codes), outs
@@ -277,9 +277,12 @@ def test_bad_arguments_raise_typed_errors(sf: SlotFile) -> None:
         sf.read_batch([s, s], [g], [n], [c], k, [memoryview(bytearray(n))])
     with pytest.raises(InvalidArgumentError):
         sf.read_batch([s], [g], [n], [c], k[:31], [memoryview(bytearray(n))])
+    with pytest.raises(InvalidArgumentError):
+        sf.read_batch([s], [g], [n], [c], [k[:31]], [memoryview(bytearray(n))])
     assert sf.read_batch([], [], [], [], b"", []) == b""
     keys = np.frombuffer(k, "V32")  # a V32 key column works as well as the bytes
     assert sf.read_batch([s], [g], [n], [c], keys, [memoryview(bytearray(n))]) == b"\0"
+    assert sf.read_batch([s], [g], [n], [c], k, [memoryview(bytearray(n))]) == b"\0"  # the keys joined
     assert sf.read_batch(np.array([s]), np.array([g], np.uint64), np.array([n]), np.array([c], np.uint64), [k],
                          [memoryview(bytearray(n))]) == b"\0"
     sf.close()
@@ -402,3 +405,23 @@ def test_rows_of_after_a_bulk_load_equals_row_of() -> None:
     assert a.rows_of(asked) == [b.row_of(k) for k in asked]
     assert a.rows_of(asked) == [b.row_of(k) for k in asked]  # now from the dict
     assert a.rows_of(asked[:2]) == [b.row_of(k) for k in asked[:2]]
+
+
+def test_the_run_path_is_taken_where_it_applies(sf: SlotFile, monkeypatch: pytest.MonkeyPatch,
+                                                read_path: str) -> None:
+    """A back-to-back run of one-slot entries in slot order is read without the general path's
+    header check (the run path's own checks apply); out of order, it takes the general one."""
+    calls: list[int] = []
+    real = SlotFile._idents_match
+
+    def spy(self: SlotFile, slots: Any, want: Any) -> Any:
+        calls.append(len(slots))
+        return real(self, slots, want)
+
+    monkeypatch.setattr(SlotFile, "_idents_match", spy)
+    recs = [_put(sf, s, key_of(f"f{s}"), 2, SN) for s in range(8)]
+    assert _same(sf, recs, True) == [0] * 8
+    assert (calls == []) == (read_path == "fast")
+    calls.clear()
+    assert _same(sf, recs[::-1], True) == [0] * 8
+    assert calls
