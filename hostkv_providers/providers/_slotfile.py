@@ -1030,8 +1030,9 @@ class SlotFile:
         """Whole-entry reads of a batch given as columns: entry ``j`` at ``slots[j]`` (record
         ``generations[j]``, ``nbytes[j]``, ``checksums[j]``, key ``j`` of ``keys``) into ``outs[j]``
         (a flat byte view of exactly ``nbytes[j]`` bytes).  The chunk path of the providers'
-        ``read_many``: the checks and the grouping run over arrays, per entry only the copy
-        (and with ``verify`` the XXH3 call) is Python.
+        ``read_many``: the checks and the grouping run over the batch (numpy over the header
+        table; a back-to-back run of one-slot entries, the common case, through
+        :meth:`_read_run_fast`), per entry only the copy (and with ``verify`` the XXH3 call).
 
         Parameters
         ----------
