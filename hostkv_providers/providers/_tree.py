@@ -50,6 +50,8 @@ from hostkv_providers._keys import Key
 __all__ = ["TreeIndex"]
 
 _ROW_BITS = 32
+#: ``TreeIndex.touch_rows`` of at most this many rows runs as one loop over the column views.
+_TOUCH_LOOP_MAX = 256
 _ROW_MASK = (1 << _ROW_BITS) - 1
 
 
@@ -246,10 +248,36 @@ class TreeIndex:
         return -1
 
     def rows_of(self, keys: Sequence[bytes]) -> list[int]:
+        """:meth:`row_of` of each key.  After a bulk load the keys not yet in the dict are looked
+        up in the sorted key map for the whole batch at once (one ``searchsorted``, one
+        comparison of the candidates' keys), not one numpy call per key."""
+        get = self._dict.get
         if not len(self._base_k64):
-            get = self._dict.get
             return [-1 if r is None else r for r in map(get, keys)]
-        return [self.row_of(k) for k in keys]
+        found = list(map(get, keys))
+        if None not in found:
+            return found  # type: ignore[return-value]  # (no None in it)
+        miss = [j for j, r in enumerate(found) if r is None]
+        if len(miss) > 2:
+            mk = [keys[j] for j in miss]
+            base, brow = self._base_k64, self._base_row
+            hs = np.frombuffer(b"".join([k[:8] for k in mk]), "<u8")
+            pos = np.minimum(np.searchsorted(base, hs), len(base) - 1)
+            hit = base[pos] == hs
+            cand = np.where(hit, brow[pos], -1)
+            ok = cand >= 0
+            if bool(ok.all()) and self.key[cand].tobytes() == b"".join(mk):
+                for j, k, r in zip(miss, mk, cand.tolist(), strict=True):
+                    self._dict[k] = r  # cache, as row_of does
+                    found[j] = r
+                return found  # type: ignore[return-value]
+            for j, k, h in zip(miss, mk, hit.tolist(), strict=True):
+                # (no entry with these 8 key bytes: absent; else row_of walks the equal ones)
+                found[j] = self.row_of(k) if h else -1
+            return found  # type: ignore[return-value]
+        for j in miss:
+            found[j] = self.row_of(keys[j])
+        return found  # type: ignore[return-value]
 
     def contains(self, key: bytes) -> bool:
         """Whether ``key`` is sealed (C speed when nothing was bulk loaded)."""
@@ -389,6 +417,52 @@ class TreeIndex:
                 self._heap = []
                 self._heap_bound = -1
             heapq.heappush(self._heap, self.clock << _ROW_BITS | row)
+
+    def touch_rows(self, rows: Sequence[int] | npt.NDArray[np.int64]) -> None:
+        """:meth:`touch` of every row of ``rows`` (live rows, in order): the same ticks (a row
+        touched twice keeps its last one), the same ``used`` time for all (one ``time.time()``)
+        and a heap candidate per evictable row, so the LRU order is the loop's.  A batch of up
+        to ``_TOUCH_LOOP_MAX`` rows in one tight loop over the column views (a read call starts
+        with cold CPU caches, where each numpy call costs several microseconds), a larger one
+        over the columns."""
+        n = len(rows)
+        if not n:
+            return
+        if n <= _TOUCH_LOOP_MAX:
+            clock, now = self.clock, time.time()
+            tick, used, children, hold, retained = self.m_tick, self.m_used, self.m_children, self.m_hold, \
+                self.m_retained
+            items = []
+            for row in rows.tolist() if isinstance(rows, np.ndarray) else rows:
+                clock += 1
+                tick[row] = clock
+                used[row] = now
+                if not (children[row] or hold[row] or retained[row]):
+                    items.append(clock << _ROW_BITS | row)
+            self.clock = clock
+        else:
+            arr = np.asarray(rows, dtype=np.int64)
+            tick0 = self.clock + 1
+            self.clock += n
+            ticks = np.arange(tick0, tick0 + n, dtype=np.int64)
+            if len(set(arr.tolist())) != n:
+                # duplicates: keep the last occurrence of each row (its tick is the one left in place)
+                uniq, rev_first = np.unique(arr[::-1], return_index=True)
+                arr, ticks = uniq, (n - 1 - rev_first) + tick0
+            self.tick[arr] = ticks
+            self.used[arr] = time.time()
+            busy = self.children.take(arr) | self.hold.take(arr)
+            busy |= self.retained.take(arr)
+            items = ((ticks << _ROW_BITS) | arr)[busy == 0].tolist()
+        if not items:
+            return
+        if len(self._heap) + len(items) > 4 * self.count + 1024:
+            # mostly stale entries (a reader touches without ever evicting): rebuild lazily
+            self._heap = []
+            self._heap_bound = -1
+        push, heap = heapq.heappush, self._heap
+        for item in items:
+            push(heap, item)
 
     # -- reservations ----------------------------------------------------------------------------
     def begin(self, key: Key, parent: Key | None, cost: int,

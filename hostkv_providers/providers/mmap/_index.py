@@ -40,6 +40,9 @@ class _Index(TreeIndex):
     nslots: npt.NDArray[np.int64]
     tag: npt.NDArray[Any]
     tag_len: npt.NDArray[np.uint8]
+    # memoryviews of the placement columns (TreeIndex._views makes one per numeric column)
+    m_file: Any
+    m_slot: Any
 
     def tag_of(self, row: int) -> str:
         n = int(self.tag_len[row])

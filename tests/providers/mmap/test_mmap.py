@@ -761,7 +761,7 @@ def test_a_close_racing_a_read_is_a_closed_error_and_drops_nothing(tmp_path: Pat
     key = key_of("mmap-close-during-read")
     put_page(p, key, None, PAGE)
     inside, go = threading.Event(), threading.Event()
-    name = "read_into" if call == "read" else "read_runs_into"
+    name = "read_into" if call == "read" else "read_batch"
     real = getattr(SlotFile, name)
 
     def slow(self: SlotFile, *args: object, **kw: object) -> object:

@@ -385,3 +385,54 @@ def test_batch_drop_records_equal_the_per_record_encoding(tmp_path: Path) -> Non
     got = _format._encode_drops(np.frombuffer(b"".join(keys), "V32"), 991)
     assert got == b"".join(p._encode(_format.OP_DROP, k, seq=991) for k in keys)
     p.close()
+
+
+@pytest.mark.parametrize("verify", ["read", "never"])
+def test_read_many_over_several_files_with_misses_and_bad_buffers(tmp_path: Path, verify: str) -> None:
+    """The chunk path of read_many against per-key reads: entries spread over several data files
+    (one batch per file, in any key order), misses, repeats, a too-small and a read-only buffer
+    between them (the first error is raised after the others were filled; neither counts), wider
+    buffers and non-byte formats; hits, misses and bytes_read as the per-key path counts them."""
+    import numpy as np
+
+    p = make(tmp_path / "s", budget_bytes=64 * PAGE, file_nbytes=8 * PAGE, verify=verify)
+    keys = [key_of(f"mf-{i}") for i in range(30)]
+    for k in keys:
+        put_page(p, k, None, PAGE)
+    assert len({int(p._idx.file[p._idx.row_of(k)]) for k in keys}) >= 3
+    order = [keys[i] for i in (17, 3, 25, 3, 8, 0, 29, 11, 22, 5)]
+    miss = key_of("mf-miss")
+    ks = [order[0], miss, *order[1:4], order[4], order[5], miss, *order[6:]]
+    outs: list[object] = [bytearray(PAGE) for _ in ks]
+    outs[2] = bytearray(PAGE + 100)  # larger: fine
+    outs[3] = np.zeros(PAGE // 2, np.uint16)  # another format, same bytes: fine
+    outs[5] = bytearray(PAGE - 1)  # too small: the error, after the others
+    outs[6] = bytes(PAGE)  # read-only
+    before = p.stats()
+    with pytest.raises(InvalidArgumentError, match="needed"):
+        p.read_many(ks, outs)
+    st = p.stats()
+    good = [j for j, k in enumerate(ks) if k != miss and j not in (5, 6)]
+    assert st.hits - before.hits == len(good)
+    assert st.misses - before.misses == len(ks) - len(good)
+    assert st.bytes_read - before.bytes_read == len(good) * PAGE
+    for j in good:
+        assert bytes(memoryview(outs[j]).cast("B")[:PAGE]) == page_bytes(ks[j], PAGE)  # type: ignore[arg-type]
+    plain = [bytearray(PAGE) for _ in ks]
+    assert p.read_many(ks, plain) == [k != miss for k in ks]
+    assert all(bytes(o) == page_bytes(k, PAGE) for k, o in zip(ks, plain, strict=True) if k != miss)
+    p.close()
+
+
+def test_read_many_touches_like_read(tmp_path: Path) -> None:
+    """read_many refreshes the LRU position of what it read, in key order, as read does: the
+    entries read last are evicted last."""
+    p = make(tmp_path / "s", budget_bytes=8 * PAGE)
+    keys = [key_of(f"lru-{i}") for i in range(8)]
+    for k in keys:
+        put_page(p, k, None, PAGE)
+    assert p.read_many([keys[1], keys[0], keys[3]], [bytearray(PAGE) for _ in range(3)]) == [True] * 3
+    for i in range(5):
+        put_page(p, key_of(f"lru-new-{i}"), None, PAGE)
+    assert p.present(keys) == [True, True, False, True, False, False, False, False]
+    p.close()
