@@ -221,33 +221,7 @@ def _put_direct(p: LmdbProvider, keys: list[Key], parents: list[Key | None], vie
         fids, slots = tx.alloc_slots(slot_nbytes, n)
         gen0 = tx.c.gen + 1
         gens = range(gen0, gen0 + n)
-        digests = [0] * n
-        by_file: dict[int, list[int]] = {}
-        if fids.count(fids[0]) == n:  # the common case, one slot file: no per-page grouping
-            by_file[fids[0]] = list(range(n))
-        else:
-            for i, fid in enumerate(fids):
-                by_file.setdefault(fid, []).append(i)
-        for fid, sel in by_file.items():
-            sf = s.slot_file(fid)
-            one = len(sel) == n
-            fslots = slots if one else [slots[i] for i in sel]
-            # Invalidate every slot's header before any byte of it changes (a reader in another
-            # process may still look at a slot freed under a snapshot older than its free).
-            sf.begin_write_slots(fslots, 1)
-            got: list[int] = []
-            sf.write_slots(fslots, nb, tv if one else [tv[i] for i in sel], got)
-            if one:
-                digests = got
-            else:
-                for i, d in zip(sel, got, strict=True):
-                    digests[i] = d
-            # data first, then the header that vouches for it
-            if one:
-                sf.write_headers(fslots, tk, tp, gens, nb, digests)
-            else:
-                sf.write_headers(fslots, [tk[i] for i in sel], [tp[i] for i in sel], [gens[i] for i in sel], nb,
-                                 [digests[i] for i in sel])
+        by_file, digests = _write_pages(p, fids, slots, tk, tp, gens, nb, tv)
         _crash("lmdb.seal.after_header")
         if sync:
             # the page bytes reach stable storage before the commit that points at them (R7: a
@@ -300,6 +274,42 @@ def _put_direct(p: LmdbProvider, keys: list[Key], parents: list[Key | None], vie
         p._tally("seals", len(todo))
         p._tally("bytes_written", len(todo) * nb)
     return results
+
+
+def _write_pages(p: LmdbProvider, fids: Sequence[int], slots: Sequence[int], keys: Sequence[Key],
+                 parents: Sequence[Key | None], gens: Sequence[int], nb: int, views: Sequence[memoryview]
+                 ) -> tuple[dict[int, list[int]], list[int]]:
+    """Write a chunk's pages into their slots, per slot file: every slot's header invalidated
+    before any byte of it changes (neither a stale record nor a reader in another process, which
+    may still look at a slot freed under an older snapshot, can accept a half-overwritten slot),
+    the bytes (hashed beside the writes), then the headers that vouch for them.  Returns the
+    chunk's positions by slot file and the pages' XXH3-64 digests."""
+    n = len(slots)
+    by_file: dict[int, list[int]] = {}
+    if fids.count(fids[0]) == n:  # the common case, one slot file: no per-page grouping
+        by_file[fids[0]] = list(range(n))
+    else:
+        for i, fid in enumerate(fids):
+            by_file.setdefault(fid, []).append(i)
+    digests = [0] * n
+    for fid, sel in by_file.items():
+        sf = p._s.slot_file(fid)
+        one = len(sel) == n
+        fslots = slots if one else [slots[i] for i in sel]
+        sf.begin_write_slots(fslots, 1)
+        got: list[int] = []
+        sf.write_slots(fslots, nb, views if one else [views[i] for i in sel], got)
+        if one:
+            digests = got
+        else:
+            for i, d in zip(sel, got, strict=True):
+                digests[i] = d
+        if one:
+            sf.write_headers(fslots, keys, parents, gens, nb, digests)
+        else:
+            sf.write_headers(fslots, [keys[i] for i in sel], [parents[i] for i in sel], [gens[i] for i in sel], nb,
+                             [digests[i] for i in sel])
+    return by_file, digests
 
 
 def _put_batch(p: LmdbProvider, keys: list[Key], parents: list[Key | None], views: list[memoryview],
@@ -380,32 +390,9 @@ def _put_batch(p: LmdbProvider, keys: list[Key], parents: list[Key | None], view
     tparents = [parents[j] for j in todo] if n < total else parents
     tviews = [views[j] for j in todo] if n < total else views
     gens = range(gen0, gen0 + n)
-    digests = [0] * n
-    files: dict[int, SlotFile] = {}
     try:
-        by_file: dict[int, list[int]] = {}
-        for i, fid in enumerate(fids):
-            by_file.setdefault(fid, []).append(i)
-        for fid, sel in by_file.items():
-            sf = files[fid] = p._s.slot_file(fid)
-            one = len(sel) == n
-            fslots = slots if one else [slots[i] for i in sel]
-            # Invalidate every slot's header before any byte of it changes, so neither a stale
-            # record nor a reader in another process can accept a half-overwritten slot.
-            sf.begin_write_slots(fslots, 1)
-            got: list[int] = []
-            sf.write_slots(fslots, nb, tviews if one else [tviews[i] for i in sel], got)
-            if one:
-                digests = got
-            else:
-                for i, d in zip(sel, got, strict=True):
-                    digests[i] = d
-            # data first, then the header that vouches for it
-            if one:
-                sf.write_headers(fslots, tkeys, tparents, gens, nb, digests)
-            else:
-                sf.write_headers(fslots, [tkeys[i] for i in sel], [tparents[i] for i in sel],
-                                 [gens[i] for i in sel], nb, [digests[i] for i in sel])
+        by_file, digests = _write_pages(p, fids, slots, tkeys, tparents, gens, nb, tviews)
+        files: dict[int, SlotFile] = {fid: p._s.slot_file(fid) for fid in by_file}
         _crash("lmdb.seal.after_header")
     except BaseException:
         _abort_keys(p, tkeys, gens)
