@@ -20,6 +20,7 @@ import pytest
 import xxhash
 
 import hostkv_providers.providers._slotfile as slotfile
+import hostkv_providers.providers._slotread as slotread
 from hostkv_providers import InvalidArgumentError, SpanError, StorageIOError
 from hostkv_providers.providers import TreeIndex
 from hostkv_providers.providers._slotfile import ReadResult, SlotFile
@@ -52,7 +53,7 @@ def read_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
     """Both paths of read_batch: the one for a back-to-back run of one-slot entries (taken
     where it applies) and the general one (forced)."""
     if request.param == "general":
-        monkeypatch.setattr(slotfile, "_FAST_MAX", 0)
+        monkeypatch.setattr(slotread, "_FAST_MAX", 0)
     return str(request.param)
 
 
