@@ -100,9 +100,9 @@ def restore(self: HostKVCache, hit: CacheHit, into: Any, block_ids: Sequence[int
         raise InvalidArgumentError("the hit was released; look it up again")
     if not isinstance(layerwise, bool):
         raise InvalidArgumentError(f"layerwise must be a bool, got {layerwise!r}")
-    bids = self._block_ids(block_ids, hit.num_pages - first_page, "hit pages")
+    bids_l, arr = self._block_table(block_ids, hit.num_pages - first_page, "hit pages")
     planes = _as_planes(self.layout, into)
-    bids = self._check_blocks(planes, bids)
+    bids = self._check_blocks(planes, bids_l, arr, distinct=True)
     keys = hit.keys[first_page : first_page + len(bids)]
     ident = (keys, planes.ptrs, planes.block_strides, tuple(bids))
     with self._lock:

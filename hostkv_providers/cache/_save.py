@@ -96,9 +96,9 @@ def save(
     """
     self._check_open()
     ks = self._chain(keys)
-    bids = self._block_ids(block_ids, len(ks), "keys", exact=True)
+    bids_l, arr = self._block_table(block_ids, len(ks), "keys", exact=True)
     planes = _as_planes(self.layout, from_)
-    bids = self._check_blocks(planes, bids)
+    bids = self._check_blocks(planes, bids_l, arr)
     par = None if parent is None else as_key(parent, "parent")
     if type(start_page) is not int or start_page < 0:
         raise InvalidArgumentError(f"start_page must be an int >= 0, got {start_page!r}")

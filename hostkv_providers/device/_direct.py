@@ -23,7 +23,7 @@ import numpy.typing as npt
 
 from hostkv_providers._errors import CopyArgumentError
 from hostkv_providers.device import _cuda
-from hostkv_providers.device._hostmem import _REGISTERED_STARTS
+from hostkv_providers.device._hostmem import registration_starts
 
 #: ``direct="auto"``: a run moves directly from this many bytes on (its ``num_planes`` copies are
 #: issued in ~10 us each; below this the staging path's one kernel per chunk is cheaper to issue).
@@ -84,9 +84,7 @@ def plan(mode: str, layout: Any, ids: list[int], addresses: npt.NDArray[np.uint6
     brk = np.ones(n, dtype=bool)
     if n > 1:
         brk[1:] = (idv[1:] != idv[:-1] + 1) | (addresses[1:] != addresses[:-1] + np.uint64(P))
-        if _REGISTERED_STARTS:
-            starts = np.array(list(_REGISTERED_STARTS), dtype=np.uint64)  # a copy: it may grow meanwhile
-            brk[1:] |= np.isin(addresses[1:], starts)
+        brk[1:] |= registration_starts(addresses[1:])
     first = np.flatnonzero(brk)
     lengths = np.diff(np.append(first, n))
     long = lengths >= min_pages

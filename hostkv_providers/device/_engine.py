@@ -36,11 +36,12 @@ class BlockIds(list[int]):
     every restore's and save's ids once; the engine then takes them as they are instead of
     checking 6,400 of them again on the engine's thread)."""
 
-    __slots__ = ("bound",)
+    __slots__ = ("bound", "distinct")
 
-    def __init__(self, ids: list[int], bound: int) -> None:
+    def __init__(self, ids: list[int], bound: int, *, distinct: bool = False) -> None:
         super().__init__(ids)
         self.bound = bound
+        self.distinct = distinct  # the caller found no repeated id (a restore skips its own check)
 
 
 def _check_ids(planes: KVPlanes, block_ids: Sequence[int]) -> list[int]:
@@ -253,5 +254,7 @@ def _check_layers(layout: KVLayout, layerwise: object, layers: object) -> range 
 
 
 def _check_distinct(ids: Sequence[int]) -> None:
+    if type(ids) is BlockIds and ids.distinct:
+        return
     if len(set(ids)) != len(ids):
         raise CopyArgumentError("restore block ids must be distinct (two pages would race for one block)")

@@ -8,7 +8,7 @@ import pytest
 
 import hostkv_providers as hk
 from hostkv_providers.device import _direct
-from hostkv_providers.device._hostmem import _REGISTERED_STARTS
+from hostkv_providers.device._hostmem import _add_start, _drop_start
 from hostkv_providers.errors import CopyArgumentError
 
 BIG = hk.KVLayout(num_layers=4, num_kv_heads=8, head_dim=128, page_tokens=16, dtype="bfloat16")  # 32 KiB slices
@@ -56,11 +56,11 @@ def test_a_run_never_crosses_into_another_registration() -> None:
     ids = list(range(8))
     a = addrs(8, BIG, base=1 << 41)
     start = int(a[5])
-    _REGISTERED_STARTS.add(start)
+    _add_start(start)
     try:
         assert _direct.plan("always", BIG, ids, a).runs == [(0, 5), (5, 3)]
     finally:
-        _REGISTERED_STARTS.discard(start)
+        _drop_start(start)
 
 
 def test_mode_is_checked() -> None:
