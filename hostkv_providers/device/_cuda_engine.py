@@ -627,6 +627,45 @@ class _LayerJob:
     # same for every layer but the source offset and the row width: built once, not per layer
     # (32x the coalescing and struct building, ~0.15 ms a chunk of Python holding the GIL).
     runs: dict[tuple[int, int], list[tuple[int, int, Any]]] = field(default_factory=dict)
+    # ``(layer, c0, c1)`` -> the staging slot :meth:`CudaCopyEngine.prestage` already loaded
+    prestaged: dict[tuple[int, int, int], int] = field(default_factory=dict)
+
+
+class _Prestaged:
+    """The first staged chunks of layer 0 of a layer-wise restore, moved host -> staging by
+    :meth:`CudaCopyEngine.prestage` before the restore's block ids are known.  Those copies write
+    the engine's own staging buffers only, so they may run while the caller checks what the
+    restore writes (6,400 block ids and the hit's views: ~1 ms of Python on the H200 host, which
+    layer 0 otherwise waits for).  Holds the restore issue lock (the staging slots are in use)
+    until :meth:`CudaCopyEngine.restore` takes it (``prestaged=``) or :meth:`release` drops it."""
+
+    def __init__(self, engine: CudaCopyEngine, layout: Any, start: Any, addresses: Any,
+                 chunks: list[tuple[int, int, int]], runs: dict[tuple[int, int], list[tuple[int, int, Any]]]) -> None:
+        self.engine = engine
+        self.layout = layout
+        self.start: Any = start  # the transfer's start event, recorded before the first copy
+        self.addresses = addresses  # the staged pages' host addresses
+        self.chunks = chunks  # (c0, c1, staging slot) in issue order
+        self.runs = runs  # their 2D copies (a _LayerJob's runs)
+        self._held = True
+        self._once = threading.Lock()
+
+    def take_start(self) -> Any:
+        """The start event, owned by the caller from now on."""
+        ev, self.start = self.start, None
+        return ev
+
+    def release(self) -> None:
+        """Give the issue lock back (once); the staged bytes are simply never read.  Later
+        copies into the same slots are ordered behind these on the DMA stream."""
+        with self._once:
+            if not self._held:
+                return
+            self._held = False
+        if self.start is not None:
+            self.engine._reaper.bury([self.start])
+            self.start = None
+        self.engine._issue_locks["restore"].release()
 
 
 class CudaCopyEngine(CopyEngine):
@@ -816,14 +855,25 @@ class CudaCopyEngine(CopyEngine):
         return handle
 
     def restore(self, src: Sequence[Any] | HostPages, planes: KVPlanes, block_ids: Sequence[int], *,
-                before: Any = None, layerwise: bool = False, layers: range | None = None) -> TransferHandle:
-        self._check_open()
-        self._check_planes(planes)
-        ids = _check_ids(planes, block_ids)
-        _check_distinct(ids)
-        pages = _check_pages(planes.layout, src, len(ids), writable=False)
-        moved = _check_layers(planes.layout, layerwise, layers)
-        dplan = self._plan(planes, ids, pages)
+                before: Any = None, layerwise: bool = False, layers: range | None = None,
+                prestaged: _Prestaged | None = None) -> TransferHandle:
+        """:meth:`CopyEngine.restore`; ``prestaged``: from :meth:`prestage` for these pages
+        (a layer-wise restore of every layer): its chunks are not copied again."""
+        try:
+            self._check_open()
+            self._check_planes(planes)
+            ids = _check_ids(planes, block_ids)
+            _check_distinct(ids)
+            pages = _check_pages(planes.layout, src, len(ids), writable=False)
+            moved = _check_layers(planes.layout, layerwise, layers)
+            dplan = self._plan(planes, ids, pages)
+            if prestaged is not None and not self._prestage_fits(prestaged, planes, pages, moved, dplan):
+                prestaged.release()
+                prestaged = None
+        except BaseException:
+            if prestaged is not None:
+                prestaged.release()
+            raise
         # The stream is held back from now on (a wait on a device-visible flag); the worker opens
         # it behind the copies.  The caller's thread does not wait for the worker.
         gate = self.gate(before)
@@ -835,10 +885,97 @@ class CudaCopyEngine(CopyEngine):
         handle.layers = moved if layers is not None else None
         handle.nbytes = len(ids) * sum(span[3] for span in _layer_spans(planes.layout)[moved.start: moved.stop])
         handle._recorded = [threading.Event() for _ in range(planes.layout.num_layers)]
-        pre = self._inline_first_layer(handle, planes, ids, pages, moved, dplan)
+        pre = self._inline_first_layer(handle, planes, ids, pages, moved, dplan, prestaged)
         self._submit("restore", handle,
                      lambda: self._issue_restore_layers(handle, planes, ids, pages, moved, dplan, pre), gate)
         return handle
+
+    def prestage(self, pages: HostPages, layout: Any, count: int) -> _Prestaged | None:
+        """Begin a layer-wise restore of ``count`` pages before its block ids are checked: the
+        host -> staging copies of layer 0 of its first chunks (``pages``: the first pages' views,
+        at least that many), which touch no engine memory.  ``None`` where it does not apply
+        (another restore is being issued, memcpy mode, direct DMA allowed, pages not in one
+        region each) or fails; otherwise pass the result to :meth:`restore` (``prestaged=``) or
+        call its ``release()``.  The issue lock is held until then: keep that span short."""
+        if self.mode != "kernel" or self.direct != "never" or not isinstance(pages, HostPages) or count < 1:
+            return None
+        if pages.page_nbytes != layout.page_nbytes or layout.num_layers < 2:
+            return None
+        lock = self._issue_locks["restore"]
+        if not lock.acquire(blocking=False):
+            return None
+        pre: _Prestaged | None = None
+        try:
+            self._check_open()
+            spans = _layer_spans(layout)
+            nb = spans[0][3]
+            per = max(1, min(_MAX_CHUNK_PAGES, self.staging_bytes // nb))
+            k = min(count, len(pages), per * _INLINE_CHUNKS)
+            if k < min(count, per * _INLINE_CHUNKS):
+                return None  # too few views for the first chunks
+            d = _cuda.driver()
+            with self._dev.scope():
+                start = self._dev.event(timing=True)
+                pre = _Prestaged(self, layout, start, pages.addresses[:k].copy(), [], {})
+                _cuda.check(d.cuEventRecord(start, self._streams["restore_dma"]), "cuEventRecord")
+                for c0 in range(0, k, per):
+                    c1 = min(k, c0 + per)
+                    s = self._stage_layer_chunk(d, pre.runs, pre.addresses, c0, c1, spans[0], layout.page_nbytes)
+                    pre.chunks.append((c0, c1, s))
+            return pre
+        except Exception:
+            if pre is not None:
+                pre.release()  # copies already enqueued land in staging nobody reads
+            else:
+                lock.release()
+            return None
+
+    def prestage_pages(self, layout: Any) -> int:
+        """How many leading pages :meth:`prestage` stages (the views it needs)."""
+        nb = _layer_spans(layout)[0][3]
+        return max(1, min(_MAX_CHUNK_PAGES, self.staging_bytes // nb)) * _INLINE_CHUNKS
+
+    def _prestage_fits(self, pre: _Prestaged, planes: KVPlanes, pages: _Pages, moved: range | None,
+                       dplan: _direct.DirectPlan) -> bool:
+        """Whether the restore's own pages begin with the prestaged ones (same layout, layer 0
+        first, every page staged): else they are copied again."""
+        k = len(pre.addresses)
+        return (pre.engine is self and pre.layout == planes.layout and moved is not None and moved.start == 0
+                and not dplan.runs and isinstance(pages, HostPages) and len(pages) >= k
+                and bool((pages.addresses[:k] == pre.addresses).all()))
+
+    def _stage_layer_chunk(self, d: Any, runs_cache: dict[tuple[int, int], list[tuple[int, int, Any]]],
+                           addresses: Any, c0: int, c1: int, span: tuple[int, int, int, int], P: int) -> int:
+        """Copy one layer (``span``) of the pages ``[c0, c1)`` (their ``addresses``, each one
+        region) into the next restore staging slot, layer-major; returns the slot, its
+        ``loaded`` event recorded.  The caller holds the restore issue lock."""
+        dma = self._streams["restore_dma"]
+        _p0, _np, lo, nb = span
+        s = self._slot["restore"]
+        self._slot["restore"] = s ^ 1
+        staging = self._staging["restore"][s]
+        loaded, freed = self._slot_events["restore"][s]
+        _cuda.check(d.cuStreamWaitEvent(dma, freed, 0), "cuStreamWaitEvent")  # scatter out of slot done
+        runs = runs_cache.get((c0, c1))
+        if runs is None:
+            host_mem = d.CUmemorytype.CU_MEMORYTYPE_HOST
+            dev_mem = d.CUmemorytype.CU_MEMORYTYPE_DEVICE
+            runs = runs_cache[(c0, c1)] = []
+            for off, addr, m in _coalesce_pages(addresses[c0:c1], P):
+                cp = d.CUDA_MEMCPY2D()
+                cp.srcMemoryType = host_mem
+                cp.srcPitch = P
+                cp.dstMemoryType = dev_mem
+                cp.Height = m // P
+                runs.append((off // P, addr, cp))
+        for row, addr, cp in runs:  # (the driver reads the struct during the call)
+            cp.srcHost = addr + lo
+            cp.dstDevice = staging + row * nb
+            cp.dstPitch = nb
+            cp.WidthInBytes = nb
+            _cuda.check(d.cuMemcpy2DAsync(cp, dma), "cuMemcpy2DAsync")
+        _cuda.check(d.cuEventRecord(loaded, dma), "cuEventRecord")
+        return s
 
     def _plan(self, planes: KVPlanes, ids: list[int], pages: _Pages) -> _direct.DirectPlan:
         if self.direct == "never":
@@ -846,7 +983,8 @@ class CudaCopyEngine(CopyEngine):
         return _direct.plan(self.direct, planes.layout, ids, _page_addresses(pages))
 
     def _inline_first_layer(self, handle: _CudaHandle, planes: KVPlanes, ids: list[int], pages: _Pages,
-                            moved: range, dplan: _direct.DirectPlan) -> _LayerJob | None:
+                            moved: range, dplan: _direct.DirectPlan,
+                            prestaged: _Prestaged | None = None) -> _LayerJob | None:
         """Start a layer-wise restore on the caller's thread, when no restore is being issued by
         the worker: the first layer's direct runs and its first staged chunks (``_INLINE_CHUNKS``;
         a layer that fits in them is recorded before the call returns), so layer 0's copies start
@@ -855,19 +993,23 @@ class CudaCopyEngine(CopyEngine):
         staging buffers and their events to one issuer at a time; when the worker holds it, or in
         ``memcpy`` mode (a copy per slice: too long for the caller's thread), ``None``: the worker
         issues every layer."""
-        if self.mode != "kernel" and not dplan.all_direct:
-            return None
-        lock = self._issue_locks["restore"]
-        if not lock.acquire(blocking=False):
-            return None
+        if prestaged is None:
+            if self.mode != "kernel" and not dplan.all_direct:
+                return None
+            lock = self._issue_locks["restore"]
+            if not lock.acquire(blocking=False):
+                return None
+            release = lock.release
+        else:  # the lock is held since prestage()
+            release = prestaged.release
         try:
             with self._dev.scope():
-                job = self._layers_begin(handle, planes, ids, pages, moved, dplan)
+                job = self._layers_begin(handle, planes, ids, pages, moved, dplan, prestaged)
                 self._layers_issue(job, planes, ids, dplan, [moved.start], chunks=_INLINE_CHUNKS)
         except Exception:  # the worker issues every layer and reports what fails there
             return None  # (copies already enqueued repeat the same bytes; the stream gate stays the worker's)
         finally:
-            lock.release()
+            release()
         return job
 
     def _submit(self, direction: str, handle: _CudaHandle, issue: Callable[[], None],
@@ -1039,12 +1181,14 @@ class CudaCopyEngine(CopyEngine):
         _cuda.check(_cuda.driver().cuEventRecord(job.done, job.last), "cuEventRecord")
 
     def _layers_begin(self, handle: _CudaHandle, planes: KVPlanes, ids: list[int], pages: _Pages, moved: range,
-                      dplan: _direct.DirectPlan) -> _LayerJob:
+                      dplan: _direct.DirectPlan, prestaged: _Prestaged | None = None) -> _LayerJob:
         d = _cuda.driver()
         dev = self._dev
         spans = _layer_spans(planes.layout)
         dma, scatter = self._streams["restore_dma"], self._streams["restore_scatter"]
-        start, done = dev.event(timing=True), dev.event(timing=True)
+        start = prestaged.take_start() if prestaged is not None else None
+        recorded = start is not None  # (prestage() recorded it before its copies)
+        start, done = (start if recorded else dev.event(timing=True)), dev.event(timing=True)
         # One event per layer moved, indexed by layer: the first now, the others as their layers
         # are issued (creating 32 events up front delayed layer 0's first copy by ~0.25 ms).
         layer_evs: list[Any] = [None] * len(spans)
@@ -1052,15 +1196,20 @@ class CudaCopyEngine(CopyEngine):
         handle._set_events(start, done, layer_evs)
         if handle._recorded is None:
             handle._recorded = [threading.Event() for _ in spans]
-        _cuda.check(d.cuEventRecord(start, dma), "cuEventRecord")
+        if not recorded:
+            _cuda.check(d.cuEventRecord(start, dma), "cuEventRecord")
         ids_s, pages_s = _subset(ids, pages, dplan.rest) if dplan.runs else (ids, pages)
         staged = bool(ids_s) and self.mode == "kernel"
         table = None
         if staged:
             table = self._table(planes, layers=True)
             _cuda.check(d.cuStreamWaitEvent(scatter, table.event, 0), "cuStreamWaitEvent(table)")
-        return _LayerJob(handle, spans, layer_evs, done, ids_s, pages_s,
-                         _page_addresses(pages_s) if staged else None, table, scatter if staged else dma)
+        job = _LayerJob(handle, spans, layer_evs, done, ids_s, pages_s,
+                        _page_addresses(pages_s) if staged else None, table, scatter if staged else dma)
+        if prestaged is not None and staged:
+            job.runs = prestaged.runs
+            job.prestaged = {(moved.start, c0, c1): slot for c0, c1, slot in prestaged.chunks}
+        return job
 
     def _layers_issue(self, job: _LayerJob, planes: KVPlanes, ids: list[int], dplan: _direct.DirectPlan,
                       layers: list[int], chunks: int | None = None) -> None:
@@ -1075,8 +1224,6 @@ class CudaCopyEngine(CopyEngine):
         dma, scatter = self._streams["restore_dma"], self._streams["restore_scatter"]
         ids_s, pages_s, addresses = job.ids_s, job.pages_s, job.addresses
         n = len(ids_s)
-        host_mem = d.CUmemorytype.CU_MEMORYTYPE_HOST
-        dev_mem = d.CUmemorytype.CU_MEMORYTYPE_DEVICE
         for layer in layers:
             ev = job.layer_evs[layer]
             if ev is None:
@@ -1103,35 +1250,25 @@ class CudaCopyEngine(CopyEngine):
                             return
                         chunks -= 1
                     c1 = min(n, c0 + per)
-                    s = self._slot["restore"]
-                    self._slot["restore"] = s ^ 1
-                    staging = self._staging["restore"][s]
-                    loaded, freed = self._slot_events["restore"][s]
-                    _cuda.check(d.cuStreamWaitEvent(dma, freed, 0), "cuStreamWaitEvent")  # scatter out of slot done
-                    if addresses is not None:
-                        runs = job.runs.get((c0, c1))
-                        if runs is None:
-                            runs = job.runs[(c0, c1)] = []
-                            for off, addr, m in _coalesce_pages(addresses[c0:c1], P):
-                                cp = d.CUDA_MEMCPY2D()
-                                cp.srcMemoryType = host_mem
-                                cp.srcPitch = P
-                                cp.dstMemoryType = dev_mem
-                                cp.Height = m // P
-                                runs.append((off // P, addr, cp))
-                        for row, addr, cp in runs:  # (the driver reads the struct during the call)
-                            cp.srcHost = addr + lo
-                            cp.dstDevice = staging + row * nb
-                            cp.dstPitch = nb
-                            cp.WidthInBytes = nb
-                            _cuda.check(d.cuMemcpy2DAsync(cp, dma), "cuMemcpy2DAsync")
+                    s_pre = job.prestaged.pop((layer, c0, c1), None) if job.prestaged else None
+                    if s_pre is not None:  # loaded by prestage() before the ids were checked
+                        s = s_pre
+                    elif addresses is not None:
+                        s = self._stage_layer_chunk(d, job.runs, addresses, c0, c1, span, P)
                     else:  # pages in several regions: the layer's bytes piece by piece
                         assert not isinstance(pages_s, HostPages)
+                        s = self._slot["restore"]
+                        self._slot["restore"] = s ^ 1
+                        staging = self._staging["restore"][s]
+                        loaded, freed = self._slot_events["restore"][s]
+                        _cuda.check(d.cuStreamWaitEvent(dma, freed, 0), "cuStreamWaitEvent")  # scatter out of slot done
                         for j in range(c0, c1):
                             for off, addr, m in _segments(pages_s[j], lo, nb):
                                 _cuda.check(d.cuMemcpyHtoDAsync(staging + (j - c0) * nb + off - lo, addr, m, dma),
                                             "cuMemcpyHtoDAsync")
-                    _cuda.check(d.cuEventRecord(loaded, dma), "cuEventRecord")
+                        _cuda.check(d.cuEventRecord(loaded, dma), "cuEventRecord")
+                    staging = self._staging["restore"][s]
+                    loaded, freed = self._slot_events["restore"][s]
                     _cuda.check(d.cuStreamWaitEvent(scatter, loaded, 0), "cuStreamWaitEvent")
                     self._launch(self._scatter_fn, job.table, planes, ids_s[c0:c1], staging, scatter, span)
                     _cuda.check(d.cuEventRecord(freed, scatter), "cuEventRecord")

@@ -255,3 +255,107 @@ def test_cache_layerwise_restore_orders_each_layer(engine: CudaCopyEngine, pool:
             assert sum(int(c.item()) > 0 for c in whole) == 0
     finally:
         provider.close()
+
+
+def test_prestaged_restores_and_refusals(pool: Pool) -> None:
+    """A layer-wise restore from pinned views stages layer 0's first chunks before its block ids
+    are checked (``CudaCopyEngine.prestage``): those copies write the engine's staging only.  A
+    restore refused after them (repeated, out-of-range or non-int block ids) raises its typed error,
+    leaves the blocks untouched and the issue lock free; the next restore is exact; prestaged
+    copies of other pages are never scattered (``prestaged=`` for pages that do not match)."""
+    engine = CudaCopyEngine(0)  # staged only: prestage applies
+    provider = hk.open(f"pinned://?budget=256MiB&block={PAGE}&background=false")
+    src = list(range(PAGES))
+    dst = list(range(PAGES, 2 * PAGES))
+    idx = torch.tensor(dst, device="cuda")
+    cs = torch.cuda.Stream()
+    calls: list[Any] = []
+    real = engine.prestage
+
+    def spy(*a: Any, **k: Any) -> Any:
+        pre = real(*a, **k)
+        calls.append(pre)
+        return pre
+
+    engine.prestage = spy  # type: ignore[method-assign]
+    try:
+        with HostKVCache(provider, SALT, engine) as cache:
+            keys = cache.keys(list(range(PAGES * LAYOUT.page_tokens)))
+            pool.fill_random(src, seed=11)
+            torch.cuda.synchronize()
+            assert cache.save(keys, pool.planes, src).wait().stored == PAGES
+            expect = pool.gather(src)
+            bad_tables: list[Any] = [[*dst[:-1], dst[0]], [*dst[:-1], NBLOCKS + 5], [*dst[:-1], 1.5], [*dst[:-1], -1]]
+            for bad in bad_tables:
+                with torch.cuda.stream(cs):
+                    pool.poison(dst)
+                cs.synchronize()
+                calls.clear()
+                with pytest.raises(hk.errors.InvalidArgumentError):  # at the call, or (repeats) from wait()
+                    cache.restore(cache.lookup(keys), pool.planes, bad, layerwise=True).wait()
+                assert calls and calls[0] is not None, "the refused restore was prestaged first"
+                assert not engine._issue_locks["restore"].locked()
+                torch.cuda.synchronize()
+                assert all(bool((b[:, idx] == 0xEE).all()) for b in pool.bytes), "a refused restore wrote blocks"
+                # the next restore (prestaged too) is exact, layer by layer
+                h = cache.restore(cache.lookup(keys), pool.planes, dst, layerwise=True)
+                h.wait_layer_on(0, cs)
+                with torch.cuda.stream(cs):
+                    first = pool.layer_mismatches(idx, expect, range(1))
+                h.wait_layer_on(L - 1, cs)
+                with torch.cuda.stream(cs):
+                    every = pool.layer_mismatches(idx, expect, range(L))
+                assert h.wait().pages == PAGES
+                cs.synchronize()
+                assert int(first.item()) == 0 and int(every.item()) == 0
+            # a ranged restore: pages [40, 140) of the hit into 100 shuffled blocks
+            part = dst[:100]
+            random.Random(5).shuffle(part)
+            with torch.cuda.stream(cs):
+                pool.poison(dst)
+            cs.synchronize()
+            calls.clear()
+            h = cache.restore(cache.lookup(keys), pool.planes, part, first_page=40, layerwise=True, before=cs)
+            with torch.cuda.stream(cs):
+                ranged = pool.mismatches(part, pool_slice(expect, list(range(40, 140))))
+            h.wait()
+            cs.synchronize()
+            assert calls and calls[0] is not None and int(ranged.item()) == 0
+        # the engine alone: prestaged copies of other pages are not scattered into these blocks
+        alloc, _buf = host_copy_of(pool, src)
+        other, _obuf = host_copy_of(pool, list(reversed(src)))
+        try:
+            pages = HostPages(np.arange(PAGES, dtype=np.uint64) * PAGE + alloc.address, PAGE, pinned=True,
+                              readonly=True)
+            wrong = HostPages(np.arange(PAGES, dtype=np.uint64) * PAGE + other.address, PAGE, pinned=True,
+                              readonly=True)
+            for _trial in range(10):
+                with torch.cuda.stream(cs):
+                    pool.poison(dst)
+                cs.synchronize()
+                pre = real(wrong, LAYOUT, PAGES)
+                assert pre is not None
+                h = engine.restore(pages, pool.planes, dst, layerwise=True, prestaged=pre, before=cs)
+                with torch.cuda.stream(cs):
+                    bad = pool.layer_mismatches(idx, expect, range(L))
+                h.wait()
+                cs.synchronize()
+                assert int(bad.item()) == 0 and not engine._issue_locks["restore"].locked()
+            pre = real(pages, LAYOUT, PAGES)
+            assert pre is not None and engine._issue_locks["restore"].locked()
+            pre.release()
+            pre.release()  # once
+            assert not engine._issue_locks["restore"].locked()
+        finally:
+            torch.cuda.synchronize()
+            alloc.close()
+            other.close()
+    finally:
+        provider.close()
+        engine.close()
+
+
+def pool_slice(expect: list[Any], pages: list[int]) -> list[Any]:
+    """``expect`` (per plane, ``[2, n, ...]`` by source page) cut to ``pages``."""
+    sel = torch.tensor(pages, device="cuda")
+    return [e[:, sel] for e in expect]
