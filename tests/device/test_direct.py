@@ -67,3 +67,28 @@ def test_mode_is_checked() -> None:
     assert _direct.check_direct("auto") == "auto"
     with pytest.raises(CopyArgumentError, match="direct must be one of"):
         _direct.check_direct("yes")
+
+
+def test_registration_starts_follow_the_set() -> None:
+    """The sorted starts are rebuilt after every registration and release (the copy engine asks
+    per staged chunk): membership always matches the set's."""
+    from hostkv_providers.device._hostmem import _REGISTERED_STARTS, registration_starts
+
+    rng = np.random.default_rng(3)
+    mine: list[int] = []
+    try:
+        for _ in range(50):
+            if mine and rng.random() < 0.4:
+                _drop_start(mine.pop(int(rng.integers(len(mine)))))
+            else:
+                start = (1 << 42) + int(rng.integers(1 << 20)) * 4096
+                _add_start(start)
+                mine.append(start)
+            probe = np.array([*mine[-3:], (1 << 42) + int(rng.integers(1 << 20)) * 4096 + 1, 0, 2 ** 64 - 1],
+                             dtype=np.uint64)
+            got = registration_starts(probe)
+            assert got.tolist() == [int(a) in _REGISTERED_STARTS for a in probe.tolist()]
+        assert not registration_starts(np.array([], dtype=np.uint64)).size
+    finally:
+        for start in mine:
+            _drop_start(start)
