@@ -657,15 +657,25 @@ class _Prestaged:
 
     def release(self) -> None:
         """Give the issue lock back (once); the staged bytes are simply never read.  Later
-        copies into the same slots are ordered behind these on the DMA stream."""
+        copies into the same slots are ordered behind these on the DMA stream.  Unused (no
+        restore took it: a refused restore), it first waits for its copies, which read the
+        caller's pages: once the caller's restore has raised, nothing reads them any more (the
+        caller may drop its lease and the store reuse the memory).  ~1 ms at most, refusals only."""
         with self._once:
             if not self._held:
                 return
             self._held = False
-        if self.start is not None:
-            self.engine._reaper.bury([self.start])
-            self.start = None
-        self.engine._issue_locks["restore"].release()
+        try:
+            if self.start is not None:
+                engine = self.engine
+                if self.chunks:
+                    loaded = engine._slot_events["restore"][self.chunks[-1][2]][0]
+                    with engine._dev.scope():  # (the lock still held: nobody re-records it)
+                        _cuda.driver().cuEventSynchronize(loaded)
+                engine._reaper.bury([self.start])
+                self.start = None
+        finally:
+            self.engine._issue_locks["restore"].release()
 
 
 class CudaCopyEngine(CopyEngine):
@@ -1289,8 +1299,16 @@ class CudaCopyEngine(CopyEngine):
             self._closed = True
         for w in self._workers.values():
             w.stop()
-        with self._dev.scope():
-            self._release()
+        # Issues on callers' threads (a layer's first chunks, a prestage held across a cache's
+        # checks) finish before the buffers and events they use go; a prestage never released
+        # (a caller's bug) does not hang close() for ever.
+        held = [lock for lock in self._issue_locks.values() if lock.acquire(timeout=10.0)]
+        try:
+            with self._dev.scope():
+                self._release()
+        finally:
+            for lock in held:
+                lock.release()
         self._reaper.close()  # (what is collected from now on is destroyed where it is collected)
 
     def _release(self) -> None:
