@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING, Any
 
 from hostkv_providers._blockhash import TREE_ALGORITHM
 from hostkv_providers._errors import (
-    HostKVError,
     InvalidArgumentError,
 )
 from hostkv_providers._keys import Key
@@ -126,10 +125,10 @@ def _prestage(self: HostKVCache, hit: CacheHit, first_page: int, block_ids: Sequ
         return None  # (the checks say what is wrong with it)
     if count < 1:
         return None
-    k = min(count, engine.prestage_pages(self.layout))
-    try:
+    try:  # a head start only: whatever fails here, the restore's own checks and calls report
+        k = min(count, engine.prestage_pages(self.layout))
         head = self.provider.view_pages(hit.lease, hit.keys[first_page : first_page + k])  # type: ignore[attr-defined]
-    except HostKVError:
+    except Exception:
         return None
     return None if head is None else fn(head, self.layout, count)
 
