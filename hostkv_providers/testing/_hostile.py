@@ -79,6 +79,22 @@ def _tally(provider: Provider, method: str, outcome: str) -> None:
         fh.write(json.dumps({"provider": type(provider).__name__, "method": method, "outcome": outcome}) + "\n")
 
 
+def _close_amid(provider: Provider, work: Callable[[int], None], n: int, ready: Callable[[], bool],
+                stop: threading.Event) -> list[threading.Thread]:
+    """Run ``work(t)`` on ``n`` threads, close ``provider`` once ``ready()`` (or as soon as one
+    thread has stopped), then set ``stop`` and join them (the close-race tests' scaffold)."""
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(n)]
+    for t in threads:
+        t.start()
+    while not ready() and all(t.is_alive() for t in threads):
+        threading.Event().wait(0.001)
+    provider.close()
+    stop.set()
+    for t in threads:
+        t.join(60)
+    return threads
+
+
 def expect_refused(provider: Provider, label: str, call: Callable[[], object],
                    errors: type[BaseException] | tuple[type[BaseException], ...] = InvalidArgumentError,
                    *, unchanged: Callable[[], None], may_succeed: bool = False, what: str | None = None) -> None:
@@ -659,15 +675,7 @@ class HostileInputTests(SuiteBase):
                         errors.append(f"{type(exc).__name__}: {exc}")
                     return
 
-        threads = [threading.Thread(target=writer, args=(t,)) for t in range(3)]
-        for t in threads:
-            t.start()
-        while len(stored) < 6 and all(t.is_alive() for t in threads):
-            threading.Event().wait(0.001)
-        provider.close()
-        stop.set()
-        for t in threads:
-            t.join(60)
+        _close_amid(provider, writer, 3, lambda: len(stored) >= 6, stop)
         _tally(provider, "race:close|put", "typed" if not errors else "wrong error")
         assert not errors, errors
         if not self.supports_reopen:
@@ -751,16 +759,8 @@ class HostileInputTests(SuiteBase):
                     return
                 done[t] = i
 
-        threads = [threading.Thread(target=busy, args=(t,)) for t in range(4)]
-        for t in threads:
-            t.start()
         # close once every thread has gone round its verbs a few times (or one has stopped)
-        while min(done) < 24 and all(t.is_alive() for t in threads):
-            threading.Event().wait(0.001)
-        provider.close()
-        stop.set()
-        for t in threads:
-            t.join(60)
+        threads = _close_amid(provider, busy, 4, lambda: min(done) >= 24, stop)
         _tally(provider, "race:close|busy", "typed" if not errors else "wrong error")
         assert not errors, errors
         assert not any(t.is_alive() for t in threads)
