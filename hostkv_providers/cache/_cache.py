@@ -567,15 +567,13 @@ class HostKVCache:
         return out, arr
 
     @staticmethod
-    def _check_blocks(planes: Any, bids: list[int], arr: npt.NDArray[np.integer[Any]] | None = None, *,
+    def _check_blocks(planes: Any, bids: list[int], arr: npt.NDArray[np.integer[Any]], *,
                       distinct: bool = False) -> BlockIds:
         """``bids`` (from :meth:`_block_table`, ``arr`` its array) within the planes' blocks: as
         :class:`BlockIds`, which the package's engines take without checking them again.
         ``distinct``: also find whether no block repeats (a restore's engine then skips its own
         check; a repeat is left for the engine to refuse with its own error)."""
         nb = int(getattr(planes, "num_blocks", 0))
-        if arr is None:
-            arr = np.asarray(bids, dtype=np.int64)
         if bids and int(arr.max()) >= nb:
             bad = next(b for b in bids if b >= nb)
             raise InvalidArgumentError(f"block id {bad} outside the planes' {nb} blocks")

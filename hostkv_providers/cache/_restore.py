@@ -195,8 +195,6 @@ def _restore_checked(self: HostKVCache, hit: CacheHit, into: Any, block_ids: Seq
             begun = _start_layer_major(self, handle, hit, keys, planes, bids, pre)
         except BaseException as exc:  # reported through the handle, as on the restore thread
             begun = exc
-    if pre is not None:
-        pre.release()  # not taken (no views after all): before the restore thread needs the lock
     try:
         self._restore_pool.submit(self._run_restore, handle, hit, keys, planes, bids, begun)
     except BaseException:
