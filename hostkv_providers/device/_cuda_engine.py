@@ -3,12 +3,9 @@ large DMA copies on dedicated streams, events and stream memory operations for o
 
 from __future__ import annotations
 
-import collections
 import ctypes
 import threading
-import time
 import warnings
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +17,7 @@ from hostkv_providers._errors import (
 from hostkv_providers._region import HostPages
 from hostkv_providers.device import _cuda, _direct
 from hostkv_providers.device._cpu_engine import _segments
+from hostkv_providers.device._cuda_sync import _CudaHandle, _CudaMark, _FlagPool, _Reaper
 from hostkv_providers.device._engine import (
     CopyEngine,
     _check_distinct,
@@ -30,9 +28,9 @@ from hostkv_providers.device._engine import (
     _stream_handle,
 )
 from hostkv_providers.device._hostmem import _REGISTERED_STARTS, CudaPinnedAllocation, registration_starts
-from hostkv_providers.device._order import Gate, StreamMark, _NoGate, _open_leaked, _Worker
+from hostkv_providers.device._order import Gate, StreamMark, _NoGate, _Worker
 from hostkv_providers.device._planes import _PAGE, KVPlanes, _MiB
-from hostkv_providers.device._transfer import TransferHandle, _GroupHandle, _JobHandle, _LayerHandle
+from hostkv_providers.device._transfer import TransferHandle
 
 # --------------------------------------------------------------------------------------------
 # CUDA
@@ -104,240 +102,6 @@ class _Ids(ctypes.Structure):
     _fields_ = [("v", ctypes.c_int32 * _MAX_CHUNK_PAGES)]
 
 
-class _CudaHandle(_JobHandle):
-    """Completion is the CUDA event ``done_event``, recorded by the issuing worker; a layer-wise
-    restore also records ``layer_events[i]`` behind the last scatter of layer ``i``."""
-
-    def __init__(self, nbytes: int, engine: CudaCopyEngine, num_layers: int | None = None) -> None:
-        super().__init__(nbytes)
-        self._engine = engine
-        self._dev = engine._dev
-        self.num_layers = num_layers
-        self.start_event: Any = None
-        self.done_event: Any = None
-        self.layer_events: list[Any] | None = None  # None: every layer completes with done_event
-        # Set by the worker once layer i's event is recorded: an engine's layer 0 need not wait
-        # for the worker to issue the copies of every later layer (~0.1 ms of Python per chunk).
-        self._recorded: list[threading.Event] | None = None
-        self._rec_lock = threading.Lock()
-        self._rec_callbacks: dict[int, list[Callable[[], None]]] = {}
-        self._finished = False
-        self.keep: object = None  # host buffers and planes, released once finished
-        self._reaper = engine._reaper
-        self._finalizer: weakref.finalize[Any, Any] | None = None
-
-    def _set_events(self, start: Any, done: Any, layers: list[Any] | None = None) -> None:
-        self.start_event, self.done_event, self.layer_events = start, done, layers
-        if self._finalizer is not None:
-            self._finalizer()  # events of an issue begun before and given up (destroyed on a worker)
-        # (the layer list is read when the handle goes: events added to it later go too)
-        self._finalizer = weakref.finalize(self, _bury_events, self._reaper, start, done, layers)
-        self._finalizer.atexit = False
-
-    def _query(self, event: Any = None) -> bool:
-        d = _cuda.driver()
-        with self._dev.scope():
-            (err,) = d.cuEventQuery(self.done_event if event is None else event)
-        if int(err) == int(d.CUresult.CUDA_ERROR_NOT_READY):
-            return False
-        _cuda.check((err,), "transfer")
-        return True
-
-    def _layer_ev(self, layer: int) -> Any:
-        # Only called once that layer is recorded (or everything is issued).
-        evs = self.layer_events
-        return self.done_event if evs is None else evs[layer]
-
-    def _recorded_flag(self, layer: int) -> threading.Event:
-        rec = self._recorded
-        return self._issued if rec is None else rec[layer]
-
-    def _fail(self, exc: BaseException) -> None:
-        super()._fail(exc)
-        for layer in range(len(self._recorded or ())):
-            self._set_recorded(layer)  # layer waiters wake and see the error
-
-    def _set_recorded(self, layer: int) -> None:
-        """Worker side: layer ``layer``'s event is recorded; run what waited for that."""
-        assert self._recorded is not None
-        with self._rec_lock:
-            self._recorded[layer].set()
-            fns = self._rec_callbacks.pop(layer, [])
-        for fn in fns:
-            fn()
-
-    def _when_recorded(self, layer: int, fn: Callable[[], None]) -> bool:
-        """Run ``fn()`` on the worker once layer ``layer``'s event is recorded: ``False`` (and
-        nothing registered) when it is recorded already."""
-        if self._recorded is None:
-            return False
-        with self._rec_lock:
-            if self._recorded[layer].is_set():
-                return False
-            self._rec_callbacks.setdefault(layer, []).append(fn)
-            return True
-
-    def layer_event(self, layer: int) -> Any:
-        self._check_layer(layer)
-        self._recorded_flag(layer).wait()
-        self._raise()
-        return self._layer_ev(layer)
-
-    def layer_done(self, layer: int) -> bool:
-        self._check_layer(layer)
-        if not self._recorded_flag(layer).is_set():
-            return False
-        if self._error is not None:
-            return True
-        try:
-            return self._query(self._layer_ev(layer))
-        except CopyEngineError as exc:
-            self._error = exc
-            return True
-
-    def wait_layer(self, layer: int, timeout: float | None = None) -> bool:
-        self._check_layer(layer)
-        if self._recorded is None and self._issued.is_set():
-            return self.wait(timeout)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        if not self._recorded_flag(layer).wait(timeout):
-            return False
-        self._raise()
-        left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        return self._wait_event(self._layer_ev(layer), left)
-
-    def wait_layer_on(self, layer: int, stream: Any) -> None:
-        self._check_layer(layer)
-        s = _stream_handle(stream, "stream")
-        if s is None:
-            self.wait_layer(layer)
-            return
-        if self._recorded is not None and not self._recorded[layer].is_set():
-            # Not recorded yet: gate the stream now, open it from the worker (no host blocking).
-            self._engine.gate(stream).open_after([self.layer(layer)])
-            return
-        ev = self.layer_event(layer)
-        with self._dev.scope():
-            _cuda.check(_cuda.driver().cuStreamWaitEvent(s, ev, 0), "cuStreamWaitEvent")
-
-    def _try_wait_layer_on(self, layer: int, stream: Any) -> bool:
-        """:meth:`wait_layer_on` when layer ``layer`` is recorded already: one ``cuStreamWaitEvent``
-        (``False`` and nothing done otherwise, or for a failed transfer)."""
-        flag = self._recorded_flag(layer)
-        if not flag.is_set() or self._error is not None:
-            return False
-        s = _stream_handle(stream, "stream")
-        if s is None:
-            return False
-        with self._dev.scope():
-            _cuda.check(_cuda.driver().cuStreamWaitEvent(s, self._layer_ev(layer), 0), "cuStreamWaitEvent")
-        return True
-
-    def _try_wait_on(self, stream: Any) -> bool:
-        if not self._issued.is_set() or self._error is not None:
-            return False
-        s = _stream_handle(stream, "stream")
-        if s is None:
-            return False
-        with self._dev.scope():
-            _cuda.check(_cuda.driver().cuStreamWaitEvent(s, self.done_event, 0), "cuStreamWaitEvent")
-        return True
-
-    def layer_seconds(self, layer: int) -> float | None:
-        self._check_layer(layer)
-        if self.layer_events is None or not self.layer_done(layer) or self._error is not None:
-            return None
-        try:
-            with self._dev.scope():
-                ms = _cuda.check(_cuda.driver().cuEventElapsedTime(self.start_event, self.layer_events[layer]),
-                                 "elapsed")
-        except CopyEngineError:
-            return None
-        return float(ms) / 1e3
-
-    def _wait_event(self, event: Any, timeout: float | None) -> bool:
-        """Block until ``event`` (recorded) completes; ``False`` when ``timeout`` passed first."""
-        if timeout is None:
-            try:
-                with self._dev.scope():
-                    _cuda.check(_cuda.driver().cuEventSynchronize(event), "transfer")
-            except CopyEngineError as exc:
-                self._error = exc
-                raise
-            return True
-        deadline = time.monotonic() + timeout
-        pause = 5e-5
-        while True:
-            try:
-                if self._query(event):
-                    return True
-            except CopyEngineError as exc:
-                self._error = exc
-                raise
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            time.sleep(min(pause, left))
-            pause = min(pause * 2, 2e-3)
-
-    def _finish(self) -> None:
-        if not self._finished:
-            self._finished = True
-            self.keep = None
-            try:
-                with self._dev.scope():
-                    ms = _cuda.check(_cuda.driver().cuEventElapsedTime(self.start_event, self.done_event),
-                                     "elapsed")
-                self._seconds = float(ms) / 1e3
-            except CopyEngineError:
-                self._seconds = None
-
-    def done(self) -> bool:
-        if not self._issued.is_set():
-            return False
-        if self._error is not None:
-            return True
-        try:
-            if not self._query():
-                return False
-        except CopyEngineError as exc:
-            self._error = exc
-            return True
-        self._finish()
-        return True
-
-    def wait(self, timeout: float | None = None) -> bool:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        if not self._issued.wait(timeout):
-            return False
-        self._raise()
-        left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        if not self._wait_event(self.done_event, left):
-            return False
-        self._finish()
-        return True
-
-    @property
-    def seconds(self) -> float | None:
-        return self._seconds if self._finished else None
-
-    @property
-    def event(self) -> Any:
-        """The completion ``CUevent``; blocks until the worker has recorded it (enqueue only)."""
-        self._issued.wait()
-        self._raise()
-        return self.done_event
-
-    def wait_on(self, stream: Any) -> None:
-        s = _stream_handle(stream, "stream")
-        if s is None:
-            self.wait()
-            return
-        ev = self.event
-        with self._dev.scope():
-            _cuda.check(_cuda.driver().cuStreamWaitEvent(s, ev, 0), "cuStreamWaitEvent")
-
-
 def _coalesce_pages(addresses: Any, page_nbytes: int) -> list[tuple[int, int, int]]:
     """:meth:`CudaCopyEngine._coalesce` for whole pages given by address (numpy, no per-page
     objects): runs of adjacent pages that do not cross into another pinned allocation."""
@@ -400,210 +164,11 @@ def _subset(ids: list[int], pages: _Pages, rest: Any) -> tuple[list[int], _Pages
     return sub_ids, [pages[i] for i in idx]
 
 
-def _bury_events(reaper: _Reaper, start: Any, done: Any, layers: list[Any] | None) -> None:
-    reaper.bury([start, done, *(ev for ev in layers or () if ev is not None)])
-
-
-def _destroy_events(dev: _cuda.Device, events: list[Any]) -> None:
-    # Destroying an event whose record is still pending is allowed: the driver frees it later.
-    try:
-        d = _cuda.driver()
-        with dev.scope():
-            for ev in events:
-                if ev is not None:
-                    d.cuEventDestroy(ev)
-    except Exception:  # finalizers must not raise
-        pass
-
-
-class _Reaper:
-    """Events of collected handles and marks, destroyed on the engine's own worker threads.
-
-    A handle's events live as long as the handle (a caller may still make a stream wait on
-    ``handle.event``), so they go in its finalizer — which runs on whichever thread collects the
-    handle: often the engine's decode thread, in a garbage-collection pass.  A driver call there
-    (a context push and ``cuEventDestroy``, which can wait on the driver's lock while a worker
-    issues copies) stalled decode steps: 2 of the 6 graph-mode steps over 8.5 ms during saves on
-    the H200.  The finalizer only queues the events; a worker destroys them before its next job."""
-
-    def __init__(self, dev: _cuda.Device) -> None:
-        self._dev = dev
-        self._dead: collections.deque[Any] = collections.deque()
-        self._lock = threading.Lock()
-        self._closed = False
-
-    def bury(self, events: list[Any]) -> None:
-        """Finalizer side (any thread): no driver call unless the engine is closed."""
-        with self._lock:
-            if not self._closed:
-                self._dead.extend(events)
-                return
-        _destroy_events(self._dev, events)
-
-    def reap(self) -> None:
-        """Worker side (its context current): destroy what was buried."""
-        d = _cuda.driver()
-        dead = self._dead
-        while dead:
-            try:
-                ev = dead.popleft()
-            except IndexError:
-                return
-            if ev is not None:
-                d.cuEventDestroy(ev)
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            rest = list(self._dead)
-            self._dead.clear()
-        _destroy_events(self._dev, rest)
-
-
 @dataclass(slots=True)
 class _Table:
     dev_ptr: int
     host: Any  # pinned host copy, kept until the engine closes (the upload reads it asynchronously)
     event: Any
-
-
-class _CudaMark(StreamMark):
-    """An event recorded on the caller's stream at call time (destroyed with the mark)."""
-
-    def __init__(self, reaper: _Reaper, event: Any) -> None:
-        self.event = event
-        self._finalizer = weakref.finalize(self, reaper.bury, [event])
-        self._finalizer.atexit = False
-
-    def wait_in(self, stream: Any) -> None:
-        _cuda.check(_cuda.driver().cuStreamWaitEvent(stream, self.event, 0), "cuStreamWaitEvent(mark)")
-
-
-_FLAG_SLOTS = 1024
-
-
-class _FlagPool:
-    """32-bit flags in mapped, page-locked host memory for :class:`_CudaGate`.
-
-    A gated stream waits (``cuStreamWaitValue32``, GEQ 1) on its slot; the gate is opened by
-    ``cuStreamWriteValue32`` on the gate stream behind the copies' completion events (a write
-    with the default memory barrier: every copy before it is complete and visible), or by a plain
-    host store when there is nothing to wait for.  Host memory, not device memory, so that the
-    host can always open a gate (failure paths need no CUDA call) and see which ones are open.
-    A slot is reused only once the waiting stream has passed its wait (an event recorded right
-    behind the wait on that stream): resetting it earlier would hold that stream forever.
-    """
-
-    def __init__(self, dev: _cuda.Device) -> None:
-        self._dev = dev
-        self._lock = threading.Lock()
-        self._blocks: list[tuple[int, Any]] = []  # (host address, ctypes array)
-        self._free: list[tuple[Any, int, int]] = []  # (array, slot, device address)
-        self._busy: list[tuple[Any, int, int, Any]] = []  # (array, slot, device address, passed event)
-        self.stream = dev.stream(low_priority=False)  # opens gates: must not queue behind copies
-
-    def _grow(self) -> None:
-        with self._dev.scope():
-            host = _cuda.host_alloc(4 * _FLAG_SLOTS, mapped=True)
-            dptr = _cuda.host_device_pointer(host)
-        arr = (ctypes.c_uint32 * _FLAG_SLOTS).from_address(host)
-        self._blocks.append((host, arr))
-        self._free.extend((arr, i, dptr + 4 * i) for i in range(_FLAG_SLOTS))
-
-    def _recycle(self) -> None:
-        d = _cuda.driver()
-        keep = []
-        for item in self._busy:
-            arr, slot, dptr, passed = item
-            if arr[slot] == 0:
-                keep.append(item)
-                continue
-            (err,) = d.cuEventQuery(passed)
-            if int(err) == int(d.CUresult.CUDA_SUCCESS):
-                d.cuEventDestroy(passed)
-                self._free.append((arr, slot, dptr))
-            else:
-                keep.append(item)
-        self._busy = keep
-
-    def gate(self, stream: int) -> _CudaGate:
-        d = _cuda.driver()
-        with self._lock, self._dev.scope():
-            if len(self._busy) >= 64:
-                self._recycle()
-            if not self._free:
-                self._recycle()
-                if not self._free:
-                    self._grow()
-            arr, slot, dptr = self._free.pop()
-            arr[slot] = 0
-            try:
-                _cuda.check(d.cuStreamWaitValue32(stream, dptr, 1,
-                                                  int(d.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)),
-                            "cuStreamWaitValue32")
-            except CopyEngineError:
-                self._free.append((arr, slot, dptr))
-                raise
-            passed = self._dev.event()
-            _cuda.check(d.cuEventRecord(passed, stream), "cuEventRecord(gate)")
-            self._busy.append((arr, slot, dptr, passed))
-        return _CudaGate(self, arr, slot, dptr)
-
-    def close(self, problems: list[str]) -> None:
-        d = _cuda.driver()
-        with self._lock:
-            for arr, slot, _dptr, _passed in self._busy:
-                arr[slot] = 1  # never leave a stream of the engine's held by a closed engine
-            (err,) = d.cuStreamSynchronize(self.stream)
-            if int(err):
-                problems.append(f"gate stream: {_cuda._error_text(err)}")
-            for *_rest, passed in self._busy:
-                d.cuEventDestroy(passed)
-            self._busy.clear()
-            d.cuStreamDestroy(self.stream)
-            # The flag memory stays mapped: a stream of the engine's may still read a slot.
-
-
-class _CudaGate(Gate):
-    def __init__(self, pool: _FlagPool, arr: Any, slot: int, dptr: int) -> None:
-        super().__init__()
-        self._pool = pool
-        self._arr = arr
-        self._slot = slot
-        self._dptr = dptr
-        self._finalizer = weakref.finalize(self, _open_leaked, self._open_now)
-        self._finalizer.atexit = False
-
-    def _open_now(self) -> None:
-        self._finalizer.detach()
-        self._arr[self._slot] = 1
-
-    def _open_after(self, handles: list[TransferHandle]) -> None:
-        self._finalizer.detach()
-        d = _cuda.driver()
-        pool = self._pool
-        flat: list[TransferHandle] = []
-        for h in handles:
-            flat.extend(h.handles if isinstance(h, _GroupHandle) else [h])
-        for h in flat:
-            if (isinstance(h, _LayerHandle) and isinstance(h.parent, _CudaHandle)
-                    and h.parent._when_recorded(h.index, lambda: self._open_after(handles))):
-                # That layer's event is not recorded yet: try again from the worker once it is,
-                # rather than block this thread until the worker got that far.
-                return
-        try:
-            events = [h.event for h in flat]
-            with pool._dev.scope(), pool._lock:
-                for ev in events:
-                    if ev is not None:
-                        _cuda.check(d.cuStreamWaitEvent(pool.stream, ev, 0), "cuStreamWaitEvent(gate)")
-                _cuda.check(d.cuStreamWriteValue32(pool.stream, self._dptr, 1,
-                                                   int(d.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT)),
-                            "cuStreamWriteValue32")
-        except Exception:
-            # A failed copy (or a broken context): the engine's stream must not hang.  What was
-            # copied is reported by the handles' errors.
-            self._arr[self._slot] = 1
 
 
 @dataclass
@@ -919,7 +484,7 @@ class CudaCopyEngine(CopyEngine):
             self._check_open()
             spans = _layer_spans(layout)
             nb = spans[0][3]
-            per = max(1, min(_MAX_CHUNK_PAGES, self.staging_bytes // nb))
+            per = self._per_chunk(nb)
             k = min(count, len(pages), per * _INLINE_CHUNKS)
             if k < min(count, per * _INLINE_CHUNKS):
                 return None  # too few views for the first chunks
@@ -943,7 +508,7 @@ class CudaCopyEngine(CopyEngine):
     def prestage_pages(self, layout: Any) -> int:
         """How many leading pages :meth:`prestage` stages (the views it needs)."""
         nb = _layer_spans(layout)[0][3]
-        return max(1, min(_MAX_CHUNK_PAGES, self.staging_bytes // nb)) * _INLINE_CHUNKS
+        return self._per_chunk(nb) * _INLINE_CHUNKS
 
     def _prestage_fits(self, pre: _Prestaged, planes: KVPlanes, pages: _Pages, moved: range | None,
                        dplan: _direct.DirectPlan) -> bool:
@@ -961,11 +526,9 @@ class CudaCopyEngine(CopyEngine):
         ``loaded`` event recorded.  The caller holds the restore issue lock."""
         dma = self._streams["restore_dma"]
         _p0, _np, lo, nb = span
-        s = self._slot["restore"]
-        self._slot["restore"] = s ^ 1
+        s = self._take_slot("restore", d, dma)  # (its scatter out of the slot done)
         staging = self._staging["restore"][s]
-        loaded, freed = self._slot_events["restore"][s]
-        _cuda.check(d.cuStreamWaitEvent(dma, freed, 0), "cuStreamWaitEvent")  # scatter out of slot done
+        loaded = self._slot_events["restore"][s][0]
         runs = runs_cache.get((c0, c1))
         if runs is None:
             host_mem = d.CUmemorytype.CU_MEMORYTYPE_HOST
@@ -1050,10 +613,23 @@ class CudaCopyEngine(CopyEngine):
             self._workers[direction].submit(job)
 
     # -- issuing (worker threads) --------------------------------------------------------------
+    def _per_chunk(self, nbytes: int) -> int:
+        """Pages in one staged chunk of ``nbytes`` each (a whole page, or one layer of it)."""
+        return max(1, min(_MAX_CHUNK_PAGES, self.staging_bytes // nbytes))
+
     def _chunks(self, n: int, page_nbytes: int) -> Iterator[tuple[int, int]]:
-        per = max(1, min(_MAX_CHUNK_PAGES, self.staging_bytes // page_nbytes))
+        per = self._per_chunk(page_nbytes)
         for lo in range(0, n, per):
             yield lo, min(n, lo + per)
+
+    def _take_slot(self, direction: str, d: Any, stream: Any) -> int:
+        """The next staging slot of ``direction`` (the two alternate), once ``stream`` has waited
+        until the slot's last reader is done with it (its ``freed`` event).  The caller holds
+        that direction's issue lock."""
+        s = self._slot[direction]
+        self._slot[direction] = s ^ 1
+        _cuda.check(d.cuStreamWaitEvent(stream, self._slot_events[direction][s][1], 0), "cuStreamWaitEvent")
+        return s
 
     def _launch(self, fn: Any, table: _Table, planes: KVPlanes, ids: Sequence[int], staging: int,
                 stream: Any, span: tuple[int, int, int, int] | None = None) -> None:
@@ -1126,11 +702,9 @@ class CudaCopyEngine(CopyEngine):
             table = self._table(planes)
             _cuda.check(d.cuStreamWaitEvent(pack, table.event, 0), "cuStreamWaitEvent(table)")
             for lo, hi in self._chunks(len(ids), layout.page_nbytes):
-                s = self._slot["save"]
-                self._slot["save"] = s ^ 1
+                s = self._take_slot("save", d, pack)  # (its DMA out of the slot done)
                 staging = self._staging["save"][s]
                 packed, freed = self._slot_events["save"][s]
-                _cuda.check(d.cuStreamWaitEvent(pack, freed, 0), "cuStreamWaitEvent")  # DMA out of slot done
                 self._launch(self._gather_fn, table, planes, ids[lo:hi], staging, pack)
                 _cuda.check(d.cuEventRecord(packed, pack), "cuEventRecord")
                 _cuda.check(d.cuStreamWaitEvent(dma, packed, 0), "cuStreamWaitEvent")
@@ -1162,11 +736,9 @@ class CudaCopyEngine(CopyEngine):
         table = self._table(planes)
         _cuda.check(d.cuStreamWaitEvent(scatter, table.event, 0), "cuStreamWaitEvent(table)")
         for lo, hi in self._chunks(len(ids), layout.page_nbytes):
-            s = self._slot["restore"]
-            self._slot["restore"] = s ^ 1
+            s = self._take_slot("restore", d, dma)  # (its scatter out of the slot done)
             staging = self._staging["restore"][s]
             loaded, freed = self._slot_events["restore"][s]
-            _cuda.check(d.cuStreamWaitEvent(dma, freed, 0), "cuStreamWaitEvent")  # scatter out of slot done
             for off, addr, n in self._coalesce(pages, lo, hi, layout.page_nbytes):
                 _cuda.check(d.cuMemcpyHtoDAsync(staging + off, addr, n, dma), "cuMemcpyHtoDAsync")
             _cuda.check(d.cuEventRecord(loaded, dma), "cuEventRecord")
@@ -1258,7 +830,7 @@ class CudaCopyEngine(CopyEngine):
                             _cuda.check(d.cuMemcpyHtoDAsync(dst + off - spec.offset, addr, m, dma),
                                         "cuMemcpyHtoDAsync")
             else:
-                per = max(1, min(_MAX_CHUNK_PAGES, self.staging_bytes // nb))
+                per = self._per_chunk(nb)
                 for c0 in range(start_at, n, per):
                     if chunks is not None:
                         if not chunks:  # the caller's share of this layer is issued: the worker goes on
@@ -1273,16 +845,13 @@ class CudaCopyEngine(CopyEngine):
                         s = self._stage_layer_chunk(d, job.runs, addresses, c0, c1, span, P)
                     else:  # pages in several regions: the layer's bytes piece by piece
                         assert not isinstance(pages_s, HostPages)
-                        s = self._slot["restore"]
-                        self._slot["restore"] = s ^ 1
+                        s = self._take_slot("restore", d, dma)
                         staging = self._staging["restore"][s]
-                        loaded, freed = self._slot_events["restore"][s]
-                        _cuda.check(d.cuStreamWaitEvent(dma, freed, 0), "cuStreamWaitEvent")  # scatter out of slot done
                         for j in range(c0, c1):
                             for off, addr, m in _segments(pages_s[j], lo, nb):
                                 _cuda.check(d.cuMemcpyHtoDAsync(staging + (j - c0) * nb + off - lo, addr, m, dma),
                                             "cuMemcpyHtoDAsync")
-                        _cuda.check(d.cuEventRecord(loaded, dma), "cuEventRecord")
+                        _cuda.check(d.cuEventRecord(self._slot_events["restore"][s][0], dma), "cuEventRecord")
                     staging = self._staging["restore"][s]
                     loaded, freed = self._slot_events["restore"][s]
                     _cuda.check(d.cuStreamWaitEvent(scatter, loaded, 0), "cuStreamWaitEvent")
