@@ -225,7 +225,8 @@ class _Prestaged:
         copies into the same slots are ordered behind these on the DMA stream.  Unused (no
         restore took it: a refused restore), it first waits for its copies, which read the
         caller's pages: once the caller's restore has raised, nothing reads them any more (the
-        caller may drop its lease and the store reuse the memory).  ~1 ms at most, refusals only."""
+        caller may drop its lease and the store reuse the memory).  Refusals only: its chunks
+        (~1.3 ms) behind whatever the DMA stream still had queued."""
         with self._once:
             if not self._held:
                 return
