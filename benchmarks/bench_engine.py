@@ -84,6 +84,8 @@ def main() -> int:
     ap.add_argument("--phases", default="bulk,pinned,verified,decode,restart,cliff")
     ap.add_argument("--dir", default=None, help="where mmap stores go (default: a temp dir)")
     ap.add_argument("--out", default=".")
+    ap.add_argument("--direct", default=None, choices=["batch", "auto", "always", "never"],
+                    help="the main engine's direct mode (default: CudaCopyEngine's default)")
     args = ap.parse_args()
     phases = set(args.phases.split(","))
     results: dict[str, Any] = {"argv": sys.argv, "pages": args.pages}
@@ -124,7 +126,9 @@ def gpu_phases(torch: Any, args: Any, phases: set[str], results: dict[str, Any],
     nbytes = n * P
     results["chain"] = {"pages": n, "page_nbytes": P, "gb": round(nbytes / 1e9, 2)}
     log(f"pool: {nblocks} blocks, chain {nbytes / 1e9:.2f} GB")
-    engine = CudaCopyEngine(0)
+    engine = CudaCopyEngine(0) if args.direct is None else CudaCopyEngine(0, direct=args.direct)
+    results["direct"] = engine.direct
+    log(f"engine direct={engine.direct}")
     src, dst = list(range(n)), list(range(n, 2 * n))
 
     if "bulk" in phases or "pinned" in phases:

@@ -16,6 +16,7 @@ back to host-only code.  Nothing else in the package may touch ``cuda.bindings``
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import threading
 from collections.abc import Iterator
 from functools import cache
@@ -108,6 +109,84 @@ def driver() -> Any:
     if not available():
         raise CopyEngineError(f"CUDA is not usable: {_reason}", hint="use the CPU copy engine")
     return _driver
+
+
+class _MemLocation(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_uint), ("id", ctypes.c_int)]
+
+
+class _MemcpyAttributes(ctypes.Structure):
+    """``CUmemcpyAttributes`` (driver ABI, CUDA 12.8+)."""
+
+    _fields_ = [("srcAccessOrder", ctypes.c_uint), ("srcLocHint", _MemLocation), ("dstLocHint", _MemLocation),
+                ("flags", ctypes.c_uint)]
+
+
+#: ``CU_MEMCPY_SRC_ACCESS_ORDER_STREAM``: the source is read in stream order.  A save's source is
+#: the engine's blocks, written by kernels enqueued before it: reading them early (``ANY``) would
+#: copy stale bytes.
+_SRC_ORDER_STREAM = 1
+_BatchCall = Any  # (dsts, srcs, sizes: addresses of uint64 arrays, count, CUstream handle) -> CUresult
+_batch: list[_BatchCall | None] = []
+
+
+def batch_memcpy() -> _BatchCall | None:
+    """``cuMemcpyBatchAsync`` as a function of raw array addresses, ``fn(dsts, srcs, sizes, count,
+    stream) -> CUresult`` (every copy stream-ordered), or ``None`` where the driver has none
+    (before CUDA 12.8).  Resolved once.
+
+    Called through ``ctypes`` with the addresses of numpy arrays, not through ``cuda.bindings``:
+    the binding takes lists of ``CUdeviceptr`` objects, one per copy, and a restore of 6,400 pages
+    is 409,600 copies (per-copy Python objects are what the engine's hot paths must not make).
+    ``ctypes`` releases the GIL for the call, so the driver's ~0.5 us per copy runs beside the
+    engine's threads.  CUDA 13 drivers export the version without ``failIdx`` (``_v2``), 12.8-12.9
+    the one with it; the version asked for decides which entry point comes back."""
+    if _batch:
+        return _batch[0]
+    usable = available()  # (before the lock: available() takes it too)
+    with _state_lock:
+        if not _batch:
+            _batch.append(_resolve_batch() if usable else None)
+    return _batch[0]
+
+
+def _resolve_batch() -> _BatchCall | None:
+    d = _driver
+    try:
+        version = int(check(d.cuDriverGetVersion(), "cuDriverGetVersion"))
+        if version < 12080:
+            return None
+        ask = 13000 if version >= 13000 else 12080
+        err, ptr, _status = d.cuGetProcAddress(b"cuMemcpyBatchAsync", ask, 0)
+        if int(err) != 0 or not ptr:
+            return None
+    except Exception:
+        return None
+    vp, sz = ctypes.c_void_p, ctypes.c_size_t
+    attrs = _MemcpyAttributes(srcAccessOrder=_SRC_ORDER_STREAM)
+    idx = ctypes.c_size_t(0)
+    if ask >= 13000:
+        fn13 = ctypes.CFUNCTYPE(ctypes.c_uint, vp, vp, vp, sz, vp, vp, sz, vp)(ptr)
+
+        def call(dsts: int, srcs: int, sizes: int, count: int, stream: int) -> int:
+            return int(fn13(dsts, srcs, sizes, count, ctypes.addressof(attrs), ctypes.addressof(idx), 1, stream))
+    else:
+        fn12 = ctypes.CFUNCTYPE(ctypes.c_uint, vp, vp, vp, sz, vp, vp, sz, vp, vp)(ptr)
+
+        def call(dsts: int, srcs: int, sizes: int, count: int, stream: int) -> int:
+            fail = ctypes.c_size_t(0)
+            return int(fn12(dsts, srcs, sizes, count, ctypes.addressof(attrs), ctypes.addressof(idx), 1,
+                            ctypes.addressof(fail), stream))
+
+    return call  # (the closure keeps the attribute structs alive for every call)
+
+
+def error_text(code: int) -> str:
+    """The driver's name for a ``CUresult`` code (for calls made through ``ctypes``)."""
+    try:
+        return _error_text(_driver.CUresult(code))
+    except Exception:
+        return f"CUresult {code}"
 
 
 def nvrtc() -> Any:

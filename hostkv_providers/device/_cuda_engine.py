@@ -267,15 +267,23 @@ class CudaCopyEngine(CopyEngine):
         Use evict-first (streaming) loads and stores in the pack kernel, so the copy does not push
         the engine's data out of L2.
     direct:
-        Runs of pages whose block ids are consecutive and whose host pages are adjacent go by DMA
-        straight between host memory and the blocks (one 2D copy per plane and run: no staging, no
-        kernel, no SM of the engine's taken): ``"auto"`` for runs of at least 16 MiB of planes whose
-        slices are at least 8 KiB, ``"always"`` for every run, ``"never"`` (the default) for none;
-        other pages take the staging path.  A trade, measured on the H200 (docs/benchmarks.md): a
-        graph-captured decode step beside back-to-back restores runs at 1.02x of its time alone
-        with direct runs against 1.05-1.08x beside the staging path's scatter kernel, but the
-        restores themselves are slower (2D rows of one plane slice, 32 KiB, from host memory:
-        0.89-0.94x of a bulk copy against 0.94-0.98x staged, and much slower beside the decode).
+        Which pages go by DMA straight between host memory and the blocks (no staging buffer, no
+        kernel, no SM of the engine's taken) instead of the staging path:
+
+        * ``"batch"``: every page, in any block order, by ``cuMemcpyBatchAsync`` (one copy per
+          page and plane slice; CUDA 12.8+ drivers, slices of at least 32 KiB, each page in one
+          region; otherwise the staging path).  For engines that put decode latency first:
+          measured on the H200 (docs/benchmarks.md), a graph-captured decode step beside
+          back-to-back restores or saves runs at 1.01-1.03x of its time alone (1.05-1.07x beside
+          the staging path's kernels), but the driver's ~0.5 us per copy bounds the transfer:
+          restores at 0.69-0.76x of a bulk copy, saves at 0.81x, layer 0 of a layer-wise
+          restore in 13.0 ms against 8.2 ms staged.
+        * ``"auto"``: runs of consecutive block ids over adjacent host pages, at least 16 MiB of
+          planes with slices of at least 8 KiB, one 2D copy per plane and run; ``"always"``: every
+          such run; other pages staged.  2D rows of one plane slice move at 0.89-0.94x of a bulk
+          copy (0.82x for saves).
+        * ``"never"`` (the default): every page staged (the fused gather/scatter kernel plus bulk
+          DMA): 0.95-0.98x, and the only path for short slices.
 
     Streams: two non-blocking, lowest-priority streams per direction (pack and DMA), so the pack
     of chunk ``k+1`` overlaps the DMA of chunk ``k``; staging reuse is ordered by events.
@@ -470,10 +478,11 @@ class CudaCopyEngine(CopyEngine):
         """Begin a layer-wise restore of ``count`` pages before its block ids are checked: the
         host -> staging copies of layer 0 of its first chunks (``pages``: the first pages' views,
         at least that many), which touch no engine memory.  ``None`` where it does not apply
-        (another restore is being issued, memcpy mode, direct DMA allowed, pages not in one
-        region each) or fails; otherwise pass the result to :meth:`restore` (``prestaged=``) or
+        (another restore is being issued, memcpy mode, direct DMA that applies to this layout,
+        pages not in one region each) or fails; otherwise pass the result to :meth:`restore` (``prestaged=``) or
         call its ``release()``.  The issue lock is held until then: keep that span short."""
-        if self.mode != "kernel" or self.direct != "never" or not isinstance(pages, HostPages) or count < 1:
+        if self.mode != "kernel" or not _direct.stages_all(self.direct, layout) or not isinstance(pages, HostPages) \
+                or count < 1:
             return None
         if pages.page_nbytes != layout.page_nbytes or layout.num_layers < 2:
             return None

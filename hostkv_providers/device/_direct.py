@@ -11,17 +11,32 @@ consecutive blocks), a trade: a captured decode step beside back-to-back restore
 the SMs), but 2D rows of 32 KiB read from host memory move slower than staged bulk copies: 6,400
 pages from one 13 GB buffer at 0.99x of a bulk copy, from the pinned arena's 256 MiB chunks
 (runs of 128 pages) at 0.93-0.94x against 0.97-0.98x staged, saves at 0.82x against 0.93x.
-Hence ``direct="never"`` by default.  Pages outside such runs keep the staging path.
+Pages outside such runs keep the staging path.
+
+``direct="batch"`` (opt-in) moves *every* page directly, in any block order: one copy
+descriptor per (page, plane slice), handed to ``cuMemcpyBatchAsync`` (CUDA 12.8+ drivers) a few
+thousand at a time.  The copy engines do it all, so no SM is shared with the engine's kernels and
+no staging buffer is used.  Another trade, measured on the H200 (2 MiB pages of 64 x 32 KiB
+slices): a graph-captured decode step beside back-to-back restores runs at 1.01-1.02x of its time
+alone and beside saves at 1.02-1.03x, shuffled blocks included (1.05-1.07x beside the staging
+path's kernels); but the driver spends ~0.5 us of host time per copy, 409,600 copies for a 13.4 GB
+chain, so the transfer is bound by issuing: a probe issuing from its own thread moved 3.4 GB at
+0.98x of a bulk copy host -> device and 0.95x device -> host, and through ``HostKVCache`` the
+restore ran at 0.69x (0.76x into shuffled blocks), the save at 0.81x, and layer 0 of a
+layer-wise restore took 13.0 ms against 8.2 staged.  It needs every page in one region (a page
+in several pieces takes the staging path) and plane slices of at least
+``DIRECT_BATCH_MIN_SLICE`` (shorter copies are slower still; those layouts keep the staging path).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from hostkv_providers._errors import CopyArgumentError
+from hostkv_providers._errors import CopyArgumentError, CopyEngineError
 from hostkv_providers.device import _cuda
 from hostkv_providers.device._hostmem import registration_starts
 
@@ -32,7 +47,15 @@ DIRECT_MIN_RUN_BYTES = 16 << 20
 #: ``slice`` bytes per row; measured at 32 KiB rows; short rows are left to the staging path).
 DIRECT_MIN_SLICE = 8 << 10
 
-DIRECT_MODES = ("auto", "always", "never")
+#: ``direct="batch"``: used only when every plane slice is at least this long.  32 KiB slices were
+#: measured at 0.95-0.98x of a bulk copy; vLLM measured a cliff below ~28 KiB for host -> device
+#: batch copies (vllm-project/vllm#42212), so shorter slices keep the staging path.
+DIRECT_BATCH_MIN_SLICE = 32 << 10
+#: ``direct="batch"``: copy descriptors per driver call (each call is ~0.5 us of driver time per
+#: copy with the GIL released; a bound keeps the first copies starting early).
+BATCH_MAX_COPIES = 8192
+
+DIRECT_MODES = ("batch", "auto", "always", "never")
 
 
 def check_direct(direct: object) -> str:
@@ -41,17 +64,32 @@ def check_direct(direct: object) -> str:
     return str(direct)
 
 
+def batch_usable(layout: Any) -> bool:
+    """Whether ``direct="batch"`` moves pages of ``layout`` (slices long enough, and a driver
+    with ``cuMemcpyBatchAsync``)."""
+    return min(spec.nbytes for spec in layout.planes) >= DIRECT_BATCH_MIN_SLICE and _cuda.batch_memcpy() is not None
+
+
+def stages_all(mode: str, layout: Any) -> bool:
+    """Whether an engine in direct ``mode`` stages every page of ``layout`` (``"never"``, or
+    ``"batch"`` where it does not apply): then a restore's first chunks may be prestaged."""
+    return mode == "never" or (mode == "batch" and not batch_usable(layout))
+
+
 class DirectPlan:
     """How the pages of one transfer split: ``runs`` of ``(first page, pages)`` moved directly,
-    ``rest`` the indices of the pages left to the staging path (``None``: no page is direct)."""
+    ``rest`` the indices of the pages left to the staging path (``None``: no page is direct).
+    ``ids`` (``direct="batch"``): the block ids as an array; every page is then one run moved by
+    batch copies whatever the block order."""
 
-    __slots__ = ("addresses", "rest", "runs")
+    __slots__ = ("addresses", "ids", "rest", "runs")
 
     def __init__(self, runs: list[tuple[int, int]], rest: npt.NDArray[np.int64] | None,
-                 addresses: npt.NDArray[np.uint64] | None) -> None:
+                 addresses: npt.NDArray[np.uint64] | None, ids: npt.NDArray[np.uint64] | None = None) -> None:
         self.runs = runs
         self.rest = rest
         self.addresses = addresses
+        self.ids = ids
 
     @property
     def all_direct(self) -> bool:
@@ -71,6 +109,10 @@ def plan(mode: str, layout: Any, ids: list[int], addresses: npt.NDArray[np.uint6
     n = len(ids)
     if mode == "never" or addresses is None or not n:
         return NO_PLAN
+    if mode == "batch":
+        if not batch_usable(layout):
+            return NO_PLAN
+        return DirectPlan([(0, n)], np.empty(0, np.int64), addresses, np.asarray(ids, dtype=np.uint64))
     P = layout.page_nbytes
     if mode == "auto":
         if min(spec.nbytes for spec in layout.planes) < DIRECT_MIN_SLICE:
@@ -97,10 +139,46 @@ def plan(mode: str, layout: Any, ids: list[int], addresses: npt.NDArray[np.uint6
     return DirectPlan(runs, np.flatnonzero(keep), addresses)
 
 
+def batch_copies(ptrs: Sequence[int], strides: Sequence[int], specs: Any, ids: npt.NDArray[np.uint64],
+                 addresses: npt.NDArray[np.uint64], *, to_device: bool
+                 ) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64], npt.NDArray[np.uint64]]:
+    """``(dsts, srcs, sizes)`` of the batch copies moving planes ``specs`` of pages at host
+    ``addresses`` to or from blocks ``ids`` (planes at ``ptrs``, ``strides`` bytes per block):
+    one copy per (page, plane), page-major, so the host side is read or written in order.
+    Arrays only: no Python object per copy."""
+    offs = np.array([s.offset for s in specs], dtype=np.uint64)
+    base = np.array([ptrs[s.index] for s in specs], dtype=np.uint64)
+    stride = np.array([strides[s.index] for s in specs], dtype=np.uint64)
+    host = (addresses[:, None] + offs[None, :]).ravel()
+    dev = (base[None, :] + ids[:, None] * stride[None, :]).ravel()
+    sizes = np.broadcast_to(np.array([s.nbytes for s in specs], dtype=np.uint64)[None, :],
+                            (len(ids), len(specs))).ravel()
+    return (dev, host, sizes) if to_device else (host, dev, sizes)
+
+
+def issue_batch(planes: Any, dplan: DirectPlan, specs: Any, stream: Any, *, to_device: bool) -> None:
+    """Enqueue planes ``specs`` of every page of a ``direct="batch"`` plan on ``stream`` by
+    ``cuMemcpyBatchAsync``, at most :data:`BATCH_MAX_COPIES` copies per call."""
+    fn = _cuda.batch_memcpy()
+    assert fn is not None and dplan.ids is not None and dplan.addresses is not None
+    dsts, srcs, sizes = batch_copies(planes.ptrs, planes.block_strides, specs, dplan.ids, dplan.addresses,
+                                     to_device=to_device)
+    handle = int(stream)
+    for lo in range(0, len(sizes), BATCH_MAX_COPIES):
+        k = min(BATCH_MAX_COPIES, len(sizes) - lo)
+        at = 8 * lo  # (byte offset into each uint64 array: no slice objects, no copies)
+        err = fn(dsts.ctypes.data + at, srcs.ctypes.data + at, sizes.ctypes.data + at, k, handle)
+        if err:
+            raise CopyEngineError(f"cuMemcpyBatchAsync failed: {_cuda.error_text(err)}")
+
+
 def issue(d: Any, planes: Any, ids: list[int], dplan: DirectPlan, specs: Any, stream: Any, *, to_device: bool) -> None:
     """Enqueue the direct runs of ``dplan`` for planes ``specs`` on ``stream``: one
-    ``cuMemcpy2DAsync`` per (run, plane)."""
+    ``cuMemcpy2DAsync`` per (run, plane), or the batch copies of a ``direct="batch"`` plan."""
     assert dplan.addresses is not None
+    if dplan.ids is not None:
+        issue_batch(planes, dplan, specs, stream, to_device=to_device)
+        return
     P = planes.layout.page_nbytes
     host_mem = d.CUmemorytype.CU_MEMORYTYPE_HOST
     dev_mem = d.CUmemorytype.CU_MEMORYTYPE_DEVICE

@@ -92,3 +92,41 @@ def test_registration_starts_follow_the_set() -> None:
     finally:
         for start in mine:
             _drop_start(start)
+
+
+# -- direct="batch": one cuMemcpyBatchAsync copy per (page, plane slice), any block order ---------
+def test_batch_copies_name_every_slice_page_major() -> None:
+    """The batch descriptors, built as arrays, against a per-page reference: page ``i``'s slice of
+    plane ``p`` goes between host ``addresses[i] + spec.offset`` and block ``ids[i]`` of the plane."""
+    ids = np.array([9, 2, 7, 0, 5], dtype=np.uint64)
+    a = addrs(len(ids), BIG)
+    nplanes = len(BIG.planes)
+    ptrs = [(1 << 36) + (p << 30) for p in range(nplanes)]
+    strides = [spec.nbytes + 512 * (spec.index % 2) for spec in BIG.planes]  # padded blocks too
+    for specs in (BIG.planes, BIG.planes[2:4]):  # every plane, one layer's
+        for to_device in (True, False):
+            dsts, srcs, sizes = _direct.batch_copies(ptrs, strides, specs, ids, a, to_device=to_device)
+            want = [(int(a[i]) + s.offset, ptrs[s.index] + int(ids[i]) * strides[s.index], s.nbytes)
+                    for i in range(len(ids)) for s in specs]
+            host, dev = (srcs, dsts) if to_device else (dsts, srcs)
+            assert list(zip(host.tolist(), dev.tolist(), sizes.tolist(), strict=True)) == want
+            assert dsts.dtype == srcs.dtype == sizes.dtype == np.uint64
+            assert dsts.flags.c_contiguous and srcs.flags.c_contiguous and sizes.flags.c_contiguous
+
+
+def test_batch_plan_stages_where_it_cannot_apply(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``direct="batch"`` takes every page (any order) when the driver has the call and slices are
+    long enough; else every page stays on the staging path, which may then be prestaged."""
+    ids = [9, 2, 7, 0, 5]
+    monkeypatch.setattr(_direct._cuda, "batch_memcpy", lambda: None)  # a driver before CUDA 12.8
+    assert _direct.plan("batch", BIG, ids, addrs(5, BIG)) is _direct.NO_PLAN
+    assert _direct.stages_all("batch", BIG) and _direct.stages_all("never", BIG)
+    monkeypatch.setattr(_direct._cuda, "batch_memcpy", lambda: (lambda *a: 0))
+    plan = _direct.plan("batch", BIG, ids, addrs(5, BIG))
+    assert plan.runs == [(0, 5)] and plan.all_direct
+    assert plan.ids is not None and plan.ids.tolist() == ids
+    assert not _direct.stages_all("batch", BIG) and not _direct.stages_all("auto", BIG)
+    assert _direct.plan("batch", SMALL, ids, addrs(5, SMALL)) is _direct.NO_PLAN  # 1 KiB slices
+    assert _direct.stages_all("batch", SMALL)
+    assert _direct.plan("batch", BIG, ids, None) is _direct.NO_PLAN  # a page in several regions
+    assert _direct.check_direct("batch") == "batch"

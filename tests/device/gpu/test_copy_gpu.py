@@ -311,7 +311,7 @@ RUN_IDS = [5, 6, 7, 8, 20, 30, 31, 0, 12, 13, 14, 15, 16, 17, 2]  # runs of 4, 1
 RUN_DST = [3, 38, 21, 22, 23, 24, 9, 30, 31, 32, 33, 34, 35, 1, 27]  # runs of 1, 1, 4, 1, 6, 1, 1
 
 
-@pytest.mark.parametrize("direct", ["always", "never", "auto"])
+@pytest.mark.parametrize("direct", ["always", "never", "auto", "batch"])
 @pytest.mark.parametrize("mode", ["kernel", "memcpy"])
 @pytest.mark.parametrize("layout", [PLAIN, SCALED, LATENT], ids=["plain", "scaled-unaligned", "latent"])
 def test_direct_runs_round_trip(direct: str, mode: str, layout: KVLayout, allocator: Any) -> None:
@@ -329,6 +329,9 @@ def test_direct_runs_round_trip(direct: str, mode: str, layout: KVLayout, alloca
         if direct == "always":
             plan = eng._plan(src.planes, RUN_IDS, pages)
             assert [k for _lo, k in plan.runs] == [4, 1, 2, 1, 6, 1]  # every run (min 1 page) goes direct
+        if direct == "batch":  # every page by batch copies where slices are >= 32 KiB, else staged
+            plan = eng._plan(src.planes, RUN_IDS, pages)
+            assert (plan.ids is not None) == (layout is PLAIN) and plan.all_direct == (layout is PLAIN)
         assert eng.save(src.planes, RUN_IDS, pages).wait(timeout=60)
         view = bytes(mem.view)
         P = layout.page_nbytes

@@ -63,9 +63,10 @@ def slowed(fn: Callable[..., Any], seconds: float) -> Callable[..., Any]:
     return call
 
 
-@pytest.fixture(scope="module", params=["auto", "always"])
+@pytest.fixture(scope="module", params=["auto", "always", "batch"])
 def engine(request: pytest.FixtureRequest) -> Iterator[CudaCopyEngine]:
-    """The engine with direct DMA for runs of consecutive blocks, and without it (staging only)."""
+    """The engine with direct DMA for runs of consecutive blocks (auto, always), for every page by batch
+    copies (batch), and without it (never: staging only)."""
     e = CudaCopyEngine(0, direct=request.param)
     yield e
     e.close()
