@@ -563,7 +563,8 @@ class CudaCopyEngine(CopyEngine):
     def _plan(self, planes: KVPlanes, ids: list[int], pages: _Pages) -> _direct.DirectPlan:
         if self.direct == "never":
             return _direct.NO_PLAN
-        return _direct.plan(self.direct, planes.layout, ids, _page_addresses(pages))
+        pinned = not isinstance(pages, HostPages) or pages.pinned
+        return _direct.plan(self.direct, planes.layout, ids, _page_addresses(pages), pinned=pinned)
 
     def _inline_first_layer(self, handle: _CudaHandle, planes: KVPlanes, ids: list[int], pages: _Pages,
                             moved: range, dplan: _direct.DirectPlan,

@@ -99,7 +99,8 @@ class DirectPlan:
 NO_PLAN = DirectPlan([], None, None)
 
 
-def plan(mode: str, layout: Any, ids: list[int], addresses: npt.NDArray[np.uint64] | None) -> DirectPlan:
+def plan(mode: str, layout: Any, ids: list[int], addresses: npt.NDArray[np.uint64] | None, *,
+         pinned: bool = True) -> DirectPlan:
     """Split pages ``0..len(ids)`` into direct runs and the rest (numpy: no per-page objects).
 
     ``addresses``: the host pages' start addresses (``None`` when a page is in several pieces:
@@ -110,7 +111,9 @@ def plan(mode: str, layout: Any, ids: list[int], addresses: npt.NDArray[np.uint6
     if mode == "never" or addresses is None or not n:
         return NO_PLAN
     if mode == "batch":
-        if not batch_usable(layout):
+        # (``pinned=False``: pages the caller says are pageable; batch copies from them would be
+        # staged by the driver copy by copy, the engine's staging path moves them in bulk)
+        if not pinned or not batch_usable(layout):
             return NO_PLAN
         return DirectPlan([(0, n)], np.empty(0, np.int64), addresses, np.asarray(ids, dtype=np.uint64))
     P = layout.page_nbytes

@@ -129,4 +129,5 @@ def test_batch_plan_stages_where_it_cannot_apply(monkeypatch: pytest.MonkeyPatch
     assert _direct.plan("batch", SMALL, ids, addrs(5, SMALL)) is _direct.NO_PLAN  # 1 KiB slices
     assert _direct.stages_all("batch", SMALL)
     assert _direct.plan("batch", BIG, ids, None) is _direct.NO_PLAN  # a page in several regions
+    assert _direct.plan("batch", BIG, ids, addrs(5, BIG), pinned=False) is _direct.NO_PLAN  # pageable pages
     assert _direct.check_direct("batch") == "batch"
