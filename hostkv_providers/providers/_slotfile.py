@@ -11,16 +11,7 @@ On-disk layout (all integers little-endian)::
 
     [0, 4096)                 file header (128 bytes used, see FILE_HEADER_DTYPE), xxh3-checked
     [4096, data_offset)       header table: slot_count x 128-byte slot headers (SLOT_HEADER_DTYPE)
-    [data_offset, end)        slot i at data_offset + i * slot_nbytes
-
-``data_offset`` is aligned to the largest power of two that divides ``slot_nbytes``, at most 2 MiB
-(layout version 2), so every slot starts naturally aligned in the file.  That is what lets the
-page cache hold a slot in large folios: Linux places a folio of 2^k pages only at an index that
-is a multiple of 2^k, and version 1's 4 KiB-aligned data region (140 KiB for 1,088 slots) left
-every 256 KiB slot straddling small folios.  Measured on the CPU dev machine (ext4, 6.18), 16 x
-256 KiB ``pwritev`` into cached space: 67-73 ms per 256 MiB at version 1's offset, 54 ms at a
-256 KiB-aligned one; ``preadv`` 33.8 against 32.4 ms.  Version 1 files (4 KiB-aligned data) are
-still read and written.
+    [data_offset, end)        slot i at data_offset + i * slot_nbytes   (data_offset 4 KiB aligned)
 
 Slot header (128 bytes): ``magic u64 | key 32B | parent 32B | generation u64 | nbytes u64 |
 checksum u64 (XXH3-64 of the entry's bytes) | flags u32 | aux u32 | user u64 | reserved u64 |
@@ -91,9 +82,7 @@ __all__ = [
 ]
 
 FILE_MAGIC = b"HKVSLOTS"
-FILE_LAYOUT_VERSION = 2
-#: Layout versions this build opens: 1 (data region 4 KiB aligned), 2 (slot-aligned, see above).
-_READABLE_LAYOUTS = (1, 2)
+FILE_LAYOUT_VERSION = 1
 FILE_HEADER_NBYTES = 4096
 SLOT_HEADER_NBYTES = 128
 #: ``magic`` field of a live slot header (``b"HKVSLOT1"`` little-endian).
@@ -103,7 +92,6 @@ FLAG_HAS_PARENT = 1
 FLAG_ANCHOR = 2
 
 _ALIGN = 4096
-_DATA_ALIGN_MAX = 2 << 20  # a PMD-sized folio: no page-cache folio is larger
 _MAX_SLOT_NBYTES = 1 << 34  # 16 GiB: a sanity bound for parsing hostile headers
 _MAX_SLOTS = 1 << 40
 
@@ -448,12 +436,9 @@ class SlotFile:
 
     # -- construction --------------------------------------------------------------------------
     @staticmethod
-    def layout(slot_nbytes: int, slot_count: int, version: int = 2) -> tuple[int, int]:
-        """``(data_offset, file_nbytes)`` of a file with this geometry and layout ``version``
-        (2: the data region aligned to ``slot_nbytes``' largest power-of-two divisor, at most
-        2 MiB; 1: to 4 KiB)."""
-        align = _ALIGN if version == 1 else min(_DATA_ALIGN_MAX, max(_ALIGN, slot_nbytes & -slot_nbytes))
-        data_offset = _round_up(FILE_HEADER_NBYTES + slot_count * SLOT_HEADER_NBYTES, align)
+    def layout(slot_nbytes: int, slot_count: int) -> tuple[int, int]:
+        """``(data_offset, file_nbytes)`` of a file with this geometry."""
+        data_offset = _round_up(FILE_HEADER_NBYTES + slot_count * SLOT_HEADER_NBYTES, _ALIGN)
         return data_offset, data_offset + slot_count * slot_nbytes
 
     @classmethod
@@ -473,11 +458,10 @@ class SlotFile:
             raise InvalidArgumentError("store_id must be 16 bytes")
         if _fsutil.lexists(path, f"looking for {path}"):
             raise InvalidArgumentError(f"{path} already exists")
-        version = FILE_LAYOUT_VERSION
-        data_offset, total = cls.layout(slot_nbytes, slot_count, version)
+        data_offset, total = cls.layout(slot_nbytes, slot_count)
         hdr = np.zeros(1, FILE_HEADER_DTYPE)
         hdr["magic"] = FILE_MAGIC
-        hdr["layout_version"] = version
+        hdr["layout_version"] = FILE_LAYOUT_VERSION
         hdr["slot_header_nbytes"] = SLOT_HEADER_NBYTES
         hdr["slot_nbytes"] = slot_nbytes
         hdr["slot_count"] = slot_count
@@ -540,16 +524,15 @@ class SlotFile:
                 raise CorruptStoreError(f"{path} is not a hostkv slot file (bad magic)")
             if xxhash.xxh3_64_intdigest(raw[:120]) != int(hdr["header_checksum"][0]):
                 raise CorruptStoreError(f"{path}: slot file header checksum mismatch")
-            version = int(hdr["layout_version"][0])
-            if version not in _READABLE_LAYOUTS:
+            if int(hdr["layout_version"][0]) != FILE_LAYOUT_VERSION:
                 raise IncompatibleStoreError(
-                    f"{path}: slot file layout version {version}, this build reads versions "
-                    f"{', '.join(map(str, _READABLE_LAYOUTS))}")
+                    f"{path}: slot file layout version {int(hdr['layout_version'][0])}, "
+                    f"this build reads version {FILE_LAYOUT_VERSION}")
             sn, sc = int(hdr["slot_nbytes"][0]), int(hdr["slot_count"][0])
             if (int(hdr["slot_header_nbytes"][0]) != SLOT_HEADER_NBYTES or sn <= 0 or sn % _ALIGN
                     or sn > _MAX_SLOT_NBYTES or not 0 < sc <= _MAX_SLOTS):
                 raise CorruptStoreError(f"{path}: implausible geometry (slot {sn} B x {sc})")
-            data_offset, total = cls.layout(sn, sc, version)
+            data_offset, total = cls.layout(sn, sc)
             if int(hdr["data_offset"][0]) != data_offset:
                 raise CorruptStoreError(f"{path}: data offset {int(hdr['data_offset'][0])} != {data_offset}")
             if size < total:
