@@ -434,7 +434,7 @@ class CudaCopyEngine(CopyEngine):
         handle = _CudaHandle(len(ids) * planes.layout.page_nbytes, self)
         handle.keep = (planes, dst, mark)
         after_ev = mark.event if isinstance(mark, _CudaMark) else None
-        dplan = self._plan(planes, ids, pages)
+        dplan = self._plan(planes, ids, pages, dst)
         self._submit("save", handle, lambda: self._issue_save(handle, planes, ids, pages, after_ev, dplan))
         return handle
 
@@ -450,7 +450,7 @@ class CudaCopyEngine(CopyEngine):
             _check_distinct(ids)
             pages = _check_pages(planes.layout, src, len(ids), writable=False)
             moved = _check_layers(planes.layout, layerwise, layers)
-            dplan = self._plan(planes, ids, pages)
+            dplan = self._plan(planes, ids, pages, src)
             if prestaged is not None and not self._prestage_fits(prestaged, planes, pages, moved, dplan):
                 prestaged.release()
                 prestaged = None
@@ -481,9 +481,10 @@ class CudaCopyEngine(CopyEngine):
         (another restore is being issued, memcpy mode, direct DMA that applies to this layout,
         pages not in one region each) or fails; otherwise pass the result to :meth:`restore` (``prestaged=``) or
         call its ``release()``.  The issue lock is held until then: keep that span short."""
-        if self.mode != "kernel" or not _direct.stages_all(self.direct, layout) or not isinstance(pages, HostPages) \
-                or count < 1:
+        if self.mode != "kernel" or not isinstance(pages, HostPages) or count < 1:
             return None
+        if not (_direct.stages_all(self.direct, layout) or (self.direct == "batch" and not pages.pinned)):
+            return None  # (its pages go by direct DMA: nothing is staged)
         if pages.page_nbytes != layout.page_nbytes or layout.num_layers < 2:
             return None
         lock = self._issue_locks["restore"]
@@ -560,10 +561,12 @@ class CudaCopyEngine(CopyEngine):
         _cuda.check(d.cuEventRecord(loaded, dma), "cuEventRecord")
         return s
 
-    def _plan(self, planes: KVPlanes, ids: list[int], pages: _Pages) -> _direct.DirectPlan:
+    def _plan(self, planes: KVPlanes, ids: list[int], pages: _Pages, given: Any) -> _direct.DirectPlan:
+        """The direct plan of a transfer (``given``: the caller's pages as passed, whose regions
+        say whether they are pinned: batch copies are only for pinned pages)."""
         if self.direct == "never":
             return _direct.NO_PLAN
-        pinned = not isinstance(pages, HostPages) or pages.pinned
+        pinned = self.direct != "batch" or _direct.pages_pinned(given)
         return _direct.plan(self.direct, planes.layout, ids, _page_addresses(pages), pinned=pinned)
 
     def _inline_first_layer(self, handle: _CudaHandle, planes: KVPlanes, ids: list[int], pages: _Pages,

@@ -37,6 +37,7 @@ import numpy as np
 import numpy.typing as npt
 
 from hostkv_providers._errors import CopyArgumentError, CopyEngineError
+from hostkv_providers._region import HostPages, HostRegion
 from hostkv_providers.device import _cuda
 from hostkv_providers.device._hostmem import registration_starts
 
@@ -74,6 +75,23 @@ def stages_all(mode: str, layout: Any) -> bool:
     """Whether an engine in direct ``mode`` stages every page of ``layout`` (``"never"``, or
     ``"batch"`` where it does not apply): then a restore's first chunks may be prestaged."""
     return mode == "never" or (mode == "batch" and not batch_usable(layout))
+
+
+def pages_pinned(pages: Any) -> bool:
+    """Whether a transfer's host pages all say they are page-locked: ``HostPages.pinned``, or the
+    ``pinned`` of every ``HostRegion`` (a page given as one region or a sequence of them).  An
+    lmdb store's views are its mapped files (pageable); a cache's bounce buffers are pinned."""
+    if isinstance(pages, HostPages):
+        return bool(pages.pinned)
+    for regions in pages:
+        if type(regions) is HostRegion:
+            if not regions.pinned:
+                return False
+            continue
+        for region in regions:
+            if not getattr(region, "pinned", False):
+                return False
+    return True
 
 
 class DirectPlan:

@@ -131,3 +131,22 @@ def test_batch_plan_stages_where_it_cannot_apply(monkeypatch: pytest.MonkeyPatch
     assert _direct.plan("batch", BIG, ids, None) is _direct.NO_PLAN  # a page in several regions
     assert _direct.plan("batch", BIG, ids, addrs(5, BIG), pinned=False) is _direct.NO_PLAN  # pageable pages
     assert _direct.check_direct("batch") == "batch"
+
+
+def test_pages_pinned_reads_every_region() -> None:
+    """``direct="batch"`` asks the caller's pages whether they are page-locked: ``HostPages``'
+    flag, or every region's (an lmdb store's views are its mapped files, pageable)."""
+    from hostkv_providers import HostPages, HostRegion
+
+    buf = memoryview(bytearray(8192))
+
+    def region(pinned: bool, offset: int = 0) -> HostRegion:
+        return HostRegion(offset, buf[offset: offset + 4096], 1 << 40, pinned)
+
+    a = addrs(2, BIG)
+    assert _direct.pages_pinned(HostPages(a, BIG.page_nbytes, pinned=True, readonly=True))
+    assert not _direct.pages_pinned(HostPages(a, BIG.page_nbytes, pinned=False, readonly=True))
+    assert _direct.pages_pinned([region(True), [region(True)], (region(True), region(True, 4096))])
+    assert not _direct.pages_pinned([region(True), region(False)])
+    assert not _direct.pages_pinned([[region(True), region(False, 4096)]])
+    assert _direct.pages_pinned([])

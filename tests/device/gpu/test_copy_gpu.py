@@ -327,10 +327,10 @@ def test_direct_runs_round_trip(direct: str, mode: str, layout: KVLayout, alloca
         addrs = np.arange(n, dtype=np.uint64) * np.uint64(layout.page_nbytes) + np.uint64(mem.address)
         pages = HostPages(addrs, layout.page_nbytes, pinned=True, readonly=False, keepalive=mem)
         if direct == "always":
-            plan = eng._plan(src.planes, RUN_IDS, pages)
+            plan = eng._plan(src.planes, RUN_IDS, pages, pages)
             assert [k for _lo, k in plan.runs] == [4, 1, 2, 1, 6, 1]  # every run (min 1 page) goes direct
         if direct == "batch":  # every page by batch copies where slices are >= 32 KiB, else staged
-            plan = eng._plan(src.planes, RUN_IDS, pages)
+            plan = eng._plan(src.planes, RUN_IDS, pages, pages)
             assert (plan.ids is not None) == (layout is PLAIN) and plan.all_direct == (layout is PLAIN)
         assert eng.save(src.planes, RUN_IDS, pages).wait(timeout=60)
         view = bytes(mem.view)
