@@ -127,9 +127,9 @@ class _MemcpyAttributes(ctypes.Structure):
 #: copy stale bytes.
 _SRC_ORDER_STREAM = 1
 _BatchCall = Any  # (dsts, srcs, sizes: addresses of uint64 arrays, count, CUstream handle) -> CUresult
-_batch: list[_BatchCall | None] = []
 
 
+@cache
 def batch_memcpy() -> _BatchCall | None:
     """``cuMemcpyBatchAsync`` as a function of raw array addresses, ``fn(dsts, srcs, sizes, count,
     stream) -> CUresult`` (every copy stream-ordered), or ``None`` where the driver has none
@@ -141,13 +141,7 @@ def batch_memcpy() -> _BatchCall | None:
     ``ctypes`` releases the GIL for the call, so the driver's ~0.5 us per copy runs beside the
     engine's threads.  CUDA 13 drivers export the version without ``failIdx`` (``_v2``), 12.8-12.9
     the one with it; the version asked for decides which entry point comes back."""
-    if _batch:
-        return _batch[0]
-    usable = available()  # (before the lock: available() takes it too)
-    with _state_lock:
-        if not _batch:
-            _batch.append(_resolve_batch() if usable else None)
-    return _batch[0]
+    return _resolve_batch() if available() else None
 
 
 def _resolve_batch() -> _BatchCall | None:

@@ -483,7 +483,7 @@ class CudaCopyEngine(CopyEngine):
         call its ``release()``.  The issue lock is held until then: keep that span short."""
         if self.mode != "kernel" or not isinstance(pages, HostPages) or count < 1:
             return None
-        if not (_direct.stages_all(self.direct, layout) or (self.direct == "batch" and not pages.pinned)):
+        if not _direct.stages_all(self.direct, layout, pages.pinned):
             return None  # (its pages go by direct DMA: nothing is staged)
         if pages.page_nbytes != layout.page_nbytes or layout.num_layers < 2:
             return None

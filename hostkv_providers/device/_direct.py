@@ -71,10 +71,11 @@ def batch_usable(layout: Any) -> bool:
     return min(spec.nbytes for spec in layout.planes) >= DIRECT_BATCH_MIN_SLICE and _cuda.batch_memcpy() is not None
 
 
-def stages_all(mode: str, layout: Any) -> bool:
+def stages_all(mode: str, layout: Any, pinned: bool = True) -> bool:
     """Whether an engine in direct ``mode`` stages every page of ``layout`` (``"never"``, or
-    ``"batch"`` where it does not apply): then a restore's first chunks may be prestaged."""
-    return mode == "never" or (mode == "batch" and not batch_usable(layout))
+    ``"batch"`` where it does not apply: short slices, no driver call, or pages that are not
+    ``pinned``): then a restore's first chunks may be prestaged."""
+    return mode == "never" or (mode == "batch" and not (pinned and batch_usable(layout)))
 
 
 def pages_pinned(pages: Any) -> bool:
@@ -84,11 +85,7 @@ def pages_pinned(pages: Any) -> bool:
     if isinstance(pages, HostPages):
         return bool(pages.pinned)
     for regions in pages:
-        if type(regions) is HostRegion:
-            if not regions.pinned:
-                return False
-            continue
-        for region in regions:
+        for region in (regions,) if type(regions) is HostRegion else regions:
             if not getattr(region, "pinned", False):
                 return False
     return True

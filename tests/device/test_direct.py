@@ -126,6 +126,7 @@ def test_batch_plan_stages_where_it_cannot_apply(monkeypatch: pytest.MonkeyPatch
     assert plan.runs == [(0, 5)] and plan.all_direct
     assert plan.ids is not None and plan.ids.tolist() == ids
     assert not _direct.stages_all("batch", BIG) and not _direct.stages_all("auto", BIG)
+    assert _direct.stages_all("batch", BIG, pinned=False)  # pageable pages: staged, may be prestaged
     assert _direct.plan("batch", SMALL, ids, addrs(5, SMALL)) is _direct.NO_PLAN  # 1 KiB slices
     assert _direct.stages_all("batch", SMALL)
     assert _direct.plan("batch", BIG, ids, None) is _direct.NO_PLAN  # a page in several regions

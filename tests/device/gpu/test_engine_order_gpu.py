@@ -65,8 +65,8 @@ def slowed(fn: Callable[..., Any], seconds: float) -> Callable[..., Any]:
 
 @pytest.fixture(scope="module", params=["auto", "always", "batch"])
 def engine(request: pytest.FixtureRequest) -> Iterator[CudaCopyEngine]:
-    """The engine with direct DMA for runs of consecutive blocks (auto, always), for every page by batch
-    copies (batch), and without it (never: staging only)."""
+    """The engine with direct DMA for runs of consecutive blocks (auto, always) and for every page by
+    batch copies (batch)."""
     e = CudaCopyEngine(0, direct=request.param)
     yield e
     e.close()

@@ -43,7 +43,7 @@ L = LAYOUT.num_layers
 
 @pytest.fixture(scope="module", params=["auto", "never", "batch"])
 def engine(request: pytest.FixtureRequest) -> Iterator[CudaCopyEngine]:
-    """The engine with direct DMA for runs of consecutive blocks (auto, always), for every page by batch
+    """The engine with direct DMA for runs of consecutive blocks (auto), for every page by batch
     copies (batch), and without it (never: staging only)."""
     e = CudaCopyEngine(0, direct=request.param)
     yield e
