@@ -348,6 +348,10 @@ class CudaCopyEngine(CopyEngine):
         self._issue_locks = {"save": threading.Lock(), "restore": threading.Lock()}
         self._flags = _FlagPool(dev)
         self._reaper = _Reaper(dev)
+        # direct="batch": a second thread and stream per direction issue half of each large batch
+        self._sides: dict[str, _direct.BatchSide] = {}
+        if self.direct == "batch" and _cuda.batch_memcpy() is not None:
+            self._sides = {name: _direct.BatchSide(dev, f"hostkv-cuda-{name}-side") for name in ("save", "restore")}
 
     # -- validation ----------------------------------------------------------------------------
     def _check_planes(self, planes: KVPlanes) -> None:
@@ -704,7 +708,8 @@ class CudaCopyEngine(CopyEngine):
         _cuda.check(d.cuEventRecord(start, first), "cuEventRecord")
         layout = planes.layout
         if dplan.runs:  # straight from the blocks into the host pages, then the rest staged
-            _direct.issue(d, planes, ids, dplan, layout.planes, dma, to_device=False)
+            _direct.issue(d, planes, ids, dplan, layout.planes, dma, to_device=False,
+                          side=self._sides.get("save"))
             ids, pages = _subset(ids, pages, dplan.rest)
         if self.mode == "memcpy":
             for b, page in zip(ids, pages, strict=True):
@@ -737,7 +742,8 @@ class CudaCopyEngine(CopyEngine):
         _cuda.check(d.cuEventRecord(start, dma), "cuEventRecord")
         layout = planes.layout
         if dplan.runs:  # straight into the blocks first (the staged chunks' events then imply them)
-            _direct.issue(d, planes, ids, dplan, layout.planes, dma, to_device=True)
+            _direct.issue(d, planes, ids, dplan, layout.planes, dma, to_device=True,
+                          side=self._sides.get("restore"))
             ids, pages = _subset(ids, pages, dplan.rest)
         if not ids or self.mode == "memcpy":
             for b, page in zip(ids, pages, strict=True):
@@ -835,7 +841,8 @@ class CudaCopyEngine(CopyEngine):
             resumed = layer == job.resume_layer
             start_at = job.resume_at if resumed else 0
             if dplan.runs and not resumed:  # before the staged chunks on the DMA stream: their events imply these
-                _direct.issue(d, planes, ids, dplan, layout.planes[p0: p0 + np_], dma, to_device=True)
+                _direct.issue(d, planes, ids, dplan, layout.planes[p0: p0 + np_], dma, to_device=True,
+                              side=self._sides.get("restore"))
             if job.table is None:  # memcpy mode (or every page direct): one copy per slice, on the DMA stream
                 for spec in layout.planes[p0: p0 + np_]:
                     for b, page in zip(ids_s, pages_s, strict=True):
@@ -924,6 +931,8 @@ class CudaCopyEngine(CopyEngine):
                 d.cuEventDestroy(b)
         for s in self._streams.values():
             attempt(d.cuStreamDestroy(s), "cuStreamDestroy")
+        for side in self._sides.values():
+            side.close(attempt)
         self._flags.close(problems)
         self._tables.clear()
         if problems:

@@ -3,15 +3,34 @@ on the device, filled, poisoned and compared by block (the comparisons are enque
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 import hostkv_providers as hk
 from hostkv_providers.cache import paged_planes
-from hostkv_providers.device import KVPlanes
+from hostkv_providers.device import CudaCopyEngine, KVPlanes, _direct
 
 POISON = 0xEE
+
+
+@contextlib.contextmanager
+def engine_for(mode: str) -> Iterator[CudaCopyEngine]:
+    """``CudaCopyEngine(0, direct=mode)``; ``"batch-split"``: ``direct="batch"`` with *every* batch
+    call split between the issuing thread and the direction's side thread and stream (the tests'
+    transfers stay under the 4,096 copies from which the split starts)."""
+    direct, _, split = mode.partition("-")
+    saved = _direct.BATCH_SPLIT_MIN
+    if split:
+        _direct.BATCH_SPLIT_MIN = 2
+    e = CudaCopyEngine(0, direct=direct)
+    try:
+        yield e
+    finally:
+        e.close()
+        _direct.BATCH_SPLIT_MIN = saved
 
 
 class Pool:

@@ -16,6 +16,7 @@ from hostkv_providers import ClosedError, HostPages, HostRegion, KVLayout, Ordin
 from hostkv_providers._errors import CopyArgumentError
 from hostkv_providers._keys import Salt, chain_keys
 from hostkv_providers.cache import StagingPool
+from hostkv_providers.device import _direct
 from hostkv_providers.device._copy import CudaCopyEngine, KVPlanes, cuda_available, default_copy_engine, page_regions
 from hostkv_providers.device._engine import _check_pages
 from hostkv_providers.device._hostmem import CudaHostAllocator, pinned_allocator
@@ -311,13 +312,18 @@ RUN_IDS = [5, 6, 7, 8, 20, 30, 31, 0, 12, 13, 14, 15, 16, 17, 2]  # runs of 4, 1
 RUN_DST = [3, 38, 21, 22, 23, 24, 9, 30, 31, 32, 33, 34, 35, 1, 27]  # runs of 1, 1, 4, 1, 6, 1, 1
 
 
-@pytest.mark.parametrize("direct", ["always", "never", "auto", "batch"])
+@pytest.mark.parametrize("direct", ["always", "never", "auto", "batch", "batch-split"])
 @pytest.mark.parametrize("mode", ["kernel", "memcpy"])
 @pytest.mark.parametrize("layout", [PLAIN, SCALED, LATENT], ids=["plain", "scaled-unaligned", "latent"])
-def test_direct_runs_round_trip(direct: str, mode: str, layout: KVLayout, allocator: Any) -> None:
+def test_direct_runs_round_trip(direct: str, mode: str, layout: KVLayout, allocator: Any,
+                                monkeypatch: pytest.MonkeyPatch) -> None:
     """Saves and restores (page-major and layer-wise) whose ids mix runs of consecutive blocks with
     single blocks: the runs go straight by 2D DMA (``always``), the rest through staging; the bytes
-    are the same as through staging alone (``never``), and no other block is written."""
+    are the same as through staging alone (``never``), and no other block is written.
+    ``batch-split``: every batch call's second half is issued by the side thread on its stream."""
+    if direct == "batch-split":
+        monkeypatch.setattr(_direct, "BATCH_SPLIT_MIN", 2)
+        direct = "batch"
     src = DevicePlanes(layout, 40, seed=11)
     eng = CudaCopyEngine(staging_bytes=max(4096, 3 * layout.page_nbytes), mode=mode, direct=direct)
     assert eng.direct == direct

@@ -30,7 +30,7 @@ if not cuda_available() or not torch.cuda.is_available():
 
 pytestmark = pytest.mark.gpu
 
-from ._pool import Pool  # noqa: E402  (after the skips: it imports torch)
+from ._pool import Pool, engine_for  # noqa: E402  (after the skips: it imports torch)
 
 LAYOUT = hk.KVLayout(num_layers=8, num_kv_heads=8, head_dim=128, page_tokens=16, dtype="bfloat16")  # 512 KiB
 SALT = hk.Salt("test/gpu-layers", LAYOUT)
@@ -41,13 +41,13 @@ TRIALS = 100
 L = LAYOUT.num_layers
 
 
-@pytest.fixture(scope="module", params=["auto", "never", "batch"])
+@pytest.fixture(scope="module", params=["auto", "never", "batch", "batch-split"])
 def engine(request: pytest.FixtureRequest) -> Iterator[CudaCopyEngine]:
     """The engine with direct DMA for runs of consecutive blocks (auto), for every page by batch
-    copies (batch), and without it (never: staging only)."""
-    e = CudaCopyEngine(0, direct=request.param)
-    yield e
-    e.close()
+    copies (batch; batch-split: each call's second half issued by the side thread), and without
+    it (never: staging only)."""
+    with engine_for(request.param) as e:
+        yield e
 
 
 @pytest.fixture(scope="module")
