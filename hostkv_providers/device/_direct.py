@@ -14,18 +14,19 @@ pages from one 13 GB buffer at 0.99x of a bulk copy, from the pinned arena's 256
 Pages outside such runs keep the staging path.
 
 ``direct="batch"`` (opt-in) moves *every* page directly, in any block order: one copy
-descriptor per (page, plane slice), handed to ``cuMemcpyBatchAsync`` (CUDA 12.8+ drivers) a few
-thousand at a time.  The copy engines do it all, so no SM is shared with the engine's kernels and
-no staging buffer is used.  Another trade, measured on the H200 (2 MiB pages of 64 x 32 KiB
-slices): a graph-captured decode step beside back-to-back restores runs at 1.01-1.02x of its time
-alone and beside saves at 1.02-1.03x, shuffled blocks included (1.05-1.07x beside the staging
-path's kernels); but the driver spends ~0.5 us of host time per copy, 409,600 copies for a 13.4 GB
-chain, so the transfer is bound by issuing: a probe issuing from its own thread moved 3.4 GB at
-0.98x of a bulk copy host -> device and 0.95x device -> host, and through ``HostKVCache`` the
-restore ran at 0.69x (0.76x into shuffled blocks), the save at 0.81x, and layer 0 of a
-layer-wise restore took 13.0 ms against 8.2 staged.  It needs every page in one region (a page
-in several pieces takes the staging path) and plane slices of at least
-``DIRECT_BATCH_MIN_SLICE`` (shorter copies are slower still; those layouts keep the staging path).
+descriptor per (page, run of adjacent planes), handed to ``cuMemcpyBatchAsync`` (CUDA 12.8+
+drivers) a few thousand at a time.  The copy engines do it all, so no SM is shared with the
+engine's kernels and no staging buffer is used.  Another trade, measured on the H200 (2 MiB pages
+of 64 x 32 KiB slices): a graph-captured decode step beside back-to-back restores runs at
+1.01-1.02x of its time alone and beside saves at 1.02-1.03x, shuffled blocks included (1.05-1.07x
+beside the staging path's kernels).  The driver spends ~0.5 us of host time per copy (409,600
+copies for a 13.4 GB chain), so a large call is issued by two threads on two streams
+(:class:`BatchSide`): through ``HostKVCache`` restores then run at 0.93x of a bulk copy (0.69x from
+one thread), but saves at 0.81x and layer 0 of a layer-wise restore takes 15 ms against 8.5 staged.
+Engines whose K and V of a block are adjacent have half the copies (:func:`copy_groups`; the copy
+engine alone: 0.94-0.95x against 0.91-0.92x).  It needs every page in one region (a page in
+several pieces takes the staging path) and plane slices of at least ``DIRECT_BATCH_MIN_SLICE``
+(shorter copies are slower still; those layouts keep the staging path).
 """
 
 from __future__ import annotations
@@ -166,20 +167,44 @@ def plan(mode: str, layout: Any, ids: list[int], addresses: npt.NDArray[np.uint6
     return DirectPlan(runs, np.flatnonzero(keep), addresses)
 
 
+def copy_groups(ptrs: Sequence[int], strides: Sequence[int], specs: Any
+                ) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64], npt.NDArray[np.uint64],
+                           npt.NDArray[np.uint64]]:
+    """Planes ``specs`` merged where one copy can move several: ``(host offsets, device bases, block
+    strides, bytes)``, one entry per run of planes that follow each other both in the host page
+    and in every block (the next plane's slice starts where this one's ends, the same block
+    stride).  An engine whose K and V of a block are adjacent (``[blocks, 2, ...]`` per layer) has
+    half the copies; one whose whole block is contiguous (``[blocks, layers, 2, ...]``) one copy
+    per page.  (Adjacent slices of valid planes are one allocation: were they two, the first
+    plane's second block would lie outside its memory.)"""
+    offs: list[int] = []
+    base: list[int] = []
+    stride: list[int] = []
+    size: list[int] = []
+    for s in specs:
+        p, st = ptrs[s.index], strides[s.index]
+        if size and stride[-1] == st and offs[-1] + size[-1] == s.offset and base[-1] + size[-1] == p \
+                and size[-1] + s.nbytes <= st:
+            size[-1] += s.nbytes
+            continue
+        offs.append(s.offset)
+        base.append(p)
+        stride.append(st)
+        size.append(s.nbytes)
+    return tuple(np.array(x, dtype=np.uint64) for x in (offs, base, stride, size))  # type: ignore[return-value]
+
+
 def batch_copies(ptrs: Sequence[int], strides: Sequence[int], specs: Any, ids: npt.NDArray[np.uint64],
                  addresses: npt.NDArray[np.uint64], *, to_device: bool
                  ) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64], npt.NDArray[np.uint64]]:
     """``(dsts, srcs, sizes)`` of the batch copies moving planes ``specs`` of pages at host
     ``addresses`` to or from blocks ``ids`` (planes at ``ptrs``, ``strides`` bytes per block):
-    one copy per (page, plane), page-major, so the host side is read or written in order.
-    Arrays only: no Python object per copy."""
-    offs = np.array([s.offset for s in specs], dtype=np.uint64)
-    base = np.array([ptrs[s.index] for s in specs], dtype=np.uint64)
-    stride = np.array([strides[s.index] for s in specs], dtype=np.uint64)
+    one copy per (page, :func:`copy_groups` entry), page-major, so the host side is read or
+    written in order.  Arrays only: no Python object per copy."""
+    offs, base, stride, size = copy_groups(ptrs, strides, specs)
     host = (addresses[:, None] + offs[None, :]).ravel()
     dev = (base[None, :] + ids[:, None] * stride[None, :]).ravel()
-    sizes = np.broadcast_to(np.array([s.nbytes for s in specs], dtype=np.uint64)[None, :],
-                            (len(ids), len(specs))).ravel()
+    sizes = np.broadcast_to(size[None, :], (len(ids), len(size))).ravel()
     return (dev, host, sizes) if to_device else (host, dev, sizes)
 
 

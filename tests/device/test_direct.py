@@ -114,6 +114,64 @@ def test_batch_copies_name_every_slice_page_major() -> None:
             assert dsts.flags.c_contiguous and srcs.flags.c_contiguous and sizes.flags.c_contiguous
 
 
+def _apply(dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray) -> None:
+    """Run batch descriptors as the copy engines would, on host memory (``ctypes.memmove``)."""
+    import ctypes
+
+    for d, s_, n in zip(dsts.tolist(), srcs.tolist(), sizes.tolist(), strict=True):
+        ctypes.memmove(d, s_, n)
+
+
+@pytest.mark.parametrize("engine_layout", ["kv-planes", "blocks-2", "blocks-layers-2", "padded-blocks-2"])
+def test_batch_copies_merge_adjacent_planes_and_move_the_same_bytes(engine_layout: str) -> None:
+    """Planes that follow each other in the host page and in every block go as one copy: K and V
+    of a block adjacent (``[blocks, 2, ...]`` per layer) halve the copies, a contiguous block
+    (``[blocks, layers, 2, ...]``) is one copy per page; vLLM's ``[2, blocks, ...]`` and padded
+    blocks (a gap after V) merge nothing they must not.  Both directions, run on host memory, move
+    exactly the bytes one copy per slice moves, and touch no other block."""
+    layout = hk.KVLayout(num_layers=3, num_kv_heads=2, head_dim=16, page_tokens=4, dtype="float32")  # 512 B slices
+    L, S, nb = layout.num_layers, layout.planes[0].nbytes, 9
+    if engine_layout == "kv-planes":  # per layer [2, blocks, ...]
+        pools = [np.zeros((2, nb, S), np.uint8) for _ in range(L)]
+        views = [pools[i // 2][i % 2] for i in range(2 * L)]
+        per_page = 2 * L
+    elif engine_layout == "blocks-2":  # per layer [blocks, 2, ...]
+        pools = [np.zeros((nb, 2, S), np.uint8) for _ in range(L)]
+        views = [pools[i // 2][:, i % 2] for i in range(2 * L)]
+        per_page = L
+    elif engine_layout == "padded-blocks-2":  # per layer [blocks, 3, ...]: K, V, then padding
+        pools = [np.zeros((nb, 3, S), np.uint8) for _ in range(L)]
+        views = [pools[i // 2][:, i % 2] for i in range(2 * L)]
+        per_page = L
+    else:  # one [blocks, layers, 2, ...] tensor
+        pools = [np.zeros((nb, L, 2, S), np.uint8)]
+        views = [pools[0][:, i // 2, i % 2] for i in range(2 * L)]
+        per_page = 1
+    ptrs = [v.ctypes.data for v in views]
+    strides = [v.strides[0] for v in views]
+    ids = np.array([7, 2, 5, 0], dtype=np.uint64)
+    P = layout.page_nbytes
+    src = np.random.default_rng(5).integers(0, 256, (len(ids), P), dtype=np.uint8)
+    a = np.uint64(src.ctypes.data) + np.arange(len(ids), dtype=np.uint64) * np.uint64(P)
+    dsts, srcs, sizes = _direct.batch_copies(ptrs, strides, layout.planes, ids, a, to_device=True)
+    assert len(sizes) == len(ids) * per_page
+    _apply(dsts, srcs, sizes)
+    for i, b in enumerate(ids.tolist()):
+        for spec, v in zip(layout.planes, views, strict=True):
+            assert bytes(v[b]) == bytes(src[i, spec.offset: spec.offset + spec.nbytes])
+    others = [b for b in range(nb) if b not in ids.tolist()]
+    assert all(not v[others].any() for v in views)
+    if engine_layout == "padded-blocks-2":
+        assert not any(pool[:, 2].any() for pool in pools)  # the padding is never written
+    back = np.zeros_like(src)
+    b_addr = np.uint64(back.ctypes.data) + np.arange(len(ids), dtype=np.uint64) * np.uint64(P)
+    _apply(*_direct.batch_copies(ptrs, strides, layout.planes, ids, b_addr, to_device=False))
+    assert np.array_equal(back, src)
+    # one layer's planes (a layer-wise restore) merge within the layer
+    groups = _direct.copy_groups(ptrs, strides, layout.planes[2:4])
+    assert len(groups[3]) == (2 if engine_layout == "kv-planes" else 1)
+
+
 def test_batch_plan_stages_where_it_cannot_apply(monkeypatch: pytest.MonkeyPatch) -> None:
     """``direct="batch"`` takes every page (any order) when the driver has the call and slices are
     long enough; else every page stays on the staging path, which may then be prestaged."""

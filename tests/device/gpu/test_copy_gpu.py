@@ -35,13 +35,23 @@ LATENT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=576, page_tokens=8, dty
 class DevicePlanes:
     """Per-layer caches shaped like an engine's: [kinds, blocks, tokens, heads, dim] (+ scales)."""
 
-    def __init__(self, layout: KVLayout, nblocks: int, seed: int, fill: int | None = None) -> None:
+    def __init__(self, layout: KVLayout, nblocks: int, seed: int, fill: int | None = None,
+                 block_major: bool = False) -> None:
         self.layout = layout
         g = torch.Generator(device="cuda").manual_seed(seed)
         tensors: list[Any] = []
         self.owners: list[Any] = []
         nk = len(layout.kinds)
         for _ in range(layout.num_layers):
+            if block_major:  # [blocks, kinds, tokens, heads, dim] (FlashInfer's): K and V of a block adjacent
+                assert layout.scale_dtype is None
+                codes = torch.empty((nblocks, nk, layout.page_tokens, layout.num_kv_heads,
+                                     layout.head_dim * layout.itemsize), dtype=torch.uint8, device="cuda")
+                codes.copy_(torch.randint(0, 256, codes.shape, generator=g, device="cuda", dtype=torch.uint8)
+                            if fill is None else torch.full_like(codes, fill))
+                self.owners.append(codes)
+                tensors += [codes[:, k].flatten(1) for k in range(nk)]
+                continue
             shape = (nk, nblocks, layout.page_tokens, layout.num_kv_heads, layout.head_dim * layout.itemsize)
             codes = torch.empty(shape, dtype=torch.uint8, device="cuda")
             scales = torch.empty((nk, nblocks, layout.page_tokens, layout.num_kv_heads,
@@ -314,17 +324,19 @@ RUN_DST = [3, 38, 21, 22, 23, 24, 9, 30, 31, 32, 33, 34, 35, 1, 27]  # runs of 1
 
 @pytest.mark.parametrize("direct", ["always", "never", "auto", "batch", "batch-split"])
 @pytest.mark.parametrize("mode", ["kernel", "memcpy"])
-@pytest.mark.parametrize("layout", [PLAIN, SCALED, LATENT], ids=["plain", "scaled-unaligned", "latent"])
-def test_direct_runs_round_trip(direct: str, mode: str, layout: KVLayout, allocator: Any,
+@pytest.mark.parametrize(("layout", "block_major"), [(PLAIN, False), (SCALED, False), (LATENT, False), (PLAIN, True)],
+                         ids=["plain", "scaled-unaligned", "latent", "plain-block-major"])
+def test_direct_runs_round_trip(direct: str, mode: str, layout: KVLayout, block_major: bool, allocator: Any,
                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """Saves and restores (page-major and layer-wise) whose ids mix runs of consecutive blocks with
     single blocks: the runs go straight by 2D DMA (``always``), the rest through staging; the bytes
     are the same as through staging alone (``never``), and no other block is written.
-    ``batch-split``: every batch call's second half is issued by the side thread on its stream."""
+    ``batch-split``: every batch call's second half is issued by the side thread on its stream;
+    ``plain-block-major``: K and V of a block adjacent, so batch copies move both at once."""
     if direct == "batch-split":
         monkeypatch.setattr(_direct, "BATCH_SPLIT_MIN", 2)
         direct = "batch"
-    src = DevicePlanes(layout, 40, seed=11)
+    src = DevicePlanes(layout, 40, seed=11, block_major=block_major)
     eng = CudaCopyEngine(staging_bytes=max(4096, 3 * layout.page_nbytes), mode=mode, direct=direct)
     assert eng.direct == direct
     n = len(RUN_IDS)
@@ -338,6 +350,8 @@ def test_direct_runs_round_trip(direct: str, mode: str, layout: KVLayout, alloca
         if direct == "batch":  # every page by batch copies where slices are >= 32 KiB, else staged
             plan = eng._plan(src.planes, RUN_IDS, pages, pages)
             assert (plan.ids is not None) == (layout is PLAIN) and plan.all_direct == (layout is PLAIN)
+            groups = _direct.copy_groups(src.planes.ptrs, src.planes.block_strides, layout.planes)
+            assert len(groups[3]) == len(layout.planes) // (2 if block_major else 1)
         assert eng.save(src.planes, RUN_IDS, pages).wait(timeout=60)
         view = bytes(mem.view)
         P = layout.page_nbytes
@@ -345,7 +359,7 @@ def test_direct_runs_round_trip(direct: str, mode: str, layout: KVLayout, alloca
             assert view[i * P: (i + 1) * P] == src.page(b), f"saved page {i} (block {b})"
         ro = HostPages(addrs, P, pinned=True, readonly=True, keepalive=mem)
         for layerwise in (False, True):
-            dst = DevicePlanes(layout, 40, seed=12, fill=0)
+            dst = DevicePlanes(layout, 40, seed=12, fill=0, block_major=block_major)
             h = eng.restore(ro, dst.planes, RUN_DST, layerwise=layerwise)
             for layer in range(layout.num_layers):
                 assert h.wait_layer(layer, timeout=60)
