@@ -8,6 +8,8 @@ page cache dropped against a cold sequential read of the same files, and the tie
 
 Pool: 32 layers of vLLM-style ``[2, blocks, 16, 8, 128]`` bf16 caches, 16-token pages of 2 MiB
 (64 planes of 32 KiB); the chain is ``--pages`` pages (6,400 = 102,400 tokens = 13.42 GB).
+``--block-major``: FlashInfer's ``[blocks, 2, 16, 8, 128]`` per layer instead (K and V of a block
+adjacent: ``direct="batch"`` moves both by one copy).
 
 Decode step: per layer three 4096x4096 bf16 GEMVs, a SiLU gate, an RMS norm and a paged gather
 attention over the sequence's blocks of that layer's K/V cache (index_select of a 400-block table,
@@ -86,6 +88,8 @@ def main() -> int:
     ap.add_argument("--out", default=".")
     ap.add_argument("--direct", default=None, choices=["batch", "auto", "always", "never"],
                     help="the main engine's direct mode (default: CudaCopyEngine's default)")
+    ap.add_argument("--block-major", action="store_true",
+                    help="per-layer caches [blocks, 2, ...] (K and V of a block adjacent) instead of [2, blocks, ...]")
     args = ap.parse_args()
     phases = set(args.phases.split(","))
     results: dict[str, Any] = {"argv": sys.argv, "pages": args.pages}
@@ -118,7 +122,13 @@ def gpu_phases(torch: Any, args: Any, phases: set[str], results: dict[str, Any],
     P = layout.page_nbytes
     n = args.pages
     nblocks = 2 * n + 8
-    caches = [torch.empty((2, nblocks, TOKENS, HEADS, DIM), dtype=torch.bfloat16, device="cuda") for _ in range(LAYERS)]
+    if args.block_major:  # [blocks, 2, ...] memory, seen as [2, blocks, ...] (strided) by the rest
+        caches = [torch.empty((nblocks, 2, TOKENS, HEADS, DIM), dtype=torch.bfloat16, device="cuda").transpose(0, 1)
+                  for _ in range(LAYERS)]
+    else:
+        caches = [torch.empty((2, nblocks, TOKENS, HEADS, DIM), dtype=torch.bfloat16, device="cuda")
+                  for _ in range(LAYERS)]
+    results["block_major"] = bool(args.block_major)
     for c in caches:
         c.view(torch.uint8).random_(0, 256)
     planes = KVPlanes.from_torch(layout, paged_planes(layout, caches))
@@ -657,7 +667,9 @@ def tiered_cliff(where: str | None, n: int = 2000) -> dict[str, Any]:
 
 
 def render(r: dict[str, Any]) -> str:
-    lines = ["| what | measured | same-run baseline | ratio |", "| --- | --- | --- | --- |"]
+    shape = "[blocks, 2, ...]" if r.get("block_major") else "[2, blocks, ...]"
+    lines = [f"Engine direct={r.get('direct')}; caches {shape} per layer.", "",
+             "| what | measured | same-run baseline | ratio |", "| --- | --- | --- | --- |"]
     pin = r.get("pinned")
     if pin:
         best = min(pin["saves"], key=lambda s: s["sealed_ms"])
