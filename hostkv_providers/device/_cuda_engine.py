@@ -592,6 +592,9 @@ class CudaCopyEngine(CopyEngine):
             lock = self._issue_locks["restore"]
             if not lock.acquire(blocking=False):
                 return None
+            if self._closed:  # close() gave up waiting for this lock (a caller's bug): the worker refuses
+                lock.release()
+                return None
             release = lock.release
         else:  # the lock is held since prestage()
             release = prestaged.release
@@ -934,6 +937,7 @@ class CudaCopyEngine(CopyEngine):
             attempt(d.cuStreamDestroy(s), "cuStreamDestroy")
         for side in self._sides.values():
             side.close(attempt)
+        self._sides = {}  # (a batch issued after close() takes no side: it fails on the closed streams)
         self._flags.close(problems)
         self._tables.clear()
         if problems:

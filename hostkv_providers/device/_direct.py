@@ -167,7 +167,7 @@ def plan(mode: str, layout: Any, ids: list[int], addresses: npt.NDArray[np.uint6
     return DirectPlan(runs, np.flatnonzero(keep), addresses)
 
 
-def copy_groups(ptrs: Sequence[int], strides: Sequence[int], specs: Any
+def copy_groups(ptrs: Sequence[int], strides: Sequence[int], specs: Any, *, blocks: int
                 ) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64], npt.NDArray[np.uint64],
                            npt.NDArray[np.uint64]]:
     """Planes ``specs`` merged where one copy can move several: ``(host offsets, device bases, block
@@ -175,33 +175,36 @@ def copy_groups(ptrs: Sequence[int], strides: Sequence[int], specs: Any
     and in every block (the next plane's slice starts where this one's ends, the same block
     stride).  An engine whose K and V of a block are adjacent (``[blocks, 2, ...]`` per layer) has
     half the copies; one whose whole block is contiguous (``[blocks, layers, 2, ...]``) one copy
-    per page.  (Adjacent slices of valid planes are one allocation: were they two, the first
-    plane's second block would lie outside its memory.)"""
+    per page.  Planes of ``blocks`` blocks; with one block nothing is merged: adjacent slices of
+    valid planes are one allocation only because the first plane's second block lies past the
+    merged bytes, inside its memory (a copy must not span two allocations)."""
     offs: list[int] = []
     base: list[int] = []
     stride: list[int] = []
     size: list[int] = []
     for s in specs:
         p, st = ptrs[s.index], strides[s.index]
-        if size and stride[-1] == st and offs[-1] + size[-1] == s.offset and base[-1] + size[-1] == p \
-                and size[-1] + s.nbytes <= st:
+        if size and blocks > 1 and stride[-1] == st and offs[-1] + size[-1] == s.offset \
+                and base[-1] + size[-1] == p and size[-1] + s.nbytes <= st:
             size[-1] += s.nbytes
             continue
         offs.append(s.offset)
         base.append(p)
         stride.append(st)
         size.append(s.nbytes)
-    return tuple(np.array(x, dtype=np.uint64) for x in (offs, base, stride, size))  # type: ignore[return-value]
+    arr = [np.array(x, dtype=np.uint64) for x in (offs, base, stride, size)]
+    return arr[0], arr[1], arr[2], arr[3]
 
 
 def batch_copies(ptrs: Sequence[int], strides: Sequence[int], specs: Any, ids: npt.NDArray[np.uint64],
-                 addresses: npt.NDArray[np.uint64], *, to_device: bool
+                 addresses: npt.NDArray[np.uint64], *, to_device: bool, blocks: int
                  ) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64], npt.NDArray[np.uint64]]:
     """``(dsts, srcs, sizes)`` of the batch copies moving planes ``specs`` of pages at host
     ``addresses`` to or from blocks ``ids`` (planes at ``ptrs``, ``strides`` bytes per block):
     one copy per (page, :func:`copy_groups` entry), page-major, so the host side is read or
-    written in order.  Arrays only: no Python object per copy."""
-    offs, base, stride, size = copy_groups(ptrs, strides, specs)
+    written in order (``blocks``: how many blocks the planes hold).  Arrays only: no Python object
+    per copy."""
+    offs, base, stride, size = copy_groups(ptrs, strides, specs, blocks=blocks)
     host = (addresses[:, None] + offs[None, :]).ravel()
     dev = (base[None, :] + ids[:, None] * stride[None, :]).ravel()
     sizes = np.broadcast_to(size[None, :], (len(ids), len(size))).ravel()
@@ -215,7 +218,7 @@ class BatchSide:
     Used under the direction's issue lock only (one transfer at a time), so the events are
     recorded again by each transfer: a stream wait takes the event's latest record at the call."""
 
-    __slots__ = ("_dev", "_worker", "fork", "join", "stream")
+    __slots__ = ("_closed", "_dev", "_worker", "fork", "join", "stream")
 
     def __init__(self, dev: Any, name: str) -> None:
         self._dev = dev
@@ -223,9 +226,14 @@ class BatchSide:
         self.fork = dev.event()
         self.join = dev.event()
         self._worker = _Worker(name)
+        self._closed = False
 
     def start(self, job: Callable[[], None]) -> Callable[[], BaseException | None]:
-        """Run ``job`` on the side thread; the returned call waits for it and gives what it raised."""
+        """Run ``job`` on the side thread; the returned call waits for it and gives what it raised.
+        After :meth:`close` a :class:`CopyEngineError` (a job queued behind the stopped thread
+        would never run, and its waiter would wait for ever)."""
+        if self._closed:
+            raise CopyEngineError("the copy engine is closed (its batch side thread is stopped)")
         done = threading.Event()
         failed: list[BaseException] = []
 
@@ -248,6 +256,7 @@ class BatchSide:
 
     def close(self, attempt: Callable[[Any, str], None]) -> None:
         """Stop the thread, then free the stream and events (``attempt`` reports a failed call)."""
+        self._closed = True
         self._worker.stop()
         d = _cuda.driver()
         attempt(d.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
@@ -274,13 +283,13 @@ def issue_batch(planes: Any, dplan: DirectPlan, specs: Any, stream: Any, *, to_d
     """Enqueue planes ``specs`` of every page of a ``direct="batch"`` plan on ``stream`` by
     ``cuMemcpyBatchAsync``.  With a ``side`` and at least :data:`BATCH_SPLIT_MIN` copies, the second
     half is issued at once by the side thread on the side stream, forked off ``stream`` (behind
-    everything enqueued there so far) and joined back (what is enqueued on ``stream`` next runs
-    behind both halves) — also when an issue fails half way, so no copy outlives the transfer's
-    events."""
+    everything enqueued there so far) and joined back, so what is enqueued on ``stream`` next (the
+    transfer's events, the next transfer's copies) runs behind both halves.  The join is made
+    also when a half fails to issue, then the first error is raised."""
     fn = _cuda.batch_memcpy()
     assert fn is not None and dplan.ids is not None and dplan.addresses is not None
     arrays = batch_copies(planes.ptrs, planes.block_strides, specs, dplan.ids, dplan.addresses,
-                          to_device=to_device)
+                          to_device=to_device, blocks=planes.num_blocks)
     count = int(arrays[2].size)
     handle = int(stream)
     if side is None or count < BATCH_SPLIT_MIN:
@@ -299,13 +308,20 @@ def issue_batch(planes: Any, dplan: DirectPlan, specs: Any, stream: Any, *, to_d
             _cuda.check(d.cuEventRecord(side.join, side_stream), "cuEventRecord(join)")
 
     wait = side.start(far)
+    errors: list[BaseException] = []
     try:
         _issue_copies(fn, arrays, 0, half, handle)
-    finally:
-        failed = wait()
-        _cuda.check(d.cuStreamWaitEvent(stream, side.join, 0), "cuStreamWaitEvent(join)")
+    except BaseException as exc:
+        errors.append(exc)
+    failed = wait()  # (the side's issue is over: its join record is the one waited on below)
     if failed is not None:
-        raise failed
+        errors.append(failed)
+    try:
+        _cuda.check(d.cuStreamWaitEvent(stream, side.join, 0), "cuStreamWaitEvent(join)")
+    except CopyEngineError as exc:
+        errors.append(exc)
+    if errors:
+        raise errors[0]
 
 
 def issue(d: Any, planes: Any, ids: list[int], dplan: DirectPlan, specs: Any, stream: Any, *, to_device: bool,

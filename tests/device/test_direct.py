@@ -3,6 +3,8 @@ transfer go straight between host pages and blocks, which stay on the staging pa
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -105,7 +107,8 @@ def test_batch_copies_name_every_slice_page_major() -> None:
     strides = [spec.nbytes + 512 * (spec.index % 2) for spec in BIG.planes]  # padded blocks too
     for specs in (BIG.planes, BIG.planes[2:4]):  # every plane, one layer's
         for to_device in (True, False):
-            dsts, srcs, sizes = _direct.batch_copies(ptrs, strides, specs, ids, a, to_device=to_device)
+            dsts, srcs, sizes = _direct.batch_copies(ptrs, strides, specs, ids, a, to_device=to_device,
+                                                     blocks=10)
             want = [(int(a[i]) + s.offset, ptrs[s.index] + int(ids[i]) * strides[s.index], s.nbytes)
                     for i in range(len(ids)) for s in specs]
             host, dev = (srcs, dsts) if to_device else (dsts, srcs)
@@ -153,7 +156,7 @@ def test_batch_copies_merge_adjacent_planes_and_move_the_same_bytes(engine_layou
     P = layout.page_nbytes
     src = np.random.default_rng(5).integers(0, 256, (len(ids), P), dtype=np.uint8)
     a = np.uint64(src.ctypes.data) + np.arange(len(ids), dtype=np.uint64) * np.uint64(P)
-    dsts, srcs, sizes = _direct.batch_copies(ptrs, strides, layout.planes, ids, a, to_device=True)
+    dsts, srcs, sizes = _direct.batch_copies(ptrs, strides, layout.planes, ids, a, to_device=True, blocks=nb)
     assert len(sizes) == len(ids) * per_page
     _apply(dsts, srcs, sizes)
     for i, b in enumerate(ids.tolist()):
@@ -165,11 +168,34 @@ def test_batch_copies_merge_adjacent_planes_and_move_the_same_bytes(engine_layou
         assert not any(pool[:, 2].any() for pool in pools)  # the padding is never written
     back = np.zeros_like(src)
     b_addr = np.uint64(back.ctypes.data) + np.arange(len(ids), dtype=np.uint64) * np.uint64(P)
-    _apply(*_direct.batch_copies(ptrs, strides, layout.planes, ids, b_addr, to_device=False))
+    _apply(*_direct.batch_copies(ptrs, strides, layout.planes, ids, b_addr, to_device=False, blocks=nb))
     assert np.array_equal(back, src)
     # one layer's planes (a layer-wise restore) merge within the layer
-    groups = _direct.copy_groups(ptrs, strides, layout.planes[2:4])
+    groups = _direct.copy_groups(ptrs, strides, layout.planes[2:4], blocks=nb)
     assert len(groups[3]) == (2 if engine_layout == "kv-planes" else 1)
+
+
+def test_copy_groups_merge_only_what_is_adjacent_on_both_sides() -> None:
+    """A quantized layout whose code and scale slices of a block follow each other merges into one
+    copy per block; planes adjacent at block 0 but with other strides, planes in another order on
+    the device than in the page, and one-block planes (whose memory need not hold the merged
+    bytes) are not merged."""
+    scaled = hk.KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, page_tokens=4, dtype="int8",
+                         scale_dtype="float32")  # per layer k (128 B), k_scale (32), v (128), v_scale (32)
+    per_layer = sum(s.nbytes for s in scaled.planes[:4])
+    block = 2 * per_layer
+    ptrs = [(1 << 40) + s.offset for s in scaled.planes]  # a whole page contiguous in each block
+    strides = [block] * len(scaled.planes)
+    offs, base, stride, size = _direct.copy_groups(ptrs, strides, scaled.planes, blocks=8)
+    assert size.tolist() == [block] and offs.tolist() == [0] and base.tolist() == [ptrs[0]]
+    assert stride.tolist() == [block]
+    assert _direct.copy_groups(ptrs, strides, scaled.planes[4:], blocks=8)[3].tolist() == [per_layer]
+    assert len(_direct.copy_groups(ptrs, strides, scaled.planes, blocks=1)[3]) == len(scaled.planes)
+    other = list(strides)
+    other[1] = 2 * block  # k_scale adjacent to k at block 0 only
+    assert _direct.copy_groups(ptrs, other, scaled.planes[:4], blocks=8)[3].tolist() == [128, 32, 160]
+    swapped = [ptrs[2], ptrs[3], ptrs[0], ptrs[1], *ptrs[4:]]  # V before K in the block, K before V in the page
+    assert _direct.copy_groups(swapped, strides, scaled.planes[:4], blocks=8)[3].tolist() == [160, 160]
 
 
 def test_batch_plan_stages_where_it_cannot_apply(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -209,3 +235,147 @@ def test_pages_pinned_reads_every_region() -> None:
     assert not _direct.pages_pinned([region(True), region(False)])
     assert not _direct.pages_pinned([[region(True), region(False, 4096)]])
     assert _direct.pages_pinned([])
+
+
+# -- direct="batch" from two threads: the fork / join protocol of issue_batch ---------------------
+class _Recorder:
+    """The driver calls ``issue_batch`` makes, recorded with the calling thread: stream events and
+    waits (as the CUDA driver would take them) and the batch calls, as copy index ranges.  The
+    real driver runs the same protocol in the GPU tests (``batch-split``); this checks its order
+    and its failure paths, which a GPU cannot be made to produce on demand."""
+
+    def __init__(self, base: int, fail_on: object = None) -> None:
+        import threading
+
+        self.ops: list[tuple[str, object, object, str]] = []
+        self.base = base
+        self.fail_on = fail_on
+        self._lock = threading.Lock()
+
+    def _add(self, *op: object) -> None:
+        import threading
+
+        with self._lock:
+            self.ops.append((*op, threading.current_thread().name))  # type: ignore[arg-type]
+
+    def cuEventRecord(self, ev: object, stream: object) -> tuple[int]:
+        self._add("record", ev, stream)
+        return (0,)
+
+    def cuStreamWaitEvent(self, stream: object, ev: object, flags: int) -> tuple[int]:
+        self._add("wait", ev, stream)
+        return (0,)
+
+    def cuStreamSynchronize(self, stream: object) -> tuple[int]:
+        self._add("sync", None, stream)
+        return (0,)
+
+    def cuStreamDestroy(self, stream: object) -> tuple[int]:
+        return (0,)
+
+    def cuEventDestroy(self, ev: object) -> tuple[int]:
+        return (0,)
+
+    def batch(self, dsts: int, srcs: int, sizes: int, count: int, stream: int) -> int:
+        lo = (dsts - self.base) // 8
+        self._add("copy", (lo, lo + count), stream)
+        return 700 if stream == self.fail_on else 0
+
+
+class _Dev:
+    def __init__(self) -> None:
+        self.n = 100
+
+    def stream(self) -> int:
+        self.n += 1
+        return self.n
+
+    def event(self) -> str:
+        self.n += 1
+        return f"ev{self.n}"
+
+    def activate(self) -> None:
+        pass
+
+
+def _split_setup(monkeypatch: pytest.MonkeyPatch, pages: int) -> tuple[_Recorder, _direct.BatchSide, Any, Any]:
+    from hostkv_providers.device import KVPlanes
+
+    planes = KVPlanes(BIG, [(1 << 36) + (p << 30) for p in range(len(BIG.planes))],
+                      [s.nbytes for s in BIG.planes], 64)
+    ids = np.arange(pages, dtype=np.uint64)
+    dplan = _direct.DirectPlan([(0, pages)], np.empty(0, np.int64), addrs(pages, BIG), ids)
+    real = _direct.batch_copies
+
+    def copies(*a: Any, **k: Any) -> Any:
+        out = real(*a, **k)
+        rec.base = out[0].ctypes.data  # (copy ranges are read back from the dsts addresses)
+        return out
+
+    rec = _Recorder(0)
+    monkeypatch.setattr(_direct, "batch_copies", copies)
+    monkeypatch.setattr(_direct._cuda, "driver", lambda: rec)
+    monkeypatch.setattr(_direct._cuda, "batch_memcpy", lambda: rec.batch)
+    side = _direct.BatchSide(_Dev(), "test-side")
+    return rec, side, planes, dplan
+
+
+def _covered(rec: _Recorder) -> list[tuple[int, int]]:
+    return sorted(op[1] for op in rec.ops if op[0] == "copy")  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("fail", [None, "main", "side"])
+def test_batch_split_forks_issues_both_halves_and_always_joins(monkeypatch: pytest.MonkeyPatch,
+                                                                fail: str | None) -> None:
+    """Fork recorded on the transfer's stream before the side waits on it; the side issues the
+    second half on its own stream and records the join; the transfer's stream waits on the join
+    last.  The halves cover every copy once, at most ``BATCH_MAX_COPIES`` per call.  A half that
+    fails to issue still leaves the join made, and the error is raised."""
+    from hostkv_providers.errors import CopyEngineError
+
+    monkeypatch.setattr(_direct, "BATCH_MAX_COPIES", 100)
+    monkeypatch.setattr(_direct, "BATCH_SPLIT_MIN", 2)
+    stream = 7
+    pages = 40  # 40 x 8 planes = 320 copies: halves of 160, calls of 100 + 60 each
+    rec, side, planes, dplan = _split_setup(monkeypatch, pages)
+    rec.fail_on = {"main": stream, "side": side.stream, None: None}[fail]
+    try:
+        if fail is None:
+            _direct.issue_batch(planes, dplan, BIG.planes, stream, to_device=True, side=side)
+        else:
+            with pytest.raises(CopyEngineError, match="cuMemcpyBatchAsync failed"):
+                _direct.issue_batch(planes, dplan, BIG.planes, stream, to_device=True, side=side)
+    finally:
+        side.close(lambda result, what: None)
+    ops = [op for op in rec.ops if op[0] != "sync"]
+    assert ops[0][:3] == ("record", side.fork, stream)
+    assert ops[-1][:3] == ("wait", side.join, stream)
+    side_ops = [op[:3] for op in ops if op[3] == "test-side"]
+    assert side_ops[0] == ("wait", side.fork, side.stream)
+    assert side_ops[-1] == ("record", side.join, side.stream)
+    main_copies = [op[1] for op in ops if op[0] == "copy" and op[2] == stream]
+    side_copies = [op[1] for op in ops if op[0] == "copy" and op[2] == side.stream]
+    if fail is None:
+        assert main_copies == [(0, 100), (100, 160)] and side_copies == [(160, 260), (260, 320)]
+    elif fail == "main":
+        assert main_copies == [(0, 100)] and side_copies == [(160, 260), (260, 320)]  # the side goes on
+    else:
+        assert main_copies == [(0, 100), (100, 160)] and side_copies == [(160, 260)]
+
+
+def test_batch_split_only_from_the_threshold_and_never_after_close(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under ``BATCH_SPLIT_MIN`` copies one stream issues them all (no fork, no join); a closed
+    side refuses work instead of queueing it behind its stopped thread."""
+    from hostkv_providers.errors import CopyEngineError
+
+    rec, side, planes, dplan = _split_setup(monkeypatch, 4)  # 32 copies
+    monkeypatch.setattr(_direct, "BATCH_SPLIT_MIN", 33)
+    _direct.issue_batch(planes, dplan, BIG.planes, 7, to_device=False, side=side)
+    assert [op[:3] for op in rec.ops] == [("copy", (0, 32), 7)]
+    monkeypatch.setattr(_direct, "BATCH_SPLIT_MIN", 32)
+    rec.ops.clear()
+    _direct.issue_batch(planes, dplan, BIG.planes, 7, to_device=False, side=side)
+    assert _covered(rec) == [(0, 16), (16, 32)]
+    side.close(lambda result, what: None)
+    with pytest.raises(CopyEngineError, match="closed"):
+        side.start(lambda: None)

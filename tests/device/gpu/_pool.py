@@ -23,13 +23,17 @@ def engine_for(mode: str) -> Iterator[CudaCopyEngine]:
     transfers stay under the 4,096 copies from which the split starts)."""
     direct, _, split = mode.partition("-")
     saved = _direct.BATCH_SPLIT_MIN
-    if split:
-        _direct.BATCH_SPLIT_MIN = 2
-    e = CudaCopyEngine(0, direct=direct)
     try:
-        yield e
+        if split:
+            _direct.BATCH_SPLIT_MIN = 2
+        e = CudaCopyEngine(0, direct=direct)
+        try:
+            if split:  # (a driver without the batch call would quietly run these as staged)
+                assert e._sides, "direct='batch' has no side thread on this driver"
+            yield e
+        finally:
+            e.close()
     finally:
-        e.close()
         _direct.BATCH_SPLIT_MIN = saved
 
 

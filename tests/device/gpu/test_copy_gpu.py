@@ -350,7 +350,8 @@ def test_direct_runs_round_trip(direct: str, mode: str, layout: KVLayout, block_
         if direct == "batch":  # every page by batch copies where slices are >= 32 KiB, else staged
             plan = eng._plan(src.planes, RUN_IDS, pages, pages)
             assert (plan.ids is not None) == (layout is PLAIN) and plan.all_direct == (layout is PLAIN)
-            groups = _direct.copy_groups(src.planes.ptrs, src.planes.block_strides, layout.planes)
+            groups = _direct.copy_groups(src.planes.ptrs, src.planes.block_strides, layout.planes,
+                                         blocks=src.planes.num_blocks)
             assert len(groups[3]) == len(layout.planes) // (2 if block_major else 1)
         assert eng.save(src.planes, RUN_IDS, pages).wait(timeout=60)
         view = bytes(mem.view)
