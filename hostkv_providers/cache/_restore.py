@@ -26,7 +26,7 @@ from hostkv_providers.cache._handles import (
     CacheHit,
     RestoreResult,
 )
-from hostkv_providers.device import CopyEngine
+from hostkv_providers.device import CopyEngine, KVPlanes
 
 if TYPE_CHECKING:
     from hostkv_providers.cache._cache import HostKVCache
@@ -100,7 +100,7 @@ def restore(self: HostKVCache, hit: CacheHit, into: Any, block_ids: Sequence[int
         raise InvalidArgumentError("the hit was released; look it up again")
     if not isinstance(layerwise, bool):
         raise InvalidArgumentError(f"layerwise must be a bool, got {layerwise!r}")
-    pre = _prestage(self, hit, first_page, block_ids) if layerwise else None
+    pre = _prestage(self, hit, first_page, block_ids, into) if layerwise else None
     try:
         handle = _restore_checked(self, hit, into, block_ids, before, release, first_page, anchors_into,
                                   layerwise, pre)
@@ -110,7 +110,7 @@ def restore(self: HostKVCache, hit: CacheHit, into: Any, block_ids: Sequence[int
     return handle
 
 
-def _prestage(self: HostKVCache, hit: CacheHit, first_page: int, block_ids: Sequence[int]) -> Any:
+def _prestage(self: HostKVCache, hit: CacheHit, first_page: int, block_ids: Sequence[int], into: Any) -> Any:
     """A layer-wise restore's first staged copies, begun before its block ids and views are
     checked (:meth:`CudaCopyEngine.prestage`: they write the engine's staging buffers only).
     Checking 6,400 block ids and viewing the hit's pages cost ~1 ms of Python on the H200 host;
@@ -130,7 +130,8 @@ def _prestage(self: HostKVCache, hit: CacheHit, first_page: int, block_ids: Sequ
         head = self.provider.view_pages(hit.lease, hit.keys[first_page : first_page + k])  # type: ignore[attr-defined]
     except Exception:
         return None
-    return None if head is None else fn(head, self.layout, count)
+    planes = into if isinstance(into, KVPlanes) else None  # (batch copies merge what its planes allow)
+    return None if head is None else fn(head, self.layout, count, planes)
 
 
 def _restore_checked(self: HostKVCache, hit: CacheHit, into: Any, block_ids: Sequence[int], before: Any,

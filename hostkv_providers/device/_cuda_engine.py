@@ -479,16 +479,18 @@ class CudaCopyEngine(CopyEngine):
                      lambda: self._issue_restore_layers(handle, planes, ids, pages, moved, dplan, pre), gate)
         return handle
 
-    def prestage(self, pages: HostPages, layout: Any, count: int) -> _Prestaged | None:
+    def prestage(self, pages: HostPages, layout: Any, count: int, planes: KVPlanes | None = None
+                 ) -> _Prestaged | None:
         """Begin a layer-wise restore of ``count`` pages before its block ids are checked: the
         host -> staging copies of layer 0 of its first chunks (``pages``: the first pages' views,
         at least that many), which touch no engine memory.  ``None`` where it does not apply
-        (another restore is being issued, memcpy mode, direct DMA that applies to this layout,
-        pages not in one region each) or fails; otherwise pass the result to :meth:`restore` (``prestaged=``) or
-        call its ``release()``.  The issue lock is held until then: keep that span short."""
+        (another restore is being issued, memcpy mode, direct DMA that applies to this layout or
+        to ``planes``, pages not in one region each) or fails; otherwise pass the result to
+        :meth:`restore` (``prestaged=``) or call its ``release()``.  The issue lock is held until
+        then: keep that span short."""
         if self.mode != "kernel" or not isinstance(pages, HostPages) or count < 1:
             return None
-        if not _direct.stages_all(self.direct, layout, pages.pinned):
+        if not _direct.stages_all(self.direct, layout, pages.pinned, planes):
             return None  # (its pages go by direct DMA: nothing is staged)
         if pages.page_nbytes != layout.page_nbytes or layout.num_layers < 2:
             return None
@@ -572,7 +574,7 @@ class CudaCopyEngine(CopyEngine):
         if self.direct == "never":
             return _direct.NO_PLAN
         pinned = self.direct != "batch" or _direct.pages_pinned(given)
-        return _direct.plan(self.direct, planes.layout, ids, _page_addresses(pages), pinned=pinned)
+        return _direct.plan(self.direct, planes.layout, ids, _page_addresses(pages), pinned=pinned, planes=planes)
 
     def _inline_first_layer(self, handle: _CudaHandle, planes: KVPlanes, ids: list[int], pages: _Pages,
                             moved: range, dplan: _direct.DirectPlan,

@@ -31,6 +31,7 @@ several pieces takes the staging path) and plane slices of at least ``DIRECT_BAT
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -75,17 +76,37 @@ def check_direct(direct: object) -> str:
     return str(direct)
 
 
-def batch_usable(layout: Any) -> bool:
-    """Whether ``direct="batch"`` moves pages of ``layout`` (slices long enough, and a driver
-    with ``cuMemcpyBatchAsync``)."""
-    return min(spec.nbytes for spec in layout.planes) >= DIRECT_BATCH_MIN_SLICE and _cuda.batch_memcpy() is not None
+def batch_usable(layout: Any, planes: Any = None) -> bool:
+    """Whether ``direct="batch"`` moves pages of ``layout``: a driver with ``cuMemcpyBatchAsync``,
+    and copies of at least :data:`DIRECT_BATCH_MIN_SLICE` — the plane slices, or given the engine's
+    ``planes`` the copies :func:`copy_groups` makes of each layer's slices (a layer-wise restore
+    issues layer by layer, so those are the shortest: 16 KiB K and V slices adjacent in every
+    block are 32 KiB copies)."""
+    if _cuda.batch_memcpy() is None:
+        return False
+    if planes is None:
+        return bool(min(spec.nbytes for spec in layout.planes) >= DIRECT_BATCH_MIN_SLICE)
+    return _shortest_copy(layout, planes.ptrs, planes.block_strides, planes.num_blocks) >= DIRECT_BATCH_MIN_SLICE
 
 
-def stages_all(mode: str, layout: Any, pinned: bool = True) -> bool:
+@functools.lru_cache(maxsize=64)
+def _shortest_copy(layout: Any, ptrs: tuple[int, ...], strides: tuple[int, ...], blocks: int) -> int:
+    """The shortest batch copy of a layer of ``layout`` on these planes (asked per transfer, the
+    same planes every time: remembered; the walk over 64 planes costs ~0.1 ms of Python)."""
+    by_layer: dict[int, list[Any]] = {}
+    for spec in layout.planes:
+        by_layer.setdefault(spec.layer, []).append(spec)
+    return min(int(copy_groups(ptrs, strides, specs, blocks=blocks)[3].min()) for specs in by_layer.values())
+
+
+def stages_all(mode: str, layout: Any, pinned: bool = True, planes: Any = None) -> bool:
     """Whether an engine in direct ``mode`` stages every page of ``layout`` (``"never"``, or
-    ``"batch"`` where it does not apply: short slices, no driver call, or pages that are not
-    ``pinned``): then a restore's first chunks may be prestaged."""
-    return mode == "never" or (mode == "batch" and not (pinned and batch_usable(layout)))
+    ``"batch"`` where it does not apply: short copies, no driver call, or pages that are not
+    ``pinned``): then a restore's first chunks may be prestaged.  ``planes``: the engine's, as
+    for :func:`batch_usable` (without them short slices that the planes would merge into long
+    copies are prestaged, then moved again by batch copies: wasted work, not wrong bytes, since a
+    prestage that does not fit the plan is released)."""
+    return mode == "never" or (mode == "batch" and not (pinned and batch_usable(layout, planes)))
 
 
 def pages_pinned(pages: Any) -> bool:
@@ -125,20 +146,21 @@ NO_PLAN = DirectPlan([], None, None)
 
 
 def plan(mode: str, layout: Any, ids: list[int], addresses: npt.NDArray[np.uint64] | None, *,
-         pinned: bool = True) -> DirectPlan:
+         pinned: bool = True, planes: Any = None) -> DirectPlan:
     """Split pages ``0..len(ids)`` into direct runs and the rest (numpy: no per-page objects).
 
     ``addresses``: the host pages' start addresses (``None`` when a page is in several pieces:
     nothing is direct).  A run breaks where a block id is not its predecessor's plus one, where a
     host page does not follow its predecessor, or where a host page starts another pinned
-    allocation (a DMA must not cross from one registration into the next)."""
+    allocation (a DMA must not cross from one registration into the next).  ``planes``: the
+    engine's planes, whose adjacent slices batch copies merge (:func:`batch_usable`)."""
     n = len(ids)
     if mode == "never" or addresses is None or not n:
         return NO_PLAN
     if mode == "batch":
         # (``pinned=False``: pages the caller says are pageable; batch copies from them would be
         # staged by the driver copy by copy, the engine's staging path moves them in bulk)
-        if not pinned or not batch_usable(layout):
+        if not pinned or not batch_usable(layout, planes):
             return NO_PLAN
         return DirectPlan([(0, n)], np.empty(0, np.int64), addresses, np.asarray(ids, dtype=np.uint64))
     P = layout.page_nbytes

@@ -218,6 +218,27 @@ def test_batch_plan_stages_where_it_cannot_apply(monkeypatch: pytest.MonkeyPatch
     assert _direct.check_direct("batch") == "batch"
 
 
+def test_batch_applies_to_short_slices_its_planes_merge(monkeypatch: pytest.MonkeyPatch) -> None:
+    """16 KiB K and V slices are too short for batch copies one by one, but an engine whose K and V
+    of a block are adjacent makes 32 KiB copies of them: given its planes, the plan takes every
+    page; vLLM's planes (K and V apart) stay staged; without planes the slices decide."""
+    from hostkv_providers.device import KVPlanes
+
+    monkeypatch.setattr(_direct._cuda, "batch_memcpy", lambda: (lambda *a: 0))
+    mid = hk.KVLayout(num_layers=2, num_kv_heads=8, head_dim=64, page_tokens=16, dtype="bfloat16")  # 16 KiB
+    S, nb = mid.planes[0].nbytes, 64
+    adjacent = KVPlanes(mid, [(1 << 36) + (i // 2) * (1 << 30) + (i % 2) * S for i in range(4)], [2 * S] * 4, nb)
+    apart = KVPlanes(mid, [(1 << 36) + i * (1 << 30) for i in range(4)], [S] * 4, nb)
+    ids = [9, 2, 7, 0, 5]
+    a = addrs(5, mid)
+    assert _direct.plan("batch", mid, ids, a, planes=adjacent).all_direct
+    assert _direct.plan("batch", mid, ids, a, planes=apart) is _direct.NO_PLAN
+    assert _direct.plan("batch", mid, ids, a) is _direct.NO_PLAN
+    assert _direct.batch_usable(mid, adjacent) and not _direct.batch_usable(mid, apart)
+    one_block = KVPlanes(mid, adjacent.ptrs, adjacent.block_strides, 1)  # nothing merges for one block
+    assert not _direct.batch_usable(mid, one_block)
+
+
 def test_pages_pinned_reads_every_region() -> None:
     """``direct="batch"`` asks the caller's pages whether they are page-locked: ``HostPages``'
     flag, or every region's (an lmdb store's views are its mapped files, pageable)."""
