@@ -271,7 +271,7 @@ class CudaCopyEngine(CopyEngine):
         kernel, no SM of the engine's taken) instead of the staging path:
 
         * ``"batch"``: every page, in any block order, by ``cuMemcpyBatchAsync`` (one copy per
-          page and run of adjacent planes; CUDA 12.8+ drivers, slices of at least 32 KiB, each
+          page and run of adjacent planes; CUDA 12.8+ drivers, copies of at least 32 KiB, each
           page in one region, pinned pages; otherwise the staging path).  For engines that put
           decode latency first: measured on the H200 (docs/benchmarks.md), a graph-captured
           decode step beside back-to-back restores or saves runs at 1.02-1.03x of its time alone

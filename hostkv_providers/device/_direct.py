@@ -25,8 +25,9 @@ copies for a 13.4 GB chain), so a large call is issued by two threads on two str
 one thread), but saves at 0.81x and layer 0 of a layer-wise restore takes 15 ms against 8.5 staged.
 Engines whose K and V of a block are adjacent have half the copies (:func:`copy_groups`; the copy
 engine alone: 0.94-0.95x against 0.91-0.92x).  It needs every page in one region (a page in
-several pieces takes the staging path) and plane slices of at least ``DIRECT_BATCH_MIN_SLICE``
-(shorter copies are slower still; those layouts keep the staging path).
+several pieces takes the staging path) and copies of at least ``DIRECT_BATCH_MIN_SLICE`` (the
+slices, or adjacent slices merged; shorter copies are slower still, those layouts keep the staging
+path).
 """
 
 from __future__ import annotations
@@ -52,9 +53,10 @@ DIRECT_MIN_RUN_BYTES = 16 << 20
 #: ``slice`` bytes per row; measured at 32 KiB rows; short rows are left to the staging path).
 DIRECT_MIN_SLICE = 8 << 10
 
-#: ``direct="batch"``: used only when every plane slice is at least this long.  32 KiB slices were
-#: measured at 0.95-0.98x of a bulk copy; vLLM measured a cliff below ~28 KiB for host -> device
-#: batch copies (vllm-project/vllm#42212), so shorter slices keep the staging path.
+#: ``direct="batch"``: used only when every copy (a plane slice, or adjacent slices merged by
+#: :func:`copy_groups`) is at least this long.  Copies of 32 KiB were measured at 0.95-0.98x of a
+#: bulk copy (one issuing thread, the copy engine alone); vLLM measured a cliff below ~28 KiB for
+#: host -> device batch copies (vllm-project/vllm#42212), so shorter copies keep the staging path.
 DIRECT_BATCH_MIN_SLICE = 32 << 10
 #: ``direct="batch"``: copy descriptors per driver call (each call is ~0.5 us of driver time per
 #: copy with the GIL released; a bound keeps the first copies starting early).
