@@ -29,7 +29,7 @@ from hostkv_providers.device._engine import (
 )
 from hostkv_providers.device._hostmem import _REGISTERED_STARTS, CudaPinnedAllocation, registration_starts
 from hostkv_providers.device._order import Gate, StreamMark, _NoGate, _Worker
-from hostkv_providers.device._planes import _PAGE, KVPlanes, _MiB
+from hostkv_providers.device._planes import _PAGE, KVPlanes, _layer_spans, _MiB
 from hostkv_providers.device._transfer import TransferHandle
 
 # --------------------------------------------------------------------------------------------
@@ -118,24 +118,6 @@ def _coalesce_pages(addresses: Any, page_nbytes: int) -> list[tuple[int, int, in
     lengths = np.diff(np.append(first, k))
     return [(int(i) * page_nbytes, int(addresses[i]), int(n) * page_nbytes)
             for i, n in zip(first.tolist(), lengths.tolist(), strict=True)]
-
-
-def _layer_spans(layout: Any) -> list[tuple[int, int, int, int]]:
-    """Per layer: ``(first plane index, planes, first byte in the page, bytes)``.  A layer's
-    planes are adjacent in ``layout.planes`` and in the page (:class:`KVLayout` packs layer by
-    layer)."""
-    out: list[tuple[int, int, int, int]] = []
-    for spec in layout.planes:
-        if out and spec.layer == len(out) - 1:
-            p0, k, lo, nb = out[-1]
-            if spec.offset != lo + nb:
-                raise CopyArgumentError(f"plane {spec.index}: the planes of layer {spec.layer} are not adjacent")
-            out[-1] = (p0, k + 1, lo, nb + spec.nbytes)
-        else:
-            if spec.layer != len(out):
-                raise CopyArgumentError(f"plane {spec.index}: layer {spec.layer} out of packing order")
-            out.append((spec.index, 1, spec.offset, spec.nbytes))
-    return out
 
 
 def _page_addresses(pages: _Pages) -> Any:

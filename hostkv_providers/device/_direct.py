@@ -45,6 +45,7 @@ from hostkv_providers._region import HostPages, HostRegion
 from hostkv_providers.device import _cuda
 from hostkv_providers.device._hostmem import registration_starts
 from hostkv_providers.device._order import _Worker
+from hostkv_providers.device._planes import _layer_spans
 
 #: ``direct="auto"``: a run moves directly from this many bytes on (its ``num_planes`` copies are
 #: issued in ~10 us each; below this the staging path's one kernel per chunk is cheaper to issue).
@@ -66,7 +67,8 @@ BATCH_MAX_COPIES = 8192
 #: stream.  The driver's time per copy is host time on the issuing thread: measured on the H200
 #: (3.4 GB of 32 KiB slices into shuffled blocks), one thread issued it in 87-89 ms host -> device
 #: and 79-83 ms device -> host, two in 67-70 and 68-69 ms (a bulk copy: 61 ms); three, four or six
-#: threads gained nothing more.  Below this the hand-off (~0.1 ms) costs more than half the issue.
+#: threads gained nothing more.  The threshold itself is a choice, not a measurement: 4,096 copies
+#: are ~2 ms of driver time, well above what handing half of them to a waiting thread costs.
 BATCH_SPLIT_MIN = 4096
 
 DIRECT_MODES = ("batch", "auto", "always", "never")
@@ -95,10 +97,8 @@ def batch_usable(layout: Any, planes: Any = None) -> bool:
 def _shortest_copy(layout: Any, ptrs: tuple[int, ...], strides: tuple[int, ...], blocks: int) -> int:
     """The shortest batch copy of a layer of ``layout`` on these planes (asked per transfer, the
     same planes every time: remembered; the walk over 64 planes costs ~0.1 ms of Python)."""
-    by_layer: dict[int, list[Any]] = {}
-    for spec in layout.planes:
-        by_layer.setdefault(spec.layer, []).append(spec)
-    return min(int(copy_groups(ptrs, strides, specs, blocks=blocks)[3].min()) for specs in by_layer.values())
+    return min(int(copy_groups(ptrs, strides, layout.planes[p0: p0 + k], blocks=blocks)[3].min())
+               for p0, k, _lo, _nb in _layer_spans(layout))
 
 
 def stages_all(mode: str, layout: Any, pinned: bool = True, planes: Any = None) -> bool:

@@ -22,6 +22,24 @@ def cuda_available() -> bool:
     return _cuda.available()
 
 
+def _layer_spans(layout: Any) -> list[tuple[int, int, int, int]]:
+    """Per layer: ``(first plane index, planes, first byte in the page, bytes)``.  A layer's
+    planes are adjacent in ``layout.planes`` and in the page (:class:`KVLayout` packs layer by
+    layer)."""
+    out: list[tuple[int, int, int, int]] = []
+    for spec in layout.planes:
+        if out and spec.layer == len(out) - 1:
+            p0, k, lo, nb = out[-1]
+            if spec.offset != lo + nb:
+                raise CopyArgumentError(f"plane {spec.index}: the planes of layer {spec.layer} are not adjacent")
+            out[-1] = (p0, k + 1, lo, nb + spec.nbytes)
+        else:
+            if spec.layer != len(out):
+                raise CopyArgumentError(f"plane {spec.index}: layer {spec.layer} out of packing order")
+            out.append((spec.index, 1, spec.offset, spec.nbytes))
+    return out
+
+
 class KVPlanes:
     """An inference engine's KV memory: one array of blocks per ``layout.planes`` entry.
 
