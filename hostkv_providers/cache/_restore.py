@@ -26,7 +26,7 @@ from hostkv_providers.cache._handles import (
     CacheHit,
     RestoreResult,
 )
-from hostkv_providers.device import CopyEngine, KVPlanes
+from hostkv_providers.device import CopyEngine
 
 if TYPE_CHECKING:
     from hostkv_providers.cache._cache import HostKVCache
@@ -130,8 +130,7 @@ def _prestage(self: HostKVCache, hit: CacheHit, first_page: int, block_ids: Sequ
         head = self.provider.view_pages(hit.lease, hit.keys[first_page : first_page + k])  # type: ignore[attr-defined]
     except Exception:
         return None
-    planes = into if isinstance(into, KVPlanes) else None  # (batch copies merge what its planes allow)
-    return None if head is None else fn(head, self.layout, count, planes)
+    return None if head is None else fn(head, self.layout, count)
 
 
 def _restore_checked(self: HostKVCache, hit: CacheHit, into: Any, block_ids: Sequence[int], before: Any,

@@ -437,7 +437,7 @@ class CudaCopyEngine(CopyEngine):
             _check_distinct(ids)
             pages = _check_pages(planes.layout, src, len(ids), writable=False)
             moved = _check_layers(planes.layout, layerwise, layers)
-            dplan = self._plan(planes, ids, pages, src)
+            dplan = self._plan(planes, ids, pages, src, layerwise=moved is not None)
             if prestaged is not None and not self._prestage_fits(prestaged, planes, pages, moved, dplan):
                 prestaged.release()
                 prestaged = None
@@ -461,18 +461,17 @@ class CudaCopyEngine(CopyEngine):
                      lambda: self._issue_restore_layers(handle, planes, ids, pages, moved, dplan, pre), gate)
         return handle
 
-    def prestage(self, pages: HostPages, layout: Any, count: int, planes: KVPlanes | None = None
-                 ) -> _Prestaged | None:
+    def prestage(self, pages: HostPages, layout: Any, count: int) -> _Prestaged | None:
         """Begin a layer-wise restore of ``count`` pages before its block ids are checked: the
         host -> staging copies of layer 0 of its first chunks (``pages``: the first pages' views,
         at least that many), which touch no engine memory.  ``None`` where it does not apply
-        (another restore is being issued, memcpy mode, direct DMA that applies to this layout or
-        to ``planes``, pages not in one region each) or fails; otherwise pass the result to
+        (another restore is being issued, memcpy mode, ``direct="auto"`` or ``"always"``, pages
+        not in one region each) or fails; otherwise pass the result to
         :meth:`restore` (``prestaged=``) or call its ``release()``.  The issue lock is held until
         then: keep that span short."""
         if self.mode != "kernel" or not isinstance(pages, HostPages) or count < 1:
             return None
-        if not _direct.stages_all(self.direct, layout, pages.pinned, planes):
+        if not _direct.stages_all(self.direct):
             return None  # (its pages go by direct DMA: nothing is staged)
         if pages.page_nbytes != layout.page_nbytes or layout.num_layers < 2:
             return None
@@ -550,10 +549,12 @@ class CudaCopyEngine(CopyEngine):
         _cuda.check(d.cuEventRecord(loaded, dma), "cuEventRecord")
         return s
 
-    def _plan(self, planes: KVPlanes, ids: list[int], pages: _Pages, given: Any) -> _direct.DirectPlan:
+    def _plan(self, planes: KVPlanes, ids: list[int], pages: _Pages, given: Any, *,
+              layerwise: bool = False) -> _direct.DirectPlan:
         """The direct plan of a transfer (``given``: the caller's pages as passed, whose regions
-        say whether they are pinned: batch copies are only for pinned pages)."""
-        if self.direct == "never":
+        say whether they are pinned: batch copies are only for pinned pages).  A layer-wise
+        restore is staged under ``direct="batch"`` (:func:`_direct.stages_all`)."""
+        if self.direct == "never" or (layerwise and self.direct == "batch"):
             return _direct.NO_PLAN
         pinned = self.direct != "batch" or _direct.pages_pinned(given)
         return _direct.plan(self.direct, planes.layout, ids, _page_addresses(pages), pinned=pinned, planes=planes)

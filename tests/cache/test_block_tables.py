@@ -72,9 +72,8 @@ class _Prestaging(CpuCopyEngine):
     def prestage_pages(self, layout: Any) -> int:
         return 3
 
-    def prestage(self, pages: Any, layout: Any, count: int, planes: Any = None) -> _Token:
+    def prestage(self, pages: Any, layout: Any, count: int) -> _Token:
         assert layout == LAYOUT and 1 <= len(pages) <= 3 and count >= len(pages)
-        assert planes is None or isinstance(planes, KVPlanes)  # (the restore's planes, for batch copies)
         t = _Token(pages.addresses.copy())
         self.tokens.append(t)
         return t

@@ -204,18 +204,21 @@ def test_batch_plan_stages_where_it_cannot_apply(monkeypatch: pytest.MonkeyPatch
     ids = [9, 2, 7, 0, 5]
     monkeypatch.setattr(_direct._cuda, "batch_memcpy", lambda: None)  # a driver before CUDA 12.8
     assert _direct.plan("batch", BIG, ids, addrs(5, BIG)) is _direct.NO_PLAN
-    assert _direct.stages_all("batch", BIG) and _direct.stages_all("never", BIG)
     monkeypatch.setattr(_direct._cuda, "batch_memcpy", lambda: (lambda *a: 0))
     plan = _direct.plan("batch", BIG, ids, addrs(5, BIG))
     assert plan.runs == [(0, 5)] and plan.all_direct
     assert plan.ids is not None and plan.ids.tolist() == ids
-    assert not _direct.stages_all("batch", BIG) and not _direct.stages_all("auto", BIG)
-    assert _direct.stages_all("batch", BIG, pinned=False)  # pageable pages: staged, may be prestaged
     assert _direct.plan("batch", SMALL, ids, addrs(5, SMALL)) is _direct.NO_PLAN  # 1 KiB slices
-    assert _direct.stages_all("batch", SMALL)
     assert _direct.plan("batch", BIG, ids, None) is _direct.NO_PLAN  # a page in several regions
     assert _direct.plan("batch", BIG, ids, addrs(5, BIG), pinned=False) is _direct.NO_PLAN  # pageable pages
     assert _direct.check_direct("batch") == "batch"
+
+
+def test_layerwise_restores_are_staged_under_batch() -> None:
+    """Batch copies are for whole pages: a layer-wise restore under ``direct="batch"`` is staged
+    (and may be prestaged), as under ``"never"``; ``"auto"`` and ``"always"`` keep their runs."""
+    assert _direct.stages_all("batch") and _direct.stages_all("never")
+    assert not _direct.stages_all("auto") and not _direct.stages_all("always")
 
 
 def test_batch_applies_to_short_slices_its_planes_merge(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -355,6 +358,7 @@ def test_batch_split_forks_issues_both_halves_and_always_joins(monkeypatch: pyte
     from hostkv_providers.errors import CopyEngineError
 
     monkeypatch.setattr(_direct, "BATCH_MAX_COPIES", 100)
+    monkeypatch.setattr(_direct, "BATCH_FIRST_COPIES", 100)
     monkeypatch.setattr(_direct, "BATCH_SPLIT_MIN", 2)
     stream = 7
     pages = 40  # 40 x 8 planes = 320 copies: halves of 160, calls of 100 + 60 each
@@ -382,6 +386,24 @@ def test_batch_split_forks_issues_both_halves_and_always_joins(monkeypatch: pyte
         assert main_copies == [(0, 100)] and side_copies == [(160, 260), (260, 320)]  # the side goes on
     else:
         assert main_copies == [(0, 100), (100, 160)] and side_copies == [(160, 260)]
+
+
+def test_batch_calls_ramp_up_from_a_small_first_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each half's first driver call is small (its copies start moving when the call returns) and
+    the next ones double up to ``BATCH_MAX_COPIES``; together they cover every copy once, in
+    order."""
+    monkeypatch.setattr(_direct, "BATCH_MAX_COPIES", 100)
+    monkeypatch.setattr(_direct, "BATCH_FIRST_COPIES", 25)
+    monkeypatch.setattr(_direct, "BATCH_SPLIT_MIN", 2)
+    rec, side, planes, dplan = _split_setup(monkeypatch, 60)  # 480 copies: halves of 240
+    try:
+        _direct.issue_batch(planes, dplan, BIG.planes, 7, to_device=False, side=side)
+    finally:
+        side.close(lambda result, what: None)
+    main = [op[1] for op in rec.ops if op[0] == "copy" and op[2] == 7]
+    far = [op[1] for op in rec.ops if op[0] == "copy" and op[2] == side.stream]
+    assert main == [(0, 25), (25, 75), (75, 175), (175, 240)]
+    assert far == [(240, 265), (265, 315), (315, 415), (415, 480)]
 
 
 def test_batch_split_only_from_the_threshold_and_never_after_close(monkeypatch: pytest.MonkeyPatch) -> None:

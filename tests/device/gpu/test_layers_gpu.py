@@ -258,13 +258,16 @@ def test_cache_layerwise_restore_orders_each_layer(engine: CudaCopyEngine, pool:
         provider.close()
 
 
-def test_prestaged_restores_and_refusals(pool: Pool) -> None:
+@pytest.mark.parametrize("direct", ["never", "batch"])
+def test_prestaged_restores_and_refusals(pool: Pool, direct: str) -> None:
     """A layer-wise restore from pinned views stages layer 0's first chunks before its block ids
     are checked (``CudaCopyEngine.prestage``): those copies write the engine's staging only.  A
     restore refused after them (repeated, out-of-range or non-int block ids) raises its typed error,
     leaves the blocks untouched and the issue lock free; the next restore is exact; prestaged
-    copies of other pages are never scattered (``prestaged=`` for pages that do not match)."""
-    engine = CudaCopyEngine(0)  # staged only: prestage applies
+    copies of other pages are never scattered (``prestaged=`` for pages that do not match).
+    ``direct="batch"`` stages layer-wise restores (batch copies are for whole pages), so prestage
+    applies there too."""
+    engine = CudaCopyEngine(0, direct=direct)
     provider = hk.open(f"pinned://?budget=256MiB&block={PAGE}&background=false")
     src = list(range(PAGES))
     dst = list(range(PAGES, 2 * PAGES))
