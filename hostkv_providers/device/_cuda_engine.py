@@ -252,15 +252,17 @@ class CudaCopyEngine(CopyEngine):
         Which pages go by DMA straight between host memory and the blocks (no staging buffer, no
         kernel, no SM of the engine's taken) instead of the staging path:
 
-        * ``"batch"``: every page, in any block order, by ``cuMemcpyBatchAsync`` (one copy per
-          page and run of adjacent planes; CUDA 12.8+ drivers, copies of at least 32 KiB, each
-          page in one region, pinned pages; otherwise the staging path).  For engines that put
-          decode latency first: measured on the H200 (docs/benchmarks.md), a graph-captured
-          decode step beside back-to-back restores or saves runs at 1.02-1.03x of its time alone
-          (1.05-1.07x beside the staging path's kernels).  The driver's ~0.5 us per copy is host
-          time, so calls of 4,096 copies or more are issued half by a second thread on a second
-          stream: restores at 0.93x of a bulk copy, saves at 0.81x, layer 0 of a layer-wise
-          restore in ~15 ms against 8.5 ms staged.
+        * ``"batch"``: every page of a save or a whole restore, in any block order, by
+          ``cuMemcpyBatchAsync`` (one copy per page and run of adjacent planes; CUDA 12.8+
+          drivers, copies of at least 32 KiB, each page in one region, pinned pages; otherwise,
+          and for layer-wise restores, the staging path).  Measured on the H200
+          (docs/benchmarks.md, session 13), a graph-captured decode step beside back-to-back
+          restores or saves runs at 1.00-1.03x of its time alone (1.04-1.07x beside the staging
+          path's kernels).  The driver's ~0.5 us per copy is host time, so calls of 4,096 copies
+          or more are issued half by a second thread on a second stream.  Through the cache:
+          with K and V of a block adjacent (FlashInfer's layout) restores at 0.97x of a bulk copy
+          and saves at 0.95x, the better engine for such caches; with vLLM's ``[2, blocks, ...]``
+          (32 KiB copies) restores at 0.93x but saves at 0.84x.
         * ``"auto"``: runs of consecutive block ids over adjacent host pages, at least 16 MiB of
           planes with slices of at least 8 KiB, one 2D copy per plane and run; ``"always"``: every
           such run; other pages staged.  2D rows of one plane slice move at 0.89-0.94x of a bulk
