@@ -832,8 +832,8 @@ class CudaCopyEngine(CopyEngine):
             resumed = layer == job.resume_layer
             start_at = job.resume_at if resumed else 0
             if dplan.runs and not resumed:  # before the staged chunks on the DMA stream: their events imply these
-                _direct.issue(d, planes, ids, dplan, layout.planes[p0: p0 + np_], dma, to_device=True,
-                              side=self._sides.get("restore"))
+                # (2D runs of direct="auto"/"always": a layer-wise restore never has a batch plan)
+                _direct.issue(d, planes, ids, dplan, layout.planes[p0: p0 + np_], dma, to_device=True)
             if job.table is None:  # memcpy mode (or every page direct): one copy per slice, on the DMA stream
                 for spec in layout.planes[p0: p0 + np_]:
                     for b, page in zip(ids_s, pages_s, strict=True):
