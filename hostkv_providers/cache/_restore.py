@@ -100,7 +100,7 @@ def restore(self: HostKVCache, hit: CacheHit, into: Any, block_ids: Sequence[int
         raise InvalidArgumentError("the hit was released; look it up again")
     if not isinstance(layerwise, bool):
         raise InvalidArgumentError(f"layerwise must be a bool, got {layerwise!r}")
-    pre = _prestage(self, hit, first_page, block_ids, into) if layerwise else None
+    pre = _prestage(self, hit, first_page, block_ids) if layerwise else None
     try:
         handle = _restore_checked(self, hit, into, block_ids, before, release, first_page, anchors_into,
                                   layerwise, pre)
@@ -110,7 +110,7 @@ def restore(self: HostKVCache, hit: CacheHit, into: Any, block_ids: Sequence[int
     return handle
 
 
-def _prestage(self: HostKVCache, hit: CacheHit, first_page: int, block_ids: Sequence[int], into: Any) -> Any:
+def _prestage(self: HostKVCache, hit: CacheHit, first_page: int, block_ids: Sequence[int]) -> Any:
     """A layer-wise restore's first staged copies, begun before its block ids and views are
     checked (:meth:`CudaCopyEngine.prestage`: they write the engine's staging buffers only).
     Checking 6,400 block ids and viewing the hit's pages cost ~1 ms of Python on the H200 host;

@@ -257,7 +257,7 @@ class CudaCopyEngine(CopyEngine):
           drivers, copies of at least 32 KiB, each page in one region, pinned pages; otherwise,
           and for layer-wise restores, the staging path).  Measured on the H200
           (docs/benchmarks.md, session 13), a graph-captured decode step beside back-to-back
-          restores or saves runs at 1.00-1.03x of its time alone (1.04-1.07x beside the staging
+          restores or saves runs at 1.00-1.03x of its time alone (1.03-1.08x beside the staging
           path's kernels).  The driver's ~0.5 us per copy is host time, so calls of 4,096 copies
           or more are issued half by a second thread on a second stream.  Through the cache:
           with K and V of a block adjacent (FlashInfer's layout) restores at 0.97x of a bulk copy
@@ -555,8 +555,8 @@ class CudaCopyEngine(CopyEngine):
               layerwise: bool = False) -> _direct.DirectPlan:
         """The direct plan of a transfer (``given``: the caller's pages as passed, whose regions
         say whether they are pinned: batch copies are only for pinned pages).  A layer-wise
-        restore is staged under ``direct="batch"`` (:func:`_direct.stages_all`)."""
-        if self.direct == "never" or (layerwise and self.direct == "batch"):
+        restore is staged where :func:`_direct.stages_all` says so (``direct="batch"``)."""
+        if self.direct == "never" or (layerwise and _direct.stages_all(self.direct)):
             return _direct.NO_PLAN
         pinned = self.direct != "batch" or _direct.pages_pinned(given)
         return _direct.plan(self.direct, planes.layout, ids, _page_addresses(pages), pinned=pinned, planes=planes)

@@ -17,17 +17,16 @@ Pages outside such runs keep the staging path.
 descriptor per (page, run of adjacent planes), handed to ``cuMemcpyBatchAsync`` (CUDA 12.8+
 drivers) a few thousand at a time.  The copy engines do it all, so no SM is shared with the
 engine's kernels and no staging buffer is used.  Another trade, measured on the H200 (2 MiB pages
-of 64 x 32 KiB slices): a graph-captured decode step beside back-to-back restores runs at
-1.01-1.02x of its time alone and beside saves at 1.02-1.03x, shuffled blocks included (1.05-1.07x
-beside the staging path's kernels).  The driver spends ~0.5 us of host time per copy (409,600
-copies for a 13.4 GB chain), so a large call is issued by two threads on two streams
-(:class:`BatchSide`): through ``HostKVCache`` restores then run at 0.93x of a bulk copy (0.69x from
-one thread), but saves at 0.81x and layer 0 of a layer-wise restore takes 15 ms against 8.5 staged.
-Engines whose K and V of a block are adjacent have half the copies (:func:`copy_groups`; the copy
-engine alone: 0.94-0.95x against 0.91-0.92x).  It needs every page in one region (a page in
-several pieces takes the staging path) and copies of at least ``DIRECT_BATCH_MIN_SLICE`` (the
-slices, or adjacent slices merged; shorter copies are slower still, those layouts keep the staging
-path).
+of 64 x 32 KiB slices): a graph-captured decode step beside back-to-back restores or saves runs at
+1.00-1.03x of its time alone, shuffled blocks included (1.03-1.08x beside the staging path's
+kernels).  The driver spends ~0.5 us of host time per copy (409,600 copies for a 13.4 GB chain),
+so a large call is issued by two threads on two streams (:class:`BatchSide`): through
+``HostKVCache`` restores then run at 0.93x of a bulk copy (0.69x from one thread), but saves at
+0.84x.  Engines whose K and V of a block are adjacent have half the copies (:func:`copy_groups`):
+restores at 0.97x, saves at 0.95x.  Layer-wise restores stay on the staging path
+(:func:`stages_all`).  It needs every page in one region (a page in several pieces takes the
+staging path) and copies of at least ``DIRECT_BATCH_MIN_SLICE`` (the slices, or adjacent slices
+merged; shorter copies are slower still, those layouts keep the staging path).
 """
 
 from __future__ import annotations

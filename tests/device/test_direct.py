@@ -170,7 +170,7 @@ def test_batch_copies_merge_adjacent_planes_and_move_the_same_bytes(engine_layou
     b_addr = np.uint64(back.ctypes.data) + np.arange(len(ids), dtype=np.uint64) * np.uint64(P)
     _apply(*_direct.batch_copies(ptrs, strides, layout.planes, ids, b_addr, to_device=False, blocks=nb))
     assert np.array_equal(back, src)
-    # one layer's planes (a layer-wise restore) merge within the layer
+    # one layer's planes merge within the layer (what batch_usable's per-layer bound looks at)
     groups = _direct.copy_groups(ptrs, strides, layout.planes[2:4], blocks=nb)
     assert len(groups[3]) == (2 if engine_layout == "kv-planes" else 1)
 

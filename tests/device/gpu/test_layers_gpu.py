@@ -43,9 +43,9 @@ L = LAYOUT.num_layers
 
 @pytest.fixture(scope="module", params=["auto", "never", "batch", "batch-split"])
 def engine(request: pytest.FixtureRequest) -> Iterator[CudaCopyEngine]:
-    """The engine with direct DMA for runs of consecutive blocks (auto), for every page by batch
-    copies (batch; batch-split: each call's second half issued by the side thread), and without
-    it (never: staging only)."""
+    """The engine with direct DMA for runs of consecutive blocks (auto), for every page of a
+    page-major restore by batch copies (batch; batch-split: each call's second half issued by the
+    side thread; their layer-wise restores are staged), and without it (never: staging only)."""
     with engine_for(request.param) as e:
         yield e
 
