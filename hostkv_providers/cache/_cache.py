@@ -60,7 +60,7 @@ from hostkv_providers._errors import (
 from hostkv_providers._keys import ZERO_KEY, Key, MediaItem, Salt, as_key, chain_keys
 from hostkv_providers._layout import KVLayout
 from hostkv_providers._provider import Provider
-from hostkv_providers.cache import _restore, _save
+from hostkv_providers.cache import _gpusum, _restore, _save
 from hostkv_providers.cache._admission import (
     AdmissionPolicy,
     AdmissionRequest,
@@ -229,6 +229,8 @@ class HostKVCache:
         self._finalizer = weakref.finalize(self, _shutdown_pools, self._save_pool, self._restore_pool)
         # hybrid hook (cache/_hybrid.py): required anchors, anchor records, coalesced prefills
         self._hybrid: HybridState | None = make_hybrid(self, required_anchors, anchor_groups, coalesce_prefills)
+        # The GPU page hasher's one-time compile now, at the engine's start-up, not in its first save.
+        _gpusum.prepare(provider, self.engine)
 
     # -- keys ---------------------------------------------------------------------------------
     def keys(

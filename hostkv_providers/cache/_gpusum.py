@@ -15,6 +15,7 @@ does (``result.pages`` leading pages are good; the engine recomputes the rest).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 from collections.abc import Sequence
 from typing import Any
@@ -22,8 +23,9 @@ from typing import Any
 import numpy as np
 
 from hostkv_providers._blockhash import TREE_ALGORITHM, tree_checksum_parts
+from hostkv_providers._errors import CopyEngineError
 
-__all__ = ["RestoreCheck", "SaveSums", "restore_check", "save_sums"]
+__all__ = ["RestoreCheck", "SaveSums", "prepare", "restore_check", "save_sums"]
 
 
 def _hasher_for(planes: Any) -> Any:
@@ -37,6 +39,28 @@ def _hasher_for(planes: Any) -> Any:
     if not _cuda.available() or not PageHasher.supports(planes):
         return None
     return PageHasher.get(planes.device)
+
+
+def prepare(provider: Any, engine: Any) -> None:
+    """Build the GPU page hasher now if this cache's saves (and verified restores) will use it.
+
+    Its NVRTC compile is a one-time cost per process, measured at ~250 ms on the H200: built
+    lazily, it landed inside the engine's first save (510 ms against 260 ms for the next ones).
+    Called when the cache is made, i.e. at the engine's start-up.  A hasher that cannot be built
+    here is left to the first save, which reports it as before."""
+    if getattr(provider, "checksum_algorithm", None) != TREE_ALGORITHM or not hasattr(engine, "mark"):
+        return
+    ordinal = getattr(engine, "device", None)
+    if not isinstance(ordinal, int) or ordinal < 0:
+        return
+    try:
+        from hostkv_providers.device import _cuda
+        from hostkv_providers.device._hash import PageHasher
+    except ImportError:  # no cuda.bindings: the host hashes
+        return
+    if _cuda.available():
+        with contextlib.suppress(CopyEngineError):
+            PageHasher.get(ordinal)
 
 
 class SaveSums:

@@ -97,3 +97,20 @@ def test_verified_restore_from_views_truncates_at_a_flipped_bit(engine: Any) -> 
             assert cache.restore(hit, planes, list(range(N, 2 * N))).wait().pages == N
     finally:
         prov.close()
+
+
+@pytest.mark.parametrize("checksum", ["xxh3-256k-tree", "xxh3-64"])
+def test_the_hasher_is_built_when_the_cache_is_made(engine: Any, checksum: str) -> None:
+    """The GPU hasher's one-time NVRTC compile runs at start-up (the cache's construction), not
+    inside the engine's first save; a store whose checksums the GPU does not compute builds none."""
+    from hostkv_providers.device._hash import PageHasher
+
+    prov = hk.open(f"pinned://?budget={4 * P}&block={P}&background=false&checksum={checksum}")
+    kept = PageHasher._instances.pop(0, None)
+    try:
+        with HostKVCache(prov, hk.Salt("t/gpusum-prepare", LAYOUT), engine):
+            assert (0 in PageHasher._instances) == (checksum == "xxh3-256k-tree")
+    finally:
+        prov.close()
+        if kept is not None:
+            PageHasher._instances[0] = kept
