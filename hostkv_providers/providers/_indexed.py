@@ -164,7 +164,7 @@ class IndexedProvider(Provider):
                 removed, skipped = idx.evict_rows(idx.rows_of(keys))
             else:
                 removed, skipped = idx.evict_cost(nbytes), 0
-            freed = sum(int(idx.nbytes[r]) for r in removed)
+            freed = int(idx.nbytes[removed].sum()) if removed else 0
             self._remove_rows(removed)
             return EvictReport(len(removed), freed, skipped)
 
@@ -172,8 +172,10 @@ class IndexedProvider(Provider):
         """Rows the index removed: forget their bytes and anchors, let the rows be reused."""
         if rows:
             self._discard([self._index.key_of(r) for r in rows])
-            for r in rows:
-                self._index.anchors.pop(r, None)
+            anchors = self._index.anchors
+            if anchors:
+                for r in rows:
+                    anchors.pop(r, None)
             self._index.recycle(rows)
 
     def _put_anchor(self, key: Key, name: str, blob: bytes) -> None:

@@ -787,7 +787,7 @@ class MmapProvider(_BatchWrites):
                 removed, skipped = idx.evict_rows([idx.row_of(k) for k in ks])
             else:
                 removed, skipped = idx.evict_cost(nbytes), 0
-            total = sum(int(idx.nbytes[r]) for r in removed)
+            total = int(idx.nbytes[removed].sum()) if removed else 0
             self._free_rows_storage(removed, journal=True)
             return EvictReport(len(removed), total, skipped)
 
