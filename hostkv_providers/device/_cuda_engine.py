@@ -262,7 +262,7 @@ class CudaCopyEngine(CopyEngine):
           or more are issued half by a second thread on a second stream.  Through the cache:
           with K and V of a block adjacent (FlashInfer's layout) restores at 0.97x of a bulk copy
           and saves at 0.95x, the better engine for such caches; with vLLM's ``[2, blocks, ...]``
-          (32 KiB copies) restores at 0.93x but saves at 0.84x.
+          (32 KiB copies) restores at 0.93-0.96x and saves at 0.84-0.94x (sessions 13-14).
         * ``"auto"``: runs of consecutive block ids over adjacent host pages, at least 16 MiB of
           planes with slices of at least 8 KiB, one 2D copy per plane and run; ``"always"``: every
           such run; other pages staged.  2D rows of one plane slice move at 0.89-0.94x of a bulk

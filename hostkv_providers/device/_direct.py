@@ -21,12 +21,13 @@ of 64 x 32 KiB slices): a graph-captured decode step beside back-to-back restore
 1.00-1.03x of its time alone, shuffled blocks included (1.03-1.08x beside the staging path's
 kernels).  The driver spends ~0.5 us of host time per copy (409,600 copies for a 13.4 GB chain),
 so a large call is issued by two threads on two streams (:class:`BatchSide`): through
-``HostKVCache`` restores then run at 0.93x of a bulk copy (0.69x from one thread), but saves at
-0.84x.  Engines whose K and V of a block are adjacent have half the copies (:func:`copy_groups`):
-restores at 0.97x, saves at 0.95x.  Layer-wise restores stay on the staging path
-(:func:`stages_all`).  It needs every page in one region (a page in several pieces takes the
-staging path) and copies of at least ``DIRECT_BATCH_MIN_SLICE`` (the slices, or adjacent slices
-merged; shorter copies are slower still, those layouts keep the staging path).
+``HostKVCache`` restores then run at 0.93-0.96x of a bulk copy (0.69x from one thread), saves at
+0.84-0.94x (the figure moves between runs).  Engines whose K and V of a block are adjacent have
+half the copies (:func:`copy_groups`): restores at 0.97x, saves at 0.95x.  Layer-wise restores
+stay on the staging path (:func:`stages_all`).  It needs every page in one region (a page in
+several pieces takes the staging path) and copies of at least ``DIRECT_BATCH_MIN_SLICE`` (the
+slices, or adjacent slices merged; shorter copies are slower still, those layouts keep the
+staging path).
 """
 
 from __future__ import annotations
