@@ -51,19 +51,6 @@ if TYPE_CHECKING:
     from hostkv_providers.cache._cache import HostKVCache
 
 
-#: After each chunk a save issues or seals, its thread sleeps this long with the GIL released.
-#: An engine thread waiting for the GIL (a decode step back from its synchronize) otherwise gets
-#: it only at the interpreter's switch interval (5 ms): the save thread drops the GIL in each
-#: driver call, but takes it back before the waiter wakes.  (A save's host work comes in bursts:
-#: reserving and issuing its chunks at the start, sealing the last ones at the end.)
-GIL_YIELD_S = 50e-6
-
-
-def _yield_gil() -> None:
-    if GIL_YIELD_S > 0:
-        time.sleep(GIL_YIELD_S)
-
-
 def save(
     self: HostKVCache,
     keys: Sequence[bytes],
@@ -531,7 +518,6 @@ def _direct_chunks(self: HostKVCache, job: _SaveJob, result: SaveResult, planes:
                 inflight.append((pos, rc, h))
                 prev = chunk_keys[got - 1]
                 pos += got
-                _yield_gil()
             if pos >= n:
                 job.handle._all_issued()
             err = rc.error
@@ -558,7 +544,6 @@ def _direct_chunks(self: HostKVCache, job: _SaveJob, result: SaveResult, planes:
             # behind the host's sealing (hashing) of earlier chunks.
             while stop is None and inflight and (inflight[0][2] is None or inflight[0][2].done()):
                 stop = seal_oldest()
-                _yield_gil()
         if stop is None and pos >= n:
             # Copies of one direction complete in order: the last chunk's done means every
             # block is copied out, and the engine may reuse them while the seals finish.  A
@@ -578,7 +563,6 @@ def _direct_chunks(self: HostKVCache, job: _SaveJob, result: SaveResult, planes:
                 threading.Thread(target=report, name="hostkv-save-copied", daemon=True).start()
         while inflight and stop is None:
             stop = seal_oldest()
-            _yield_gil()
     finally:
         # What was reserved but not sealed (after a stop or an error) is aborted once its DMA
         # is over: freeing arena blocks a copy still writes into would corrupt their next user.
