@@ -291,15 +291,37 @@ class TreeIndex:
     def _unmap(self, row: int) -> None:
         key = self.key[row].tobytes()
         self._dict.pop(key, None)
-        if not len(self._base_k64):
-            return
-        h = key_u64(key)
+        if len(self._base_k64):
+            self._unmap_base(row, key_u64(key))
+
+    def _unmap_base(self, row: int, h: int) -> None:
+        """Take ``row`` (first key bytes ``h``) out of the bulk-loaded key map, if it is there."""
         i = int(np.searchsorted(self._base_k64, h))
         while i < len(self._base_k64) and int(self._base_k64[i]) == h:
             if int(self._base_row[i]) == row:
                 self._base_row[i] = -1
                 return
             i += 1
+
+    def _unmap_rows(self, rows: npt.NDArray[np.int64]) -> None:
+        """:meth:`_unmap` of many rows: the dict pops, and one search of the bulk-loaded key map
+        (a row added since the load is not in it; a few share their first 8 key bytes)."""
+        raw = self.key[rows].tobytes()
+        if self._dict:  # (empty after a load until rows are sealed or looked up)
+            pop = self._dict.pop
+            for i in range(0, len(raw), 32):
+                pop(raw[i : i + 32], None)
+        k64 = self._base_k64
+        if not len(k64) or not len(rows):
+            return
+        h = np.frombuffer(raw, dtype="<u8").reshape(len(rows), 4)[:, 0]  # key_u64 of each
+        lo = np.searchsorted(k64, h, side="left")
+        span = np.searchsorted(k64, h, side="right") - lo
+        one = span == 1
+        at = lo[one]
+        self._base_row[at[self._base_row[at] == rows[one]]] = -1
+        for j in np.flatnonzero(span > 1).tolist():
+            self._unmap_base(int(rows[j]), int(h[j]))
 
     def key_of(self, row: int) -> Key:
         return Key(self.key[row].tobytes())
@@ -1233,7 +1255,7 @@ class TreeIndex:
         # row goes iff nothing under it (itself included) is held or in flight: the row-by-row
         # rule, since a skipped row keeps its parent's child count above zero.
         arr = np.asarray(order, dtype=np.int64)
-        blocked = self.hold[arr] > 0
+        blocked = self.hold[arr] != 0
         if self.flights:
             flights = self.flights
             raw = self.key[arr].tobytes()
@@ -1277,14 +1299,7 @@ class TreeIndex:
         """:meth:`_remove` of ``rows`` (none retained, each with all of its children among them),
         leaving the columns as removing them one by one, children first, would; ``outer``: the
         rows whose parent is not among them."""
-        if len(self._base_k64):
-            for row in rows.tolist():
-                self._unmap(row)
-        else:
-            raw = self.key[rows].tobytes()
-            pop = self._dict.pop
-            for i in range(0, len(raw), 32):
-                pop(raw[i : i + 32], None)
+        self._unmap_rows(rows)
         self.alive[rows] = False
         self.children[rows] = 0
         self.count -= len(rows)
