@@ -351,7 +351,7 @@ def _tree(n: int) -> tuple[TreeIndex, list[int]]:
 def test_touch_rows_equals_a_loop_of_touch(monkeypatch: pytest.MonkeyPatch, loop_max: int) -> None:
     """The same ticks, clock and ``used`` times as one ``touch`` per row in order (a row touched
     twice keeps its last tick), and the same LRU eviction order afterwards."""
-    import hostkv_providers.providers._tree as tree
+    import hostkv_providers.providers._tree._columns as tree
 
     monkeypatch.setattr(tree, "_TOUCH_LOOP_MAX", loop_max)  # the loop and the column path
     rng = random.Random(5)
