@@ -784,7 +784,7 @@ class MmapProvider(_BatchWrites):
             self._need_writer("evict")
             idx = self._idx
             if ks is not None:
-                removed, skipped = idx.evict_rows([idx.row_of(k) for k in ks])
+                removed, skipped = idx.evict_rows(idx.rows_of(ks))
             else:
                 removed, skipped = idx.evict_cost(nbytes), 0
             total = int(idx.nbytes[removed].sum()) if removed else 0
