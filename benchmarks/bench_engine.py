@@ -272,7 +272,7 @@ def pinned_phase(torch: Any, cache: HostKVCache, provider: Any, keys: list[hk.Ke
             "save_copied_x_bulk": round(d2h_ms / best["copied_ms"], 3),
             "restores": restores, "restore_best_x_bulk": round(h2d_ms / rbest, 3),
             "restore_median_x_bulk": round(h2d_ms / rmed, 3), "bytes_ok": ok,
-            "ranged_first_1_32_ms": min(ranged), "ranged_first_1_32_median_ms": statistics.median(ranged),
+            "ranged_first_1_32_ms": min(ranged), "ranged_first_1_32_median_ms": round(statistics.median(ranged), 2),
             "ranged_goal_ms": round(rbest / LAYERS + 1, 1),
             "layerwise": layered,
             "scattered": {"restores_ms": scat, "restore_best_x_bulk": round(h2d_ms / min(scat), 3),
