@@ -218,23 +218,22 @@ class _Columns:
         tag: str = self.tags[self.m_tag_id[row]]
         return tag
 
-    def _set_tag(self, row: int, tag: str | bytes) -> None:
+    def _tag_index(self, tag: str | bytes) -> int:
+        """The index of ``tag`` in ``tags`` (added on first use)."""
         t = tag.decode("utf-8", "replace") if isinstance(tag, bytes) else tag
         tid = self._tag_ids.get(t)
         if tid is None:
             tid = self._tag_ids[t] = len(self.tags)
             self.tags.append(t)
-        self.m_tag_id[row] = tid
+        return tid
+
+    def _set_tag(self, row: int, tag: str | bytes) -> None:
+        self.m_tag_id[row] = self._tag_index(tag)
 
     def _set_tags(self, rows: npt.NDArray[np.int64] | slice, tag: str | bytes) -> None:
         """:meth:`_set_tag` of many rows at once (a subclass that stores tags differently
         overrides both)."""
-        t = tag.decode("utf-8", "replace") if isinstance(tag, bytes) else tag
-        tid = self._tag_ids.get(t)
-        if tid is None:
-            tid = self._tag_ids[t] = len(self.tags)
-            self.tags.append(t)
-        self.tag_id[rows] = tid
+        self.tag_id[rows] = self._tag_index(tag)
 
     def checksum_of(self, row: int) -> int | None:
         return self.m_csum[row] if self.m_has_csum[row] else None
