@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -439,13 +440,16 @@ def test_ctrl_c_during_copy_and_bench_exits_cleanly(tmp_path: Path) -> None:
     src, _ = filled_store(tmp_path, "mmap", pages=200)
     rng = random.Random(16)
     for i in range(6):
-        dst = f"lmdb://{tmp_path / f'dst{i}'}?budget=64MiB"
+        # small slot files, each store removed once checked: the test took 1.2 GB of disk
+        # (256 MiB files preallocated per slot size), which a CI machine's small disk had not
+        dst = f"lmdb://{tmp_path / f'dst{i}'}?budget=64MiB&file_size=16MiB"
         code, err = _interrupt(["copy", src, dst], rng.uniform(0.0, 0.1), "copying")
         # 130: interrupted; 0 / -SIGINT: it had finished (the signal came at exit)
         assert code in (0, 130, -signal.SIGINT), (code, err)
         no_traceback(subprocess.CompletedProcess([], code, "", err))
         codes.append(code)
-    bench_store = f"lmdb://{tmp_path / 'bench'}?budget=256MiB"
+        shutil.rmtree(tmp_path / f"dst{i}")
+    bench_store = f"lmdb://{tmp_path / 'bench'}?budget=256MiB&file_size=32MiB"
     proc = run_hostkv("copy", src, bench_store)
     assert proc.returncode == 0, proc.stderr
     before = json.loads(run_hostkv("info", "--json", f"lmdb://{tmp_path / 'bench'}").stdout)["entries"]
