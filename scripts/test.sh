@@ -13,6 +13,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/dev-install.sh
 source scripts/_env.sh
+# The suites' files go under TMPDIR; a run on a disk with too little free failed mid-suite
+# (tests erroring at setup), so the log says how much there was.  Peak seen: ~0.6 GB.
+step "free disk where the tests write: $(df -Ph "${TMPDIR:-/tmp}" | awk 'NR == 2 {print $4 " of " $2 " (" $6 ")"}')"
 step "ruff"
 "$PY" -m ruff check .
 if [ -n "${HOSTKV_TEST_SERIAL:-}" ]; then

@@ -343,6 +343,13 @@ def _run(tmp_path: Path, seeds: Sequence[int], durability: str, steps: int) -> l
     return tallies
 
 
+# An image cut mid-write of the counters file opens with a warning and counts in-process: expected
+# here, hundreds of times, and it buried the CI log's real failures.
+_TORN_COUNTERS = pytest.mark.filterwarnings("ignore:.*is not a counters file:UserWarning",
+                                            "ignore:store-wide counters unavailable:UserWarning")
+
+
+@_TORN_COUNTERS
 @pytest.mark.parametrize("durability", ["sync", "process", "none"])
 def test_power_cut_images(tmp_path: Path, durability: str) -> None:
     tallies = _run(tmp_path, range(6), durability, steps=90)
@@ -389,6 +396,7 @@ def test_the_model_itself(tmp_path: Path) -> None:
         assert pc.syncs == {"file": 2, "dir": 2}
 
 
+@_TORN_COUNTERS
 def test_durability_none_store_opens_after_a_power_cut(tmp_path: Path) -> None:
     """With ``durability=none`` data files were created without a sync: a power cut could leave
     the new name on an empty file, and open refused the whole store (CorruptStoreError)."""
