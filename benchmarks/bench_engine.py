@@ -77,6 +77,9 @@ class GcWatch:
         longest = max((ms for _, ms in self.passes), default=0.0)
         return {"gc_passes": len(self.passes), "gc_full": len(full), "gc_max_ms": round(longest, 2)}
 
+# HostKVCache options from the command line (--save-window-bytes), for every cache of the run
+CACHE_KW: dict[str, Any] = {}
+
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -88,9 +91,13 @@ def main() -> int:
     ap.add_argument("--out", default=".")
     ap.add_argument("--direct", default=None, choices=["batch", "auto", "always", "never"],
                     help="the main engine's direct mode (default: CudaCopyEngine's default)")
+    ap.add_argument("--save-window-bytes", type=int, default=None,
+                    help="HostKVCache(save_window_bytes=) of every cache here (default: the cache's; 0: no bound)")
     ap.add_argument("--block-major", action="store_true",
                     help="per-layer caches [blocks, 2, ...] (K and V of a block adjacent) instead of [2, blocks, ...]")
     args = ap.parse_args()
+    if args.save_window_bytes is not None:
+        CACHE_KW["save_window_bytes"] = args.save_window_bytes
     phases = set(args.phases.split(","))
     results: dict[str, Any] = {"argv": sys.argv, "pages": args.pages}
     os.makedirs(args.out, exist_ok=True)
@@ -153,12 +160,13 @@ def gpu_phases(torch: Any, args: Any, phases: set[str], results: dict[str, Any],
         t = time.perf_counter()
         provider = hk.open(f"pinned://?budget={n * P + (64 << 20)}&block={P}&background=false")
         results["pinned_open_s"] = round(time.perf_counter() - t, 2)
-        cache = HostKVCache(provider, hk.Salt("bench/engine", layout), engine)
+        cache = HostKVCache(provider, hk.Salt("bench/engine", layout), engine, **CACHE_KW)
         keys = cache.keys(np.arange(n * TOKENS) % 50_000 + 7)
     # The same cache on an engine with direct DMA for runs of consecutive blocks (direct="auto";
     # the default engine stages every page): measured side by side, a trade (see CudaCopyEngine).
     engine_d = CudaCopyEngine(0, direct="auto")
-    cache_d = HostKVCache(provider, hk.Salt("bench/engine", layout), engine_d) if provider is not None else None
+    cache_d = (HostKVCache(provider, hk.Salt("bench/engine", layout), engine_d, **CACHE_KW)
+               if provider is not None else None)
     if "pinned" in phases and cache is not None and cache_d is not None:
         results["pinned"] = pinned_phase(torch, cache, provider, keys, caches, planes, src, dst, nbytes,
                                          results["bulk"])
@@ -392,7 +400,7 @@ def verified_phase(torch: Any, engine: Any, layout: hk.KVLayout, planes: Any, ke
     n = len(keys)
     h2d_ms = nbytes / (bulk_r["h2d_gbps"] * 1e9) * 1e3
     prov = hk.open(f"pinned://?budget={n * P + (64 << 20)}&block={P}&background=false&verify=read")
-    cache = HostKVCache(prov, hk.Salt("bench/engine", layout), engine)
+    cache = HostKVCache(prov, hk.Salt("bench/engine", layout), engine, **CACHE_KW)
     try:
         t = time.perf_counter()
         res = cache.save(keys, planes, src).wait()
@@ -627,7 +635,7 @@ def restart_phase(torch: Any, engine: Any, layout: hk.KVLayout, planes: Any, cac
     src, dst = list(range(n)), list(range(n, 2 * n))
     try:
         p = hk.open(url)
-        with HostKVCache(p, hk.Salt("bench/restart", layout), engine) as cache:
+        with HostKVCache(p, hk.Salt("bench/restart", layout), engine, **CACHE_KW) as cache:
             keys = cache.keys(np.arange(n * TOKENS) % 50_000 + 3)
             t = time.perf_counter()
             cache.save(keys, planes, src).wait()
@@ -639,7 +647,7 @@ def restart_phase(torch: Any, engine: Any, layout: hk.KVLayout, planes: Any, cac
             torch.cuda.synchronize()
             t = time.perf_counter()
             p = hk.open(url)
-            with HostKVCache(p, hk.Salt("bench/restart", layout), engine) as cache:
+            with HostKVCache(p, hk.Salt("bench/restart", layout), engine, **CACHE_KW) as cache:
                 hit = cache.lookup(keys)
                 r = cache.restore(hit, planes, dst).wait()
             restore_s = time.perf_counter() - t

@@ -133,6 +133,14 @@ class HostKVCache:
         Offer an anchor position every this many pages (0: terminal and checkpoints only).
     chunk_pages:
         Pages per bounce buffer / per copy-engine call; two buffers are used for double buffering.
+    save_window_bytes:
+        Bytes of a zero-copy save's copies (``pinned://``, a tiered fast tier) in flight at once,
+        counted in chunks of ``chunk_pages`` (at least two); 0: no bound.  The default, 2 GiB, is
+        ~40 ms of a 53 GB/s link: the save thread issues the next chunk when the oldest one's copy
+        is done and sealed, so its host work comes in short pieces between waits that release the
+        GIL, not in one burst at the save's start that an engine thread waits behind (at 2 MiB
+        pages, four chunks; at 32 KiB pages a 25,000-page save is issued whole, as with 0).
+        docs/benchmarks.md, "The save window".
     seen_capacity:
         How many keys the seen-count table of :class:`SeenAtLeast` remembers (LRU).
     wait_timeout:
@@ -159,6 +167,7 @@ class HostKVCache:
         admission: AdmissionPolicy | None = None,
         anchor_interval: int = 0,
         chunk_pages: int = 256,
+        save_window_bytes: int = 2 << 30,
         seen_capacity: int = 1 << 18,
         wait_timeout: float = 60.0,
         lookup_wait_timeout: float = 5.0,
@@ -178,7 +187,7 @@ class HostKVCache:
         elif not isinstance(salt, Salt):
             raise InvalidArgumentError(f"salt must be a Salt or KVLayout, got {type(salt).__name__}")
         for name, value, lo in (("anchor_interval", anchor_interval, 0), ("chunk_pages", chunk_pages, 1),
-                                ("seen_capacity", seen_capacity, 0)):
+                                ("save_window_bytes", save_window_bytes, 0), ("seen_capacity", seen_capacity, 0)):
             if type(value) is not int or value < lo:
                 raise InvalidArgumentError(f"{name} must be an int >= {lo}, got {value!r}")
         # objects without their methods would fail at the first save/restore, far from the cause
@@ -200,6 +209,7 @@ class HostKVCache:
         self.admission: AdmissionPolicy = admission if admission is not None else AdmitAll()
         self.anchor_interval = anchor_interval
         self.chunk_pages = chunk_pages
+        self.save_window_bytes = save_window_bytes
         self.wait_timeout = float(wait_timeout)
         self.lookup_wait_timeout = float(lookup_wait_timeout)
         self._views = isinstance(provider, SupportsViews)

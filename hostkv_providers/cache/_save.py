@@ -439,6 +439,10 @@ def _direct_chunks(self: HostKVCache, job: _SaveJob, result: SaveResult, planes:
     # in HBM behind the save's `after` mark and its copy is ordered behind the hash, so the
     # seals below record them and hash nothing on the host.  `digests[lo]`: chunk at `lo`.
     sums = save_sums(prov, self.engine, planes, after)
+    # chunks in flight at most (0: all at once); two at least, so a copy always overlaps the
+    # host's sealing of the one before
+    wb = self.save_window_bytes
+    window = max(2, wb // (self.chunk_pages * P)) if wb else 0
     digests: dict[int, Any] = {}
 
     def seal_oldest() -> str | None:
@@ -542,7 +546,10 @@ def _direct_chunks(self: HostKVCache, job: _SaveJob, result: SaveResult, planes:
             # Seal what the DMA has finished (root first) without waiting: the copies of the
             # whole run are queued as fast as they can be reserved, so the link never idles
             # behind the host's sealing (hashing) of earlier chunks.
-            while stop is None and inflight and (inflight[0][2] is None or inflight[0][2].done()):
+            # With a save window, a full window waits here for its oldest chunk (the GIL is
+            # released in the wait): the issue loop's host work is spread over the save.
+            while stop is None and inflight and (inflight[0][2] is None or inflight[0][2].done()
+                                                 or 0 < window <= len(inflight)):
                 stop = seal_oldest()
         if stop is None and pos >= n:
             # Copies of one direction complete in order: the last chunk's done means every

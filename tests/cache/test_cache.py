@@ -28,6 +28,7 @@ from hostkv_providers.cache._cache import (
     MinDepth,
     SeenAtLeast,
 )
+from hostkv_providers.device import HostStream
 from hostkv_providers.device._copy import CpuCopyEngine, KVPlanes
 from hostkv_providers.device._hostmem import OrdinaryAllocator
 
@@ -468,6 +469,9 @@ def test_bad_inputs_raise_typed_errors(cache: HostKVCache, provider: Provider, e
         HostKVCache(provider, LAYOUT, engine)  # a bare layout needs model_id
     with pytest.raises(InvalidArgumentError):
         HostKVCache(provider, SALT, engine, chunk_pages=0)
+    for bad in (-1, 1.5, "2"):
+        with pytest.raises(InvalidArgumentError, match="save_window_bytes"):
+            HostKVCache(provider, SALT, engine, save_window_bytes=bad)  # type: ignore[arg-type]
     with pytest.raises(InvalidArgumentError):
         MinDepth(-1)
     with pytest.raises(InvalidArgumentError):
@@ -535,4 +539,60 @@ def test_batched_save_stops_at_the_budget(engine: CpuCopyEngine) -> None:
         assert got.pages == 5 and all(page_of(dst, i) == page_of(src, i) for i in range(5))
     finally:
         cache.close()
+        prov.close()
+
+
+class _CountingEngine(CpuCopyEngine):
+    """The CPU engine behind a slow link: each save transfer waits for 20 ms of work queued on a
+    host stream before it copies.  At each save call it records how many of its earlier save
+    transfers were still running."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.link = HostStream("test-link")
+        self.handles: list[Any] = []
+        self.running_at_issue: list[int] = []
+
+    def save(self, planes: Any, block_ids: Any, dst: Any, *, after: Any = None) -> Any:
+        self.running_at_issue.append(sum(not h.done() for h in self.handles))
+        assert after is None  # (these tests save without an engine stream)
+        self.link.enqueue(lambda: time.sleep(0.02))
+        h = super().save(planes, block_ids, dst, after=self.link)
+        self.handles.append(h)
+        return h
+
+    def close(self) -> None:
+        super().close()
+        self.link.close()
+
+
+@pytest.mark.parametrize("window", [0, 1, 2, 3])
+def test_save_window_bounds_the_chunks_in_flight(window: int) -> None:
+    """``save_window_bytes`` of W chunks: a zero-copy save never has more than W chunk copies
+    running (the W+1-th is issued only once the oldest is done and sealed; two at least), and
+    it stores the same bytes; 0 issues every chunk at once."""
+    prov = _pinned()
+    eng = _CountingEngine()
+    try:
+        cache = HostKVCache(prov, SALT, eng, chunk_pages=2, save_window_bytes=window * 2 * PAGE)
+        src = make_planes(11)
+        ks = cache.keys(tokens(4 * 16, seed=11))
+        blocks = list(range(16))
+        res = cache.save(ks, src, blocks).wait(30)
+        assert (res.stored, res.stopped) == (16, None)
+        for k, b in zip(ks, blocks, strict=True):
+            assert prov.read_bytes(k) == page_of(src, b)
+        assert len(eng.running_at_issue) == 8  # 16 pages in chunks of 2
+        if window:
+            # the bound; and copies did overlap the host's sealing (the link is never left idle)
+            assert 1 <= max(eng.running_at_issue) <= max(2, window) - 1
+        else:
+            assert max(eng.running_at_issue) >= 4  # all issued up front, 20 ms each
+        out = make_planes(None)
+        assert cache.restore(cache.lookup(ks), out, list(range(20, 36))).wait(30).pages == 16
+        for b in range(16):
+            assert page_of(out, 20 + b) == page_of(src, b)
+        cache.close()
+    finally:
+        eng.close()
         prov.close()
