@@ -34,7 +34,7 @@ from hostkv_providers.providers._slotfile import (
     SlotFile,
 )
 
-from . import _format
+from . import _format, _walk
 from ._format import (
     _DB_NAMES,
     _DEFAULT_BUDGET,
@@ -57,6 +57,7 @@ from ._format import (
 )
 from ._gate import _alive, _Gate, _lmdb_error, _Raise, _Ticket
 from ._txn import _Tx
+from ._walk import walk_tree
 
 # --------------------------------------------------------------------------------------------
 # The per-process environment handle
@@ -68,22 +69,8 @@ TREE_CHECK_ENV = "HOSTKV_LMDB_TREE_CHECK"
 
 
 def _walk_tree(path: str) -> None:
-    """Touch every page of LMDB's B-trees (every key of every database, every value but the
-    inline page bytes): what an assertion on a damaged page would kill, it kills here."""
-    env = lmdb.open(path, subdir=True, readonly=True, lock=False, max_dbs=len(_DB_NAMES) + 2, create=False)
-    try:
-        with env.begin() as txn:
-            for name in _DB_NAMES:
-                db = env.open_db(name.encode(), txn=txn, create=False)
-                with txn.cursor(db) as cur:
-                    if name == "pages":
-                        for _ in cur.iternext(keys=True, values=False):
-                            pass
-                    else:
-                        for _ in cur.iternext(keys=True, values=True):
-                            pass
-    finally:
-        env.close()
+    """Touch every page of the store's LMDB B-trees (``_walk.walk_tree`` over its databases)."""
+    walk_tree(path, _DB_NAMES)
 
 
 def check_tree(path: str, *, fork: bool, timeout: float = 120.0) -> None:
@@ -120,10 +107,10 @@ def check_tree(path: str, *, fork: bool, timeout: float = 120.0) -> None:
 
         os.close(wfd)
         os.close(rfd)
+        # the walk's own file as the script: the child imports lmdb, not this package (~1 s)
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-        proc = subprocess.Popen(
-            [sys.executable, "-c", "import sys; from hostkv_providers.providers.lmdb._env import _walk_tree; "
-             "_walk_tree(sys.argv[1])", path], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        proc = subprocess.Popen([sys.executable, _walk.__file__, path, *_DB_NAMES], env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         pid = proc.pid
     deadline = time.monotonic() + timeout
     status = None
