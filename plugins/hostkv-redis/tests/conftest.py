@@ -49,8 +49,13 @@ def own_server(tmp_path: Path) -> Iterator[RedisServer]:
 
 @pytest.fixture(scope="session")
 def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClusterServers]:
-    """A 3-master Redis Cluster on loopback ports (no replicas)."""
-    with RedisClusterServers(tmp_path_factory.mktemp("cluster"), masters=3) as cluster:
+    """A 3-master Redis Cluster on loopback ports (no replicas).
+
+    Its node timeout is 15 s, not the 2 s default: with no replicas there is no failover to
+    speed up, and on a loaded 2-core CI machine a node that stalled past 2 s was marked failed
+    by the others, the cluster reported itself down and a test's teardown gave up
+    (``test_chain_across_shards``, once)."""
+    with RedisClusterServers(tmp_path_factory.mktemp("cluster"), masters=3, node_timeout_ms=15000) as cluster:
         yield cluster
 
 
