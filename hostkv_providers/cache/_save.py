@@ -543,11 +543,10 @@ def _direct_chunks(self: HostKVCache, job: _SaveJob, result: SaveResult, planes:
                     continue
                 stop = f"capacity: {err}" if isinstance(err, CapacityError) else f"page {pos}: {err}"
                 break
-            # Seal what the DMA has finished (root first) without waiting: the copies of the
-            # whole run are queued as fast as they can be reserved, so the link never idles
-            # behind the host's sealing (hashing) of earlier chunks.
-            # With a save window, a full window waits here for its oldest chunk (the GIL is
-            # released in the wait): the issue loop's host work is spread over the save.
+            # Seal what the DMA has finished (root first) without waiting, so the link never
+            # idles behind the host's sealing of earlier chunks; a full save window waits here
+            # for its oldest chunk (the GIL released in the wait), which spreads the issue loop's
+            # host work over the save instead of one burst at its start.
             while stop is None and inflight and (inflight[0][2] is None or inflight[0][2].done()
                                                  or 0 < window <= len(inflight)):
                 stop = seal_oldest()
