@@ -252,23 +252,25 @@ class CudaCopyEngine(CopyEngine):
         Which pages go by DMA straight between host memory and the blocks (no staging buffer, no
         kernel, no SM of the engine's taken) instead of the staging path:
 
-        * ``"batch"``: every page of a save or a whole restore, in any block order, by
-          ``cuMemcpyBatchAsync`` (one copy per page and run of adjacent planes; CUDA 12.8+
-          drivers, copies of at least 32 KiB, each page in one region, pinned pages; otherwise,
-          and for layer-wise restores, the staging path).  Measured on the H200
-          (docs/benchmarks.md, session 13), a graph-captured decode step beside back-to-back
-          restores or saves runs at 1.00-1.03x of its time alone (1.03-1.08x beside the staging
-          path's kernels).  The driver's ~0.5 us per copy is host time, so calls of 4,096 copies
-          or more are issued half by a second thread on a second stream.  Through the cache:
-          with K and V of a block adjacent (FlashInfer's layout) restores at 0.97x of a bulk copy
-          and saves at 0.95x, the better engine for such caches; with vLLM's ``[2, blocks, ...]``
-          (32 KiB copies) restores at 0.93-0.96x and saves at 0.84-0.94x (sessions 13-14).
+        * ``"batch"`` (the default): every page of a save or a whole restore, in any block
+          order, by ``cuMemcpyBatchAsync`` (one copy per page and run of adjacent planes; CUDA
+          12.8+ drivers, copies of at least 32 KiB, each page in one region, pinned pages;
+          otherwise, and for layer-wise restores, the staging path).  Measured on the H200
+          (docs/benchmarks.md, sessions 13-16), a graph-captured decode step beside back-to-back
+          restores or saves runs at 1.01-1.03x of its time alone, p99 1.05-1.25x over 1,000
+          steps (the staging path's kernels: p50 1.04-1.07x, p99 1.30-1.53x in session 16's run).
+          The driver's ~0.5 us per copy is host time, so calls of 4,096 copies or more are issued
+          half by a second thread on a second stream.  Through the cache: with K and V of a block
+          adjacent (FlashInfer's layout) restores at 0.97x of a bulk copy and saves at 0.95x;
+          with vLLM's ``[2, blocks, ...]`` (32 KiB copies) restores at 0.94-0.96x and saves at
+          0.91-0.94x (0.84x in one session-13 run), a few percent under the staging path.
         * ``"auto"``: runs of consecutive block ids over adjacent host pages, at least 16 MiB of
           planes with slices of at least 8 KiB, one 2D copy per plane and run; ``"always"``: every
           such run; other pages staged.  2D rows of one plane slice move at 0.89-0.94x of a bulk
           copy (0.82x for saves).
-        * ``"never"`` (the default): every page staged (the fused gather/scatter kernel plus bulk
-          DMA): 0.95-0.98x, and the only path for short slices.
+        * ``"never"``: every page staged (the fused gather/scatter kernel plus bulk DMA):
+          0.93-0.98x, and the only path for short slices; the choice where the last few percent
+          of restore or save throughput matter more than the decode step beside them.
 
     Streams: two non-blocking, lowest-priority streams per direction (pack and DMA), so the pack
     of chunk ``k+1`` overlaps the DMA of chunk ``k``; staging reuse is ordered by events.
@@ -276,7 +278,7 @@ class CudaCopyEngine(CopyEngine):
 
     def __init__(self, device: int = 0, *, staging_bytes: int = 64 * _MiB, mode: str = "auto",
                  ctas: int | None = None, threads: int = 256, tile_bytes: int = 16384,
-                 cache_hints: bool = True, direct: str = "never") -> None:
+                 cache_hints: bool = True, direct: str = "batch") -> None:
         super().__init__()
         if not _cuda.available():
             raise CopyEngineError(f"CUDA is not usable: {_cuda.unavailable_reason()}", hint="use CpuCopyEngine")

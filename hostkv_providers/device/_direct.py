@@ -13,7 +13,7 @@ pages from one 13 GB buffer at 0.99x of a bulk copy, from the pinned arena's 256
 (runs of 128 pages) at 0.93-0.94x against 0.97-0.98x staged, saves at 0.82x against 0.93x.
 Pages outside such runs keep the staging path.
 
-``direct="batch"`` (opt-in) moves *every* page directly, in any block order: one copy
+``direct="batch"`` (the engine's default) moves *every* page directly, in any block order: one copy
 descriptor per (page, run of adjacent planes), handed to ``cuMemcpyBatchAsync`` (CUDA 12.8+
 drivers) a few thousand at a time.  The copy engines do it all, so no SM is shared with the
 engine's kernels and no staging buffer is used.  Another trade, measured on the H200 (2 MiB pages
