@@ -165,7 +165,8 @@ def gpu_phases(torch: Any, args: Any, phases: set[str], results: dict[str, Any],
         cache = HostKVCache(provider, hk.Salt("bench/engine", layout), engine, **CACHE_KW)
         keys = cache.keys(np.arange(n * TOKENS) % 50_000 + 7)
     # The same cache on an engine with direct DMA for runs of consecutive blocks (direct="auto";
-    # the default engine stages every page): measured side by side, a trade (see CudaCopyEngine).
+    # the default engine moves every page by batch copies, --direct never stages them): measured
+    # side by side, a trade (see CudaCopyEngine).
     engine_d = CudaCopyEngine(0, direct="auto")
     cache_d = (HostKVCache(provider, hk.Salt("bench/engine", layout), engine_d, **CACHE_KW)
                if provider is not None else None)
@@ -272,7 +273,7 @@ def pinned_phase(torch: Any, cache: HostKVCache, provider: Any, keys: list[hk.Ke
         hit.release()
     layered = layerwise_restores(torch, cache, keys, caches, planes, src, dst)
     # The same into scattered blocks (a shuffled block table: no run of consecutive blocks, so no
-    # direct DMA: every page goes through the engine's staging and scatter kernel).
+    # 2D DMA: every page goes by batch copies, or through the staging and scatter kernel).
     dst_s = scattered(dst)
     scat, ok_s = timed_restores(torch, cache, keys, caches, planes, src, dst_s)
     layered_s = layerwise_restores(torch, cache, keys, caches, planes, src, dst_s, reps=3, alone=False)
@@ -729,8 +730,8 @@ def render(r: dict[str, Any]) -> str:
                          f"goal {dl['goal_ms']} ms | |")
         sc = pin.get("scattered")
         if sc:
-            lines.append(f"| restore into scattered blocks (shuffled block table: staging + scatter kernel; best / "
-                         f"median) | {min(sc['restores_ms'])} ms | bulk H2D {pin['bulk_h2d_ms']} ms | "
+            lines.append(f"| restore into scattered blocks (shuffled block table: batch copies, or staging + scatter "
+                         f"kernel; best / median) | {min(sc['restores_ms'])} ms | bulk H2D {pin['bulk_h2d_ms']} ms | "
                          f"{sc['restore_best_x_bulk']}x / {sc['restore_median_x_bulk']}x |")
             ls = sc["layerwise"]
             lines.append(f"| layer-wise restore into scattered blocks: layer 0 usable on the stream / by the host "
