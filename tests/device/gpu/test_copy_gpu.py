@@ -104,11 +104,14 @@ def allocator() -> Any:
 @pytest.mark.parametrize("mode", ["kernel", "memcpy"])
 @pytest.mark.parametrize("layout", [PLAIN, SCALED, LATENT], ids=["plain", "scaled-unaligned", "latent"])
 @pytest.mark.parametrize("host", ["pinned", "pageable-split"])
-def test_round_trip(mode: str, layout: KVLayout, host: str, allocator: Any) -> None:
+@pytest.mark.parametrize("direct", ["never", "batch"])
+def test_round_trip(mode: str, layout: KVLayout, host: str, direct: str, allocator: Any) -> None:
     src = DevicePlanes(layout, 40, seed=1)
     ids = [37, 2, 19, 0, 33, 8, 11, 25, 5, 39, 14]
-    # a small staging buffer forces several chunks, so both staging slots are reused
-    eng = CudaCopyEngine(staging_bytes=max(4096, 3 * layout.page_nbytes), mode=mode)
+    # a small staging buffer forces several chunks, so both staging slots are reused (direct=
+    # "never": every page staged; "batch", the default: pinned whole pages by batch copies where
+    # the layout's copies are long enough, the rest staged)
+    eng = CudaCopyEngine(staging_bytes=max(4096, 3 * layout.page_nbytes), mode=mode, direct=direct)
     assert eng.mode == mode
     keep: Any = None
     if host == "pinned":
@@ -140,7 +143,7 @@ def test_round_trip(mode: str, layout: KVLayout, host: str, allocator: Any) -> N
 def test_contiguous_pages_coalesce_into_few_copies(allocator: Any) -> None:
     layout = PLAIN
     src = DevicePlanes(layout, 64, seed=3)
-    eng = CudaCopyEngine(staging_bytes=8 * layout.page_nbytes)
+    eng = CudaCopyEngine(staging_bytes=8 * layout.page_nbytes, direct="never")  # (the staging path's DMAs)
     mem = allocator.allocate(64 * layout.page_nbytes)
     pages = page_regions(mem.view, mem.address, layout.page_nbytes, 64, pinned=True)
     ids = list(np.random.default_rng(4).permutation(64))
@@ -156,11 +159,12 @@ def test_contiguous_pages_coalesce_into_few_copies(allocator: Any) -> None:
     mem.close()
 
 
-def test_save_waits_for_the_compute_stream(allocator: Any) -> None:
+@pytest.mark.parametrize("direct", ["never", "batch"])
+def test_save_waits_for_the_compute_stream(allocator: Any, direct: str) -> None:
     """Work queued on ``after`` before the save is visible to it, though the stream is busy."""
     layout = PLAIN
     dp = DevicePlanes(layout, 16, seed=5, fill=1)
-    eng = CudaCopyEngine()
+    eng = CudaCopyEngine(direct=direct)
     mem = allocator.allocate(16 * layout.page_nbytes)
     pages = page_regions(mem.view, mem.address, layout.page_nbytes, 16, pinned=True)
     compute = torch.cuda.Stream()
@@ -188,12 +192,13 @@ def test_save_waits_for_the_compute_stream(allocator: Any) -> None:
     eng.close()
 
 
-def test_restore_orders_the_compute_stream(allocator: Any) -> None:
+@pytest.mark.parametrize("direct", ["never", "batch"])
+def test_restore_orders_the_compute_stream(allocator: Any, direct: str) -> None:
     """Kernels queued on ``before`` after the restore read the restored bytes."""
     layout = PLAIN
     n = 64
     dp = DevicePlanes(layout, n, seed=6, fill=0)
-    eng = CudaCopyEngine()
+    eng = CudaCopyEngine(direct=direct)
     mem = allocator.allocate(n * layout.page_nbytes)
     np.frombuffer(mem.view, dtype=np.uint8)[:] = 9
     pages = page_regions(mem.view, mem.address, layout.page_nbytes, n, pinned=True)
