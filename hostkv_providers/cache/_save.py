@@ -150,9 +150,9 @@ def save(
         claims = self._claims
         if not any(map(claims.__contains__, ks[:admitted])):
             # the common cases (a new chain, or a chain whose prefix is stored; no other save of
-            # it in flight here) at C speed: a Python loop per page held the GIL for 2-3 ms of a
-            # 6,400-page save on the engine's calling thread (H200: the decode steps beside saves
-            # that ran > 1.2x overlapped this call 15-25x more often than chance)
+            # it in flight here) at C speed: this call holds the GIL on the engine's thread (H200:
+            # decode steps beside saves that ran > 1.2x overlapped it 10-25x more often than
+            # chance), and a Python loop per page was the part of it that grows with the chain
             if any(present):
                 new = list(map(operator.not_, present))
                 claims.update(zip(itertools.compress(ks, new), itertools.repeat(job)))

@@ -1,5 +1,7 @@
-"""The CUDA copy engine: a fused gather/scatter kernel (NVRTC) into double-buffered device staging,
-large DMA copies on dedicated streams, events and stream memory operations for ordering."""
+"""The CUDA copy engine: whole pages by ``cuMemcpyBatchAsync`` straight between host pages and
+blocks (``direct="batch"``, the default; :mod:`._direct`), else a fused gather/scatter kernel
+(NVRTC) into double-buffered device staging and large DMA copies, on dedicated streams; events and
+stream memory operations for ordering."""
 
 from __future__ import annotations
 
@@ -258,12 +260,14 @@ class CudaCopyEngine(CopyEngine):
           otherwise, and for layer-wise restores, the staging path).  Measured on the H200
           (docs/benchmarks.md, sessions 13-16), a graph-captured decode step beside back-to-back
           restores or saves runs at 1.01-1.03x of its time alone, p99 1.05-1.25x over 1,000
-          steps (the staging path's kernels: p50 1.04-1.07x, p99 1.30-1.53x in session 16's run).
+          steps (the staging path's kernels: p50 1.04-1.07x, p99 1.11-1.53x across session 16's
+          runs).
           The driver's ~0.5 us per copy is host time, so calls of 4,096 copies or more are issued
           half by a second thread on a second stream.  Through the cache: with K and V of a block
           adjacent (FlashInfer's layout) restores at 0.97x of a bulk copy and saves at 0.95x;
           with vLLM's ``[2, blocks, ...]`` (32 KiB copies) restores at 0.94-0.96x and saves at
-          0.91-0.94x (0.84x in one session-13 run), a few percent under the staging path.
+          0.91-0.94x, within ~1% of the staging path side by side, but moving more between runs
+          (0.82-0.84x on slow hosts in sessions 13 and 16).
         * ``"auto"``: runs of consecutive block ids over adjacent host pages, at least 16 MiB of
           planes with slices of at least 8 KiB, one 2D copy per plane and run; ``"always"``: every
           such run; other pages staged.  2D rows of one plane slice move at 0.89-0.94x of a bulk
