@@ -260,8 +260,8 @@ class CudaCopyEngine(CopyEngine):
           otherwise, and for layer-wise restores, the staging path).  Measured on the H200
           (docs/benchmarks.md, sessions 13-16), a graph-captured decode step beside back-to-back
           restores or saves runs at 1.01-1.03x of its time alone, p99 1.05-1.25x over 1,000
-          steps (the staging path's kernels: p50 1.04-1.07x, p99 1.11-1.53x across session 16's
-          runs).
+          steps (1.45x beside saves in one run on a slow host; the staging path's kernels: p50
+          1.04-1.07x, p99 1.11-1.53x across session 16's runs).
           The driver's ~0.5 us per copy is host time, so calls of 4,096 copies or more are issued
           half by a second thread on a second stream.  Through the cache: with K and V of a block
           adjacent (FlashInfer's layout) restores at 0.97x of a bulk copy and saves at 0.95x;
