@@ -153,13 +153,13 @@ def save(
             # it in flight here) at C speed: this call holds the GIL on the engine's thread (H200:
             # decode steps beside saves that ran > 1.2x overlapped it 10-25x more often than
             # chance), and a Python loop per page was the part of it that grows with the chain
+            keys_in: Iterable[Key] = ks[:admitted]
+            todo: Iterable[int] = range(admitted)
             if any(present):
                 new = list(map(operator.not_, present))
-                claims.update(zip(itertools.compress(ks, new), itertools.repeat(job)))
-                job.claimed.extend(itertools.compress(range(admitted), new))
-            else:
-                claims.update(zip(ks[:admitted], itertools.repeat(job)))
-                job.claimed.extend(range(admitted))
+                keys_in, todo = itertools.compress(ks, new), itertools.compress(todo, new)
+            claims.update(zip(keys_in, itertools.repeat(job)))
+            job.claimed.extend(todo)
         else:
             for i in range(admitted):
                 if present[i]:

@@ -267,13 +267,13 @@ class CudaCopyEngine(CopyEngine):
           adjacent (FlashInfer's layout) restores at 0.97x of a bulk copy and saves at 0.95x;
           with vLLM's ``[2, blocks, ...]`` (32 KiB copies) restores at 0.94-0.96x and saves at
           0.91-0.94x, within ~1% of the staging path side by side, but moving more between runs
-          (0.82-0.84x on slow hosts in sessions 13 and 16).
+          (0.82-0.84x in one run each of sessions 13 and 16).
         * ``"auto"``: runs of consecutive block ids over adjacent host pages, at least 16 MiB of
           planes with slices of at least 8 KiB, one 2D copy per plane and run; ``"always"``: every
           such run; other pages staged.  2D rows of one plane slice move at 0.89-0.94x of a bulk
           copy (0.82x for saves).
         * ``"never"``: every page staged (the fused gather/scatter kernel plus bulk DMA):
-          0.93-0.98x, and the only path for short slices; the choice where the last few percent
+          0.92-0.98x, and the only path for short slices; the choice where the last few percent
           of restore or save throughput matter more than the decode step beside them.
 
     Streams: two non-blocking, lowest-priority streams per direction (pack and DMA), so the pack
