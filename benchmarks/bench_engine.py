@@ -173,6 +173,9 @@ def gpu_phases(torch: Any, args: Any, phases: set[str], results: dict[str, Any],
     if "pinned" in phases and cache is not None and cache_d is not None:
         results["pinned"] = pinned_phase(torch, cache, provider, keys, caches, planes, src, dst, nbytes,
                                          results["bulk"])
+        # pages of shared batch transfers (direct="batch": the staging path fills in where the
+        # driver's per-copy host time falls behind the link), [staged, by batch copies]
+        results["pinned"]["shared_pages"] = {k: list(v) for k, v in getattr(engine, "shared_pages", {}).items()}
         log("pinned", results["pinned"])
         results["pinned_direct"] = direct_phase(torch, cache_d, provider, keys, caches, planes, src, dst, nbytes,
                                                 results["bulk"])
@@ -693,6 +696,11 @@ def render(r: dict[str, Any]) -> str:
                      f"({best['copied_ms']} ms; issue {best['issue_ms']} ms; seal hashing {pin['seal_hash_gbps']} GB/s "
                      f"on {pin['hash_threads']} threads) | bulk D2H {pin['bulk_d2h_ms']} ms | "
                      f"{pin['save_sealed_x_bulk']}x ({pin['save_copied_x_bulk']}x) |")
+        sp = pin.get("shared_pages")
+        if sp and any(sum(v) for v in sp.values()):
+            lines.append(f"| pages of this phase's shared batch transfers, staged / by batch copies | saves "
+                         f"{sp['save'][0]:,} / {sp['save'][1]:,}; restores {sp['restore'][0]:,} / "
+                         f"{sp['restore'][1]:,} | | |")
         rb = min(x["ms"] for x in pin["restores"])
         lk = min(x["lookup_ms"] for x in pin["restores"])
         lines.append(f"| lookup + restore of the chain from pinned:// (best / median; lookup {lk} ms) | {rb} ms | "

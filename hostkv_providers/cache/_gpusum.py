@@ -108,10 +108,19 @@ class RestoreCheck:
         self.planes = planes
         self.stream = hasher.dev.stream(low_priority=False)
 
-    def enqueue(self, transfer: Any, bids: Sequence[int]) -> Any:
-        """Hash the blocks ``bids`` once ``transfer`` (their H2D copy) is done."""
-        with self.hasher.dev.scope():
-            transfer.wait_on(int(self.stream))
+    def gate_stream(self) -> int | None:
+        """The stream to pass as a restore's ``before=`` so that :meth:`enqueue` with ``gated``
+        needs no wait on the transfer (``None``: this check has no stream)."""
+        return int(self.stream)
+
+    def enqueue(self, transfer: Any, bids: Sequence[int], *, gated: bool = False) -> Any:
+        """Hash the blocks ``bids`` once ``transfer`` (their H2D copy) is done: behind its event
+        (``transfer.wait_on``, which waits until the engine has issued the copies), or, with
+        ``gated``, behind the restore's gate on :meth:`gate_stream` (the transfer was made with
+        ``before=`` that stream: nothing to wait for here)."""
+        if not gated:
+            with self.hasher.dev.scope():
+                transfer.wait_on(int(self.stream))
         return self.hasher.enqueue(self.planes, bids, self.stream)
 
     @staticmethod
@@ -157,7 +166,10 @@ class HostRestoreCheck(RestoreCheck):
     def __init__(self, planes: Any) -> None:  # no hasher, no stream
         self.planes = planes
 
-    def enqueue(self, transfer: Any, bids: Sequence[int]) -> Any:
+    def gate_stream(self) -> int | None:
+        return None  # (checked on the host, after the transfer's wait)
+
+    def enqueue(self, transfer: Any, bids: Sequence[int], *, gated: bool = False) -> Any:
         return _HostDigests(transfer, self.planes, bids)
 
     def close(self) -> None:

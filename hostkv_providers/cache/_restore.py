@@ -307,14 +307,19 @@ def _restore_pages(self: HostKVCache, handle: CacheHandle, result: RestoreResult
                 else:
                     verify = None
                     try:
-                        h = self.engine.restore(srcs, planes, bids[i : i + len(part)])
                         sums = getattr(srcs, "checksums", None)
-                        if sums is not None and getattr(srcs, "algorithm", None) == TREE_ALGORITHM:
+                        checked = sums is not None and getattr(srcs, "algorithm", None) == TREE_ALGORITHM
+                        if checked and check is None:
                             # views of a store that verifies reads: check the blocks on the GPU
-                            if check is None:
-                                check = restore_check(planes)
-                            if check is not None:
-                                verify = (i, check.enqueue(h, bids[i : i + len(part)]), sums)
+                            check = restore_check(planes)
+                        gated = check.gate_stream() if checked and check is not None else None
+                        # (the check's stream held back by the restore's gate: enqueuing the hash
+                        # does not wait for the engine to issue the copies, which a shared batch
+                        # transfer does for as long as it moves, so the next chunk goes at once)
+                        h = self.engine.restore(srcs, planes, bids[i : i + len(part)], before=gated) \
+                            if gated is not None else self.engine.restore(srcs, planes, bids[i : i + len(part)])
+                        if checked and check is not None:
+                            verify = (i, check.enqueue(h, bids[i : i + len(part)], gated=gated is not None), sums)
                     except BaseException:
                         for vlease in vleases:
                             vlease.release()

@@ -261,9 +261,13 @@ class Device:
         with self.scope():
             return check(d.cuStreamCreateWithPriority(flags, prio), "cuStreamCreateWithPriority")
 
-    def event(self, *, timing: bool = False) -> Any:
+    def event(self, *, timing: bool = False, blocking: bool = False) -> Any:
+        """A new event; ``blocking``: a host wait on it (``cuEventSynchronize``) sleeps until the
+        GPU signals it instead of spinning a core (for threads that wait on it in a loop)."""
         d = driver()
         flags = 0 if timing else int(d.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+        if blocking:
+            flags |= int(d.CUevent_flags.CU_EVENT_BLOCKING_SYNC)
         with self.scope():
             return check(d.cuEventCreate(flags), "cuEventCreate")
 

@@ -327,7 +327,9 @@ class CudaCopyEngine(CopyEngine):
             aux = self._streams["aux"]
             for direction in ("save", "restore"):
                 self._staging[direction] = [dev.mem_alloc_async(staging_bytes, aux) for _ in range(2)]
-                self._slot_events[direction] = [(dev.event(), dev.event()) for _ in range(2)]
+                # (blocking-sync: a shared batch transfer's thread waits on them per chunk)
+                self._slot_events[direction] = [(dev.event(blocking=True), dev.event(blocking=True))
+                                                for _ in range(2)]
             with dev.scope():  # our own stream only: the staging exists before any transfer uses it
                 _cuda.check(_cuda.driver().cuStreamSynchronize(aux), "cuStreamSynchronize")
         self._tables: dict[tuple[Any, ...], _Table] = {}
@@ -341,6 +343,9 @@ class CudaCopyEngine(CopyEngine):
         self._reaper = _Reaper(dev)
         # direct="batch": a second thread and stream per direction issue half of each large batch
         self._sides: dict[str, _direct.BatchSide] = {}
+        #: Pages of shared ``direct="batch"`` transfers (:meth:`_issue_shared`) per direction:
+        #: ``[staged, by batch copies]``, summed over the engine's life (what a benchmark reports).
+        self.shared_pages = {"save": [0, 0], "restore": [0, 0]}
         if self.direct == "batch" and _cuda.batch_memcpy() is not None:
             self._sides = {name: _direct.BatchSide(dev, f"hostkv-cuda-{name}-side") for name in ("save", "restore")}
 
@@ -704,6 +709,10 @@ class CudaCopyEngine(CopyEngine):
                 _cuda.check(d.cuStreamWaitEvent(pack, after_ev, 0), "cuStreamWaitEvent(after)")
         _cuda.check(d.cuEventRecord(start, first), "cuEventRecord")
         layout = planes.layout
+        arrays = self._shared_copies("save", planes, dplan)
+        if arrays is not None:  # (``first`` is the DMA stream: both streams waited on ``after``)
+            self._issue_shared("save", planes, ids, pages, arrays, dma, pack, done)
+            return
         if dplan.runs:  # straight from the blocks into the host pages, then the rest staged
             _direct.issue(d, planes, ids, dplan, layout.planes, dma, to_device=False,
                           side=self._sides.get("save"))
@@ -738,6 +747,10 @@ class CudaCopyEngine(CopyEngine):
         handle._set_events(start, done)
         _cuda.check(d.cuEventRecord(start, dma), "cuEventRecord")
         layout = planes.layout
+        arrays = self._shared_copies("restore", planes, dplan)
+        if arrays is not None:
+            self._issue_shared("restore", planes, ids, pages, arrays, dma, scatter, done)
+            return
         if dplan.runs:  # straight into the blocks first (the staged chunks' events then imply them)
             _direct.issue(d, planes, ids, dplan, layout.planes, dma, to_device=True,
                           side=self._sides.get("restore"))
@@ -763,6 +776,90 @@ class CudaCopyEngine(CopyEngine):
             self._launch(self._scatter_fn, table, planes, ids[lo:hi], staging, scatter)
             _cuda.check(d.cuEventRecord(freed, scatter), "cuEventRecord")
         _cuda.check(d.cuEventRecord(done, scatter), "cuEventRecord")
+
+    def _shared_copies(self, direction: str, planes: KVPlanes, dplan: _direct.DirectPlan
+                       ) -> tuple[Any, ...] | None:
+        """The batch copies of a ``direct="batch"`` transfer that the staging path shares
+        (:class:`~._direct.Claims`): one of at least :data:`~._direct.BATCH_SPLIT_MIN` copies, with
+        the pack kernel and the direction's side thread there; ``None`` for any other."""
+        side = self._sides.get(direction)
+        if dplan.ids is None or side is None or self.mode != "kernel" or dplan.addresses is None:
+            return None
+        groups = len(_direct.copy_groups(planes.ptrs, planes.block_strides, planes.layout.planes,
+                                         blocks=planes.num_blocks)[3])
+        if groups * len(dplan.ids) < _direct.BATCH_SPLIT_MIN:
+            return None
+        return _direct.batch_copies(planes.ptrs, planes.block_strides, planes.layout.planes, dplan.ids,
+                                    dplan.addresses, to_device=direction == "restore", blocks=planes.num_blocks)
+
+    def _issue_shared(self, direction: str, planes: KVPlanes, ids: list[int], pages: _Pages,
+                      arrays: tuple[Any, ...], dma: Any, kernel_stream: Any, done: Any) -> None:
+        """A ``direct="batch"`` transfer shared with the staging path (:class:`~._direct.Claims`):
+        the side thread issues batch copies of pages from the back on its stream (forked off
+        ``dma`` here: behind the transfer's start and, for a save, its ``after`` wait); this
+        thread stages chunks from the front (``kernel_stream``: the scatter stream of a restore,
+        the pack stream of a save), each once the GPU has caught up with the side's copies, with
+        at most two staged chunks queued ahead of the link.  ``done`` is recorded behind both."""
+        d = _cuda.driver()
+        side = self._sides[direction]
+        layout = planes.layout
+        P = layout.page_nbytes
+        n = len(ids)
+        claims = _direct.Claims(n)
+        fn = _cuda.batch_memcpy()
+        assert fn is not None
+        _cuda.check(d.cuEventRecord(side.fork, dma), "cuEventRecord(fork)")
+        wait = side.start(_direct.shared_side(d, fn, arrays, int(arrays[2].size) // n, claims, side),
+                          on_exit=claims.side_finished)
+        restore = direction == "restore"
+        errors: list[BaseException] = []
+        try:
+            table = self._table(planes)
+            _cuda.check(d.cuStreamWaitEvent(kernel_stream, table.event, 0), "cuStreamWaitEvent(table)")
+            per = self._per_chunk(P)
+            events = self._slot_events[direction]
+            while True:
+                _direct.side_lagging(d, claims, side)
+                lo, hi = claims.front(per)
+                if hi <= lo:
+                    break
+                # the slot's last chunk off the link first: at most two staged chunks queued, so
+                # the claims follow the GPU's progress (a restore's H2D into it, a save's D2H out)
+                nxt = events[self._slot[direction]]
+                _cuda.check(d.cuEventSynchronize(nxt[0] if restore else nxt[1]), "cuEventSynchronize(slot)")
+                s = self._take_slot(direction, d, dma if restore else kernel_stream)
+                staging = self._staging[direction][s]
+                first_ev, freed = events[s]  # (restore: loaded, freed; save: packed, freed)
+                if restore:
+                    for off, addr, nb in self._coalesce(pages, lo, hi, P):
+                        _cuda.check(d.cuMemcpyHtoDAsync(staging + off, addr, nb, dma), "cuMemcpyHtoDAsync")
+                    _cuda.check(d.cuEventRecord(first_ev, dma), "cuEventRecord")
+                    _cuda.check(d.cuStreamWaitEvent(kernel_stream, first_ev, 0), "cuStreamWaitEvent")
+                    self._launch(self._scatter_fn, table, planes, ids[lo:hi], staging, kernel_stream)
+                    _cuda.check(d.cuEventRecord(freed, kernel_stream), "cuEventRecord")
+                else:
+                    self._launch(self._gather_fn, table, planes, ids[lo:hi], staging, kernel_stream)
+                    _cuda.check(d.cuEventRecord(first_ev, kernel_stream), "cuEventRecord")
+                    _cuda.check(d.cuStreamWaitEvent(dma, first_ev, 0), "cuStreamWaitEvent")
+                    for off, addr, nb in self._coalesce(pages, lo, hi, P):
+                        _cuda.check(d.cuMemcpyDtoHAsync(addr, staging + off, nb, dma), "cuMemcpyDtoHAsync")
+                    _cuda.check(d.cuEventRecord(freed, dma), "cuEventRecord")
+        except BaseException as exc:
+            claims.close()
+            errors.append(exc)
+        failed = wait()  # (the side's claims are over: its join record is the one waited on below)
+        if failed is not None:
+            errors.append(failed)
+        last = kernel_stream if restore else dma
+        try:
+            _cuda.check(d.cuStreamWaitEvent(last, side.join, 0), "cuStreamWaitEvent(join)")
+            _cuda.check(d.cuEventRecord(done, last), "cuEventRecord")
+        except CopyEngineError as exc:
+            errors.append(exc)
+        self.shared_pages[direction][0] += claims.taken[0]
+        self.shared_pages[direction][1] += claims.taken[1]
+        if errors:
+            raise errors[0]
 
     def _issue_restore_layers(self, handle: _CudaHandle, planes: KVPlanes, ids: list[int], pages: _Pages,
                               moved: range, dplan: _direct.DirectPlan = _direct.NO_PLAN,

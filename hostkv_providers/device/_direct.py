@@ -74,6 +74,13 @@ BATCH_FIRST_COPIES = 128
 #: threads gained nothing more.  The threshold itself is a choice, not a measurement: 4,096 copies
 #: are ~2 ms of driver time, well above what handing half of them to a waiting thread costs.
 BATCH_SPLIT_MIN = 4096
+#: ``direct="batch"``, a transfer of at least :data:`BATCH_SPLIT_MIN` copies is *shared* with the
+#: staging path (:class:`Claims`): the side thread claims pages from the back for batch copies,
+#: first this many copies' worth, each next claim twice as many up to :data:`SHARED_MAX_COPIES`
+#: (a claim's driver call is host time, ~0.5-3 us per copy: small claims keep the staging path's
+#: view of its progress fresh and the tail after the two meet short).
+SHARED_FIRST_COPIES = 128
+SHARED_MAX_COPIES = 4096
 
 DIRECT_MODES = ("batch", "auto", "always", "never")
 
@@ -245,20 +252,26 @@ class BatchSide:
     Used under the direction's issue lock only (one transfer at a time), so the events are
     recorded again by each transfer: a stream wait takes the event's latest record at the call."""
 
-    __slots__ = ("_closed", "_dev", "_worker", "fork", "join", "stream")
+    __slots__ = ("_closed", "_dev", "_worker", "fork", "join", "progress", "stream")
 
     def __init__(self, dev: Any, name: str) -> None:
         self._dev = dev
         self.stream = dev.stream()
         self.fork = dev.event()
         self.join = dev.event()
+        # recorded after each claim of a shared transfer (Claims); the staging path's thread waits
+        # on it in a loop (side_lagging): a blocking-sync event sleeps there instead of spinning
+        self.progress = dev.event(blocking=True)
         self._worker = _Worker(name)
         self._closed = False
 
-    def start(self, job: Callable[[], None]) -> Callable[[], BaseException | None]:
+    def start(self, job: Callable[[], None], on_exit: Callable[[], None] | None = None
+              ) -> Callable[[], BaseException | None]:
         """Run ``job`` on the side thread; the returned call waits for it and gives what it raised.
-        After :meth:`close` a :class:`CopyEngineError` (a job queued behind the stopped thread
-        would never run, and its waiter would wait for ever)."""
+        ``on_exit`` runs on the side thread when it is done, also when ``job`` never ran (the
+        thread could not take the device): what another thread waiting on the job's progress
+        needs to stop waiting.  After :meth:`close` a :class:`CopyEngineError` (a job queued
+        behind the stopped thread would never run, and its waiter would wait for ever)."""
         if self._closed:
             raise CopyEngineError("the copy engine is closed (its batch side thread is stopped)")
         done = threading.Event()
@@ -271,7 +284,11 @@ class BatchSide:
             except BaseException as exc:  # handed to the issuing thread
                 failed.append(exc)
             finally:
-                done.set()
+                try:
+                    if on_exit is not None:
+                        on_exit()
+                finally:
+                    done.set()
 
         self._worker.submit(run)
 
@@ -289,6 +306,7 @@ class BatchSide:
         attempt(d.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
         d.cuEventDestroy(self.fork)
         d.cuEventDestroy(self.join)
+        d.cuEventDestroy(self.progress)
         attempt(d.cuStreamDestroy(self.stream), "cuStreamDestroy")
 
 
@@ -353,6 +371,118 @@ def issue_batch(planes: Any, dplan: DirectPlan, specs: Any, stream: Any, *, to_d
         errors.append(exc)
     if errors:
         raise errors[0]
+
+
+class Claims:
+    """Pages ``[0, n)`` of one transfer shared by two issuers until they meet: the staging path
+    takes chunks from the front (:meth:`front`), the batch side runs of pages from the back
+    (:meth:`back`).  Why share: batch copies keep the engine's SMs free, but their driver time
+    is host time per 32 KiB copy, measured on the H200 at 0.5-1.5 us from one process to the
+    next and up to ~3 us for seconds at a time (restores then ran at 0.39-0.46x of the link,
+    ``docs/benchmarks.md``, session 17), while the staging path moves a chunk in a few large
+    DMAs whatever the host does.  The staging path claims a chunk only when the GPU has caught
+    up with every batch copy issued so far (:func:`side_lagging`): with a fast host batch copies
+    move (nearly) everything, with a slow one the staging path fills the link.
+
+    ``records`` counts the side's progress records, ``side_done`` says it stopped claiming;
+    ``started`` is set at its first record or its end."""
+
+    __slots__ = ("_lock", "back_at", "front_at", "records", "side_done", "started", "taken")
+
+    def __init__(self, n: int) -> None:
+        self._lock = threading.Lock()
+        self.front_at = 0
+        self.back_at = n
+        self.records = 0
+        self.side_done = False
+        self.started = threading.Event()
+        self.taken = [0, 0]  # pages claimed by the front (staged), by the back (batch copies)
+
+    def front(self, k: int) -> tuple[int, int]:
+        """The next ``k`` pages (fewer where the back's claims begin; empty once they meet)."""
+        with self._lock:
+            lo = self.front_at
+            hi = min(lo + k, self.back_at)
+            if hi <= lo:
+                return lo, lo
+            self.front_at = hi
+            self.taken[0] += hi - lo
+            return lo, hi
+
+    def back(self, k: int) -> tuple[int, int]:
+        """The last ``k`` pages not yet claimed (fewer near the front; empty once they meet)."""
+        with self._lock:
+            hi = self.back_at
+            lo = max(self.front_at, hi - k)
+            if hi <= lo:
+                return hi, hi
+            self.back_at = lo
+            self.taken[1] += hi - lo
+            return lo, hi
+
+    def close(self) -> None:
+        """Nothing more to claim (an issuer failed: the transfer fails, its other pages unmoved)."""
+        with self._lock:
+            self.back_at = self.front_at
+
+    def recorded(self) -> None:
+        self.records += 1  # (one writer: the side thread)
+        self.started.set()
+
+    def side_finished(self) -> None:
+        self.side_done = True
+        self.started.set()
+
+
+def shared_side(d: Any, fn: _cuda._BatchCall, arrays: tuple[npt.NDArray[np.uint64], ...], per_page: int,
+                claims: Claims, side: BatchSide) -> Callable[[], None]:
+    """The side thread's half of a shared transfer: behind ``side.fork``, claims of pages from the
+    back of ``claims``, each issued as one ``cuMemcpyBatchAsync`` of its ``per_page`` copies per
+    page (``arrays``: :func:`batch_copies` of every page, page-major) and followed by a record of
+    ``side.progress``; ``side.join`` recorded last, also when a call fails (then the claims are
+    closed and the error raised)."""
+    dsts, srcs, sizes = (a.ctypes.data for a in arrays)
+    stream = side.stream
+    handle = int(stream)
+
+    def job() -> None:
+        try:
+            _cuda.check(d.cuStreamWaitEvent(stream, side.fork, 0), "cuStreamWaitEvent(fork)")
+            k = max(1, SHARED_FIRST_COPIES // per_page)
+            kmax = max(1, SHARED_MAX_COPIES // per_page)
+            while True:
+                lo, hi = claims.back(k)
+                if hi <= lo:
+                    break
+                off = 8 * lo * per_page  # (byte offset into each uint64 array)
+                err = fn(dsts + off, srcs + off, sizes + off, (hi - lo) * per_page, handle)
+                if err:
+                    raise CopyEngineError(f"cuMemcpyBatchAsync failed: {_cuda.error_text(err)}")
+                _cuda.check(d.cuEventRecord(side.progress, stream), "cuEventRecord(progress)")
+                claims.recorded()
+                k = min(2 * k, kmax)
+        except BaseException:
+            claims.close()
+            raise
+        finally:
+            try:
+                _cuda.check(d.cuEventRecord(side.join, stream), "cuEventRecord(join)")
+            finally:
+                claims.side_finished()
+
+    return job
+
+
+def side_lagging(d: Any, claims: Claims, side: BatchSide) -> None:
+    """Block (the GIL released) until the staging path should claim a chunk: the side has stopped
+    claiming, or the GPU has finished every batch copy the side issued so far and the side has
+    issued none since (the link would go idle).  Waits for the side's first claim first."""
+    claims.started.wait()
+    while not claims.side_done:
+        seen = claims.records
+        _cuda.check(d.cuEventSynchronize(side.progress), "cuEventSynchronize(progress)")
+        if claims.records == seen:
+            return
 
 
 def issue(d: Any, planes: Any, ids: list[int], dplan: DirectPlan, specs: Any, stream: Any, *, to_device: bool,

@@ -314,7 +314,7 @@ class _Dev:
         self.n += 1
         return self.n
 
-    def event(self) -> str:
+    def event(self, **flags: bool) -> str:
         self.n += 1
         return f"ev{self.n}"
 
@@ -422,3 +422,129 @@ def test_batch_split_only_from_the_threshold_and_never_after_close(monkeypatch: 
     side.close(lambda result, what: None)
     with pytest.raises(CopyEngineError, match="closed"):
         side.start(lambda: None)
+
+
+# -- direct="batch" shared with the staging path: Claims, the side's claims, the lag test -----------
+def test_claims_meet_in_the_middle_and_close() -> None:
+    """The front takes chunks from page 0, the back runs from the last page, until they meet; each
+    page is claimed once; ``close`` leaves nothing to either."""
+    c = _direct.Claims(10)
+    assert c.front(3) == (0, 3)
+    assert c.back(4) == (6, 10)
+    assert c.back(4) == (3, 6)  # (fewer: the front has page 2)
+    assert c.front(3) == (3, 3) and c.back(1) == (3, 3)  # met: empty claims from both ends
+    assert c.taken == [3, 7]
+    d = _direct.Claims(5)
+    assert d.front(1) == (0, 1)
+    d.close()
+    assert d.front(1)[0] == d.front(1)[1] and d.back(9)[0] == d.back(9)[1]
+
+
+class _LagDriver(_Recorder):
+    """A :class:`_Recorder` whose ``cuEventSynchronize`` runs a hook (the side recording more, as
+    a side thread would between the staging path's reads)."""
+
+    def __init__(self) -> None:
+        super().__init__(0)
+        self.on_sync: list[Any] = []
+
+    def cuEventSynchronize(self, ev: object) -> tuple[int]:
+        self._add("sync-event", ev, None)
+        if self.on_sync:
+            self.on_sync.pop(0)()
+        return (0,)
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_shared_side_claims_from_the_back_records_progress_and_always_joins(
+        monkeypatch: pytest.MonkeyPatch, fail: bool) -> None:
+    """The side waits on the fork, then claims pages from the back in runs that double from
+    ``SHARED_FIRST_COPIES`` up to ``SHARED_MAX_COPIES`` copies, one batch call per claim (the
+    copies of exactly its pages) and a progress record after each; the join is recorded last.
+    A failing call closes the claims (the front then stops too), still joins, and raises."""
+    from hostkv_providers.errors import CopyEngineError
+
+    monkeypatch.setattr(_direct, "SHARED_FIRST_COPIES", 16)
+    monkeypatch.setattr(_direct, "SHARED_MAX_COPIES", 64)
+    rec = _Recorder(0, fail_on=9 if fail else None)
+    monkeypatch.setattr(_direct._cuda, "driver", lambda: rec)
+    side = _direct.BatchSide(_Dev(), "test-side")
+    side.stream = 9
+    per_page = 8
+    arrays = tuple(np.zeros(40 * per_page, np.uint64) for _ in range(3))
+    rec.base = arrays[0].ctypes.data
+    claims = _direct.Claims(40)
+    assert claims.front(3) == (0, 3)  # the staging path has the first chunk already
+    job = _direct.shared_side(rec, rec.batch, arrays, per_page, claims, side)
+    try:
+        if fail:
+            with pytest.raises(CopyEngineError, match="cuMemcpyBatchAsync failed"):
+                job()
+        else:
+            job()
+    finally:
+        side.close(lambda result, what: None)
+    ops = [op[:3] for op in rec.ops if op[0] != "sync"]  # (close()'s stream sync)
+    assert ops[0] == ("wait", side.fork, 9) and ops[-1] == ("record", side.join, 9)
+    copies = [op[1] for op in rec.ops if op[0] == "copy"]
+    assert claims.side_done and claims.started.is_set()
+    if fail:
+        assert copies == [(38 * 8, 40 * 8)] and claims.records == 0
+        assert claims.front(1)[0] == claims.front(1)[1]  # closed: nothing left for the front
+        return
+    # pages [38, 40), [34, 38), [26, 34), [18, 26), [10, 18), [3, 10): 2, 4, 8, 8, 8 pages, then the rest
+    assert copies == [(304, 320), (272, 304), (208, 272), (144, 208), (80, 144), (24, 80)]
+    assert claims.records == 6 == sum(1 for op in ops if op == ("record", side.progress, 9))
+    assert claims.taken == [3, 37]
+
+
+def test_side_lagging_waits_until_the_gpu_caught_up_with_no_newer_claim(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The staging path's turn comes when a wait on the side's progress event ends with no record
+    made meanwhile, or once the side stopped; not before the side's first record."""
+    import threading
+
+    rec = _LagDriver()
+    monkeypatch.setattr(_direct._cuda, "driver", lambda: rec)
+    side = _direct.BatchSide(_Dev(), "test-side")
+    try:
+        claims = _direct.Claims(4)
+        got: list[str] = []
+        t = threading.Thread(target=lambda: got.append(str(_direct.side_lagging(rec, claims, side))))
+        t.start()
+        t.join(0.05)
+        assert t.is_alive()  # no record yet: waiting for the side's first claim
+        # two waits each see a newer record (the side kept issuing), the third does not
+        rec.on_sync = [claims.recorded, claims.recorded]
+        claims.recorded()
+        t.join(5)
+        assert got == ["None"]
+        assert sum(1 for op in rec.ops if op[0] == "sync-event") == 3
+        rec.ops.clear()
+        claims.side_finished()
+        _direct.side_lagging(rec, claims, side)  # the side stopped: at once, no wait
+        assert not rec.ops
+    finally:
+        side.close(lambda result, what: None)
+
+
+def test_side_on_exit_runs_even_when_the_job_never_ran(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A side thread that cannot take the device never runs the job but still calls ``on_exit``
+    (the staging path's wait for the side's first claim ends) and hands the error to ``wait``."""
+    rec = _Recorder(0)
+    monkeypatch.setattr(_direct._cuda, "driver", lambda: rec)
+
+    class NoDevice(_Dev):
+        def activate(self) -> None:
+            raise RuntimeError("no device on this thread")
+
+    side = _direct.BatchSide(NoDevice(), "test-side")
+    try:
+        claims = _direct.Claims(4)
+        ran: list[int] = []
+        wait = side.start(lambda: ran.append(1), on_exit=claims.side_finished)
+        err = wait()
+        assert isinstance(err, RuntimeError) and not ran
+        assert claims.side_done and claims.started.is_set()
+        _direct.side_lagging(rec, claims, side)  # returns at once
+    finally:
+        side.close(lambda result, what: None)

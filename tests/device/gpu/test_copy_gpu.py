@@ -7,6 +7,7 @@ from torch on the host, independently of the engine.
 from __future__ import annotations
 
 import itertools
+import threading
 from typing import Any
 
 import numpy as np
@@ -376,6 +377,72 @@ def test_direct_runs_round_trip(direct: str, mode: str, layout: KVLayout, block_
             rest = [b for b in range(40) if b not in RUN_DST]
             for t in dst.tensors:
                 assert int(t[rest].count_nonzero()) == 0  # nothing else written
+    finally:
+        eng.close()
+        mem.close()
+
+
+@pytest.mark.parametrize("block_major", [False, True])
+def test_batch_shared_with_staging_round_trip(block_major: bool, allocator: Any,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ``direct="batch"`` transfer the staging path shares (``_direct.Claims``): the side thread
+    takes two one-page runs from the back by batch copies, the staging path the rest from the
+    front; saves and restores into shuffled blocks give the same bytes as the pages, every page
+    is moved once (``shared_pages``), and no other block is written."""
+    layout = PLAIN
+    n = 24
+    ids = [int(b) for b in np.random.default_rng(5).permutation(64)[:n]]
+    dst_ids = [int(b) for b in np.random.default_rng(6).permutation(64)[:n]]
+    monkeypatch.setattr(_direct, "BATCH_SPLIT_MIN", 2)
+
+    class TwoRuns(_direct.Claims):
+        """Exactly two one-page runs to the side, the front's first claim only after them."""
+
+        __slots__ = ("given", "ready")
+
+        def __init__(self, count: int) -> None:
+            super().__init__(count)
+            self.given = 0
+            self.ready = threading.Event()
+
+        def back(self, k: int) -> tuple[int, int]:
+            if self.given == 2:
+                return (0, 0)
+            self.given += 1
+            got = super().back(1)
+            if self.given == 2:
+                self.ready.set()
+            return got
+
+        def front(self, k: int) -> tuple[int, int]:
+            assert self.ready.wait(30)
+            return super().front(k)
+
+    monkeypatch.setattr(_direct, "Claims", TwoRuns)
+    src = DevicePlanes(layout, 64, seed=21, block_major=block_major)
+    eng = CudaCopyEngine(staging_bytes=4 * layout.page_nbytes, direct="batch")
+    mem = allocator.allocate(n * layout.page_nbytes)
+    try:
+        if not eng._sides or eng.mode != "kernel":
+            pytest.skip("no batch copies or no pack kernel on this driver")
+        P = layout.page_nbytes
+        addrs = np.arange(n, dtype=np.uint64) * np.uint64(P) + np.uint64(mem.address)
+        pages = HostPages(addrs, P, pinned=True, readonly=False, keepalive=mem)
+        assert eng.save(src.planes, ids, pages).wait(timeout=60)
+        assert eng.shared_pages["save"] == [n - 2, 2]
+        view = bytes(mem.view)
+        for i, b in enumerate(ids):
+            assert view[i * P: (i + 1) * P] == src.page(b), f"saved page {i} (block {b})"
+        dst = DevicePlanes(layout, 64, seed=22, fill=0, block_major=block_major)
+        ro = HostPages(addrs, P, pinned=True, readonly=True, keepalive=mem)
+        assert eng.restore(ro, dst.planes, dst_ids).wait(timeout=60)
+        assert eng.shared_pages["restore"] == [n - 2, 2]
+        for i, b in enumerate(dst_ids):
+            assert dst.page(b) == src.page(ids[i]), f"restored block {b}"
+        torch.cuda.synchronize()
+        rest = [b for b in range(64) if b not in dst_ids]
+        for t in dst.tensors:
+            assert int(t[rest].count_nonzero()) == 0  # nothing else written
     finally:
         eng.close()
         mem.close()
