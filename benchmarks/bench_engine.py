@@ -91,7 +91,7 @@ def main() -> int:
     ap.add_argument("--phases", default="bulk,pinned,verified,decode,restart,cliff")
     ap.add_argument("--dir", default=None, help="where mmap stores go (default: a temp dir)")
     ap.add_argument("--out", default=".")
-    ap.add_argument("--direct", default=None, choices=["batch", "auto", "always", "never"],
+    ap.add_argument("--direct", default=None, choices=["batch", "shared", "auto", "always", "never"],
                     help="the main engine's direct mode (default: CudaCopyEngine's default)")
     ap.add_argument("--save-window-bytes", type=int, default=None,
                     help="HostKVCache(save_window_bytes=) of every cache here (default: the cache's; 0: no bound)")

@@ -267,7 +267,18 @@ class CudaCopyEngine(CopyEngine):
           adjacent (FlashInfer's layout) restores at 0.97x of a bulk copy and saves at 0.95x;
           with vLLM's ``[2, blocks, ...]`` (32 KiB copies) restores at 0.94-0.96x and saves at
           0.91-0.94x, within ~1% of the staging path side by side, but moving more between runs
-          (0.82-0.84x in one run each of sessions 13 and 16).
+          (0.82-0.84x in one run each of sessions 13 and 16).  The driver's time per copy itself
+          varies: 0.56-1.1 us from one restore to the next in session 17, and for seconds at a
+          time so much that restores ran at 0.39-0.46x of a bulk copy (2 of 8 processes, saves
+          unaffected); ``"shared"`` bounds that.
+        * ``"shared"``: as ``"batch"``, but a transfer of 4,096 copies or more is shared with the
+          staging path (:class:`~._direct.Claims`): the side thread takes pages from the back by
+          batch copies, this engine's worker stages chunks from the front whenever the GPU has
+          caught up with the side's copies, so a slow driver costs SM time, not throughput.
+          Measured in two runs on the H200 (session 17; 44% of pages staged): saves 0.86-0.91x,
+          restores 0.90-0.94x, decode p50 1.03-1.04x, p99 beside saves 1.25-1.53x, and eager
+          (host-bound) decode steps 2-3.4x slower beside transfers against 1.1-1.6x for
+          ``"batch"`` (the worker waits and wakes per chunk).  Opt-in until measured better.
         * ``"auto"``: runs of consecutive block ids over adjacent host pages, at least 16 MiB of
           planes with slices of at least 8 KiB, one 2D copy per plane and run; ``"always"``: every
           such run; other pages staged.  2D rows of one plane slice move at 0.89-0.94x of a bulk
@@ -295,6 +306,10 @@ class CudaCopyEngine(CopyEngine):
         if type(threads) is not int or not 32 <= threads <= 1024:
             raise CopyArgumentError(f"threads must be an int in [32, 1024], got {threads!r}")
         self.direct = _direct.check_direct(direct)
+        # "shared" plans every transfer as "batch" does; large ones are then shared with the
+        # staging path (_issue_shared)
+        self._share = self.direct == "shared"
+        self._planned = "batch" if self._share else self.direct
         self._dev = _cuda.device(device)
         self.device = device
         self._gather_fn: Any = None
@@ -343,10 +358,10 @@ class CudaCopyEngine(CopyEngine):
         self._reaper = _Reaper(dev)
         # direct="batch": a second thread and stream per direction issue half of each large batch
         self._sides: dict[str, _direct.BatchSide] = {}
-        #: Pages of shared ``direct="batch"`` transfers (:meth:`_issue_shared`) per direction:
+        #: Pages of ``direct="shared"`` transfers (:meth:`_issue_shared`) per direction:
         #: ``[staged, by batch copies]``, summed over the engine's life (what a benchmark reports).
         self.shared_pages = {"save": [0, 0], "restore": [0, 0]}
-        if self.direct == "batch" and _cuda.batch_memcpy() is not None:
+        if self._planned == "batch" and _cuda.batch_memcpy() is not None:
             self._sides = {name: _direct.BatchSide(dev, f"hostkv-cuda-{name}-side") for name in ("save", "restore")}
 
     # -- validation ----------------------------------------------------------------------------
@@ -484,7 +499,7 @@ class CudaCopyEngine(CopyEngine):
         then: keep that span short."""
         if self.mode != "kernel" or not isinstance(pages, HostPages) or count < 1:
             return None
-        if not _direct.stages_all(self.direct):
+        if not _direct.stages_all(self._planned):
             return None  # (its pages go by direct DMA: nothing is staged)
         if pages.page_nbytes != layout.page_nbytes or layout.num_layers < 2:
             return None
@@ -567,10 +582,10 @@ class CudaCopyEngine(CopyEngine):
         """The direct plan of a transfer (``given``: the caller's pages as passed, whose regions
         say whether they are pinned: batch copies are only for pinned pages).  A layer-wise
         restore is staged where :func:`_direct.stages_all` says so (``direct="batch"``)."""
-        if self.direct == "never" or (layerwise and _direct.stages_all(self.direct)):
+        if self._planned == "never" or (layerwise and _direct.stages_all(self._planned)):
             return _direct.NO_PLAN
-        pinned = self.direct != "batch" or _direct.pages_pinned(given)
-        return _direct.plan(self.direct, planes.layout, ids, _page_addresses(pages), pinned=pinned, planes=planes)
+        pinned = self._planned != "batch" or _direct.pages_pinned(given)
+        return _direct.plan(self._planned, planes.layout, ids, _page_addresses(pages), pinned=pinned, planes=planes)
 
     def _inline_first_layer(self, handle: _CudaHandle, planes: KVPlanes, ids: list[int], pages: _Pages,
                             moved: range, dplan: _direct.DirectPlan,
@@ -779,11 +794,12 @@ class CudaCopyEngine(CopyEngine):
 
     def _shared_copies(self, direction: str, planes: KVPlanes, dplan: _direct.DirectPlan
                        ) -> tuple[Any, ...] | None:
-        """The batch copies of a ``direct="batch"`` transfer that the staging path shares
+        """The batch copies of a ``direct="shared"`` transfer that the staging path shares
         (:class:`~._direct.Claims`): one of at least :data:`~._direct.BATCH_SPLIT_MIN` copies, with
-        the pack kernel and the direction's side thread there; ``None`` for any other."""
+        the pack kernel and the direction's side thread there; ``None`` for any other (those go
+        as ``direct="batch"`` moves them)."""
         side = self._sides.get(direction)
-        if dplan.ids is None or side is None or self.mode != "kernel" or dplan.addresses is None:
+        if not self._share or dplan.ids is None or side is None or self.mode != "kernel" or dplan.addresses is None:
             return None
         groups = len(_direct.copy_groups(planes.ptrs, planes.block_strides, planes.layout.planes,
                                          blocks=planes.num_blocks)[3])
@@ -794,7 +810,7 @@ class CudaCopyEngine(CopyEngine):
 
     def _issue_shared(self, direction: str, planes: KVPlanes, ids: list[int], pages: _Pages,
                       arrays: tuple[Any, ...], dma: Any, kernel_stream: Any, done: Any) -> None:
-        """A ``direct="batch"`` transfer shared with the staging path (:class:`~._direct.Claims`):
+        """A ``direct="shared"`` transfer shared with the staging path (:class:`~._direct.Claims`):
         the side thread issues batch copies of pages from the back on its stream (forked off
         ``dma`` here: behind the transfer's start and, for a save, its ``after`` wait); this
         thread stages chunks from the front (``kernel_stream``: the scatter stream of a restore,

@@ -28,6 +28,13 @@ stay on the staging path (:func:`stages_all`).  It needs every page in one regio
 several pieces takes the staging path) and copies of at least ``DIRECT_BATCH_MIN_SLICE`` (the
 slices, or adjacent slices merged; shorter copies are slower still, those layouts keep the
 staging path).
+
+``direct="shared"`` plans as ``"batch"`` does, then shares a transfer of at least
+:data:`BATCH_SPLIT_MIN` copies with the staging path (:class:`Claims`, :func:`shared_side`,
+:func:`side_lagging`): the driver's host time per copy was measured to vary from 0.56 to ~3 us
+(session 17), and at its worst restores ran at 0.39-0.46x of a bulk copy; shared, the staging
+path fills the link whenever the batch copies fall behind it.  It costs decode steps beside it
+(measured in ``CudaCopyEngine``'s docstring), so it is opt-in.
 """
 
 from __future__ import annotations
@@ -74,7 +81,7 @@ BATCH_FIRST_COPIES = 128
 #: threads gained nothing more.  The threshold itself is a choice, not a measurement: 4,096 copies
 #: are ~2 ms of driver time, well above what handing half of them to a waiting thread costs.
 BATCH_SPLIT_MIN = 4096
-#: ``direct="batch"``, a transfer of at least :data:`BATCH_SPLIT_MIN` copies is *shared* with the
+#: ``direct="shared"``: a transfer of at least :data:`BATCH_SPLIT_MIN` copies is shared with the
 #: staging path (:class:`Claims`): the side thread claims pages from the back for batch copies,
 #: first this many copies' worth, each next claim twice as many up to :data:`SHARED_MAX_COPIES`
 #: (a claim's driver call is host time, ~0.5-3 us per copy: small claims keep the staging path's
@@ -82,7 +89,7 @@ BATCH_SPLIT_MIN = 4096
 SHARED_FIRST_COPIES = 128
 SHARED_MAX_COPIES = 4096
 
-DIRECT_MODES = ("batch", "auto", "always", "never")
+DIRECT_MODES = ("batch", "shared", "auto", "always", "never")
 
 
 def check_direct(direct: object) -> str:

@@ -20,7 +20,8 @@ POISON = 0xEE
 def engine_for(mode: str) -> Iterator[CudaCopyEngine]:
     """``CudaCopyEngine(0, direct=mode)``; ``"batch-split"``: ``direct="batch"`` with *every* batch
     call split between the issuing thread and the direction's side thread and stream (the tests'
-    transfers stay under the 4,096 copies from which the split starts)."""
+    transfers stay under the 4,096 copies from which the split starts); ``"shared-split"``:
+    ``direct="shared"`` with every transfer shared between batch copies and the staging path."""
     direct, _, split = mode.partition("-")
     saved = _direct.BATCH_SPLIT_MIN
     try:

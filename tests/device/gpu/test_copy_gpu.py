@@ -328,7 +328,7 @@ RUN_IDS = [5, 6, 7, 8, 20, 30, 31, 0, 12, 13, 14, 15, 16, 17, 2]  # runs of 4, 1
 RUN_DST = [3, 38, 21, 22, 23, 24, 9, 30, 31, 32, 33, 34, 35, 1, 27]  # runs of 1, 1, 4, 1, 6, 1, 1
 
 
-@pytest.mark.parametrize("direct", ["always", "never", "auto", "batch", "batch-split"])
+@pytest.mark.parametrize("direct", ["always", "never", "auto", "batch", "batch-split", "shared-split"])
 @pytest.mark.parametrize("mode", ["kernel", "memcpy"])
 @pytest.mark.parametrize(("layout", "block_major"), [(PLAIN, False), (SCALED, False), (LATENT, False), (PLAIN, True)],
                          ids=["plain", "scaled-unaligned", "latent", "plain-block-major"])
@@ -339,9 +339,9 @@ def test_direct_runs_round_trip(direct: str, mode: str, layout: KVLayout, block_
     are the same as through staging alone (``never``), and no other block is written.
     ``batch-split``: every batch call's second half is issued by the side thread on its stream;
     ``plain-block-major``: K and V of a block adjacent, so batch copies move both at once."""
-    if direct == "batch-split":
+    if direct.endswith("-split"):
         monkeypatch.setattr(_direct, "BATCH_SPLIT_MIN", 2)
-        direct = "batch"
+        direct = direct.removesuffix("-split")
     src = DevicePlanes(layout, 40, seed=11, block_major=block_major)
     eng = CudaCopyEngine(staging_bytes=max(4096, 3 * layout.page_nbytes), mode=mode, direct=direct)
     assert eng.direct == direct
@@ -353,7 +353,7 @@ def test_direct_runs_round_trip(direct: str, mode: str, layout: KVLayout, block_
         if direct == "always":
             plan = eng._plan(src.planes, RUN_IDS, pages, pages)
             assert [k for _lo, k in plan.runs] == [4, 1, 2, 1, 6, 1]  # every run (min 1 page) goes direct
-        if direct == "batch":  # every page by batch copies where slices are >= 32 KiB, else staged
+        if direct in ("batch", "shared"):  # every page by batch copies where slices are >= 32 KiB, else staged
             plan = eng._plan(src.planes, RUN_IDS, pages, pages)
             assert (plan.ids is not None) == (layout is PLAIN) and plan.all_direct == (layout is PLAIN)
             groups = _direct.copy_groups(src.planes.ptrs, src.planes.block_strides, layout.planes,
@@ -385,7 +385,7 @@ def test_direct_runs_round_trip(direct: str, mode: str, layout: KVLayout, block_
 @pytest.mark.parametrize("block_major", [False, True])
 def test_batch_shared_with_staging_round_trip(block_major: bool, allocator: Any,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    """A ``direct="batch"`` transfer the staging path shares (``_direct.Claims``): the side thread
+    """A ``direct="shared"`` transfer the staging path shares (``_direct.Claims``): the side thread
     takes two one-page runs from the back by batch copies, the staging path the rest from the
     front; saves and restores into shuffled blocks give the same bytes as the pages, every page
     is moved once (``shared_pages``), and no other block is written."""
@@ -420,7 +420,7 @@ def test_batch_shared_with_staging_round_trip(block_major: bool, allocator: Any,
 
     monkeypatch.setattr(_direct, "Claims", TwoRuns)
     src = DevicePlanes(layout, 64, seed=21, block_major=block_major)
-    eng = CudaCopyEngine(staging_bytes=4 * layout.page_nbytes, direct="batch")
+    eng = CudaCopyEngine(staging_bytes=4 * layout.page_nbytes, direct="shared")
     mem = allocator.allocate(n * layout.page_nbytes)
     try:
         if not eng._sides or eng.mode != "kernel":

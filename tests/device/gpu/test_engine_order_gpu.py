@@ -63,7 +63,7 @@ def slowed(fn: Callable[..., Any], seconds: float) -> Callable[..., Any]:
     return call
 
 
-@pytest.fixture(scope="module", params=["auto", "always", "batch", "batch-split"])
+@pytest.fixture(scope="module", params=["auto", "always", "batch", "batch-split", "shared-split"])
 def engine(request: pytest.FixtureRequest) -> Iterator[CudaCopyEngine]:
     """The engine with direct DMA for runs of consecutive blocks (auto, always) and for every page by
     batch copies (batch; batch-split: each call's second half issued by the side thread)."""

@@ -41,7 +41,7 @@ TRIALS = 100
 L = LAYOUT.num_layers
 
 
-@pytest.fixture(scope="module", params=["auto", "never", "batch", "batch-split"])
+@pytest.fixture(scope="module", params=["auto", "never", "batch", "batch-split", "shared-split"])
 def engine(request: pytest.FixtureRequest) -> Iterator[CudaCopyEngine]:
     """The engine with direct DMA for runs of consecutive blocks (auto), for every page of a
     page-major restore by batch copies (batch; batch-split: each call's second half issued by the
