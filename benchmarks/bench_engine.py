@@ -173,7 +173,7 @@ def gpu_phases(torch: Any, args: Any, phases: set[str], results: dict[str, Any],
     if "pinned" in phases and cache is not None and cache_d is not None:
         results["pinned"] = pinned_phase(torch, cache, provider, keys, caches, planes, src, dst, nbytes,
                                          results["bulk"])
-        # pages of shared batch transfers (direct="batch": the staging path fills in where the
+        # pages of shared transfers (direct="shared": the staging path fills in where the
         # driver's per-copy host time falls behind the link), [staged, by batch copies]
         results["pinned"]["shared_pages"] = {k: list(v) for k, v in getattr(engine, "shared_pages", {}).items()}
         log("pinned", results["pinned"])

@@ -312,7 +312,10 @@ def _restore_pages(self: HostKVCache, handle: CacheHandle, result: RestoreResult
                         if checked and check is None:
                             # views of a store that verifies reads: check the blocks on the GPU
                             check = restore_check(planes)
-                        gated = check.gate_stream() if checked and check is not None else None
+                        # (an engine of this package only: another CopyEngineLike may not order
+                        # a raw CUstream passed as before=; it keeps the wait on the transfer)
+                        gated = (check.gate_stream() if checked and check is not None
+                                 and getattr(self.engine, "gate", None) is not None else None)
                         # (the check's stream held back by the restore's gate: enqueuing the hash
                         # does not wait for the engine to issue the copies, which a shared batch
                         # transfer does for as long as it moves, so the next chunk goes at once)

@@ -270,15 +270,16 @@ class CudaCopyEngine(CopyEngine):
           (0.82-0.84x in one run each of sessions 13 and 16).  The driver's time per copy itself
           varies: 0.56-1.1 us from one restore to the next in session 17, and for seconds at a
           time so much that restores ran at 0.39-0.46x of a bulk copy (2 of 8 processes, saves
-          unaffected); ``"shared"`` bounds that.
+          unaffected); ``"shared"`` is designed to bound that.
         * ``"shared"``: as ``"batch"``, but a transfer of 4,096 copies or more is shared with the
           staging path (:class:`~._direct.Claims`): the side thread takes pages from the back by
           batch copies, this engine's worker stages chunks from the front whenever the GPU has
           caught up with the side's copies, so a slow driver costs SM time, not throughput.
-          Measured in two runs on the H200 (session 17; 44% of pages staged): saves 0.86-0.91x,
-          restores 0.90-0.94x, decode p50 1.03-1.04x, p99 beside saves 1.25-1.53x, and eager
-          (host-bound) decode steps 2-3.4x slower beside transfers against 1.1-1.6x for
-          ``"batch"`` (the worker waits and wakes per chunk).  Opt-in until measured better.
+          Measured in two runs on the H200 (session 17; 44-45% of pages staged): saves
+          0.86-0.91x, restores 0.90-0.94x, graph decode p50 1.03-1.04x, p99 beside saves
+          1.25-1.53x, and eager (host-bound) decode steps at p50 2.04-3.36x beside saves and
+          1.24-2.12x beside restores, against 1.31x and 1.11x for ``"batch"`` in one run of the
+          same day (why was not measured).  Opt-in until measured better.
         * ``"auto"``: runs of consecutive block ids over adjacent host pages, at least 16 MiB of
           planes with slices of at least 8 KiB, one 2D copy per plane and run; ``"always"``: every
           such run; other pages staged.  2D rows of one plane slice move at 0.89-0.94x of a bulk
@@ -335,6 +336,7 @@ class CudaCopyEngine(CopyEngine):
         dev = self._dev
         self._streams = {name: dev.stream() for name in ("save_pack", "save_dma", "restore_dma", "restore_scatter",
                                                           "aux")}
+        self._restore_tail = dev.event()  # (re-recorded under the restore issue lock only)
         self._staging: dict[str, list[int]] = {"save": [], "restore": []}
         self._slot_events: dict[str, list[tuple[Any, Any]]] = {}
         self._slot = {"save": 0, "restore": 0}
@@ -776,7 +778,15 @@ class CudaCopyEngine(CopyEngine):
                     dst = planes.ptrs[spec.index] + b * planes.block_strides[spec.index]
                     for off, addr, n in _segments(page, spec.offset, spec.nbytes):
                         _cuda.check(d.cuMemcpyHtoDAsync(dst + off - spec.offset, addr, n, dma), "cuMemcpyHtoDAsync")
-            _cuda.check(d.cuEventRecord(done, dma), "cuEventRecord")
+            # ``done`` on the scatter stream, as every staged or shared restore records it (behind
+            # this one's copies by a tail event): a restore whose pages all went direct must not
+            # complete before an earlier one's scatter (one direction's transfers complete in
+            # submission order, which the cache's handle events rely on), and the copies of the
+            # next restore on the DMA stream are not held back by it
+            tail = self._restore_tail
+            _cuda.check(d.cuEventRecord(tail, dma), "cuEventRecord(tail)")
+            _cuda.check(d.cuStreamWaitEvent(scatter, tail, 0), "cuStreamWaitEvent(tail)")
+            _cuda.check(d.cuEventRecord(done, scatter), "cuEventRecord")
             return
         table = self._table(planes)
         _cuda.check(d.cuStreamWaitEvent(scatter, table.event, 0), "cuStreamWaitEvent(table)")
@@ -1039,6 +1049,7 @@ class CudaCopyEngine(CopyEngine):
             for a, b in pair:
                 d.cuEventDestroy(a)
                 d.cuEventDestroy(b)
+        d.cuEventDestroy(self._restore_tail)
         for s in self._streams.values():
             attempt(d.cuStreamDestroy(s), "cuStreamDestroy")
         for side in self._sides.values():

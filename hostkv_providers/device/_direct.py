@@ -31,8 +31,9 @@ staging path).
 
 ``direct="shared"`` plans as ``"batch"`` does, then shares a transfer of at least
 :data:`BATCH_SPLIT_MIN` copies with the staging path (:class:`Claims`, :func:`shared_side`,
-:func:`side_lagging`): the driver's host time per copy was measured to vary from 0.56 to ~3 us
-(session 17), and at its worst restores ran at 0.39-0.46x of a bulk copy; shared, the staging
+:func:`side_lagging`): the driver's host time per copy was measured at 0.56-1.1 us from one
+restore to the next (session 17), and at its worst restores ran at 0.39-0.46x of a bulk copy
+(~3 us per copy, inferred); shared, the staging
 path fills the link whenever the batch copies fall behind it.  It costs decode steps beside it
 (measured in ``CudaCopyEngine``'s docstring), so it is opt-in.
 """
@@ -384,9 +385,9 @@ class Claims:
     """Pages ``[0, n)`` of one transfer shared by two issuers until they meet: the staging path
     takes chunks from the front (:meth:`front`), the batch side runs of pages from the back
     (:meth:`back`).  Why share: batch copies keep the engine's SMs free, but their driver time
-    is host time per 32 KiB copy, measured on the H200 at 0.5-1.5 us from one process to the
-    next and up to ~3 us for seconds at a time (restores then ran at 0.39-0.46x of the link,
-    ``docs/benchmarks.md``, session 17), while the staging path moves a chunk in a few large
+    is host time per 32 KiB copy, measured on the H200 at 0.56-1.1 us from one restore to the
+    next, and for seconds at a time restores ran at 0.39-0.46x of the link (~3 us per copy,
+    inferred; ``docs/benchmarks.md``, session 17), while the staging path moves a chunk in a few large
     DMAs whatever the host does.  The staging path claims a chunk only when the GPU has caught
     up with every batch copy issued so far (:func:`side_lagging`): with a fast host batch copies
     move (nearly) everything, with a slow one the staging path fills the link.

@@ -66,9 +66,17 @@ def test_a_run_never_crosses_into_another_registration() -> None:
 
 
 def test_mode_is_checked() -> None:
-    assert _direct.check_direct("auto") == "auto"
+    """Every mode the engine documents is accepted; batch copies alone stay the default
+    (``"shared"`` is opt-in: docs/benchmarks.md, session 17)."""
+    import inspect
+
+    from hostkv_providers.device import CudaCopyEngine
+
+    for mode in ("batch", "shared", "auto", "always", "never"):
+        assert _direct.check_direct(mode) == mode
     with pytest.raises(CopyArgumentError, match="direct must be one of"):
         _direct.check_direct("yes")
+    assert inspect.signature(CudaCopyEngine).parameters["direct"].default == "batch"
 
 
 def test_registration_starts_follow_the_set() -> None:
@@ -424,7 +432,7 @@ def test_batch_split_only_from_the_threshold_and_never_after_close(monkeypatch: 
         side.start(lambda: None)
 
 
-# -- direct="batch" shared with the staging path: Claims, the side's claims, the lag test -----------
+# -- direct="shared": batch copies shared with the staging path (Claims, the side, the lag test) ----
 def test_claims_meet_in_the_middle_and_close() -> None:
     """The front takes chunks from page 0, the back runs from the last page, until they meet; each
     page is claimed once; ``close`` leaves nothing to either."""
@@ -548,3 +556,40 @@ def test_side_on_exit_runs_even_when_the_job_never_ran(monkeypatch: pytest.Monke
         _direct.side_lagging(rec, claims, side)  # returns at once
     finally:
         side.close(lambda result, what: None)
+
+
+def test_a_restore_without_staged_pages_completes_on_the_scatter_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A page-major restore whose pages all go direct records its ``done`` on the scatter stream,
+    behind its copies (a tail event recorded on the DMA stream after them): like a staged or
+    shared restore's, so one direction's restores complete in the order they were submitted (the
+    cache's handle events take the last transfer's).  The DMA stream itself never waits."""
+    from hostkv_providers.device import CudaCopyEngine
+
+    rec = _Recorder(0)
+    monkeypatch.setattr(_direct._cuda, "driver", lambda: rec)
+    issued: list[object] = []
+    monkeypatch.setattr(_direct, "issue", lambda d, planes, ids, dplan, specs, stream, **k: issued.append(stream))
+    eng = CudaCopyEngine.__new__(CudaCopyEngine)
+    eng._dev = _Dev()  # type: ignore[assignment]
+    eng._streams = {"restore_dma": 11, "restore_scatter": 12}
+    eng._restore_tail = "tail"
+    eng._sides = {}
+    eng._share = False
+    eng.mode = "kernel"
+
+    class Handle:
+        def _set_events(self, start: object, done: object) -> None:
+            self.events = (start, done)
+
+    h = Handle()
+    n = 3
+    dplan = _direct.DirectPlan([(0, n)], np.empty(0, np.int64), addrs(n, BIG), np.arange(n, dtype=np.uint64))
+    eng._issue_restore(h, _PlanesStub(), [0, 1, 2], [], dplan)  # type: ignore[arg-type]
+    start, done = h.events
+    assert issued == [11]  # the copies on the DMA stream
+    assert [op[:3] for op in rec.ops] == [("record", start, 11), ("record", "tail", 11), ("wait", "tail", 12),
+                                          ("record", done, 12)]
+
+
+class _PlanesStub:  # (what _issue_restore reads of the planes here: the layout)
+    layout = BIG

@@ -30,7 +30,7 @@ def engine_for(mode: str) -> Iterator[CudaCopyEngine]:
         e = CudaCopyEngine(0, direct=direct)
         try:
             if split:  # (a driver without the batch call would quietly run these as staged)
-                assert e._sides, "direct='batch' has no side thread on this driver"
+                assert e._sides, f"direct={direct!r} has no side thread on this driver"
             yield e
         finally:
             e.close()
