@@ -175,7 +175,7 @@ def gpu_phases(torch: Any, args: Any, phases: set[str], results: dict[str, Any],
                                          results["bulk"])
         # pages of shared transfers (direct="shared": the staging path fills in where the
         # driver's per-copy host time falls behind the link), [staged, by batch copies]
-        results["pinned"]["shared_pages"] = {k: list(v) for k, v in getattr(engine, "shared_pages", {}).items()}
+        results["pinned"]["shared_pages"] = {k: list(v) for k, v in engine.shared_pages.items()}
         log("pinned", results["pinned"])
         results["pinned_direct"] = direct_phase(torch, cache_d, provider, keys, caches, planes, src, dst, nbytes,
                                                 results["bulk"])

@@ -312,15 +312,14 @@ def _restore_pages(self: HostKVCache, handle: CacheHandle, result: RestoreResult
                         if checked and check is None:
                             # views of a store that verifies reads: check the blocks on the GPU
                             check = restore_check(planes)
-                        # (an engine of this package only: another CopyEngineLike may not order
-                        # a raw CUstream passed as before=; it keeps the wait on the transfer)
+                        # The check's stream held back by the restore's gate: enqueuing the hash
+                        # then waits for nothing (a wait on the transfer waits until the engine has
+                        # issued it, which a shared batch transfer does for as long as it moves).
+                        # Engines of this package only: another CopyEngineLike may not order a raw
+                        # CUstream passed as before=, and keeps the wait on the transfer.
                         gated = (check.gate_stream() if checked and check is not None
                                  and getattr(self.engine, "gate", None) is not None else None)
-                        # (the check's stream held back by the restore's gate: enqueuing the hash
-                        # does not wait for the engine to issue the copies, which a shared batch
-                        # transfer does for as long as it moves, so the next chunk goes at once)
-                        h = self.engine.restore(srcs, planes, bids[i : i + len(part)], before=gated) \
-                            if gated is not None else self.engine.restore(srcs, planes, bids[i : i + len(part)])
+                        h = self.engine.restore(srcs, planes, bids[i : i + len(part)], before=gated)
                         if checked and check is not None:
                             verify = (i, check.enqueue(h, bids[i : i + len(part)], gated=gated is not None), sums)
                     except BaseException:

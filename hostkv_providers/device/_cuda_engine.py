@@ -811,12 +811,9 @@ class CudaCopyEngine(CopyEngine):
         side = self._sides.get(direction)
         if not self._share or dplan.ids is None or side is None or self.mode != "kernel" or dplan.addresses is None:
             return None
-        groups = len(_direct.copy_groups(planes.ptrs, planes.block_strides, planes.layout.planes,
-                                         blocks=planes.num_blocks)[3])
-        if groups * len(dplan.ids) < _direct.BATCH_SPLIT_MIN:
-            return None
-        return _direct.batch_copies(planes.ptrs, planes.block_strides, planes.layout.planes, dplan.ids,
-                                    dplan.addresses, to_device=direction == "restore", blocks=planes.num_blocks)
+        arrays = _direct.batch_copies(planes.ptrs, planes.block_strides, planes.layout.planes, dplan.ids,
+                                      dplan.addresses, to_device=direction == "restore", blocks=planes.num_blocks)
+        return arrays if arrays[2].size >= _direct.BATCH_SPLIT_MIN else None
 
     def _issue_shared(self, direction: str, planes: KVPlanes, ids: list[int], pages: _Pages,
                       arrays: tuple[Any, ...], dma: Any, kernel_stream: Any, done: Any) -> None:

@@ -33,8 +33,8 @@ staging path).
 :data:`BATCH_SPLIT_MIN` copies with the staging path (:class:`Claims`, :func:`shared_side`,
 :func:`side_lagging`): the driver's host time per copy was measured at 0.56-1.1 us from one
 restore to the next (session 17), and at its worst restores ran at 0.39-0.46x of a bulk copy
-(~3 us per copy, inferred); shared, the staging
-path fills the link whenever the batch copies fall behind it.  It costs decode steps beside it
+(~3 us per copy, inferred); shared, the staging path fills the link whenever the batch copies
+fall behind it.  It costs decode steps beside it
 (measured in ``CudaCopyEngine``'s docstring), so it is opt-in.
 """
 
