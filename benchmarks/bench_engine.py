@@ -173,9 +173,9 @@ def gpu_phases(torch: Any, args: Any, phases: set[str], results: dict[str, Any],
     if "pinned" in phases and cache is not None and cache_d is not None:
         results["pinned"] = pinned_phase(torch, cache, provider, keys, caches, planes, src, dst, nbytes,
                                          results["bulk"])
-        # pages of shared transfers (direct="shared": the staging path fills in where the
+        # pages of shared restores (direct="shared": the staging path fills in where the
         # driver's per-copy host time falls behind the link), [staged, by batch copies]
-        results["pinned"]["shared_pages"] = {k: list(v) for k, v in engine.shared_pages.items()}
+        results["pinned"]["shared_pages"] = list(engine.shared_pages)
         log("pinned", results["pinned"])
         results["pinned_direct"] = direct_phase(torch, cache_d, provider, keys, caches, planes, src, dst, nbytes,
                                                 results["bulk"])
@@ -697,10 +697,9 @@ def render(r: dict[str, Any]) -> str:
                      f"on {pin['hash_threads']} threads) | bulk D2H {pin['bulk_d2h_ms']} ms | "
                      f"{pin['save_sealed_x_bulk']}x ({pin['save_copied_x_bulk']}x) |")
         sp = pin.get("shared_pages")
-        if sp and any(sum(v) for v in sp.values()):
-            lines.append(f"| pages of this phase's shared batch transfers, staged / by batch copies | saves "
-                         f"{sp['save'][0]:,} / {sp['save'][1]:,}; restores {sp['restore'][0]:,} / "
-                         f"{sp['restore'][1]:,} | | |")
+        if sp and sum(sp):
+            lines.append(f"| pages of this phase's shared restores, staged / by batch copies | {sp[0]:,} / {sp[1]:,} "
+                         "| | |")
         rb = min(x["ms"] for x in pin["restores"])
         lk = min(x["lookup_ms"] for x in pin["restores"])
         lines.append(f"| lookup + restore of the chain from pinned:// (best / median; lookup {lk} ms) | {rb} ms | "

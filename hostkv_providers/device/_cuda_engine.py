@@ -270,16 +270,17 @@ class CudaCopyEngine(CopyEngine):
           (0.82-0.84x in one run each of sessions 13 and 16).  The driver's time per copy itself
           varies: 0.56-1.1 us from one restore to the next in session 17, and for seconds at a
           time so much that restores ran at 0.39-0.46x of a bulk copy (2 of 8 processes, saves
-          unaffected); ``"shared"`` is designed to bound that.
-        * ``"shared"``: as ``"batch"``, but a transfer of 4,096 copies or more is shared with the
+          unaffected); ``"shared"`` is designed to bound that.  Copies of 32 KiB move less
+          steadily than 64 KiB ones: 20 restores of 13.4 GB in one process (session 18) took
+          256-318 ms (median 0.89x) with 32 KiB copies, 247-251 ms (0.98x) with 64 KiB copies
+          (K and V adjacent), 244-250 ms staged.
+        * ``"shared"``: as ``"batch"``, but a restore of 4,096 copies or more is shared with the
           staging path (:class:`~._direct.Claims`): the side thread takes pages from the back by
           batch copies, this engine's worker stages chunks from the front whenever the GPU has
           caught up with the side's copies, so a slow driver costs SM time, not throughput.
-          Measured in two runs on the H200 (session 17; 44-45% of pages staged): saves
-          0.86-0.91x, restores 0.90-0.94x, graph decode p50 1.03-1.04x, p99 beside saves
-          1.25-1.53x, and eager (host-bound) decode steps at p50 2.04-3.36x beside saves and
-          1.24-2.12x beside restores, against 1.31x and 1.11x for ``"batch"`` in one run of the
-          same day (why was not measured).  Opt-in until measured better.
+          Saves go as ``"batch"`` moves them (their batch copies were never seen to slow down;
+          shared, they ran at 0.86-0.91x and cost decode steps).  Measured on the H200
+          (docs/benchmarks.md, sessions 17-18).
         * ``"auto"``: runs of consecutive block ids over adjacent host pages, at least 16 MiB of
           planes with slices of at least 8 KiB, one 2D copy per plane and run; ``"always"``: every
           such run; other pages staged.  2D rows of one plane slice move at 0.89-0.94x of a bulk
@@ -360,9 +361,9 @@ class CudaCopyEngine(CopyEngine):
         self._reaper = _Reaper(dev)
         # direct="batch": a second thread and stream per direction issue half of each large batch
         self._sides: dict[str, _direct.BatchSide] = {}
-        #: Pages of ``direct="shared"`` transfers (:meth:`_issue_shared`) per direction:
-        #: ``[staged, by batch copies]``, summed over the engine's life (what a benchmark reports).
-        self.shared_pages = {"save": [0, 0], "restore": [0, 0]}
+        #: Pages of ``direct="shared"`` restores (:meth:`_issue_shared`): ``[staged, by batch
+        #: copies]``, summed over the engine's life (what a benchmark reports).
+        self.shared_pages = [0, 0]
         if self._planned == "batch" and _cuda.batch_memcpy() is not None:
             self._sides = {name: _direct.BatchSide(dev, f"hostkv-cuda-{name}-side") for name in ("save", "restore")}
 
@@ -726,10 +727,6 @@ class CudaCopyEngine(CopyEngine):
                 _cuda.check(d.cuStreamWaitEvent(pack, after_ev, 0), "cuStreamWaitEvent(after)")
         _cuda.check(d.cuEventRecord(start, first), "cuEventRecord")
         layout = planes.layout
-        arrays = self._shared_copies("save", planes, dplan)
-        if arrays is not None:  # (``first`` is the DMA stream: both streams waited on ``after``)
-            self._issue_shared("save", planes, ids, pages, arrays, dma, pack, done)
-            return
         if dplan.runs:  # straight from the blocks into the host pages, then the rest staged
             _direct.issue(d, planes, ids, dplan, layout.planes, dma, to_device=False,
                           side=self._sides.get("save"))
@@ -764,9 +761,9 @@ class CudaCopyEngine(CopyEngine):
         handle._set_events(start, done)
         _cuda.check(d.cuEventRecord(start, dma), "cuEventRecord")
         layout = planes.layout
-        arrays = self._shared_copies("restore", planes, dplan)
+        arrays = self._shared_copies(planes, dplan)
         if arrays is not None:
-            self._issue_shared("restore", planes, ids, pages, arrays, dma, scatter, done)
+            self._issue_shared(planes, ids, pages, arrays, dma, scatter, done)
             return
         if dplan.runs:  # straight into the blocks first (the staged chunks' events then imply them)
             _direct.issue(d, planes, ids, dplan, layout.planes, dma, to_device=True,
@@ -802,31 +799,29 @@ class CudaCopyEngine(CopyEngine):
             _cuda.check(d.cuEventRecord(freed, scatter), "cuEventRecord")
         _cuda.check(d.cuEventRecord(done, scatter), "cuEventRecord")
 
-    def _shared_copies(self, direction: str, planes: KVPlanes, dplan: _direct.DirectPlan
-                       ) -> tuple[Any, ...] | None:
-        """The batch copies of a ``direct="shared"`` transfer that the staging path shares
+    def _shared_copies(self, planes: KVPlanes, dplan: _direct.DirectPlan) -> tuple[Any, ...] | None:
+        """The batch copies of a ``direct="shared"`` restore that the staging path shares
         (:class:`~._direct.Claims`): one of at least :data:`~._direct.BATCH_SPLIT_MIN` copies, with
-        the pack kernel and the direction's side thread there; ``None`` for any other (those go
-        as ``direct="batch"`` moves them)."""
-        side = self._sides.get(direction)
+        the scatter kernel and the restore side thread there; ``None`` for any other (those go as
+        ``direct="batch"`` moves them, as every save does)."""
+        side = self._sides.get("restore")
         if not self._share or dplan.ids is None or side is None or self.mode != "kernel" or dplan.addresses is None:
             return None
         arrays = _direct.batch_copies(planes.ptrs, planes.block_strides, planes.layout.planes, dplan.ids,
-                                      dplan.addresses, to_device=direction == "restore", blocks=planes.num_blocks)
+                                      dplan.addresses, to_device=True, blocks=planes.num_blocks)
         return arrays if arrays[2].size >= _direct.BATCH_SPLIT_MIN else None
 
-    def _issue_shared(self, direction: str, planes: KVPlanes, ids: list[int], pages: _Pages,
-                      arrays: tuple[Any, ...], dma: Any, kernel_stream: Any, done: Any) -> None:
-        """A ``direct="shared"`` transfer shared with the staging path (:class:`~._direct.Claims`):
+    def _issue_shared(self, planes: KVPlanes, ids: list[int], pages: _Pages, arrays: tuple[Any, ...],
+                      dma: Any, scatter: Any, done: Any) -> None:
+        """A ``direct="shared"`` restore shared with the staging path (:class:`~._direct.Claims`):
         the side thread issues batch copies of pages from the back on its stream (forked off
-        ``dma`` here: behind the transfer's start and, for a save, its ``after`` wait); this
-        thread stages chunks from the front (``kernel_stream``: the scatter stream of a restore,
-        the pack stream of a save), each once the GPU has caught up with the side's copies, with
-        at most two staged chunks queued ahead of the link.  ``done`` is recorded behind both."""
+        ``dma`` here: behind the transfer's start); this thread stages chunks from the front (H2D
+        into a staging slot on ``dma``, the scatter kernel on ``scatter``), each once the GPU has
+        caught up with the side's copies, with at most two staged chunks queued ahead of the
+        link.  ``done`` is recorded on ``scatter`` behind both."""
         d = _cuda.driver()
-        side = self._sides[direction]
-        layout = planes.layout
-        P = layout.page_nbytes
+        side = self._sides["restore"]
+        P = planes.layout.page_nbytes
         n = len(ids)
         claims = _direct.Claims(n)
         fn = _cuda.batch_memcpy()
@@ -834,53 +829,42 @@ class CudaCopyEngine(CopyEngine):
         _cuda.check(d.cuEventRecord(side.fork, dma), "cuEventRecord(fork)")
         wait = side.start(_direct.shared_side(d, fn, arrays, int(arrays[2].size) // n, claims, side),
                           on_exit=claims.side_finished)
-        restore = direction == "restore"
         errors: list[BaseException] = []
         try:
             table = self._table(planes)
-            _cuda.check(d.cuStreamWaitEvent(kernel_stream, table.event, 0), "cuStreamWaitEvent(table)")
+            _cuda.check(d.cuStreamWaitEvent(scatter, table.event, 0), "cuStreamWaitEvent(table)")
             per = self._per_chunk(P)
-            events = self._slot_events[direction]
+            events = self._slot_events["restore"]
             while True:
                 _direct.side_lagging(d, claims, side)
                 lo, hi = claims.front(per)
                 if hi <= lo:
                     break
                 # the slot's last chunk off the link first: at most two staged chunks queued, so
-                # the claims follow the GPU's progress (a restore's H2D into it, a save's D2H out)
-                nxt = events[self._slot[direction]]
-                _cuda.check(d.cuEventSynchronize(nxt[0] if restore else nxt[1]), "cuEventSynchronize(slot)")
-                s = self._take_slot(direction, d, dma if restore else kernel_stream)
-                staging = self._staging[direction][s]
-                first_ev, freed = events[s]  # (restore: loaded, freed; save: packed, freed)
-                if restore:
-                    for off, addr, nb in self._coalesce(pages, lo, hi, P):
-                        _cuda.check(d.cuMemcpyHtoDAsync(staging + off, addr, nb, dma), "cuMemcpyHtoDAsync")
-                    _cuda.check(d.cuEventRecord(first_ev, dma), "cuEventRecord")
-                    _cuda.check(d.cuStreamWaitEvent(kernel_stream, first_ev, 0), "cuStreamWaitEvent")
-                    self._launch(self._scatter_fn, table, planes, ids[lo:hi], staging, kernel_stream)
-                    _cuda.check(d.cuEventRecord(freed, kernel_stream), "cuEventRecord")
-                else:
-                    self._launch(self._gather_fn, table, planes, ids[lo:hi], staging, kernel_stream)
-                    _cuda.check(d.cuEventRecord(first_ev, kernel_stream), "cuEventRecord")
-                    _cuda.check(d.cuStreamWaitEvent(dma, first_ev, 0), "cuStreamWaitEvent")
-                    for off, addr, nb in self._coalesce(pages, lo, hi, P):
-                        _cuda.check(d.cuMemcpyDtoHAsync(addr, staging + off, nb, dma), "cuMemcpyDtoHAsync")
-                    _cuda.check(d.cuEventRecord(freed, dma), "cuEventRecord")
+                # the claims follow the GPU's progress
+                _cuda.check(d.cuEventSynchronize(events[self._slot["restore"]][0]), "cuEventSynchronize(slot)")
+                s = self._take_slot("restore", d, dma)
+                staging = self._staging["restore"][s]
+                loaded, freed = events[s]
+                for off, addr, nb in self._coalesce(pages, lo, hi, P):
+                    _cuda.check(d.cuMemcpyHtoDAsync(staging + off, addr, nb, dma), "cuMemcpyHtoDAsync")
+                _cuda.check(d.cuEventRecord(loaded, dma), "cuEventRecord")
+                _cuda.check(d.cuStreamWaitEvent(scatter, loaded, 0), "cuStreamWaitEvent")
+                self._launch(self._scatter_fn, table, planes, ids[lo:hi], staging, scatter)
+                _cuda.check(d.cuEventRecord(freed, scatter), "cuEventRecord")
         except BaseException as exc:
             claims.close()
             errors.append(exc)
         failed = wait()  # (the side's claims are over: its join record is the one waited on below)
         if failed is not None:
             errors.append(failed)
-        last = kernel_stream if restore else dma
         try:
-            _cuda.check(d.cuStreamWaitEvent(last, side.join, 0), "cuStreamWaitEvent(join)")
-            _cuda.check(d.cuEventRecord(done, last), "cuEventRecord")
+            _cuda.check(d.cuStreamWaitEvent(scatter, side.join, 0), "cuStreamWaitEvent(join)")
+            _cuda.check(d.cuEventRecord(done, scatter), "cuEventRecord")
         except CopyEngineError as exc:
             errors.append(exc)
-        self.shared_pages[direction][0] += claims.taken[0]
-        self.shared_pages[direction][1] += claims.taken[1]
+        self.shared_pages[0] += claims.taken[0]
+        self.shared_pages[1] += claims.taken[1]
         if errors:
             raise errors[0]
 

@@ -29,13 +29,12 @@ several pieces takes the staging path) and copies of at least ``DIRECT_BATCH_MIN
 slices, or adjacent slices merged; shorter copies are slower still, those layouts keep the
 staging path).
 
-``direct="shared"`` plans as ``"batch"`` does, then shares a transfer of at least
+``direct="shared"`` plans as ``"batch"`` does, then shares a restore of at least
 :data:`BATCH_SPLIT_MIN` copies with the staging path (:class:`Claims`, :func:`shared_side`,
 :func:`side_lagging`): the driver's host time per copy was measured at 0.56-1.1 us from one
 restore to the next (session 17), and at its worst restores ran at 0.39-0.46x of a bulk copy
 (~3 us per copy, inferred); shared, the staging path fills the link whenever the batch copies
-fall behind it.  It costs decode steps beside it
-(measured in ``CudaCopyEngine``'s docstring), so it is opt-in.
+fall behind it.  Saves are not shared (their batch copies were not seen to slow down).
 """
 
 from __future__ import annotations
@@ -82,7 +81,7 @@ BATCH_FIRST_COPIES = 128
 #: threads gained nothing more.  The threshold itself is a choice, not a measurement: 4,096 copies
 #: are ~2 ms of driver time, well above what handing half of them to a waiting thread costs.
 BATCH_SPLIT_MIN = 4096
-#: ``direct="shared"``: a transfer of at least :data:`BATCH_SPLIT_MIN` copies is shared with the
+#: ``direct="shared"``: a restore of at least :data:`BATCH_SPLIT_MIN` copies is shared with the
 #: staging path (:class:`Claims`): the side thread claims pages from the back for batch copies,
 #: first this many copies' worth, each next claim twice as many up to :data:`SHARED_MAX_COPIES`
 #: (a claim's driver call is host time, ~0.5-3 us per copy: small claims keep the staging path's
@@ -267,7 +266,7 @@ class BatchSide:
         self.stream = dev.stream()
         self.fork = dev.event()
         self.join = dev.event()
-        # recorded after each claim of a shared transfer (Claims); the staging path's thread waits
+        # recorded after each claim of a shared restore (Claims); the staging path's thread waits
         # on it in a loop (side_lagging): a blocking-sync event sleeps there instead of spinning
         self.progress = dev.event(blocking=True)
         self._worker = _Worker(name)
@@ -382,7 +381,7 @@ def issue_batch(planes: Any, dplan: DirectPlan, specs: Any, stream: Any, *, to_d
 
 
 class Claims:
-    """Pages ``[0, n)`` of one transfer shared by two issuers until they meet: the staging path
+    """Pages ``[0, n)`` of one restore shared by two issuers until they meet: the staging path
     takes chunks from the front (:meth:`front`), the batch side runs of pages from the back
     (:meth:`back`).  Why share: batch copies keep the engine's SMs free, but their driver time
     is host time per 32 KiB copy, measured on the H200 at 0.56-1.1 us from one restore to the
@@ -444,7 +443,7 @@ class Claims:
 
 def shared_side(d: Any, fn: _cuda._BatchCall, arrays: tuple[npt.NDArray[np.uint64], ...], per_page: int,
                 claims: Claims, side: BatchSide) -> Callable[[], None]:
-    """The side thread's half of a shared transfer: behind ``side.fork``, claims of pages from the
+    """The side thread's half of a shared restore: behind ``side.fork``, claims of pages from the
     back of ``claims``, each issued as one ``cuMemcpyBatchAsync`` of its ``per_page`` copies per
     page (``arrays``: :func:`batch_copies` of every page, page-major) and followed by a record of
     ``side.progress``; ``side.join`` recorded last, also when a call fails (then the claims are
