@@ -312,13 +312,17 @@ def _restore_pages(self: HostKVCache, handle: CacheHandle, result: RestoreResult
                         if checked and check is None:
                             # views of a store that verifies reads: check the blocks on the GPU
                             check = restore_check(planes)
-                        # The check's stream held back by the restore's gate: enqueuing the hash
-                        # then waits for nothing (a wait on the transfer waits until the engine has
-                        # issued it, which a shared batch transfer does for as long as it moves).
-                        # Engines of this package only: another CopyEngineLike may not order a raw
-                        # CUstream passed as before=, and keeps the wait on the transfer.
+                        # The hash behind the transfer's event (wait_on: this thread waits until
+                        # the engine has issued the chunk), except on an engine that shares
+                        # restores with its staging path (CudaCopyEngine.shares_restores): that
+                        # issue lasts as long as the copies, so the check's stream is held back
+                        # by the restore's gate instead and enqueuing waits for nothing.  Not
+                        # always gated: a stream shut by a gate waits on a flag in mapped host
+                        # memory, which the GPU polls across the bus the copies use; on the H200
+                        # verified restores ran at 0.848x of a bulk copy gated, 0.952x behind
+                        # the event, 0.953x unverified (session 18, docs/benchmarks.md).
                         gated = (check.gate_stream() if checked and check is not None
-                                 and getattr(self.engine, "gate", None) is not None else None)
+                                 and getattr(self.engine, "shares_restores", False) else None)
                         h = self.engine.restore(srcs, planes, bids[i : i + len(part)], before=gated)
                         if checked and check is not None:
                             verify = (i, check.enqueue(h, bids[i : i + len(part)], gated=gated is not None), sums)

@@ -421,6 +421,14 @@ class CudaCopyEngine(CopyEngine):
         return _Table(dev_ptr, host, ev)
 
     # -- stream order ----------------------------------------------------------------------------
+    @property
+    def shares_restores(self) -> bool:
+        """Whether large restores are shared with the staging path (``direct="shared"``): its
+        worker then issues such a restore for as long as the restore moves, so a caller waiting
+        until a transfer is issued (``TransferHandle.wait_on``) waits for the copies themselves;
+        ``HostKVCache`` gates its GPU check stream instead (:meth:`gate`) for these engines."""
+        return self._share
+
     def mark(self, stream: Any) -> StreamMark | None:
         if stream is None or isinstance(stream, StreamMark):
             return stream

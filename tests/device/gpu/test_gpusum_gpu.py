@@ -22,6 +22,8 @@ if not cuda_available() or not torch.cuda.is_available():
 
 pytestmark = pytest.mark.gpu
 
+from ._pool import engine_for  # noqa: E402  (after the skips: it imports torch)
+
 LAYOUT = hk.KVLayout(num_layers=2, num_kv_heads=8, head_dim=128, page_tokens=16, dtype="bfloat16")
 P = LAYOUT.page_nbytes
 N = 40
@@ -73,7 +75,19 @@ def test_save_seals_with_gpu_checksums(engine: Any, checksum: str) -> None:
         prov.close()
 
 
-def test_verified_restore_from_views_truncates_at_a_flipped_bit(engine: Any) -> None:
+@pytest.mark.parametrize("mode", ["default", "shared-split"])
+def test_verified_restore_from_views_truncates_at_a_flipped_bit(engine: Any, mode: str) -> None:
+    """The default engine's chunks are checked behind each transfer's event; a sharing engine's
+    (every restore shared, ``shares_restores``) behind the restore's gate on the check stream."""
+    if mode == "default":
+        _verified_restore_truncates(engine)
+        return
+    with engine_for(mode) as shared:
+        assert shared.shares_restores
+        _verified_restore_truncates(shared)
+
+
+def _verified_restore_truncates(engine: Any) -> None:
     _caches, planes = _pool(2 * N)
     prov = hk.open(f"pinned://?budget={(N + 4) * P}&block={P}&background=false&verify=read")
     try:
