@@ -319,10 +319,22 @@ def _save_pages(self: HostKVCache, job: _SaveJob, result: SaveResult, planes: An
                     if stop is None and not advance(k):
                         stop = f"page {i} was evicted right after its seal"
             elif present[i]:
-                if advance(k):
-                    result.dedup += 1
-                else:
+                # a stored run at once: one lease, no Python step per page (a chain saved again,
+                # a fork's shared prefix: 6,400 per-page leases and GIL hand-overs took ~2 s of
+                # the save thread for a stored 100k-token chain on the CPU machine)
+                end = _stored_run_end(present, blobs, i)
+                nl, got = _lease_run(prov, ks, i, end)
+                if nl is None:
                     stop = f"page {i} was evicted before its children could be saved"
+                else:
+                    if held is not None:
+                        held.release()
+                    held = nl
+                    result.dedup += got
+                    i += got - 1
+                    k = ks[i]
+                    if i + 1 < end:
+                        stop = f"page {i + 1} was evicted before its children could be saved"
             else:
                 dep = job.deps.get(i)
                 if dep is not None:
@@ -359,6 +371,29 @@ def _save_pages(self: HostKVCache, job: _SaveJob, result: SaveResult, planes: An
                 self._put_staging(st)
         job.handle._copied.set()
     result.stopped = stop
+
+
+def _stored_run_end(present: Sequence[bool], blobs: Mapping[int, Any], i: int, limit: int | None = None) -> int:
+    """Where the run of stored pages from ``i`` (stored itself) ends: at the first page not
+    stored, after the first page with anchors to attach (only a run's last page may have them),
+    at ``limit`` at the latest.  C-speed search: no Python step per page."""
+    stop = len(present) if limit is None else limit
+    with contextlib.suppress(ValueError):  # (every page to ``stop`` stored)
+        stop = present.index(False, i, stop)
+    nxt = min((b for b in blobs if b >= i), default=stop)
+    return min(stop, nxt + 1)
+
+
+def _lease_run(prov: Any, ks: Sequence[Key], lo: int, hi: int) -> tuple[Lease | None, int]:
+    """One lease on pages ``[lo, hi)`` of the chain and how many of them it holds from ``lo``
+    on (a page evicted since ``present()`` ends the run there); ``(None, 0)`` when page ``lo``
+    itself is gone."""
+    nl = prov.lease(ks[lo:hi])
+    got = int(nl.prefix_len)
+    if not got:
+        nl.release()
+        return None, 0
+    return nl, got
 
 
 def _direct_run(job: _SaveJob, present: Sequence[bool]) -> int | None:
@@ -402,27 +437,34 @@ def _save_direct(self: HostKVCache, job: _SaveJob, result: SaveResult, planes: A
     prev = parent
     held: Lease | None = prov.lease([parent]) if parent is not None else None
     try:
-        for i in range(s):  # the prefix: stored already, or by an earlier save of this cache
-            k = ks[i]
+        i = 0
+        while i < s:  # the prefix: stored already, or by an earlier save of this cache
+            # a stored run at once (one lease); a page another save is storing, one by one
+            end = _stored_run_end(present, blobs, i, s) if present[i] else i + 1
             dep = job.deps.get(i)
             if dep is not None:
                 dep.done.wait(self.wait_timeout)
-            nl = prov.lease([k])
-            if not nl.prefix_len:
-                nl.release()
+            nl, got = _lease_run(prov, ks, i, end)
+            if nl is None:
                 stop = f"page {i} was not stored when its children were to be saved"
                 break
             if held is not None:
                 held.release()
             held = nl
             if present[i]:
-                result.dedup += 1
+                result.dedup += got
             else:
-                result.coalesced += 1
+                result.coalesced += got
+            i += got - 1
+            if i + 1 < end:
+                stop = f"page {i + 1} was not stored when its children were to be saved"
+                break
+            k = ks[i]
             stop = self._attach(k, i, blobs, result)
             if stop is not None:
                 break
             prev = k
+            i += 1
         if stop is None:
             stop = self._direct_chunks(job, result, planes, bids, s, prev, blobs, after)
     finally:

@@ -175,6 +175,71 @@ def test_fork_stores_only_new_pages(cache: HostKVCache, provider: Provider) -> N
     assert res.nbytes == 3 * PAGE  # only the new pages left the device
 
 
+def _count_leases(provider: Provider, monkeypatch: pytest.MonkeyPatch,
+                  before: Any = None) -> list[int]:
+    """Record the size of every ``provider.lease`` call from now on (``before(keys)`` runs first)."""
+    calls: list[int] = []
+    real = provider.lease
+
+    def counting(keys: Any) -> Any:
+        calls.append(len(keys))
+        if before is not None:
+            before(keys)
+        return real(keys)
+
+    monkeypatch.setattr(provider, "lease", counting)
+    return calls
+
+
+def test_a_stored_prefix_is_leased_as_one_run(cache: HostKVCache, provider: Provider,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chain saved again, or a fork of a stored prefix: the stored pages are taken as one run
+    with one lease, not one lease (and one GIL hand-over) per page."""
+    src = make_planes(4)
+    base = tokens(4 * 20, seed=21)
+    a = cache.keys(base)
+    b = cache.keys(np.concatenate([base, tokens(8, seed=22)]))
+    assert cache.save(a, src, list(range(20))).wait(30).stored == 20
+    calls = _count_leases(provider, monkeypatch)
+    res = cache.save(a, src, list(range(20))).wait(30)
+    assert (res.stored, res.dedup, res.stopped) == (0, 20, None)
+    assert calls == [20]
+    calls.clear()
+    res = cache.save(b, src, list(range(30, 52))).wait(30)
+    assert (res.stored, res.dedup, res.stopped) == (2, 20, None)
+    assert calls[0] == 20 and len(calls) <= 3 and all(c == 1 for c in calls[1:]), calls
+    hit = cache.lookup(b)
+    assert hit.num_pages == 22
+    dst = make_planes(0)
+    assert cache.restore(hit, dst, list(range(22))).wait(30).pages == 22
+    for i in range(22):  # the stored prefix from the first save's blocks, the rest from this one's
+        assert page_of(dst, i) == page_of(src, i if i < 20 else 30 + i)
+
+
+def test_a_stored_run_evicted_under_the_save_stops_it_there(cache: HostKVCache, provider: Provider,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pages evicted between the save's call and its thread's lease of the stored run: the run
+    ends at the first page gone, the pages before it count as stored, the new pages are not
+    saved below the gap."""
+    src = make_planes(4)
+    base = tokens(4 * 10, seed=23)
+    a = cache.keys(base)
+    b = cache.keys(np.concatenate([base, tokens(12, seed=24)]))
+    assert cache.save(a, src, list(range(10))).wait(30).stored == 10
+    evicted = []
+
+    def evict_tail(keys: Any) -> None:
+        if len(keys) > 1 and not evicted:
+            evicted.append(provider.evict([a[6]]))  # pages 6..9 (a subtree)
+
+    _count_leases(provider, monkeypatch, evict_tail)
+    res = cache.save(b, src, list(range(13))).wait(30)
+    assert evicted, "the save never leased its stored run"
+    assert (res.stored, res.dedup) == (0, 6)
+    assert res.stopped is not None and res.stopped.startswith("page 6 "), res.stopped
+    assert provider.longest_prefix(b) == 6
+
+
 def test_continuation_with_parent(cache: HostKVCache, provider: Provider) -> None:
     src = make_planes(5)
     toks = tokens(4 * 6, seed=12)
