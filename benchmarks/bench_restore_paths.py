@@ -8,6 +8,7 @@ paths in turn for ``--seconds`` so that every path sees the same machine:
   adjacent): half the copies, of 64 KiB;
 * ``auto``: ``direct="auto"``, one 2D copy per plane and run of consecutive blocks (32 KiB rows);
 * ``staged``: ``direct="never"``, large DMAs into staging buffers and the scatter kernel;
+* ``shared``: ``direct="shared"``, batch copies from the back and the staging path from the front;
 * ``scattered``: ``batch`` into a shuffled block table (no run of consecutive blocks).
 
 Each restore is timed from the call until the host has waited for it (views taken beforehand);
@@ -34,7 +35,7 @@ import hostkv_providers as hk
 from hostkv_providers.cache import HostKVCache, paged_planes
 from hostkv_providers.device import CudaCopyEngine, KVPlanes
 
-PATHS = ("batch", "batch64", "auto", "staged", "scattered")
+PATHS = ("batch", "batch64", "auto", "staged", "shared", "scattered")
 
 
 def main() -> int:
@@ -63,8 +64,7 @@ def main() -> int:
                  for _ in range(LAYERS)] if "batch64" in paths else [])
     planes64 = KVPlanes.from_torch(layout, paged_planes(layout, caches64)) if caches64 else None
     provider = hk.open(f"pinned://?budget={n * P + (64 << 20)}&block={P}&background=false")
-    engines = {"batch": CudaCopyEngine(0, direct="batch"), "auto": CudaCopyEngine(0, direct="auto"),
-               "never": CudaCopyEngine(0, direct="never")}
+    engines = {mode: CudaCopyEngine(0, direct=mode) for mode in ("batch", "auto", "never", "shared")}
     cache = HostKVCache(provider, hk.Salt("bench/paths", layout), engines["batch"], **CACHE_KW)
     keys = cache.keys(np.arange(n * TOKENS) % 50_000 + 7)
     src, dst = list(range(n)), list(range(n, 2 * n))
@@ -86,7 +86,7 @@ def main() -> int:
                         c[:, ids] = 0
                 torch.cuda.synchronize()
                 t = time.perf_counter()
-                engine = engines["never" if path == "staged" else "auto" if path == "auto" else "batch"]
+                engine = engines[{"staged": "never", "auto": "auto", "shared": "shared"}.get(path, "batch")]
                 target = planes64 if path == "batch64" else planes
                 assert target is not None
                 assert engine.restore(pages, target, ids).wait(timeout=60)

@@ -249,6 +249,38 @@ def test_a_dropped_gate_opens_with_a_warning(stream: HostStream) -> None:
     engine.close()
 
 
+def test_a_dropped_cuda_gate_opens_its_flag_with_a_warning() -> None:
+    """The CUDA gate's leak finalizer holds the flag, not the gate: a gate dropped shut is
+    collected and its flag (the host word the held stream polls) set.  Its finalizer once held
+    a bound method of the gate, which kept the gate alive for ever and the stream shut.  Built
+    without a device: the gate's constructor only keeps its pool, flag and slot."""
+    import ctypes
+    import weakref
+
+    from hostkv_providers.device._cuda_sync import _CudaGate
+
+    flags = (ctypes.c_uint32 * 4)()
+    # (no pool: a gate uses it only to open after copies)
+    gate = _CudaGate(None, flags, 2, 0)  # type: ignore[arg-type]
+    gone = weakref.ref(gate)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        del gate
+        gc.collect()
+    assert gone() is None, "the gate is kept alive"
+    assert list(flags) == [0, 0, 1, 0]
+    assert any(issubclass(w.category, RuntimeWarning) for w in caught)
+    opened = _CudaGate(None, flags, 0, 0)  # type: ignore[arg-type]
+    opened.open_now()
+    assert flags[0] == 1
+    flags[0] = 0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        del opened
+        gc.collect()
+    assert flags[0] == 0 and not caught  # opened once, by its owner: the finalizer is off
+
+
 def test_cpu_engine_gates_and_marks(stream: HostStream) -> None:
     engine = CpuCopyEngine()
     assert engine.mark(None) is None

@@ -317,10 +317,11 @@ def _restore_pages(self: HostKVCache, handle: CacheHandle, result: RestoreResult
                         # restores with its staging path (CudaCopyEngine.shares_restores): that
                         # issue lasts as long as the copies, so the check's stream is held back
                         # by the restore's gate instead and enqueuing waits for nothing.  Not
-                        # always gated: a stream shut by a gate waits on a flag in mapped host
-                        # memory, which the GPU polls across the bus the copies use; on the H200
-                        # verified restores ran at 0.848x of a bulk copy gated, 0.952x behind
-                        # the event, 0.953x unverified (session 18, docs/benchmarks.md).
+                        # always gated: on the H200 verified restores ran at 0.848x of a bulk copy
+                        # gated, 0.952x behind the event, 0.953x unverified (session 18,
+                        # docs/benchmarks.md; why was not separated: the gated stream polls a flag
+                        # in mapped host memory across the bus the copies use, and this thread,
+                        # no longer waiting, competes for the GIL with the issuing threads).
                         gated = (check.gate_stream() if checked and check is not None
                                  and getattr(self.engine, "shares_restores", False) else None)
                         h = self.engine.restore(srcs, planes, bids[i : i + len(part)], before=gated)

@@ -308,7 +308,7 @@ class CudaCopyEngine(CopyEngine):
         if type(threads) is not int or not 32 <= threads <= 1024:
             raise CopyArgumentError(f"threads must be an int in [32, 1024], got {threads!r}")
         self.direct = _direct.check_direct(direct)
-        # "shared" plans every transfer as "batch" does; large ones are then shared with the
+        # "shared" plans every transfer as "batch" does; large restores are then shared with the
         # staging path (_issue_shared)
         self._share = self.direct == "shared"
         self._planned = "batch" if self._share else self.direct
@@ -345,7 +345,9 @@ class CudaCopyEngine(CopyEngine):
             aux = self._streams["aux"]
             for direction in ("save", "restore"):
                 self._staging[direction] = [dev.mem_alloc_async(staging_bytes, aux) for _ in range(2)]
-                # (blocking-sync: a shared batch transfer's thread waits on them per chunk)
+                # (blocking-sync: a shared restore's worker waits on its slots' events per chunk,
+                # and a prestaged layer-wise restore on one; the save side's are only waited on
+                # by streams, where the flag does nothing)
                 self._slot_events[direction] = [(dev.event(blocking=True), dev.event(blocking=True))
                                                 for _ in range(2)]
             with dev.scope():  # our own stream only: the staging exists before any transfer uses it
@@ -423,11 +425,13 @@ class CudaCopyEngine(CopyEngine):
     # -- stream order ----------------------------------------------------------------------------
     @property
     def shares_restores(self) -> bool:
-        """Whether large restores are shared with the staging path (``direct="shared"``): its
-        worker then issues such a restore for as long as the restore moves, so a caller waiting
-        until a transfer is issued (``TransferHandle.wait_on``) waits for the copies themselves;
-        ``HostKVCache`` gates its GPU check stream instead (:meth:`gate`) for these engines."""
-        return self._share
+        """Whether this engine shares large restores with the staging path (``direct="shared"``
+        with batch copies and the pack kernel both there): its worker then issues such a
+        restore for as long as the restore moves, so a caller waiting until a transfer is issued
+        (``TransferHandle.wait_on``) waits for the copies themselves; ``HostKVCache`` gates its
+        GPU check stream instead (:meth:`gate`) for these engines.  (Restores under
+        :data:`~._direct.BATCH_SPLIT_MIN` copies or from pageable pages are not shared.)"""
+        return self._share and "restore" in self._sides and self.mode == "kernel"
 
     def mark(self, stream: Any) -> StreamMark | None:
         if stream is None or isinstance(stream, StreamMark):

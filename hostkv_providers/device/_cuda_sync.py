@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import functools
 import threading
 import time
 import weakref
@@ -415,6 +416,10 @@ class _FlagPool:
             # The flag memory stays mapped: a stream of the engine's may still read a slot.
 
 
+def _set_flag(arr: Any, slot: int) -> None:
+    arr[slot] = 1
+
+
 class _CudaGate(Gate):
     def __init__(self, pool: _FlagPool, arr: Any, slot: int, dptr: int) -> None:
         super().__init__()
@@ -422,12 +427,15 @@ class _CudaGate(Gate):
         self._arr = arr
         self._slot = slot
         self._dptr = dptr
-        self._finalizer = weakref.finalize(self, _open_leaked, self._open_now)
+        # (the callback must not hold the gate: a bound method would keep it alive for ever, and
+        # a gate dropped shut would never be opened; a host store needs no CUDA call, so it may
+        # run on whichever thread collects the gate)
+        self._finalizer = weakref.finalize(self, _open_leaked, functools.partial(_set_flag, arr, slot))
         self._finalizer.atexit = False
 
     def _open_now(self) -> None:
         self._finalizer.detach()
-        self._arr[self._slot] = 1
+        _set_flag(self._arr, self._slot)
 
     def _open_after(self, handles: list[TransferHandle]) -> None:
         self._finalizer.detach()
@@ -454,4 +462,4 @@ class _CudaGate(Gate):
         except Exception:
             # A failed copy (or a broken context): the engine's stream must not hang.  What was
             # copied is reported by the handles' errors.
-            self._arr[self._slot] = 1
+            _set_flag(self._arr, self._slot)

@@ -266,8 +266,9 @@ class BatchSide:
         self.stream = dev.stream()
         self.fork = dev.event()
         self.join = dev.event()
-        # recorded after each claim of a shared restore (Claims); the staging path's thread waits
-        # on it in a loop (side_lagging): a blocking-sync event sleeps there instead of spinning
+        # recorded after each claim of a shared restore (Claims; the restore side's only, the
+        # save side never records it); the staging path's thread waits on it in a loop
+        # (side_lagging): a blocking-sync event sleeps there instead of spinning
         self.progress = dev.event(blocking=True)
         self._worker = _Worker(name)
         self._closed = False

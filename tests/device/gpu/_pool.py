@@ -21,7 +21,8 @@ def engine_for(mode: str) -> Iterator[CudaCopyEngine]:
     """``CudaCopyEngine(0, direct=mode)``; ``"batch-split"``: ``direct="batch"`` with *every* batch
     call split between the issuing thread and the direction's side thread and stream (the tests'
     transfers stay under the 4,096 copies from which the split starts); ``"shared-split"``:
-    ``direct="shared"`` with every transfer shared between batch copies and the staging path."""
+    ``direct="shared"`` with every page-major restore shared between batch copies and the staging
+    path (saves split between the two threads as ``"batch-split"`` does)."""
     direct, _, split = mode.partition("-")
     saved = _direct.BATCH_SPLIT_MIN
     try:

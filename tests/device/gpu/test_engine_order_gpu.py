@@ -67,7 +67,8 @@ def slowed(fn: Callable[..., Any], seconds: float) -> Callable[..., Any]:
 def engine(request: pytest.FixtureRequest) -> Iterator[CudaCopyEngine]:
     """The engine with direct DMA for runs of consecutive blocks (auto, always) and for every page by
     batch copies (batch; batch-split: each call's second half issued by the side thread;
-    shared-split: every transfer shared between batch copies and the staging path)."""
+    shared-split: every page-major restore shared between batch copies and the staging path,
+    saves as batch-split)."""
     with engine_for(request.param) as e:
         yield e
 

@@ -85,6 +85,7 @@ def test_verified_restore_from_views_truncates_at_a_flipped_bit(engine: Any, mod
     with engine_for(mode) as shared:
         assert shared.shares_restores
         _verified_restore_truncates(shared)
+        assert sum(shared.shared_pages) > 0  # its restores went the shared way (_issue_shared)
 
 
 def _verified_restore_truncates(engine: Any) -> None:

@@ -45,7 +45,7 @@ L = LAYOUT.num_layers
 def engine(request: pytest.FixtureRequest) -> Iterator[CudaCopyEngine]:
     """The engine with direct DMA for runs of consecutive blocks (auto), for every page of a
     page-major restore by batch copies (batch; batch-split: each call's second half issued by the
-    side thread; shared-split: every transfer shared with the staging path; their layer-wise
+    side thread; shared-split: every page-major restore shared with the staging path; their layer-wise
     restores are staged), and without it (never: staging only)."""
     with engine_for(request.param) as e:
         yield e
