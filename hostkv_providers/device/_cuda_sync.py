@@ -332,6 +332,8 @@ class _CudaMark(StreamMark):
 
 
 _FLAG_SLOTS = 1024
+#: Gate openings in flight with a stream each (:meth:`_FlagPool.opener`); more share one stream.
+_MAX_OPENERS = 64
 
 
 class _FlagPool:
@@ -344,6 +346,13 @@ class _FlagPool:
     host can always open a gate (failure paths need no CUDA call) and see which ones are open.
     A slot is reused only once the waiting stream has passed its wait (an event recorded right
     behind the wait on that stream): resetting it earlier would hold that stream forever.
+
+    Each opening gets a stream of its own (:meth:`opener`): its waits on copy events and its
+    write, nothing else queued there.  On one shared stream a gate's opening waited behind every
+    earlier opening's copies, and those copies may themselves wait for the later gate: a
+    ``restore(before=s)`` still being issued, then ``save(after=s)`` (its copies behind the
+    restore's gate on ``s``) and the save's ``wait_on(s)`` (a gate opened once the save is
+    issued, queued first) held each other for ever (found in review, session 18).
     """
 
     def __init__(self, dev: _cuda.Device) -> None:
@@ -352,7 +361,45 @@ class _FlagPool:
         self._blocks: list[tuple[int, Any]] = []  # (host address, ctypes array)
         self._free: list[tuple[Any, int, int]] = []  # (array, slot, device address)
         self._busy: list[tuple[Any, int, int, Any]] = []  # (array, slot, device address, passed event)
-        self.stream = dev.stream(low_priority=False)  # opens gates: must not queue behind copies
+        # the openers: streams (and an event recorded behind each one's last write) in use, idle
+        self._openers_busy: list[tuple[Any, Any]] = []
+        self._openers_idle: list[tuple[Any, Any]] = []
+        # shared by openings past _MAX_OPENERS (or when a stream cannot be made): they queue
+        # behind each other there, as every opening once did
+        self.stream = dev.stream(low_priority=False)  # (openers must not queue behind copies)
+
+    def opener(self) -> tuple[Any, Any]:
+        """A stream for one gate's opening with nothing else of this pool queued on it (one whose
+        last opening is complete, or a new one), and its event; ``(self.stream, None)`` past
+        :data:`_MAX_OPENERS` busy ones.  The caller holds the lock and the device's scope, and
+        hands the pair to :meth:`opened_on` after enqueueing the opening."""
+        d = _cuda.driver()
+        if self._openers_busy:
+            keep: list[tuple[Any, Any]] = []
+            for pair in self._openers_busy:
+                (err,) = d.cuEventQuery(pair[1])
+                (self._openers_idle if int(err) == int(d.CUresult.CUDA_SUCCESS) else keep).append(pair)
+            self._openers_busy = keep
+        if self._openers_idle:
+            return self._openers_idle.pop()
+        if len(self._openers_busy) < _MAX_OPENERS:
+            try:
+                return self._dev.stream(low_priority=False), self._dev.event()
+            except CopyEngineError:
+                pass
+        return self.stream, None
+
+    def opened_on(self, stream: Any, event: Any) -> None:
+        """After an opening was enqueued on ``stream`` (from :meth:`opener`): track it until its
+        write is done.  Never raises (the opening is enqueued; a failure here only keeps the
+        stream from being reused)."""
+        if event is None:
+            return
+        try:
+            _cuda.check(_cuda.driver().cuEventRecord(event, stream), "cuEventRecord(opened)")
+        except CopyEngineError:
+            return
+        self._openers_busy.append((stream, event))
 
     def _grow(self) -> None:
         with self._dev.scope():
@@ -406,13 +453,18 @@ class _FlagPool:
         with self._lock:
             for arr, slot, _dptr, _passed in self._busy:
                 arr[slot] = 1  # never leave a stream of the engine's held by a closed engine
-            (err,) = d.cuStreamSynchronize(self.stream)
-            if int(err):
-                problems.append(f"gate stream: {_cuda._error_text(err)}")
+            for st, ev in [*self._openers_busy, *self._openers_idle, (self.stream, None)]:
+                (err,) = d.cuStreamSynchronize(st)
+                if int(err):
+                    problems.append(f"gate stream: {_cuda._error_text(err)}")
+                if ev is not None:
+                    d.cuEventDestroy(ev)
+                d.cuStreamDestroy(st)
+            self._openers_busy.clear()
+            self._openers_idle.clear()
             for *_rest, passed in self._busy:
                 d.cuEventDestroy(passed)
             self._busy.clear()
-            d.cuStreamDestroy(self.stream)
             # The flag memory stays mapped: a stream of the engine's may still read a slot.
 
 
@@ -453,12 +505,14 @@ class _CudaGate(Gate):
         try:
             events = [h.event for h in flat]
             with pool._dev.scope(), pool._lock:
+                stream, opened = pool.opener()  # (nothing else of the pool's queued there)
                 for ev in events:
                     if ev is not None:
-                        _cuda.check(d.cuStreamWaitEvent(pool.stream, ev, 0), "cuStreamWaitEvent(gate)")
-                _cuda.check(d.cuStreamWriteValue32(pool.stream, self._dptr, 1,
+                        _cuda.check(d.cuStreamWaitEvent(stream, ev, 0), "cuStreamWaitEvent(gate)")
+                _cuda.check(d.cuStreamWriteValue32(stream, self._dptr, 1,
                                                    int(d.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT)),
                             "cuStreamWriteValue32")
+                pool.opened_on(stream, opened)
         except Exception:
             # A failed copy (or a broken context): the engine's stream must not hang.  What was
             # copied is reported by the handles' errors.

@@ -168,3 +168,43 @@ def test_save_after_stream_reads_blocks_as_of_the_call(kind: str, engine: CudaCo
             assert bad == 0, f"{kind}: {bad} of 20 saves stored other bytes than the blocks held at the call"
     finally:
         provider.close()
+
+
+def test_a_gate_opening_never_waits_behind_another_gates_copies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ``restore(before=s)`` still being issued, then ``save(after=s)`` (its copies behind the
+    restore's gate on ``s``) and the save's ``wait_on(s)`` (a gate opened once the save is
+    issued, which here is first).  When every gate opened on one shared stream, the save's
+    opening waited there for the save's copies, and the restore's opening behind it: ``s``
+    never ran again (found in review, session 18).  Each opening now has a stream of its own."""
+    pool = Pool(LAYOUT, NBLOCKS)
+    pool.fill_random(list(range(PAGES + 4)), seed=5)
+    prov = open_kind("pinned", Path("/nonexistent"))
+    with engine_for("batch") as eng:
+        cache = HostKVCache(prov, SALT, eng, chunk_pages=8)
+        try:
+            keys = cache.keys(list(range(PAGES * LAYOUT.page_tokens)))
+            assert cache.save(keys, pool.planes, list(range(PAGES))).wait(60).stored == PAGES
+            expect = pool.gather(list(range(PAGES)))
+            new = cache.keys(list(range(10**6, 10**6 + 4 * LAYOUT.page_tokens)))
+            # the restore's issue slow (its gate opens late), the save's a little (its gate is
+            # made before its copies are issued, and opens first)
+            monkeypatch.setattr(CudaCopyEngine, "_issue_restore", slowed(CudaCopyEngine._issue_restore, 0.4))
+            monkeypatch.setattr(CudaCopyEngine, "_issue_save", slowed(CudaCopyEngine._issue_save, 0.1))
+            s = torch.cuda.Stream()
+            dst = list(range(PAGES + 8, 2 * PAGES + 8))
+            r = cache.restore(cache.lookup(keys), pool.planes, dst, before=s)
+            sv = cache.save(new, pool.planes, list(range(PAGES, PAGES + 4)), after=s)
+            sv.wait_on(s)
+            done = torch.cuda.Event()
+            done.record(s)
+            deadline = time.monotonic() + 30
+            while not done.query() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            ran = done.query()
+            assert ran, "the stream stayed held: a gate's opening queued behind copies that wait for another gate"
+            assert r.wait(60).pages == PAGES
+            assert sv.wait(60).stored == 4
+        finally:
+            cache.close()  # (then the engine: closing opens every gate still shut, so s runs)
+    prov.close()
+    assert int(pool.mismatches(dst, expect)) == 0
