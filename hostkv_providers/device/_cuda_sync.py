@@ -443,8 +443,12 @@ class _FlagPool:
             except CopyEngineError:
                 self._free.append((arr, slot, dptr))
                 raise
-            passed = self._dev.event()
-            _cuda.check(d.cuEventRecord(passed, stream), "cuEventRecord(gate)")
+            try:
+                passed = self._dev.event()
+                _cuda.check(d.cuEventRecord(passed, stream), "cuEventRecord(gate)")
+            except CopyEngineError:
+                arr[slot] = 1  # the wait is enqueued already: never leave the stream held (slot not reused)
+                raise
             self._busy.append((arr, slot, dptr, passed))
         return _CudaGate(self, arr, slot, dptr)
 
