@@ -9,7 +9,10 @@ paths in turn for ``--seconds`` so that every path sees the same machine:
 * ``auto``: ``direct="auto"``, one 2D copy per plane and run of consecutive blocks (32 KiB rows);
 * ``staged``: ``direct="never"``, large DMAs into staging buffers and the scatter kernel;
 * ``shared``: ``direct="shared"``, batch copies from the back and the staging path from the front;
-* ``scattered``: ``batch`` into a shuffled block table (no run of consecutive blocks).
+* ``scattered``: ``batch`` into a shuffled block table (no run of consecutive blocks);
+* ``before``: ``batch`` with ``before=`` a stream of the caller's (the stream gated on a flag until
+  the copies are done, as an engine orders its prefill), timed until an event recorded on that
+  stream after the call has completed.
 
 Each restore is timed from the call until the host has waited for it (views taken beforehand);
 every path's first restore is checked byte for byte on sampled blocks of every layer.  Reports
@@ -35,7 +38,7 @@ import hostkv_providers as hk
 from hostkv_providers.cache import HostKVCache, paged_planes
 from hostkv_providers.device import CudaCopyEngine, KVPlanes
 
-PATHS = ("batch", "batch64", "auto", "staged", "shared", "scattered")
+PATHS = ("batch", "batch64", "auto", "staged", "shared", "scattered", "before")
 
 
 def main() -> int:
@@ -73,6 +76,7 @@ def main() -> int:
     torch.cuda.synchronize()
     rows: dict[str, list[float]] = {p: [] for p in paths}
     ok: dict[str, bool] = {}
+    gated = torch.cuda.Stream()  # the "before" path's stand-in for an engine's stream
     with provider.lease(keys) as lease:
         pages = provider.view_pages(lease, keys)
         assert pages is not None
@@ -89,7 +93,14 @@ def main() -> int:
                 engine = engines[{"staged": "never", "auto": "auto", "shared": "shared"}.get(path, "batch")]
                 target = planes64 if path == "batch64" else planes
                 assert target is not None
-                assert engine.restore(pages, target, ids).wait(timeout=60)
+                if path == "before":
+                    h = engine.restore(pages, target, ids, before=gated)
+                    behind = torch.cuda.Event()
+                    behind.record(gated)
+                    assert h.wait(timeout=60)
+                    behind.synchronize()
+                else:
+                    assert engine.restore(pages, target, ids).wait(timeout=60)
                 rows[path].append((time.perf_counter() - t) * 1e3)
                 if path not in ok:
                     ok[path] = same(torch, caches, pool, src, ids)
