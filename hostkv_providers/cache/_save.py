@@ -5,6 +5,7 @@ methods."""
 
 from __future__ import annotations
 
+import bisect
 import collections
 import contextlib
 import itertools
@@ -146,7 +147,8 @@ def save(
     handle._on_finish(finish)
     refused = False
     with self._lock:
-        present = self.provider.present(ks[:admitted]) if admitted else []
+        # (a list: the save thread searches it with list.index; a provider may hand back any sequence)
+        present = list(self.provider.present(ks[:admitted])) if admitted else []
         claims = self._claims
         if not any(map(claims.__contains__, ks[:admitted])):
             # the common cases (a new chain, or a chain whose prefix is stored; no other save of
@@ -264,6 +266,7 @@ def _save_pages(self: HostKVCache, job: _SaveJob, result: SaveResult, planes: An
     # being evicted under the save, and with the tail pinned, each reservation and seal below
     # it costs O(1) in a tree index instead of a walk over every unpinned ancestor.
     held: Lease | None = prov.lease([parent]) if parent is not None else None
+    anchored = sorted(blobs)  # (pages with anchors: a stored run ends at the first of them)
 
     def advance(k: Key) -> bool:
         nonlocal held
@@ -322,7 +325,7 @@ def _save_pages(self: HostKVCache, job: _SaveJob, result: SaveResult, planes: An
                 # a stored run at once: one lease, no Python step per page (a chain saved again,
                 # a fork's shared prefix: 6,400 per-page leases and GIL hand-overs took ~2 s of
                 # the save thread for a stored 100k-token chain on the CPU machine)
-                end = _stored_run_end(present, blobs, i)
+                end = _stored_run_end(present, anchored, i)
                 nl, got = _lease_run(prov, ks, i, end)
                 if nl is None:
                     stop = f"page {i} was evicted before its children could be saved"
@@ -373,15 +376,18 @@ def _save_pages(self: HostKVCache, job: _SaveJob, result: SaveResult, planes: An
     result.stopped = stop
 
 
-def _stored_run_end(present: Sequence[bool], blobs: Mapping[int, Any], i: int, limit: int | None = None) -> int:
+def _stored_run_end(present: Sequence[bool], anchored: Sequence[int], i: int, limit: int | None = None) -> int:
     """Where the run of stored pages from ``i`` (stored itself) ends: at the first page not
-    stored, after the first page with anchors to attach (only a run's last page may have them),
-    at ``limit`` at the latest.  C-speed search: no Python step per page."""
+    stored, after the first page with anchors to attach (``anchored``: those pages, sorted;
+    only a run's last page may have them), at ``limit`` at the latest.  C-speed searches: no
+    Python step per page."""
     stop = len(present) if limit is None else limit
-    with contextlib.suppress(ValueError):  # (every page to ``stop`` stored)
+    at = bisect.bisect_left(anchored, i)
+    if at < len(anchored):
+        stop = min(stop, anchored[at] + 1)
+    with contextlib.suppress(ValueError):  # (every page to ``stop`` stored; searched up to it only)
         stop = present.index(False, i, stop)
-    nxt = min((b for b in blobs if b >= i), default=stop)
-    return min(stop, nxt + 1)
+    return stop
 
 
 def _lease_run(prov: Any, ks: Sequence[Key], lo: int, hi: int) -> tuple[Lease | None, int]:
@@ -436,11 +442,12 @@ def _save_direct(self: HostKVCache, job: _SaveJob, result: SaveResult, planes: A
     stop: str | None = None
     prev = parent
     held: Lease | None = prov.lease([parent]) if parent is not None else None
+    anchored = sorted(blobs)  # (pages with anchors: a stored run ends at the first of them)
     try:
         i = 0
         while i < s:  # the prefix: stored already, or by an earlier save of this cache
             # a stored run at once (one lease); a page another save is storing, one by one
-            end = _stored_run_end(present, blobs, i, s) if present[i] else i + 1
+            end = _stored_run_end(present, anchored, i, s) if present[i] else i + 1
             dep = job.deps.get(i)
             if dep is not None:
                 dep.done.wait(self.wait_timeout)

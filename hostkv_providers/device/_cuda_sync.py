@@ -7,6 +7,7 @@ their events).  The issuing side is :mod:`hostkv_providers.device._cuda_engine`.
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import functools
 import threading
@@ -332,8 +333,6 @@ class _CudaMark(StreamMark):
 
 
 _FLAG_SLOTS = 1024
-#: Gate openings in flight with a stream each (:meth:`_FlagPool.opener`); more share one stream.
-_MAX_OPENERS = 64
 
 
 class _FlagPool:
@@ -364,15 +363,18 @@ class _FlagPool:
         # the openers: streams (and an event recorded behind each one's last write) in use, idle
         self._openers_busy: list[tuple[Any, Any]] = []
         self._openers_idle: list[tuple[Any, Any]] = []
-        # shared by openings past _MAX_OPENERS (or when a stream cannot be made): they queue
-        # behind each other there, as every opening once did
+        # shared by openings only when no stream of their own can be made (see opener())
         self.stream = dev.stream(low_priority=False)  # (openers must not queue behind copies)
+        self.closed = False  # then gates open by a host store (close() has set every busy flag)
 
     def opener(self) -> tuple[Any, Any]:
         """A stream for one gate's opening with nothing else of this pool queued on it (one whose
-        last opening is complete, or a new one), and its event; ``(self.stream, None)`` past
-        :data:`_MAX_OPENERS` busy ones.  The caller holds the lock and the device's scope, and
-        hands the pair to :meth:`opened_on` after enqueueing the opening."""
+        last opening is complete, or a new one: as many as openings are pending at once), and
+        its event; ``(self.stream, None)`` only when no stream can be made (openings queued
+        there wait behind each other again, which can deadlock as the class docstring says;
+        better than failing the gate).  The caller holds the lock and the device's scope, and
+        hands the pair to :meth:`opened_on` once the opening is enqueued, or to
+        :meth:`discard` when enqueueing it failed."""
         d = _cuda.driver()
         if self._openers_busy:
             keep: list[tuple[Any, Any]] = []
@@ -382,24 +384,39 @@ class _FlagPool:
             self._openers_busy = keep
         if self._openers_idle:
             return self._openers_idle.pop()
-        if len(self._openers_busy) < _MAX_OPENERS:
-            try:
-                return self._dev.stream(low_priority=False), self._dev.event()
-            except CopyEngineError:
-                pass
-        return self.stream, None
+        try:
+            stream = self._dev.stream(low_priority=False)
+        except CopyEngineError:
+            return self.stream, None
+        try:
+            return stream, self._dev.event()
+        except CopyEngineError:
+            d.cuStreamDestroy(stream)
+            return self.stream, None
 
     def opened_on(self, stream: Any, event: Any) -> None:
         """After an opening was enqueued on ``stream`` (from :meth:`opener`): track it until its
-        write is done.  Never raises (the opening is enqueued; a failure here only keeps the
-        stream from being reused)."""
+        write is done.  Never raises (the opening is enqueued; a failure here only retires the
+        stream)."""
         if event is None:
             return
         try:
             _cuda.check(_cuda.driver().cuEventRecord(event, stream), "cuEventRecord(opened)")
-        except CopyEngineError:
+        except Exception:
+            self.discard(stream, event)
             return
         self._openers_busy.append((stream, event))
+
+    def discard(self, stream: Any, event: Any) -> None:
+        """Retire an opener (its work, if any, still runs: a stream destroyed with work pending
+        is freed once that work is done).  Never raises."""
+        if event is None:
+            return
+        d = _cuda.driver()
+        with contextlib.suppress(Exception):
+            d.cuEventDestroy(event)
+        with contextlib.suppress(Exception):
+            d.cuStreamDestroy(stream)
 
     def _grow(self) -> None:
         with self._dev.scope():
@@ -443,11 +460,14 @@ class _FlagPool:
             except CopyEngineError:
                 self._free.append((arr, slot, dptr))
                 raise
+            passed = None
             try:
                 passed = self._dev.event()
                 _cuda.check(d.cuEventRecord(passed, stream), "cuEventRecord(gate)")
             except CopyEngineError:
                 arr[slot] = 1  # the wait is enqueued already: never leave the stream held (slot not reused)
+                if passed is not None:
+                    d.cuEventDestroy(passed)
                 raise
             self._busy.append((arr, slot, dptr, passed))
         return _CudaGate(self, arr, slot, dptr)
@@ -455,6 +475,7 @@ class _FlagPool:
     def close(self, problems: list[str]) -> None:
         d = _cuda.driver()
         with self._lock:
+            self.closed = True
             for arr, slot, _dptr, _passed in self._busy:
                 arr[slot] = 1  # never leave a stream of the engine's held by a closed engine
             for st, ev in [*self._openers_busy, *self._openers_idle, (self.stream, None)]:
@@ -506,18 +527,28 @@ class _CudaGate(Gate):
                 # That layer's event is not recorded yet: try again from the worker once it is,
                 # rather than block this thread until the worker got that far.
                 return
+        written = False
         try:
             events = [h.event for h in flat]
             with pool._dev.scope(), pool._lock:
+                if pool.closed:  # (its flags are set; nothing to open behind)
+                    raise CopyEngineError("the copy engine is closed")
                 stream, opened = pool.opener()  # (nothing else of the pool's queued there)
-                for ev in events:
-                    if ev is not None:
-                        _cuda.check(d.cuStreamWaitEvent(stream, ev, 0), "cuStreamWaitEvent(gate)")
-                _cuda.check(d.cuStreamWriteValue32(stream, self._dptr, 1,
-                                                   int(d.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT)),
-                            "cuStreamWriteValue32")
-                pool.opened_on(stream, opened)
+                try:
+                    for ev in events:
+                        if ev is not None:
+                            _cuda.check(d.cuStreamWaitEvent(stream, ev, 0), "cuStreamWaitEvent(gate)")
+                    _cuda.check(d.cuStreamWriteValue32(stream, self._dptr, 1,
+                                                       int(d.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT)),
+                                "cuStreamWriteValue32")
+                    written = True
+                except BaseException:
+                    pool.discard(stream, opened)
+                    raise
+                pool.opened_on(stream, opened)  # (never raises)
         except Exception:
-            # A failed copy (or a broken context): the engine's stream must not hang.  What was
-            # copied is reported by the handles' errors.
-            _set_flag(self._arr, self._slot)
+            # A failed copy (or a broken context, or a closed engine): the engine's stream must
+            # not hang.  What was copied is reported by the handles' errors.  Never once the
+            # write behind the copies is enqueued: that would open the gate before them.
+            if not written:
+                _set_flag(self._arr, self._slot)
