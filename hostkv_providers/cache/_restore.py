@@ -312,6 +312,7 @@ def _restore_pages(self: HostKVCache, handle: CacheHandle, result: RestoreResult
                         if checked and check is None:
                             # views of a store that verifies reads: check the blocks on the GPU
                             check = restore_check(planes)
+                        checker = check if checked else None
                         # The hash behind the transfer's event (wait_on: this thread waits until
                         # the engine has issued the chunk), except on an engine that shares
                         # restores with its staging path (CudaCopyEngine.shares_restores): that
@@ -322,11 +323,11 @@ def _restore_pages(self: HostKVCache, handle: CacheHandle, result: RestoreResult
                         # docs/benchmarks.md; why was not separated: the gated stream polls a flag
                         # in mapped host memory across the bus the copies use, and this thread,
                         # no longer waiting, competes for the GIL with the issuing threads).
-                        gated = (check.gate_stream() if checked and check is not None
+                        gated = (checker.gate_stream() if checker is not None
                                  and getattr(self.engine, "shares_restores", False) else None)
                         h = self.engine.restore(srcs, planes, bids[i : i + len(part)], before=gated)
-                        if checked and check is not None:
-                            verify = (i, check.enqueue(h, bids[i : i + len(part)], gated=gated is not None), sums)
+                        if checker is not None:
+                            verify = (i, checker.enqueue(h, bids[i : i + len(part)], gated=gated is not None), sums)
                     except BaseException:
                         for vlease in vleases:
                             vlease.release()

@@ -147,8 +147,7 @@ def save(
     handle._on_finish(finish)
     refused = False
     with self._lock:
-        # (a list: the save thread searches it with list.index; a provider may hand back any sequence)
-        present = list(self.provider.present(ks[:admitted])) if admitted else []
+        present = self.provider.present(ks[:admitted]) if admitted else []  # (list[bool]: list.index below)
         claims = self._claims
         if not any(map(claims.__contains__, ks[:admitted])):
             # the common cases (a new chain, or a chain whose prefix is stored; no other save of

@@ -816,8 +816,7 @@ class CudaCopyEngine(CopyEngine):
         (:class:`~._direct.Claims`): one of at least :data:`~._direct.BATCH_SPLIT_MIN` copies, with
         the scatter kernel and the restore side thread there; ``None`` for any other (those go as
         ``direct="batch"`` moves them, as every save does)."""
-        side = self._sides.get("restore")
-        if not self._share or dplan.ids is None or side is None or self.mode != "kernel" or dplan.addresses is None:
+        if not self.shares_restores or dplan.ids is None or dplan.addresses is None:
             return None
         arrays = _direct.batch_copies(planes.ptrs, planes.block_strides, planes.layout.planes, dplan.ids,
                                       dplan.addresses, to_device=True, blocks=planes.num_blocks)
@@ -867,11 +866,8 @@ class CudaCopyEngine(CopyEngine):
         except BaseException as exc:
             claims.close()
             errors.append(exc)
-        failed = wait()  # (the side's claims are over: its join record is the one waited on below)
-        if failed is not None:
-            errors.append(failed)
+        side.join_into(wait, scatter, errors)
         try:
-            _cuda.check(d.cuStreamWaitEvent(scatter, side.join, 0), "cuStreamWaitEvent(join)")
             _cuda.check(d.cuEventRecord(done, scatter), "cuEventRecord")
         except CopyEngineError as exc:
             errors.append(exc)

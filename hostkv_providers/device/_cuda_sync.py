@@ -531,8 +531,9 @@ class _CudaGate(Gate):
         try:
             events = [h.event for h in flat]
             with pool._dev.scope(), pool._lock:
-                if pool.closed:  # (its flags are set; nothing to open behind)
-                    raise CopyEngineError("the copy engine is closed")
+                if pool.closed:  # (no stream to open behind: the copies are over, close() synchronized)
+                    _set_flag(self._arr, self._slot)
+                    return
                 stream, opened = pool.opener()  # (nothing else of the pool's queued there)
                 try:
                     for ev in events:
@@ -547,8 +548,8 @@ class _CudaGate(Gate):
                     raise
                 pool.opened_on(stream, opened)  # (never raises)
         except Exception:
-            # A failed copy (or a broken context, or a closed engine): the engine's stream must
-            # not hang.  What was copied is reported by the handles' errors.  Never once the
-            # write behind the copies is enqueued: that would open the gate before them.
+            # A failed copy (or a broken context): the engine's stream must not hang.  What was
+            # copied is reported by the handles' errors.  Never once the write behind the copies
+            # is enqueued: that would open the gate before them.
             if not written:
                 _set_flag(self._arr, self._slot)

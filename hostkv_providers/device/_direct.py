@@ -306,6 +306,18 @@ class BatchSide:
 
         return wait
 
+    def join_into(self, wait: Callable[[], BaseException | None], stream: Any, errors: list[BaseException]) -> None:
+        """After a job of :meth:`start`: wait for it (what it raised goes to ``errors``), then
+        order ``stream`` behind the side's ``join`` record (the job records it last, also when it
+        fails; a failure to order goes to ``errors`` too)."""
+        failed = wait()
+        if failed is not None:
+            errors.append(failed)
+        try:
+            _cuda.check(_cuda.driver().cuStreamWaitEvent(stream, self.join, 0), "cuStreamWaitEvent(join)")
+        except CopyEngineError as exc:
+            errors.append(exc)
+
     def close(self, attempt: Callable[[Any, str], None]) -> None:
         """Stop the thread, then free the stream and events (``attempt`` reports a failed call)."""
         self._closed = True
@@ -370,13 +382,7 @@ def issue_batch(planes: Any, dplan: DirectPlan, specs: Any, stream: Any, *, to_d
         _issue_copies(fn, arrays, 0, half, handle)
     except BaseException as exc:
         errors.append(exc)
-    failed = wait()  # (the side's issue is over: its join record is the one waited on below)
-    if failed is not None:
-        errors.append(failed)
-    try:
-        _cuda.check(d.cuStreamWaitEvent(stream, side.join, 0), "cuStreamWaitEvent(join)")
-    except CopyEngineError as exc:
-        errors.append(exc)
+    side.join_into(wait, stream, errors)
     if errors:
         raise errors[0]
 
