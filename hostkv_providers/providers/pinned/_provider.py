@@ -486,16 +486,6 @@ class PinnedProvider(Provider):
         addrs = bases[starts // arena.bpc] + (starts % arena.bpc).astype(np.uint64) * np.uint64(arena.block)
         return HostPages(addrs, nbytes, pinned=self._allocator.pinned, readonly=False)
 
-    def _page_regions(self, starts: npt.NDArray[np.int64], nbytes: int) -> list[list[HostRegion]]:
-        """Regions of pages at ``starts`` (for host hashing of a run sealed without checksums)."""
-        arena = self._arena
-        out: list[list[HostRegion]] = []
-        for st in starts.tolist():
-            chunk = arena.chunks[st // arena.bpc]
-            lo = (st % arena.bpc) * arena.block
-            out.append([HostRegion(0, chunk.view[lo : lo + nbytes], chunk.address + lo, False)])
-        return out
-
     def _chain_pages(self, out: Sequence[Reservation | None], nbytes: int) -> HostPages | None:
         """The reserved pages as one :class:`HostPages` (addresses in a numpy array) when each is
         one contiguous run of the arena: what a copy engine DMAs a chunk into."""

@@ -18,7 +18,7 @@ from hostkv_providers._errors import (
 from hostkv_providers._keys import Key
 from hostkv_providers._region import HostRegion
 from hostkv_providers._reservation import Reservation
-from hostkv_providers.providers.pinned._arena import _checksums
+from hostkv_providers.providers.pinned._arena import _checksums_at
 
 if TYPE_CHECKING:
     from hostkv_providers.providers.pinned._provider import PinnedProvider
@@ -105,7 +105,7 @@ class _PinnedRun(ChainRun):
         if checksums is not None and algorithm == prov.checksum_algorithm:
             digests = np.asarray(checksums, dtype=np.uint64)
         else:
-            digests = np.array(_checksums(prov._page_regions(self.starts, self.nbytes), prov._sum), dtype=np.uint64)
+            digests = _checksums_at(prov._arena, self.starts, self.nbytes, prov._sum)
         with prov._usable():
             if self.state != "open":
                 raise ReservationError(f"this chain run is {self.state}")
