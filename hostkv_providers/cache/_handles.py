@@ -297,7 +297,10 @@ class CacheHandle:
         self._result = result
         self._error = error
         self._t1 = time.perf_counter()
-        for fin in self._finishers:
+        # (dropped once run: a finisher's closure holds the save's job, which holds this handle —
+        # a reference cycle that only a full collection of the engine's process would free)
+        finishers, self._finishers = self._finishers, []
+        for fin in finishers:
             try:
                 fin(self)
             except BaseException as exc:  # bookkeeping must not leave the handle unfinished
