@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from hostkv_providers._blockhash import TREE_ALGORITHM, tree_checksum_parts
+from hostkv_providers.device._cuda import c_array
 
 __all__ = ["RestoreCheck", "SaveSums", "prepare", "restore_check", "save_sums"]
 
@@ -152,7 +153,7 @@ class _HostDigests:
         specs = sorted(planes.layout.planes, key=lambda sp: sp.offset)
         out = []
         for b in self._bids:
-            parts = [(ctypes.c_char * sp.nbytes).from_address(planes.slice_address(sp.index, b)) for sp in specs]
+            parts = [c_array(ctypes.c_char, sp.nbytes).from_address(planes.slice_address(sp.index, b)) for sp in specs]
             out.append(tree_checksum_parts(parts))
         return out
 

@@ -409,7 +409,7 @@ class CudaCopyEngine(CopyEngine):
         n = len(planes.ptrs)
         nbytes = 32 * n
         host = CudaPinnedAllocation(nbytes, self._dev, threads=1)
-        arr = (ctypes.c_uint64 * (4 * n)).from_address(host.address)
+        arr = _cuda.c_array(ctypes.c_uint64, 4 * n).from_address(host.address)
         base = {layer: lo for layer, (_p0, _np, lo, _nb) in enumerate(_layer_spans(planes.layout))} if layers else {}
         for spec in planes.layout.planes:
             p = spec.index
@@ -696,10 +696,8 @@ class CudaCopyEngine(CopyEngine):
         args = [ctypes.c_uint64(table_ptr), ctypes.c_int32(nplanes), ctypes.c_int32(len(ids)), idv,
                 ctypes.c_uint64(staging), ctypes.c_uint64(stride), ctypes.c_uint64(self.tile_bytes),
                 ctypes.c_uint64(tiles)]
-        params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
         grid = max(1, min(self.ctas, len(ids) * nplanes * tiles))
-        _cuda.check(_cuda.driver().cuLaunchKernel(fn, grid, 1, 1, self.threads, 1, 1, 0, stream,
-                                                  ctypes.addressof(params), 0), "pack kernel launch")
+        _cuda.launch(fn, grid, self.threads, stream, args, "pack kernel launch")
 
     @staticmethod
     def _coalesce(pages: _Pages, lo: int, hi: int, page_nbytes: int) -> list[tuple[int, int, int]]:

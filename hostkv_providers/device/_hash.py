@@ -272,10 +272,7 @@ class PageHasher:
                         ctypes.c_uint64(table + 16 * nplanes), ctypes.c_uint64(table + 24 * nplanes),
                         ctypes.c_int32(nplanes), ctypes.c_uint64(mem), ctypes.c_int64(n), ctypes.c_uint64(page),
                         ctypes.c_int32(nb), ctypes.c_uint64(out)]
-                params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
-                grid = -(-(n * nb * 8) // _THREADS)
-                _cuda.check(d.cuLaunchKernel(self.fn, grid, 1, 1, _THREADS, 1, 1, 0, stream,
-                                             ctypes.addressof(params), 0), "page hash kernel launch")
+                _cuda.launch(self.fn, -(-(n * nb * 8) // _THREADS), _THREADS, stream, args, "page hash kernel launch")
                 _cuda.check(d.cuMemcpyDtoHAsync(host.address, out, total, stream), "cuMemcpyDtoHAsync")
             self.dev.mem_free_async(mem, stream)
             ev = _cuda.check(d.cuEventCreate(int(d.CUevent_flags.CU_EVENT_DISABLE_TIMING)), "cuEventCreate")

@@ -286,7 +286,7 @@ class CudaPinnedAllocation(_Allocation):
             with dev.scope():
                 address = _cuda.host_alloc(size, mapped=mapped)
             self.timings = {"hostalloc": time.perf_counter() - t0}
-            view = memoryview((ctypes.c_char * size).from_address(address)).cast("B")
+            view = memoryview(_cuda.c_array(ctypes.c_char, size).from_address(address)).cast("B")
             self._host_alloc = True
             self.method = "hostalloc"
         self._view: memoryview | None = view[:nbytes]

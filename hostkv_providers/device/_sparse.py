@@ -331,9 +331,7 @@ class _Kernels:
 
 
 def _launch(fn: Any, grid: int, threads: int, stream: int, args: Sequence[Any]) -> None:
-    params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
-    _cuda.check(_cuda.driver().cuLaunchKernel(fn, grid, 1, 1, threads, 1, 1, 0, stream,
-                                              ctypes.addressof(params), 0), "sparse kernel launch")
+    _cuda.launch(fn, grid, threads, stream, list(args), "sparse kernel launch")
 
 
 class _DeviceBuffer:
@@ -743,7 +741,8 @@ class CpuPageMover:
             spec = self.layout.planes[p]
             src = self._slot_address(p, slot) if from_slots else addr + spec.offset
             page = pages.setdefault(item, bytearray(self.layout.page_nbytes))
-            page[spec.offset: spec.offset + spec.nbytes] = (ctypes.c_char * spec.nbytes).from_address(src).raw
+            raw = _cuda.c_array(ctypes.c_char, spec.nbytes).from_address(src).raw
+            page[spec.offset: spec.offset + spec.nbytes] = raw
         out = np.zeros(self.items, np.uint64)
         for item, page in pages.items():
             out[item] = np.uint64(page_digest(page))

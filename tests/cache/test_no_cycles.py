@@ -16,18 +16,21 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 
-from hostkv_providers import Provider
+from hostkv_providers import PinnedProvider, Provider
 from hostkv_providers.cache._cache import HostKVCache
 from hostkv_providers.device._copy import CpuCopyEngine
 from hostkv_providers.device._hostmem import OrdinaryAllocator
 from hostkv_providers.testing import cycles_left_by
 
-from ._cache_common import SALT, NoViews, _pinned, make_planes, tokens
+from ._cache_common import PAGE, SALT, NoViews, _pinned, make_planes, tokens
 
 
-@pytest.fixture(params=["views", "staged"])
+@pytest.fixture(params=["views", "staged", "verified"])
 def cache(request: pytest.FixtureRequest) -> Iterator[HostKVCache]:
-    p: Provider = _pinned() if request.param == "views" else NoViews(_pinned())
+    """Zero-copy views, staged reads, and views checked after the copy (``verify=read``)."""
+    p: Provider = {"views": _pinned, "staged": lambda: NoViews(_pinned()),
+                   "verified": lambda: PinnedProvider(256 * PAGE, block=PAGE, allocator=OrdinaryAllocator(),
+                                                      verify_reads=True)}[request.param]()
     e = CpuCopyEngine()
     c = HostKVCache(p, SALT, e, chunk_pages=3, staging_allocator=OrdinaryAllocator())
     yield c
