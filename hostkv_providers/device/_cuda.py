@@ -175,7 +175,6 @@ def _resolve_batch() -> _BatchCall | None:
     return call  # (the closure keeps the attribute structs alive for every call)
 
 
-
 @lru_cache(maxsize=256)
 def c_array(ctype: Any, n: int) -> Any:
     """``ctype * n``, made once.  ctypes keeps its array types only weakly and a type is a
@@ -190,6 +189,7 @@ def launch(fn: Any, grid: int, threads: int, stream: Any, args: list[Any], what:
     scalars or structures, kept alive by the caller's list for the call)."""
     params = c_array(ctypes.c_void_p, len(args))(*[ctypes.addressof(a) for a in args])
     check(driver().cuLaunchKernel(fn, grid, 1, 1, threads, 1, 1, 0, stream, ctypes.addressof(params), 0), what)
+
 
 def error_text(code: int) -> str:
     """The driver's name for a ``CUresult`` code (for calls made through ``ctypes``)."""
