@@ -1,9 +1,11 @@
 """The engine data path, engine-like, in one run: saves and restores through ``HostKVCache`` on
 the CUDA copy engine against bulk copies measured in the same run, a decode step (graph-captured
-and eager) while restores or saves run back to back, a restart restore from ``mmap://`` with the
-page cache dropped against a cold sequential read of the same files, and the tiered cliff case.
+and eager) while restores or saves run back to back, a save into ``tiered://`` (its fast tier,
+then the write-back to disk against a sequential write of the same bytes), a restart restore from
+``mmap://`` with the page cache dropped against a cold sequential read of the same files, and the
+tiered cliff case.
 
-    python3 benchmarks/bench_engine.py [--pages 6400] [--out DIR] [--phases bulk,pinned,decode,restart,cliff]
+    python3 benchmarks/bench_engine.py [--pages 6400] [--out DIR] [--phases bulk,pinned,decode,tiered,restart,cliff]
     python3 benchmarks/bench_engine.py --phases cliff          # CPU only: tiered 2,000 x 4 KiB pages
 
 Pool: 32 layers of vLLM-style ``[2, blocks, 16, 8, 128]`` bf16 caches, 16-token pages of 2 MiB
@@ -33,6 +35,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable
 from typing import Any
 
@@ -88,7 +91,7 @@ def main() -> int:
     # (a p99 of 300 steps is the 3rd-worst step, which moved by 0.1x between runs of one tree;
     # of 1,000 the 10th-worst; eager steps take 3-4x as long: a third as many of them)
     ap.add_argument("--steps", type=int, default=1000, help="graph decode steps per row (eager: a third)")
-    ap.add_argument("--phases", default="bulk,pinned,verified,decode,restart,cliff")
+    ap.add_argument("--phases", default="bulk,pinned,verified,decode,tiered,restart,cliff")
     ap.add_argument("--dir", default=None, help="where mmap stores go (default: a temp dir)")
     ap.add_argument("--out", default=".")
     ap.add_argument("--direct", default=None, choices=["batch", "shared", "auto", "always", "never"],
@@ -114,7 +117,7 @@ def main() -> int:
         results["cliff"] = tiered_cliff(args.dir)
         log("cliff", results["cliff"])
         dump()
-    if phases & {"bulk", "pinned", "verified", "decode", "restart"}:
+    if phases & {"bulk", "pinned", "verified", "decode", "tiered", "restart"}:
         import torch
 
         gpu_phases(torch, args, phases, results, dump)
@@ -150,7 +153,7 @@ def gpu_phases(torch: Any, args: Any, phases: set[str], results: dict[str, Any],
     log(f"engine direct={engine.direct}")
     src, dst = list(range(n)), list(range(n, 2 * n))
 
-    if "bulk" in phases or "pinned" in phases:
+    if phases & {"bulk", "pinned", "tiered"}:
         results["bulk"] = bulk(torch, min(nbytes, 4 << 30))
         log("bulk", results["bulk"])
         dump()
@@ -198,6 +201,10 @@ def gpu_phases(torch: Any, args: Any, phases: set[str], results: dict[str, Any],
         cache.close()
     if provider is not None:
         provider.close()
+    if "tiered" in phases:
+        results["tiered"] = tiered_phase(torch, engine, layout, planes, caches, n, args.dir, results["bulk"])
+        log("tiered", results["tiered"])
+        dump()
     if "restart" in phases:
         results["restart"] = restart_phase(torch, engine, layout, planes, caches, min(args.restart_pages, n), args.dir)
         log("restart", results["restart"])
@@ -634,6 +641,100 @@ def cold_read(root: str, limit: int) -> float:
     return read_prefix(data_files(root), limit)[1]
 
 
+def sequential_write(root: str, nbytes: int) -> dict[str, float]:
+    """Seconds to write ``nbytes`` to a new file in ``root`` by 16 MiB writes, and with the
+    ``os.sync()`` after it (the disk's sequential write rate), the file removed after."""
+    path = os.path.join(root, "sequential.bin")
+    buf = np.random.default_rng(1).integers(0, 256, 16 << 20, dtype=np.uint8).tobytes()
+    os.sync()
+    t = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        left = nbytes
+        while left:
+            left -= os.write(fd, buf if left >= len(buf) else buf[:left])
+    finally:
+        os.close(fd)
+    written = time.perf_counter() - t
+    os.sync()
+    synced = time.perf_counter() - t
+    os.unlink(path)
+    os.sync()
+    return {"write_s": written, "synced_s": synced}
+
+
+def tiered_phase(torch: Any, engine: Any, layout: hk.KVLayout, planes: Any, caches: list[Any] | None, n: int,
+                 where: str | None, bulk_r: dict[str, float] | None, reps: int = 2) -> dict[str, Any]:
+    """The chain saved into ``tiered://`` (a pinned fast tier that holds it over ``mmap://`` in
+    ``where``) until sealed, against the bulk D2H copy; its write-back to the slow tier until
+    ``flush()`` returns and until ``os.sync()`` after it, against a sequential write of the same
+    bytes into the same directory just before (the two in turn, ``reps`` times); then restores
+    from the fast tier against the bulk H2D copy.  ``torch=None``: a CPU copy engine (no device
+    synchronisation, no byte check; for trying the phase out)."""
+    P = layout.page_nbytes
+    nbytes = n * P
+    src, dst = list(range(n)), list(range(n, 2 * n))
+
+    def sync() -> None:
+        if torch is not None:
+            torch.cuda.synchronize()
+
+    runs = []
+    for rep in range(reps):
+        root = tempfile.mkdtemp(prefix="bench-tiered-", dir=where)
+        try:
+            raw = sequential_write(root, nbytes)
+            fast = f"pinned://?budget={nbytes + (64 << 20)}&block={P}&background=false"
+            slow = f"mmap://{root}/slow?budget={nbytes + (256 << 20)}&slot={P}&durability=none"
+            quote = urllib.parse.quote
+            provider = hk.open(f"tiered://?fast={quote(fast, safe='')}&slow={quote(slow, safe='')}&queue={n + 64}")
+            try:
+                with HostKVCache(provider, hk.Salt("bench/tiered", layout), engine, **CACHE_KW) as cache:
+                    keys = cache.keys(np.arange(n * TOKENS) % 50_000 + 11 + rep)
+                    sync()
+                    t = time.perf_counter()
+                    h = cache.save(keys, planes, src)
+                    h.wait_copied()
+                    copied = time.perf_counter() - t
+                    res = h.wait()
+                    sealed = time.perf_counter() - t
+                    assert provider.flush(600), "the write-back did not finish in 600 s"
+                    written_back = time.perf_counter() - t
+                    os.sync()
+                    synced = time.perf_counter() - t
+                    restores = []
+                    for _ in range(2):
+                        sync()
+                        t = time.perf_counter()
+                        r = cache.restore(cache.lookup(keys), planes, dst).wait()
+                        restores.append((time.perf_counter() - t, r.pages))
+                    sync()
+                    ok = caches is None or all(
+                        same(torch, c, src[:32], dst[:32]) and same(torch, c, src[-32:], dst[-32:]) for c in caches)
+            finally:
+                provider.close()
+            # the write-back starts with the first sealed pages: its time is the save's start to
+            # flush() (or to the sync after it) less the part before any page was sealed (~0)
+            runs.append({"copied_ms": round(copied * 1e3, 1), "sealed_ms": round(sealed * 1e3, 1),
+                         "stored": res.stored, "written_back_s": round(written_back, 2),
+                         "synced_s": round(synced, 2), "sequential_write_s": round(raw["write_s"], 2),
+                         "sequential_synced_s": round(raw["synced_s"], 2),
+                         "write_back_x": round(raw["write_s"] / written_back, 3),
+                         "write_back_synced_x": round(raw["synced_s"] / synced, 3),
+                         "restore_ms": [round(x * 1e3, 1) for x, _ in restores],
+                         "restored_pages": [p for _, p in restores], "bytes_ok": ok})
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+    out: dict[str, Any] = {"pages": n, "gb": round(nbytes / 1e9, 2), "runs": runs}
+    if bulk_r is not None:
+        d2h_ms = nbytes / (bulk_r["d2h_gbps"] * 1e9) * 1e3
+        h2d_ms = nbytes / (bulk_r["h2d_gbps"] * 1e9) * 1e3
+        out["bulk_d2h_ms"], out["bulk_h2d_ms"] = round(d2h_ms, 1), round(h2d_ms, 1)
+        out["save_best_x_bulk"] = round(d2h_ms / min(x["sealed_ms"] for x in runs), 3)
+        out["restore_best_x_bulk"] = round(h2d_ms / min(min(x["restore_ms"]) for x in runs), 3)
+    return out
+
+
 def restart_phase(torch: Any, engine: Any, layout: hk.KVLayout, planes: Any, caches: list[Any], n: int,
                   where: str | None) -> dict[str, Any]:
     root = tempfile.mkdtemp(prefix="bench-engine-", dir=where)
@@ -778,6 +879,21 @@ def render(r: dict[str, Any]) -> str:
                 lines.append(f"| graph decode during {load}, gc.freeze() + 0.5 ms switch interval (GC full "
                              f"{x['gc_full']}) | {x['p50_ms']} / {x['p99_ms']} ms | alone {alone['p50_ms']} / "
                              f"{alone['p99_ms']} ms | {x['p50_x']}x / {x['p99_x']}x |")
+    ti = r.get("tiered")
+    if ti:
+        for i, run in enumerate(ti["runs"]):
+            save_x = (f"{round(ti['bulk_d2h_ms'] / run['sealed_ms'], 3)}x" if "bulk_d2h_ms" in ti else "")
+            lines.append(f"| save of the chain to tiered:// (pinned fast tier over mmap) until sealed (copied), "
+                         f"run {i + 1} | {run['sealed_ms']} ms ({run['copied_ms']} ms) | bulk D2H "
+                         f"{ti.get('bulk_d2h_ms', '-')} ms | {save_x} |")
+            lines.append(f"| its write-back to mmap:// until flush() returns; with os.sync() after, run {i + 1} | "
+                         f"{run['written_back_s']} s; {run['synced_s']} s ({ti['gb']} GB) | sequential write of "
+                         f"the same bytes {run['sequential_write_s']} s; {run['sequential_synced_s']} s | "
+                         f"{run['write_back_x']}x; {run['write_back_synced_x']}x |")
+        if "restore_best_x_bulk" in ti:
+            best = min(min(x["restore_ms"]) for x in ti["runs"])
+            lines.append(f"| lookup + restore from the tiered fast tier (best) | {best} ms | bulk H2D "
+                         f"{ti['bulk_h2d_ms']} ms | {ti['restore_best_x_bulk']}x |")
     rs = r.get("restart")
     if rs:
         for i, run in enumerate(rs["runs"]):
