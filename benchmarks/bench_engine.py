@@ -698,6 +698,7 @@ def tiered_phase(torch: Any, engine: Any, layout: hk.KVLayout, planes: Any, cach
                     copied = time.perf_counter() - t
                     res = h.wait()
                     sealed = time.perf_counter() - t
+                    assert res.stored == n, f"the tiered save stored {res.stored} of {n} pages: {res.stopped}"
                     assert provider.flush(600), "the write-back did not finish in 600 s"
                     written_back = time.perf_counter() - t
                     os.sync()
@@ -708,6 +709,7 @@ def tiered_phase(torch: Any, engine: Any, layout: hk.KVLayout, planes: Any, cach
                         t = time.perf_counter()
                         r = cache.restore(cache.lookup(keys), planes, dst).wait()
                         restores.append((time.perf_counter() - t, r.pages))
+                        assert r.pages == n, f"a restore from the fast tier moved {r.pages} of {n} pages"
                     sync()
                     ok = caches is None or all(
                         same(torch, c, src[:32], dst[:32]) and same(torch, c, src[-32:], dst[-32:]) for c in caches)

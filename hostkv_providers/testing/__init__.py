@@ -25,7 +25,7 @@ from hostkv_providers.testing._families._persistence import PersistenceTests
 from hostkv_providers.testing._families._powers import CapabilityTests
 from hostkv_providers.testing._families._retain import RetainTests
 from hostkv_providers.testing._families._writes import WriteTests
-from hostkv_providers.testing._gc import cycles_left_by
+from hostkv_providers.testing._gc import cache_settled, cycles_left_by
 from hostkv_providers.testing._pages import (
     anchor_bytes,
     chain,
@@ -58,6 +58,7 @@ __all__ = [
     "SuiteBase",
     "WriteTests",
     "anchor_bytes",
+    "cache_settled",
     "chain",
     "cycles_left_by",
     "key_of",

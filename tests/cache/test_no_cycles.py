@@ -20,7 +20,7 @@ from hostkv_providers import PinnedProvider, Provider
 from hostkv_providers.cache._cache import HostKVCache
 from hostkv_providers.device._copy import CpuCopyEngine
 from hostkv_providers.device._hostmem import OrdinaryAllocator
-from hostkv_providers.testing import cycles_left_by
+from hostkv_providers.testing import cache_settled, cycles_left_by
 
 from ._cache_common import PAGE, SALT, NoViews, _pinned, make_planes, tokens
 
@@ -84,6 +84,6 @@ def test_saves_and_restores_leave_no_cycles(cache: HostKVCache) -> None:
     }
     for op in cases.values():  # warm: threads, pools and buffers made once
         op()
-    found = {name: cycles_left_by(op) for name, op in cases.items()}
+    found = {name: cycles_left_by(op, settle=lambda: cache_settled(cache)) for name, op in cases.items()}
     assert all(not g for g in found.values()), {k: v.most_common(8) for k, v in found.items() if v}
     assert np.array_equal(dst[0][n : 2 * n], src[0][:n])

@@ -13,7 +13,7 @@ import pytest
 import hostkv_providers as hk
 from hostkv_providers.cache import HostKVCache
 from hostkv_providers.device import cuda_available
-from hostkv_providers.testing import cycles_left_by
+from hostkv_providers.testing import cache_settled, cycles_left_by
 
 torch = pytest.importorskip("torch")
 if not cuda_available() or not torch.cuda.is_available():
@@ -72,7 +72,7 @@ def test_saves_and_restores_leave_no_cycles(mode: str, verify: str) -> None:
                      "layer-wise restore": restore(layerwise=True)}
             for op in cases.values():  # warm: threads, pools, staging and events made once
                 op()
-            found = {name: cycles_left_by(op) for name, op in cases.items()}
+            found = {name: cycles_left_by(op, settle=lambda: cache_settled(cache)) for name, op in cases.items()}
             assert all(not g for g in found.values()), {k: v.most_common(8) for k, v in found.items() if v}
         finally:
             cache.close()
