@@ -8,18 +8,21 @@ import contextlib
 from collections.abc import Sequence
 
 from hostkv_providers._capabilities import SupportsBatch
-from hostkv_providers._chain import _DEFERRED, ReservedChain, _check_checksums, _DeferredReservation
+from hostkv_providers._chain import _DEFERRED, ChainRun, ReservedChain, _check_checksums, _DeferredReservation
 from hostkv_providers._errors import (
     CapacityError,
+    ClosedError,
     HostKVError,
+    IncompleteWriteError,
     InFlightError,
     InvalidArgumentError,
+    ReservationError,
     UnknownKeyError,
 )
 from hostkv_providers._keys import Key
-from hostkv_providers._reservation import Reservation
+from hostkv_providers._reservation import Lease, Reservation
 
-from ._entries import _TieredReservation
+from ._entries import _Pending, _TieredReservation
 from ._writeback import _WriteBack
 
 
@@ -49,6 +52,13 @@ class _Chains(_WriteBack):
         ks = self._keys(keys)
         if isinstance(parents, (bytes, bytearray, memoryview, str)) or len(parents) != len(ks):
             raise InvalidArgumentError(f"{len(parents)} parents for {len(ks)} keys; give one per key")
+        if len(ks) > 1 and list(parents[1:]) == ks[:-1]:
+            # a chain run (each page's parent the page before): one run in both indexes, no
+            # per-page reservation objects (the plain case; anything else goes page by page)
+            _k0, p0, n0 = self._reserve_args(ks[0], parents[0], nbytes, salt_tag)
+            chain = self._reserve_run(ks, p0, n0, salt_tag)
+            if chain is not None:
+                return chain
         checked = [self._reserve_args(k, p, nbytes, salt_tag) for k, p in zip(ks, parents, strict=True)]
         self._check_usable()
         out: list[Reservation | None] = []
@@ -107,6 +117,38 @@ class _Chains(_WriteBack):
                     break
                 out.append(self._deferred(k, p, n, salt_tag))
         return ReservedChain(out, error)
+
+    def _reserve_run(self, ks: list[Key], parent: Key | None, nbytes: int, salt_tag: str) -> ReservedChain | None:
+        """The chain run ``ks`` (all new) reserved as one run of the tiered index and one run of
+        the fast tier (a :class:`_TieredRun`), or ``None`` — nothing changed — when it is not the
+        plain case (see ``TreeIndex.begin_run``; a parent waiting in a deferred buffer; the fast
+        tier cannot take all of it as one run right now): the caller reserves page by page."""
+        if (parent is not None and (id(self), parent) in _DEFERRED) or nbytes > self._budget or parent in ks:
+            return None
+        self._check_usable()
+        with self._lock:
+            self._check_usable()
+            begun = self._index.begin_run(ks, parent, nbytes)
+            if begun is None:
+                return None
+            run, evicted = begun
+            self._drop_from_tiers(evicted)
+        try:
+            stale = [k for k, here in zip(ks, self.fast.present(ks), strict=True) if here]
+            if stale:  # a copy left by an entry evicted earlier must not dedup this one
+                self.fast.evict(stale)
+            frc = self.fast.reserve_many(ks, [None, *ks[:-1]], nbytes, salt_tag=salt_tag)
+        except BaseException:
+            with self._lock:
+                self._index.cancel_run(run)
+            raise
+        if frc.run is None or frc.pages is None or len(frc) != len(ks) or frc.error is not None:
+            frc.abort()
+            with self._lock:
+                self._index.cancel_run(run)
+            return None
+        return ReservedChain(error=None, pages=frc.pages,
+                             run=_TieredRun(self, run, frc, ks, parent, nbytes, salt_tag))
 
     def _deferred(self, k: Key, p: Key | None, nbytes: int, salt_tag: str) -> Reservation:
         res = _DeferredReservation(self, k, p, nbytes, salt_tag)
@@ -382,3 +424,121 @@ class _Chains(_WriteBack):
                     with contextlib.suppress(HostKVError):
                         rest.abort()
             raise
+
+
+class _TieredRun(ChainRun):
+    """A chain run reserved in one go in the tiered index and in the fast tier (whose own run,
+    ``frc``, holds the pages the copy engine fills): sealed all at once, root first — the fast
+    tier's run commits, then the tiered index's, then each page's write-back is queued as a
+    page sealed alone would be.  ``materialize`` splits both runs into per-page reservations."""
+
+    __slots__ = ("_frc", "_prov", "_run", "keys", "n", "nbytes", "parent", "salt_tag", "sealed", "state",
+                 "written")
+
+    def __init__(self, prov: _Chains, run: object, frc: ReservedChain, keys: list[Key], parent: Key | None,
+                 nbytes: int, salt_tag: str) -> None:
+        self._prov = prov
+        self._run = run
+        self._frc = frc
+        self.keys = keys
+        self.parent = parent
+        self.n = len(keys)
+        self.nbytes = nbytes
+        self.salt_tag = salt_tag
+        self.state = "open"
+        self.written = False
+        self.sealed = 0
+
+    def materialize(self) -> list[Reservation]:
+        prov = self._prov
+        with prov._lock:
+            if self.state == "open":
+                prov._index.split_run(self._run)  # type: ignore[arg-type]
+                self.state = "materialized"
+            state = self.state
+        if self.written:
+            self._frc.mark_written()
+        inner = self._frc.reservations  # (the fast tier's run, split the same way)
+        out: list[Reservation] = []
+        for k, p, r in zip(self.keys, [self.parent, *self.keys[:-1]], inner, strict=True):
+            assert r is not None
+            t = _TieredReservation(prov, k, p, self.nbytes, self.salt_tag, r)
+            if self.written:
+                Reservation.mark_written(t)
+            if state not in ("open", "materialized"):
+                t._finish(state)
+            out.append(t)
+        return out
+
+    def seal(self, checksums: Sequence[int] | None, algorithm: str | None) -> None:
+        prov = self._prov
+        prov._check_usable()
+        if self.state != "open":
+            raise ReservationError(f"this chain run is {self.state}", hint="reserve the pages again")
+        if not self.written:
+            raise IncompleteWriteError("the chain run's pages were not marked written",
+                                       hint="call ReservedChain.mark_written() once the copy into .pages is done")
+        prov._wait_for_room()
+        self._frc.mark_written()
+        self._frc.seal(checksums=checksums, algorithm=algorithm)  # (the fast tier's run: all or nothing)
+        fast, keys, idx = prov.fast, self.keys, prov._index
+        leases: list[Lease] = []
+        try:  # each page's copy pinned in the fast tier until its write-back (as a page sealed alone)
+            each = getattr(fast, "_lease_each", None)
+            if each is not None:
+                leases = each(keys)
+            else:
+                for k in keys:
+                    leases.append(fast.lease([k]))
+        except BaseException:
+            for lease in leases:
+                with contextlib.suppress(HostKVError):
+                    lease.release()
+            self._undo_fast()
+            raise
+        with prov._lock:
+            failed: BaseException | None = None
+            if prov._closed:
+                failed = ClosedError("the tiered provider closed during the seal")
+                idx.cancel_run(self._run)  # type: ignore[arg-type]
+            else:
+                try:
+                    rows = idx.commit_run(self._run, nbytes=self.nbytes, tag=self.salt_tag)  # type: ignore[arg-type]
+                except UnknownKeyError as exc:
+                    failed = exc
+            if failed is None:  # (queued under the lock, as a page sealed alone: a flush sees them)
+                self.state = "sealed"
+                self.sealed = self.n
+                pend = [_Pending(idx, row, lease) for row, lease in zip(rows.tolist(), leases, strict=True)]
+                prov._pend.update((p.gen, p) for p in pend)
+                with prov._room:
+                    prov._queued_pages += self.n
+                put = prov._queue.put  # (unbounded: never blocks)
+                for p in pend:
+                    put(("page", p))
+        if failed is not None:
+            for lease in leases:
+                with contextlib.suppress(HostKVError):
+                    lease.release()
+            self._undo_fast()
+            raise failed
+        prov._tally("seals", self.n)
+
+    def _undo_fast(self) -> None:
+        """The run failed after the fast tier sealed it: the tiered index's run goes (a no-op once
+        ``commit_run`` cancelled it itself) and the copies in the fast tier are nobody's."""
+        prov = self._prov
+        with prov._lock:
+            prov._index.cancel_run(self._run)  # type: ignore[arg-type]
+            self.state = "aborted"
+        with contextlib.suppress(HostKVError):
+            prov.fast.evict(self.keys)
+
+    def abort(self) -> None:
+        prov = self._prov
+        with prov._lock:
+            if self.state != "open":
+                return
+            prov._index.cancel_run(self._run)  # type: ignore[arg-type]
+            self.state = "aborted"
+        self._frc.abort()

@@ -585,3 +585,102 @@ def test_eviction_racing_a_batched_write_back_does_not_resurrect(tmp_path: Path,
         assert all(t2.read_bytes(k) == page_bytes(k, PAGE) for k in keys[:6])
     finally:
         t2.close()
+
+
+# ------------------------------------------------------------------------------------------
+# a chain run reserved and sealed as one (no per-page reservation objects)
+# ------------------------------------------------------------------------------------------
+
+
+def _write_run(rc: hk.ReservedChain, keys: list[Key]) -> None:
+    import ctypes
+
+    assert rc.pages is not None
+    for k, addr in zip(keys, rc.pages.addresses.tolist(), strict=True):
+        ctypes.memmove(addr, page_bytes(k, PAGE), PAGE)
+    rc.mark_written()
+
+
+def test_a_chain_run_is_reserved_and_sealed_as_one_run(tiered: TieredProvider) -> None:
+    keys = chain("run-one", 40)
+    first = tiered.reserve_many(keys[:24], [None, *keys[:23]], PAGE)
+    second = tiered.reserve_many(keys[24:], keys[23:39], PAGE)  # its parent still in flight
+    assert first.run is not None and second.run is not None  # nothing per page
+    assert tiered.present(keys) == [False] * 40
+    _write_run(first, keys[:24])
+    _write_run(second, keys[24:])
+    first.seal()
+    second.seal()
+    assert first.sealed == 24 and second.sealed == 16 and tiered.longest_prefix(keys) == 40
+    assert tiered.fast.present(keys) == [True] * 40
+    assert tiered.entry(keys[24]).parent == keys[23]  # type: ignore[union-attr]
+    assert tiered.flush(60) and tiered.slow.longest_prefix(keys) == 40
+    assert all(tiered.read_bytes(k) == page_bytes(k, PAGE) for k in keys)
+    assert all(tiered.slow.read_bytes(k) == page_bytes(k, PAGE) for k in keys)
+    st = tiered.stats()
+    assert st.extra["write_backs"] == 40 and st.used_bytes == 40 * PAGE
+    assert tiered.fast.verify().ok  # type: ignore[attr-defined]
+
+
+def test_a_run_sealed_before_its_parent_run_fails_whole_and_leaves_nothing(tiered: TieredProvider) -> None:
+    keys = chain("run-orphan", 20)
+    first = tiered.reserve_many(keys[:10], [None, *keys[:9]], PAGE)
+    second = tiered.reserve_many(keys[10:], keys[9:19], PAGE)
+    assert first.run is not None and second.run is not None
+    _write_run(first, keys[:10])
+    _write_run(second, keys[10:])
+    first.abort()
+    with pytest.raises(hk.UnknownKeyError):
+        second.seal()
+    assert second.sealed == 0
+    assert tiered.present(keys) == [False] * 20 and tiered.fast.present(keys) == [False] * 20
+    assert not any(tiered.fast.in_flight(k) or tiered.in_flight(k) for k in keys)
+    assert tiered.stats().used_bytes == 0 and tiered.fast.stats().used_bytes == 0
+    again = tiered.reserve_many(keys, [None, *keys[:-1]], PAGE)  # the keys are free again
+    _write_run(again, keys)
+    again.seal()
+    assert tiered.longest_prefix(keys) == 20
+
+
+def test_a_run_materialized_after_reserve_seals_page_by_page(tiered: TieredProvider) -> None:
+    keys = chain("run-mat", 8)
+    rc = tiered.reserve_many(keys, [None, *keys[:-1]], PAGE)
+    assert rc.run is not None
+    _write_run(rc, keys)
+    ress = rc.reservations  # per-page from here on (both tiers' runs split)
+    assert rc.run is None and [r.key for r in ress if r is not None] == keys
+    tiered.seal_many(ress[:3])  # type: ignore[arg-type]
+    ress[3].abort()  # type: ignore[union-attr]
+    with pytest.raises(hk.UnknownKeyError):
+        tiered.seal_many(ress[4:])  # type: ignore[arg-type]
+    assert tiered.longest_prefix(keys) == 3 and tiered.present(keys[3:]) == [False] * 5
+    assert tiered.flush(60) and tiered.slow.longest_prefix(keys) == 3
+    assert tiered.stats().used_bytes == 3 * PAGE
+
+
+def test_a_sealed_run_evicted_before_its_write_back_is_in_neither_tier(tiered: TieredProvider) -> None:
+    keys = chain("run-evict", 30)
+    entered, go = threading.Event(), threading.Event()
+    orig = tiered._write_back_many
+
+    def held(nodes: list[object]) -> None:
+        entered.set()
+        go.wait(30)
+        orig(nodes)  # type: ignore[arg-type]
+
+    tiered._write_back_many = held  # type: ignore[method-assign]
+    try:
+        rc = tiered.reserve_many(keys, [None, *keys[:-1]], PAGE)
+        assert rc.run is not None
+        _write_run(rc, keys)
+        rc.seal()
+        assert entered.wait(30)  # the writer took the first batch off the queue and waits
+        tiered.evict(keys[12:13])  # the subtree from page 12 on
+    finally:
+        go.set()
+    assert tiered.flush(60)
+    assert tiered.present(keys) == [True] * 12 + [False] * 18
+    assert tiered.slow.present(keys) == [True] * 12 + [False] * 18
+    assert tiered.fast.present(keys[12:]) == [False] * 18
+    assert all(tiered.read_bytes(k) == page_bytes(k, PAGE) for k in keys[:12])
+    assert tiered.stats().used_bytes == 12 * PAGE
