@@ -120,9 +120,10 @@ class _Chains(_WriteBack):
 
     def _reserve_run(self, ks: list[Key], parent: Key | None, nbytes: int, salt_tag: str) -> ReservedChain | None:
         """The chain run ``ks`` (all new) reserved as one run of the tiered index and one run of
-        the fast tier (a :class:`_TieredRun`), or ``None`` — nothing changed — when it is not the
-        plain case (see ``TreeIndex.begin_run``; a parent waiting in a deferred buffer; the fast
-        tier cannot take all of it as one run right now): the caller reserves page by page."""
+        the fast tier (a :class:`_TieredRun`); per-page reservations where the fast tier cannot
+        take it as one run right now; or ``None`` — nothing changed — when it is not the plain
+        case (see ``TreeIndex.begin_run``; a parent waiting in a deferred buffer): the caller
+        reserves page by page."""
         if (parent is not None and (id(self), parent) in _DEFERRED) or nbytes > self._budget or parent in ks:
             return None
         self._check_usable()
@@ -132,23 +133,34 @@ class _Chains(_WriteBack):
             if begun is None:
                 return None
             run, evicted = begun
-            self._drop_from_tiers(evicted)
+            try:
+                self._drop_from_tiers(evicted)
+            except BaseException:
+                self._index.cancel_run(run)
+                raise
+        parents = [parent, *ks[:-1]]
         try:
-            stale = [k for k, here in zip(ks, self.fast.present(ks), strict=True) if here]
-            if stale:  # a copy left by an entry evicted earlier must not dedup this one
-                self.fast.evict(stale)
-            frc = self.fast.reserve_many(ks, [None, *ks[:-1]], nbytes, salt_tag=salt_tag)
+            frc = self._fast_reserve(list(zip(ks, parents, strict=True)), nbytes, salt_tag)
         except BaseException:
             with self._lock:
                 self._index.cancel_run(run)
             raise
-        if frc.run is None or frc.pages is None or len(frc) != len(ks) or frc.error is not None:
-            frc.abort()
-            with self._lock:
-                self._index.cancel_run(run)
-            return None
-        return ReservedChain(error=None, pages=frc.pages,
-                             run=_TieredRun(self, run, frc, ks, parent, nbytes, salt_tag))
+        if frc.run is not None and frc.pages is not None and len(frc) == len(ks) and frc.error is None:
+            return ReservedChain(error=None, pages=frc.pages,
+                                 run=_TieredRun(self, run, frc, ks, parent, nbytes, salt_tag))
+        # The fast tier took it page by page, or a prefix (full of pages waiting for their
+        # write-back): those reservations are kept, as reserve_many's page-by-page path would
+        # have made them, and the rest waits in ordinary buffers for a write-through at seal.
+        inners = self._fast_prefix(frc)
+        with self._lock:
+            self._index.split_run(run)
+            for k in ks[len(inners):]:
+                self._index.cancel(k)
+        out: list[Reservation | None] = [_TieredReservation(self, k, p, nbytes, salt_tag, inner)
+                                         for k, p, inner in zip(ks, parents, inners, strict=False)]
+        out += [self._deferred(k, p, nbytes, salt_tag) for k, p in zip(ks[len(inners):], parents[len(inners):],
+                                                                          strict=True)]
+        return ReservedChain(out, None)
 
     def _deferred(self, k: Key, p: Key | None, nbytes: int, salt_tag: str) -> Reservation:
         res = _DeferredReservation(self, k, p, nbytes, salt_tag)
@@ -166,9 +178,14 @@ class _Chains(_WriteBack):
         two chunks in fast memory every reservation waited for the write-back of the chunk
         sealed just before it (2,000 x 4 KiB over a 2 MiB fast tier: 1.3-2x the time of a fast
         tier that holds the chain)."""
+        return self._fast_prefix(self._fast_reserve(run, nbytes, salt_tag))
+
+    def _fast_reserve(self, run: Sequence[tuple[Key, Key | None]], nbytes: int, salt_tag: str) -> ReservedChain:
+        """The fast tier's ``reserve_many`` of ``run`` (a tree of its own there), copies left by
+        entries evicted earlier evicted first."""
         ks = [k for k, _ in run]
         if not ks:
-            return []
+            return ReservedChain([])
         # A copy left in the fast tier by an entry evicted earlier must not dedup this one.
         stale = [k for k, here in zip(ks, self.fast.present(ks), strict=True) if here]
         if stale:
@@ -180,7 +197,11 @@ class _Chains(_WriteBack):
         # (2,000 x 4 KiB over a 2 MiB fast tier: 1,485 pages fell back to per-page stores).
         mine = set(ks)
         fast_parents = [None] + [p if p in mine else None for _, p in run[1:]]
-        rc = self.fast.reserve_many(ks, fast_parents, nbytes, salt_tag=salt_tag)
+        return self.fast.reserve_many(ks, fast_parents, nbytes, salt_tag=salt_tag)
+
+    def _fast_prefix(self, rc: ReservedChain) -> list[Reservation]:
+        """The reserved prefix of a fast-tier ``reserve_many`` as per-page reservations; what
+        follows the first page not reserved is given back (it is stored at seal)."""
         got: list[Reservation] = []
         for r in rc.reservations:
             if r is None:  # stored in the fast tier since the eviction above: not ours to seal
@@ -498,7 +519,11 @@ class _TieredRun(ChainRun):
             raise
         with prov._lock:
             failed: BaseException | None = None
-            if prov._closed:
+            gone = next((k for k, lease in zip(keys, leases, strict=True) if not lease.present[0]), None)
+            if gone is not None:  # evicted from the fast tier between its seal there and its lease
+                failed = UnknownKeyError(f"{gone.hex()[:16]} left the fast tier before it was published",
+                                         hint="save the chain again from its first missing page")
+            elif prov._closed:
                 failed = ClosedError("the tiered provider closed during the seal")
                 idx.cancel_run(self._run)  # type: ignore[arg-type]
             else:
@@ -528,11 +553,11 @@ class _TieredRun(ChainRun):
         """The run failed after the fast tier sealed it: the tiered index's run goes (a no-op once
         ``commit_run`` cancelled it itself) and the copies in the fast tier are nobody's."""
         prov = self._prov
-        with prov._lock:
+        with prov._lock:  # (evicted under it: a save of the same keys cannot slip in between)
             prov._index.cancel_run(self._run)  # type: ignore[arg-type]
             self.state = "aborted"
-        with contextlib.suppress(HostKVError):
-            prov.fast.evict(self.keys)
+            with contextlib.suppress(HostKVError):
+                prov.fast.evict(self.keys)
 
     def abort(self) -> None:
         prov = self._prov

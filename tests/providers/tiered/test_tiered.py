@@ -684,3 +684,47 @@ def test_a_sealed_run_evicted_before_its_write_back_is_in_neither_tier(tiered: T
     assert tiered.fast.present(keys[12:]) == [False] * 18
     assert all(tiered.read_bytes(k) == page_bytes(k, PAGE) for k in keys[:12])
     assert tiered.stats().used_bytes == 12 * PAGE
+
+
+def test_a_run_page_evicted_from_the_fast_tier_before_its_lease_fails_the_seal(tiered: TieredProvider) -> None:
+    """Between the fast tier's seal of a run and the leases that pin its pages for the
+    write-back, the fast tier may evict one (another save needing room): the run is not
+    published with a page whose only copy is gone — it fails whole, nothing is left."""
+    keys = chain("run-lost", 10)
+    fast = tiered.fast
+    orig = fast._lease_each  # type: ignore[attr-defined]
+
+    def evict_first(ks: list[Key]) -> list[object]:
+        fast.evict([ks[4]])  # (the subtree: pages 4..9 of the fast tier's run)
+        return orig(ks)  # type: ignore[no-any-return]
+
+    fast._lease_each = evict_first  # type: ignore[attr-defined]
+    rc = tiered.reserve_many(keys, [None, *keys[:-1]], PAGE)
+    assert rc.run is not None
+    _write_run(rc, keys)
+    with pytest.raises(hk.UnknownKeyError, match="left the fast tier"):
+        rc.seal()
+    assert rc.sealed == 0 and tiered.present(keys) == [False] * 10 and fast.present(keys) == [False] * 10
+    assert not any(tiered.in_flight(k) for k in keys)
+    assert tiered.stats().used_bytes == 0 and fast.stats().used_bytes == 0
+
+
+def test_a_run_the_fast_tier_takes_only_in_part_keeps_its_reservations(tmp_path: Path) -> None:
+    """A fast tier that cannot take a chain run whole (here too small for it): its reservations
+    of a prefix are kept (not given back and asked for again), the rest waits in ordinary
+    buffers and is written through at seal."""
+    t = TieredProvider(_pinned(8 * PAGE), _pinned(128 * PAGE), budget_bytes=64 * PAGE)
+    try:
+        keys = chain("run-part", 20)
+        rc = t.reserve_many(keys, [None, *keys[:-1]], PAGE)
+        assert rc.run is None and rc.error is None and len(rc) == 20
+        assert sum(t.fast.in_flight(k) for k in keys) == 8
+        assert t.fast.stats().aborts == 0  # (nothing reserved in the fast tier and given back)
+        ress = [r for r in rc.reservations if r is not None]
+        for r in ress:
+            _fill(r)
+        t.seal_many(ress)
+        assert t.longest_prefix(keys) == 20 and all(t.read_bytes(k) == page_bytes(k, PAGE) for k in keys)
+        assert t.flush(60) and t.slow.longest_prefix(keys) == 20
+    finally:
+        t.close()
