@@ -43,6 +43,14 @@ class _WriteBack(_Figures):
                     fast_lease.release()
                 res._finish("aborted")
                 return
+            if fast_lease is not None and not fast_lease.present[0]:
+                # evicted from the fast tier between its seal there and this lease (a save that
+                # needed room): not published without its only copy
+                fast_lease.release()
+                self._index.cancel(res.key)
+                res._finish("aborted")
+                raise UnknownKeyError(f"{res.key.hex()[:16]} left the fast tier before it was published",
+                                      hint="save the chain again from its first missing page")
             try:
                 row = self._index.commit(res.key, nbytes=res.nbytes, tag=res.salt_tag)
             except UnknownKeyError:

@@ -728,3 +728,32 @@ def test_a_run_the_fast_tier_takes_only_in_part_keeps_its_reservations(tmp_path:
         assert t.flush(60) and t.slow.longest_prefix(keys) == 20
     finally:
         t.close()
+
+
+def test_a_page_evicted_from_the_fast_tier_before_its_lease_is_not_published(tiered: TieredProvider) -> None:
+    """The page-by-page seal has the same window as a run's: a page the fast tier evicts between
+    its seal there and its lease fails, and the pages after it are aborted."""
+    keys = chain("page-lost", 6)
+    fast = tiered.fast
+    orig = fast.lease
+
+    def evict_then_lease(ks: list[bytes]) -> object:
+        if ks == [keys[3]]:
+            fast.evict(ks)
+        return orig(ks)
+
+    rc = tiered.reserve_many(keys, [None, *keys[:-1]], PAGE)
+    ress = [r for r in rc.reservations if r is not None]  # page by page
+    for r in ress:
+        _fill(r)
+    fast.lease = evict_then_lease  # type: ignore[method-assign]
+    try:
+        with pytest.raises(hk.UnknownKeyError, match="left the fast tier"):
+            tiered.seal_many(ress)
+    finally:
+        fast.lease = orig  # type: ignore[method-assign]
+    assert tiered.longest_prefix(keys) == 3 and tiered.present(keys[3:]) == [False] * 3
+    assert fast.present(keys[3:]) == [False] * 3 and not any(fast.in_flight(k) for k in keys)
+    assert not any(tiered.in_flight(k) for k in keys)
+    assert tiered.flush(60) and tiered.slow.longest_prefix(keys) == 3
+    assert tiered.stats().used_bytes == 3 * PAGE
