@@ -9,15 +9,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from hostkv_providers._chain import ChainRun
 from hostkv_providers._errors import (
-    IncompleteWriteError,
     ReservationError,
     UnknownKeyError,
 )
 from hostkv_providers._keys import Key
 from hostkv_providers._region import HostRegion
 from hostkv_providers._reservation import Reservation
+from hostkv_providers.providers._tree._chainrun import TreeChainRun
 from hostkv_providers.providers.pinned._arena import _checksums_at
 
 if TYPE_CHECKING:
@@ -51,42 +50,25 @@ class _PinnedReservation(Reservation):
         return self._regions
 
 
-class _PinnedRun(ChainRun):
+class _PinnedRun(TreeChainRun):
     """A chain run of new pages in the arena (``PinnedProvider.reserve_many``'s fast path): the
     index holds it as one flight (``TreeIndex.begin_run``), its pages are ``starts`` (one piece of
     ``nblocks`` arena blocks each) and it seals with one ``TreeIndex.commit_run``."""
 
-    __slots__ = ("_prov", "_run", "keys", "n", "nblocks", "nbytes", "parent", "salt_tag", "sealed", "starts",
-                 "state", "written")
+    __slots__ = ("nblocks", "starts")
 
     def __init__(self, prov: PinnedProvider, run: Any, keys: list[Key], parent: Key | None, nbytes: int,
                  salt_tag: str, starts: npt.NDArray[np.int64], nblocks: int) -> None:
-        self._prov = prov
-        self._run = run
-        self.keys = keys
-        self.parent = parent
-        self.n = len(keys)
-        self.nbytes = nbytes
-        self.salt_tag = salt_tag
+        super().__init__(prov, run, keys, parent, nbytes, salt_tag)
         self.starts = starts
         self.nblocks = nblocks
-        self.state = "open"
-        self.written = False
-        self.sealed = 0
 
     def materialize(self) -> list[Reservation]:
-        prov = self._prov
-        with prov._lock:
-            if self.state == "open":
-                prov._index.split_run(self._run)
-                self.state = "materialized"
-                state = "open"
-            else:
-                state = self.state
+        state = self._split()
         parents = [self.parent, *self.keys[:-1]]
         out: list[Reservation] = []
         for k, p, st in zip(self.keys, parents, self.starts.tolist(), strict=True):
-            r = _PinnedReservation(prov, k, p, self.nbytes, self.salt_tag, [(st, self.nblocks)])
+            r = _PinnedReservation(self._prov, k, p, self.nbytes, self.salt_tag, [(st, self.nblocks)])
             if self.written:
                 r.mark_written()
             if state != "open":
@@ -96,12 +78,7 @@ class _PinnedRun(ChainRun):
 
     def seal(self, checksums: Sequence[int] | None, algorithm: str | None) -> None:
         prov = self._prov
-        prov._check_usable()
-        if self.state != "open":
-            raise ReservationError(f"this chain run is {self.state}", hint="reserve the pages again")
-        if not self.written:
-            raise IncompleteWriteError("the chain run's pages were not marked written",
-                                       hint="call ReservedChain.mark_written() once the copy into .pages is done")
+        self._check_sealable()
         if checksums is not None and algorithm == prov.checksum_algorithm:
             digests = np.asarray(checksums, dtype=np.uint64)
         else:

@@ -8,19 +8,18 @@ import contextlib
 from collections.abc import Sequence
 
 from hostkv_providers._capabilities import SupportsBatch
-from hostkv_providers._chain import _DEFERRED, ChainRun, ReservedChain, _check_checksums, _DeferredReservation
+from hostkv_providers._chain import _DEFERRED, ReservedChain, _check_checksums, _DeferredReservation
 from hostkv_providers._errors import (
     CapacityError,
     ClosedError,
     HostKVError,
-    IncompleteWriteError,
     InFlightError,
     InvalidArgumentError,
-    ReservationError,
     UnknownKeyError,
 )
 from hostkv_providers._keys import Key
 from hostkv_providers._reservation import Lease, Reservation
+from hostkv_providers.providers._tree._chainrun import TreeChainRun
 
 from ._entries import _Pending, _TieredReservation
 from ._writeback import _WriteBack
@@ -447,58 +446,38 @@ class _Chains(_WriteBack):
             raise
 
 
-class _TieredRun(ChainRun):
+class _TieredRun(TreeChainRun):
     """A chain run reserved in one go in the tiered index and in the fast tier (whose own run,
     ``frc``, holds the pages the copy engine fills): sealed all at once, root first — the fast
     tier's run commits, then the tiered index's, then each page's write-back is queued as a
     page sealed alone would be.  ``materialize`` splits both runs into per-page reservations."""
 
-    __slots__ = ("_frc", "_prov", "_run", "keys", "n", "nbytes", "parent", "salt_tag", "sealed", "state",
-                 "written")
+    __slots__ = ("_frc",)
 
     def __init__(self, prov: _Chains, run: object, frc: ReservedChain, keys: list[Key], parent: Key | None,
                  nbytes: int, salt_tag: str) -> None:
-        self._prov = prov
-        self._run = run
+        super().__init__(prov, run, keys, parent, nbytes, salt_tag)
         self._frc = frc
-        self.keys = keys
-        self.parent = parent
-        self.n = len(keys)
-        self.nbytes = nbytes
-        self.salt_tag = salt_tag
-        self.state = "open"
-        self.written = False
-        self.sealed = 0
 
     def materialize(self) -> list[Reservation]:
-        prov = self._prov
-        with prov._lock:
-            if self.state == "open":
-                prov._index.split_run(self._run)  # type: ignore[arg-type]
-                self.state = "materialized"
-            state = self.state
+        state = self._split()
         if self.written:
             self._frc.mark_written()
         inner = self._frc.reservations  # (the fast tier's run, split the same way)
         out: list[Reservation] = []
         for k, p, r in zip(self.keys, [self.parent, *self.keys[:-1]], inner, strict=True):
             assert r is not None
-            t = _TieredReservation(prov, k, p, self.nbytes, self.salt_tag, r)
+            t = _TieredReservation(self._prov, k, p, self.nbytes, self.salt_tag, r)
             if self.written:
                 Reservation.mark_written(t)
-            if state not in ("open", "materialized"):
+            if state != "open":
                 t._finish(state)
             out.append(t)
         return out
 
     def seal(self, checksums: Sequence[int] | None, algorithm: str | None) -> None:
         prov = self._prov
-        prov._check_usable()
-        if self.state != "open":
-            raise ReservationError(f"this chain run is {self.state}", hint="reserve the pages again")
-        if not self.written:
-            raise IncompleteWriteError("the chain run's pages were not marked written",
-                                       hint="call ReservedChain.mark_written() once the copy into .pages is done")
+        self._check_sealable()
         prov._wait_for_room()
         self._frc.mark_written()
         self._frc.seal(checksums=checksums, algorithm=algorithm)  # (the fast tier's run: all or nothing)
@@ -525,10 +504,10 @@ class _TieredRun(ChainRun):
                                          hint="save the chain again from its first missing page")
             elif prov._closed:
                 failed = ClosedError("the tiered provider closed during the seal")
-                idx.cancel_run(self._run)  # type: ignore[arg-type]
+                idx.cancel_run(self._run)
             else:
                 try:
-                    rows = idx.commit_run(self._run, nbytes=self.nbytes, tag=self.salt_tag)  # type: ignore[arg-type]
+                    rows = idx.commit_run(self._run, nbytes=self.nbytes, tag=self.salt_tag)
                 except UnknownKeyError as exc:
                     failed = exc
             if failed is None:  # (queued under the lock, as a page sealed alone: a flush sees them)
@@ -554,7 +533,7 @@ class _TieredRun(ChainRun):
         ``commit_run`` cancelled it itself) and the copies in the fast tier are nobody's."""
         prov = self._prov
         with prov._lock:  # (evicted under it: a save of the same keys cannot slip in between)
-            prov._index.cancel_run(self._run)  # type: ignore[arg-type]
+            prov._index.cancel_run(self._run)
             self.state = "aborted"
             with contextlib.suppress(HostKVError):
                 prov.fast.evict(self.keys)
@@ -564,6 +543,6 @@ class _TieredRun(ChainRun):
         with prov._lock:
             if self.state != "open":
                 return
-            prov._index.cancel_run(self._run)  # type: ignore[arg-type]
+            prov._index.cancel_run(self._run)
             self.state = "aborted"
         self._frc.abort()
