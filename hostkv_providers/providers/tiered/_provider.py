@@ -407,13 +407,21 @@ class TieredProvider(_Chains):
         self._commit_sealed(res, through)
 
     def _abort(self, reservation: _TieredReservation) -> bool:
+        inner = reservation.inner
         with self._lock:
             if reservation.state != "open":
                 return False
             self._index.cancel(reservation.key)
             reservation._finish("aborted")
+            if inner.state == "sealed":
+                # sealed in the fast tier, never published (a seal_many that failed at an earlier
+                # page): that copy is nobody's; evicted under the lock, so a new save of the key
+                # cannot slip in between
+                with contextlib.suppress(HostKVError):
+                    inner.provider.evict([reservation.key])
+                return True
         with contextlib.suppress(HostKVError):
-            reservation.inner.provider.abort(reservation.inner)
+            inner.provider.abort(inner)
         return True
 
     # -- reads -------------------------------------------------------------------------

@@ -757,3 +757,31 @@ def test_a_page_evicted_from_the_fast_tier_before_its_lease_is_not_published(tie
     assert not any(tiered.in_flight(k) for k in keys)
     assert tiered.flush(60) and tiered.slow.longest_prefix(keys) == 3
     assert tiered.stats().used_bytes == 3 * PAGE
+
+
+def test_pages_sealed_in_the_fast_tier_after_a_failed_page_are_not_left_there(tiered: TieredProvider) -> None:
+    """A page-by-page seal of pages in separate fast-tier trees (roots of their own) that fails
+    at one: the pages after it were sealed in the fast tier already; aborted in the tiered index,
+    their fast copies go too (they were nobody's, taking fast capacity)."""
+    keys = [key_of(f"fast-leftover-{i}") for i in range(5)]
+    fast = tiered.fast
+    orig = fast.lease
+
+    def evict_then_lease(ks: list[bytes]) -> object:
+        if ks == [keys[2]]:
+            fast.evict(ks)
+        return orig(ks)
+
+    rc = tiered.reserve_many(keys, [None] * 5, PAGE)  # five roots
+    ress = [r for r in rc.reservations if r is not None]
+    for r in ress:
+        _fill(r)
+    fast.lease = evict_then_lease  # type: ignore[method-assign]
+    try:
+        with pytest.raises(hk.UnknownKeyError):
+            tiered.seal_many(ress)
+    finally:
+        fast.lease = orig  # type: ignore[method-assign]
+    assert tiered.present(keys) == [True, True, False, False, False]
+    assert fast.present(keys) == [True, True, False, False, False]
+    assert fast.stats().used_bytes == 2 * PAGE and tiered.stats().used_bytes == 2 * PAGE
