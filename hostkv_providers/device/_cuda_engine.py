@@ -816,6 +816,10 @@ class CudaCopyEngine(CopyEngine):
         ``direct="batch"`` moves them, as every save does)."""
         if not self.shares_restores or dplan.ids is None or dplan.addresses is None:
             return None
+        groups = len(_direct.copy_groups(planes.ptrs, planes.block_strides, planes.layout.planes,
+                                         blocks=planes.num_blocks)[3])
+        if groups * len(dplan.ids) < _direct.BATCH_SPLIT_MIN:  # (an upper bound: no arrays built twice)
+            return None
         arrays = _direct.batch_copies(planes.ptrs, planes.block_strides, planes.layout.planes, dplan.ids,
                                       dplan.addresses, to_device=True, blocks=planes.num_blocks)
         return arrays if arrays[2].size >= _direct.BATCH_SPLIT_MIN else None

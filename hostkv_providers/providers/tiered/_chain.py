@@ -21,7 +21,7 @@ from hostkv_providers._keys import Key
 from hostkv_providers._reservation import Lease, Reservation
 from hostkv_providers.providers._tree._chainrun import TreeChainRun
 
-from ._entries import _Pending, _TieredReservation
+from ._entries import _left_fast_tier, _Pending, _TieredReservation
 from ._writeback import _WriteBack
 
 
@@ -491,17 +491,13 @@ class _TieredRun(TreeChainRun):
                 for k in keys:
                     leases.append(fast.lease([k]))
         except BaseException:
-            for lease in leases:
-                with contextlib.suppress(HostKVError):
-                    lease.release()
-            self._undo_fast()
+            self._undo_fast(leases)
             raise
         with prov._lock:
             failed: BaseException | None = None
             gone = next((k for k, lease in zip(keys, leases, strict=True) if not lease.present[0]), None)
-            if gone is not None:  # evicted from the fast tier between its seal there and its lease
-                failed = UnknownKeyError(f"{gone.hex()[:16]} left the fast tier before it was published",
-                                         hint="save the chain again from its first missing page")
+            if gone is not None:
+                failed = _left_fast_tier(gone)
             elif prov._closed:
                 failed = ClosedError("the tiered provider closed during the seal")
                 idx.cancel_run(self._run)
@@ -521,16 +517,17 @@ class _TieredRun(TreeChainRun):
                 for p in pend:
                     put(("page", p))
         if failed is not None:
-            for lease in leases:
-                with contextlib.suppress(HostKVError):
-                    lease.release()
-            self._undo_fast()
+            self._undo_fast(leases)
             raise failed
         prov._tally("seals", self.n)
 
-    def _undo_fast(self) -> None:
-        """The run failed after the fast tier sealed it: the tiered index's run goes (a no-op once
-        ``commit_run`` cancelled it itself) and the copies in the fast tier are nobody's."""
+    def _undo_fast(self, leases: list[Lease]) -> None:
+        """The run failed after the fast tier sealed it: the ``leases`` taken for its write-back
+        go, the tiered index's run goes (a no-op once ``commit_run`` cancelled it itself) and the
+        copies in the fast tier are nobody's."""
+        for lease in leases:
+            with contextlib.suppress(HostKVError):
+                lease.release()
         prov = self._prov
         with prov._lock:  # (evicted under it: a save of the same keys cannot slip in between)
             prov._index.cancel_run(self._run)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from hostkv_providers._capabilities import SupportsBatch
+from hostkv_providers._errors import UnknownKeyError
 from hostkv_providers._keys import Key
 from hostkv_providers._provider import Provider
 from hostkv_providers._region import HostRegion
@@ -42,6 +43,13 @@ class _Ent:
         self.parent = idx.parent_key(row)
         self.nbytes = int(idx.nbytes[row])
         self.tag = idx.tag_of(row)
+
+
+def _left_fast_tier(key: Key) -> UnknownKeyError:
+    """A page the fast tier evicted between its seal there and the lease that would pin it for
+    its write-back (a save that needed room): it is not published without its only copy."""
+    return UnknownKeyError(f"{key.hex()[:16]} left the fast tier before it was published",
+                           hint="save the chain again from its first missing page")
 
 
 class _Pending(_Ent):

@@ -24,7 +24,7 @@ from hostkv_providers._reservation import Lease
 
 from ._base import _log
 from ._counters import _PUBLISH_EVERY, _Figures
-from ._entries import _Pending, _TieredReservation
+from ._entries import _left_fast_tier, _Pending, _TieredReservation
 
 _WRITE_BACK_BATCH = 256  # queued pages the writer stores with one put_many of the slow tier
 
@@ -44,13 +44,10 @@ class _WriteBack(_Figures):
                 res._finish("aborted")
                 return
             if fast_lease is not None and not fast_lease.present[0]:
-                # evicted from the fast tier between its seal there and this lease (a save that
-                # needed room): not published without its only copy
                 fast_lease.release()
                 self._index.cancel(res.key)
                 res._finish("aborted")
-                raise UnknownKeyError(f"{res.key.hex()[:16]} left the fast tier before it was published",
-                                      hint="save the chain again from its first missing page")
+                raise _left_fast_tier(res.key)
             try:
                 row = self._index.commit(res.key, nbytes=res.nbytes, tag=res.salt_tag)
             except UnknownKeyError:

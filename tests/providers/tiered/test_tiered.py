@@ -4,6 +4,7 @@ write-through when the fast tier is full, HostKVCache over it."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import urllib.parse
 from collections.abc import Iterator
@@ -730,28 +731,36 @@ def test_a_run_the_fast_tier_takes_only_in_part_keeps_its_reservations(tmp_path:
         t.close()
 
 
+@contextlib.contextmanager
+def _evicted_before_its_lease(fast: Provider, key: Key) -> Iterator[None]:
+    """The fast tier evicts ``key`` (and its subtree there) right before the tiered provider
+    leases it for its write-back: the window between the page's seal in the fast tier and its
+    publication in the tiered index."""
+    orig = fast.lease
+
+    def evict_then_lease(ks: list[bytes]) -> object:
+        if ks == [key]:
+            fast.evict(ks)
+        return orig(ks)
+
+    fast.lease = evict_then_lease  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        fast.lease = orig  # type: ignore[method-assign]
+
+
 def test_a_page_evicted_from_the_fast_tier_before_its_lease_is_not_published(tiered: TieredProvider) -> None:
     """The page-by-page seal has the same window as a run's: a page the fast tier evicts between
     its seal there and its lease fails, and the pages after it are aborted."""
     keys = chain("page-lost", 6)
     fast = tiered.fast
-    orig = fast.lease
-
-    def evict_then_lease(ks: list[bytes]) -> object:
-        if ks == [keys[3]]:
-            fast.evict(ks)
-        return orig(ks)
-
     rc = tiered.reserve_many(keys, [None, *keys[:-1]], PAGE)
     ress = [r for r in rc.reservations if r is not None]  # page by page
     for r in ress:
         _fill(r)
-    fast.lease = evict_then_lease  # type: ignore[method-assign]
-    try:
-        with pytest.raises(hk.UnknownKeyError, match="left the fast tier"):
-            tiered.seal_many(ress)
-    finally:
-        fast.lease = orig  # type: ignore[method-assign]
+    with _evicted_before_its_lease(fast, keys[3]), pytest.raises(hk.UnknownKeyError, match="left the fast tier"):
+        tiered.seal_many(ress)
     assert tiered.longest_prefix(keys) == 3 and tiered.present(keys[3:]) == [False] * 3
     assert fast.present(keys[3:]) == [False] * 3 and not any(fast.in_flight(k) for k in keys)
     assert not any(tiered.in_flight(k) for k in keys)
@@ -765,23 +774,12 @@ def test_pages_sealed_in_the_fast_tier_after_a_failed_page_are_not_left_there(ti
     their fast copies go too (they were nobody's, taking fast capacity)."""
     keys = [key_of(f"fast-leftover-{i}") for i in range(5)]
     fast = tiered.fast
-    orig = fast.lease
-
-    def evict_then_lease(ks: list[bytes]) -> object:
-        if ks == [keys[2]]:
-            fast.evict(ks)
-        return orig(ks)
-
     rc = tiered.reserve_many(keys, [None] * 5, PAGE)  # five roots
     ress = [r for r in rc.reservations if r is not None]
     for r in ress:
         _fill(r)
-    fast.lease = evict_then_lease  # type: ignore[method-assign]
-    try:
-        with pytest.raises(hk.UnknownKeyError):
-            tiered.seal_many(ress)
-    finally:
-        fast.lease = orig  # type: ignore[method-assign]
+    with _evicted_before_its_lease(fast, keys[2]), pytest.raises(hk.UnknownKeyError):
+        tiered.seal_many(ress)
     assert tiered.present(keys) == [True, True, False, False, False]
     assert fast.present(keys) == [True, True, False, False, False]
     assert fast.stats().used_bytes == 2 * PAGE and tiered.stats().used_bytes == 2 * PAGE
