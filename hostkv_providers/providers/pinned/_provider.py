@@ -511,7 +511,19 @@ class PinnedProvider(Provider):
         a few threads without the lock (XXH3 releases the GIL), the commits in one lock round.
         Given ``checksums`` in this store's algorithm (a GPU's, over the pages before their copy)
         are recorded as they are: no host hashing at all."""
-        own = [self._own_reservation(r, _PinnedReservation) for r in reservations]
+        self._seal_own([self._own_reservation(r, _PinnedReservation) for r in reservations], checksums, algorithm)
+
+    def _seal_held(self, reservations: Sequence[Reservation], held: list[Lease], *,
+                   checksums: Sequence[int] | None = None, algorithm: str | None = None) -> None:
+        """``seal_many`` that also leases each page in its commit's lock round, appending the
+        leases to ``held`` (a sealed prefix's, also when it raises).  The tiered provider pins
+        its fast copies this way until their write-back: a lease taken after the seal left a
+        window in which another save's reservation could evict the just-sealed page."""
+        self._seal_own([self._own_reservation(r, _PinnedReservation) for r in reservations], checksums, algorithm,
+                       held)
+
+    def _seal_own(self, own: list[_PinnedReservation], checksums: Sequence[int] | None, algorithm: str | None,
+                  held: list[Lease] | None = None) -> None:
         _check_checksums(checksums, algorithm, len(own))
         try:
             for r in own:
@@ -525,8 +537,10 @@ class PinnedProvider(Provider):
                 with self._usable():
                     for r, digest in zip(own, digests, strict=True):
                         r.check_open(self)
-                        self._commit_locked(r, digest)  # UnknownKeyError: its parent was not sealed
+                        row = self._commit_locked(r, digest)  # UnknownKeyError: its parent was not sealed
                         sealed += 1
+                        if held is not None:
+                            held += self._leases_at([r.key], [row])
             finally:
                 # (bytes are counted where they are written: write(), or not at all for a DMA
                 # straight into the arena; seals are counted as the front's seal does, once a batch)
@@ -930,21 +944,17 @@ class PinnedProvider(Provider):
             self._lease_tokens[id(token)] = token
             return Lease(self, ks, [r >= 0 for r in rows], token=token)
 
-    def _lease_each(self, ks: list[Key]) -> list[Lease]:
-        """One lease per key, each released on its own, taken in one lock round (the tiered
-        provider's run seal pins each page this way until its write-back: a ``lease([k])`` per
-        page took the lock 6,400 times against the writer thread)."""
-        with self._usable():
-            idx = self._index
-            rows = idx.rows_of(ks)
-            idx.hold_rows([r for r in rows if r >= 0])
-            gen, tokens = idx.m_gen, self._lease_tokens
-            out = []
-            for k, r in zip(ks, rows, strict=True):
-                token: _Token = ([r], [gen[r]]) if r >= 0 else ([], [])
-                tokens[id(token)] = token
-                out.append(Lease(self, [k], [r >= 0], token=token))
-            return out
+    def _leases_at(self, ks: Sequence[Key], rows: Sequence[int]) -> list[Lease]:
+        """One lease per key on its row (``-1``: absent), each released on its own (lock held)."""
+        idx = self._index
+        idx.hold_rows([r for r in rows if r >= 0])
+        gen, tokens = idx.m_gen, self._lease_tokens
+        out = []
+        for k, r in zip(ks, rows, strict=True):
+            token: _Token = ([r], [gen[r]]) if r >= 0 else ([], [])
+            tokens[id(token)] = token
+            out.append(Lease(self, [k], [r >= 0], token=token))
+        return out
 
     def _release_lease(self, lease: Lease) -> None:
         with self._lock:

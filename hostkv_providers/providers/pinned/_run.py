@@ -3,6 +3,7 @@ reserved and sealed as one (``_PinnedRun``, ``reserve_many``'s chunk-level path)
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -10,12 +11,13 @@ import numpy as np
 import numpy.typing as npt
 
 from hostkv_providers._errors import (
+    HostKVError,
     ReservationError,
     UnknownKeyError,
 )
 from hostkv_providers._keys import Key
 from hostkv_providers._region import HostRegion
-from hostkv_providers._reservation import Reservation
+from hostkv_providers._reservation import Lease, Reservation
 from hostkv_providers.providers._tree._chainrun import TreeChainRun
 from hostkv_providers.providers.pinned._arena import _checksums_at
 
@@ -77,6 +79,21 @@ class _PinnedRun(TreeChainRun):
         return out
 
     def seal(self, checksums: Sequence[int] | None, algorithm: str | None) -> None:
+        self._seal(checksums, algorithm, False)
+
+    def seal_held(self, checksums: Sequence[int] | None, algorithm: str | None) -> list[Lease]:
+        """Seal, and lease each page in the commit's lock round (one lease per page, released on
+        its own): the tiered provider pins its fast copies this way until their write-back, with
+        no window in which another save could evict a page sealed but not yet leased.  Aborts
+        the run when it raises (as ``ReservedChain.seal`` does)."""
+        try:
+            return self._seal(checksums, algorithm, True)
+        except BaseException:
+            with contextlib.suppress(HostKVError):
+                self.abort()
+            raise
+
+    def _seal(self, checksums: Sequence[int] | None, algorithm: str | None, hold: bool) -> list[Lease]:
         prov = self._prov
         self._check_sealable()
         if checksums is not None and algorithm == prov.checksum_algorithm:
@@ -87,7 +104,7 @@ class _PinnedRun(TreeChainRun):
             if self.state != "open":
                 raise ReservationError(f"this chain run is {self.state}")
             try:
-                prov._index.commit_run(self._run, nbytes=self.nbytes, csums=digests, tag=self.salt_tag,
+                rows = prov._index.commit_run(self._run, nbytes=self.nbytes, csums=digests, tag=self.salt_tag,
                                        run_start=self.starts, run_len=self.nblocks)
             except UnknownKeyError:
                 prov._arena.release_pages(self.starts, self.nblocks)
@@ -95,7 +112,9 @@ class _PinnedRun(TreeChainRun):
                 raise
             self.state = "sealed"
             self.sealed = self.n
+            leases = prov._leases_at(self.keys, rows.tolist()) if hold else []
         prov._tally("seals", self.n)
+        return leases
 
     def abort(self) -> None:
         prov = self._prov

@@ -404,21 +404,7 @@ class _Chains(_WriteBack):
                     for r in run:
                         r.check_complete()
                     self._wait_for_room()
-                    try:
-                        if checksums is not None:
-                            self.fast.seal_many([r.inner for r in run], checksums=checksums[i:j], algorithm=algorithm)
-                        else:
-                            self.fast.seal_many([r.inner for r in run])
-                    finally:
-                        for m, r in enumerate(run):  # a prefix is sealed in the fast tier
-                            if r.inner.state != "sealed":
-                                break
-                            try:
-                                self._commit_sealed(r, False)
-                            except BaseException:
-                                i += m
-                                raise
-                            self._tally("seals")
+                    self._seal_fast_pages(run, None if checksums is None else checksums[i:j], algorithm)
                     i = j
                 elif isinstance(res, _DeferredReservation):
                     j = i
@@ -444,6 +430,38 @@ class _Chains(_WriteBack):
                     with contextlib.suppress(HostKVError):
                         rest.abort()
             raise
+
+
+    def _seal_fast_pages(self, run: list[_TieredReservation], checksums: Sequence[int] | None,
+                         algorithm: str | None) -> None:
+        """Seal ``run`` (pages reserved in the fast tier) with one ``seal_many`` of the fast tier,
+        then publish the sealed prefix; on failure the caller aborts the pages not published
+        (``state`` still open).  A fast tier with ``_seal_held`` (pinned) leases each page in
+        its seal's lock round; another is leased right after, and a page evicted in between
+        fails the seal (``_left_fast_tier``)."""
+        held: list[Lease] = []
+        inners = [r.inner for r in run]
+        seal_held = getattr(self.fast, "_seal_held", None)
+        published = 0
+        try:
+            if seal_held is not None:
+                seal_held(inners, held, checksums=checksums, algorithm=algorithm)
+            elif checksums is not None:
+                self.fast.seal_many(inners, checksums=checksums, algorithm=algorithm)
+            else:
+                self.fast.seal_many(inners)
+        finally:
+            try:
+                for m, r in enumerate(run):  # a prefix is sealed in the fast tier
+                    if r.inner.state != "sealed":
+                        break
+                    self._commit_sealed(r, False, held[m] if m < len(held) else None)
+                    published += 1
+                    self._tally("seals")
+            finally:
+                for lease in held[published + 1:]:  # (the page that failed released its own)
+                    with contextlib.suppress(HostKVError):
+                        lease.release()
 
 
 class _TieredRun(TreeChainRun):
@@ -480,19 +498,21 @@ class _TieredRun(TreeChainRun):
         self._check_sealable()
         prov._wait_for_room()
         self._frc.mark_written()
-        self._frc.seal(checksums=checksums, algorithm=algorithm)  # (the fast tier's run: all or nothing)
         fast, keys, idx = prov.fast, self.keys, prov._index
         leases: list[Lease] = []
-        try:  # each page's copy pinned in the fast tier until its write-back (as a page sealed alone)
-            each = getattr(fast, "_lease_each", None)
-            if each is not None:
-                leases = each(keys)
-            else:
+        seal_held = getattr(self._frc.run, "seal_held", None)
+        if seal_held is not None:
+            # (pinned: sealed, and each page leased until its write-back, in one lock round: no
+            # window in which another save's reservation could evict a page sealed but unleased)
+            leases = seal_held(checksums, algorithm)
+        else:
+            self._frc.seal(checksums=checksums, algorithm=algorithm)  # (the fast tier's run: all or nothing)
+            try:  # each page's copy pinned in the fast tier until its write-back (as a page sealed alone)
                 for k in keys:
                     leases.append(fast.lease([k]))
-        except BaseException:
-            self._undo_fast(leases)
-            raise
+            except BaseException:
+                self._undo_fast(leases)
+                raise
         with prov._lock:
             failed: BaseException | None = None
             gone = next((k for k, lease in zip(keys, leases, strict=True) if not lease.present[0]), None)

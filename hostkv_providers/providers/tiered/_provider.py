@@ -401,10 +401,18 @@ class TieredProvider(_Chains):
     def _seal(self, res: _TieredReservation) -> None:
         inner = res.inner
         through = inner.provider is self.slow
-        if not through:
-            self._wait_for_room()
-        inner.provider.seal(inner)
-        self._commit_sealed(res, through)
+        if through:
+            inner.provider.seal(inner)
+            self._commit_sealed(res, True)
+            return
+        self._wait_for_room()
+        held: list[Lease] = []
+        seal_held = getattr(self.fast, "_seal_held", None)
+        if seal_held is None:
+            inner.provider.seal(inner)
+        else:
+            seal_held([inner], held)  # (sealed and leased in one lock round of the fast tier)
+        self._commit_sealed(res, False, held[0] if held else None)
 
     def _abort(self, reservation: _TieredReservation) -> bool:
         inner = reservation.inner

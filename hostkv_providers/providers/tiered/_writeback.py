@@ -32,11 +32,14 @@ _WRITE_BACK_BATCH = 256  # queued pages the writer stores with one put_many of t
 class _WriteBack(_Figures):
     """The write-back queue and thread (a part of :class:`TieredProvider`)."""
 
-    def _commit_sealed(self, res: _TieredReservation, through: bool) -> None:
+    def _commit_sealed(self, res: _TieredReservation, through: bool, fast_lease: Lease | None = None) -> None:
         """Publish a reservation whose inner one is sealed: the tiered row, and (fast tier) the
-        lease that pins the only copy until the write-back has run (a ``_Pending``)."""
+        lease that pins the only copy until the write-back has run (a ``_Pending``): the one
+        the fast tier's seal took (``fast_lease``, see ``PinnedProvider._seal_held``), else one
+        taken now — after the seal, so the page may have been evicted in between."""
         inner = res.inner
-        fast_lease = None if through else self.fast.lease([res.key])
+        if not through and fast_lease is None:
+            fast_lease = self.fast.lease([res.key])
         with self._lock:
             if self._closed:
                 if fast_lease is not None:
