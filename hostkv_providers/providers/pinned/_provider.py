@@ -65,6 +65,8 @@ from hostkv_providers.providers.pinned._arena import (
 )
 from hostkv_providers.providers.pinned._run import _PinnedReservation, _PinnedRun
 
+_NO_GEN = np.uint64(2**64 - 1)  # a lease token's gen for a page let go early (_release_part)
+
 __all__ = ["PinnedProvider"]
 
 _DEFAULT_BLOCK = 64 * 1024
@@ -758,7 +760,7 @@ class PinnedProvider(Provider):
             idx, arena = self._index, self._arena
             if known is not None:
                 rows, gens = known
-                if not len(rows) or not (idx.alive[rows].all() and (idx.gen[rows] == gens).all()):
+                if not len(rows) or (rows < 0).any() or not (idx.alive[rows].all() and (idx.gen[rows] == gens).all()):
                     return None  # an entry of the lease was dropped (corrupt) meanwhile
             else:
                 rows = np.asarray(idx.rows_of(ks), dtype=np.int64)
@@ -956,6 +958,46 @@ class PinnedProvider(Provider):
             out.append(Lease(self, [k], [r >= 0], token=token))
         return out
 
+    def _lease_run(self, ks: list[Key], rows: npt.NDArray[np.int64]) -> Lease:
+        """One lease over the sealed ``rows`` of ``ks`` (lock held), its token ``(rows, gens)``
+        arrays in key order, so that :meth:`_release_part` can let go of some pages."""
+        idx = self._index
+        idx.hold_rows(cast(Sequence[int], rows))
+        token: _Token = (rows.copy(), idx.gen[rows].copy())
+        self._lease_tokens[id(token)] = token
+        return Lease(self, ks, [True] * len(ks), token=token)
+
+    def _release_part(self, lease: Lease, positions: npt.NDArray[np.int64]) -> None:
+        """Let go of the pages at ``positions`` of a :meth:`_lease_run` lease (each once; the
+        rest stays held until they or the whole lease are released): the tiered provider frees
+        a page's fast copy as soon as it is written back or dropped, not at the run's end."""
+        with self._lock:
+            if self._closed or lease.released or not len(positions):
+                return
+            rows, gens = cast(tuple[npt.NDArray[np.int64], npt.NDArray[np.uint64]], lease.token)
+            pos = positions[rows[positions] >= 0]
+            self._index.release_rows(cast(Sequence[int], rows[pos]), cast(Sequence[int], gens[pos]))
+            self._leave_limbo(gens[pos].tolist())
+            rows[pos] = -1
+            gens[pos] = _NO_GEN  # (never a live gen: not counted as a pin when an entry drops)
+
+    def _split_lease(self, lease: Lease, positions: npt.NDArray[np.int64]) -> list[Lease]:
+        """The pages at ``positions`` of a :meth:`_lease_run` lease, each under a lease of its
+        own (released on its own): the hold moves over in one lock round, never let go between."""
+        with self._usable():
+            if lease.released:
+                raise InvalidArgumentError("_split_lease() needs an unreleased lease")
+            rows, gens = cast(tuple[npt.NDArray[np.int64], npt.NDArray[np.uint64]], lease.token)
+            keys, tokens = lease.keys, self._lease_tokens
+            out = []
+            for p, r, g in zip(positions.tolist(), rows[positions].tolist(), gens[positions].tolist(), strict=True):
+                token: _Token = ([r], [g]) if r >= 0 else ([], [])
+                tokens[id(token)] = token
+                out.append(Lease(self, [keys[p]], [r >= 0], token=token))
+            rows[positions] = -1
+            gens[positions] = _NO_GEN
+            return out
+
     def _release_lease(self, lease: Lease) -> None:
         with self._lock:
             if self._closed:
@@ -964,7 +1006,13 @@ class PinnedProvider(Provider):
             self._lease_tokens.pop(id(token), None)
             self._index.release_rows(*token)
             # (limbo: dropped entries still leased; rare)
-            gens = (token[1].tolist() if isinstance(token[1], np.ndarray) else token[1]) if self._limbo else ()
+            self._leave_limbo((token[1].tolist() if isinstance(token[1], np.ndarray) else token[1])
+                              if self._limbo else ())
+
+    def _leave_limbo(self, gens: Iterable[int]) -> None:
+        """Leases on the entries ``gens`` let go (lock held): a dropped entry's blocks are reused
+        once its last lease is gone."""
+        if self._limbo:
             for g in gens:
                 held = self._limbo.get(g)
                 if held is None:

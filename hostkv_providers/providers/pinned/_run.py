@@ -81,19 +81,23 @@ class _PinnedRun(TreeChainRun):
     def seal(self, checksums: Sequence[int] | None, algorithm: str | None) -> None:
         self._seal(checksums, algorithm, False)
 
-    def seal_held(self, checksums: Sequence[int] | None, algorithm: str | None) -> list[Lease]:
-        """Seal, and lease each page in the commit's lock round (one lease per page, released on
-        its own): the tiered provider pins its fast copies this way until their write-back, with
-        no window in which another save could evict a page sealed but not yet leased.  Aborts
-        the run when it raises (as ``ReservedChain.seal`` does)."""
+    def seal_held(self, checksums: Sequence[int] | None, algorithm: str | None) -> Lease:
+        """Seal, and lease the pages in the commit's lock round: one lease over the run (its
+        token is ``(rows, gens)`` arrays in key order), whose pages may be let go one by one
+        (``PinnedProvider._release_part``).  The tiered provider pins its fast copies this way
+        until their write-back, with no window in which another save could evict a page sealed
+        but not yet leased, and no per-page object.  Aborts the run when it raises (as
+        ``ReservedChain.seal`` does)."""
         try:
-            return self._seal(checksums, algorithm, True)
+            lease = self._seal(checksums, algorithm, True)
+            assert lease is not None
+            return lease
         except BaseException:
             with contextlib.suppress(HostKVError):
                 self.abort()
             raise
 
-    def _seal(self, checksums: Sequence[int] | None, algorithm: str | None, hold: bool) -> list[Lease]:
+    def _seal(self, checksums: Sequence[int] | None, algorithm: str | None, hold: bool) -> Lease | None:
         prov = self._prov
         self._check_sealable()
         if checksums is not None and algorithm == prov.checksum_algorithm:
@@ -112,9 +116,9 @@ class _PinnedRun(TreeChainRun):
                 raise
             self.state = "sealed"
             self.sealed = self.n
-            leases = prov._leases_at(self.keys, rows.tolist()) if hold else []
+            lease = prov._lease_run(self.keys, rows) if hold else None
         prov._tally("seals", self.n)
-        return leases
+        return lease
 
     def abort(self) -> None:
         prov = self._prov

@@ -1,14 +1,18 @@
 """The attributes every part of the tiered provider shares, and the helpers they all call:
-applying the index's removals to both tiers, tail leases, fast-tier views."""
+applying the index's removals to both tiers, which entries wait for their write-back, tail
+leases, fast-tier views."""
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import logging
 import queue
 import threading
 from collections.abc import Sequence
 from typing import Any
+
+import numpy as np
 
 from hostkv_providers._errors import HostKVError
 from hostkv_providers._keys import Key
@@ -17,7 +21,7 @@ from hostkv_providers._region import HostRegion
 from hostkv_providers._reservation import Lease
 from hostkv_providers.providers._tree import TreeIndex
 
-from ._entries import _Pending
+from ._entries import _Pending, _PendingRun
 
 # One logger for all the parts (the write-back thread logs; warnings could be turned into errors).
 _log = logging.getLogger("hostkv_providers.providers.tiered")
@@ -43,6 +47,10 @@ class _TieredBase(Provider):
     _index: TreeIndex
     # write-backs queued or running, by the entry's gen (rows are recycled, gens are not)
     _pend: dict[int, _Pending]
+    # chain runs whose write-back is queued, by their first gen (and those gens in order: a
+    # run's gens are consecutive, so a gen's run is found by bisection)
+    _pend_runs: dict[int, _PendingRun]
+    _run_starts: list[int]
     _unsynced: dict[int, dict[str, bytes]]  # gen -> anchors queued for the slow tier
     _queue: queue.Queue[tuple[Any, ...] | None]
     _room: threading.Condition  # guards _queued_pages; notified when write-backs finish
@@ -84,6 +92,7 @@ class _TieredBase(Provider):
                 with contextlib.suppress(HostKVError):
                     lease.release()
         slow_keys = []
+        let_go: dict[int, list[int]] = {}  # run -> its pages dropped before the writer took them
         for k, g in zip(keys, gens, strict=True):
             self._unsynced.pop(g, None)
             pend = self._pend.get(g)
@@ -92,8 +101,16 @@ class _TieredBase(Provider):
                 if pend.fast_lease is not None and not pend.writing:
                     pend.fast_lease.release()
                     pend.fast_lease = None
+                continue
+            at = self._run_at(g)
+            if at is not None and at[0].waiting[at[1]]:
+                at[0].waiting[at[1]] = False  # the writer skips it; its fast copy is let go below
+                let_go.setdefault(at[0].gen0, []).append(at[1])
             else:
                 slow_keys.append(k)
+        for gen0, positions in let_go.items():
+            run = self._pend_runs[gen0]
+            _release_part(run, np.array(positions, dtype=np.int64))
         with contextlib.suppress(HostKVError):
             self.fast.evict(keys)
         if slow_keys:
@@ -126,6 +143,33 @@ class _TieredBase(Provider):
         regions: Sequence[HostRegion] | None = self.fast.view(lease, key)  # type: ignore[attr-defined]
         return regions
 
+    def _run_at(self, gen: int) -> tuple[_PendingRun, int] | None:
+        """The queued chain run holding entry ``gen``, and its position there (lock held)."""
+        starts = self._run_starts
+        j = bisect.bisect_right(starts, gen) - 1 if starts else -1
+        if j < 0:
+            return None
+        run = self._pend_runs[starts[j]]
+        i = gen - run.gen0
+        return (run, i) if i < run.n else None
+
+    def _pending(self, gen: int) -> bool:
+        """Whether entry ``gen`` waits for its write-back or is being written back (lock held):
+        its only copy is in the fast tier."""
+        if gen in self._pend:
+            return True
+        at = self._run_at(gen)
+        return at is not None and bool(at[0].waiting[at[1]])
+
+    def _finish_run(self, run: _PendingRun) -> None:
+        """The writer is past every page of ``run``, or the store closes (lock held): the run's
+        lease goes with whatever pages it still holds."""
+        if self._pend_runs.pop(run.gen0, None) is not None:
+            self._run_starts.remove(run.gen0)
+        run.waiting[:] = False
+        with contextlib.suppress(HostKVError):
+            run.lease.release()
+
     def _finish_pending(self, node: _Pending) -> None:
         """The write-back is over (done, cancelled or failed): the entry is in the slow tier (or
         gone) and its fast-tier copy need not stay pinned (lock held)."""
@@ -133,3 +177,17 @@ class _TieredBase(Provider):
             node.fast_lease.release()
             node.fast_lease = None
         self._pend.pop(node.gen, None)
+
+
+def _release_part(run: _PendingRun, positions: Any) -> None:
+    """Let the fast tier free the pages at ``positions`` of ``run`` (``PinnedProvider._release_part``:
+    only a pinned fast tier makes runs)."""
+    with contextlib.suppress(HostKVError):
+        run.lease.provider._release_part(run.lease, positions)  # type: ignore[attr-defined]
+
+
+def _split_lease(run: _PendingRun, positions: Any) -> list[Lease]:
+    """The pages at ``positions`` of ``run``, each under a lease of its own, taken over from the
+    run's lease with no moment unheld (``PinnedProvider._split_lease``)."""
+    leases: list[Lease] = run.lease.provider._split_lease(run.lease, positions)  # type: ignore[attr-defined]
+    return leases

@@ -21,7 +21,7 @@ from hostkv_providers._keys import Key
 from hostkv_providers._reservation import Lease, Reservation
 from hostkv_providers.providers._tree._chainrun import TreeChainRun
 
-from ._entries import _left_fast_tier, _Pending, _TieredReservation
+from ._entries import _left_fast_tier, _Pending, _PendingRun, _TieredReservation
 from ._writeback import _WriteBack
 
 
@@ -223,7 +223,7 @@ class _Chains(_WriteBack):
                 seen = self._wb_rounds
             with self._lock:
                 row = idx.row_of(key)
-                if row < 0 or int(idx.gen[row]) not in self._pend:
+                if row < 0 or not self._pending(int(idx.gen[row])):
                     return
             with self._room:
                 while self._wb_rounds == seen and self._writer.is_alive():
@@ -500,11 +500,14 @@ class _TieredRun(TreeChainRun):
         self._frc.mark_written()
         fast, keys, idx = prov.fast, self.keys, prov._index
         leases: list[Lease] = []
+        run_lease: Lease | None = None
         seal_held = getattr(self._frc.run, "seal_held", None)
         if seal_held is not None:
-            # (pinned: sealed, and each page leased until its write-back, in one lock round: no
-            # window in which another save's reservation could evict a page sealed but unleased)
-            leases = seal_held(checksums, algorithm)
+            # (pinned: sealed, and leased until the write-back in one lock round — no window in
+            # which another save's reservation could evict a page sealed but unleased — with one
+            # lease for the run, which the writer lets go of page by page)
+            run_lease = seal_held(checksums, algorithm)
+            leases = [run_lease]
         else:
             self._frc.seal(checksums=checksums, algorithm=algorithm)  # (the fast tier's run: all or nothing)
             try:  # each page's copy pinned in the fast tier until its write-back (as a page sealed alone)
@@ -515,7 +518,8 @@ class _TieredRun(TreeChainRun):
                 raise
         with prov._lock:
             failed: BaseException | None = None
-            gone = next((k for k, lease in zip(keys, leases, strict=True) if not lease.present[0]), None)
+            gone = None if run_lease is not None else next(
+                (k for k, lease in zip(keys, leases, strict=True) if not lease.present[0]), None)
             if gone is not None:
                 failed = _left_fast_tier(gone)
             elif prov._closed:
@@ -529,13 +533,19 @@ class _TieredRun(TreeChainRun):
             if failed is None:  # (queued under the lock, as a page sealed alone: a flush sees them)
                 self.state = "sealed"
                 self.sealed = self.n
-                pend = [_Pending(idx, row, lease) for row, lease in zip(rows.tolist(), leases, strict=True)]
-                prov._pend.update((p.gen, p) for p in pend)
                 with prov._room:
                     prov._queued_pages += self.n
-                put = prov._queue.put  # (unbounded: never blocks)
-                for p in pend:
-                    put(("page", p))
+                if run_lease is not None:  # one record for the run (gens consecutive, in order)
+                    queued = _PendingRun(idx, rows, run_lease)
+                    prov._pend_runs[queued.gen0] = queued
+                    prov._run_starts.append(queued.gen0)
+                    prov._queue.put(("run", queued))
+                else:
+                    pend = [_Pending(idx, row, lease) for row, lease in zip(rows.tolist(), leases, strict=True)]
+                    prov._pend.update((p.gen, p) for p in pend)
+                    put = prov._queue.put  # (unbounded: never blocks)
+                    for p in pend:
+                        put(("page", p))
         if failed is not None:
             self._undo_fast(leases)
             raise failed

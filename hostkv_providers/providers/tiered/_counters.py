@@ -7,6 +7,8 @@ import os
 import time
 from collections.abc import Mapping
 
+import numpy as np
+
 from hostkv_providers._capabilities import SupportsStoreCounters
 from hostkv_providers._errors import HostKVError
 from hostkv_providers._reports import ProviderStats
@@ -33,6 +35,9 @@ class _Figures(_TieredBase):
             self._check_usable()
             idx = self._index
             pending = sum(1 for p in self._pend.values() if idx.is_live(p.row, p.gen))
+            for run in self._pend_runs.values():
+                gens = np.arange(run.gen0, run.gen0 + run.n, dtype=np.uint64)
+                pending += int((run.waiting & idx.alive[run.rows] & (idx.gen[run.rows] == gens)).sum())
             return ProviderStats(
                 name=self.name,
                 budget_bytes=self._budget,

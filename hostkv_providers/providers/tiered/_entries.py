@@ -1,9 +1,12 @@
 """The tiered provider's transient records: snapshots of index rows taken under the lock, the
-queued write-back of a page, the reservation and lease types, and the tier read helper."""
+queued write-back of a page or of a chain run, the reservation and lease types, and the tier read helper."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
 
 from hostkv_providers._capabilities import SupportsBatch
 from hostkv_providers._errors import UnknownKeyError
@@ -64,6 +67,24 @@ class _Pending(_Ent):
         self.fast_lease = fast_lease  # pins the only copy until it is written back
         self.cancelled = False  # evicted before its write-back ran
         self.writing = False  # the writer is copying it out of the fast tier right now
+
+
+class _PendingRun:
+    """A chain run sealed at once whose write-back is queued (``_TieredRun.seal`` with a pinned
+    fast tier): one record and one fast-tier lease for the whole run, no object per page.  The
+    writer takes it in batches and only then makes each page of a batch a :class:`_Pending`
+    (``_WriteBack._write_back_run``); ``waiting[i]`` is true until page ``i`` is taken or dropped.
+    Gens are consecutive (``TreeIndex.commit_run``): page ``i`` is gen ``gen0 + i``."""
+
+    __slots__ = ("created", "gen0", "lease", "n", "rows", "waiting")
+
+    def __init__(self, idx: TreeIndex, rows: npt.NDArray[np.int64], lease: Lease) -> None:
+        self.rows = rows
+        self.n = len(rows)
+        self.gen0 = int(idx.gen[rows[0]])
+        self.created = float(idx.created[rows[0]])
+        self.lease = lease  # the fast tier's lease over the run (pages let go one by one)
+        self.waiting = np.ones(self.n, dtype=bool)
 
 
 class _TieredReservation(Reservation):

@@ -145,6 +145,8 @@ class TieredProvider(_Chains):
         self._index = TreeIndex(budget)
         # write-backs queued or running, by the entry's gen (rows are recycled, gens are not)
         self._pend = {}
+        self._pend_runs = {}
+        self._run_starts = []
         self._unsynced = {}  # gen -> anchors queued for the slow tier
         self._queue = queue.Queue()
         self._room = threading.Condition(threading.Lock())
@@ -445,7 +447,7 @@ class TieredProvider(_Chains):
             span = ByteSpan.whole(node.nbytes) if span is None else span.validate(node.nbytes)
             dst = writable_buffer(out, span.nbytes)
             idx.hold_rows([row])
-            in_slow = node.gen not in self._pend
+            in_slow = not self._pending(node.gen)
         which = "fast_hits"
         try:
             got = self.fast.read(k, dst, span)
@@ -514,7 +516,7 @@ class TieredProvider(_Chains):
             self._check_usable()
             idx = self._index
             slow = [k for k, r in zip(ks, idx.rows_of(ks), strict=True)
-                    if r >= 0 and int(idx.gen[r]) not in self._pend]
+                    if r >= 0 and not self._pending(int(idx.gen[r]))]
         if slow:
             only_slow = [k for k, f in zip(slow, self.fast.present(slow), strict=True) if not f]
             if only_slow:
@@ -534,7 +536,7 @@ class TieredProvider(_Chains):
             nodes = [None if r < 0 else _Ent(idx, r) for r in idx.rows_of(ks)]
             held = [n for n in nodes if n is not None]
             idx.hold_rows([n.row for n in held])
-            in_slow = [n is not None and n.gen not in self._pend for n in nodes]
+            in_slow = [n is not None and not self._pending(n.gen) for n in nodes]
         got = [False] * len(ks)
         which: dict[int, str] = {}
         dsts: dict[int, memoryview] = {}
@@ -679,7 +681,7 @@ class TieredProvider(_Chains):
             gen = int(idx.gen[row])
             old = idx.anchors.get(row, {}).get(name, 0)
             self._drop_from_tiers(idx.add_cost(row, len(blob) - old))
-            if gen in self._pend or gen in self._unsynced:
+            if self._pending(gen) or gen in self._unsynced:
                 # Queued behind the page's own write-back (and any earlier anchor of it), so the
                 # slow tier ends with the latest blob; reads see it here until then.
                 self._unsynced.setdefault(gen, {})[name] = blob
@@ -790,6 +792,8 @@ class TieredProvider(_Chains):
                 # died) gives its fast-tier lease back before the fast tier closes.
                 for pend in list(self._pend.values()):
                     self._finish_pending(pend)
+                for run in list(self._pend_runs.values()):
+                    self._finish_run(run)
                 try:
                     self._purge_doomed()
                 except HostKVError as exc:

@@ -11,6 +11,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from hostkv_providers._capabilities import SupportsBatch
 from hostkv_providers._checks import check_timeout
 from hostkv_providers._errors import (
@@ -22,9 +24,9 @@ from hostkv_providers._errors import (
 from hostkv_providers._keys import Key
 from hostkv_providers._reservation import Lease
 
-from ._base import _log
+from ._base import _log, _split_lease
 from ._counters import _PUBLISH_EVERY, _Figures
-from ._entries import _left_fast_tier, _Pending, _TieredReservation
+from ._entries import _left_fast_tier, _Pending, _PendingRun, _TieredReservation
 
 _WRITE_BACK_BATCH = 256  # queued pages the writer stores with one put_many of the slow tier
 
@@ -101,11 +103,9 @@ class _WriteBack(_Figures):
                             ahead.append(nxt)  # an anchor or the stop: after this batch
                             break
                         pages.append(nxt[1])
-                    if len(pages) == 1 or not isinstance(self.slow, SupportsBatch):
-                        for node in pages:
-                            self._write_back_one(node)
-                    else:
-                        self._write_back_many(pages)
+                    self._write_pages(pages)
+                elif kind == "run":
+                    self._write_back_run(item[1])
                 elif kind == "anchor":
                     try:
                         self._write_anchor(item[1], item[2], item[3], item[4])
@@ -115,14 +115,72 @@ class _WriteBack(_Figures):
             finally:
                 npages = sum(1 for it in items if it is not None and it[0] == "page")
                 if npages:
-                    self._wb_since = 0.0
-                    self._purge_doomed_logged()
-                    with self._room:
-                        self._queued_pages -= npages
-                        self._wb_rounds += 1
-                        self._room.notify_all()
+                    self._batch_done(npages)
                 for _ in items:
                     self._queue.task_done()
+
+    def _batch_done(self, npages: int) -> None:
+        """``npages`` queued pages are written back (or dropped): doomed keys purged, room made
+        for waiting saves."""
+        self._wb_since = 0.0
+        self._purge_doomed_logged()
+        with self._room:
+            self._queued_pages -= npages
+            self._wb_rounds += 1
+            self._room.notify_all()
+
+    def _write_pages(self, pages: list[_Pending]) -> None:
+        if len(pages) == 1 or not isinstance(self.slow, SupportsBatch):
+            for node in pages:
+                self._write_back_one(node)
+        elif pages:
+            self._write_back_many(pages)
+
+    def _write_back_run(self, run: _PendingRun) -> None:
+        """A chain run queued as one record, written back in batches of ``_WRITE_BACK_BATCH``
+        pages in order (parent before child).  Each page of a batch is taken out of the run as
+        a :class:`_Pending` with a fast-tier lease of its own (the hold moves from the run's
+        lease, ``PinnedProvider._split_lease``) and written back as a queued page is: per-page
+        records exist only while their batch is written, in this thread, not at the seal."""
+        idx = self._index
+        lo = 0
+        try:
+            while lo < run.n:
+                hi = min(lo + _WRITE_BACK_BATCH, run.n)
+                self._wb_since = run.created
+                nodes: list[_Pending] = []
+                try:
+                    with self._lock:
+                        sel = np.flatnonzero(run.waiting[lo:hi]) + lo
+                        if len(sel):
+                            leases = _split_lease(run, sel)
+                            run.waiting[sel] = False  # (now in _pend, or released just below)
+                            for p, lease in zip(sel.tolist(), leases, strict=True):
+                                row = int(run.rows[p])
+                                if idx.is_live(row, run.gen0 + p):
+                                    node = _Pending(idx, row, lease)
+                                    self._pend[node.gen] = node
+                                    nodes.append(node)
+                                else:
+                                    lease.release()
+                    self._write_pages(nodes)
+                except BaseException as exc:  # keep the writer alive; these pages are dropped
+                    for node in nodes:
+                        if node.gen in self._pend:
+                            self._writer_failed(node, exc)
+                    self._writer_error = exc
+                    _log.error("tiered write-back of a chain run failed: %r", exc)
+                    with self._lock:  # the run's pages not taken: their only copy is not kept
+                        for p in np.flatnonzero(run.waiting).tolist():
+                            if idx.is_live(int(run.rows[p]), run.gen0 + p):
+                                self._drop_from_tiers(idx.drop(int(run.rows[p])))
+                    hi = run.n
+                finally:
+                    self._batch_done(hi - lo)
+                lo = hi
+        finally:
+            with self._lock:
+                self._finish_run(run)
 
     def _write_back_one(self, node: _Pending) -> None:
         try:
@@ -317,7 +375,7 @@ class _WriteBack(_Figures):
         idx = self._index
         try:
             with self._lock:
-                if not idx.is_live(row, gen) or gen in self._pend:
+                if not idx.is_live(row, gen) or self._pending(gen):
                     return  # evicted (or its page's write-back failed and dropped it)
                 key = idx.key_of(row)
             self.slow.put_anchor(key, name, blob)

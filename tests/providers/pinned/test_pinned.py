@@ -567,6 +567,60 @@ def test_a_chain_lease_keeps_a_dropped_entry_in_limbo(closing: list[Provider]) -
     assert p.present(keys) == [True] * 11 + [False]
 
 
+def _sealed_held_run(p: PinnedProvider, name: str, n: int) -> tuple[list[bytes], Any]:
+    """A chain run of ``n`` pages reserved and sealed with ``seal_held`` (the tiered provider's
+    path): the keys and the run's lease."""
+    import ctypes
+
+    keys = chain(name, n)
+    rc = p.reserve_many(keys, [None, *keys[:-1]], PAGE)
+    assert rc.run is not None and rc.pages is not None
+    for k, addr in zip(keys, rc.pages.addresses.tolist(), strict=True):
+        ctypes.memmove(addr, page_bytes(k, PAGE), PAGE)
+    rc.mark_written()
+    return keys, rc.run.seal_held(None, None)  # type: ignore[attr-defined]
+
+
+def test_a_run_sealed_held_is_leased_and_let_go_page_by_page(closing: list[Provider]) -> None:
+    """``_PinnedRun.seal_held`` leases the run as it seals it; ``_release_part`` lets go of some
+    pages (evictable again, the rest still held) and ``_split_lease`` moves pages to leases of
+    their own, never unheld in between."""
+    p = _pinned(16, verify_reads=True)
+    closing.append(p)
+    keys, lease = _sealed_held_run(p, "held-run", 12)
+    assert p.present(keys) == [True] * 12 and all(p.read_bytes(k) == page_bytes(k, PAGE) for k in keys)
+    assert p.evict(keys[6:7]).entries == 0  # held: not evicted
+    p._release_part(lease, np.arange(8, 12))
+    p._release_part(lease, np.arange(8, 12))  # (each page once: a second call is a no-op)
+    assert p.evict(keys[8:9]).entries == 4  # pages 8..11 let go
+    own = p._split_lease(lease, np.array([2, 5]))
+    assert [x.keys for x in own] == [(keys[2],), (keys[5],)] and all(x.present == (True,) for x in own)
+    lease.release()
+    assert p.evict(keys[6:7]).entries == 2  # 6 and 7: the run's lease is gone
+    assert p.evict(keys[5:6]).entries == 0 and p.evict(keys[2:3]).entries == 0  # held by their own leases
+    for x in own:
+        x.release()
+    assert p.evict(keys[0:1]).entries == 6
+    assert p.stats().used_bytes == 0 and p._lease_tokens == {}
+
+
+def test_a_page_let_go_from_a_held_run_leaves_limbo(closing: list[Provider]) -> None:
+    """A page of a held run dropped (a memory fault, found by ``verify``) stays in limbo while
+    the run's lease holds it, and its blocks are freed when that page alone is let go."""
+    p = _pinned(16, verify_reads=True)
+    closing.append(p)
+    keys, lease = _sealed_held_run(p, "held-limbo", 10)
+    regions = p._entry_regions(keys[-1])
+    assert regions is not None
+    regions[0].view[0] ^= 1
+    assert p.verify(repair=True).dropped == 1
+    assert p.stats().extra["limbo_entries"] == 1
+    p._release_part(lease, np.array([9]))
+    assert p.stats().extra["limbo_entries"] == 0 and p.stats().used_bytes == 9 * PAGE
+    lease.release()
+    assert p.stats().extra["limbo_entries"] == 0 and p.present(keys) == [True] * 9 + [False]
+
+
 # ============================================================================================
 # Batches (put_many / read_many)
 # ============================================================================================

@@ -688,6 +688,51 @@ def test_a_sealed_run_evicted_before_its_write_back_is_in_neither_tier(tiered: T
     assert tiered.stats().used_bytes == 12 * PAGE
 
 
+def test_a_sealed_run_waits_for_its_write_back_as_one_record(tiered: TieredProvider) -> None:
+    """A chain run sealed at once is queued as one record with one fast-tier lease (no object
+    per page at the seal); the writer takes it a batch at a time.  Meanwhile its pages read from
+    the fast tier, count as pending, take anchors behind their write-back, and a subtree evicted
+    before the writer reaches it leaves the fast tier at once and is never written back."""
+    n = 600
+    keys = chain("run-record", n)
+    t = TieredProvider(_pinned(2 * n * PAGE), _pinned(2 * n * PAGE), budget_bytes=2 * n * PAGE)
+    entered, go = threading.Event(), threading.Event()
+    orig = t._write_back_many
+
+    def held(nodes: list[object]) -> None:
+        entered.set()
+        go.wait(30)
+        orig(nodes)  # type: ignore[arg-type]
+
+    t._write_back_many = held  # type: ignore[method-assign]
+    try:
+        rc = t.reserve_many(keys, [None, *keys[:-1]], PAGE)
+        assert rc.run is not None
+        _write_run(rc, keys)
+        rc.seal()
+        assert entered.wait(30)  # the writer holds its first batch
+        assert len(t._pend_runs) == 1 and len(t._pend) == tiered_wb._WRITE_BACK_BATCH
+        assert t.stats().extra["pending_write_back"] == n
+        assert t.read_bytes(keys[400]) == page_bytes(keys[400], PAGE)  # from the fast tier
+        t.put_anchor(keys[399], "a", b"anchor-blob")
+        t.evict(keys[500:501])  # pages 500.. : not taken by the writer yet
+        assert t.fast.present(keys[500:]) == [False] * 100  # let go at once
+        assert t.stats().extra["pending_write_back"] == 500
+    finally:
+        go.set()
+    try:
+        assert t.flush(60)
+        assert t.present(keys) == [True] * 500 + [False] * 100
+        assert t.slow.longest_prefix(keys) == 500 and t.slow.present(keys[500:]) == [False] * 100
+        assert t.slow.get_anchor(keys[399], "a") == b"anchor-blob"
+        assert all(t.slow.read_bytes(k) == page_bytes(k, PAGE) for k in keys[::37][:14])
+        assert t._pend == {} and t._pend_runs == {} and t._run_starts == []
+        assert t.stats().extra["pending_write_back"] == 0
+        assert t.fast._lease_tokens == {}  # type: ignore[attr-defined]  (every page let go)
+    finally:
+        t.close()
+
+
 def test_a_run_page_evicted_from_the_fast_tier_before_its_lease_fails_the_seal(tiered: TieredProvider) -> None:
     """A fast tier that leases a run's pages only after sealing them (one without ``seal_held``)
     may evict one in between (another save needing room): the run is not published with a page
