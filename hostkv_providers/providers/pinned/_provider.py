@@ -998,6 +998,32 @@ class PinnedProvider(Provider):
             gens[positions] = _NO_GEN
             return out
 
+    def _run_views(self, lease: Lease, positions: npt.NDArray[np.int64]) -> list[memoryview | None]:
+        """Read-only views of the pages at ``positions`` of a :meth:`_lease_run` lease (valid
+        while held); ``None`` for one let go or dropped (its bytes failed ``verify``): what the
+        tiered writer stores in the slow tier with one ``put_many``."""
+        with self._usable():
+            rows, gens = cast(tuple[npt.NDArray[np.int64], npt.NDArray[np.uint64]], lease.token)
+            r = rows[positions]
+            idx, arena = self._index, self._arena
+            live = r >= 0
+            if lease.released:
+                live[:] = False
+            live[live] = idx.alive[r[live]] & (idx.gen[r[live]] == gens[positions][live])
+            chunks, bpc, block, scatter = arena.chunks, arena.bpc, arena.block, idx.scatter
+            out: list[memoryview | None] = []
+            for ok, row, st, nb in zip(live.tolist(), r.tolist(), idx.run_start[r].tolist(),
+                                       idx.nbytes[r].tolist(), strict=True):
+                if not ok:
+                    out.append(None)
+                elif scatter and row in scatter:  # (a run's pages are one piece each; not so here)
+                    regions = arena.regions(idx.runs(row), nb, False, readonly=True)
+                    out.append(memoryview(b"".join(bytes(x.view) for x in regions)))
+                else:
+                    lo = (st % bpc) * block
+                    out.append(chunks[st // bpc].view[lo : lo + nb].toreadonly())
+            return out
+
     def _release_lease(self, lease: Lease) -> None:
         with self._lock:
             if self._closed:

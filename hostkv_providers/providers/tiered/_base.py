@@ -103,11 +103,13 @@ class _TieredBase(Provider):
                     pend.fast_lease = None
                 continue
             at = self._run_at(g)
-            if at is not None and at[0].waiting[at[1]]:
+            if at is None or not at[0].waiting[at[1]]:
+                slow_keys.append(k)
+            elif at[0].writing[at[1]]:
+                at[0].cancelled[at[1]] = True  # being stored: the writer undoes it afterwards
+            else:
                 at[0].waiting[at[1]] = False  # the writer skips it; its fast copy is let go below
                 let_go.setdefault(at[0].gen0, []).append(at[1])
-            else:
-                slow_keys.append(k)
         for gen0, positions in let_go.items():
             run = self._pend_runs[gen0]
             _release_part(run, np.array(positions, dtype=np.int64))
@@ -191,3 +193,10 @@ def _split_lease(run: _PendingRun, positions: Any) -> list[Lease]:
     run's lease with no moment unheld (``PinnedProvider._split_lease``)."""
     leases: list[Lease] = run.lease.provider._split_lease(run.lease, positions)  # type: ignore[attr-defined]
     return leases
+
+
+def _run_views(run: _PendingRun, positions: Any) -> list[memoryview | None]:
+    """Read-only views of the pages at ``positions`` of ``run`` in the fast tier, ``None`` for
+    one the fast tier dropped (``PinnedProvider._run_views``)."""
+    views: list[memoryview | None] = run.lease.provider._run_views(run.lease, positions)  # type: ignore[attr-defined]
+    return views

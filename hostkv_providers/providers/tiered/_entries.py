@@ -72,19 +72,22 @@ class _Pending(_Ent):
 class _PendingRun:
     """A chain run sealed at once whose write-back is queued (``_TieredRun.seal`` with a pinned
     fast tier): one record and one fast-tier lease for the whole run, no object per page.  The
-    writer takes it in batches and only then makes each page of a batch a :class:`_Pending`
-    (``_WriteBack._write_back_run``); ``waiting[i]`` is true until page ``i`` is taken or dropped.
+    writer stores it in batches (``_WriteBack._write_back_run``), its per-page state in arrays.
     Gens are consecutive (``TreeIndex.commit_run``): page ``i`` is gen ``gen0 + i``."""
 
-    __slots__ = ("created", "gen0", "lease", "n", "rows", "waiting")
+    __slots__ = ("cancelled", "created", "gen0", "lease", "n", "parent", "rows", "tag", "waiting", "writing")
 
     def __init__(self, idx: TreeIndex, rows: npt.NDArray[np.int64], lease: Lease) -> None:
         self.rows = rows
         self.n = len(rows)
         self.gen0 = int(idx.gen[rows[0]])
-        self.created = float(idx.created[rows[0]])
-        self.lease = lease  # the fast tier's lease over the run (pages let go one by one)
-        self.waiting = np.ones(self.n, dtype=bool)
+        self.created = float(idx.created[rows[0]])  # the seal's time.time(): the write-back lag gauge
+        self.parent = idx.parent_key(int(rows[0]))  # the first page's; page i's is keys[i - 1]
+        self.tag = idx.tag_of(int(rows[0]))
+        self.lease = lease  # the fast tier's lease over the run, keys in order (let go page by page)
+        self.waiting = np.ones(self.n, dtype=bool)  # queued or being stored: the only copy is fast
+        self.writing = np.zeros(self.n, dtype=bool)  # in the batch being stored right now
+        self.cancelled = np.zeros(self.n, dtype=bool)  # dropped while being stored
 
 
 class _TieredReservation(Reservation):

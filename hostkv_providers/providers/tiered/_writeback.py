@@ -24,7 +24,7 @@ from hostkv_providers._errors import (
 from hostkv_providers._keys import Key
 from hostkv_providers._reservation import Lease
 
-from ._base import _log, _split_lease
+from ._base import _log, _release_part, _run_views, _split_lease
 from ._counters import _PUBLISH_EVERY, _Figures
 from ._entries import _left_fast_tier, _Pending, _PendingRun, _TieredReservation
 
@@ -138,39 +138,23 @@ class _WriteBack(_Figures):
 
     def _write_back_run(self, run: _PendingRun) -> None:
         """A chain run queued as one record, written back in batches of ``_WRITE_BACK_BATCH``
-        pages in order (parent before child).  Each page of a batch is taken out of the run as
-        a :class:`_Pending` with a fast-tier lease of its own (the hold moves from the run's
-        lease, ``PinnedProvider._split_lease``) and written back as a queued page is: per-page
-        records exist only while their batch is written, in this thread, not at the seal."""
+        pages in order (parent before child), each with one ``put_many`` of the slow tier and
+        its bookkeeping in arrays (:meth:`_write_run_batch`): no per-page record, lease or lock
+        round.  A batch the fast tier cannot view as the run's pages goes page by page."""
         idx = self._index
         lo = 0
         try:
             while lo < run.n:
                 hi = min(lo + _WRITE_BACK_BATCH, run.n)
                 self._wb_since = run.created
-                nodes: list[_Pending] = []
                 try:
-                    with self._lock:
-                        sel = np.flatnonzero(run.waiting[lo:hi]) + lo
-                        if len(sel):
-                            leases = _split_lease(run, sel)
-                            run.waiting[sel] = False  # (now in _pend, or released just below)
-                            for p, lease in zip(sel.tolist(), leases, strict=True):
-                                row = int(run.rows[p])
-                                if idx.is_live(row, run.gen0 + p):
-                                    node = _Pending(idx, row, lease)
-                                    self._pend[node.gen] = node
-                                    nodes.append(node)
-                                else:
-                                    lease.release()
-                    self._write_pages(nodes)
-                except BaseException as exc:  # keep the writer alive; these pages are dropped
-                    for node in nodes:
-                        if node.gen in self._pend:
-                            self._writer_failed(node, exc)
+                    if not self._write_run_batch(run, lo, hi):
+                        self._write_pages(self._take_pages(run, lo, hi))
+                except BaseException as exc:  # keep the writer alive; the pages not written are dropped
                     self._writer_error = exc
                     _log.error("tiered write-back of a chain run failed: %r", exc)
-                    with self._lock:  # the run's pages not taken: their only copy is not kept
+                    with self._lock:  # (their only copy is not kept)
+                        run.writing[:] = False
                         for p in np.flatnonzero(run.waiting).tolist():
                             if idx.is_live(int(run.rows[p]), run.gen0 + p):
                                 self._drop_from_tiers(idx.drop(int(run.rows[p])))
@@ -181,6 +165,97 @@ class _WriteBack(_Figures):
         finally:
             with self._lock:
                 self._finish_run(run)
+
+    def _write_run_batch(self, run: _PendingRun, lo: int, hi: int) -> bool:
+        """Write back the waiting pages of ``run[lo:hi]`` with the per-page rules of
+        :meth:`_write_back_many`, in arrays: a page dropped before its turn was let go already
+        (``_drop_from_tiers``); one dropped while the batch is stored (``cancelled``) is evicted
+        from the fast tier afterwards and made doomed if it landed; a stale copy of an earlier,
+        evicted entry is replaced; a page that failed is dropped with its subtree.  ``False``
+        (nothing done) when the slow tier has no ``put_many``.  A page the fast tier dropped
+        meanwhile (its bytes failed ``verify``: the only copy is bad) fails with its subtree,
+        the rest of the run from there (a run is a chain)."""
+        idx, keys = self._index, run.lease.keys
+        if not isinstance(self.slow, SupportsBatch):
+            return False
+        with self._lock:
+            sel = np.flatnonzero(run.waiting[lo:hi]) + lo
+            if not len(sel):
+                return True
+            views = _run_views(run, sel)
+            if None in views:
+                bad = views.index(None)
+                row, gen = int(run.rows[sel[bad]]), run.gen0 + int(sel[bad])
+                _log.warning("tiered write-back of %s failed: it left the fast tier", keys[sel[bad]].hex()[:16])
+                self._counters["write_back_failures"] += 1
+                if idx.is_live(row, gen):
+                    self._drop_from_tiers(idx.drop(row))  # (lets go of the pages after it too)
+                sel, views = sel[:bad], views[:bad]
+                if not len(sel):
+                    return True
+            run.writing[sel] = True
+            ks = [keys[p] for p in sel.tolist()]
+            stale = [k for k in ks if k in self._doomed] if self._doomed else []
+            self._doomed.difference_update(stale)
+        parents = [keys[p - 1] if p else run.parent for p in sel.tolist()]
+        got: list[bool | HostKVError]
+        try:
+            if stale:
+                with contextlib.suppress(HostKVError):
+                    self.slow.evict(stale)
+            got = self.slow.put_many(list(zip(ks, parents, views, strict=True)), salt_tag=run.tag)
+        except BaseException as exc:  # the whole call failed: every page of it failed
+            _log.warning("tiered write-back of %d pages failed: %s", len(ks), exc)
+            got = [exc if isinstance(exc, HostKVError) else HostKVError(str(exc))] * len(ks)
+        del views
+        with self._lock:
+            cancelled = run.cancelled[sel]
+            run.writing[sel] = False
+            run.waiting[sel] = False
+            _release_part(run, sel)
+            ok = np.array([g is True or g is False for g in got], dtype=bool)  # False: already there
+            good = ok & ~cancelled
+            self._counters["write_backs"] += int(good.sum())
+            if cancelled.any():  # dropped while being stored: out of both tiers again
+                with contextlib.suppress(HostKVError):
+                    self.fast.evict([k for k, c in zip(ks, cancelled.tolist(), strict=True) if c])
+                self._doomed.update(k for k, c in zip(ks, (cancelled & ok).tolist(), strict=True) if c)
+            for i in np.flatnonzero(~ok & ~cancelled).tolist():
+                _log.warning("tiered write-back of %s failed: %s", ks[i].hex()[:16], got[i])
+                self._counters["write_back_failures"] += 1
+                row, gen = int(run.rows[sel[i]]), run.gen0 + int(sel[i])
+                if idx.is_live(row, gen):  # (an earlier failure of this batch may have dropped it)
+                    self._drop_from_tiers(idx.drop(row))
+            if self._slow_tree and good.any():
+                self._advance_tail("write", self.slow, ks[int(np.flatnonzero(good)[-1])])
+            # (as _write_back_many: copies left in the fast tier by a subtree dropped above)
+            contains, flights = idx.contains_fn, idx.flights
+            gone = [k for k in ks if not contains(k) and k not in flights]
+            if gone:
+                with contextlib.suppress(HostKVError):
+                    self.fast.evict(gone)
+        return True
+
+    def _take_pages(self, run: _PendingRun, lo: int, hi: int) -> list[_Pending]:
+        """The waiting pages of ``run[lo:hi]`` taken out of the run as queued pages, each with a
+        fast-tier lease of its own (the hold moves over, ``PinnedProvider._split_lease``)."""
+        idx = self._index
+        nodes: list[_Pending] = []
+        with self._lock:
+            sel = np.flatnonzero(run.waiting[lo:hi]) + lo
+            if not len(sel):
+                return nodes
+            leases = _split_lease(run, sel)
+            run.waiting[sel] = False  # (now in _pend, or released just below)
+            for p, lease in zip(sel.tolist(), leases, strict=True):
+                row = int(run.rows[p])
+                if idx.is_live(row, run.gen0 + p):
+                    node = _Pending(idx, row, lease)
+                    self._pend[node.gen] = node
+                    nodes.append(node)
+                else:
+                    lease.release()
+        return nodes
 
     def _write_back_one(self, node: _Pending) -> None:
         try:

@@ -9,6 +9,7 @@ import threading
 import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -663,14 +664,14 @@ def test_a_run_materialized_after_reserve_seals_page_by_page(tiered: TieredProvi
 def test_a_sealed_run_evicted_before_its_write_back_is_in_neither_tier(tiered: TieredProvider) -> None:
     keys = chain("run-evict", 30)
     entered, go = threading.Event(), threading.Event()
-    orig = tiered._write_back_many
+    orig = tiered.slow.put_many
 
-    def held(nodes: list[object]) -> None:
+    def held(items: list[object], **kw: object) -> object:
         entered.set()
         go.wait(30)
-        orig(nodes)  # type: ignore[arg-type]
+        return orig(items, **kw)  # type: ignore[arg-type]
 
-    tiered._write_back_many = held  # type: ignore[method-assign]
+    tiered.slow.put_many = held  # type: ignore[method-assign]
     try:
         rc = tiered.reserve_many(keys, [None, *keys[:-1]], PAGE)
         assert rc.run is not None
@@ -697,21 +698,23 @@ def test_a_sealed_run_waits_for_its_write_back_as_one_record(tiered: TieredProvi
     keys = chain("run-record", n)
     t = TieredProvider(_pinned(2 * n * PAGE), _pinned(2 * n * PAGE), budget_bytes=2 * n * PAGE)
     entered, go = threading.Event(), threading.Event()
-    orig = t._write_back_many
+    orig = t.slow.put_many
 
-    def held(nodes: list[object]) -> None:
+    def held(items: list[object], **kw: object) -> object:
         entered.set()
         go.wait(30)
-        orig(nodes)  # type: ignore[arg-type]
+        return orig(items, **kw)  # type: ignore[arg-type]
 
-    t._write_back_many = held  # type: ignore[method-assign]
+    t.slow.put_many = held  # type: ignore[method-assign]
     try:
         rc = t.reserve_many(keys, [None, *keys[:-1]], PAGE)
         assert rc.run is not None
         _write_run(rc, keys)
         rc.seal()
-        assert entered.wait(30)  # the writer holds its first batch
-        assert len(t._pend_runs) == 1 and len(t._pend) == tiered_wb._WRITE_BACK_BATCH
+        assert entered.wait(30)  # the writer is storing its first batch
+        assert len(t._pend_runs) == 1 and t._pend == {}  # (no per-page record)
+        (run,) = t._pend_runs.values()
+        assert int(run.writing.sum()) == tiered_wb._WRITE_BACK_BATCH
         assert t.stats().extra["pending_write_back"] == n
         assert t.read_bytes(keys[400]) == page_bytes(keys[400], PAGE)  # from the fast tier
         t.put_anchor(keys[399], "a", b"anchor-blob")
@@ -729,6 +732,100 @@ def test_a_sealed_run_waits_for_its_write_back_as_one_record(tiered: TieredProvi
         assert t._pend == {} and t._pend_runs == {} and t._run_starts == []
         assert t.stats().extra["pending_write_back"] == 0
         assert t.fast._lease_tokens == {}  # type: ignore[attr-defined]  (every page let go)
+    finally:
+        t.close()
+
+
+def _sealed_run(t: TieredProvider, name: str, n: int) -> list[Key]:
+    keys = chain(name, n)
+    rc = t.reserve_many(keys, [None, *keys[:-1]], PAGE)
+    assert rc.run is not None
+    _write_run(rc, keys)
+    rc.seal()
+    return keys
+
+
+def _settled(t: TieredProvider) -> None:
+    """Nothing of the write-back is left over: no record, no lease, nothing in limbo."""
+    assert t._pend == {} and t._pend_runs == {} and t._run_starts == []
+    assert t.stats().extra["pending_write_back"] == 0
+    assert t.fast._lease_tokens == {}  # type: ignore[attr-defined]
+    assert t.fast.stats().extra["limbo_entries"] == 0
+
+
+def test_a_run_page_whose_write_back_fails_is_dropped_with_the_rest_of_the_run(tmp_path: Path) -> None:
+    """The slow tier stores the first 100 pages of a run's batch and fails the rest (an I/O
+    error part way): those are dropped from both tiers (a run is a chain: the rest is their
+    subtree), the stored prefix stays readable and nothing stays leased."""
+    t = TieredProvider(_pinned(1024 * PAGE), _pinned(1024 * PAGE), budget_bytes=1024 * PAGE)
+    orig = t.slow.put_many
+
+    def part(items: list[Any], **kw: Any) -> list[object]:
+        failed = hk.errors.StorageIOError("injected: the disk is full")
+        return [*orig(items[:100], **kw), *[failed] * (len(items) - 100)]
+
+    t.slow.put_many = part  # type: ignore[method-assign]
+    try:
+        keys = _sealed_run(t, "run-wb-fails", 300)
+        assert t.flush(60)
+        assert t.present(keys) == [True] * 100 + [False] * 200
+        assert t.slow.present(keys) == [True] * 100 + [False] * 200
+        assert t.fast.present(keys[100:]) == [False] * 200
+        assert all(t.read_bytes(k) == page_bytes(k, PAGE) for k in keys[:100:9])
+        st = t.stats()
+        assert st.extra["write_back_failures"] == 156 and st.extra["write_backs"] == 100 and st.used_bytes == 100 * PAGE
+        _settled(t)
+    finally:
+        t.close()
+
+
+def test_a_run_page_the_fast_tier_drops_before_its_write_back_fails_from_there(tmp_path: Path) -> None:
+    """A page of a queued run whose bytes fail the fast tier's ``verify`` (its only copy is bad)
+    is not written back: it and the rest of the run are dropped, the pages before it are
+    written back, and the dropped page's blocks leave limbo when its hold is let go."""
+    t = TieredProvider(_pinned(1024 * PAGE), _pinned(1024 * PAGE), budget_bytes=1024 * PAGE)
+    entered, go = threading.Event(), threading.Event()
+    orig = t.slow.put_many
+
+    def held(items: list[Any], **kw: Any) -> object:
+        entered.set()
+        go.wait(30)
+        return orig(items, **kw)
+
+    t.slow.put_many = held  # type: ignore[method-assign]
+    try:
+        keys = _sealed_run(t, "run-fast-bad", 600)
+        assert entered.wait(30)  # the first batch (pages 0..255) is being stored
+        regions = t.fast._entry_regions(keys[400])  # type: ignore[attr-defined]
+        regions[0].view[7] ^= 1  # a memory fault in page 400's only copy
+        assert t.fast.verify(repair=True).dropped == 200  # (in the fast tier: page 400 and its subtree)
+        go.set()
+        assert t.flush(60)
+        assert t.present(keys) == [True] * 400 + [False] * 200
+        assert t.slow.longest_prefix(keys) == 400 and t.slow.present(keys[400:]) == [False] * 200
+        assert t.stats().extra["write_back_failures"] == 1
+        _settled(t)
+    finally:
+        go.set()
+        t.close()
+
+
+class _NoBatch(PinnedProvider):
+    """A pinned provider without the batch verbs (as a third-party tier may be)."""
+
+    put_many = None  # type: ignore[assignment]  (None: not SupportsBatch, for a runtime Protocol check)
+
+
+def test_a_run_over_a_slow_tier_without_put_many_is_written_back_page_by_page() -> None:
+    slow = _NoBatch(1024 * PAGE, block=PAGE, allocator=OrdinaryAllocator())
+    assert not isinstance(slow, hk.SupportsBatch)
+    t = TieredProvider(_pinned(1024 * PAGE), slow, budget_bytes=1024 * PAGE)
+    try:
+        keys = _sealed_run(t, "run-no-batch", 300)
+        assert t.flush(60)
+        assert t.slow.longest_prefix(keys) == 300
+        assert all(t.slow.read_bytes(k) == page_bytes(k, PAGE) for k in keys[::31])
+        _settled(t)
     finally:
         t.close()
 
