@@ -527,6 +527,12 @@ class PinnedProvider(Provider):
     def _seal_own(self, own: list[_PinnedReservation], checksums: Sequence[int] | None, algorithm: str | None,
                   held: list[Lease] | None = None) -> None:
         _check_checksums(checksums, algorithm, len(own))
+        self._check_usable()
+        with self._write_call():  # (a close waits for it: the hashing below reads the arena unlocked)
+            self._seal_counted(own, checksums, algorithm, held)
+
+    def _seal_counted(self, own: list[_PinnedReservation], checksums: Sequence[int] | None, algorithm: str | None,
+                      held: list[Lease] | None) -> None:
         try:
             for r in own:
                 r.check_complete()

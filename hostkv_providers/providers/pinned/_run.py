@@ -100,6 +100,12 @@ class _PinnedRun(TreeChainRun):
     def _seal(self, checksums: Sequence[int] | None, algorithm: str | None, hold: bool) -> Lease | None:
         prov = self._prov
         self._check_sealable()
+        prov._check_usable()
+        with prov._write_call():  # (a close waits for it: the hashing below reads the arena unlocked)
+            return self._commit(checksums, algorithm, hold)
+
+    def _commit(self, checksums: Sequence[int] | None, algorithm: str | None, hold: bool) -> Lease | None:
+        prov = self._prov
         if checksums is not None and algorithm == prov.checksum_algorithm:
             digests = np.asarray(checksums, dtype=np.uint64)
         else:

@@ -65,6 +65,7 @@ class _TieredBase(Provider):
     _slow_retain: bool
     _fast_views: bool
     _fast_batch_views: bool
+    _fast_page_views: bool
     _fast_batch: bool
     _counters: dict[str, int]
     _published: dict[str, int]

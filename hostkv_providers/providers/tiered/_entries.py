@@ -110,7 +110,8 @@ class _TieredReservation(Reservation):
 class _LeaseToken:
     __slots__ = ("fast", "gens", "keys", "rows")
 
-    def __init__(self, rows: list[int], gens: list[int], keys: frozenset[Key], fast: Lease | None) -> None:
+    def __init__(self, rows: npt.NDArray[np.int64], gens: npt.NDArray[np.uint64], keys: frozenset[Key],
+                 fast: Lease | None) -> None:
         self.rows = rows
         self.gens = gens
         self.fast = fast

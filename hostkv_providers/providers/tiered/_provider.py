@@ -30,12 +30,15 @@ e.g. ``tiered://?fast=pinned%3A%2F%2F%3Fbudget%3D64GiB&slow=lmdb%3A%2F%2F%2Fnvme
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import queue
 import threading
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
+
+import numpy as np
 
 from hostkv_providers._capabilities import (
     SupportsBatch,
@@ -60,7 +63,7 @@ from hostkv_providers._errors import (
 from hostkv_providers._keys import Key
 from hostkv_providers._options import Option, OptionSet
 from hostkv_providers._provider import Corrupt, Provider
-from hostkv_providers._region import HostRegion
+from hostkv_providers._region import HostPages, HostRegion
 from hostkv_providers._reports import EntryInfo, EvictReport
 from hostkv_providers._reservation import Lease, Reservation
 from hostkv_providers._span import ByteSpan
@@ -170,6 +173,7 @@ class TieredProvider(_Chains):
         self._slow_retain = isinstance(slow, SupportsRetain)
         self._fast_views = isinstance(fast, SupportsViews)  # a Protocol check is slow: once
         self._fast_batch_views = isinstance(fast, SupportsBatchViews)
+        self._fast_page_views = callable(getattr(fast, "view_pages", None))
         self._fast_batch = isinstance(fast, SupportsBatch)
         # the tiering's own counters (the contract's are the front's: _tally)
         self._counters = dict.fromkeys(_EXTRA_COUNTERS, 0)
@@ -451,6 +455,11 @@ class TieredProvider(_Chains):
         which = "fast_hits"
         try:
             got = self.fast.read(k, dst, span)
+            if not got and not in_slow:
+                # It waited for its write-back when looked up; the write-back may have landed
+                # since and its fast copy been evicted: then the slow tier has it (not corrupt).
+                with self._lock:
+                    in_slow = not self._pending(node.gen)
             if got:
                 which = "fast_hits"
             elif in_slow:
@@ -554,6 +563,12 @@ class TieredProvider(_Chains):
                              strict=True):
                 if ok:
                     got[i], which[i] = True, "fast_hits"
+            if any(not got[i] and not in_slow[i] for i in todo):
+                with self._lock:  # (as in _read: a write-back may have landed since the lookup)
+                    for i in todo:
+                        node = nodes[i]
+                        if not got[i] and not in_slow[i] and node is not None:
+                            in_slow[i] = not self._pending(node.gen)
             slow = [i for i in todo if not got[i] and in_slow[i]]
             if slow:
                 for i, ok in zip(slow, _read_batch(self.slow, [ks[i] for i in slow], [dsts[i] for i in slow]),
@@ -639,11 +654,7 @@ class TieredProvider(_Chains):
     def views(self, lease: Lease, keys: Sequence[bytes]) -> list[Sequence[HostRegion] | None]:
         """:meth:`view` of many keys; one call into the fast tier when it batches views too."""
         ks = self._keys(keys)
-        if (not isinstance(lease, Lease) or lease.released or lease.provider is not self
-                or not isinstance(lease.token, _LeaseToken)):
-            raise InvalidArgumentError("view() needs an unreleased lease of this provider")
-        self._check_usable()
-        token: _LeaseToken = lease.token
+        token = self._view_token(lease, "view")
         fast = token.fast
         if fast is None or not self._fast_views:
             return [None] * len(ks)
@@ -654,6 +665,24 @@ class TieredProvider(_Chains):
         else:
             got = iter([self._view_fast(fast, k) for k in mine])
         return [next(got) if k in held else None for k in ks]
+
+    def view_pages(self, lease: Lease, keys: Sequence[bytes]) -> HostPages | None:
+        """:meth:`views` as one :class:`HostPages` (an address per page, no object per page) from
+        the fast tier, or ``None`` unless the fast tier holds every key under this lease as it
+        gives them (``PinnedProvider.view_pages``: whole pages of one size, one piece each).  A
+        restore then copies page by page, or reads the slow tier's pages (after a restart)."""
+        token = self._view_token(lease, "view_pages")
+        if token.fast is None or not self._fast_page_views:
+            return None
+        pages: HostPages | None = self.fast.view_pages(token.fast, keys)  # type: ignore[attr-defined]
+        return pages
+
+    def _view_token(self, lease: Lease, what: str) -> _LeaseToken:
+        if (not isinstance(lease, Lease) or lease.released or lease.provider is not self
+                or not isinstance(lease.token, _LeaseToken)):
+            raise InvalidArgumentError(f"{what}() needs an unreleased lease of this provider")
+        self._check_usable()
+        return lease.token
 
     # -- eviction ----------------------------------------------------------------------
     def _evict(self, ks: list[Key] | None, nbytes: int) -> EvictReport:
@@ -742,15 +771,19 @@ class TieredProvider(_Chains):
             self._check_usable()
             idx = self._index
             rows = idx.rows_of(ks)
-            live = [r for r in rows if r >= 0]
-            idx.hold_rows(live)
-            held = frozenset(k for k, r in zip(ks, rows, strict=True) if r >= 0)
+            present = [r >= 0 for r in rows]
+            # (rows and gens as arrays: a restore's lease lives as long as the restore, and 6,400
+            # int objects each would outlive young collections and feed the full ones)
+            live = np.asarray(rows, dtype=np.int64)
+            live = live[live >= 0]
+            idx.hold_rows(cast(Sequence[int], live))
+            mine = ks if all(present) else list(itertools.compress(ks, present))
             try:
-                fast = self.fast.lease([k for k, r in zip(ks, rows, strict=True) if r >= 0])
+                fast = self.fast.lease(mine)
             except HostKVError:
                 fast = None
-            token = _LeaseToken(live, [int(g) for g in idx.gen[live].tolist()], held, fast)
-            return Lease(self, ks, [r >= 0 for r in rows], token=token)
+            token = _LeaseToken(live, idx.gen[live].copy(), frozenset(mine), fast)
+            return Lease(self, ks, present, token=token)
 
     def _release_lease(self, lease: Lease) -> None:
         token = lease.token
@@ -762,7 +795,7 @@ class TieredProvider(_Chains):
                     token.fast.release()
             if self._closed:
                 return
-            self._index.release_rows(token.rows, token.gens)
+            self._index.release_rows(cast(Sequence[int], token.rows), cast(Sequence[int], token.gens))
 
     # -- the rest ----------------------------------------------------------------------
     def describe(self) -> dict[str, Any]:

@@ -147,18 +147,26 @@ class _WriteBack(_Figures):
             while lo < run.n:
                 hi = min(lo + _WRITE_BACK_BATCH, run.n)
                 self._wb_since = run.created
+                nodes: list[_Pending] = []
                 try:
                     if not self._write_run_batch(run, lo, hi):
-                        self._write_pages(self._take_pages(run, lo, hi))
+                        nodes = self._take_pages(run, lo, hi)
+                        self._write_pages(nodes)
                 except BaseException as exc:  # keep the writer alive; the pages not written are dropped
+                    hi = run.n  # (counted as done below, whatever happens next)
+                    for node in nodes:
+                        if node.gen in self._pend:
+                            with contextlib.suppress(HostKVError):
+                                self._writer_failed(node, exc)
                     self._writer_error = exc
                     _log.error("tiered write-back of a chain run failed: %r", exc)
-                    with self._lock:  # (their only copy is not kept)
+                    with self._lock, contextlib.suppress(HostKVError):  # (their only copy is not kept)
+                        # (the batch's state is unknown and the rest of the run is its subtree:
+                        # dropping the first page still waiting drops the others with it)
                         run.writing[:] = False
                         for p in np.flatnonzero(run.waiting).tolist():
                             if idx.is_live(int(run.rows[p]), run.gen0 + p):
                                 self._drop_from_tiers(idx.drop(int(run.rows[p])))
-                    hi = run.n
                 finally:
                     self._batch_done(hi - lo)
                 lo = hi
@@ -246,7 +254,6 @@ class _WriteBack(_Figures):
             if not len(sel):
                 return nodes
             leases = _split_lease(run, sel)
-            run.waiting[sel] = False  # (now in _pend, or released just below)
             for p, lease in zip(sel.tolist(), leases, strict=True):
                 row = int(run.rows[p])
                 if idx.is_live(row, run.gen0 + p):
@@ -255,6 +262,7 @@ class _WriteBack(_Figures):
                     nodes.append(node)
                 else:
                     lease.release()
+                run.waiting[p] = False  # (now in _pend, or let go)
         return nodes
 
     def _write_back_one(self, node: _Pending) -> None:

@@ -306,6 +306,58 @@ def test_host_kv_cache_over_tiered(tiered: TieredProvider) -> None:
         engine.close()
 
 
+def test_view_pages_come_from_the_fast_tier(tiered: TieredProvider) -> None:
+    """``view_pages`` gives the fast tier's pages as one address array (a restore's chunk path:
+    no object per page), and ``None`` when a page of the request is only in the slow tier."""
+    import ctypes
+
+    keys = chain("tiered-view-pages", 20)
+    put_chain(tiered, keys, PAGE)
+    assert tiered.flush(60)
+    assert tiered.fast.evict(keys[15:16]).entries == 5  # pages 15.. now only in the slow tier
+    with tiered.lease(keys) as lease:
+        pages = tiered.view_pages(lease, keys[:15])
+        assert pages is not None and len(pages) == 15 and pages.readonly and pages.page_nbytes == PAGE
+        got = [ctypes.string_at(a, PAGE) for a in pages.addresses.tolist()]
+        assert got == [page_bytes(k, PAGE) for k in keys[:15]]
+        assert tiered.view_pages(lease, keys) is None  # (5 pages only in the slow tier)
+        assert tiered.view_pages(lease, keys[3:9]) is not None
+    with pytest.raises(InvalidArgumentError):
+        tiered.view_pages(lease, keys[:15])  # a released lease
+    with tiered.fast.lease(keys[:15]) as other, pytest.raises(InvalidArgumentError):
+        tiered.view_pages(other, keys[:15])  # another provider's lease
+
+
+def test_a_restore_from_tiered_views_the_fast_tier_and_reads_the_rest(tiered: TieredProvider) -> None:
+    """Through the cache: the pages the fast tier holds are copied from its views (the chunk
+    path), those only in the slow tier are read (and promoted); the bytes are the saved ones."""
+    layout = hk.KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, page_tokens=4, dtype="float32")
+    salt = hk.Salt("tiered/views", layout)
+    rng = np.random.default_rng(1)
+    shape = (48, 4, 2, 32)
+    src = [rng.standard_normal(shape, dtype=np.float32) for _ in layout.planes]
+    engine = CpuCopyEngine()
+    try:
+        with HostKVCache(tiered, salt, engine, chunk_pages=8, staging_allocator=OrdinaryAllocator()) as cache:
+            ks = cache.keys(rng.integers(0, 1000, 4 * 24))
+            assert cache.save(ks, src, list(range(24))).wait(30).stored == 24
+            for evict_from in (24, 12):  # all in the fast tier; then pages 12.. only in the slow tier
+                assert tiered.flush(60)
+                if evict_from < 24:
+                    with cache.lookup(ks) as hit:
+                        page_keys = list(hit.keys)
+                    # (the fast tier keeps each saved chunk as a tree of its own: evict each page)
+                    assert tiered.fast.evict(page_keys[evict_from:]).entries == 24 - evict_from
+                dst = [np.zeros(shape, np.float32) for _ in layout.planes]
+                res = cache.restore(cache.lookup(ks), dst, list(range(24, 48))).wait(30)
+                # (chunk by chunk: a chunk of 8 partly in the fast tier is read whole)
+                assert res.pages == 24 and res.viewed == evict_from // 8 * 8 and res.staged == 24 - res.viewed
+                for p_src, p_dst in zip(src, dst, strict=True):
+                    assert np.array_equal(p_src[:24], p_dst[24:48])
+    finally:
+        engine.close()
+
+
 # ------------------------------------------------------------------------------------------
 # eviction racing a write-back: an evicted entry must never come back after a reopen
 # ------------------------------------------------------------------------------------------
@@ -827,6 +879,105 @@ def test_a_run_over_a_slow_tier_without_put_many_is_written_back_page_by_page() 
         assert all(t.slow.read_bytes(k) == page_bytes(k, PAGE) for k in keys[::31])
         _settled(t)
     finally:
+        t.close()
+
+
+def test_a_failing_run_write_back_drops_the_run_and_the_writer_lives_on() -> None:
+    """An unexpected error in a run's write-back (here from the fast tier's views): the run's
+    pages not written are dropped from both tiers (their state is unknown), the queue's count
+    comes back to zero, nothing stays leased, and the writer stores the next save."""
+    t = TieredProvider(_pinned(1024 * PAGE), _pinned(1024 * PAGE), budget_bytes=1024 * PAGE)
+    orig = t.fast._run_views  # type: ignore[attr-defined]
+    calls = [0]
+
+    def failing(lease: object, positions: Any) -> object:
+        calls[0] += 1
+        if calls[0] == 2:
+            raise RuntimeError("injected: a defect in the second batch")
+        return orig(lease, positions)
+
+    t.fast._run_views = failing  # type: ignore[attr-defined]
+    try:
+        keys = _sealed_run(t, "run-wb-defect", 600)
+        assert t.flush(60)
+        assert t.present(keys) == [True] * 256 + [False] * 344
+        assert t.slow.longest_prefix(keys) == 256 and t.slow.present(keys[256:]) == [False] * 344
+        assert isinstance(t._writer_error, RuntimeError) and t._queued_pages == 0
+        _settled(t)
+        more = _sealed_run(t, "run-wb-after", 300)
+        assert t.flush(60) and t.slow.longest_prefix(more) == 300
+    finally:
+        t.close()
+
+
+def test_close_waits_for_a_fast_tier_seal_under_way() -> None:
+    """A seal hashing the fast tier's arena (outside its lock) keeps the fast tier open: a
+    close of the tiered store waits for it instead of freeing the arena under it."""
+    t = TieredProvider(_pinned(64 * PAGE), _pinned(64 * PAGE), budget_bytes=64 * PAGE)
+    fast = t.fast
+    hashing, go = threading.Event(), threading.Event()
+    orig_sum = fast._sum  # type: ignore[attr-defined]
+
+    def slow_sum(parts: Any) -> int:
+        hashing.set()
+        go.wait(10)
+        return orig_sum(parts)  # type: ignore[no-any-return]
+
+    fast._sum = slow_sum  # type: ignore[attr-defined]
+    k = key_of("close-vs-seal")
+    res = t.reserve(k, None, PAGE)
+    assert res is not None
+    res.write(0, page_bytes(k, PAGE))
+    sealer = threading.Thread(target=res.seal, daemon=True)
+    sealer.start()
+    assert hashing.wait(10)
+    closer = threading.Thread(target=t.close, daemon=True)
+    closer.start()
+    closer.join(1.0)
+    closed_mid_seal = fast._closed  # type: ignore[attr-defined]
+    go.set()
+    sealer.join(10)
+    closer.join(70)
+    assert not closer.is_alive()
+    assert not closed_mid_seal, "the fast tier closed (its arena freed) while a seal was hashing it"
+
+
+@pytest.mark.parametrize("batch", [False, True])
+def test_a_read_racing_the_write_back_does_not_drop_a_healthy_page(batch: bool) -> None:
+    """A page waiting for its write-back when a read looks it up, whose write-back lands and
+    whose fast copy is evicted before the read gets there: the read finds it in the slow tier
+    (before, the fast miss counted as a bad only copy and the page was dropped)."""
+    t = TieredProvider(_pinned(64 * PAGE), _pinned(64 * PAGE), budget_bytes=64 * PAGE)
+    go = threading.Event()
+    orig_wb = t._write_back
+
+    def held(node: Any) -> None:
+        go.wait(10)
+        orig_wb(node)
+
+    t._write_back = held  # type: ignore[method-assign]
+    k = key_of(f"read-race-{batch}")
+    t.put(k, None, page_bytes(k, PAGE))
+    name = "read_many" if batch else "read"
+    orig_read = getattr(t.fast, name)
+
+    def racing_read(*a: Any, **kw: Any) -> Any:
+        go.set()
+        assert t.flush(10)  # the write-back lands; the fast copy is no longer pinned
+        t.fast.evict([k])  # evicted for another save's room
+        return orig_read(*a, **kw)
+
+    setattr(t.fast, name, racing_read)
+    try:
+        if batch:
+            out = bytearray(PAGE)
+            assert t.read_many([k], [out]) == [True] and bytes(out) == page_bytes(k, PAGE)
+        else:
+            assert t.read_bytes(k) == page_bytes(k, PAGE)
+        setattr(t.fast, name, orig_read)
+        assert t.present([k]) == [True] and t.stats().checksum_failures == 0
+    finally:
+        go.set()
         t.close()
 
 
