@@ -1,0 +1,122 @@
+"""The tiered provider's per-page cost on the host, beside ``pinned://``: saves and restores
+through ``HostKVCache`` (CPU copy engine, no GPU) and the provider's own chain-run seal and
+write-back, with the garbage-collector passes each one set off in the process.
+
+    python3 benchmarks/bench_tiered_pages.py [--pages 6400] [--reps 5] [--dir /tmp]
+
+Pages are 4 KiB (a 2-layer toy layout), so the bytes are small and what is measured is the
+Python per page: the objects, lock rounds and queue traffic a save or restore makes for each
+page (each surviving object feeds the collector's full passes in an engine's process).  The
+fast tier is ``pinned://`` (ordinary memory, ``pin=no``) over ``mmap://`` in ``--dir``; the
+``pinned://`` rows use the same fast tier alone.  Sides run in turn, ``--reps`` each; medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import shutil
+import statistics
+import tempfile
+import time
+import urllib.parse
+from typing import Any
+
+import numpy as np
+
+import hostkv_providers as hk
+from hostkv_providers.cache import HostKVCache
+from hostkv_providers.device import CpuCopyEngine
+from hostkv_providers.testing import chain
+
+_passes = [0]
+
+
+def _count(phase: str, info: dict[str, Any]) -> None:
+    if phase == "start":
+        _passes[0] += 1
+
+
+def _open(kind: str, root: str, n: int, page: int) -> hk.Provider:
+    fast = f"pinned://?budget={4 * n * page}&block={page}&background=false&pin=no"
+    if kind == "pinned":
+        return hk.open(fast)
+    shutil.rmtree(root, ignore_errors=True)
+    os.makedirs(root)
+    slow = f"mmap://{root}/slow?budget={4 * n * page}&slot={page}&durability=none"
+    q = urllib.parse.quote
+    return hk.open(f"tiered://?fast={q(fast, safe='')}&slow={q(slow, safe='')}&queue={n + 64}")
+
+
+def _timed(fn: Any) -> tuple[float, int]:
+    _passes[0] = 0
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t, _passes[0]
+
+
+def _one(kind: str, rep: int, root: str, n: int, layout: hk.KVLayout, engine: CpuCopyEngine,
+         src: list[Any], dst: list[Any]) -> dict[str, tuple[float, int]]:
+    """One round of one side: a save and a restore through the cache, then one chain run
+    through the provider alone."""
+    page = layout.page_nbytes
+    prov = _open(kind, root, n, page)
+    tiered = kind == "tiered"
+    out: dict[str, tuple[float, int]] = {}
+    try:
+        cache = HostKVCache(prov, hk.Salt("bench-tiered-pages", layout), engine)
+        keys = cache.keys(np.arange(n * 4) % 50_000 + 100_000 * rep)
+        out["save (cache)"] = _timed(lambda: cache.save(keys, src, list(range(n))).wait())
+        if tiered:
+            out["write-back after the save"] = _timed(lambda: prov.flush(300))
+        for x in dst:
+            x[:] = 0
+        hit = cache.lookup(keys)
+        out["restore (cache)"] = _timed(lambda: cache.restore(hit, dst, list(range(n))).wait())
+        assert all(np.array_equal(x, y) for x, y in zip(src, dst, strict=True)), "restored bytes differ"
+        cache.close()
+        pkeys = chain(f"bench-tiered-pages-{kind}-{rep}", n)
+        rc = prov.reserve_many(pkeys, [None, *pkeys[:-1]], page)
+        rc.mark_written()
+        out["run seal (provider)"] = _timed(rc.seal)
+        if tiered:
+            out["run write-back (provider)"] = _timed(lambda: prov.flush(300))
+    finally:
+        prov.close()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pages", type=int, default=6400)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--dir", default=tempfile.gettempdir())
+    a = ap.parse_args()
+    n = a.pages
+    layout = hk.KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, page_tokens=4, dtype="float32")
+    rng = np.random.default_rng(0)
+    src = [rng.standard_normal((n, 4, 2, 32), dtype=np.float32) for _ in layout.planes]
+    dst = [np.zeros_like(x) for x in src]
+    engine = CpuCopyEngine()
+    gc.callbacks.append(_count)
+    rows: dict[str, list[tuple[float, int]]] = {}
+    root = os.path.join(a.dir, f"bench-tiered-pages-{os.getpid()}")
+    try:
+        for rep in range(a.reps):
+            for kind in ("pinned", "tiered"):
+                for name, got in _one(kind, rep, root, n, layout, engine, src, dst).items():
+                    rows.setdefault(f"{kind} {name}", []).append(got)
+    finally:
+        gc.callbacks.remove(_count)
+        engine.close()
+        shutil.rmtree(root, ignore_errors=True)
+    print(f"{n} pages of {layout.page_nbytes} B, {a.reps} of each, in turn; medians (GC passes: each run's)\n")
+    print("| row | ms | GC passes |\n| --- | --- | --- |")
+    for name, got in sorted(rows.items(), key=lambda kv: (kv[0].split(" ", 1)[1], kv[0])):
+        ms = statistics.median(t for t, _ in got) * 1e3
+        print(f"| {name} | {ms:.1f} | {', '.join(str(g) for _, g in got)} |")
+
+
+if __name__ == "__main__":
+    main()
