@@ -243,12 +243,13 @@ class MappedPinnedProvider(PinnedProvider):
         ks = self._keys(keys)
         self._check_lease(lease)
         out = np.full(len(ks), -1, np.int32)
-        leased = frozenset(lease.keys)
+        held = self._held(lease)
         with self._usable():
             idx = self._index
-            for i, (k, row) in enumerate(zip(ks, idx.rows_of(ks), strict=True)):
+            gen = idx.m_gen
+            for i, row in enumerate(idx.rows_of(ks)):
                 # only an entry in one contiguous run has one address (always, when it fits a block)
-                if row >= 0 and k in leased and row not in idx.scatter:
+                if row >= 0 and held.get(row, -1) == gen[row] and row not in idx.scatter:
                     out[i] = idx.run_start[row]
         return out
 

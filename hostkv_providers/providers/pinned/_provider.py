@@ -737,17 +737,27 @@ class PinnedProvider(Provider):
         ks = self._keys(keys)
         if not isinstance(lease, Lease) or lease.released or lease.token is None or lease._provider is not self:
             raise InvalidArgumentError("view() needs an unreleased lease of this provider")
-        leased = lease.keys if len(ks) == 1 else frozenset(lease.keys)
+        held = self._held(lease)
         out: list[Sequence[HostRegion] | None] = []
         pinned = self._allocator.pinned
         with self._usable():
             idx, regions = self._index, self._arena.regions
-            for k, row in zip(ks, idx.rows_of(ks), strict=True):
-                if row < 0 or k not in leased:
+            gen = idx.m_gen
+            for row in idx.rows_of(ks):
+                if row < 0 or held.get(row, -1) != gen[row]:
                     out.append(None)
                 else:
                     out.append(regions(idx.runs(row), int(idx.nbytes[row]), pinned, readonly=True))
         return out
+
+    @staticmethod
+    def _held(lease: Lease) -> dict[int, int]:
+        """The rows ``lease`` holds, with their gens.  What a lease holds is its token's (row,
+        gen) pairs, not its keys: an entry dropped and saved again under the same key, or a page
+        let go early (``_release_part``), is not held by it any more."""
+        t_rows, t_gens = cast(_Token, lease.token)
+        return dict(zip(t_rows.tolist() if isinstance(t_rows, np.ndarray) else t_rows,
+                        t_gens.tolist() if isinstance(t_gens, np.ndarray) else t_gens, strict=True))
 
     def view_pages(self, lease: Lease, keys: Sequence[bytes]) -> HostPages | None:
         """:meth:`views` as one :class:`HostPages` (an address per page, no per-page objects), or

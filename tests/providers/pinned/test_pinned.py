@@ -604,6 +604,29 @@ def test_a_run_sealed_held_is_leased_and_let_go_page_by_page(closing: list[Provi
     assert p.stats().used_bytes == 0 and p._lease_tokens == {}
 
 
+def test_a_lease_views_only_the_entries_it_holds(closing: list[Provider]) -> None:
+    """``view``/``views`` go by what a lease holds (its rows and gens), not by its keys: an
+    entry dropped and saved again under the same key while the lease is held, or a page let go
+    early from a run's lease, is not viewed through it (its blocks are not held by it)."""
+    p = _pinned(24, verify_reads=True)
+    closing.append(p)
+    keys = chain("views-held", 4)
+    put_chain(p, keys, PAGE)
+    lease = p.lease(keys)
+    regions = p._entry_regions(keys[3])
+    assert regions is not None
+    regions[0].view[0] ^= 1
+    assert p.verify(repair=True).dropped == 1  # (in limbo: the lease holds the old blocks)
+    assert put_page(p, keys[3], keys[2], PAGE)  # the same key saved again: a new entry
+    assert p.view(lease, keys[3]) is None and p.views(lease, keys)[3] is None
+    assert p.view(lease, keys[2]) is not None
+    lease.release()
+    run_keys, run_lease = _sealed_held_run(p, "views-held-run", 12)
+    p._release_part(run_lease, np.array([11]))
+    assert p.view(run_lease, run_keys[11]) is None and p.view(run_lease, run_keys[10]) is not None
+    run_lease.release()
+
+
 def test_a_page_let_go_from_a_held_run_leaves_limbo(closing: list[Provider]) -> None:
     """A page of a held run dropped (a memory fault, found by ``verify``) stays in limbo while
     the run's lease holds it, and its blocks are freed when that page alone is let go."""
