@@ -713,26 +713,30 @@ def test_a_run_materialized_after_reserve_seals_page_by_page(tiered: TieredProvi
     assert tiered.stats().used_bytes == 3 * PAGE
 
 
-def test_a_sealed_run_evicted_before_its_write_back_is_in_neither_tier(tiered: TieredProvider) -> None:
-    keys = chain("run-evict", 30)
+@contextlib.contextmanager
+def _slow_put_many_held(t: TieredProvider) -> Iterator[tuple[threading.Event, threading.Event]]:
+    """The slow tier's ``put_many`` waits (``entered`` set) until ``go`` is set: the writer held
+    in the middle of storing a batch.  ``go`` is set on the way out."""
     entered, go = threading.Event(), threading.Event()
-    orig = tiered.slow.put_many
+    orig = t.slow.put_many  # type: ignore[attr-defined]
 
     def held(items: list[object], **kw: object) -> object:
         entered.set()
         go.wait(30)
-        return orig(items, **kw)  # type: ignore[arg-type]
+        return orig(items, **kw)
 
-    tiered.slow.put_many = held  # type: ignore[method-assign]
+    t.slow.put_many = held  # type: ignore[attr-defined]
     try:
-        rc = tiered.reserve_many(keys, [None, *keys[:-1]], PAGE)
-        assert rc.run is not None
-        _write_run(rc, keys)
-        rc.seal()
-        assert entered.wait(30)  # the writer took the first batch off the queue and waits
-        tiered.evict(keys[12:13])  # the subtree from page 12 on
+        yield entered, go
     finally:
         go.set()
+
+
+def test_a_sealed_run_evicted_before_its_write_back_is_in_neither_tier(tiered: TieredProvider) -> None:
+    with _slow_put_many_held(tiered) as (entered, _go):
+        keys = _sealed_run(tiered, "run-evict", 30)
+        assert entered.wait(30)  # the writer took the first batch off the queue and waits
+        tiered.evict(keys[12:13])  # the subtree from page 12 on
     assert tiered.flush(60)
     assert tiered.present(keys) == [True] * 12 + [False] * 18
     assert tiered.slow.present(keys) == [True] * 12 + [False] * 18
@@ -747,35 +751,20 @@ def test_a_sealed_run_waits_for_its_write_back_as_one_record(tiered: TieredProvi
     the fast tier, count as pending, take anchors behind their write-back, and a subtree evicted
     before the writer reaches it leaves the fast tier at once and is never written back."""
     n = 600
-    keys = chain("run-record", n)
     t = TieredProvider(_pinned(2 * n * PAGE), _pinned(2 * n * PAGE), budget_bytes=2 * n * PAGE)
-    entered, go = threading.Event(), threading.Event()
-    orig = t.slow.put_many
-
-    def held(items: list[object], **kw: object) -> object:
-        entered.set()
-        go.wait(30)
-        return orig(items, **kw)  # type: ignore[arg-type]
-
-    t.slow.put_many = held  # type: ignore[method-assign]
     try:
-        rc = t.reserve_many(keys, [None, *keys[:-1]], PAGE)
-        assert rc.run is not None
-        _write_run(rc, keys)
-        rc.seal()
-        assert entered.wait(30)  # the writer is storing its first batch
-        assert len(t._pend_runs) == 1 and t._pend == {}  # (no per-page record)
-        (run,) = t._pend_runs.values()
-        assert int(run.writing.sum()) == tiered_wb._WRITE_BACK_BATCH
-        assert t.stats().extra["pending_write_back"] == n
-        assert t.read_bytes(keys[400]) == page_bytes(keys[400], PAGE)  # from the fast tier
-        t.put_anchor(keys[399], "a", b"anchor-blob")
-        t.evict(keys[500:501])  # pages 500.. : not taken by the writer yet
-        assert t.fast.present(keys[500:]) == [False] * 100  # let go at once
-        assert t.stats().extra["pending_write_back"] == 500
-    finally:
-        go.set()
-    try:
+        with _slow_put_many_held(t) as (entered, _go):
+            keys = _sealed_run(t, "run-record", n)
+            assert entered.wait(30)  # the writer is storing its first batch
+            assert len(t._pend_runs) == 1 and t._pend == {}  # (no per-page record)
+            (run,) = t._pend_runs.values()
+            assert int(run.writing.sum()) == tiered_wb._WRITE_BACK_BATCH
+            assert t.stats().extra["pending_write_back"] == n
+            assert t.read_bytes(keys[400]) == page_bytes(keys[400], PAGE)  # from the fast tier
+            t.put_anchor(keys[399], "a", b"anchor-blob")
+            t.evict(keys[500:501])  # pages 500.. : not taken by the writer yet
+            assert t.fast.present(keys[500:]) == [False] * 100  # let go at once
+            assert t.stats().extra["pending_write_back"] == 500
         assert t.flush(60)
         assert t.present(keys) == [True] * 500 + [False] * 100
         assert t.slow.longest_prefix(keys) == 500 and t.slow.present(keys[500:]) == [False] * 100
@@ -836,29 +825,19 @@ def test_a_run_page_the_fast_tier_drops_before_its_write_back_fails_from_there(t
     is not written back: it and the rest of the run are dropped, the pages before it are
     written back, and the dropped page's blocks leave limbo when its hold is let go."""
     t = TieredProvider(_pinned(1024 * PAGE), _pinned(1024 * PAGE), budget_bytes=1024 * PAGE)
-    entered, go = threading.Event(), threading.Event()
-    orig = t.slow.put_many
-
-    def held(items: list[Any], **kw: Any) -> object:
-        entered.set()
-        go.wait(30)
-        return orig(items, **kw)
-
-    t.slow.put_many = held  # type: ignore[method-assign]
     try:
-        keys = _sealed_run(t, "run-fast-bad", 600)
-        assert entered.wait(30)  # the first batch (pages 0..255) is being stored
-        regions = t.fast._entry_regions(keys[400])  # type: ignore[attr-defined]
-        regions[0].view[7] ^= 1  # a memory fault in page 400's only copy
-        assert t.fast.verify(repair=True).dropped == 200  # (in the fast tier: page 400 and its subtree)
-        go.set()
+        with _slow_put_many_held(t) as (entered, _go):
+            keys = _sealed_run(t, "run-fast-bad", 600)
+            assert entered.wait(30)  # the first batch (pages 0..255) is being stored
+            regions = t.fast._entry_regions(keys[400])  # type: ignore[attr-defined]
+            regions[0].view[7] ^= 1  # a memory fault in page 400's only copy
+            assert t.fast.verify(repair=True).dropped == 200  # (in the fast tier: page 400 and its subtree)
         assert t.flush(60)
         assert t.present(keys) == [True] * 400 + [False] * 200
         assert t.slow.longest_prefix(keys) == 400 and t.slow.present(keys[400:]) == [False] * 200
         assert t.stats().extra["write_back_failures"] == 1
         _settled(t)
     finally:
-        go.set()
         t.close()
 
 
