@@ -615,13 +615,17 @@ class Provider(abc.ABC, metaclass=_ProviderMeta):
         self._tally("misses")
         return False
 
-    def _tally_hit(self, nbytes: int) -> None:
+    def _tally_hit(self, nbytes: int, hits: int = 1) -> None:
+        """``hits`` read hits of ``nbytes`` bytes in all (a batch counts once, not per page)."""
         with self._stat_lock:
             c = self._stat_counts
-            c["hits"] = c.get("hits", 0) + 1
+            c["hits"] = c.get("hits", 0) + hits
             c["bytes_read"] = c.get("bytes_read", 0) + nbytes
             if self._store_sink is not None:
-                self._store_sink.add_hit(nbytes)
+                if hits == 1:
+                    self._store_sink.add_hit(nbytes)
+                elif hits:
+                    self._store_sink.add_many({"hits": hits, "bytes_read": nbytes})
 
     def read_bytes(self, key: bytes, span: ByteSpan | None = None) -> bytes | None:
         """Convenience: the entry's bytes (or ``span`` of them), or ``None`` on a miss."""

@@ -51,6 +51,7 @@ from hostkv_providers.device._hostmem import (
     HostAllocator,
     OrdinaryAllocator,
     _madvise_fn,
+    copy_bytes,
 )
 from hostkv_providers.providers._budget import physical_memory
 from hostkv_providers.providers._counters import STORE_COUNTED
@@ -575,6 +576,9 @@ class PinnedProvider(Provider):
         """
         checked = self._put_many_args(items, salt_tag)
         self._check_usable()
+        stored = self._put_run(checked, salt_tag)
+        if stored is not None:
+            return stored
         out: list[bool | HostKVError] = []
         failed: set[Key] = set()
         held: _Token = ([], [])
@@ -615,6 +619,47 @@ class PinnedProvider(Provider):
                 with self._lock:
                     self._index.release_rows(*held)
         return out
+
+    def _put_run(self, checked: list[tuple[Key, Key | None, memoryview]],
+                 salt_tag: str) -> list[bool | HostKVError] | None:
+        """``put_many`` of a chain run of new pages of one size under a sealed parent (or none)
+        as one run (``_reserve_run``): one lock round to reserve, the copies, the checksums on a
+        few threads and one commit — not two lock rounds and a hash call per page (a tiered
+        store promoting a restart's restore into its fast tier spent 80% of the restore here at
+        4 KiB pages).  ``None``, with nothing stored, when it is not that case or the run cannot
+        be had as one: the caller then stores page by page, which gives each item its exact
+        outcome (dedup, ``InFlightError``, a prefix on ``CapacityError``)."""
+        n = len(checked)
+        if n < 2:
+            return None
+        ks = [c[0] for c in checked]
+        parent, nbytes = checked[0][1], checked[0][2].nbytes
+        if (ks[:-1] != [c[1] for c in checked[1:]] or any(c[2].nbytes != nbytes for c in checked)
+                or not nbytes):
+            return None
+        with self._usable():
+            if parent is not None and self._index.row_of(parent) < 0:
+                return None  # (not sealed: put_many stores under sealed parents only)
+        rc = self._reserve_run(ks, parent, nbytes, salt_tag)
+        if rc is None:
+            return None
+        run = rc.run
+        assert isinstance(run, _PinnedRun)
+        try:
+            chunks, bpc, block = self._arena.chunks, self._arena.bpc, self._arena.block
+            for (_k, _p, view), st in zip(checked, run.starts.tolist(), strict=True):
+                lo = (st % bpc) * block
+                copy_bytes(chunks[st // bpc].view[lo : lo + nbytes], view)
+            run.written = True
+            run.seal(None, None)
+        except UnknownKeyError:
+            return None  # the parent dropped meanwhile (the run cancelled itself): page by page
+        except BaseException:
+            with contextlib.suppress(HostKVError):
+                run.abort()
+            raise
+        self._tally("bytes_written", n * nbytes)
+        return [True] * n
 
     def read_many(self, keys: Sequence[bytes], outs: Sequence[object]) -> list[bool]:
         """Whole entries into ``outs[i]`` (:class:`~hostkv_providers.SupportsBatch`): one lock

@@ -584,16 +584,19 @@ class TieredProvider(_Chains):
         finally:
             with self._lock:
                 idx.release_rows([n.row for n in held], [n.gen for n in held])
+                hits = hit_bytes = 0
                 for i in todo:
                     node = nodes[i]
                     assert node is not None
                     if got[i]:
-                        self._tally_hit(node.nbytes)
+                        hits += 1
+                        hit_bytes += node.nbytes
                         self._counters[which[i]] += 1
                     elif idx.is_live(node.row, node.gen):
                         # the only copies failed their checksums (or vanished): a miss, never wrong bytes
                         self._tally("checksum_failures")
                         self._drop_from_tiers(idx.drop(node.row))
+                self._tally_hit(hit_bytes, hits)
                 self._tally("misses", sum(1 for g in got if not g))
         if short is not None:
             raise short

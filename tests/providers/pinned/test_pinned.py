@@ -647,6 +647,60 @@ def test_a_page_let_go_from_a_held_run_leaves_limbo(closing: list[Provider]) -> 
 # ============================================================================================
 # Batches (put_many / read_many)
 # ============================================================================================
+def test_put_many_stores_a_chain_run_as_one_run(closing: list[Provider]) -> None:
+    """A chain run of new pages of one size goes in as one run (no reservation per page), with
+    the same outcome as page by page: every page stored and readable, counted once each."""
+    p = _pinned(64, verify_reads=True)
+    closing.append(p)
+    root = chain("put-run-root", 1)
+    put_chain(p, root, PAGE)
+    keys = chain("put-run", 40)
+    per_page = [0]
+    orig = p._reserve_locked
+
+    def counting(*a: Any, **kw: Any) -> Any:
+        per_page[0] += 1
+        return orig(*a, **kw)
+
+    p._reserve_locked = counting  # type: ignore[method-assign]
+    before = p.stats()
+    got = p.put_many([(k, keys[i - 1] if i else root[0], page_bytes(k, PAGE)) for i, k in enumerate(keys)])
+    assert got == [True] * 40 and per_page[0] == 0
+    assert all(p.read_bytes(k) == page_bytes(k, PAGE) for k in keys) and p.longest_prefix(root + keys) == 41
+    st = p.stats()
+    assert st.seals - before.seals == 40 and st.bytes_written - before.bytes_written == 40 * PAGE
+    assert p.verify().corrupt == []
+    # stored again: each page is dedup (page by page, as before)
+    assert p.put_many([(k, keys[i - 1] if i else root[0], page_bytes(k, PAGE)) for i, k in enumerate(keys)]) \
+        == [False] * 40
+
+
+def test_put_many_of_a_run_whose_parent_drops_meanwhile_goes_page_by_page(closing: list[Provider]) -> None:
+    """The run's parent is dropped (bad bytes) between the run's reservation and its commit:
+    nothing of the run is stored, and the page-by-page path gives each item its outcome (the
+    parent is gone: ``UnknownKeyError`` for all)."""
+    p = _pinned(64, verify_reads=True)
+    closing.append(p)
+    root = chain("put-run-drop-root", 1)
+    put_chain(p, root, PAGE)
+    keys = chain("put-run-drop", 12)
+    orig = p._reserve_run
+
+    def then_drop(*a: Any, **kw: Any) -> Any:
+        rc = orig(*a, **kw)
+        regions = p._entry_regions(root[0])
+        assert regions is not None
+        regions[0].view[0] ^= 1
+        assert p.verify(repair=True).dropped == 1
+        return rc
+
+    p._reserve_run = then_drop  # type: ignore[method-assign]
+    got = p.put_many([(k, keys[i - 1] if i else root[0], page_bytes(k, PAGE)) for i, k in enumerate(keys)])
+    assert all(isinstance(g, UnknownKeyError) for g in got)
+    assert p.present(root + keys) == [False] * 13 and p.stats().in_flight == 0
+    assert p.stats().used_bytes == 0
+
+
 def test_put_many_budget_stops_a_chain_and_leaks_no_hold(closing: list[Provider]) -> None:
     p = _pinned(4, verify_reads=True)
     closing.append(p)
