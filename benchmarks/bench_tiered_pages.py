@@ -8,7 +8,9 @@ Pages are 4 KiB (a 2-layer toy layout), so the bytes are small and what is measu
 Python per page: the objects, lock rounds and queue traffic a save or restore makes for each
 page (each surviving object feeds the collector's full passes in an engine's process).  The
 fast tier is ``pinned://`` (ordinary memory, ``pin=no``) over ``mmap://`` in ``--dir``; the
-``pinned://`` rows use the same fast tier alone.  Sides run in turn, ``--reps`` each; medians.
+``pinned://`` rows use the same fast tier alone; a restart's restore from ``tiered://`` (the
+slow tier only) runs beside one from that ``mmap://`` store opened alone.  Sides run in turn,
+``--reps`` each; medians.
 """
 
 from __future__ import annotations
@@ -38,15 +40,30 @@ def _count(phase: str, info: dict[str, Any]) -> None:
         _passes[0] += 1
 
 
-def _open(kind: str, root: str, n: int, page: int) -> hk.Provider:
+def _open(kind: str, root: str, n: int, page: int, fresh: bool = True) -> hk.Provider:
     fast = f"pinned://?budget={4 * n * page}&block={page}&background=false&pin=no"
+    slow = f"mmap://{root}/slow?budget={4 * n * page}&slot={page}&durability=none"
     if kind == "pinned":
         return hk.open(fast)
-    shutil.rmtree(root, ignore_errors=True)
-    os.makedirs(root)
-    slow = f"mmap://{root}/slow?budget={4 * n * page}&slot={page}&durability=none"
+    if kind == "mmap":
+        return hk.open(slow)
+    if fresh:
+        shutil.rmtree(root, ignore_errors=True)
+        os.makedirs(root)
     q = urllib.parse.quote
     return hk.open(f"tiered://?fast={q(fast, safe='')}&slow={q(slow, safe='')}&queue={n + 64}")
+
+
+def _restore(prov: hk.Provider, layout: hk.KVLayout, engine: CpuCopyEngine, keys: list[bytes], dst: list[Any],
+             src: list[Any]) -> tuple[float, int]:
+    n = len(dst[0])
+    for x in dst:
+        x[:] = 0
+    with HostKVCache(prov, hk.Salt("bench-tiered-pages", layout), engine) as cache:
+        hit = cache.lookup(keys)
+        got = _timed(lambda: cache.restore(hit, dst, list(range(n))).wait())
+    assert all(np.array_equal(x, y) for x, y in zip(src, dst, strict=True)), "restored bytes differ"
+    return got
 
 
 def _timed(fn: Any) -> tuple[float, int]:
@@ -58,8 +75,9 @@ def _timed(fn: Any) -> tuple[float, int]:
 
 def _one(kind: str, rep: int, root: str, n: int, layout: hk.KVLayout, engine: CpuCopyEngine,
          src: list[Any], dst: list[Any]) -> dict[str, tuple[float, int]]:
-    """One round of one side: a save and a restore through the cache, then one chain run
-    through the provider alone."""
+    """One round of one side: a save and a restore through the cache, one chain run through
+    the provider alone, and (tiered) a restore after a restart, beside one from the slow tier
+    opened alone."""
     page = layout.page_nbytes
     prov = _open(kind, root, n, page)
     tiered = kind == "tiered"
@@ -67,23 +85,26 @@ def _one(kind: str, rep: int, root: str, n: int, layout: hk.KVLayout, engine: Cp
     try:
         cache = HostKVCache(prov, hk.Salt("bench-tiered-pages", layout), engine)
         keys = cache.keys(np.arange(n * 4) % 50_000 + 100_000 * rep)
-        out["save (cache)"] = _timed(lambda: cache.save(keys, src, list(range(n))).wait())
+        out[f"{kind} save (cache)"] = _timed(lambda: cache.save(keys, src, list(range(n))).wait())
         if tiered:
-            out["write-back after the save"] = _timed(lambda: prov.flush(300))
-        for x in dst:
-            x[:] = 0
-        hit = cache.lookup(keys)
-        out["restore (cache)"] = _timed(lambda: cache.restore(hit, dst, list(range(n))).wait())
-        assert all(np.array_equal(x, y) for x, y in zip(src, dst, strict=True)), "restored bytes differ"
+            out[f"{kind} write-back after the save"] = _timed(lambda: prov.flush(300))
         cache.close()
+        out[f"{kind} restore (cache)"] = _restore(prov, layout, engine, keys, dst, src)
         pkeys = chain(f"bench-tiered-pages-{kind}-{rep}", n)
         rc = prov.reserve_many(pkeys, [None, *pkeys[:-1]], page)
         rc.mark_written()
-        out["run seal (provider)"] = _timed(rc.seal)
+        out[f"{kind} run seal (provider)"] = _timed(rc.seal)
         if tiered:
-            out["run write-back (provider)"] = _timed(lambda: prov.flush(300))
+            out[f"{kind} run write-back (provider)"] = _timed(lambda: prov.flush(300))
     finally:
         prov.close()
+    if tiered:  # a restart: the slow tier alone holds the chain (read, and promoted into the fast tier)
+        for side in ("tiered", "mmap"):
+            prov = _open(side, root, n, page, fresh=False)
+            try:
+                out[f"{side} restart restore (cache)"] = _restore(prov, layout, engine, keys, dst, src)
+            finally:
+                prov.close()
     return out
 
 
@@ -106,7 +127,7 @@ def main() -> None:
         for rep in range(a.reps):
             for kind in ("pinned", "tiered"):
                 for name, got in _one(kind, rep, root, n, layout, engine, src, dst).items():
-                    rows.setdefault(f"{kind} {name}", []).append(got)
+                    rows.setdefault(name, []).append(got)
     finally:
         gc.callbacks.remove(_count)
         engine.close()
