@@ -576,9 +576,13 @@ class PinnedProvider(Provider):
         """
         checked = self._put_many_args(items, salt_tag)
         self._check_usable()
-        stored = self._put_run(checked, salt_tag)
-        if stored is not None:
-            return stored
+        with self._write_call():  # (a close waits for it: the copies and hashes use the arena unlocked)
+            stored = self._put_run(checked, salt_tag)
+            return stored if stored is not None else self._put_pages(checked, salt_tag)
+
+    def _put_pages(self, checked: list[tuple[Key, Key | None, memoryview]],
+                   salt_tag: str) -> list[bool | HostKVError]:
+        """``put_many`` page by page: two lock rounds a page (reserve, commit)."""
         out: list[bool | HostKVError] = []
         failed: set[Key] = set()
         held: _Token = ([], [])

@@ -675,6 +675,40 @@ def test_put_many_stores_a_chain_run_as_one_run(closing: list[Provider]) -> None
         == [False] * 40
 
 
+@pytest.mark.parametrize("run", [True, False])
+def test_close_waits_for_a_put_many_under_way(run: bool) -> None:
+    """``put_many`` copies into the arena and hashes it without the lock: a close waits for it
+    (as for a seal) instead of freeing the arena under it — the chain-run path and the
+    page-by-page one (a page already stored makes the chain take the latter)."""
+    p = _pinned(64, verify_reads=True)
+    keys = chain(f"put-close-{run}", 8)
+    if not run:
+        put_chain(p, keys[:1], PAGE)
+    hashing, go = threading.Event(), threading.Event()
+    orig_sum = p._sum
+
+    def slow_sum(parts: Any) -> int:
+        hashing.set()
+        go.wait(10)
+        return orig_sum(parts)  # type: ignore[no-any-return]
+
+    p._sum = slow_sum  # type: ignore[method-assign]
+    items = [(k, keys[i - 1] if i else None, page_bytes(k, PAGE)) for i, k in enumerate(keys)]
+    results: list[object] = []
+    putter = threading.Thread(target=lambda: results.append(p.put_many(items)), daemon=True)
+    putter.start()
+    assert hashing.wait(10)
+    closer = threading.Thread(target=p.close, daemon=True)
+    closer.start()
+    closer.join(1.0)
+    closed_mid_put = p._closed
+    go.set()
+    putter.join(10)
+    closer.join(70)
+    assert not closer.is_alive()
+    assert not closed_mid_put, "the arena was freed while put_many was hashing it"
+
+
 def test_put_many_of_a_run_whose_parent_drops_meanwhile_goes_page_by_page(closing: list[Provider]) -> None:
     """The run's parent is dropped (bad bytes) between the run's reservation and its commit:
     nothing of the run is stored, and the page-by-page path gives each item its outcome (the
