@@ -261,6 +261,49 @@ def test_retired_pages_stay_until_their_fence_passes(host_mapped: MappedPinnedPr
     assert p.present([key(2), key(7)]) == [False, False]
 
 
+@pytest.mark.parametrize("how", ["put_many", "reserve_many"])
+def test_a_chain_run_counts_passed_fences_as_room(how: str) -> None:
+    """A chain run (``put_many``'s run path, ``reserve_many``'s) polls the fences first, as a
+    page's reservation does: with every other page leased, the room is the retired pages whose
+    fence has passed, and the run takes it as one run (before, it found no room as a run and
+    went page by page)."""
+    from hostkv_providers.testing import chain
+    from hostkv_providers.testing import page_bytes as chain_page
+
+    P = 4096
+    p = MappedPinnedProvider(8 * P, block=P, chunk=8 * P, device=-1)
+    try:
+        old = [key(i) for i in range(4)]
+        new = [key(i) for i in range(10, 14)]
+        for k in old + new:
+            p.put(k, None, bytes(P))
+        fence = Fence()
+        p.retire(p.lease(old), after=fence)
+        held = p.lease(new)  # (a lease polls the fences: taken before the fence passes)
+        fence.passed = True  # (not polled yet: the four old blocks are still held)
+        run = chain(f"fenced-{how}", 2)
+        per_page = [0]
+        orig = p._reserve_locked
+
+        def counting(*a: object, **kw: object) -> object:
+            per_page[0] += 1
+            return orig(*a, **kw)  # type: ignore[arg-type]
+
+        p._reserve_locked = counting  # type: ignore[method-assign,assignment]
+        if how == "put_many":
+            items = [(k, run[i - 1] if i else None, chain_page(k, P)) for i, k in enumerate(run)]
+            assert p.put_many(items) == [True, True]
+        else:
+            rc = p.reserve_many(run, [None, run[0]], P)
+            assert rc.run is not None and rc.error is None
+            rc.abort()
+        held.release()
+        assert per_page[0] == 0  # (one run, no page-by-page fallback)
+        assert p.present(new) == [True] * 4
+    finally:
+        p.close()
+
+
 def test_corrupt_retired_page_keeps_its_block_until_the_fence(host_mapped: MappedPinnedProvider) -> None:
     p, lay = host_mapped, FP8_GROUPED
     store(p, lay, 3)

@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from hostkv_providers._blockhash import TREE_ALGORITHM
+from hostkv_providers._chain import ReservedChain
 from hostkv_providers._errors import CopyEngineError, HostKVError, InvalidArgumentError, ReservationError
 from hostkv_providers._keys import Key
 from hostkv_providers._reports import ProviderStats
@@ -338,6 +339,11 @@ class MappedPinnedProvider(PinnedProvider):
                         chained: bool = False) -> _PinnedReservation | None:
         self._poll_locked()  # fences that passed free their blocks before anything is evicted
         return super()._reserve_locked(k, p, nbytes, salt_tag, chained)
+
+    def _reserve_run(self, ks: list[Key], parent: Key | None, nbytes: int, salt_tag: str) -> ReservedChain | None:
+        with self._usable():
+            self._poll_locked()  # (as _reserve_locked: a chain run and put_many's run path too)
+        return super()._reserve_run(ks, parent, nbytes, salt_tag)
 
     # -- the write-through mirror ----------------------------------------------------------------
     def mirror(self, mover: PageMover | CpuPageMover, items: Sequence[tuple[bytes, bytes | None]],

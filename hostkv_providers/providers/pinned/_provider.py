@@ -820,7 +820,7 @@ class PinnedProvider(Provider):
         # the rows checked by generation, not looked up one by one.
         known = self._leased_rows(lease, keys) if isinstance(keys, list | tuple) and keys else None
         ks: list[Key] = cast(list[Key], list(keys)) if known is not None else self._keys(keys)
-        leased = lease.keys if len(ks) == 1 else (frozenset(lease.keys) if known is None else ())
+        held = self._held(lease) if known is None else None
         with self._usable():
             idx, arena = self._index, self._arena
             if known is not None:
@@ -828,8 +828,11 @@ class PinnedProvider(Provider):
                 if not len(rows) or (rows < 0).any() or not (idx.alive[rows].all() and (idx.gen[rows] == gens).all()):
                     return None  # an entry of the lease was dropped (corrupt) meanwhile
             else:
+                assert held is not None
                 rows = np.asarray(idx.rows_of(ks), dtype=np.int64)
-                if not len(rows) or (rows < 0).any() or any(k not in leased for k in ks):
+                gen = idx.m_gen
+                # (what the lease holds, as views(): not its keys)
+                if not len(rows) or (rows < 0).any() or any(held.get(r, -1) != gen[r] for r in rows.tolist()):
                     return None
             if idx.scatter and any(r in idx.scatter for r in rows.tolist()):
                 return None  # a scattered entry is not one run

@@ -678,6 +678,9 @@ class TieredProvider(_Chains):
         if token.fast is None or not self._fast_page_views:
             return None
         pages: HostPages | None = self.fast.view_pages(token.fast, keys)  # type: ignore[attr-defined]
+        if pages is not None:
+            # (the tiered lease too: dropped, it would release the fast lease under the pages)
+            pages.keepalive = (lease, pages.keepalive)
         return pages
 
     def _view_token(self, lease: Lease, what: str) -> _LeaseToken:

@@ -627,6 +627,19 @@ def test_a_lease_views_only_the_entries_it_holds(closing: list[Provider]) -> Non
     run_lease.release()
 
 
+def test_view_pages_goes_by_what_the_lease_holds_for_any_keys(closing: list[Provider]) -> None:
+    """``view_pages`` of keys that are not one run of the lease's keys (another order, a gap)
+    also goes by what the lease holds: a page let go early is not handed out."""
+    p = _pinned(24, verify_reads=True)
+    closing.append(p)
+    keys, lease = _sealed_held_run(p, "view-pages-held", 10)
+    p._release_part(lease, np.array([3]))
+    assert p.views(lease, [keys[3]])[0] is None and p.view_pages(lease, [keys[3]]) is None
+    assert p.view_pages(lease, [keys[5], keys[3]]) is None
+    assert p.view_pages(lease, [keys[5], keys[4]]) is not None
+    lease.release()
+
+
 def test_a_page_let_go_from_a_held_run_leaves_limbo(closing: list[Provider]) -> None:
     """A page of a held run dropped (a memory fault, found by ``verify``) stays in limbo while
     the run's lease holds it, and its blocks are freed when that page alone is let go."""

@@ -328,6 +328,28 @@ def test_view_pages_come_from_the_fast_tier(tiered: TieredProvider) -> None:
         tiered.view_pages(other, keys[:15])  # another provider's lease
 
 
+def test_view_pages_keep_the_tiered_lease_alive(tiered: TieredProvider) -> None:
+    """The pages ``view_pages`` gives keep the tiered lease (and so the fast tier's) alive: a
+    caller that keeps only the pages still has them held in the fast tier."""
+    import gc
+    import warnings
+
+    keys = chain("tiered-view-keepalive", 12)
+    put_chain(tiered, keys, PAGE)
+    assert tiered.flush(60)
+    pages = tiered.view_pages(tiered.lease(keys), keys)  # the lease kept only through the pages
+    assert pages is not None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)
+        gc.collect()
+    assert tiered.fast.evict(keys[-1:]).entries == 0  # still held
+    del pages
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)
+        gc.collect()
+    assert tiered.fast.evict(keys[-1:]).entries == 1
+
+
 def test_a_restore_from_tiered_views_the_fast_tier_and_reads_the_rest(tiered: TieredProvider) -> None:
     """Through the cache: the pages the fast tier holds are copied from its views (the chunk
     path), those only in the slow tier are read (and promoted); the bytes are the saved ones."""
