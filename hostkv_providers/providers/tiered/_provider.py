@@ -539,25 +539,35 @@ class TieredProvider(_Chains):
         were read from are dropped with their subtrees (a miss, never wrong bytes)."""
         ks, outs = self._read_many_args(keys, outs)
         self._check_usable()  # before the lock: a forked child must not wait on a copied lock
+        n = len(ks)
+        # (the rows' facts in arrays, not a record per page: a restart's restore reads thousands)
         with self._lock:
             self._check_usable()
             idx = self._index
-            nodes = [None if r < 0 else _Ent(idx, r) for r in idx.rows_of(ks)]
-            held = [n for n in nodes if n is not None]
-            idx.hold_rows([n.row for n in held])
-            in_slow = [n is not None and not self._pending(n.gen) for n in nodes]
-        got = [False] * len(ks)
+            rows = np.asarray(idx.rows_of(ks), dtype=np.int64)
+            found = rows >= 0
+            live = rows[found]
+            gens = np.full(n, -1, dtype=np.int64)
+            gens[found] = idx.gen[live]
+            sizes = np.zeros(n, dtype=np.int64)
+            sizes[found] = idx.nbytes[live]
+            idx.hold_rows(cast(Sequence[int], live))
+            in_slow = found.tolist()
+            if self._pend or self._pend_runs:
+                for i in np.flatnonzero(found).tolist():
+                    in_slow[i] = not self._pending(int(gens[i]))
+        rows_l, gens_l, sizes_l = rows.tolist(), gens.tolist(), sizes.tolist()
+        got = [False] * n
         which: dict[int, str] = {}
         dsts: dict[int, memoryview] = {}
         todo: list[int] = []
         short: InvalidArgumentError | None = None
         try:
-            for i, node in enumerate(nodes):
-                if node is not None:
-                    try:
-                        dsts[i] = writable_buffer(outs[i], node.nbytes)
-                    except InvalidArgumentError as exc:
-                        short = short or exc
+            for i in np.flatnonzero(found).tolist():
+                try:
+                    dsts[i] = writable_buffer(outs[i], sizes_l[i])
+                except InvalidArgumentError as exc:
+                    short = short or exc
             todo = sorted(dsts)
             for i, ok in zip(todo, _read_batch(self.fast, [ks[i] for i in todo], [dsts[i] for i in todo]),
                              strict=True):
@@ -566,9 +576,8 @@ class TieredProvider(_Chains):
             if any(not got[i] and not in_slow[i] for i in todo):
                 with self._lock:  # (as in _read: a write-back may have landed since the lookup)
                     for i in todo:
-                        node = nodes[i]
-                        if not got[i] and not in_slow[i] and node is not None:
-                            in_slow[i] = not self._pending(node.gen)
+                        if not got[i] and not in_slow[i]:
+                            in_slow[i] = not self._pending(gens_l[i])
             slow = [i for i in todo if not got[i] and in_slow[i]]
             if slow:
                 for i, ok in zip(slow, _read_batch(self.slow, [ks[i] for i in slow], [dsts[i] for i in slow]),
@@ -579,52 +588,62 @@ class TieredProvider(_Chains):
                 if from_slow and self._slow_tree:
                     self._advance_tail("read", self.slow, ks[from_slow[-1]])
                 if from_slow and self._promote:
-                    self._promote_many([n for i in from_slow if (n := nodes[i]) is not None],
-                                       [dsts[i] for i in from_slow])
+                    self._promote_many([ks[i] for i in from_slow], [rows_l[i] for i in from_slow],
+                                       [gens_l[i] for i in from_slow], [dsts[i] for i in from_slow])
         finally:
             with self._lock:
-                idx.release_rows([n.row for n in held], [n.gen for n in held])
+                idx.release_rows(cast(Sequence[int], live), cast(Sequence[int], gens[found]))
                 hits = hit_bytes = 0
                 for i in todo:
-                    node = nodes[i]
-                    assert node is not None
                     if got[i]:
                         hits += 1
-                        hit_bytes += node.nbytes
+                        hit_bytes += sizes_l[i]
                         self._counters[which[i]] += 1
-                    elif idx.is_live(node.row, node.gen):
+                    elif idx.is_live(rows_l[i], gens_l[i]):
                         # the only copies failed their checksums (or vanished): a miss, never wrong bytes
                         self._tally("checksum_failures")
-                        self._drop_from_tiers(idx.drop(node.row))
+                        self._drop_from_tiers(idx.drop(rows_l[i]))
                 self._tally_hit(hit_bytes, hits)
                 self._tally("misses", sum(1 for g in got if not g))
         if short is not None:
             raise short
         return got
 
-    def _promote_many(self, nodes: Sequence[_Ent], datas: Sequence[memoryview]) -> None:
+    def _promote_many(self, keys: Sequence[Key], rows: Sequence[int], gens: Sequence[int],
+                      datas: Sequence[memoryview]) -> None:
         """Best-effort copies of slow-tier pages into the fast tier, root first; a page whose
-        parent the fast tier lacks (and that is not promoted before it here) is left out."""
-        parents = [n.parent for n in nodes if n.parent is not None]
-        have = set(p for p, ok in zip(parents, self.fast.present(parents), strict=True) if ok)
+        parent the fast tier lacks (and that is not promoted before it here) is left out.  The
+        parents and salt tags come from the index's columns (a page's parent is the key before
+        it when that is its parent row: a chain, as a restore reads it)."""
+        with self._lock:
+            idx = self._index
+            alive = [idx.is_live(r, g) for r, g in zip(rows, gens, strict=True)]
+            prow = idx.parent[list(rows)].tolist()
+            parents: list[Key | None] = []
+            for j, pr in enumerate(prow):
+                parents.append(None if pr < 0 else keys[j - 1] if j and rows[j - 1] == pr else idx.key_of(pr))
+            tag_ids = idx.m_tag_id
+            tags = [idx.tags[tag_ids[r]] for r in rows]
+        need = [p for p, ok in zip(parents, alive, strict=True) if ok and p is not None]
+        have = set(p for p, ok in zip(need, self.fast.present(need), strict=True) if ok)
         items: list[tuple[Key, Key | None, memoryview]] = []
-        tags: list[str] = []
-        for n, d in zip(nodes, datas, strict=True):
-            if n.parent is None or n.parent in have:
-                items.append((n.key, n.parent, d))
-                tags.append(n.tag)
-                have.add(n.key)
+        item_tags: list[str] = []
+        for k, p, d, tag, ok in zip(keys, parents, datas, tags, alive, strict=True):
+            if ok and (p is None or p in have):
+                items.append((k, p, d))
+                item_tags.append(tag)
+                have.add(k)
         if not items:
             return
         stored: list[Key] = []
         try:
-            if self._fast_batch and len(set(tags)) == 1:
-                for (k, _p, _d), r in zip(items, self.fast.put_many(items, salt_tag=tags[0]),  # type: ignore[attr-defined]
+            if self._fast_batch and len(set(item_tags)) == 1:
+                for (k, _p, _d), r in zip(items, self.fast.put_many(items, salt_tag=item_tags[0]),  # type: ignore[attr-defined]
                                           strict=True):
                     if r is True:
                         stored.append(k)
             else:
-                for (k, p, d), tag in zip(items, tags, strict=True):
+                for (k, p, d), tag in zip(items, item_tags, strict=True):
                     with contextlib.suppress(CapacityError, InFlightError, UnknownKeyError):
                         if self.fast.put(k, p, d, salt_tag=tag):
                             stored.append(k)
