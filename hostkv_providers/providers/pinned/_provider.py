@@ -18,55 +18,26 @@ store run at a fraction of memcpy speed.  Page-locked memory is faulted in by it
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, cast
-
-import numpy as np
-import numpy.typing as npt
+from typing import Any
 
 from hostkv_providers._blockhash import TREE_ALGORITHM, tree_checksum_parts
-from hostkv_providers._chain import ReservedChain, _check_checksums
 from hostkv_providers._checks import check_flag, check_progress, check_retain_share, writable_buffer
 from hostkv_providers._checksum import CHECKSUM_ALGORITHM, checksum_parts
-from hostkv_providers._errors import (
-    CapacityError,
-    ClosedError,
-    HostKVError,
-    InFlightError,
-    InvalidArgumentError,
-    UnknownKeyError,
-)
+from hostkv_providers._errors import InvalidArgumentError, UnknownKeyError
 from hostkv_providers._keys import Key
 from hostkv_providers._options import Option, OptionSet
-from hostkv_providers._provider import Corrupt, Provider
-from hostkv_providers._region import HostPages, HostRegion
-from hostkv_providers._reports import EntryInfo, EvictReport, ProviderStats, VerifyReport
-from hostkv_providers._reservation import Lease, Reservation
+from hostkv_providers._provider import Corrupt
+from hostkv_providers._reports import EntryInfo, ProviderStats, VerifyReport
 from hostkv_providers._span import ByteSpan
-from hostkv_providers.device._hostmem import (
-    _MADV_POPULATE_WRITE,
-    HostAllocator,
-    OrdinaryAllocator,
-    _madvise_fn,
-    copy_bytes,
-)
+from hostkv_providers.device._hostmem import _MADV_POPULATE_WRITE, HostAllocator, OrdinaryAllocator, _madvise_fn
 from hostkv_providers.providers._budget import physical_memory
 from hostkv_providers.providers._counters import STORE_COUNTED
-from hostkv_providers.providers.pinned._arena import (
-    _Arena,
-    _blocks_cost,
-    _checksums,
-    _gather,
-    _PinnedIndex,
-    _scatter,
-    _Token,
-)
-from hostkv_providers.providers.pinned._run import _PinnedReservation, _PinnedRun
-
-_NO_GEN = np.uint64(2**64 - 1)  # a lease token's gen for a page let go early (_release_part)
+from hostkv_providers.providers.pinned._arena import _Arena, _gather, _PinnedIndex, _Token
+from hostkv_providers.providers.pinned._batch import _Batches
+from hostkv_providers.providers.pinned._run import _PinnedReservation
 
 __all__ = ["PinnedProvider"]
 
@@ -74,8 +45,7 @@ _DEFAULT_BLOCK = 64 * 1024
 _DEFAULT_CHUNK = 256 * 1024 * 1024
 _PREFAULT_PIECE = 8 << 20  # one madvise call: close() waits at most this long for the prefaulter
 
-
-class PinnedProvider(Provider):
+class PinnedProvider(_Batches):
     """Budget-bounded host-memory provider (see the module docstring).
 
     Parameters
@@ -303,27 +273,10 @@ class PinnedProvider(Provider):
         """Whether the arena (and so every view) is page-locked (``SupportsPinnedViews``)."""
         return self._allocator.pinned
 
-    @property
-    def ready_bytes(self) -> int:
-        """Bytes of the arena allocated (and pinned) so far."""
-        return self._arena.total * self._block
-
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Wait until the whole arena is allocated; ``True`` when it is."""
         with self._lock:
             return self._ready.wait_for(lambda: self._pending == 0 or self._closed, timeout)
-
-    @contextlib.contextmanager
-    def _usable(self) -> Iterator[None]:
-        """Hold the provider lock after checking the provider is open and not inherited by fork.
-
-        The check runs *before* taking the lock as well: in a forked child the lock may have been
-        copied while another thread of the parent held it, and waiting on it would hang forever.
-        """
-        self._check_usable()
-        with self._lock:
-            self._check_usable()
-            yield
 
     # -- lookups -----------------------------------------------------------------------------
     # (the public verbs are the front's, in Provider; these are the drivers it calls)
@@ -365,369 +318,6 @@ class PinnedProvider(Provider):
         ks = self._keys(keys)
         with self._usable():
             return self._index.unretain_rows(self._index.rows_of(ks))
-
-    # -- writes ------------------------------------------------------------------------------
-    def _reserve(self, k: Key, p: Key | None, nbytes: int, salt_tag: str) -> Reservation | None:
-        with self._usable():
-            return self._reserve_locked(k, p, nbytes, salt_tag)
-
-    def _wait_for_memory(self, cost: int) -> None:
-        """(Lock held.)  Prefer memory still being pinned over evicting entries that could be
-        hits: wait while the arena is still filling and ``cost`` more does not fit."""
-        while self._pending and self._index.used_cost + cost > self._index.budget:
-            self._ready.wait(0.5)
-            self._check_usable()
-            if self._closing:  # (close() waits for this call: do not wait for memory meanwhile)
-                raise ClosedError(f"{type(self).__name__} is closing")
-
-    def _reserve_locked(self, k: Key, p: Key | None, nbytes: int, salt_tag: str,
-                        chained: bool = False) -> _PinnedReservation | None:
-        """Reserve under the provider lock (``None``: already stored); ``chained``: the parent may
-        be in flight (``reserve_many``)."""
-        nblocks = -(-nbytes // self._block)
-        cost = nblocks * self._block
-        if cost > self._budget:
-            raise CapacityError(f"{nbytes} bytes exceed the whole budget of {self._budget}")
-        if not self._index.contains(k):
-            self._wait_for_memory(cost)
-        try:
-            ok, evicted, _ = (self._index.begin_chained if chained else self._index.begin)(k, p, cost)
-        except CapacityError as exc:
-            if self._pinning_error is None:
-                raise
-            # part of the arena could not be allocated: say so instead of a bare budget error
-            raise CapacityError(
-                f"{exc.message}; only {self.ready_bytes} of {self._budget} bytes could be allocated "
-                f"({self._pinning_error!r})",
-                hint="lower the budget or free host memory (pinned memory is limited by ulimit -l)",
-            ) from self._pinning_error
-        if not ok:
-            return None  # dedup (counted by the caller)
-        self._free_rows(evicted)
-        runs = self._arena.allocate(nblocks)
-        return _PinnedReservation(self, k, p, nbytes, salt_tag, runs)
-
-    def _write(self, res: _PinnedReservation, span: ByteSpan, view: memoryview) -> None:
-        # No provider lock: the reservation's blocks are private to its writer until seal.
-        _scatter(res._regions, span, view)
-
-    def _seal(self, res: _PinnedReservation) -> None:
-        digest = self._sum(r.view for r in res._regions)
-        with self._usable():
-            res.check_open(self)
-            self._commit_locked(res, digest)
-
-    def _commit_locked(self, res: _PinnedReservation, digest: int) -> int:
-        idx = self._index
-        try:
-            row = idx.commit(res.key, nbytes=res.nbytes, csum=digest, tag=res.salt_tag,
-                             run_start=res.runs[0][0], run_len=res.runs[0][1])
-        except UnknownKeyError:
-            self._arena.release(res.runs)
-            res._finish("aborted")
-            raise
-        if len(res.runs) > 1:
-            idx.scatter[row] = res.runs
-        res._finish("sealed")
-        return row
-
-    # -- chain reservation -------------------------------------------------------------------
-    def reserve_many(self, keys: Sequence[bytes], parents: Sequence[bytes | None], nbytes: int, *,
-                     salt_tag: str = "") -> ReservedChain:
-        """Arena reservations for a chain run in one lock round (see ``Provider.reserve_many``):
-        a parent may be in flight (reserved earlier in this call or an earlier one), so a copy
-        engine DMAs a whole chain straight into the arena before the first seal."""
-        ks = self._keys(keys)
-        if isinstance(parents, (bytes, bytearray, memoryview, str)) or len(parents) != len(ks):
-            raise InvalidArgumentError(f"{len(parents)} parents for {len(ks)} keys; give one per key")
-        if len(ks) > 1 and list(parents[1:]) == ks[:-1]:
-            # a chain run (each page's parent the page before): try it as one run, no per-page objects
-            _k0, p0, n = self._reserve_args(ks[0], parents[0], nbytes, salt_tag)
-            chain = self._reserve_run(ks, p0, n, salt_tag)
-            if chain is not None:
-                return chain
-        checked = [self._reserve_args(k, p, nbytes, salt_tag) for k, p in zip(ks, parents, strict=True)]
-        out: list[Reservation | None] = []
-        error: HostKVError | None = None
-        with self._usable():
-            for k, p, n in checked:
-                try:
-                    out.append(self._reserve_locked(k, p, n, salt_tag, chained=True))
-                except (CapacityError, InFlightError, UnknownKeyError) as exc:
-                    error = exc
-                    break
-        return ReservedChain(out, error, self._chain_pages(out, nbytes))
-
-    def _reserve_run(self, ks: list[Key], parent: Key | None, nbytes: int, salt_tag: str) -> ReservedChain | None:
-        """The chain run ``ks`` (all new) as one :class:`_PinnedRun`, or ``None`` when it is not
-        the plain case (see ``TreeIndex.begin_run``) or the arena is too fragmented: the caller
-        then reserves page by page.  ``ks[0]`` and ``parent`` were validated; the other keys are
-        validated ``Key``s (``_keys``) and so are their parents (the keys before them)."""
-        nblocks = -(-nbytes // self._block)
-        cost = nblocks * self._block
-        if cost * len(ks) > self._budget or len(set(ks)) != len(ks) or parent in ks:
-            return None
-        with self._usable():
-            idx = self._index
-            self._wait_for_memory(cost * len(ks))
-            begun = idx.begin_run(ks, parent, cost)
-            if begun is None:
-                return None
-            run, evicted = begun
-            self._free_rows(evicted)
-            starts = self._arena.allocate_pages(len(ks), nblocks)
-            if starts is None:
-                idx.cancel_run(run)
-                return None
-        pr = _PinnedRun(self, run, ks, parent, nbytes, salt_tag, starts, nblocks)
-        return ReservedChain(error=None, pages=self._pages_at(starts, nbytes), run=pr)
-
-    def _pages_at(self, starts: npt.NDArray[np.int64], nbytes: int) -> HostPages:
-        """The pages starting at arena blocks ``starts`` as one :class:`HostPages`."""
-        arena = self._arena
-        bases = np.array([c.address for c in arena.chunks], dtype=np.uint64)
-        addrs = bases[starts // arena.bpc] + (starts % arena.bpc).astype(np.uint64) * np.uint64(arena.block)
-        return HostPages(addrs, nbytes, pinned=self._allocator.pinned, readonly=False)
-
-    def _chain_pages(self, out: Sequence[Reservation | None], nbytes: int) -> HostPages | None:
-        """The reserved pages as one :class:`HostPages` (addresses in a numpy array) when each is
-        one contiguous run of the arena: what a copy engine DMAs a chunk into."""
-        starts = []
-        arena = self._arena
-        for r in out:
-            if r is None:
-                continue
-            runs = r.runs  # type: ignore[attr-defined]
-            if len(runs) != 1:
-                return None
-            starts.append(runs[0][0])
-        if not starts:
-            return None
-        st = np.array(starts, dtype=np.int64)
-        bases = np.array([c.address for c in arena.chunks], dtype=np.uint64)
-        addrs = bases[st // arena.bpc] + (st % arena.bpc).astype(np.uint64) * np.uint64(arena.block)
-        return HostPages(addrs, nbytes, pinned=self._allocator.pinned, readonly=False)
-
-    def seal_many(self, reservations: Sequence[Reservation], *, checksums: Sequence[int] | None = None,
-                  algorithm: str | None = None) -> None:
-        """Seal arena reservations root first (see ``Provider.seal_many``): the checksums run on
-        a few threads without the lock (XXH3 releases the GIL), the commits in one lock round.
-        Given ``checksums`` in this store's algorithm (a GPU's, over the pages before their copy)
-        are recorded as they are: no host hashing at all."""
-        self._seal_own([self._own_reservation(r, _PinnedReservation) for r in reservations], checksums, algorithm)
-
-    def _seal_held(self, reservations: Sequence[Reservation], held: list[Lease], *,
-                   checksums: Sequence[int] | None = None, algorithm: str | None = None) -> None:
-        """``seal_many`` that also leases each page in its commit's lock round, appending the
-        leases to ``held`` (a sealed prefix's, also when it raises).  The tiered provider pins
-        its fast copies this way until their write-back: a lease taken after the seal left a
-        window in which another save's reservation could evict the just-sealed page."""
-        self._seal_own([self._own_reservation(r, _PinnedReservation) for r in reservations], checksums, algorithm,
-                       held)
-
-    def _seal_own(self, own: list[_PinnedReservation], checksums: Sequence[int] | None, algorithm: str | None,
-                  held: list[Lease] | None = None) -> None:
-        _check_checksums(checksums, algorithm, len(own))
-        self._check_usable()
-        with self._write_call():  # (a close waits for it: the hashing below reads the arena unlocked)
-            self._seal_counted(own, checksums, algorithm, held)
-
-    def _seal_counted(self, own: list[_PinnedReservation], checksums: Sequence[int] | None, algorithm: str | None,
-                      held: list[Lease] | None) -> None:
-        try:
-            for r in own:
-                r.check_complete()
-            if checksums is not None and algorithm == self.checksum_algorithm:
-                digests = [int(c) for c in checksums]
-            else:
-                digests = _checksums([r._regions for r in own], self._sum)
-            sealed = 0
-            try:
-                with self._usable():
-                    for r, digest in zip(own, digests, strict=True):
-                        r.check_open(self)
-                        row = self._commit_locked(r, digest)  # UnknownKeyError: its parent was not sealed
-                        sealed += 1
-                        if held is not None:
-                            held += self._leases_at([r.key], [row])
-            finally:
-                # (bytes are counted where they are written: write(), or not at all for a DMA
-                # straight into the arena; seals are counted as the front's seal does, once a batch)
-                if sealed:
-                    self._tally("seals", sealed)
-        except BaseException:
-            for r in own:  # the sealed ones are a prefix; the rest go
-                if r.state == "open":
-                    with contextlib.suppress(HostKVError):
-                        self.abort(r)
-            raise
-
-    # -- batches -----------------------------------------------------------------------------
-    def put_many(self, items: Sequence[tuple[bytes, bytes | None, object]], *,
-                 salt_tag: str = "") -> list[bool | HostKVError]:
-        """Store many pages, root first (:class:`~hostkv_providers.SupportsBatch`).
-
-        Per item ``True`` (stored), ``False`` (already stored) or that item's error
-        (``InFlightError``, ``CapacityError``, ``UnknownKeyError`` — also for every item whose
-        parent failed in this call).  Each page costs two lock rounds (reserve, commit) and a
-        copy and a checksum that run without the GIL; the page just stored stays held until
-        the next one is reserved under it, so a chain's tail cannot be evicted mid-call and
-        each reservation is O(1) in the tree index.
-        """
-        checked = self._put_many_args(items, salt_tag)
-        self._check_usable()
-        with self._write_call():  # (a close waits for it: the copies and hashes use the arena unlocked)
-            stored = self._put_run(checked, salt_tag)
-            return stored if stored is not None else self._put_pages(checked, salt_tag)
-
-    def _put_pages(self, checked: list[tuple[Key, Key | None, memoryview]],
-                   salt_tag: str) -> list[bool | HostKVError]:
-        """``put_many`` page by page: two lock rounds a page (reserve, commit)."""
-        out: list[bool | HostKVError] = []
-        failed: set[Key] = set()
-        held: _Token = ([], [])
-        try:
-            for k, p, view in checked:
-                orphan = self._failed_parent(p, failed, k)
-                if orphan is not None:
-                    out.append(orphan)
-                    continue
-                try:
-                    with self._usable():
-                        res = self._reserve_locked(k, p, view.nbytes, salt_tag)
-                        # the reservation now holds its parent: the previous hold can go
-                        self._index.release_rows(*held)
-                        held = self._hold_keys([k]) if res is None else ([], [])
-                    if res is None:
-                        self._tally("dedup")
-                        out.append(False)
-                        continue
-                    try:
-                        _scatter(res._regions, ByteSpan.whole(view.nbytes), view)
-                        digest = self._sum(r.view for r in res._regions)
-                    except BaseException:
-                        self.abort(res)
-                        raise
-                    with self._usable():
-                        res.check_open(self)
-                        self._commit_locked(res, digest)
-                        held = self._hold_keys([k])
-                    self._tally("seals")
-                    self._tally("bytes_written", view.nbytes)
-                    out.append(True)
-                except (CapacityError, InFlightError, UnknownKeyError) as exc:
-                    failed.add(k)
-                    out.append(exc)
-        finally:
-            if held[0]:
-                with self._lock:
-                    self._index.release_rows(*held)
-        return out
-
-    def _put_run(self, checked: list[tuple[Key, Key | None, memoryview]],
-                 salt_tag: str) -> list[bool | HostKVError] | None:
-        """``put_many`` of a chain run of new pages of one size under a sealed parent (or none)
-        as one run (``_reserve_run``): one lock round to reserve, the copies, the checksums on a
-        few threads and one commit — not two lock rounds and a hash call per page (a tiered
-        store promoting a restart's restore into its fast tier spent 80% of the restore here at
-        4 KiB pages).  ``None``, with nothing stored, when it is not that case or the run cannot
-        be had as one: the caller then stores page by page, which gives each item its exact
-        outcome (dedup, ``InFlightError``, a prefix on ``CapacityError``)."""
-        n = len(checked)
-        if n < 2:
-            return None
-        ks = [c[0] for c in checked]
-        parent, nbytes = checked[0][1], checked[0][2].nbytes
-        if (ks[:-1] != [c[1] for c in checked[1:]] or any(c[2].nbytes != nbytes for c in checked)
-                or not nbytes):
-            return None
-        with self._usable():
-            if parent is not None and self._index.row_of(parent) < 0:
-                return None  # (not sealed: put_many stores under sealed parents only)
-        rc = self._reserve_run(ks, parent, nbytes, salt_tag)
-        if rc is None:
-            return None
-        run = rc.run
-        assert isinstance(run, _PinnedRun)
-        try:
-            chunks, bpc, block = self._arena.chunks, self._arena.bpc, self._arena.block
-            for (_k, _p, view), st in zip(checked, run.starts.tolist(), strict=True):
-                lo = (st % bpc) * block
-                copy_bytes(chunks[st // bpc].view[lo : lo + nbytes], view)
-            run.written = True
-            run.seal(None, None)
-        except UnknownKeyError:
-            return None  # the parent dropped meanwhile (the run cancelled itself): page by page
-        except BaseException:
-            with contextlib.suppress(HostKVError):
-                run.abort()
-            raise
-        self._tally("bytes_written", n * nbytes)
-        return [True] * n
-
-    def read_many(self, keys: Sequence[bytes], outs: Sequence[object]) -> list[bool]:
-        """Whole entries into ``outs[i]`` (:class:`~hostkv_providers.SupportsBatch`): one lock
-        round to find and hold them all, the copies (and checksums, with ``verify_reads``)
-        without the lock or the GIL, one lock round to release.  A miss leaves ``outs[i]``
-        untouched; an ``outs[i]`` smaller than its entry raises ``InvalidArgumentError`` after
-        the others were filled."""
-        ks, outs = self._read_many_args(keys, outs)
-        idx = self._index
-        with self._usable():
-            rows = idx.rows_of(ks)
-            held = self._hold_rows(rows)
-            # what the copies need, read under the lock (a row may be recycled once released)
-            found = [(r, int(idx.gen[r]), int(idx.nbytes[r]), idx.runs(r), idx.checksum_of(r)) if r >= 0 else None
-                     for r in rows]
-            self._copying += 1
-        # per key: None (miss or buffer too small), True (copied, checksum ok), False (bad copy)
-        state: list[bool | None] = [None] * len(ks)
-        short: InvalidArgumentError | None = None
-        try:
-            for i, f in enumerate(found):
-                if f is None:
-                    continue
-                _, _, nbytes, runs, digest = f
-                try:
-                    dst = writable_buffer(outs[i], nbytes)
-                except InvalidArgumentError as exc:
-                    short = short or exc
-                    continue
-                _gather(self._arena.regions(runs, nbytes, False), ByteSpan.whole(nbytes), dst)
-                state[i] = not self._verify_reads or self._sum((dst,)) == digest
-        finally:
-            got = [False] * len(ks)
-            hits = nbytes = failures = 0
-            with self._lock:
-                idx.release_rows(*held)
-                self._copied()
-                for i, (f, st) in enumerate(zip(found, state, strict=True)):
-                    if f is None or not idx.is_live(f[0], f[1]):
-                        continue
-                    if st is True:
-                        got[i] = True
-                        hits += 1
-                        nbytes += f[2]
-                    elif st is False:
-                        # first to see the corruption: drop the entry with its subtree
-                        failures += 1
-                        self._drop(f[0])
-            self._tally("hits", hits)
-            self._tally("bytes_read", nbytes)
-            self._tally("checksum_failures", failures)
-            self._tally("misses", len(ks) - hits)
-        if short is not None:
-            raise short
-        return got
-
-    def _abort(self, reservation: _PinnedReservation) -> bool:
-        with self._usable():
-            if reservation.state != "open":
-                return False  # a racing seal or abort finished it
-            self._index.cancel(reservation.key)
-            self._arena.release(reservation.runs)
-            reservation._finish("aborted")
-            return True
 
     # -- reads -------------------------------------------------------------------------------
     def _read(self, k: Key, out: object, span: ByteSpan | None) -> int | Corrupt | None:
@@ -777,174 +367,6 @@ class PinnedProvider(Provider):
             self._drop(token[0])
             return True
 
-    def view(self, lease: Lease, key: bytes) -> Sequence[HostRegion] | None:
-        """Read-only host regions of a leased entry (valid while the lease is held)."""
-        return self.views(lease, [key])[0]
-
-    def views(self, lease: Lease, keys: Sequence[bytes]) -> list[Sequence[HostRegion] | None]:
-        """:meth:`view` of many keys under one lock round (``None`` for a key not leased)."""
-        ks = self._keys(keys)
-        if not isinstance(lease, Lease) or lease.released or lease.token is None or lease._provider is not self:
-            raise InvalidArgumentError("view() needs an unreleased lease of this provider")
-        held = self._held(lease)
-        out: list[Sequence[HostRegion] | None] = []
-        pinned = self._allocator.pinned
-        with self._usable():
-            idx, regions = self._index, self._arena.regions
-            gen = idx.m_gen
-            for row in idx.rows_of(ks):
-                if row < 0 or held.get(row, -1) != gen[row]:
-                    out.append(None)
-                else:
-                    out.append(regions(idx.runs(row), int(idx.nbytes[row]), pinned, readonly=True))
-        return out
-
-    @staticmethod
-    def _held(lease: Lease) -> dict[int, int]:
-        """The rows ``lease`` holds, with their gens.  What a lease holds is its token's (row,
-        gen) pairs, not its keys: an entry dropped and saved again under the same key, or a page
-        let go early (``_release_part``), is not held by it any more."""
-        t_rows, t_gens = cast(_Token, lease.token)
-        return dict(zip(t_rows.tolist() if isinstance(t_rows, np.ndarray) else t_rows,
-                        t_gens.tolist() if isinstance(t_gens, np.ndarray) else t_gens, strict=True))
-
-    def view_pages(self, lease: Lease, keys: Sequence[bytes]) -> HostPages | None:
-        """:meth:`views` as one :class:`HostPages` (an address per page, no per-page objects), or
-        ``None`` unless every key is leased, of one size and in one contiguous run of the arena
-        (always so when ``block`` is the page size)."""
-        if not isinstance(lease, Lease) or lease.released or lease.token is None or lease._provider is not self:
-            raise InvalidArgumentError("view_pages() needs an unreleased lease of this provider")
-        # The common case, a run of the lease's own keys (a restore of a hit, whole or part by
-        # part): the lease's token already names their rows, so the keys are matched by one
-        # C-speed slice comparison (equal to the lease's keys: valid keys, no further check) and
-        # the rows checked by generation, not looked up one by one.
-        known = self._leased_rows(lease, keys) if isinstance(keys, list | tuple) and keys else None
-        ks: list[Key] = cast(list[Key], list(keys)) if known is not None else self._keys(keys)
-        held = self._held(lease) if known is None else None
-        with self._usable():
-            idx, arena = self._index, self._arena
-            if known is not None:
-                rows, gens = known
-                if not len(rows) or (rows < 0).any() or not (idx.alive[rows].all() and (idx.gen[rows] == gens).all()):
-                    return None  # an entry of the lease was dropped (corrupt) meanwhile
-            else:
-                assert held is not None
-                rows = np.asarray(idx.rows_of(ks), dtype=np.int64)
-                gen = idx.m_gen
-                # (what the lease holds, as views(): not its keys)
-                if not len(rows) or (rows < 0).any() or any(held.get(r, -1) != gen[r] for r in rows.tolist()):
-                    return None
-            if idx.scatter and any(r in idx.scatter for r in rows.tolist()):
-                return None  # a scattered entry is not one run
-            sizes = idx.nbytes[rows]
-            nbytes = int(sizes[0])
-            if not nbytes or (sizes != nbytes).any():
-                return None
-            starts = idx.run_start[rows]
-            bases = np.array([c.address for c in arena.chunks], dtype=np.uint64)
-            addrs = bases[starts // arena.bpc] + ((starts % arena.bpc) * arena.block).astype(np.uint64)
-            # for a verification of the copied bytes on the GPU (with verify=read)
-            sums = idx.csum[rows].copy() if self._verify_reads else None
-        # With verify=read the checksums go with the views: the cache checks the copied bytes
-        # on the GPU (a view is never checked here: that would read every byte on the host).
-        return HostPages(addrs, nbytes, pinned=self._allocator.pinned, readonly=True, keepalive=lease,
-                         checksums=sums, algorithm=self.checksum_algorithm)
-
-    @staticmethod
-    def _leased_rows(lease: Lease, ks: Sequence[bytes]) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.uint64]] | None:
-        """The ``(rows, gens)`` of ``ks`` from ``lease``'s token when ``ks`` is a run of the
-        lease's keys (``lease.keys[j]`` is ``token[0][j]``), else ``None``."""
-        lk = lease.keys
-        n = len(ks)
-        if not n or n > len(lk):
-            return None
-        j = 0
-        if lk[0] != ks[0]:
-            try:
-                j = lk.index(ks[0])
-            except ValueError:
-                return None
-        if lk[j : j + n] != tuple(ks):
-            return None
-        token: _Token = lease.token  # type: ignore[assignment]
-        token_rows, token_gens = token
-        return (np.asarray(token_rows[j : j + n], dtype=np.int64),
-                np.asarray(token_gens[j : j + n], dtype=np.uint64))
-
-    # -- eviction ----------------------------------------------------------------------------
-    def _evict(self, ks: list[Key] | None, nbytes: int) -> EvictReport:
-        with self._usable():
-            idx = self._index
-            if ks is not None:
-                removed, skipped = idx.evict_rows(idx.rows_of(ks))
-            else:
-                removed, skipped = idx.evict_cost(nbytes), 0
-            freed = int(idx.nbytes[removed].sum()) if removed else 0
-            self._free_rows(removed)
-            return EvictReport(len(removed), freed, skipped)
-
-    def _entry_regions(self, key: bytes) -> list[HostRegion] | None:
-        """The arena regions of a sealed entry, or ``None`` (the tests' backdoor into the memory)."""
-        with self._lock:
-            row = self._index.row_of(key)
-            if row < 0:
-                return None
-            return self._arena.regions(self._index.runs(row), int(self._index.nbytes[row]), False)
-
-    def _free_rows(self, rows: Sequence[int]) -> None:
-        """Give removed rows' blocks back to the arena and the rows to the index."""
-        idx = self._index
-        if len(rows) > 8 and not idx.scatter:
-            # (a chain evicted for room: its pages' blocks go back as runs, not page by page)
-            arr = np.asarray(rows, dtype=np.int64)
-            lens = idx.run_len[arr]
-            if int(lens.min()) == int(lens.max()):
-                self._arena.release_pages(idx.run_start[arr], int(lens[0]))
-                self._recycle(rows)
-                return
-        for row in rows:
-            self._arena.release(idx.runs(row))
-        self._recycle(rows)
-
-    def _recycle(self, rows: Sequence[int]) -> None:
-        idx = self._index
-        if idx.scatter or idx.anchors:
-            for row in rows:
-                idx.scatter.pop(row, None)
-                idx.anchors.pop(row, None)
-        idx.recycle(rows)
-
-    def _drop(self, row: int) -> list[int]:
-        """Force-remove a corrupt entry with its subtree (caller holds the lock).
-
-        Leases are not honoured by a drop (the bytes are known bad), but a lease holder may be
-        reading the entry's blocks zero-copy through :meth:`view` (a DMA in flight).  Reusing
-        those blocks for another entry would hand that reader *another entry's* bytes, so the
-        blocks of a leased dropped entry stay allocated and accounted — in limbo — until the last
-        lease on it is released.
-        """
-        idx = self._index
-        gens = {r: int(idx.gen[r]) for r in idx.subtree([row])}
-        dropped = idx.drop(row)
-        if not dropped:
-            return dropped
-        dead = set(gens.values())
-        pins: dict[int, int] = {}
-        for _rows, token_gens in self._lease_tokens.values():
-            for g in token_gens.tolist() if isinstance(token_gens, np.ndarray) else token_gens:
-                if g in dead:
-                    pins[g] = pins.get(g, 0) + 1
-        for r in dropped:
-            count = pins.get(gens[r], 0)
-            runs = idx.runs(r)
-            if count:
-                self._limbo[gens[r]] = (runs, count)
-                idx.used_cost += _blocks_cost(runs, self._block)
-            else:
-                self._arena.release(runs)
-        self._recycle(dropped)
-        return dropped
-
     # -- anchors -----------------------------------------------------------------------------
     def _put_anchor(self, k: Key, name: str, blob: bytes) -> None:
         with self._usable():
@@ -982,142 +404,6 @@ class PinnedProvider(Provider):
                 if table and name in table:
                     best = i + 1
             return best
-
-    # -- leases ------------------------------------------------------------------------------
-    def _hold_rows(self, rows: Sequence[int]) -> _Token:
-        """Hold the present ``rows`` (lock held); the ``(rows, gens)`` token releases them."""
-        idx = self._index
-        if len(rows) > 8:
-            # arrays (a chain's lease): view_pages slices them for a restore with no conversion
-            arr = np.asarray(rows, dtype=np.int64)
-            arr = arr[arr >= 0]
-            idx.hold_rows(cast(Sequence[int], arr))  # (numpy rows: it takes them by slices)
-            return arr, idx.gen[arr]
-        live = [r for r in rows if r >= 0]
-        idx.hold_rows(live)
-        gen = idx.m_gen
-        return live, [gen[r] for r in live]
-
-    def _copied(self) -> None:
-        """A read's copy out of the arena is over (lock held): wake a close waiting for it."""
-        self._copying -= 1
-        if not self._copying and self._closed:
-            self._ready.notify_all()
-
-    def _hold_keys(self, ks: Sequence[Key]) -> _Token:
-        return self._hold_rows(self._index.rows_of(ks))
-
-    def _lease(self, ks: list[Key]) -> Lease:
-        with self._usable():
-            rows = self._index.rows_of(ks)
-            token = self._hold_rows(rows)
-            self._lease_tokens[id(token)] = token
-            return Lease(self, ks, [r >= 0 for r in rows], token=token)
-
-    def _leases_at(self, ks: Sequence[Key], rows: Sequence[int]) -> list[Lease]:
-        """One lease per key on its row (``-1``: absent), each released on its own (lock held)."""
-        idx = self._index
-        idx.hold_rows([r for r in rows if r >= 0])
-        gen, tokens = idx.m_gen, self._lease_tokens
-        out = []
-        for k, r in zip(ks, rows, strict=True):
-            token: _Token = ([r], [gen[r]]) if r >= 0 else ([], [])
-            tokens[id(token)] = token
-            out.append(Lease(self, [k], [r >= 0], token=token))
-        return out
-
-    def _lease_run(self, ks: list[Key], rows: npt.NDArray[np.int64]) -> Lease:
-        """One lease over the sealed ``rows`` of ``ks`` (lock held), its token ``(rows, gens)``
-        arrays in key order, so that :meth:`_release_part` can let go of some pages."""
-        idx = self._index
-        idx.hold_rows(cast(Sequence[int], rows))
-        token: _Token = (rows.copy(), idx.gen[rows].copy())
-        self._lease_tokens[id(token)] = token
-        return Lease(self, ks, [True] * len(ks), token=token)
-
-    def _release_part(self, lease: Lease, positions: npt.NDArray[np.int64]) -> None:
-        """Let go of the pages at ``positions`` of a :meth:`_lease_run` lease (each once; the
-        rest stays held until they or the whole lease are released): the tiered provider frees
-        a page's fast copy as soon as it is written back or dropped, not at the run's end."""
-        with self._lock:
-            if self._closed or lease.released or not len(positions):
-                return
-            rows, gens = cast(tuple[npt.NDArray[np.int64], npt.NDArray[np.uint64]], lease.token)
-            pos = positions[rows[positions] >= 0]
-            self._index.release_rows(cast(Sequence[int], rows[pos]), cast(Sequence[int], gens[pos]))
-            self._leave_limbo(gens[pos].tolist())
-            rows[pos] = -1
-            gens[pos] = _NO_GEN  # (never a live gen: not counted as a pin when an entry drops)
-
-    def _split_lease(self, lease: Lease, positions: npt.NDArray[np.int64]) -> list[Lease]:
-        """The pages at ``positions`` of a :meth:`_lease_run` lease, each under a lease of its
-        own (released on its own): the hold moves over in one lock round, never let go between."""
-        with self._usable():
-            if lease.released:
-                raise InvalidArgumentError("_split_lease() needs an unreleased lease")
-            rows, gens = cast(tuple[npt.NDArray[np.int64], npt.NDArray[np.uint64]], lease.token)
-            keys, tokens = lease.keys, self._lease_tokens
-            out = []
-            for p, r, g in zip(positions.tolist(), rows[positions].tolist(), gens[positions].tolist(), strict=True):
-                token: _Token = ([r], [g]) if r >= 0 else ([], [])
-                tokens[id(token)] = token
-                out.append(Lease(self, [keys[p]], [r >= 0], token=token))
-            rows[positions] = -1
-            gens[positions] = _NO_GEN
-            return out
-
-    def _run_views(self, lease: Lease, positions: npt.NDArray[np.int64]) -> list[memoryview | None]:
-        """Read-only views of the pages at ``positions`` of a :meth:`_lease_run` lease (valid
-        while held); ``None`` for one let go or dropped (its bytes failed ``verify``): what the
-        tiered writer stores in the slow tier with one ``put_many``."""
-        with self._usable():
-            rows, gens = cast(tuple[npt.NDArray[np.int64], npt.NDArray[np.uint64]], lease.token)
-            r = rows[positions]
-            idx, arena = self._index, self._arena
-            live = r >= 0
-            if lease.released:
-                live[:] = False
-            live[live] = idx.alive[r[live]] & (idx.gen[r[live]] == gens[positions][live])
-            chunks, bpc, block, scatter = arena.chunks, arena.bpc, arena.block, idx.scatter
-            out: list[memoryview | None] = []
-            for ok, row, st, nb in zip(live.tolist(), r.tolist(), idx.run_start[r].tolist(),
-                                       idx.nbytes[r].tolist(), strict=True):
-                if not ok:
-                    out.append(None)
-                elif scatter and row in scatter:  # (a run's pages are one piece each; not so here)
-                    regions = arena.regions(idx.runs(row), nb, False, readonly=True)
-                    out.append(memoryview(b"".join(bytes(x.view) for x in regions)))
-                else:
-                    lo = (st % bpc) * block
-                    out.append(chunks[st // bpc].view[lo : lo + nb].toreadonly())
-            return out
-
-    def _release_lease(self, lease: Lease) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            token: _Token = lease.token  # type: ignore[assignment]
-            self._lease_tokens.pop(id(token), None)
-            self._index.release_rows(*token)
-            # (limbo: dropped entries still leased; rare)
-            self._leave_limbo((token[1].tolist() if isinstance(token[1], np.ndarray) else token[1])
-                              if self._limbo else ())
-
-    def _leave_limbo(self, gens: Iterable[int]) -> None:
-        """Leases on the entries ``gens`` let go (lock held): a dropped entry's blocks are reused
-        once its last lease is gone."""
-        if self._limbo:
-            for g in gens:
-                held = self._limbo.get(g)
-                if held is None:
-                    continue
-                runs, count = held
-                if count > 1:
-                    self._limbo[g] = (runs, count - 1)
-                else:  # the last lease on a dropped entry let go: its blocks may be reused now
-                    del self._limbo[g]
-                    self._index.used_cost -= _blocks_cost(runs, self._block)
-                    self._arena.release(runs)
 
     # -- verification ------------------------------------------------------------------------
     def verify(self, *, repair: bool = False, progress: Any = None) -> VerifyReport:
@@ -1191,7 +477,6 @@ class PinnedProvider(Provider):
                 self._ready.wait()
             self._finalizer()
 
-
 def _info(idx: _PinnedIndex, row: int) -> EntryInfo:
     table = idx.anchors.get(row)
     anchors = {n: len(b) for n, b in table.items()} if table else {}
@@ -1199,15 +484,12 @@ def _info(idx: _PinnedIndex, row: int) -> EntryInfo:
                      idx.checksum_of(row), float(idx.created[row]), float(idx.used[row]), anchors,
                      bool(idx.retained[row]))
 
-
 def _check_present(keys: Sequence[Key], rows: Sequence[int]) -> None:
     """``retain``'s all-or-nothing rule: every key must be sealed."""
     for k, r in zip(keys, rows, strict=True):
         if r < 0:
             raise UnknownKeyError(f"entry {k.hex()[:16]} is not stored; nothing was retained",
                                   hint="retain sealed entries only (save the prefix first)")
-
-
 
 def _default_allocator(require_pinned: bool = False) -> HostAllocator:
     """Page-locked CUDA memory when a GPU is usable, else ordinary memory."""

@@ -22,7 +22,7 @@ from hostkv_providers.providers._tree._chainrun import TreeChainRun
 from hostkv_providers.providers.pinned._arena import _checksums_at
 
 if TYPE_CHECKING:
-    from hostkv_providers.providers.pinned._provider import PinnedProvider
+    from hostkv_providers.providers.pinned._writes import _Writes
 
 __all__: list[str] = []
 
@@ -33,7 +33,7 @@ class _PinnedReservation(Reservation):
     # sealed with checksums from the GPU never builds them (no per-page objects on that path).
     __slots__ = ("_regs", "runs")
 
-    def __init__(self, provider: PinnedProvider, key: Key, parent: Key | None, nbytes: int, salt_tag: str,
+    def __init__(self, provider: _Writes, key: Key, parent: Key | None, nbytes: int, salt_tag: str,
                  runs: list[tuple[int, int]]) -> None:
         super().__init__(provider, key, parent, nbytes, salt_tag)
         self.runs = runs
@@ -43,7 +43,7 @@ class _PinnedReservation(Reservation):
     def _regions(self) -> list[HostRegion]:
         regs = self._regs
         if regs is None:
-            prov: PinnedProvider = self._provider  # type: ignore[assignment]
+            prov: _Writes = self._provider  # type: ignore[assignment]
             regs = self._regs = prov._arena.regions(self.runs, self.nbytes, prov._allocator.pinned)
         return regs
 
@@ -59,7 +59,7 @@ class _PinnedRun(TreeChainRun):
 
     __slots__ = ("nblocks", "starts")
 
-    def __init__(self, prov: PinnedProvider, run: Any, keys: list[Key], parent: Key | None, nbytes: int,
+    def __init__(self, prov: _Writes, run: Any, keys: list[Key], parent: Key | None, nbytes: int,
                  salt_tag: str, starts: npt.NDArray[np.int64], nblocks: int) -> None:
         super().__init__(prov, run, keys, parent, nbytes, salt_tag)
         self.starts = starts

@@ -1060,7 +1060,7 @@ def test_close_waits_for_a_write_copying_into_the_arena(closing: list[Provider],
     """A write copies into the arena without the provider lock: close() must wait for it before
     the arena is freed (it raced once: the write indexed freed chunks, or could copy into memory
     that is gone)."""
-    import hostkv_providers.providers.pinned._provider as pinned_mod
+    import hostkv_providers.providers.pinned._writes as pinned_mod  # (where write() copies)
 
     p = _pinned(8)
     key = key_of("pin-close-during-write")
@@ -1106,7 +1106,11 @@ def test_close_waits_for_a_read_copying_out_of_the_arena(closing: list[Provider]
     wait for it before the chunks are freed.  CI caught the race: a read that had passed its
     usability check indexed the cleared chunk list (IndexError) while close() freed the arena;
     with pinned memory the copy would read freed memory."""
-    import hostkv_providers.providers.pinned._provider as pinned_mod
+    import importlib
+
+    # (the module where the verb copies: read() in _provider, read_many() in _batch)
+    pinned_mod = importlib.import_module("hostkv_providers.providers.pinned."
+                                         + ("_batch" if call == "read_many" else "_provider"))
 
     p = _pinned(8, verify_reads=verify)
     key = key_of(f"pin-close-during-{call}")
