@@ -63,7 +63,7 @@ class _Batches(_Writes):
                         row = self._commit_locked(r, digest)  # UnknownKeyError: its parent was not sealed
                         sealed += 1
                         if held is not None:
-                            held += self._leases_at([r.key], [row])
+                            held.append(self._lease_locked([r.key], [row]))
             finally:
                 # (bytes are counted where they are written: write(), or not at all for a DMA
                 # straight into the arena; seals are counted as the front's seal does, once a batch)
@@ -154,10 +154,7 @@ class _Batches(_Writes):
         if (ks[:-1] != [c[1] for c in checked[1:]] or any(c[2].nbytes != nbytes for c in checked)
                 or not nbytes):
             return None
-        with self._usable():
-            if parent is not None and self._index.row_of(parent) < 0:
-                return None  # (not sealed: put_many stores under sealed parents only)
-        rc = self._reserve_run(ks, parent, nbytes, salt_tag)
+        rc = self._reserve_run(ks, parent, nbytes, salt_tag, sealed_parent=True)
         if rc is None:
             return None
         run = rc.run

@@ -117,22 +117,13 @@ class _Leases(_PinnedBase):
 
     def _lease(self, ks: list[Key]) -> Lease:
         with self._usable():
-            rows = self._index.rows_of(ks)
-            token = self._hold_rows(rows)
-            self._lease_tokens[id(token)] = token
-            return Lease(self, ks, [r >= 0 for r in rows], token=token)
+            return self._lease_locked(ks, self._index.rows_of(ks))
 
-    def _leases_at(self, ks: Sequence[Key], rows: Sequence[int]) -> list[Lease]:
-        """One lease per key on its row (``-1``: absent), each released on its own (lock held)."""
-        idx = self._index
-        idx.hold_rows([r for r in rows if r >= 0])
-        gen, tokens = idx.m_gen, self._lease_tokens
-        out = []
-        for k, r in zip(ks, rows, strict=True):
-            token: _Token = ([r], [gen[r]]) if r >= 0 else ([], [])
-            tokens[id(token)] = token
-            out.append(Lease(self, [k], [r >= 0], token=token))
-        return out
+    def _lease_locked(self, ks: list[Key], rows: Sequence[int]) -> Lease:
+        """A lease of ``ks`` on their ``rows`` (``-1``: absent) (lock held)."""
+        token = self._hold_rows(rows)
+        self._lease_tokens[id(token)] = token
+        return Lease(self, ks, [r >= 0 for r in rows], token=token)
 
     def _lease_run(self, ks: list[Key], rows: npt.NDArray[np.int64]) -> Lease:
         """One lease over the sealed ``rows`` of ``ks`` (lock held), its token ``(rows, gens)``

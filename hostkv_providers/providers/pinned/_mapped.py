@@ -38,7 +38,6 @@ from typing import Any
 import numpy as np
 
 from hostkv_providers._blockhash import TREE_ALGORITHM
-from hostkv_providers._chain import ReservedChain
 from hostkv_providers._errors import CopyEngineError, HostKVError, InvalidArgumentError, ReservationError
 from hostkv_providers._keys import Key
 from hostkv_providers._reports import ProviderStats
@@ -337,13 +336,15 @@ class MappedPinnedProvider(PinnedProvider):
 
     def _reserve_locked(self, k: Key, p: Key | None, nbytes: int, salt_tag: str,
                         chained: bool = False) -> _PinnedReservation | None:
-        self._poll_locked()  # fences that passed free their blocks before anything is evicted
+        if self._index.contains(k):  # (a new key polls in _wait_for_memory, below)
+            self._poll_locked()
         return super()._reserve_locked(k, p, nbytes, salt_tag, chained)
 
-    def _reserve_run(self, ks: list[Key], parent: Key | None, nbytes: int, salt_tag: str) -> ReservedChain | None:
-        with self._usable():
-            self._poll_locked()  # (as _reserve_locked: a chain run and put_many's run path too)
-        return super()._reserve_run(ks, parent, nbytes, salt_tag)
+    def _wait_for_memory(self, cost: int) -> None:
+        # Fences that passed free their blocks before anything is evicted: the step every
+        # reservation that needs room takes under the lock (a page, a chain run, put_many's run).
+        self._poll_locked()
+        super()._wait_for_memory(cost)
 
     # -- the write-through mirror ----------------------------------------------------------------
     def mirror(self, mover: PageMover | CpuPageMover, items: Sequence[tuple[bytes, bytes | None]],

@@ -99,8 +99,7 @@ class _PinnedRun(TreeChainRun):
 
     def _seal(self, checksums: Sequence[int] | None, algorithm: str | None, hold: bool) -> Lease | None:
         prov = self._prov
-        self._check_sealable()
-        prov._check_usable()
+        self._check_sealable()  # (its _check_usable comes before the write call, as it must)
         with prov._write_call():  # (a close waits for it: the hashing below reads the arena unlocked)
             return self._commit(checksums, algorithm, hold)
 

@@ -120,7 +120,8 @@ class _Writes(_Leases):
                     break
         return ReservedChain(out, error, self._chain_pages(out, nbytes))
 
-    def _reserve_run(self, ks: list[Key], parent: Key | None, nbytes: int, salt_tag: str) -> ReservedChain | None:
+    def _reserve_run(self, ks: list[Key], parent: Key | None, nbytes: int, salt_tag: str, *,
+                     sealed_parent: bool = False) -> ReservedChain | None:
         """The chain run ``ks`` (all new) as one :class:`_PinnedRun`, or ``None`` when it is not
         the plain case (see ``TreeIndex.begin_run``) or the arena is too fragmented: the caller
         then reserves page by page.  ``ks[0]`` and ``parent`` were validated; the other keys are
@@ -131,6 +132,8 @@ class _Writes(_Leases):
             return None
         with self._usable():
             idx = self._index
+            if sealed_parent and parent is not None and idx.row_of(parent) < 0:
+                return None  # (put_many: stored under sealed parents only, never one in flight)
             self._wait_for_memory(cost * len(ks))
             begun = idx.begin_run(ks, parent, cost)
             if begun is None:
