@@ -260,12 +260,14 @@ def _restore_pages(self: HostKVCache, handle: CacheHandle, result: RestoreResult
             for lease in leases:
                 lease.release()
 
+    prefetched = 0  # keys[:prefetched] were hinted to the provider (prefetch)
     try:
         if keys and not (self._views and hit.lease is not None):
             # Bounce path from the first chunk on: a disk-backed provider starts reading it in now,
             # while the bounce buffers are set up (after a restart the first use allocates and
             # pins them: ~0.1 s per 512 MiB with the disk idle otherwise).
             self.provider.prefetch(keys[:chunk])
+            prefetched = min(chunk, len(keys))
         i = 0
         if isinstance(pre, BaseException):
             raise pre
@@ -341,9 +343,16 @@ def _restore_pages(self: HostKVCache, handle: CacheHandle, result: RestoreResult
                 # overlaps the copy of the previous one.  The provider is told of the next
                 # chunk first: a disk-backed one reads it in while this one is read, checked
                 # and handed to the engine.
+                if prefetched < i + len(part):
+                    # A store with views that does not hold this chunk in view-able memory (the
+                    # slow tier of tiered:// after a restart): hint the chunk itself before its
+                    # read.  Without it the first chunk was read cold by bare 2 MiB preads,
+                    # 4.7x slower than after the hint (CPU machine, 512 MiB, .devcarry/rstart.py).
+                    self.provider.prefetch(part)
                 nxt = keys[i + len(part) : i + len(part) + chunk]
                 if nxt:
                     self.provider.prefetch(nxt)
+                prefetched = i + len(part) + len(nxt)
                 while sum(1 for _h, st, _l, _v in pending if st is not None) >= 2:
                     retire()
                 st = self._get_staging()

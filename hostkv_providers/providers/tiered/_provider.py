@@ -137,6 +137,12 @@ class TieredProvider(_Chains):
             raise InvalidArgumentError(f"queue must be a positive int, got {queue_pages!r}")
         self.fast = fast
         self.slow = slow
+        # Seals hand given checksums on to the fast tier, which records them when they are in its
+        # algorithm: so the store's algorithm is the fast tier's, and a cache hashes the pages it
+        # saves here on the GPU as it does for the fast tier alone.  (With the base's "xxh3-64" a
+        # tiered save over a pinned tier hashed every byte on the host: 13.4 GB sealed in 671-826
+        # ms on the H200, 0.29-0.36x the bulk copy, against 261 ms for pinned:// alone.)
+        self.checksum_algorithm = fast.checksum_algorithm
         # the tiers' bound on the salt tag: a tag the slow tier cannot store would fail the
         # write-back after put() returned, and the page would vanish (issue 16 item 14)
         bounds = [b for b in (fast._tag_max, slow._tag_max) if b is not None]
