@@ -498,3 +498,80 @@ def test_cache_restore_of_one_chunk_issues_its_copy_on_the_callers_thread(stream
     finally:
         engine.close()
         provider.close()
+
+
+def test_a_restore_failing_after_its_copy_was_issued_reports_only_once_the_copy_is_done(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A small restore's copy is issued on the caller's thread; if the restore thread then fails
+    (here: the GPU check of verified views cannot be set up), the handle reports the failure
+    only once that copy is done — never while it still writes the engine's blocks or reads the
+    hit's pages (the engine, told the restore failed, recomputes into those blocks)."""
+    import hostkv_providers.cache._restore as restore_mod
+
+    provider = PinnedProvider(4 << 20, block=PAGE, allocator=OrdinaryAllocator(huge_pages=False), verify_reads=True)
+    engine = CpuCopyEngine()
+    src = planes(seed=19)
+    release = threading.Event()
+    real_copy = cpu_engine_mod._host_copy
+
+    def held(*args: Any, **kwargs: Any) -> Any:
+        if not args[3]:  # gather=False: a restore's copy, held until the test lets it go
+            assert release.wait(10)
+        return real_copy(*args, **kwargs)
+
+    def broken(planes: Any) -> Any:
+        raise RuntimeError("the page hasher could not be built")
+
+    try:
+        with HostKVCache(provider, SALT, engine, chunk_pages=PAGES) as cache:
+            keys = saved(cache, src)
+            monkeypatch.setattr(cpu_engine_mod, "_host_copy", held)
+            monkeypatch.setattr(restore_mod, "restore_check", broken)
+            hit = cache.lookup(keys)
+            dst = planes(fill=POISON)
+            h = cache.restore(hit, KVPlanes.from_arrays(LAYOUT, dst), list(range(PAGES, 2 * PAGES)))
+            assert not h.wait_layer(0, 0.3) and not h.done()  # the copy still runs: nothing reported
+            assert not hit.lease.released  # type: ignore[union-attr]  # its pages are still read
+            release.set()
+            with pytest.raises(RuntimeError, match="page hasher"):
+                h.wait(10)
+            assert hit.lease.released  # type: ignore[union-attr]
+            assert layer_ok(dst, [p[:PAGES] for p in src], list(range(PAGES, 2 * PAGES)), LAST)  # copy done
+    finally:
+        release.set()
+        engine.close()
+        provider.close()
+
+
+def test_a_restore_refused_on_the_callers_thread_leaves_no_gate_and_no_handle_behind(stream: HostStream) -> None:
+    """``restore()`` raising after it registered its handle and gated ``before=`` (a hybrid
+    cache refusing ``anchors_into``) finishes that handle: the stream is not left gated, the
+    same restore asked again runs, and the hit stays the caller's (not released)."""
+    layout_salt = Salt("test/layers-hybrid", LAYOUT, state_format="t/v1:float32")
+    provider = PinnedProvider(4 << 20, block=PAGE, allocator=OrdinaryAllocator(huge_pages=False))
+    engine = CpuCopyEngine()
+    src = planes(seed=23)
+    try:
+        with HostKVCache(provider, layout_salt, engine, chunk_pages=4, required_anchors={"ssm"}) as cache:
+            keys = cache.keys(list(range(PAGES * LAYOUT.page_tokens)))
+            assert cache.save(keys, KVPlanes.from_arrays(LAYOUT, src), list(range(PAGES)),
+                              anchors=lambda i: {"ssm": b"s%d" % i}).wait().stored == PAGES
+            for count in (3, PAGES):  # one chunk (started on this thread), and several
+                hit = cache.lookup(keys)
+                assert hit.num_pages == PAGES
+                dst = planes(fill=POISON)
+                ids = list(range(PAGES, PAGES + count))
+                with pytest.raises(InvalidArgumentError):
+                    cache.restore(hit, KVPlanes.from_arrays(LAYOUT, dst), ids, before=stream,
+                                  anchors_into={"ssm": b"read-only"})
+                ran: list[bool] = []
+                stream.enqueue(lambda ran=ran: ran.append(True))
+                assert stream.synchronize(10) and ran == [True]  # not left gated
+                assert not hit.released  # a refused call leaves the hit to its caller
+                h = cache.restore(hit, KVPlanes.from_arrays(LAYOUT, dst), ids, before=stream)
+                res = h.wait(10)  # finished: not coalesced into the refused handle
+                assert res.viewed + res.staged == count  # (pages: cut back to a page with the anchor)
+                assert hit.released
+    finally:
+        engine.close()
+        provider.close()

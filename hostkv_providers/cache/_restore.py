@@ -176,15 +176,12 @@ def _restore_checked(self: HostKVCache, hit: CacheHit, into: Any, block_ids: Seq
             except BaseException:
                 del self._restores[ident]
                 raise
-    if self._hybrid is not None:  # hybrid hook: where the anchors go
-        self._hybrid.note_restore(handle, anchors_into, first_page)
-
-    # A layer-wise restore from views reads through the hit's own lease (see _restore_layer_major):
-    # the hit holds its pages until the restore is done, whenever it is released.
-    layered = (layerwise and self._views and self._page_views and hit.lease is not None
-               and isinstance(self.engine, CopyEngine) and self.layout.num_layers > 1)
-    if layered:
-        hit._hold()
+    # From here on the handle is registered and the caller's stream may be gated: a failure
+    # before the restore thread has it must finish the handle (opening the gate behind any copy
+    # already issued), or the stream stays gated and the same restore asked again coalesces into
+    # a handle nobody finishes.
+    layered = False
+    refused = False
 
     def finish(h: CacheHandle) -> None:
         with self._lock:
@@ -196,23 +193,33 @@ def _restore_checked(self: HostKVCache, hit: CacheHit, into: Any, block_ids: Seq
                 self._stats.restored_pages += res.pages
                 self._stats.bytes_in += res.nbytes
                 self._restore_lat.add(h.seconds)
-        if release:
+        if release and not refused:  # (a refused call leaves the hit to its caller, as it was)
             hit.release()
         if layered:
             hit._unhold()
 
     handle._on_finish(finish)
     begun: tuple[Any, HostPages] | BaseException | None = None
-    if layered:
-        try:
-            begun = _start_layer_major(self, handle, hit, keys, planes, bids, pre)
-        except BaseException as exc:  # reported through the handle, as on the restore thread
-            begun = exc
     try:
-        self._restore_pool.submit(self._run_restore, handle, hit, keys, planes, bids, begun)
-    except BaseException:
+        if self._hybrid is not None:  # hybrid hook: where the anchors go
+            self._hybrid.note_restore(handle, anchors_into, first_page)
+        # A layer-wise restore from views reads through the hit's own lease (see
+        # _start_layer_major): the hit holds its pages until the restore is done, whenever it is
+        # released.
+        layered = (layerwise and self._views and self._page_views and hit.lease is not None
+                   and isinstance(self.engine, CopyEngine) and self.layout.num_layers > 1)
         if layered:
-            hit._unhold()
+            hit._hold()
+            try:
+                begun = _start_layer_major(self, handle, hit, keys, planes, bids, pre)
+            except BaseException as exc:  # reported through the handle, as on the restore thread
+                begun = exc
+        self._restore_pool.submit(self._run_restore, handle, hit, keys, planes, bids, begun)
+    except BaseException as exc:
+        refused = True
+        if isinstance(begun, tuple):
+            begun[0].wait()  # a copy issued on this thread: done before its blocks are given back
+        handle._finish(RestoreResult(), exc)
         raise
     return handle
 
@@ -442,16 +449,21 @@ def _finish_layer_major(self: HostKVCache, result: RestoreResult, pre: tuple[Any
     leading pages it took and the verification it set up."""
     h, every = pre
     i = len(every)
+    # Waited for first: whatever fails below, the copy issued on the caller's thread is done
+    # before the restore reports (and gives the hit's pages and the engine's blocks back).
+    pending.append((h, None, [], None))
     sums = every.checksums
-    verify = None
     check: RestoreCheck | None = None
     if sums is not None and every.algorithm == TREE_ALGORITHM:
         # views of a store that verifies reads: the blocks are checked on the GPU behind the last
         # transfer (every layer of every page is in place once it is done)
         check = restore_check(planes)
         if check is not None:
-            verify = (0, check.enqueue(h, bids[:i]), sums)
-    pending.append((h, None, [], verify))
+            try:
+                pending[-1] = (h, None, [], (0, check.enqueue(h, bids[:i]), sums))
+            except BaseException:
+                check.close()
+                raise
     result.viewed += i
     result.pages += i
     result.nbytes += i * self.page_nbytes
