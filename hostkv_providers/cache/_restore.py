@@ -107,9 +107,11 @@ def restore(self: HostKVCache, hit: CacheHit, into: Any, block_ids: Sequence[int
     # after the hand-off to the restore thread, which the copies then overlap.  (H200, 2 MiB
     # pages: 200 pages restored page-major through the restore thread took 9.85 ms, layer 0 of
     # a layer-wise restore, the same bytes, 8.99 ms.)  Every layer completes with the transfer;
-    # the caller's thread holds the GIL for the views of at most chunk_pages pages.
+    # the caller's thread holds the GIL for the views of at most chunk_pages pages.  Not from
+    # pageable views into the CUDA engine: those copies would run synchronously on this thread.
     try:
-        small = min(len(block_ids), hit.num_pages - first_page) <= self.chunk_pages
+        small = (min(len(block_ids), hit.num_pages - first_page) <= self.chunk_pages
+                 and (bool(getattr(self.provider, "views_pinned", False)) or not hasattr(self.engine, "prestage")))
     except TypeError:
         small = False  # (the checks below say what is wrong with block_ids)
     layer_major = layerwise or small
