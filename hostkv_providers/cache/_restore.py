@@ -52,9 +52,7 @@ def restore(self: HostKVCache, hit: CacheHit, into: Any, block_ids: Sequence[int
         :class:`~hostkv_providers.device.HostStream` for the CPU engine, or ``None``): every
         kernel enqueued on it after this call returns runs only once the restored bytes are
         in the blocks — on every path (zero-copy views and bounce buffers), although the
-        copies are issued later on the cache's own thread (a restore of at most
-        ``chunk_pages`` pages from chunk-level views issues its one transfer on the caller's
-        thread, before this call returns).  The host is not blocked: the
+        copies are issued later on the cache's own thread.  The host is not blocked: the
         stream waits on a device-visible flag that the restore sets behind its copies.
         (:meth:`CacheHandle.wait_on` orders further streams the same way.)
     release:
@@ -102,23 +100,10 @@ def restore(self: HostKVCache, hit: CacheHit, into: Any, block_ids: Sequence[int
         raise InvalidArgumentError("the hit was released; look it up again")
     if not isinstance(layerwise, bool):
         raise InvalidArgumentError(f"layerwise must be a bool, got {layerwise!r}")
-    # A restore of at most one chunk (a ranged restore, a short prompt's hit) goes the layer-wise
-    # way: its views and its one transfer are started here, on the caller's thread, rather than
-    # after the hand-off to the restore thread, which the copies then overlap.  (H200, 2 MiB
-    # pages: 200 pages restored page-major through the restore thread took 9.85 ms, layer 0 of
-    # a layer-wise restore, the same bytes, 8.99 ms.)  Every layer completes with the transfer;
-    # the caller's thread holds the GIL for the views of at most chunk_pages pages.  Not from
-    # pageable views into the CUDA engine: those copies would run synchronously on this thread.
-    try:
-        small = (min(len(block_ids), hit.num_pages - first_page) <= self.chunk_pages
-                 and (bool(getattr(self.provider, "views_pinned", False)) or not hasattr(self.engine, "prestage")))
-    except TypeError:
-        small = False  # (the checks below say what is wrong with block_ids)
-    layer_major = layerwise or small
-    pre = _prestage(self, hit, first_page, block_ids) if layer_major else None
+    pre = _prestage(self, hit, first_page, block_ids) if layerwise else None
     try:
         handle = _restore_checked(self, hit, into, block_ids, before, release, first_page, anchors_into,
-                                  layer_major, pre)
+                                  layerwise, pre)
     finally:
         if pre is not None:
             pre.release()  # (a no-op once the engine took it)
@@ -368,8 +353,8 @@ def _restore_pages(self: HostKVCache, handle: CacheHandle, result: RestoreResult
                 if prefetched < i + len(part):
                     # A store with views that does not hold this chunk in view-able memory (the
                     # slow tier of tiered:// after a restart): hint the chunk itself before its
-                    # read.  Without it the first chunk was read cold by bare 2 MiB preads,
-                    # 4.7x slower than after the hint (CPU machine, 512 MiB, .devcarry/rstart.py).
+                    # read.  Without it the first chunk was read cold by bare 2 MiB preads
+                    # (CPU machine, 512 MiB chunks: 1.07-1.31 s against 0.19-0.23 s hinted).
                     self.provider.prefetch(part)
                 nxt = keys[i + len(part) : i + len(part) + chunk]
                 if nxt:
@@ -452,7 +437,8 @@ def _finish_layer_major(self: HostKVCache, result: RestoreResult, pre: tuple[Any
     h, every = pre
     i = len(every)
     # Waited for first: whatever fails below, the copy issued on the caller's thread is done
-    # before the restore reports (and gives the hit's pages and the engine's blocks back).
+    # before the restore reports (and gives the hit's pages and the engine's blocks back; told
+    # the restore failed, the engine recomputes into those blocks).
     pending.append((h, None, [], None))
     sums = every.checksums
     check: RestoreCheck | None = None
