@@ -196,8 +196,10 @@ def _split_lease(run: _PendingRun, positions: Any) -> list[Lease]:
     return leases
 
 
-def _run_views(run: _PendingRun, positions: Any) -> list[memoryview | None]:
+def _run_views(run: _PendingRun, positions: Any) -> tuple[list[memoryview | None], Any]:
     """Read-only views of the pages at ``positions`` of ``run`` in the fast tier, ``None`` for
-    one the fast tier dropped (``PinnedProvider._run_views``)."""
-    views: list[memoryview | None] = run.lease.provider._run_views(run.lease, positions)  # type: ignore[attr-defined]
-    return views
+    one the fast tier dropped, and their seal checksums where the fast tier verifies reads
+    (else ``None``; ``PinnedProvider._run_views_sums``)."""
+    got: tuple[list[memoryview | None], Any] = run.lease.provider._run_views_sums(  # type: ignore[attr-defined]
+        run.lease, positions)
+    return got

@@ -190,7 +190,7 @@ class _WriteBack(_Figures):
             sel = np.flatnonzero(run.waiting[lo:hi]) + lo
             if not len(sel):
                 return True
-            views = _run_views(run, sel)
+            views, sums = _run_views(run, sel)
             if None in views:
                 bad = views.index(None)
                 row, gen = int(run.rows[sel[bad]]), run.gen0 + int(sel[bad])
@@ -208,10 +208,22 @@ class _WriteBack(_Figures):
         parents = [keys[p - 1] if p else run.parent for p in sel.tolist()]
         got: list[bool | HostKVError]
         try:
+            # A fast tier that verifies reads has its copies checked before they are stored again:
+            # bytes damaged since their seal (in RAM, or by the copy from the GPU, whose checksum
+            # was taken in HBM) would otherwise land in the slow tier under a checksum of their
+            # own, and a read would fall back to them once the fast copy failed.  The first bad
+            # page fails (dropped with its subtree below: the rest of the batch, a chain).
+            n_ok = len(ks) if sums is None else run.lease.provider._first_bad(views, sums)  # type: ignore[attr-defined]
             if stale:
                 with contextlib.suppress(HostKVError):
                     self.slow.evict(stale)
-            got = self.slow.put_many(list(zip(ks, parents, views, strict=True)), salt_tag=run.tag)
+            items = list(zip(ks[:n_ok], parents[:n_ok], views[:n_ok], strict=True))
+            got = self.slow.put_many(items, salt_tag=run.tag) if n_ok else []
+            if n_ok < len(ks):
+                self._tally("checksum_failures")
+                corrupt = HostKVError(f"{ks[n_ok].hex()[:16]} failed its checksum in the fast tier before its "
+                                      "write-back")
+                got = [*got, *[corrupt] * (len(ks) - n_ok)]
         except BaseException as exc:  # the whole call failed: every page of it failed
             _log.warning("tiered write-back of %d pages failed: %s", len(ks), exc)
             got = [exc if isinstance(exc, HostKVError) else HostKVError(str(exc))] * len(ks)

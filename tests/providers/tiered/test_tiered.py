@@ -759,8 +759,8 @@ def test_a_chain_run_is_reserved_and_sealed_as_one_run(tiered: TieredProvider) -
 def test_the_store_seals_in_the_fast_tiers_checksum_algorithm() -> None:
     """A cache hashes saved pages on the GPU only for a store whose ``checksum_algorithm`` is the
     GPU's (the tree): the tiered store's is its fast tier's, and checksums given to its seals in
-    that algorithm are what the fast tier records (a wrong one fails the fast copy's verified
-    read, as a flipped bit does); the write-back's slow copy is hashed by the slow tier."""
+    that algorithm are what the fast tier records (a wrong one fails the writer's check before
+    the write-back, as a flipped bit does); the write-back's slow copy is hashed by the slow tier."""
     from hostkv_providers._blockhash import TREE_ALGORITHM, tree_checksum
 
     for algorithm in (TREE_ALGORITHM, "xxh3-64"):
@@ -781,14 +781,61 @@ def test_the_store_seals_in_the_fast_tiers_checksum_algorithm() -> None:
         _write_run(rc, keys)
         given = [tree_checksum(page_bytes(k, PAGE)) for k in keys]
         given[4] ^= 1  # a wrong one
+        fast_sums: dict[bytes, int] = {}
+        real_first_bad = t.fast._first_bad  # type: ignore[attr-defined]
+
+        def first_bad(views: Any, sums: Any) -> int:  # what the fast tier recorded, as the writer sees it
+            fast_sums.update(zip(keys, [int(x) for x in sums], strict=False))
+            return int(real_first_bad(views, sums))
+
+        t.fast._first_bad = first_bad  # type: ignore[attr-defined]
         rc.seal(checksums=given, algorithm=TREE_ALGORITHM)
         assert t.flush(60)
-        fast_sums = {e.key: e.checksum for e in t.fast.iter_entries()}  # type: ignore[attr-defined]
         assert [fast_sums[k] for k in keys] == given  # recorded, not hashed again
-        out = bytearray(PAGE)
-        assert t.fast.read(keys[4], out) is False  # the wrong checksum: the fast copy is dropped
-        assert t.read(keys[4], out) is True and bytes(out) == page_bytes(keys[4], PAGE)  # the slow one
-        assert all(t.read_bytes(k) == page_bytes(k, PAGE) for k in keys)
+        # The wrong one is a page damaged between the GPU's hash and the host's copy, as far as
+        # anyone can tell: the writer's check fails it, and it goes with its subtree (a miss),
+        # never into the slow tier under a checksum of its own.
+        assert t.present(keys) == [True] * 4 + [False] * 2
+        assert t.slow.present(keys) == [True] * 4 + [False] * 2
+        assert all(t.read_bytes(k) == page_bytes(k, PAGE) for k in keys[:4])
+    finally:
+        t.close()
+
+
+def test_a_fast_copy_damaged_before_its_write_back_is_not_written_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fast tier that verifies reads has a run's bytes checked against their seal checksums
+    before the writer stores them in the slow tier: a page damaged in the fast tier after its
+    seal fails its write-back and is dropped with its subtree (a miss, never the damaged bytes
+    under a fresh slow-tier checksum); the pages before it are written back whole."""
+    import ctypes
+
+    t = TieredProvider(PinnedProvider(64 * PAGE, block=PAGE, allocator=OrdinaryAllocator(), verify_reads=True),
+                       _pinned(256 * PAGE), budget_bytes=128 * PAGE)
+    keys = chain("run-damaged", 6)
+    real = tiered_wb._run_views
+
+    def damaged(run: Any, positions: Any) -> Any:
+        views, sums = real(run, positions)
+        for p, v in zip(positions.tolist(), views, strict=True):
+            if run.lease.keys[p] == keys[3] and v is not None:  # a bit flips in RAM after the seal
+                addr = np.frombuffer(v, np.uint8).ctypes.data
+                ctypes.c_uint8.from_address(addr + 100).value ^= 0x10
+        return views, sums
+
+    monkeypatch.setattr(tiered_wb, "_run_views", damaged)
+    try:
+        rc = t.reserve_many(keys, [None, *keys[:-1]], PAGE)
+        assert rc.run is not None
+        _write_run(rc, keys)
+        rc.seal()
+        assert t.flush(60)
+        assert t.slow.present(keys) == [True] * 3 + [False] * 3  # the damaged page and its subtree: not written
+        assert t.present(keys) == [True] * 3 + [False] * 3  # dropped: a miss from here on
+        assert t.fast.present(keys[3:]) == [False] * 3
+        assert all(t.read_bytes(k) == page_bytes(k, PAGE) for k in keys[:3])
+        st = t.stats()
+        assert st.extra["write_backs"] == 3 and st.extra["write_back_failures"] >= 1
+        assert st.checksum_failures >= 1
     finally:
         t.close()
 
@@ -982,7 +1029,7 @@ def test_a_failing_run_write_back_drops_the_run_and_the_writer_lives_on() -> Non
     pages not written are dropped from both tiers (their state is unknown), the queue's count
     comes back to zero, nothing stays leased, and the writer stores the next save."""
     t = TieredProvider(_pinned(1024 * PAGE), _pinned(1024 * PAGE), budget_bytes=1024 * PAGE)
-    orig = t.fast._run_views  # type: ignore[attr-defined]
+    orig = t.fast._run_views_sums  # type: ignore[attr-defined]
     calls = [0]
 
     def failing(lease: object, positions: Any) -> object:
@@ -991,7 +1038,7 @@ def test_a_failing_run_write_back_drops_the_run_and_the_writer_lives_on() -> Non
             raise RuntimeError("injected: a defect in the second batch")
         return orig(lease, positions)
 
-    t.fast._run_views = failing  # type: ignore[attr-defined]
+    t.fast._run_views_sums = failing  # type: ignore[attr-defined]
     try:
         keys = _sealed_run(t, "run-wb-defect", 600)
         assert t.flush(60)
