@@ -7,7 +7,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from hostkv_providers._checks import readable_bytes
@@ -234,12 +234,31 @@ class _DeferredReservation(Reservation):
 _DEFERRED: weakref.WeakValueDictionary[tuple[int, Key], _DeferredReservation] = weakref.WeakValueDictionary()
 
 
-def reserve_chain(provider: Provider, keys: Sequence[bytes], parents: Sequence[bytes | None], nbytes: int,
-                  salt_tag: str) -> ReservedChain:
-    """The default :meth:`Provider.reserve_many`: deferred reservations (see its docstring)."""
+def chain_keys(provider: Provider, keys: Sequence[bytes], parents: Sequence[bytes | None]) -> list[Key]:
+    """``reserve_many``'s shape checks: the keys validated, and one parent per key."""
     ks = provider._keys(keys)
     if isinstance(parents, (bytes, bytearray, memoryview, str)) or len(parents) != len(ks):
         raise InvalidArgumentError(f"{len(parents)} parents for {len(ks)} keys; give one per key")
+    return ks
+
+
+def reserve_run_first(provider: Provider, ks: list[Key], parents: Sequence[bytes | None], nbytes: int,
+                      salt_tag: str,
+                      reserve_run: Callable[[list[Key], Key | None, int, str], ReservedChain | None]
+                      ) -> ReservedChain | None:
+    """A chain run (each page's parent the page before) reserved as one run, no per-page objects,
+    by the provider's ``reserve_run``; ``None`` when ``ks`` is not one or the provider declined
+    (the caller then goes page by page)."""
+    if len(ks) > 1 and list(parents[1:]) == ks[:-1]:
+        _k0, p0, n = provider._reserve_args(ks[0], parents[0], nbytes, salt_tag)
+        return reserve_run(ks, p0, n, salt_tag)
+    return None
+
+
+def reserve_chain(provider: Provider, keys: Sequence[bytes], parents: Sequence[bytes | None], nbytes: int,
+                  salt_tag: str) -> ReservedChain:
+    """The default :meth:`Provider.reserve_many`: deferred reservations (see its docstring)."""
+    ks = chain_keys(provider, keys, parents)
     provider._check_usable()
     out: list[Reservation | None] = []
     batch: set[Key] = set()

@@ -159,12 +159,7 @@ class IndexedProvider(Provider):
 
     def _evict(self, keys: list[Key] | None, nbytes: int) -> EvictReport:
         with self._locked(self._lock):
-            idx = self._index
-            if keys is not None:
-                removed, skipped = idx.evict_rows(idx.rows_of(keys))
-            else:
-                removed, skipped = idx.evict_cost(nbytes), 0
-            freed = int(idx.nbytes[removed].sum()) if removed else 0
+            removed, freed, skipped = self._index.evict_for(keys, nbytes)
             self._remove_rows(removed)
             return EvictReport(len(removed), freed, skipped)
 

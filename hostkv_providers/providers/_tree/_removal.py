@@ -306,6 +306,16 @@ class _Removal(_Columns):
         out: list[int] = rows[order].tolist()
         return out
 
+    def evict_for(self, keys: Sequence[bytes] | None, need: int) -> tuple[list[int], int, int]:
+        """A provider's ``evict``: the rows of ``keys`` with their subtrees (:meth:`evict_rows`),
+        or with ``keys=None`` leaves worth ``need`` bytes (:meth:`evict_cost`); returns the rows
+        removed, their bytes and how many were skipped (held).  The caller frees the rows."""
+        if keys is not None:
+            removed, skipped = self.evict_rows(self.rows_of(keys))
+        else:
+            removed, skipped = self.evict_cost(need), 0
+        return removed, int(self.nbytes[removed].sum()) if removed else 0, skipped
+
     def evict_rows(self, rows: Sequence[int]) -> tuple[list[int], int]:
         """Remove ``rows`` with their subtrees, skipping held rows (and so their ancestors);
         ``RetainedError`` (nothing removed) when a subtree holds a retained row."""

@@ -782,12 +782,7 @@ class MmapProvider(_BatchWrites):
         with self._lock:
             self._check_usable()
             self._need_writer("evict")
-            idx = self._idx
-            if ks is not None:
-                removed, skipped = idx.evict_rows(idx.rows_of(ks))
-            else:
-                removed, skipped = idx.evict_cost(nbytes), 0
-            total = int(idx.nbytes[removed].sum()) if removed else 0
+            removed, total, skipped = self._idx.evict_for(ks, nbytes)
             self._free_rows_storage(removed, journal=True)
             return EvictReport(len(removed), total, skipped)
 

@@ -8,13 +8,12 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from hostkv_providers._chain import ReservedChain
+from hostkv_providers._chain import ReservedChain, chain_keys, reserve_run_first
 from hostkv_providers._errors import (
     CapacityError,
     ClosedError,
     HostKVError,
     InFlightError,
-    InvalidArgumentError,
     UnknownKeyError,
 )
 from hostkv_providers._keys import Key
@@ -99,15 +98,10 @@ class _Writes(_Leases):
         """Arena reservations for a chain run in one lock round (see ``Provider.reserve_many``):
         a parent may be in flight (reserved earlier in this call or an earlier one), so a copy
         engine DMAs a whole chain straight into the arena before the first seal."""
-        ks = self._keys(keys)
-        if isinstance(parents, (bytes, bytearray, memoryview, str)) or len(parents) != len(ks):
-            raise InvalidArgumentError(f"{len(parents)} parents for {len(ks)} keys; give one per key")
-        if len(ks) > 1 and list(parents[1:]) == ks[:-1]:
-            # a chain run (each page's parent the page before): try it as one run, no per-page objects
-            _k0, p0, n = self._reserve_args(ks[0], parents[0], nbytes, salt_tag)
-            chain = self._reserve_run(ks, p0, n, salt_tag)
-            if chain is not None:
-                return chain
+        ks = chain_keys(self, keys, parents)
+        chain = reserve_run_first(self, ks, parents, nbytes, salt_tag, self._reserve_run)
+        if chain is not None:
+            return chain
         checked = [self._reserve_args(k, p, nbytes, salt_tag) for k, p in zip(ks, parents, strict=True)]
         out: list[Reservation | None] = []
         error: HostKVError | None = None
@@ -184,12 +178,7 @@ class _Writes(_Leases):
 
     def _evict(self, ks: list[Key] | None, nbytes: int) -> EvictReport:
         with self._usable():
-            idx = self._index
-            if ks is not None:
-                removed, skipped = idx.evict_rows(idx.rows_of(ks))
-            else:
-                removed, skipped = idx.evict_cost(nbytes), 0
-            freed = int(idx.nbytes[removed].sum()) if removed else 0
+            removed, freed, skipped = self._index.evict_for(ks, nbytes)
             self._free_rows(removed)
             return EvictReport(len(removed), freed, skipped)
 

@@ -8,7 +8,14 @@ import contextlib
 from collections.abc import Sequence
 
 from hostkv_providers._capabilities import SupportsBatch
-from hostkv_providers._chain import _DEFERRED, ReservedChain, _check_checksums, _DeferredReservation
+from hostkv_providers._chain import (
+    _DEFERRED,
+    ReservedChain,
+    _check_checksums,
+    _DeferredReservation,
+    chain_keys,
+    reserve_run_first,
+)
 from hostkv_providers._errors import (
     CapacityError,
     ClosedError,
@@ -48,16 +55,11 @@ class _Chains(_WriteBack):
         base class's default; so do the pages after a parent of that kind), and ``seal_many``
         writes them through to the slow tier, a run per ``put_many`` (:meth:`_store_through`).
         """
-        ks = self._keys(keys)
-        if isinstance(parents, (bytes, bytearray, memoryview, str)) or len(parents) != len(ks):
-            raise InvalidArgumentError(f"{len(parents)} parents for {len(ks)} keys; give one per key")
-        if len(ks) > 1 and list(parents[1:]) == ks[:-1]:
-            # a chain run (each page's parent the page before): one run in both indexes, no
-            # per-page reservation objects (the plain case; anything else goes page by page)
-            _k0, p0, n0 = self._reserve_args(ks[0], parents[0], nbytes, salt_tag)
-            chain = self._reserve_run(ks, p0, n0, salt_tag)
-            if chain is not None:
-                return chain
+        ks = chain_keys(self, keys, parents)
+        # (a chain run: one run in both indexes; anything else goes page by page)
+        chain = reserve_run_first(self, ks, parents, nbytes, salt_tag, self._reserve_run)
+        if chain is not None:
+            return chain
         checked = [self._reserve_args(k, p, nbytes, salt_tag) for k, p in zip(ks, parents, strict=True)]
         self._check_usable()
         out: list[Reservation | None] = []

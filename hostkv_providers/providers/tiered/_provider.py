@@ -720,12 +720,7 @@ class TieredProvider(_Chains):
         self._check_usable()  # before the lock: a forked child must not wait on a copied lock
         with self._lock:
             self._check_usable()
-            idx = self._index
-            if ks is not None:
-                removed, skipped = idx.evict_rows(idx.rows_of(ks))
-            else:
-                removed, skipped = idx.evict_cost(nbytes), 0
-            freed = int(idx.nbytes[removed].sum()) if removed else 0
+            removed, freed, skipped = self._index.evict_for(ks, nbytes)
             self._drop_from_tiers(removed)
             return EvictReport(len(removed), freed, skipped)
 
