@@ -354,7 +354,7 @@ def _restore_pages(self: HostKVCache, handle: CacheHandle, result: RestoreResult
                     # A store with views that does not hold this chunk in view-able memory (the
                     # slow tier of tiered:// after a restart): hint the chunk itself before its
                     # read.  Without it the first chunk was read cold by bare 2 MiB preads
-                    # (CPU machine, 512 MiB chunks: 1.07-1.31 s against 0.19-0.23 s hinted).
+                    # (CPU machine, 512 MiB chunks: 0.41-1.31 s against 0.19-0.25 s hinted).
                     self.provider.prefetch(part)
                 nxt = keys[i + len(part) : i + len(part) + chunk]
                 if nxt:

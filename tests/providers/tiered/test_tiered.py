@@ -383,7 +383,7 @@ def test_a_restore_from_tiered_views_the_fast_tier_and_reads_the_rest(tiered: Ti
 def test_a_restore_after_a_restart_hints_every_chunk_before_reading_it(tmp_path: Path) -> None:
     """After a restart the fast tier is empty: every chunk of a restore falls back from views to
     reads of the slow tier.  Each chunk is hinted to the slow tier (``prefetch``) before it is
-    read, the first one too (it was read cold without a hint: 4.7x slower per chunk on the CPU
+    read, the first one too (it was read cold without a hint: 2-6x slower per chunk on the CPU
     machine), and the bytes are the saved ones."""
     layout = hk.KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, page_tokens=4, dtype="float32")
     salt = hk.Salt("tiered/restart-hints", layout)
