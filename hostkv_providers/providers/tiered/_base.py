@@ -64,6 +64,7 @@ class _TieredBase(Provider):
     _slow_tree: bool
     _slow_retain: bool
     _fast_views: bool
+    _fast_verifies: bool
     _fast_batch_views: bool
     _fast_page_views: bool
     _fast_batch: bool

@@ -178,6 +178,9 @@ class TieredProvider(_Chains):
         self._slow_tree = isinstance(getattr(slow, "_index", None), TreeIndex)
         self._slow_retain = isinstance(slow, SupportsRetain)
         self._fast_views = isinstance(fast, SupportsViews)  # a Protocol check is slow: once
+        # A fast tier that verifies reads: the writer stores its verified copies (a view is not
+        # checked), so bytes damaged after their seal never reach the slow tier (_write_back)
+        self._fast_verifies = bool(getattr(fast, "_verify_reads", False))
         self._fast_batch_views = isinstance(fast, SupportsBatchViews)
         self._fast_page_views = callable(getattr(fast, "view_pages", None))
         self._fast_batch = isinstance(fast, SupportsBatch)

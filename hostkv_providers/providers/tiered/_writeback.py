@@ -324,10 +324,19 @@ class _WriteBack(_Figures):
                 with contextlib.suppress(HostKVError):
                     self.slow.evict(stale)
             for node, lease in todo:
-                regions = self._view_fast(lease, node.key)
-                if regions is None:
-                    raise UnknownKeyError(f"{node.key.hex()[:16]} vanished from the fast tier")
-                data: object = regions[0].view if len(regions) == 1 else b"".join(bytes(r.view) for r in regions)
+                data: object | None
+                if self._fast_verifies:
+                    # its verified copy: one that fails its checksum is a miss there (and dropped
+                    # by the fast tier); it and the pages after it go page by page below, where it
+                    # fails its write-back and goes with its subtree
+                    data = self.fast.read_bytes(node.key)
+                    if data is None:
+                        break
+                else:
+                    regions = self._view_fast(lease, node.key)
+                    if regions is None:
+                        raise UnknownKeyError(f"{node.key.hex()[:16]} vanished from the fast tier")
+                    data = regions[0].view if len(regions) == 1 else b"".join(bytes(r.view) for r in regions)
                 items.append((node.key, node.parent, data))
                 took.append(node)
             slow = self.slow
@@ -340,8 +349,9 @@ class _WriteBack(_Figures):
             # the whole call failed: every page of it is treated as a failed write-back
             _log.warning("tiered write-back of %d pages failed: %s", len(todo), exc)
             got = [exc if isinstance(exc, HostKVError) else HostKVError(str(exc))] * len(took)
+        if len(took) < len(todo):
             took_set = {id(n) for n in took}
-            with self._lock:  # pages not reached before the failure
+            with self._lock:  # pages not reached (a failure, a copy that failed its check): page by page
                 for node, _ in todo:
                     if id(node) not in took_set:
                         node.writing = False
@@ -414,7 +424,10 @@ class _WriteBack(_Figures):
                 ok = True  # already there (an earlier, cancelled write-back left it): same key, same bytes
             else:
                 try:
-                    regions = self._view_fast(lease, node.key) if lease is not None else None
+                    # (a fast tier that verifies reads: its verified copy, not an unchecked view;
+                    # a page damaged since its seal is a miss there and fails here)
+                    regions = (self._view_fast(lease, node.key)
+                               if lease is not None and not self._fast_verifies else None)
                     if regions is None:
                         data = self.fast.read_bytes(node.key)
                         if data is None:

@@ -840,6 +840,56 @@ def test_a_fast_copy_damaged_before_its_write_back_is_not_written_back(monkeypat
         t.close()
 
 
+@pytest.mark.parametrize("batch", [True, False])
+def test_pages_damaged_before_their_page_by_page_write_back_are_not_written_back(batch: bool) -> None:
+    """The page-by-page write-back (pages sealed one by one: ``put``, ``seal``) stores a fast
+    tier's verified copies where that tier verifies reads, as the chain-run path checks its
+    views: a page damaged in the fast tier after its seal fails its write-back and goes with its
+    subtree (a miss), never into the slow tier under a fresh checksum of its own; the pages
+    before it are written back whole (one ``put_many`` or, without one, page by page)."""
+    import ctypes
+
+    slow = (PinnedProvider if batch else _NoBatch)(256 * PAGE, block=PAGE, allocator=OrdinaryAllocator())
+    t = TieredProvider(PinnedProvider(64 * PAGE, block=PAGE, allocator=OrdinaryAllocator(), verify_reads=True),
+                       slow, budget_bytes=128 * PAGE)
+    keys = chain("pages-damaged", 6)
+    real = t._write_pages
+    damaged: list[bytes] = []
+
+    batches: list[int] = []
+
+    def damage_then_write(pages: Any) -> None:
+        batches.append(len(pages))
+        for node in pages:
+            if node.key == keys[3]:  # a bit flips in RAM after the seal, before the write-back
+                with t.fast.lease([node.key]) as lease:
+                    view = t.fast.view(lease, node.key)[0].view  # type: ignore[attr-defined]
+                    addr = np.frombuffer(view, np.uint8).ctypes.data
+                    ctypes.c_uint8.from_address(addr + 100).value ^= 0x10
+                damaged.append(node.key)
+        real(pages)
+
+    t._write_pages = damage_then_write  # type: ignore[method-assign]
+    # The writer is held (behind a queued anchor) until every page is sealed: they go as one batch.
+    go = threading.Event()
+    t._write_anchor = lambda *_a: go.wait(30)  # type: ignore[method-assign]
+    t._queue.put(("anchor", None, None, None, None))
+    try:
+        for i, k in enumerate(keys):
+            assert t.put(k, keys[i - 1] if i else None, page_bytes(k, PAGE)) is True
+        go.set()
+        assert t.flush(60)
+        assert damaged == [keys[3]]
+        assert batches[0] == 6
+        assert t.slow.present(keys) == [True] * 3 + [False] * 3  # the damaged page and its subtree: not written
+        assert t.present(keys) == [True] * 3 + [False] * 3  # dropped: a miss from here on
+        assert all(t.read_bytes(k) == page_bytes(k, PAGE) for k in keys[:3])
+        st = t.stats()
+        assert st.extra["write_backs"] == 3 and st.extra["write_back_failures"] >= 1
+    finally:
+        t.close()
+
+
 def test_a_run_sealed_before_its_parent_run_fails_whole_and_leaves_nothing(tiered: TieredProvider) -> None:
     keys = chain("run-orphan", 20)
     first = tiered.reserve_many(keys[:10], [None, *keys[:9]], PAGE)
