@@ -460,6 +460,46 @@ def test_cache_ranged_layerwise_restore(stream: HostStream) -> None:
         provider.close()
 
 
+def test_cache_restore_of_one_chunk_issues_its_copy_on_the_callers_thread(stream: HostStream) -> None:
+    """A restore of at most ``chunk_pages`` pages from chunk-level views (a ranged restore, a short
+    hit) is handed to the engine before ``restore()`` returns, on the caller's thread, as one
+    transfer; a longer one is issued chunk by chunk on the restore thread.  Both order ``before=``
+    behind the bytes (the poisoned blocks are never seen by the gated job)."""
+    provider = PinnedProvider(4 << 20, block=PAGE, allocator=OrdinaryAllocator(huge_pages=False))
+    engine = CpuCopyEngine()
+    src = planes(seed=17)
+    callers: list[threading.Thread] = []
+    inner = engine.restore
+
+    def restore(*args: Any, **kwargs: Any) -> Any:
+        callers.append(threading.current_thread())
+        return inner(*args, **kwargs)
+
+    engine.restore = restore  # type: ignore[method-assign]
+    try:
+        with HostKVCache(provider, SALT, engine, chunk_pages=4) as cache:
+            keys = saved(cache, src)
+            for first, count, on_caller in ((0, 4, True), (8, 3, True), (0, PAGES, False)):
+                callers.clear()
+                dst = planes(fill=POISON)
+                ids = list(range(PAGES, PAGES + count))
+                expect = [p[first : first + count] for p in src]
+                h = cache.restore(cache.lookup(keys), KVPlanes.from_arrays(LAYOUT, dst), ids, first_page=first,
+                                  before=stream)
+                if on_caller:
+                    assert callers == [threading.current_thread()]  # issued before restore() returned
+                seen: list[bool] = []
+                stream.enqueue(lambda dst=dst, ids=ids, expect=expect, seen=seen: seen.append(
+                    layer_ok(dst, expect, ids, LAST)))
+                assert h.wait(10).pages == count
+                assert stream.synchronize(10) and seen == [True]
+                if not on_caller:
+                    assert len(callers) == 3 and threading.current_thread() not in callers  # a chunk each
+    finally:
+        engine.close()
+        provider.close()
+
+
 def test_a_restore_failing_after_its_copy_was_issued_reports_only_once_the_copy_is_done(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A layer-wise restore's copy is issued on the caller's thread; if the restore thread then

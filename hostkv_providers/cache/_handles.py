@@ -4,6 +4,7 @@ leased :class:`CacheHit`, and the cache's counters."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -11,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from hostkv_providers._checks import check_timeout
-from hostkv_providers._errors import InvalidArgumentError, UnknownKeyError
+from hostkv_providers._errors import CopyEngineError, InvalidArgumentError, UnknownKeyError
 from hostkv_providers._keys import Key
 from hostkv_providers._reservation import Lease
 from hostkv_providers.metrics import LatencyHistogram
@@ -142,7 +143,11 @@ class CacheHandle:
         return self._issued_evt if layer is None or not self._ready else self._ready[layer]
 
     def _order(self, stream: Any, layer: int | None) -> None:
-        gate_fn = getattr(self._engine, "gate", None)
+        # A CUDA engine gates a stream (a wait on a device-visible flag) only when asked to
+        # (CudaCopyEngine(stream_gates=True)): that order is invisible to CUDA and can hold a
+        # stream for good where it shares a hardware queue with the copies.  Otherwise this
+        # thread waits until the copies are issued, then the stream waits on their events.
+        gate_fn = getattr(self._engine, "gate", None) if getattr(self._engine, "stream_gates", True) else None
         flag = self._issued_flag(layer)
         with self._lock:
             if not flag.is_set() and gate_fn is not None:
@@ -158,7 +163,9 @@ class CacheHandle:
             gate_fn(stream).open_after(transfers)
         else:
             for t in transfers:
-                t.wait_on(stream)
+                # (a failed transfer: its error is the restore's; nothing more of it to wait for)
+                with contextlib.suppress(CopyEngineError):
+                    t.wait_on(stream)
 
     def _layer_transfers(self, layer: int | None) -> list[Any]:
         """The transfers a wait for ``layer`` (``None``: everything) waits on: every transfer's

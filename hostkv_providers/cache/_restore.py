@@ -52,9 +52,14 @@ def restore(self: HostKVCache, hit: CacheHit, into: Any, block_ids: Sequence[int
         :class:`~hostkv_providers.device.HostStream` for the CPU engine, or ``None``): every
         kernel enqueued on it after this call returns runs only once the restored bytes are
         in the blocks — on every path (zero-copy views and bounce buffers), although the
-        copies are issued later on the cache's own thread.  The host is not blocked: the
-        stream waits on a device-visible flag that the restore sets behind its copies.
-        (:meth:`CacheHandle.wait_on` orders further streams the same way.)
+        copies are issued later on the cache's own thread (a restore of at most
+        ``chunk_pages`` pages from page-locked views issues its one transfer on the caller's
+        thread, before this call returns).  With the CUDA engine this call returns once the
+        copies are *issued* (not done) and the stream waits on their event: an order CUDA
+        sees (``CudaCopyEngine(stream_gates=True)`` instead holds the stream on a
+        device-visible flag at once, without waiting; see its caveat).  A host engine's
+        stream is gated at once.  (:meth:`CacheHandle.wait_on` orders further streams the
+        same way.)
     release:
         Release the hit's lease when the restore finishes.
     first_page:
@@ -100,10 +105,24 @@ def restore(self: HostKVCache, hit: CacheHit, into: Any, block_ids: Sequence[int
         raise InvalidArgumentError("the hit was released; look it up again")
     if not isinstance(layerwise, bool):
         raise InvalidArgumentError(f"layerwise must be a bool, got {layerwise!r}")
-    pre = _prestage(self, hit, first_page, block_ids) if layerwise else None
+    # A restore of at most one chunk (a ranged restore, a short prompt's hit) goes the layer-wise
+    # way: its views and its one transfer are started here, on the caller's thread, rather than
+    # after the hand-off to the restore thread.  H200, 200 pages of 2 MiB (.devcarry/rgprobe.py,
+    # session 22): 9.10 ms best / 9.29 median this way against 10.04 / 10.61 ms page-major
+    # through the restore thread (the copy engine alone, page-major batch copies: 10.23 ms; a
+    # bulk H2D of the same bytes 7.61 ms).  Every layer completes with the transfer; the
+    # caller's thread holds the GIL for the views of at most chunk_pages pages.  Not from
+    # pageable views into the CUDA engine: those copies would run synchronously on this thread.
+    try:
+        small = (min(len(block_ids), hit.num_pages - first_page) <= self.chunk_pages
+                 and (bool(getattr(self.provider, "views_pinned", False)) or not hasattr(self.engine, "prestage")))
+    except TypeError:
+        small = False  # (the checks below say what is wrong with block_ids)
+    layer_major = layerwise or small
+    pre = _prestage(self, hit, first_page, block_ids) if layer_major else None
     try:
         handle = _restore_checked(self, hit, into, block_ids, before, release, first_page, anchors_into,
-                                  layerwise, pre)
+                                  layer_major, pre)
     finally:
         if pre is not None:
             pre.release()  # (a no-op once the engine took it)
@@ -142,6 +161,11 @@ def _restore_checked(self: HostKVCache, hit: CacheHit, into: Any, block_ids: Seq
     bids = self._check_blocks(planes, bids_l, arr, distinct=True)
     keys = hit.keys[first_page : first_page + len(bids)]
     ident = (keys, planes.ptrs, planes.block_strides, tuple(bids))
+    # An engine that gates streams (a host gate, or CudaCopyEngine(stream_gates=True)) holds the
+    # caller's stream back right here; any other is ordered once the restore thread has issued
+    # the copies (this thread waits for that below, without the cache's lock: an order on
+    # copies not issued yet is not one CUDA can see, see CudaCopyEngine's stream_gates).
+    gates = getattr(self.engine, "gate", None) is not None and getattr(self.engine, "stream_gates", True)
     with self._lock:
         prior = self._restores.get(ident)
         if prior is not None and not prior.done():
@@ -150,19 +174,24 @@ def _restore_checked(self: HostKVCache, hit: CacheHit, into: Any, block_ids: Seq
             self._stats.coalesced_restores += 1
             if release:
                 prior.add_done_callback(lambda _h: hit.release())
-            if before is not None:  # the caller's stream is ordered behind the shared copies
+            if before is not None and gates:  # the caller's stream is ordered behind the shared copies
                 prior.wait_on(before)
-            return prior
-        handle = CacheHandle("restore", self.engine, self.layout.num_layers)
-        self._restores[ident] = handle
-        if before is not None:
-            try:
-                # Gated now, on the caller's thread: kernels the caller enqueues from here on
-                # wait for the copies the restore thread issues later.
-                handle.wait_on(before)
-            except BaseException:
-                del self._restores[ident]
-                raise
+        else:
+            prior = None
+            handle = CacheHandle("restore", self.engine, self.layout.num_layers)
+            self._restores[ident] = handle
+            if before is not None and gates:
+                try:
+                    # Gated now, on the caller's thread: kernels the caller enqueues from here on
+                    # wait for the copies the restore thread issues later.
+                    handle.wait_on(before)
+                except BaseException:
+                    del self._restores[ident]
+                    raise
+    if prior is not None:
+        if before is not None and not gates:
+            prior.wait_on(before)
+        return prior
     # From here on the handle is registered and the caller's stream may be gated: a failure
     # before the restore thread has it must finish the handle (opening the gate behind any copy
     # already issued), or the stream stays gated and the same restore asked again coalesces into
@@ -208,6 +237,8 @@ def _restore_checked(self: HostKVCache, hit: CacheHit, into: Any, block_ids: Seq
             begun[0].wait()  # a copy issued on this thread: done before its blocks are given back
         handle._finish(RestoreResult(), exc)
         raise
+    if before is not None and not gates:
+        handle.wait_on(before)  # once the restore thread has issued every copy (or failed)
     return handle
 
 
@@ -333,7 +364,8 @@ def _restore_pages(self: HostKVCache, handle: CacheHandle, result: RestoreResult
                         # in mapped host memory across the bus the copies use, and this thread,
                         # no longer waiting, competes for the GIL with the issuing threads).
                         gated = (checker.gate_stream() if checker is not None
-                                 and getattr(self.engine, "shares_restores", False) else None)
+                                 and getattr(self.engine, "shares_restores", False)
+                                 and getattr(self.engine, "stream_gates", False) else None)
                         h = self.engine.restore(srcs, planes, bids[i : i + len(part)], before=gated)
                         if checker is not None:
                             verify = (i, checker.enqueue(h, bids[i : i + len(part)], gated=gated is not None), sums)

@@ -5,6 +5,7 @@ stream memory operations for ordering."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import threading
 import warnings
@@ -289,13 +290,28 @@ class CudaCopyEngine(CopyEngine):
           0.92-0.98x, and the only path for short slices; the choice where the last few percent
           of restore or save throughput matter more than the decode step beside them.
 
+    stream_gates:
+        How a stream is ordered behind copies not issued yet (``restore(before=)``, a cache
+        handle's ``wait_on``/``wait_layer_on`` before the restore thread got that far).
+        ``False`` (the default): the caller's thread waits until the copies are *issued* (not
+        done), then the stream waits on their event (``cuStreamWaitEvent``): an order CUDA sees.
+        ``True``: the stream waits on a device-visible flag at once (``cuStreamWaitValue32``,
+        no host wait) that the worker sets behind the copies.  That order is invisible to CUDA:
+        streams share the GPU's hardware queues (``CUDA_DEVICE_MAX_CONNECTIONS``, 8 by
+        default; 1 in some training and serving setups), and where the gated stream shares one
+        with a stream whose later work opens the flag (the copies, the opening write), that
+        work queues behind the wait and the stream is held for good.  Measured on the H200:
+        ``tests/device/gpu/test_layers_gpu.py`` hung at random in a gated layer-wise restore
+        from ``mmap://`` (every host thread idle; docs/benchmarks.md, session 22).  Only for
+        processes that control every stream's hardware queue.
+
     Streams: two non-blocking, lowest-priority streams per direction (pack and DMA), so the pack
     of chunk ``k+1`` overlaps the DMA of chunk ``k``; staging reuse is ordered by events.
     """
 
     def __init__(self, device: int = 0, *, staging_bytes: int = 64 * _MiB, mode: str = "auto",
                  ctas: int | None = None, threads: int = 256, tile_bytes: int = 16384,
-                 cache_hints: bool = True, direct: str = "batch") -> None:
+                 cache_hints: bool = True, direct: str = "batch", stream_gates: bool = False) -> None:
         super().__init__()
         if not _cuda.available():
             raise CopyEngineError(f"CUDA is not usable: {_cuda.unavailable_reason()}", hint="use CpuCopyEngine")
@@ -308,6 +324,9 @@ class CudaCopyEngine(CopyEngine):
         if type(threads) is not int or not 32 <= threads <= 1024:
             raise CopyArgumentError(f"threads must be an int in [32, 1024], got {threads!r}")
         self.direct = _direct.check_direct(direct)
+        if not isinstance(stream_gates, bool):
+            raise CopyArgumentError(f"stream_gates must be a bool, got {stream_gates!r}")
+        self.stream_gates = stream_gates
         # "shared" plans every transfer as "batch" does; large restores are then shared with the
         # staging path (_issue_shared)
         self._share = self.direct == "shared"
@@ -488,20 +507,24 @@ class CudaCopyEngine(CopyEngine):
             if prestaged is not None:
                 prestaged.release()
             raise
-        # The stream is held back from now on (a wait on a device-visible flag); the worker opens
-        # it behind the copies.  The caller's thread does not wait for the worker.
-        gate = self.gate(before)
+        # stream_gates: the stream is held back from now on (a wait on a device-visible flag)
+        # and the worker opens it behind the copies.  Otherwise (the default) this thread waits
+        # below until the worker has issued them, then the stream waits on their event.
+        gate = self.gate(before) if self.stream_gates else None
         handle = _CudaHandle(len(ids) * planes.layout.page_nbytes, self, planes.layout.num_layers)
         handle.keep = (planes, src)
         if moved is None:
             self._submit("restore", handle, lambda: self._issue_restore(handle, planes, ids, pages, dplan), gate)
-            return handle
-        handle.layers = moved if layers is not None else None
-        handle.nbytes = len(ids) * sum(span[3] for span in _layer_spans(planes.layout)[moved.start: moved.stop])
-        handle._recorded = [threading.Event() for _ in range(planes.layout.num_layers)]
-        pre = self._inline_first_layer(handle, planes, ids, pages, moved, dplan, prestaged)
-        self._submit("restore", handle,
-                     lambda: self._issue_restore_layers(handle, planes, ids, pages, moved, dplan, pre), gate)
+        else:
+            handle.layers = moved if layers is not None else None
+            handle.nbytes = len(ids) * sum(span[3] for span in _layer_spans(planes.layout)[moved.start: moved.stop])
+            handle._recorded = [threading.Event() for _ in range(planes.layout.num_layers)]
+            pre = self._inline_first_layer(handle, planes, ids, pages, moved, dplan, prestaged)
+            self._submit("restore", handle,
+                         lambda: self._issue_restore_layers(handle, planes, ids, pages, moved, dplan, pre), gate)
+        if before is not None and gate is None:
+            with contextlib.suppress(CopyEngineError):  # (a failed transfer: its handle reports it)
+                handle.wait_on(before)
         return handle
 
     def prestage(self, pages: HostPages, layout: Any, count: int) -> _Prestaged | None:

@@ -134,10 +134,11 @@ class _CudaHandle(_JobHandle):
         if s is None:
             self.wait_layer(layer)
             return
-        if self._recorded is not None and not self._recorded[layer].is_set():
+        if self._recorded is not None and not self._recorded[layer].is_set() and self._engine.stream_gates:
             # Not recorded yet: gate the stream now, open it from the worker (no host blocking).
             self._engine.gate(stream).open_after([self.layer(layer)])
             return
+        # (otherwise: wait until the worker recorded it, then an order CUDA sees)
         ev = self.layer_event(layer)
         with self._dev.scope():
             _cuda.check(_cuda.driver().cuStreamWaitEvent(s, ev, 0), "cuStreamWaitEvent")

@@ -212,3 +212,65 @@ def test_a_gate_opening_never_waits_behind_another_gates_copies(monkeypatch: pyt
             cache.close()
     prov.close()
     assert int(pool.mismatches(dst, expect)) == 0
+
+
+_ONE_QUEUE = '''
+import sys
+sys.path.insert(0, sys.argv[1])
+import torch
+import hostkv_providers as hk
+from hostkv_providers.cache import HostKVCache
+from hostkv_providers.device import CudaCopyEngine
+from _pool import Pool
+
+layout = hk.KVLayout(num_layers=8, num_kv_heads=8, head_dim=128, page_tokens=16, dtype="bfloat16")
+pool = Pool(layout, 128)
+prov = hk.open(f"mmap://{sys.argv[2]}/store?budget=256MiB&durability=none")
+eng = CudaCopyEngine(0, stream_gates=sys.argv[3] == "gated")
+n, stale = 48, 0
+with HostKVCache(prov, hk.Salt("test/one-queue", layout), eng, chunk_pages=8) as cache:
+    keys = cache.keys(list(range(n * layout.page_tokens)))
+    src, dst = list(range(n)), list(range(n, 2 * n))
+    pool.fill_random(src, seed=3)
+    torch.cuda.synchronize()
+    assert cache.save(keys, pool.planes, src).wait().stored == n
+    expect = pool.gather(src)
+    idx = torch.tensor(dst, device="cuda")
+    cs = torch.cuda.Stream()
+    for trial in range(8):
+        with torch.cuda.stream(cs):
+            pool.poison(dst)
+        cs.synchronize()
+        h = cache.restore(cache.lookup(keys), pool.planes, dst, layerwise=True, before=cs if trial % 2 else None)
+        rows = []
+        for i in range(layout.num_layers):
+            h.wait_layer_on(i, cs)
+            with torch.cuda.stream(cs):
+                rows.append(pool.layer_mismatches(idx, expect, range(i + 1)))
+        assert h.wait().pages == n
+        cs.synchronize()
+        stale += sum(int(r.item()) > 0 for r in rows)
+eng.close()
+prov.close()
+print("stale", stale, flush=True)
+'''
+
+
+def test_ordering_holds_and_never_hangs_on_one_hardware_queue(tmp_path: Path) -> None:
+    """With every stream on one hardware queue (``CUDA_DEVICE_MAX_CONNECTIONS=1``, as some serving
+    and training setups run) work runs in submission order across streams: a stream held on a
+    device-visible flag before the copies that open it are issued would hold them too, for good
+    (the GPU suite hung at random that way, session 22).  The default engine orders streams by
+    events of copies already issued: layer-wise restores from ``mmap://`` (bounce buffers, the
+    longest time between the call and the issue), ``wait_layer_on`` for every layer at once and
+    ``before=``, 0 stale reads, and the process ends."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS="1")
+    here = str(Path(__file__).parent)
+    r = subprocess.run([sys.executable, "-c", _ONE_QUEUE, here, str(tmp_path), "events"], env=env,
+                       capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "stale 0" in r.stdout, r.stdout
