@@ -238,6 +238,8 @@ def _restore_checked(self: HostKVCache, hit: CacheHit, into: Any, block_ids: Seq
         handle._finish(RestoreResult(), exc)
         raise
     if before is not None and not gates:
+        if pre is not None:
+            pre.release()  # (a no-op once the engine took it; else the issue lock the wait needs)
         handle.wait_on(before)  # once the restore thread has issued every copy (or failed)
     return handle
 
