@@ -9,6 +9,7 @@ slowed down so that a missing gate shows up as poisoned bytes (the negative cont
 from __future__ import annotations
 
 import gc
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -85,8 +86,14 @@ def stored_chain(cache: HostKVCache, src: list[np.ndarray], label: str) -> list[
     return keys
 
 
-def test_restore_before_orders_the_stream_on_every_path(provider: Provider, stream: HostStream) -> None:
+@pytest.mark.parametrize("gates", [True, False])
+def test_restore_before_orders_the_stream_on_every_path(provider: Provider, stream: HostStream, gates: bool) -> None:
+    """``before=`` orders the stream behind the restored bytes: gated at the call (an engine with
+    stream gates), or — an engine without (the CUDA engine's default, ``stream_gates=False``) —
+    once the copies are issued, the caller's thread waiting for that outside the cache's lock; a
+    layer-wise restore and a restore coalesced into one in flight too."""
     engine = CpuCopyEngine()
+    engine.stream_gates = gates  # type: ignore[attr-defined]
     with HostKVCache(provider, SALT, engine, chunk_pages=4) as cache:
         src = planes(seed=1)
         keys = stored_chain(cache, src, "restore")
@@ -102,7 +109,15 @@ def test_restore_before_orders_the_stream_on_every_path(provider: Provider, stre
             seen: list[list[bytes]] = []
             ids = list(range(20 + trial, 20 + trial + PAGES))
             hit = cache.lookup(keys)
-            handle = cache.restore(hit, dst, ids, before=stream)
+            twins: list[Any] = []
+            if trial == 0:  # the same restore asked at once from another thread: coalesced, ordered the same way
+                other = threading.Thread(target=lambda twins=twins, dst=dst, ids=ids: twins.append(
+                    cache.restore(cache.lookup(keys), dst, ids, before=stream)))
+                other.start()
+            handle = cache.restore(hit, dst, ids, before=stream, layerwise=trial % 2 == 1)
+            if trial == 0:
+                other.join(10)
+                assert twins[0] is handle and cache.stats().coalesced_restores == 1
             stream.enqueue(lambda ids=ids, dst=dst, seen=seen: seen.append(pages_of(dst, ids)))  # the "kernel"
             assert stream.synchronize(10)
             assert seen == [expect], f"trial {trial}: the stream read the blocks before the restore"
@@ -118,8 +133,10 @@ def test_restore_before_orders_the_stream_on_every_path(provider: Provider, stre
     engine.close()
 
 
-def test_wait_on_orders_more_streams(provider: Provider, stream: HostStream) -> None:
+@pytest.mark.parametrize("gates", [True, False])
+def test_wait_on_orders_more_streams(provider: Provider, stream: HostStream, gates: bool) -> None:
     engine = CpuCopyEngine()
+    engine.stream_gates = gates  # type: ignore[attr-defined]
     other = HostStream("second")
     try:
         with HostKVCache(provider, SALT, engine, chunk_pages=4) as cache:
