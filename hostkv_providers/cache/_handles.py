@@ -64,11 +64,13 @@ class CacheHandle:
     """An asynchronous save or restore.  ``done()`` polls, ``wait()`` blocks and returns the
     :class:`SaveResult` / :class:`RestoreResult` (or raises the error the transfer hit).
 
-    Stream order without blocking the host: :meth:`wait_on` makes a stream wait for the
+    Stream order without waiting for the copies: :meth:`wait_on` makes a stream wait for the
     transfer's device copies (a restore: every kernel enqueued on that stream afterwards sees
     the restored bytes; a save: the blocks may be overwritten by kernels enqueued afterwards),
-    also when the copies have not been issued yet.  :attr:`event` is the completion event of the
-    copies (a ``CUevent``; ``None`` for host copies), available once they are issued.
+    also when the copies have not been issued yet (the CUDA engine: this thread waits until
+    they are issued, then the stream waits on their event; see ``stream_gates``).
+    :attr:`event` is the completion event of the copies (a ``CUevent``; ``None`` for host
+    copies), available once they are issued.
 
     Per-layer completion (a restore started with ``layerwise=True``): :meth:`wait_layer_on`,
     :meth:`wait_layer`, :meth:`layer_done` and :meth:`layer_event` are the same for layer ``i``
@@ -127,11 +129,13 @@ class CacheHandle:
         return self._result
 
     def wait_on(self, stream: Any) -> None:
-        """Order ``stream`` after this transfer's device copies, without blocking the host.
+        """Order ``stream`` after this transfer's device copies, without waiting for them.
 
         Work enqueued on ``stream`` after this call runs only once the copies are complete,
-        whether or not they have been issued yet (the stream is gated until they are).  With a
-        copy engine that cannot gate streams, this waits until the copies are issued.
+        whether or not they have been issued yet.  An engine that gates streams (a host engine,
+        ``CudaCopyEngine(stream_gates=True)``) holds the stream at once; any other (the CUDA
+        engine's default) makes this thread wait until the copies are issued, then the stream
+        waits on their event.
         ``stream=None`` waits for the whole transfer (:meth:`wait`)."""
         if stream is None:
             self.wait()
@@ -190,11 +194,12 @@ class CacheHandle:
         return layer
 
     def wait_layer_on(self, layer: int, stream: Any) -> None:
-        """Order ``stream`` after layer ``layer`` of this restore's copies, without blocking the host.
+        """Order ``stream`` after layer ``layer`` of this restore's copies, without waiting for them.
 
         Work enqueued on ``stream`` after this call runs only once layer ``layer`` of every
-        restored page is in the blocks (whether or not the copies have been issued yet: the
-        stream is gated until they are).  Layer ``i`` completing implies every layer before it.
+        restored page is in the blocks, whether or not the copies have been issued yet (as
+        :meth:`wait_on`: with the CUDA engine's default this thread waits until that layer's
+        copies are issued).  Layer ``i`` completing implies every layer before it.
         ``stream=None`` blocks until then (:meth:`wait_layer`)."""
         self._check_layer(layer)
         if stream is None:

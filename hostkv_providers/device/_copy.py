@@ -12,9 +12,11 @@ Both return a :class:`TransferHandle` at once; the bytes move on the engine's ow
 (for CUDA) its own non-blocking streams.  Ordering against the inference engine's compute stream
 uses CUDA events and stream memory operations only: a save waits on an event recorded on the
 ``after`` stream at call time (:meth:`CopyEngine.mark`: it sees every kernel queued there before
-the call); a restore gates the ``before`` stream at the call (:meth:`CopyEngine.gate`: a wait on a
-device-visible flag, set behind the copies), so every kernel queued there after the call sees the
-restored bytes, without the caller's thread waiting for the worker.  Nothing here ever
+the call); a restore orders the ``before`` stream behind its copies, so every kernel queued there
+after the call sees the restored bytes: the CUDA engine waits until the worker has issued them,
+then the stream waits on their event (with ``stream_gates=True`` it gates the stream at the call
+instead, :meth:`CopyEngine.gate`: a wait on a device-visible flag set behind the copies, with the
+caveat :class:`CudaCopyEngine` documents); the host engine gates its host stream.  Nothing here ever
 synchronises the device.
 
 :class:`CudaCopyEngine` packs pages on the device with one fused gather/scatter kernel (compiled

@@ -2,7 +2,8 @@
 (:class:`_CudaHandle`, events per transfer and per layer), the event reaper (events destroyed on a
 worker, never in a finalizer on an engine's thread), stream marks (``save(after=)``) and gates (a
 stream held back on a device-visible flag until the copies it waits for are issued, then behind
-their events).  The issuing side is :mod:`hostkv_providers.device._cuda_engine`."""
+their events; only with ``CudaCopyEngine(stream_gates=True)``: see its caveat).  The issuing
+side is :mod:`hostkv_providers.device._cuda_engine`."""
 
 from __future__ import annotations
 
