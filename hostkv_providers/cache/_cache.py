@@ -27,10 +27,12 @@ Restores read pinned host memory in place where the provider offers zero-copy vi
 (``view_pages``: one address array per chunk; ``SupportsViews``) and otherwise stage pages through
 bounce buffers, reading the next chunk while the previous one is copied.
 
-Stream order (R9): ``restore(before=stream)`` gates the stream on the caller's thread (the copy
-engine's :meth:`~hostkv_providers.device.CopyEngine.gate`) and opens it behind every copy the
-restore thread issues later, so each kernel enqueued on the stream after the call sees the
-restored bytes; ``save(after=stream)`` marks the stream's position at the call
+Stream order (R9): ``restore(before=stream)`` orders the stream behind every copy of the restore,
+so each kernel enqueued on the stream after the call sees the restored bytes: with the CUDA engine
+the call returns once the copies are issued and the stream waits on their event; an engine that
+gates streams (a host engine, ``CudaCopyEngine(stream_gates=True)``:
+:meth:`~hostkv_providers.device.CopyEngine.gate`) holds it at the call and opens it behind every
+copy the restore thread issues later; ``save(after=stream)`` marks the stream's position at the call
 (:meth:`~hostkv_providers.device.CopyEngine.mark`).
 
 A hit for a hybrid model (``need_anchor``) is cut back to the deepest page carrying that anchor:
