@@ -354,3 +354,33 @@ def test_pinned_view_pages() -> None:
             assert provider.view_pages(lease, [*keys, b"\x09" * 32]) is None  # not leased, not stored
     finally:
         provider.close()
+
+
+def test_a_stream_the_engine_cannot_order_is_refused_before_the_restore_starts(provider: Provider,
+                                                                               stream: HostStream) -> None:
+    """Without stream gates the stream is ordered only after the restore is submitted: an engine's
+    ``check_stream`` refuses one it cannot order first, so ``restore(before=)`` raises with
+    nothing started (no restore registered, the hit still the caller's), and the next restore runs."""
+    from hostkv_providers import CopyArgumentError
+
+    engine = CpuCopyEngine()
+    engine.stream_gates = False  # type: ignore[attr-defined]
+
+    def check_stream(s: Any) -> None:
+        if not isinstance(s, HostStream):
+            raise CopyArgumentError(f"cannot order a {type(s).__name__}")
+
+    engine.check_stream = check_stream  # type: ignore[attr-defined]
+    with HostKVCache(provider, SALT, engine, chunk_pages=4) as cache:
+        src = planes(seed=3)
+        keys = stored_chain(cache, src, "refused-stream")
+        hit = cache.lookup(keys)
+        ids = list(range(30, 30 + PAGES))
+        with pytest.raises(CopyArgumentError, match="cannot order"):
+            cache.restore(hit, planes(fill=POISON), ids, before=object())
+        assert hit.lease is not None and not hit.lease.released
+        assert cache.stats().restores == 0 and not cache._restores
+        dst = planes(fill=POISON)
+        assert cache.restore(hit, dst, ids, before=stream).wait().pages == PAGES
+        assert stream.synchronize(10) and pages_of(dst, ids) == pages_of(src, range(PAGES))
+    engine.close()

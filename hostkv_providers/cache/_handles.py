@@ -4,7 +4,6 @@ leased :class:`CacheHit`, and the cache's counters."""
 from __future__ import annotations
 
 import collections
-import contextlib
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -167,9 +166,13 @@ class CacheHandle:
             gate_fn(stream).open_after(transfers)
         else:
             for t in transfers:
-                # (a failed transfer: its error is the restore's; nothing more of it to wait for)
-                with contextlib.suppress(CopyEngineError):
+                try:
                     t.wait_on(stream)
+                except CopyEngineError:
+                    # a failed transfer: its error is the restore's (nothing more of it to wait
+                    # for); anything else (a stream the engine cannot order) is the caller's
+                    if getattr(getattr(t, "parent", t), "_error", None) is None:
+                        raise
 
     def _layer_transfers(self, layer: int | None) -> list[Any]:
         """The transfers a wait for ``layer`` (``None``: everything) waits on: every transfer's

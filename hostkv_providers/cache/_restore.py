@@ -152,6 +152,12 @@ def _prestage(self: HostKVCache, hit: CacheHit, first_page: int, block_ids: Sequ
     return None if head is None else fn(head, self.layout, count)
 
 
+def _gates(engine: Any) -> bool:
+    """Whether ``engine`` holds a stream back at once (a host engine, a CUDA engine with
+    ``stream_gates=True``) rather than ordering it by events once the copies are issued."""
+    return getattr(engine, "gate", None) is not None and bool(getattr(engine, "stream_gates", True))
+
+
 def _restore_checked(self: HostKVCache, hit: CacheHit, into: Any, block_ids: Sequence[int], before: Any,
                      release: bool, first_page: int, anchors_into: Mapping[str, Any] | None, layerwise: bool,
                      pre: Any) -> CacheHandle:
@@ -165,17 +171,15 @@ def _restore_checked(self: HostKVCache, hit: CacheHit, into: Any, block_ids: Seq
     # caller's stream back right here; any other is ordered once the restore thread has issued
     # the copies (this thread waits for that below, without the cache's lock: an order on
     # copies not issued yet is not one CUDA can see, see CudaCopyEngine's stream_gates).
-    gates = getattr(self.engine, "gate", None) is not None and getattr(self.engine, "stream_gates", True)
+    gates = _gates(self.engine)
+    if before is not None and not gates and callable(check := getattr(self.engine, "check_stream", None)):
+        check(before)  # (ordered only after the submit below: a stream it cannot order is refused now)
     with self._lock:
         prior = self._restores.get(ident)
         if prior is not None and not prior.done():
-            if pre is not None:
-                pre.release()  # (before any wait below: the issue lock is the prior's too)
             self._stats.coalesced_restores += 1
             if release:
                 prior.add_done_callback(lambda _h: hit.release())
-            if before is not None and gates:  # the caller's stream is ordered behind the shared copies
-                prior.wait_on(before)
         else:
             prior = None
             handle = CacheHandle("restore", self.engine, self.layout.num_layers)
@@ -189,7 +193,11 @@ def _restore_checked(self: HostKVCache, hit: CacheHit, into: Any, block_ids: Seq
                     del self._restores[ident]
                     raise
     if prior is not None:
-        if before is not None and not gates:
+        if pre is not None:
+            # before any wait (the issue lock is the prior's too), and not under the cache's lock:
+            # an unused prestage first waits for its own copies
+            pre.release()
+        if before is not None:  # the caller's stream is ordered behind the shared copies
             prior.wait_on(before)
         return prior
     # From here on the handle is registered and the caller's stream may be gated: a failure
@@ -357,9 +365,10 @@ def _restore_pages(self: HostKVCache, handle: CacheHandle, result: RestoreResult
                         checker = check if checked else None
                         # The hash behind the transfer's event (wait_on: this thread waits until
                         # the engine has issued the chunk), except on an engine that shares
-                        # restores with its staging path (CudaCopyEngine.shares_restores): that
-                        # issue lasts as long as the copies, so the check's stream is held back
-                        # by the restore's gate instead and enqueuing waits for nothing.  Not
+                        # restores with its staging path (CudaCopyEngine.shares_restores) and
+                        # gates streams (stream_gates=True, opt-in): that issue lasts as long as
+                        # the copies, so the check's stream is held back by the restore's gate
+                        # instead and enqueuing waits for nothing.  Not
                         # always gated: on the H200 verified restores ran at 0.848x of a bulk copy
                         # gated, 0.952x behind the event, 0.953x unverified (session 18,
                         # docs/benchmarks.md; why was not separated: the gated stream polls a flag
@@ -459,7 +468,14 @@ def _start_layer_major(self: HostKVCache, handle: CacheHandle, hit: CacheHit, ke
     h = (engine.restore(every, planes, bids, layerwise=True) if pre is None
          else engine.restore(every, planes, bids, layerwise=True, prestaged=pre))
     handle._add_transfer(h)
-    handle._layers_issued(range(self.layout.num_layers))  # nothing else writes these blocks: waiters may go
+    if len(every) >= len(keys) and not _gates(engine):
+        # The hit's only transfer: no other will be added, so a wait on the whole restore
+        # (before= included) waits for this one's issue, not for the restore thread to get to
+        # it (behind other restores).  (With gates, marking it now would open them on this
+        # thread, behind the worker's issue.)
+        handle._all_issued()
+    else:
+        handle._layers_issued(range(self.layout.num_layers))  # nothing else writes these blocks: waiters may go
     return h, every
 
 

@@ -5,7 +5,6 @@ stream memory operations for ordering."""
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import threading
 import warnings
@@ -199,6 +198,7 @@ class _Prestaged:
         self.runs = runs  # their 2D copies (a _LayerJob's runs)
         self._held = True
         self._once = threading.Lock()
+        self.owner = threading.get_ident()  # the thread that holds the issue lock through it
 
     def take_start(self) -> Any:
         """The start event, owned by the caller from now on."""
@@ -216,6 +216,7 @@ class _Prestaged:
             if not self._held:
                 return
             self._held = False
+            self.engine._prestages.discard(self)
         try:
             if self.start is not None:
                 engine = self.engine
@@ -327,6 +328,9 @@ class CudaCopyEngine(CopyEngine):
         if not isinstance(stream_gates, bool):
             raise CopyArgumentError(f"stream_gates must be a bool, got {stream_gates!r}")
         self.stream_gates = stream_gates
+        # prestages holding the restore issue lock (a restore(before=) of this thread waits for a
+        # worker that needs it: refused instead of hanging)
+        self._prestages: set[_Prestaged] = set()
         # "shared" plans every transfer as "batch" does; large restores are then shared with the
         # staging path (_issue_shared)
         self._share = self.direct == "shared"
@@ -499,6 +503,12 @@ class CudaCopyEngine(CopyEngine):
             _check_distinct(ids)
             pages = _check_pages(planes.layout, src, len(ids), writable=False)
             moved = _check_layers(planes.layout, layerwise, layers)
+            if before is not None and not self.stream_gates:
+                self.check_stream(before)  # (waited on below, after the submit: refused here)
+                me = threading.get_ident()
+                if any(p.owner == me and p is not prestaged for p in list(self._prestages)):
+                    raise CopyArgumentError("this thread holds a prestage (the restore issue lock) that this "
+                                            "restore does not take: pass it as prestaged= or release() it first")
             dplan = self._plan(planes, ids, pages, src, layerwise=moved is not None)
             if prestaged is not None and not self._prestage_fits(prestaged, planes, pages, moved, dplan):
                 prestaged.release()
@@ -523,9 +533,17 @@ class CudaCopyEngine(CopyEngine):
             self._submit("restore", handle,
                          lambda: self._issue_restore_layers(handle, planes, ids, pages, moved, dplan, pre), gate)
         if before is not None and gate is None:
-            with contextlib.suppress(CopyEngineError):  # (a failed transfer: its handle reports it)
+            try:
                 handle.wait_on(before)
+            except CopyEngineError:
+                if handle._error is None:
+                    raise  # (a driver error ordering the stream; a failed transfer's handle reports it)
         return handle
+
+    def check_stream(self, stream: Any) -> None:
+        """Raise :class:`CopyArgumentError` unless ``stream`` is one this engine can order (a
+        ``torch.cuda.Stream``, a ``CUstream`` or its int handle)."""
+        _stream_handle(stream, "before")
 
     def prestage(self, pages: HostPages, layout: Any, count: int) -> _Prestaged | None:
         """Begin a layer-wise restore of ``count`` pages before its block ids are checked: the
@@ -557,6 +575,7 @@ class CudaCopyEngine(CopyEngine):
             with self._dev.scope():
                 start = self._dev.event(timing=True)
                 pre = _Prestaged(self, layout, start, pages.addresses[:k].copy(), [], {})
+                self._prestages.add(pre)
                 _cuda.check(d.cuEventRecord(start, self._streams["restore_dma"]), "cuEventRecord")
                 for c0 in range(0, k, per):
                     c1 = min(k, c0 + per)

@@ -17,7 +17,7 @@ POISON = 0xEE
 
 
 @contextlib.contextmanager
-def engine_for(mode: str) -> Iterator[CudaCopyEngine]:
+def engine_for(mode: str, *, stream_gates: bool = False) -> Iterator[CudaCopyEngine]:
     """``CudaCopyEngine(0, direct=mode)``; ``"batch-split"``: ``direct="batch"`` with *every* batch
     call split between the issuing thread and the direction's side thread and stream (the tests'
     transfers stay under the 4,096 copies from which the split starts); ``"shared-split"``:
@@ -28,7 +28,7 @@ def engine_for(mode: str) -> Iterator[CudaCopyEngine]:
     try:
         if split:
             _direct.BATCH_SPLIT_MIN = 2
-        e = CudaCopyEngine(0, direct=direct)
+        e = CudaCopyEngine(0, direct=direct, stream_gates=stream_gates)
         try:
             if split:  # (a driver without the batch call would quietly run these as staged)
                 assert e._sides, f"direct={direct!r} has no side thread on this driver"

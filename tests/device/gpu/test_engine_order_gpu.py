@@ -170,17 +170,19 @@ def test_save_after_stream_reads_blocks_as_of_the_call(kind: str, engine: CudaCo
         provider.close()
 
 
-def test_a_gate_opening_never_waits_behind_another_gates_copies(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("gates", [True, False])
+def test_a_gate_opening_never_waits_behind_another_gates_copies(monkeypatch: pytest.MonkeyPatch, gates: bool) -> None:
     """A ``restore(before=s)`` still being issued, then ``save(after=s)`` (its copies behind the
     restore's gate on ``s``) and the save's ``wait_on(s)`` (a gate opened once the save is
     issued, which here is first).  When every gate opened on one shared stream, the save's
     opening waited there for the save's copies, and the restore's opening behind it: ``s``
-    never ran again (found in review, session 18).  Each opening now has a stream of its own."""
+    never ran again (found in review, session 18).  Each opening now has a stream of its own.
+    With stream gates (opt-in since session 22) and without (events once issued)."""
     pool = Pool(LAYOUT, NBLOCKS)
     pool.fill_random(list(range(PAGES + 4)), seed=5)
     torch.cuda.synchronize()  # (the engine's streams do not wait for torch's)
     prov = open_kind("pinned", Path("/nonexistent"))
-    with engine_for("batch") as eng:
+    with engine_for("batch", stream_gates=gates) as eng:
         cache = HostKVCache(prov, SALT, eng, chunk_pages=8)
         try:
             keys = cache.keys(list(range(PAGES * LAYOUT.page_tokens)))
@@ -271,6 +273,6 @@ def test_ordering_holds_and_never_hangs_on_one_hardware_queue(tmp_path: Path) ->
     env = dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS="1")
     here = str(Path(__file__).parent)
     r = subprocess.run([sys.executable, "-c", _ONE_QUEUE, here, str(tmp_path), "events"], env=env,
-                       capture_output=True, text=True, timeout=240)
+                       capture_output=True, text=True, timeout=240, cwd=str(Path(__file__).parents[3]))
     assert r.returncode == 0, r.stdout + r.stderr
     assert "stale 0" in r.stdout, r.stdout
