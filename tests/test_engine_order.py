@@ -384,3 +384,44 @@ def test_a_stream_the_engine_cannot_order_is_refused_before_the_restore_starts(p
         assert cache.restore(hit, dst, ids, before=stream).wait().pages == PAGES
         assert stream.synchronize(10) and pages_of(dst, ids) == pages_of(src, range(PAGES))
     engine.close()
+
+
+def test_a_small_restore_before_a_stream_does_not_wait_for_a_busy_restore_thread(stream: HostStream) -> None:
+    """Without stream gates ``restore(before=)`` waits until the copies are issued.  A restore of at
+    most ``chunk_pages`` pages from views issues its one transfer on the caller's thread, so the
+    call returns without waiting for the restore thread (held busy here), and the stream is still
+    ordered behind the bytes."""
+    provider = PinnedProvider(4 << 20, block=PAGE, allocator=OrdinaryAllocator(huge_pages=False))
+    engine = CpuCopyEngine()
+    engine.stream_gates = False  # type: ignore[attr-defined]
+    go = threading.Event()
+    try:
+        with HostKVCache(provider, SALT, engine, chunk_pages=4) as cache:
+            src = planes(seed=5)
+            keys = stored_chain(cache, src, "small-busy")
+            real = cache._run_restore
+
+            def held(*args: Any, **kwargs: Any) -> Any:
+                go.wait(10)
+                return real(*args, **kwargs)
+
+            cache._run_restore = held  # type: ignore[method-assign]
+            dst = planes(fill=POISON)
+            ids = list(range(30, 34))
+            handles: list[Any] = []
+            caller = threading.Thread(target=lambda: handles.append(
+                cache.restore(cache.lookup(keys), dst, ids, before=stream)))
+            caller.start()
+            caller.join(5)
+            returned = not caller.is_alive()
+            go.set()
+            caller.join(10)
+            assert returned, "restore(before=) waited for the busy restore thread"
+            seen: list[list[bytes]] = []
+            stream.enqueue(lambda: seen.append(pages_of(dst, ids)))
+            assert stream.synchronize(10) and seen == [pages_of(src, range(4))]
+            assert handles[0].wait(10).pages == 4
+    finally:
+        go.set()
+        engine.close()
+        provider.close()
