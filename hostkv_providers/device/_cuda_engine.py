@@ -570,6 +570,7 @@ class CudaCopyEngine(CopyEngine):
             per = self._per_chunk(nb)
             k = min(count, len(pages), per * _INLINE_CHUNKS)
             if k < min(count, per * _INLINE_CHUNKS):
+                lock.release()  # (held, every later restore's issue would wait for it for good)
                 return None  # too few views for the first chunks
             d = _cuda.driver()
             with self._dev.scope():
