@@ -59,6 +59,12 @@ def _no_wait(_stream: Any) -> bool:
     return False  # a CopyEngineLike's transfer without _try_wait_on: gate it
 
 
+def engine_gates(engine: Any) -> bool:
+    """Whether ``engine`` holds a stream back at once (a host engine, a CUDA engine with
+    ``stream_gates=True``) rather than ordering it by events once the copies are issued."""
+    return getattr(engine, "gate", None) is not None and bool(getattr(engine, "stream_gates", True))
+
+
 class CacheHandle:
     """An asynchronous save or restore.  ``done()`` polls, ``wait()`` blocks and returns the
     :class:`SaveResult` / :class:`RestoreResult` (or raises the error the transfer hit).
@@ -150,7 +156,7 @@ class CacheHandle:
         # (CudaCopyEngine(stream_gates=True)): that order is invisible to CUDA and can hold a
         # stream for good where it shares a hardware queue with the copies.  Otherwise this
         # thread waits until the copies are issued, then the stream waits on their events.
-        gate_fn = getattr(self._engine, "gate", None) if getattr(self._engine, "stream_gates", True) else None
+        gate_fn = self._engine.gate if engine_gates(self._engine) else None
         flag = self._issued_flag(layer)
         with self._lock:
             if not flag.is_set() and gate_fn is not None:

@@ -25,6 +25,7 @@ from hostkv_providers.cache._handles import (
     CacheHandle,
     CacheHit,
     RestoreResult,
+    engine_gates,
 )
 from hostkv_providers.device import CopyEngine
 
@@ -152,12 +153,6 @@ def _prestage(self: HostKVCache, hit: CacheHit, first_page: int, block_ids: Sequ
     return None if head is None else fn(head, self.layout, count)
 
 
-def _gates(engine: Any) -> bool:
-    """Whether ``engine`` holds a stream back at once (a host engine, a CUDA engine with
-    ``stream_gates=True``) rather than ordering it by events once the copies are issued."""
-    return getattr(engine, "gate", None) is not None and bool(getattr(engine, "stream_gates", True))
-
-
 def _restore_checked(self: HostKVCache, hit: CacheHit, into: Any, block_ids: Sequence[int], before: Any,
                      release: bool, first_page: int, anchors_into: Mapping[str, Any] | None, layerwise: bool,
                      pre: Any) -> CacheHandle:
@@ -171,7 +166,7 @@ def _restore_checked(self: HostKVCache, hit: CacheHit, into: Any, block_ids: Seq
     # caller's stream back right here; any other is ordered once the restore thread has issued
     # the copies (this thread waits for that below, without the cache's lock: an order on
     # copies not issued yet is not one CUDA can see, see CudaCopyEngine's stream_gates).
-    gates = _gates(self.engine)
+    gates = engine_gates(self.engine)
     if before is not None and not gates and callable(check := getattr(self.engine, "check_stream", None)):
         check(before)  # (ordered only after the submit below: a stream it cannot order is refused now)
     with self._lock:
@@ -376,7 +371,7 @@ def _restore_pages(self: HostKVCache, handle: CacheHandle, result: RestoreResult
                         # no longer waiting, competes for the GIL with the issuing threads).
                         gated = (checker.gate_stream() if checker is not None
                                  and getattr(self.engine, "shares_restores", False)
-                                 and getattr(self.engine, "stream_gates", False) else None)
+                                 and engine_gates(self.engine) else None)
                         h = self.engine.restore(srcs, planes, bids[i : i + len(part)], before=gated)
                         if checker is not None:
                             verify = (i, checker.enqueue(h, bids[i : i + len(part)], gated=gated is not None), sums)
@@ -468,7 +463,7 @@ def _start_layer_major(self: HostKVCache, handle: CacheHandle, hit: CacheHit, ke
     h = (engine.restore(every, planes, bids, layerwise=True) if pre is None
          else engine.restore(every, planes, bids, layerwise=True, prestaged=pre))
     handle._add_transfer(h)
-    if len(every) >= len(keys) and not _gates(engine):
+    if len(every) >= len(keys) and not engine_gates(engine):
         # The hit's only transfer: no other will be added, so a wait on the whole restore
         # (before= included) waits for this one's issue, not for the restore thread to get to
         # it (behind other restores).  (With gates, marking it now would open them on this

@@ -165,23 +165,36 @@ class _Leases(_PinnedBase):
             gens[positions] = _NO_GEN
             return out
 
-    def _run_views(self, lease: Lease, positions: npt.NDArray[np.int64]) -> list[memoryview | None]:
-        """Read-only views of the pages at ``positions`` of a :meth:`_lease_run` lease (valid
-        while held); ``None`` for one let go or dropped (its bytes failed ``verify``): what the
-        tiered writer stores in the slow tier with one ``put_many``."""
-        return self._run_views_sums(lease, positions)[0]
-
     def _run_views_sums(self, lease: Lease, positions: npt.NDArray[np.int64]
                         ) -> tuple[list[memoryview | None], npt.NDArray[np.uint64] | None]:
-        """:meth:`_run_views`, and in the same lock round the pages' seal checksums when this
-        store verifies reads (``None`` otherwise): the tiered writer checks the bytes it copies
-        out against them (:meth:`_first_bad`)."""
+        """Read-only views of the pages at ``positions`` of a :meth:`_lease_run` lease (valid
+        while held); ``None`` for one let go or dropped (its bytes failed ``verify``): what the
+        tiered writer stores in the slow tier with one ``put_many``.  In the same lock round the
+        pages' seal checksums when this store verifies reads (``None`` otherwise): the writer
+        checks the bytes it copies out against them (:meth:`_first_bad`)."""
         with self._usable():
-            views = self._run_views_locked(lease, positions)
+            rows, gens = cast(tuple[npt.NDArray[np.int64], npt.NDArray[np.uint64]], lease.token)
+            r = rows[positions]
+            idx, arena = self._index, self._arena
+            live = r >= 0
+            if lease.released:
+                live[:] = False
+            live[live] = idx.alive[r[live]] & (idx.gen[r[live]] == gens[positions][live])
+            chunks, bpc, block, scatter = arena.chunks, arena.bpc, arena.block, idx.scatter
+            views: list[memoryview | None] = []
+            for ok, row, st, nb in zip(live.tolist(), r.tolist(), idx.run_start[r].tolist(),
+                                       idx.nbytes[r].tolist(), strict=True):
+                if not ok:
+                    views.append(None)
+                elif scatter and row in scatter:  # (a run's pages are one piece each; not so here)
+                    regions = arena.regions(idx.runs(row), nb, False, readonly=True)
+                    views.append(memoryview(b"".join(bytes(x.view) for x in regions)))
+                else:
+                    lo = (st % bpc) * block
+                    views.append(chunks[st // bpc].view[lo : lo + nb].toreadonly())
             if not self._verify_reads:
                 return views, None
-            rows = cast(npt.NDArray[np.int64], lease.token[0])[positions]  # type: ignore[index]
-            return views, self._index.csum[np.maximum(rows, 0)].astype(np.uint64)
+            return views, idx.csum[np.maximum(r, 0)].astype(np.uint64)
 
     def _first_bad(self, views: Sequence[memoryview], sums: npt.NDArray[np.uint64]) -> int:
         """Index of the first of ``views`` whose bytes do not hash to ``sums`` (this store's
@@ -190,29 +203,6 @@ class _Leases(_PinnedBase):
                            dtype=np.uint64)
         bad = np.flatnonzero(digests != np.asarray(sums, dtype=np.uint64)[: len(views)])
         return int(bad[0]) if len(bad) else len(views)
-
-    def _run_views_locked(self, lease: Lease, positions: npt.NDArray[np.int64]) -> list[memoryview | None]:
-        """:meth:`_run_views` with the lock held."""
-        rows, gens = cast(tuple[npt.NDArray[np.int64], npt.NDArray[np.uint64]], lease.token)
-        r = rows[positions]
-        idx, arena = self._index, self._arena
-        live = r >= 0
-        if lease.released:
-            live[:] = False
-        live[live] = idx.alive[r[live]] & (idx.gen[r[live]] == gens[positions][live])
-        chunks, bpc, block, scatter = arena.chunks, arena.bpc, arena.block, idx.scatter
-        out: list[memoryview | None] = []
-        for ok, row, st, nb in zip(live.tolist(), r.tolist(), idx.run_start[r].tolist(),
-                                   idx.nbytes[r].tolist(), strict=True):
-            if not ok:
-                out.append(None)
-            elif scatter and row in scatter:  # (a run's pages are one piece each; not so here)
-                regions = arena.regions(idx.runs(row), nb, False, readonly=True)
-                out.append(memoryview(b"".join(bytes(x.view) for x in regions)))
-            else:
-                lo = (st % bpc) * block
-                out.append(chunks[st // bpc].view[lo : lo + nb].toreadonly())
-        return out
 
     def _release_lease(self, lease: Lease) -> None:
         with self._lock:
