@@ -73,6 +73,10 @@ class _TieredBase(Provider):
     _publish_lock: threading.Lock
     _publish_at: float
     _wb_since: float
+    # bytes of heap runs (sealed pages waiting for their write-back in ordinary memory: the fast
+    # tier was full) and their bound; guarded by _room
+    _heap_bytes: int
+    _heap_limit: int
 
     def _recycle(self, rows: Sequence[int]) -> None:
         for r in rows:
@@ -167,12 +171,32 @@ class _TieredBase(Provider):
 
     def _finish_run(self, run: _PendingRun) -> None:
         """The writer is past every page of ``run``, or the store closes (lock held): the run's
-        lease goes with whatever pages it still holds."""
+        lease goes with whatever pages it still holds (a heap run's buffer goes, and its bytes
+        leave the overflow's count: a save waiting for room there goes on)."""
         if self._pend_runs.pop(run.gen0, None) is not None:
             self._run_starts.remove(run.gen0)
         run.waiting[:] = False
-        with contextlib.suppress(HostKVError):
-            run.lease.release()
+        if run.lease is not None:
+            with contextlib.suppress(HostKVError):
+                run.lease.release()
+        if run.heap is not None:
+            with self._room:
+                self._heap_bytes -= run.heap.nbytes
+                self._room.notify_all()
+            run.heap = None  # (a reader that took a view of a page before keeps it alive)
+
+    def _heap_page(self, gen: int) -> tuple[memoryview, Any] | None:
+        """A read-only view of entry ``gen``'s bytes when its only copy is a heap run's page
+        (``_HeapRun``: waiting for its write-back in ordinary memory), with its seal checksum
+        in the fast tier's algorithm (``None``: none was given); ``None`` otherwise (lock
+        held).  The view stays valid after the write-back: it keeps the buffer alive."""
+        at = self._run_at(gen)
+        if at is None:
+            return None
+        run, i = at
+        if run.heap is None or not run.waiting[i]:
+            return None
+        return memoryview(run.heap[i]).toreadonly(), None if run.sums is None else run.sums[i:i + 1]
 
     def _finish_pending(self, node: _Pending) -> None:
         """The write-back is over (done, cancelled or failed): the entry is in the slow tier (or
@@ -185,14 +209,18 @@ class _TieredBase(Provider):
 
 def _release_part(run: _PendingRun, positions: Any) -> None:
     """Let the fast tier free the pages at ``positions`` of ``run`` (``PinnedProvider._release_part``:
-    only a pinned fast tier makes runs)."""
+    only a pinned fast tier makes runs); a heap run's buffer goes whole, with the run."""
+    if run.lease is None:
+        return
     with contextlib.suppress(HostKVError):
         run.lease.provider._release_part(run.lease, positions)  # type: ignore[attr-defined]
 
 
 def _split_lease(run: _PendingRun, positions: Any) -> list[Lease]:
     """The pages at ``positions`` of ``run``, each under a lease of its own, taken over from the
-    run's lease with no moment unheld (``PinnedProvider._split_lease``)."""
+    run's lease with no moment unheld (``PinnedProvider._split_lease``; a run in the fast tier:
+    heap runs are made only over a slow tier that batches, and never go page by page)."""
+    assert run.lease is not None
     leases: list[Lease] = run.lease.provider._split_lease(run.lease, positions)  # type: ignore[attr-defined]
     return leases
 
@@ -200,7 +228,14 @@ def _split_lease(run: _PendingRun, positions: Any) -> list[Lease]:
 def _run_views(run: _PendingRun, positions: Any) -> tuple[list[memoryview | None], Any]:
     """Read-only views of the pages at ``positions`` of ``run`` in the fast tier, ``None`` for
     one the fast tier dropped, and their seal checksums where the fast tier verifies reads
-    (else ``None``; ``PinnedProvider._run_views_sums``)."""
+    (else ``None``; ``PinnedProvider._run_views_sums``).  A heap run's pages are views of its
+    buffer, with the checksums its seal was given (if any)."""
+    if run.heap is not None:
+        sel = np.asarray(positions, dtype=np.int64)
+        heap = run.heap
+        return ([memoryview(heap[p]).toreadonly() for p in sel.tolist()],
+                None if run.sums is None else run.sums[sel])
+    assert run.lease is not None
     got: tuple[list[memoryview | None], Any] = run.lease.provider._run_views_sums(  # type: ignore[attr-defined]
         run.lease, positions)
     return got

@@ -70,14 +70,19 @@ class _Pending(_Ent):
 
 
 class _PendingRun:
-    """A chain run sealed at once whose write-back is queued (``_TieredRun.seal`` with a pinned
-    fast tier): one record and one fast-tier lease for the whole run, no object per page.  The
-    writer stores it in batches (``_WriteBack._write_back_run``), its per-page state in arrays.
-    Gens are consecutive (``TreeIndex.commit_run``): page ``i`` is gen ``gen0 + i``."""
+    """A chain run sealed at once whose write-back is queued: one record for the whole run, no
+    object per page.  Its only copy is either in the fast tier, under one fast-tier lease
+    (``_TieredRun.seal`` with a pinned fast tier), or in ordinary memory (``heap``: a run the
+    full fast tier could not take, ``_HeapRun.seal``).  The writer stores it in batches
+    (``_WriteBack._write_back_run``), its per-page state in arrays.  Gens are consecutive
+    (``TreeIndex.commit_run``): page ``i`` is gen ``gen0 + i``."""
 
-    __slots__ = ("cancelled", "created", "gen0", "lease", "n", "parent", "rows", "tag", "waiting", "writing")
+    __slots__ = ("cancelled", "created", "gen0", "heap", "keys", "lease", "n", "parent", "rows", "sums", "tag",
+                 "waiting", "writing")
 
-    def __init__(self, idx: TreeIndex, rows: npt.NDArray[np.int64], lease: Lease) -> None:
+    def __init__(self, idx: TreeIndex, rows: npt.NDArray[np.int64], lease: Lease | None, *,
+                 keys: Sequence[Key] | None = None, heap: npt.NDArray[np.uint8] | None = None,
+                 sums: npt.NDArray[np.uint64] | None = None) -> None:
         self.rows = rows
         self.n = len(rows)
         self.gen0 = int(idx.gen[rows[0]])
@@ -85,6 +90,11 @@ class _PendingRun:
         self.parent = idx.parent_key(int(rows[0]))  # the first page's; page i's is keys[i - 1]
         self.tag = idx.tag_of(int(rows[0]))
         self.lease = lease  # the fast tier's lease over the run, keys in order (let go page by page)
+        self.keys: Sequence[Key] = lease.keys if lease is not None else (keys or ())
+        # (a heap run: page i is heap[i], its checksum in the fast tier's algorithm sums[i] when
+        # the seal was given them and the fast tier verifies reads; let go when the run is over)
+        self.heap = heap
+        self.sums = sums
         self.waiting = np.ones(self.n, dtype=bool)  # queued or being stored: the only copy is fast
         self.writing = np.zeros(self.n, dtype=bool)  # in the batch being stored right now
         self.cancelled = np.zeros(self.n, dtype=bool)  # dropped while being stored

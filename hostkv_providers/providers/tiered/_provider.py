@@ -191,6 +191,11 @@ class TieredProvider(_Chains):
         self._publish_lock = threading.Lock()
         self._publish_at = 0.0
         self._wb_since = 0.0  # time.time() of the seal of the page being written back (0: none)
+        # Sealed runs the full fast tier could not take wait for their write-back in ordinary
+        # memory (_HeapRun), at most the fast tier's budget of them: an operator sized that much
+        # host memory for pages not yet in the slow tier.
+        self._heap_bytes = 0
+        self._heap_limit = fast.budget_bytes
         self._rebuild()
         self._writer = threading.Thread(target=self._write_back_loop, name="hostkv-tiered-writeback", daemon=True)
         self._writer.start()
@@ -462,15 +467,20 @@ class TieredProvider(_Chains):
             idx.hold_rows([row])
             in_slow = not self._pending(node.gen)
         which = "fast_hits"
+        heap: tuple[memoryview, Any] | None = None
         try:
             got = self.fast.read(k, dst, span)
             if not got and not in_slow:
                 # It waited for its write-back when looked up; the write-back may have landed
                 # since and its fast copy been evicted: then the slow tier has it (not corrupt).
+                # Or its only copy is a heap run's page.
                 with self._lock:
                     in_slow = not self._pending(node.gen)
+                    heap = None if in_slow else self._heap_page(node.gen)
             if got:
                 which = "fast_hits"
+            elif heap is not None:
+                got = self._from_heap([heap], [dst], [span])[0]
             elif in_slow:
                 got = self.slow.read(k, dst, span)
                 which = "slow_hits"
@@ -488,6 +498,20 @@ class TieredProvider(_Chains):
         with self._lock:
             self._counters[which] += 1
         return span.nbytes
+
+    def _from_heap(self, pages: Sequence[tuple[memoryview, Any]], dsts: Sequence[memoryview],
+                   spans: Sequence[ByteSpan]) -> list[bool]:
+        """Copy heap runs' pages (``_heap_page``: views, seal checksums or ``None``) into ``dsts``
+        (no lock held); a page whose checksum does not match is not copied (``False``): its only
+        copy is bad, and the caller drops it as it does a fast-tier copy that fails."""
+        out = []
+        for (view, sums), dst, span in zip(pages, dsts, spans, strict=True):
+            if sums is not None and self.fast._first_bad([view], sums) != 1:  # type: ignore[attr-defined]
+                out.append(False)
+                continue
+            dst[: span.nbytes] = view[span.offset : span.end]
+            out.append(True)
+        return out
 
     def _drop_damaged(self, k: Key, token: object) -> bool:
         with self._lock:
@@ -583,10 +607,20 @@ class TieredProvider(_Chains):
                 if ok:
                     got[i], which[i] = True, "fast_hits"
             if any(not got[i] and not in_slow[i] for i in todo):
+                heaps: dict[int, tuple[memoryview, Any]] = {}
                 with self._lock:  # (as in _read: a write-back may have landed since the lookup)
                     for i in todo:
                         if not got[i] and not in_slow[i]:
                             in_slow[i] = not self._pending(gens_l[i])
+                            page = None if in_slow[i] else self._heap_page(gens_l[i])
+                            if page is not None:
+                                heaps[i] = page
+                if heaps:  # (pages whose only copy is a heap run's: copied out without the lock)
+                    hs = sorted(heaps)
+                    for i, ok in zip(hs, self._from_heap([heaps[i] for i in hs], [dsts[i] for i in hs],
+                                                         [ByteSpan.whole(sizes_l[i]) for i in hs]), strict=True):
+                        if ok:
+                            got[i], which[i] = True, "fast_hits"
             slow = [i for i in todo if not got[i] and in_slow[i]]
             if slow:
                 for i, ok in zip(slow, _read_batch(self.slow, [ks[i] for i in slow], [dsts[i] for i in slow]),

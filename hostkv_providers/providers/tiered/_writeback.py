@@ -183,7 +183,7 @@ class _WriteBack(_Figures):
         (nothing done) when the slow tier has no ``put_many``.  A page the fast tier dropped
         meanwhile (its bytes failed ``verify``: the only copy is bad) fails with its subtree,
         the rest of the run from there (a run is a chain)."""
-        idx, keys = self._index, run.lease.keys
+        idx, keys = self._index, run.keys
         if not isinstance(self.slow, SupportsBatch):
             return False
         with self._lock:
@@ -213,7 +213,9 @@ class _WriteBack(_Figures):
             # was taken in HBM) would otherwise land in the slow tier under a checksum of their
             # own, and a read would fall back to them once the fast copy failed.  The first bad
             # page fails (dropped with its subtree below: the rest of the batch, a chain).
-            n_ok = len(ks) if sums is None else run.lease.provider._first_bad(views, sums)  # type: ignore[attr-defined]
+            # (a heap run's sums are in the fast tier's algorithm, and kept only where it verifies)
+            checker = self.fast if run.lease is None else run.lease.provider
+            n_ok = len(ks) if sums is None else checker._first_bad(views, sums)  # type: ignore[attr-defined]
             if stale:
                 with contextlib.suppress(HostKVError):
                     self.slow.evict(stale)
@@ -235,7 +237,8 @@ class _WriteBack(_Figures):
             _release_part(run, sel)
             ok = np.array([g is True or g is False for g in got], dtype=bool)  # False: already there
             good = ok & ~cancelled
-            self._counters["write_backs"] += int(good.sum())
+            # (a heap run's pages bypassed the fast tier: written through, counted once landed)
+            self._counters["write_through" if run.heap is not None else "write_backs"] += int(good.sum())
             if cancelled.any():  # dropped while being stored: out of both tiers again
                 with contextlib.suppress(HostKVError):
                     self.fast.evict([k for k, c in zip(ks, cancelled.tolist(), strict=True) if c])

@@ -630,8 +630,11 @@ def test_reserve_many_lands_in_the_fast_tier_and_is_written_back(tiered: TieredP
 
 
 def test_reserve_many_past_a_full_fast_tier_stores_the_rest_at_seal(tmp_path: Path) -> None:
-    # the fast tier holds 8 pages, the chain has 40: its tail cannot be reserved there at once
-    t = TieredProvider(_pinned(8 * PAGE), _pinned(128 * PAGE), budget_bytes=64 * PAGE)
+    # the fast tier holds 8 pages, the chain has 40: its tail cannot be reserved there at once;
+    # a slow tier without put_many (one with it gets the run in one ordinary buffer, queued
+    # behind the write-back: test_tiered_heap.py)
+    slow = _NoBatch(128 * PAGE, block=PAGE, allocator=OrdinaryAllocator())
+    t = TieredProvider(_pinned(8 * PAGE), slow, budget_bytes=64 * PAGE)
     try:
         keys = chain("rm-small-fast", 40)
         used = t.stats().used_bytes
@@ -1253,10 +1256,11 @@ def fast_leases(fast: Provider) -> int:
 
 
 def test_a_run_the_fast_tier_takes_only_in_part_keeps_its_reservations(tmp_path: Path) -> None:
-    """A fast tier that cannot take a chain run whole (here too small for it): its reservations
-    of a prefix are kept (not given back and asked for again), the rest waits in ordinary
-    buffers and is written through at seal."""
-    t = TieredProvider(_pinned(8 * PAGE), _pinned(128 * PAGE), budget_bytes=64 * PAGE)
+    """A fast tier that cannot take a chain run whole (here too small for it) over a slow tier
+    without put_many: its reservations of a prefix are kept (not given back and asked for
+    again), the rest waits in ordinary buffers and is written through at seal."""
+    slow = _NoBatch(128 * PAGE, block=PAGE, allocator=OrdinaryAllocator())
+    t = TieredProvider(_pinned(8 * PAGE), slow, budget_bytes=64 * PAGE)
     try:
         keys = chain("run-part", 20)
         rc = t.reserve_many(keys, [None, *keys[:-1]], PAGE)

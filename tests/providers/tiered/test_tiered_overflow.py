@@ -1,8 +1,10 @@
-"""A chain saved past a full fast tier (issue 14 item 7, "tiered without cliffs"): the pages the
-fast tier cannot take at ``reserve_many`` wait in ordinary buffers and are written through to the
-slow tier at seal, one ``put_many`` per run, after the run's parent has landed there; nothing is
-lost, every stored page reads back exactly, the slow tier holds the real chain (a reopen rebuilds
-it), and failures leave a sealed prefix."""
+"""A chain saved past a full fast tier (issue 14 item 7, "tiered without cliffs"), page by page:
+the per-page reservations of a run the fast tier could not take (``ReservedChain.reservations``
+of a heap run, or a slow tier without ``put_many``) wait in ordinary buffers and are written
+through to the slow tier at seal, one ``put_many`` per run, after the run's parent has landed
+there; nothing is lost, every stored page reads back exactly, the slow tier holds the real chain
+(a reopen rebuilds it), and failures leave a sealed prefix.  The chain-level form (the run in one
+buffer, queued behind the write-back) is ``test_tiered_heap.py``'s."""
 
 from __future__ import annotations
 
@@ -62,13 +64,19 @@ def test_overflow_of_a_chain_is_written_through_in_one_put_many(tmp_path: Path) 
     keys = chain("overflow", 40)
     t = make()
     try:
-        rc = t.reserve_many(keys, [None, *keys[:-1]], PAGE)
+        head = t.reserve_many(keys[:8], [None, *keys[:7]], PAGE)  # fits the fast tier: a run there
+        assert head.run is not None and head.pages is not None and head.pages.pinned is t.fast.views_pinned
+        for r in head.reservations:
+            assert r is not None
+            _fill(r)
+        rc = t.reserve_many(keys[8:], keys[7:-1], PAGE)  # no wait for fast memory at reserve
         ress = [r for r in rc.reservations if r is not None]
-        assert rc.error is None and len(ress) == 40
-        assert sum(t.fast.in_flight(k) for k in keys) == 8  # no wait for fast memory at reserve
+        assert rc.error is None and len(ress) == 32
+        assert sum(t.fast.in_flight(k) for k in keys) == 8
         for r in ress:
             _fill(r)
         calls = _count_put_many(t.slow)
+        head.seal()
         t.seal_many(ress)  # the overflow waits for keys[7]'s write-back, then one put_many
         assert all(r.state == "sealed" for r in ress)
         assert 32 in calls
@@ -167,12 +175,12 @@ def test_overflow_short_of_capacity_at_seal_keeps_a_sealed_prefix(tmp_path: Path
         keys = chain("overflow-full", 12)
         rc = t.reserve_many(keys, [None, *keys[:-1]], PAGE)
         ress = [r for r in rc.reservations if r is not None]
-        assert len(ress) == 12 and sum(t.fast.in_flight(k) for k in keys) == 4
+        assert len(ress) == 12 and not any(t.fast.in_flight(k) for k in keys)  # (all in buffers)
         for r in ress:
             _fill(r)
         other = chain("overflow-full-other", 16)
         put_chain(t, other, PAGE)
-        with t.lease(other):  # 16 leased + 4 in flight: room for 4 more of the overflow
+        with t.lease(other):  # 16 leased: room for 8 of the overflow
             with pytest.raises(CapacityError):
                 t.seal_many(ress)
             assert [r.state for r in ress] == ["sealed"] * 8 + ["aborted"] * 4
@@ -218,8 +226,10 @@ def test_close_while_an_overflow_waits_for_its_parent_loses_nothing(tmp_path: Pa
 
     t.slow.put_many = put_many  # type: ignore[attr-defined]
     t.slow.reserve = reserve  # type: ignore[method-assign]
-    rc = t.reserve_many(keys, [None, *keys[:-1]], PAGE)
-    ress = [r for r in rc.reservations if r is not None]
+    head = t.reserve_many(keys[:8], [None, *keys[:7]], PAGE)  # in the fast tier, sealed below
+    rc = t.reserve_many(keys[8:], keys[7:-1], PAGE)  # the fast tier is full: buffers
+    ress = [r for r in (*head.reservations, *rc.reservations) if r is not None]
+    assert sum(t.fast.in_flight(k) for k in keys) == 8
     for r in ress:
         _fill(r)
     errors: list[BaseException] = []
@@ -277,8 +287,10 @@ def test_overflow_whose_parent_fails_its_write_back_stores_nothing(tmp_path: Pat
 
         t.slow.put_many = put_many  # type: ignore[attr-defined]
         t.slow.reserve = reserve  # type: ignore[method-assign]
-        rc = t.reserve_many(keys, [None, *keys[:-1]], PAGE)
-        ress = [r for r in rc.reservations if r is not None]
+        head = t.reserve_many(keys[:8], [None, *keys[:7]], PAGE)  # in the fast tier
+        rc = t.reserve_many(keys[8:], keys[7:-1], PAGE)  # the fast tier is full: buffers
+        ress = [r for r in (*head.reservations, *rc.reservations) if r is not None]
+        assert sum(t.fast.in_flight(k) for k in keys) == 8
         for r in ress:
             _fill(r)
         with pytest.raises(hk.errors.UnknownKeyError):
