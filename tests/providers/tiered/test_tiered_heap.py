@@ -1,0 +1,441 @@
+"""A chain run saved past a full fast tier, chain-level (issue 14 item 7, "tiered without
+cliffs"): ``reserve_many`` gives the run one ordinary buffer (``_HeapRun``, ``ReservedChain.pages``
+over it), its seal publishes it and queues it behind the fast tier's write-backs, and the saving
+thread never stores into the slow tier itself.  Until its write-back lands the buffer is the
+pages' only copy: reads are served from it (and checked against the seal's checksums where the
+fast tier verifies), an eviction lets the writer skip the page (or undo it), a failed write-back
+drops the page with its subtree, ``close`` lands it, and a seal waits while the sealed buffers
+would hold more than the fast tier's budget.  Every test holds the real writer thread in the real
+slow tier's ``put_many`` where it needs the run to stay queued."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import hostkv_providers as hk
+from hostkv_providers import PinnedProvider, Provider
+from hostkv_providers._blockhash import TREE_ALGORITHM, tree_checksum
+from hostkv_providers._keys import Key
+from hostkv_providers.cache._cache import HostKVCache
+from hostkv_providers.device._copy import CpuCopyEngine
+from hostkv_providers.device._hostmem import OrdinaryAllocator
+from hostkv_providers.providers.tiered._provider import TieredProvider
+from hostkv_providers.testing._pages import chain, page_bytes
+
+PAGE = 4096
+
+
+def _pinned(budget: int, verify: bool = False) -> PinnedProvider:
+    return PinnedProvider(budget, block=PAGE, allocator=OrdinaryAllocator(), verify_reads=verify)
+
+
+def _mmap(path: Path, budget: int) -> Provider:
+    return hk.open(f"mmap://{path}?budget={budget}&slot={PAGE}&durability=none")
+
+
+def _make(tmp_path: Path, fast_pages: int = 8, budget_pages: int = 256, verify: bool = False) -> TieredProvider:
+    return TieredProvider(_pinned(fast_pages * PAGE, verify), _mmap(tmp_path / "slow", 2 * budget_pages * PAGE),
+                          budget_bytes=budget_pages * PAGE)
+
+
+@contextlib.contextmanager
+def _writer_held(t: TieredProvider) -> Iterator[tuple[threading.Event, threading.Event]]:
+    """The writer thread waits in the slow tier's ``put_many`` (``entered`` set) until ``go``
+    is set (on the way out at the latest); other threads' calls go straight through."""
+    entered, go = threading.Event(), threading.Event()
+    orig = t.slow.put_many  # type: ignore[attr-defined]
+
+    def held(items: Any, **kw: Any) -> Any:
+        if threading.current_thread() is t._writer:
+            entered.set()
+            assert go.wait(60), "the test never let the write-back go on"
+        return orig(items, **kw)
+
+    t.slow.put_many = held  # type: ignore[attr-defined]
+    try:
+        yield entered, go
+    finally:
+        go.set()
+
+
+def _reserve(t: TieredProvider, keys: list[Key], parent: Key | None) -> hk.ReservedChain:
+    return t.reserve_many(keys, [parent, *keys[:-1]], PAGE)
+
+
+def _write(rc: hk.ReservedChain, keys: list[Key]) -> None:
+    assert rc.pages is not None
+    for k, addr in zip(keys, rc.pages.addresses.tolist(), strict=True):
+        ctypes.memmove(addr, page_bytes(k, PAGE), PAGE)
+    rc.mark_written()
+
+
+def _save(t: TieredProvider, keys: list[Key], parent: Key | None = None, **seal: Any) -> hk.ReservedChain:
+    rc = _reserve(t, keys, parent)
+    _write(rc, keys)
+    rc.seal(**seal)
+    return rc
+
+
+def _is_heap(t: TieredProvider, rc: hk.ReservedChain, n: int) -> None:
+    """``rc`` is one run in one ordinary buffer: nothing of it in the fast tier."""
+    assert rc.run is not None and rc.error is None and len(rc) == n
+    assert rc.pages is not None and len(rc.pages) == n and not rc.pages.pinned and not rc.pages.readonly
+
+
+def _settled(t: TieredProvider) -> None:
+    assert t._pend == {} and t._pend_runs == {} and t._run_starts == []
+    assert t._heap_bytes == 0 and t._queued_pages == 0
+    assert t.stats().extra["pending_write_back"] == 0
+
+
+def _reads_back(t: Provider, keys: list[Key]) -> None:
+    assert all(t.read_bytes(k) == page_bytes(k, PAGE) for k in keys)
+    outs = [bytearray(PAGE) for _ in keys]
+    assert t.read_many(keys, outs) == [True] * len(keys)  # type: ignore[attr-defined]
+    assert [bytes(o) for o in outs] == [page_bytes(k, PAGE) for k in keys]
+
+
+def test_a_run_past_a_full_fast_tier_is_queued_from_one_buffer(tmp_path: Path) -> None:
+    """With the writer held on the fast tier's run, the next run gets one ordinary buffer and
+    its seal returns without the slow tier: published at once, read from the buffer, landed in
+    the slow tier (parent before child) once the writer goes on, and found again on reopen."""
+    keys = chain("heap-queued", 40)
+    t = _make(tmp_path)
+    try:
+        with _writer_held(t) as (entered, go):
+            head = _save(t, keys[:8])  # fills the fast tier
+            assert head.pages is not None and head.pages.pinned == t.fast.views_pinned
+            assert entered.wait(30)  # the writer holds the head's only copy
+            rc = _reserve(t, keys[8:], keys[7])
+            _is_heap(t, rc, 32)
+            assert not any(t.fast.in_flight(k) for k in keys[8:]) and t.present(keys[8:]) == [False] * 32
+            _write(rc, keys[8:])
+            rc.seal()  # (the writer is held: the seal does not store into the slow tier)
+            assert rc.sealed == 32 and t.longest_prefix(keys) == 40
+            assert t.slow.present(keys) == [False] * 40 and t.fast.present(keys[8:]) == [False] * 32
+            assert t.stats().extra["pending_write_back"] == 40 and t._heap_bytes == 32 * PAGE
+            _reads_back(t, keys)  # the tail from the buffer
+            assert t.entry(keys[8]).parent == keys[7]  # type: ignore[union-attr]
+            go.set()
+        assert t.flush(60)
+        st = t.stats().extra
+        assert st["write_backs"] == 8 and st["write_through"] == 32 and st["write_back_failures"] == 0
+        assert t.slow.longest_prefix(keys) == 40 and t.slow.entry(keys[8]).parent == keys[7]  # type: ignore[union-attr]
+        _reads_back(t, keys)
+        _settled(t)
+    finally:
+        t.close()
+    t2 = _make(tmp_path)
+    try:
+        assert t2.longest_prefix(keys) == 40
+        _reads_back(t2, keys)
+    finally:
+        t2.close()
+
+
+def test_a_run_larger_than_the_fast_tier_gives_its_prefix_back(tmp_path: Path) -> None:
+    """A run the fast tier can take only in part: the part it reserved is given back (a run
+    lives in one place) and the whole run is one buffer."""
+    t = _make(tmp_path, fast_pages=8)
+    try:
+        keys = chain("heap-larger", 20)
+        rc = _reserve(t, keys, None)
+        _is_heap(t, rc, 20)
+        assert not any(t.fast.in_flight(k) for k in keys) and t.fast.stats().used_bytes == 0
+        _write(rc, keys)
+        rc.seal()
+        assert t.flush(60) and t.slow.longest_prefix(keys) == 20
+        _reads_back(t, keys)
+        _settled(t)
+    finally:
+        t.close()
+
+
+def test_the_sealed_buffers_are_bounded_by_the_fast_tiers_budget(tmp_path: Path) -> None:
+    """A heap run whose buffer would take the sealed ones past the fast tier's budget (8 pages
+    here) waits in its seal for the writer; one always goes through when none waits (even one
+    larger than the bound)."""
+    t = _make(tmp_path, fast_pages=8)
+    try:
+        keys = chain("heap-bound", 20)
+        with _writer_held(t) as (entered, go):
+            _save(t, keys[:8])  # in the fast tier, which it fills
+            assert entered.wait(30)
+            _is_heap(t, _save(t, keys[8:16], keys[7]), 8)  # the bound's worth of buffers
+            assert t._heap_bytes == 8 * PAGE
+            rc = _reserve(t, keys[16:], keys[15])
+            _is_heap(t, rc, 4)
+            _write(rc, keys[16:])
+            sealer = threading.Thread(target=rc.seal)
+            sealer.start()
+            time.sleep(0.3)
+            assert sealer.is_alive() and t.present(keys[16:]) == [False] * 4  # waiting for room
+            assert t.longest_prefix(keys) == 16
+            go.set()
+            sealer.join(30)
+            assert not sealer.is_alive()
+        assert rc.sealed == 4 and t.longest_prefix(keys) == 20
+        assert t.flush(60) and t.slow.longest_prefix(keys) == 20
+        _reads_back(t, keys)
+        _settled(t)
+    finally:
+        t.close()
+
+
+def test_a_queued_heap_page_evicted_before_its_write_back_is_in_neither_tier(tmp_path: Path) -> None:
+    keys = chain("heap-evict", 24)
+    t = _make(tmp_path)
+    try:
+        with _writer_held(t) as (entered, go):
+            _save(t, keys[:8])
+            assert entered.wait(30)
+            _save(t, keys[8:], keys[7])
+            t.evict(keys[16:17])  # page 16 and its subtree, still in the buffer
+            assert t.present(keys) == [True] * 16 + [False] * 8
+            _reads_back(t, keys[:16])
+            go.set()
+        assert t.flush(60)
+        assert t.slow.longest_prefix(keys) == 16 and t.slow.present(keys[16:]) == [False] * 8
+        _settled(t)
+    finally:
+        t.close()
+    t2 = _make(tmp_path)
+    try:
+        assert t2.present(keys) == [True] * 16 + [False] * 8  # nothing evicted comes back
+    finally:
+        t2.close()
+
+
+def test_a_heap_page_evicted_while_the_writer_stores_it_does_not_come_back(tmp_path: Path) -> None:
+    """The writer is inside the slow tier's put_many with the heap run's batch when part of it
+    is evicted: the pages land, and are evicted from the slow tier again afterwards (doomed)."""
+    keys = chain("heap-evict-mid", 20)
+    t = _make(tmp_path)
+    try:
+        with _writer_held(t) as (entered, go):
+            rc = _save(t, keys)  # larger than the fast tier: a heap run, the writer's first batch
+            assert rc.pages is not None and not rc.pages.pinned
+            assert entered.wait(30)
+            t.evict(keys[5:6])
+            assert t.present(keys) == [True] * 5 + [False] * 15
+            go.set()
+        assert t.flush(60)
+        assert t.slow.longest_prefix(keys) == 5 and t.slow.present(keys[5:]) == [False] * 15
+        _reads_back(t, keys[:5])
+        _settled(t)
+    finally:
+        t.close()
+    t2 = _make(tmp_path)
+    try:
+        assert t2.present(keys) == [True] * 5 + [False] * 15
+    finally:
+        t2.close()
+
+
+def test_a_failed_heap_write_back_drops_the_pages_and_never_reads_wrong_bytes(tmp_path: Path) -> None:
+    """The slow tier stores 6 of the run's pages and fails the rest (an I/O error part way):
+    those are dropped with their subtree, the prefix stays, and the chain can be saved again."""
+    keys = chain("heap-io-error", 20)
+    t = _make(tmp_path)
+    orig = t.slow.put_many  # type: ignore[attr-defined]
+
+    def part(items: Any, **kw: Any) -> Any:
+        if threading.current_thread() is t._writer:
+            failed = hk.errors.StorageIOError("injected: the disk is full")
+            return [*orig(items[:6], **kw), *[failed] * (len(items) - 6)]
+        return orig(items, **kw)
+
+    t.slow.put_many = part  # type: ignore[attr-defined]
+    try:
+        _save(t, keys)
+        assert t.flush(60)
+        assert t.present(keys) == [True] * 6 + [False] * 14
+        assert t.slow.longest_prefix(keys) == 6 and t.slow.present(keys[6:]) == [False] * 14
+        assert t.stats().extra["write_back_failures"] >= 1
+        _reads_back(t, keys[:6])
+        _settled(t)
+        t.slow.put_many = orig  # type: ignore[attr-defined]
+        _save(t, keys[6:], keys[5])
+        assert t.flush(60) and t.slow.longest_prefix(keys) == 20
+        _reads_back(t, keys)
+    finally:
+        t.close()
+
+
+def test_checksums_given_at_seal_guard_the_buffer(tmp_path: Path) -> None:
+    """A fast tier that verifies reads: checksums given at the heap run's seal (in its
+    algorithm, as a cache's GPU hashing gives them) check reads from the buffer and the
+    write-back.  A bit flipped in page 10's only copy is a miss, never wrong bytes; the page
+    goes with its subtree and never reaches the slow tier."""
+    keys = chain("heap-verified", 20)
+    t = _make(tmp_path, verify=True)
+    try:
+        assert t.checksum_algorithm == TREE_ALGORITHM
+        sums = [tree_checksum(page_bytes(k, PAGE)) for k in keys]
+        with _writer_held(t) as (entered, go):
+            rc = _save(t, keys, checksums=sums, algorithm=TREE_ALGORITHM)
+            assert entered.wait(30)
+            _reads_back(t, keys)  # the sums match
+            assert rc.pages is not None
+            addr = int(rc.pages.addresses[10]) + 123
+            ctypes.memset(addr, ctypes.c_ubyte.from_address(addr).value ^ 0x10, 1)
+            assert t.read_bytes(keys[10]) is None  # a miss: dropped with its subtree
+            assert t.present(keys) == [True] * 10 + [False] * 10
+            _reads_back(t, keys[:10])
+            go.set()
+        assert t.flush(60)
+        assert t.slow.longest_prefix(keys) == 10 and t.slow.present(keys[10:]) == [False] * 10
+        _settled(t)
+    finally:
+        t.close()
+
+
+def test_the_write_back_checks_the_buffer_against_the_seals_checksums(tmp_path: Path) -> None:
+    """A flipped byte no read saw: the writer finds it before the slow tier gets the page, and
+    the page fails its write-back with its subtree (the rest of the run)."""
+    keys = chain("heap-verified-wb", 20)
+    t = _make(tmp_path, verify=True)
+    try:
+        sums = [tree_checksum(page_bytes(k, PAGE)) for k in keys]
+        with _writer_held(t) as (entered, go):
+            _save(t, keys[:8])  # the writer held on another run
+            assert entered.wait(30)
+            rc = _save(t, keys[8:], keys[7], checksums=sums[8:], algorithm=TREE_ALGORITHM)
+            assert rc.pages is not None
+            addr = int(rc.pages.addresses[6])  # keys[14]
+            ctypes.memset(addr, ctypes.c_ubyte.from_address(addr).value ^ 0x01, 1)
+            go.set()
+        assert t.flush(60)
+        assert t.present(keys) == [True] * 14 + [False] * 6
+        assert t.slow.longest_prefix(keys) == 14 and t.slow.present(keys[14:]) == [False] * 6
+        assert t.stats().extra["write_back_failures"] >= 1
+        _reads_back(t, keys[:14])
+        _settled(t)
+    finally:
+        t.close()
+
+
+def test_close_lands_the_queued_heap_runs(tmp_path: Path) -> None:
+    keys = chain("heap-close", 30)
+    t = _make(tmp_path)
+    with _writer_held(t) as (entered, go):
+        _save(t, keys[:8])
+        assert entered.wait(30)
+        _save(t, keys[8:], keys[7])
+        closer = threading.Thread(target=t.close)
+        closer.start()
+        time.sleep(0.2)
+        assert closer.is_alive()  # close waits for the queue
+        go.set()
+        closer.join(60)
+        assert not closer.is_alive()
+    t2 = _make(tmp_path)
+    try:
+        assert t2.longest_prefix(keys) == 30
+        _reads_back(t2, keys)
+    finally:
+        t2.close()
+
+
+def test_a_heap_run_split_into_reservations_keeps_its_bytes(tmp_path: Path) -> None:
+    """``ReservedChain.reservations`` of a heap run (a caller that wants per-page
+    reservations): the bytes written through ``pages`` are kept, and the pages are stored at
+    seal by the write-through path; an unwritten run's pages stay unwritten."""
+    t = _make(tmp_path, fast_pages=4)
+    try:
+        keys = chain("heap-split", 12)
+        rc = _reserve(t, keys, None)
+        _is_heap(t, rc, 12)
+        _write(rc, keys)
+        ress = [r for r in rc.reservations if r is not None]
+        assert len(ress) == 12 and rc.run is None and t.stats().in_flight == 0
+        t.seal_many(ress)
+        assert [r.state for r in ress] == ["sealed"] * 12 and t.longest_prefix(keys) == 12
+        _reads_back(t, keys)
+        more = chain("heap-split-unwritten", 6)
+        rc = _reserve(t, more, None)
+        _is_heap(t, rc, 6)
+        ress = [r for r in rc.reservations if r is not None]
+        with pytest.raises(hk.errors.IncompleteWriteError):
+            t.seal_many(ress)
+        assert [r.state for r in ress] == ["aborted"] * 6 and t.present(more) == [False] * 6
+        assert t.flush(60) and t.slow.longest_prefix(keys) == 12
+        _settled(t)
+    finally:
+        t.close()
+
+
+def test_put_many_past_a_full_fast_tier_does_not_wait_for_the_slow_tier(tmp_path: Path) -> None:
+    keys = chain("heap-put-many", 40)
+    t = _make(tmp_path)
+    try:
+        with _writer_held(t) as (entered, go):
+            assert t.put_many([(k, keys[i - 1] if i else None, page_bytes(k, PAGE))
+                               for i, k in enumerate(keys[:8])]) == [True] * 8
+            assert entered.wait(30)
+            got = t.put_many([(k, keys[i + 7], page_bytes(k, PAGE)) for i, k in enumerate(keys[8:])])
+            assert got == [True] * 32 and t.slow.present(keys) == [False] * 40
+            _reads_back(t, keys)
+            go.set()
+        assert t.flush(60) and t.slow.longest_prefix(keys) == 40
+        _settled(t)
+    finally:
+        t.close()
+
+
+def test_cache_save_and_restore_while_the_writer_is_held(tmp_path: Path) -> None:
+    """HostKVCache on the CPU engine saves 100 pages in chunks of 32 over a fast tier of 64
+    while the writer cannot store anything: the chunks past the fast tier go to buffers, the
+    save completes, and a restore gives back every page exactly (part from the fast tier,
+    part from the buffers); then again after the write-back and after a reopen."""
+    layout = hk.KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, page_tokens=4, dtype="float32")
+    assert layout.page_nbytes == PAGE
+    n = 100
+    shape = (n, layout.page_tokens, layout.num_kv_heads, layout.head_dim)
+    rng = np.random.default_rng(7)
+    src = [rng.standard_normal(shape, dtype=np.float32) for _ in layout.planes]
+    salt = hk.Salt("test/heap", layout)
+    engine = CpuCopyEngine()
+
+    def restored(t: TieredProvider, keys: list[Key]) -> None:
+        dst = [np.zeros(shape, np.float32) for _ in layout.planes]
+        with HostKVCache(t, salt, engine, chunk_pages=32, staging_allocator=OrdinaryAllocator()) as cache:
+            hit = cache.lookup(keys)
+            assert hit.num_pages == n
+            res = cache.restore(hit, dst, list(range(n))).wait(60)
+            assert res.pages == n
+        for a, b in zip(src, dst, strict=True):
+            assert np.array_equal(a, b)
+
+    try:
+        t = _make(tmp_path, fast_pages=64, budget_pages=512)
+        try:
+            with _writer_held(t) as (entered, go):
+                with HostKVCache(t, salt, engine, chunk_pages=32, staging_allocator=OrdinaryAllocator()) as cache:
+                    keys = cache.keys(list(range(n * layout.page_tokens)))
+                    result = cache.save(keys, src, list(range(n))).wait(60)
+                    assert result.stored == n and result.stopped is None
+                assert entered.wait(30) and t.slow.present(keys) == [False] * n
+                assert t.fast.present(keys[64:]) == [False] * 36  # in buffers
+                restored(t, keys)
+                go.set()
+            assert t.flush(60) and t.slow.longest_prefix(keys) == n
+            restored(t, keys)
+        finally:
+            t.close()
+        t2 = _make(tmp_path, fast_pages=64, budget_pages=512)
+        try:
+            restored(t2, keys)
+        finally:
+            t2.close()
+    finally:
+        engine.close()
