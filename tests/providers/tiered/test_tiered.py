@@ -54,6 +54,23 @@ class TestTieredOverPinnedConformance(ProviderTests):
         return TieredProvider(_pinned(budget_bytes), _pinned(2 * budget_bytes), budget_bytes=budget_bytes)
 
 
+class TestTieredSmallFastConformance(ProviderTests):
+    """A fast tier of 2 pages over an in-memory slow tier: most chain runs go past it, into
+    ordinary buffers queued behind the write-back (heap runs), so the contract holds there."""
+    backdoors_exempt = "composite: the tiers' own suites check their media through their backdoors"
+
+    def make_provider(self, tmp_path: Path, budget_bytes: int) -> Provider:
+        return TieredProvider(_pinned(2 * PAGE), _pinned(2 * budget_bytes), budget_bytes=budget_bytes)
+
+    # (the suite's view tests want a page just stored to be viewable: here it may be larger than
+    # the fast tier, or past it, and a page the fast tier does not hold is read, not viewed)
+    def test_views(self, provider: Provider) -> None:
+        pytest.skip("view() is None for a page the 2-page fast tier does not hold (docs/providers/tiered.md)")
+
+    def test_batch_views(self, provider: Provider) -> None:
+        pytest.skip("views() are None for pages the 2-page fast tier does not hold (docs/providers/tiered.md)")
+
+
 @needs_lmdb
 class TestTieredOverLmdbConformance(ProviderTests):
     """Pinned over lmdb: the slow tier survives close/reopen, the fast one starts empty."""
