@@ -10,6 +10,8 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from hostkv_providers._checks import readable_bytes
 from hostkv_providers._errors import HostKVError, InFlightError, InvalidArgumentError, UnknownKeyError
 from hostkv_providers._keys import Key
@@ -30,6 +32,18 @@ def _check_checksums(checksums: Sequence[int] | None, algorithm: str | None, n: 
         raise InvalidArgumentError("give algorithm= with checksums= (the algorithm they are in)")
     if len(checksums) != n:
         raise InvalidArgumentError(f"{len(checksums)} checksums for {n} reservations; give one per reservation")
+    # (refused before anything is sealed: a float, or an int outside 0 .. 2**64 - 1)
+    if isinstance(checksums, np.ndarray):
+        ok = checksums.dtype.kind == "u" or (checksums.dtype.kind == "i" and not (n and checksums.min() < 0))
+    else:
+        ok = all(type(c) is int or isinstance(c, np.integer) for c in checksums)
+        if ok:
+            try:
+                np.array(checksums, dtype=np.uint64)
+            except OverflowError:
+                ok = False
+    if not ok:
+        raise InvalidArgumentError("checksums must be ints from 0 to 2**64 - 1")
 
 
 class ChainRun(abc.ABC):

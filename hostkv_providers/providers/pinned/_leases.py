@@ -196,11 +196,16 @@ class _Leases(_PinnedBase):
                 return views, None
             return views, idx.csum[np.maximum(r, 0)].astype(np.uint64)
 
+    def _digests(self, views: Sequence[memoryview]) -> npt.NDArray[np.uint64]:
+        """The checksums of ``views`` in this store's algorithm (large batches over a few
+        threads, no lock): what a seal records, for bytes held outside the arena."""
+        return np.array(_split_hash(list(views), lambda v: self._sum((v,)), sum(v.nbytes for v in views)),
+                        dtype=np.uint64)
+
     def _first_bad(self, views: Sequence[memoryview], sums: npt.NDArray[np.uint64]) -> int:
         """Index of the first of ``views`` whose bytes do not hash to ``sums`` (this store's
         algorithm; large batches over a few threads, no lock); ``len(views)`` when all do."""
-        digests = np.array(_split_hash(list(views), lambda v: self._sum((v,)), sum(v.nbytes for v in views)),
-                           dtype=np.uint64)
+        digests = self._digests(views)
         bad = np.flatnonzero(digests != np.asarray(sums, dtype=np.uint64)[: len(views)])
         return int(bad[0]) if len(bad) else len(views)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -27,7 +28,7 @@ from hostkv_providers._errors import (
     UnknownKeyError,
 )
 from hostkv_providers._keys import Key
-from hostkv_providers._region import HostPages
+from hostkv_providers._region import HostPages, HostRegion
 from hostkv_providers._reservation import Lease, Reservation
 from hostkv_providers.providers._tree._chainrun import TreeChainRun
 
@@ -160,7 +161,15 @@ class _Chains(_WriteBack):
             for r in inners:
                 with contextlib.suppress(HostKVError):
                     self.fast.abort(r)
-            heap = _HeapRun(self, run, ks, parent, nbytes, salt_tag)
+            try:
+                heap = _HeapRun(self, run, ks, parent, nbytes, salt_tag)
+            except BaseException as exc:
+                with self._lock:
+                    self._index.cancel_run(run)
+                if isinstance(exc, MemoryError):
+                    raise CapacityError(f"no host memory for a buffer of {len(ks)} pages past the full fast tier",
+                                        hint="save fewer pages at once, or give the fast tier more room") from None
+                raise
             return ReservedChain(error=None, pages=heap.pages, run=heap)
         # The fast tier took it page by page, or a prefix (full of pages waiting for their
         # write-back) and the slow tier stores page by page: those reservations are kept, as
@@ -278,6 +287,9 @@ class _Chains(_WriteBack):
         with self._lock:
             self._check_usable()
             for r in run:
+                if isinstance(r, _HeapPage):  # (its flight is in the index since reserve_many)
+                    flown.append(r)
+                    continue
                 try:
                     ok, evicted, _ = idx.begin_chained(r.key, r.parent, r.nbytes)
                 except (CapacityError, InFlightError, UnknownKeyError) as exc:
@@ -637,25 +649,18 @@ class _HeapRun(TreeChainRun):
         self.pages = HostPages(addrs, nbytes, pinned=False, readonly=False, keepalive=self.heap)
 
     def materialize(self) -> list[Reservation]:
-        """Per-page deferred reservations holding the run's bytes (written or not: marked written
-        only when the run was), stored at seal by the write-through path."""
-        prov: _Chains = self._prov
-        with prov._lock:
-            state = self.state
-            if state == "open":
-                prov._index.cancel_run(self._run)  # (the deferred pages take their flights at seal)
-                self.state = "materialized"
+        """Per-page reservations over the run's buffer (:class:`_HeapPage`: a copy into
+        ``pages`` made after this still counts) that keep the run's flights in the index (a run
+        reserved on top of this one still chains onto them), stored at seal by the
+        write-through path."""
+        state = self._split()
         out: list[Reservation] = []
         parents = [self.parent, *self.keys[:-1]]
         for k, p, row in zip(self.keys, parents, self.heap, strict=True):
-            if state == "open":
-                r = prov._deferred(k, p, self.nbytes, self.salt_tag)
-                assert isinstance(r, _DeferredReservation)
-                r._view[:] = row.data
-                if self.written:
-                    Reservation.mark_written(r)
-            else:
-                r = _DeferredReservation(prov, k, p, self.nbytes, self.salt_tag)
+            r = _HeapPage(self._prov, k, p, self.nbytes, self.salt_tag, row)
+            if self.written:
+                Reservation.mark_written(r)
+            if state != "open":
                 r._finish(state)
             out.append(r)
         return out
@@ -663,14 +668,18 @@ class _HeapRun(TreeChainRun):
     def seal(self, checksums: Sequence[int] | None, algorithm: str | None) -> None:
         prov: _Chains = self._prov
         self._check_sealable()
+        # Where the fast tier verifies reads, the buffer's pages get checksums in its algorithm,
+        # as its own pages do at their seal: the ones given (the GPU's, for a cache's save),
+        # else computed here.  Reads from the buffer and the write-back check them, so a byte
+        # damaged in the buffer is a miss and never reaches the slow tier.
+        sums = None
+        if prov._fast_verifies:
+            if checksums is not None and algorithm == prov.fast.checksum_algorithm:
+                sums = np.array(checksums, dtype=np.uint64)
+            else:
+                sums = prov.fast._digests([row.data for row in self.heap])  # type: ignore[attr-defined]
         need = self.heap.nbytes
         prov._wait_for_heap_room(need)
-        # Checksums in the fast tier's algorithm (the GPU's, for a cache's save) are kept where
-        # the fast tier verifies reads: reads from the buffer and the write-back check them, as
-        # they would a fast-tier copy's.
-        sums = None
-        if checksums is not None and prov._fast_verifies and algorithm == prov.fast.checksum_algorithm:
-            sums = np.array(checksums, dtype=np.uint64)
         queued = False
         failed: BaseException | None = None
         idx = prov._index
@@ -712,3 +721,30 @@ class _HeapRun(TreeChainRun):
                 return
             prov._index.cancel_run(self._run)
             self.state = "aborted"
+
+
+class _HeapPage(_DeferredReservation):
+    """One page of a :class:`_HeapRun` split into reservations (``materialize``): its bytes are
+    the run's buffer row (no copy), its flight stays in the tiered index (so ``_store_through``
+    commits it rather than begins one, and an abort cancels it).  Not in ``_DEFERRED``: a later
+    ``reserve_many`` chains onto it through the index, as onto any page in flight."""
+
+    __slots__ = ("_row",)
+
+    def __init__(self, provider: _Chains, key: Key, parent: Key | None, nbytes: int, salt_tag: str,
+                 row: np.ndarray[Any, np.dtype[np.uint8]]) -> None:
+        Reservation.__init__(self, provider, key, parent, nbytes, salt_tag)
+        self._row = row
+        self._view = row.data
+
+    def regions(self) -> Sequence[HostRegion]:
+        self.check_open(self._provider)
+        return [HostRegion(0, self._view, int(self._row.ctypes.data), False)]
+
+    def abort(self) -> None:
+        prov: _Chains = self._provider  # type: ignore[assignment]
+        with prov._lock:
+            if self._state != "open":
+                return
+            prov._index.cancel(self.key)
+            self._finish("aborted")

@@ -346,20 +346,30 @@ def test_close_lands_the_queued_heap_runs(tmp_path: Path) -> None:
         t2.close()
 
 
-def test_a_heap_run_split_into_reservations_keeps_its_bytes(tmp_path: Path) -> None:
-    """``ReservedChain.reservations`` of a heap run (a caller that wants per-page
-    reservations): the bytes written through ``pages`` are kept, and the pages are stored at
-    seal by the write-through path; an unwritten run's pages stay unwritten."""
+def test_a_heap_run_split_into_reservations_keeps_its_bytes_and_flights(tmp_path: Path) -> None:
+    """``ReservedChain.reservations`` of a heap run (a caller that wants per-page reservations):
+    they are the run's buffer (a copy into ``pages`` made after the split counts), the pages stay
+    in flight (no other writer can take them; a run reserved on top of the last one still
+    chains onto it), and they are stored at seal by the write-through path; an unwritten run's
+    pages stay unwritten and an abort gives the flights back."""
     t = _make(tmp_path, fast_pages=4)
     try:
-        keys = chain("heap-split", 12)
-        rc = _reserve(t, keys, None)
+        keys = chain("heap-split", 18)
+        rc = _reserve(t, keys[:12], None)
         _is_heap(t, rc, 12)
-        _write(rc, keys)
+        child = _reserve(t, keys[12:], keys[11])  # chained onto a page still in flight
         ress = [r for r in rc.reservations if r is not None]
-        assert len(ress) == 12 and rc.run is None and t.stats().in_flight == 0
+        assert len(ress) == 12 and rc.run is None
+        assert all(t.in_flight(k) for k in keys) and t.stats().in_flight == 18
+        with pytest.raises(hk.errors.InFlightError):
+            t.reserve(keys[0], None, PAGE)
+        assert rc.pages is not None
+        _write(rc, keys[:12])  # after the split: the reservations are the same memory
         t.seal_many(ress)
         assert [r.state for r in ress] == ["sealed"] * 12 and t.longest_prefix(keys) == 12
+        _write(child, keys[12:])
+        child.seal()
+        assert t.longest_prefix(keys) == 18
         _reads_back(t, keys)
         more = chain("heap-split-unwritten", 6)
         rc = _reserve(t, more, None)
@@ -368,7 +378,79 @@ def test_a_heap_run_split_into_reservations_keeps_its_bytes(tmp_path: Path) -> N
         with pytest.raises(hk.errors.IncompleteWriteError):
             t.seal_many(ress)
         assert [r.state for r in ress] == ["aborted"] * 6 and t.present(more) == [False] * 6
-        assert t.flush(60) and t.slow.longest_prefix(keys) == 12
+        assert not any(t.in_flight(k) for k in more)
+        assert t.flush(60) and t.slow.longest_prefix(keys) == 18
+        _reads_back(t.slow, keys)
+        _settled(t)
+        assert t.stats().in_flight == 0
+    finally:
+        t.close()
+
+
+def test_no_memory_for_the_buffer_is_a_capacity_error_that_leaves_nothing(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    import hostkv_providers.providers.tiered._chain as tiered_chain
+
+    class _NoMemory:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(np, name)
+
+        def empty(self, *a: Any, **kw: Any) -> Any:
+            raise MemoryError("injected: no memory for the run's buffer")
+
+    t = _make(tmp_path, fast_pages=8)
+    try:
+        keys = chain("heap-no-memory", 20)
+        with monkeypatch.context() as mp:
+            mp.setattr(tiered_chain, "np", _NoMemory())
+            with pytest.raises(hk.CapacityError):
+                _reserve(t, keys, None)
+        assert not any(t.in_flight(k) for k in keys) and t.stats().used_bytes == 0
+        _save(t, keys)  # nothing left behind: the same keys can be saved
+        assert t.flush(60) and t.slow.longest_prefix(keys) == 20
+        _settled(t)
+    finally:
+        t.close()
+
+
+def test_bad_checksums_at_the_seal_are_refused_before_anything_is_counted(tmp_path: Path) -> None:
+    t = _make(tmp_path, verify=True)
+    try:
+        keys = chain("heap-bad-sums", 10)
+        rc = _reserve(t, keys, None)
+        _is_heap(t, rc, 10)
+        _write(rc, keys)
+        for bad in ([-1] * 10, [2**64] * 10, [0.5] * 10):
+            with pytest.raises(hk.InvalidArgumentError):
+                rc.seal(checksums=bad, algorithm=TREE_ALGORITHM)
+        assert t._heap_bytes == 0 and t.present(keys) == [False] * 10
+        rc.seal()  # (still open: the bad input changed nothing)
+        assert t.flush(60) and t.slow.longest_prefix(keys) == 10
+        _reads_back(t, keys)
+        _settled(t)
+    finally:
+        t.close()
+
+
+def test_a_verifying_fast_tier_guards_a_buffer_sealed_without_checksums(tmp_path: Path) -> None:
+    """No checksums given (a CPU engine's save, put_many): the seal hashes the buffer in the
+    fast tier's algorithm, as the fast tier hashes its own pages, so a byte damaged before the
+    write-back is a miss and never reaches the slow tier."""
+    keys = chain("heap-verified-own", 20)
+    t = _make(tmp_path, verify=True)
+    try:
+        with _writer_held(t) as (entered, go):
+            rc = _save(t, keys)
+            assert entered.wait(30)
+            assert rc.pages is not None
+            addr = int(rc.pages.addresses[10]) + 5
+            ctypes.memset(addr, ctypes.c_ubyte.from_address(addr).value ^ 0x40, 1)
+            assert t.read_bytes(keys[10]) is None
+            assert t.present(keys) == [True] * 10 + [False] * 10
+            go.set()
+        assert t.flush(60)
+        assert t.slow.longest_prefix(keys) == 10 and t.slow.present(keys[10:]) == [False] * 10
+        _reads_back(t, keys[:10])
         _settled(t)
     finally:
         t.close()
@@ -439,3 +521,119 @@ def test_cache_save_and_restore_while_the_writer_is_held(tmp_path: Path) -> None
             t2.close()
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_concurrent_saves_reads_and_evictions_past_a_small_fast_tier(tmp_path: Path, seed: int) -> None:
+    """Six savers (chain runs of 1-12 pages over a verifying fast tier of 8 pages: most are heap
+    runs; half sealed with checksums), two readers comparing every byte, an evictor that also
+    puts anchors, and a writer slowed at random.  No read gives wrong bytes, the write-back
+    settles, and a reopen finds exactly what was present: nothing evicted comes back, nothing
+    present is lost, every page reads back exactly."""
+    import random
+
+    def make(verify: bool) -> TieredProvider:
+        return TieredProvider(_pinned(8 * PAGE, verify), _mmap(tmp_path / "slow", 400 * PAGE), budget_bytes=200 * PAGE)
+
+    t = make(True)
+    orig = t.slow.put_many  # type: ignore[attr-defined]
+    slow_rng = random.Random(seed)
+
+    def slowed(items: Any, **kw: Any) -> Any:
+        if threading.current_thread() is t._writer:
+            time.sleep(slow_rng.random() * 0.003)
+        return orig(items, **kw)
+
+    t.slow.put_many = slowed  # type: ignore[attr-defined]
+    chains = [chain(f"heap-stress-{seed}-{i}", 60) for i in range(6)]
+    data = {k: page_bytes(k, PAGE) for c in chains for k in c}
+    wrong: list[str] = []
+    failures: list[BaseException] = []
+    stop = threading.Event()
+
+    def saver(keys: list[Key], rng: random.Random) -> None:
+        try:
+            for _ in range(3):
+                pos, prev = 0, None
+                while pos < len(keys):
+                    ks = keys[pos : pos + rng.choice([1, 3, 10, 12])]
+                    rc = t.reserve_many(ks, [prev, *ks[:-1]], PAGE)
+                    if not len(rc):
+                        break
+                    got = rc.positions()
+                    if rc.pages is not None:
+                        for i, addr in zip(got, rc.pages.addresses.tolist(), strict=True):
+                            ctypes.memmove(addr, data[ks[i]], PAGE)
+                        rc.mark_written()
+                    else:
+                        for i in got:
+                            r = rc.reservations[i]
+                            assert r is not None
+                            r.write(0, data[ks[i]])
+                    try:
+                        if rc.run is not None and rng.random() < 0.5:
+                            rc.seal(checksums=[tree_checksum(data[ks[i]]) for i in got], algorithm=TREE_ALGORITHM)
+                        else:
+                            rc.seal()
+                    except (hk.errors.UnknownKeyError, hk.CapacityError, hk.errors.InFlightError):
+                        break  # (an evicted parent, a race with another saver: legitimate)
+                    if rc.sealed < len(got) or rc.error is not None:
+                        break
+                    prev, pos = ks[len(rc) - 1], pos + len(rc)
+        except BaseException as exc:  # reported below
+            failures.append(exc)
+
+    def reader(rng: random.Random) -> None:
+        try:
+            while not stop.is_set():
+                ks = rng.choice(chains)[: rng.randint(1, 60)]
+                outs = [bytearray(PAGE) for _ in ks]
+                for k, ok, out in zip(ks, t.read_many(ks, outs), outs, strict=True):
+                    if ok and bytes(out) != data[k]:
+                        wrong.append(k.hex()[:16])
+                k = rng.choice(ks)
+                one = t.read_bytes(k)
+                if one is not None and one != data[k]:
+                    wrong.append(k.hex()[:16])
+        except BaseException as exc:
+            failures.append(exc)
+
+    def evictor(rng: random.Random) -> None:
+        try:
+            while not stop.is_set():
+                c = rng.choice(chains)
+                t.evict([rng.choice(c)])
+                if rng.random() < 0.2:
+                    with contextlib.suppress(hk.errors.UnknownKeyError):  # (evicted meanwhile)
+                        t.put_anchor(rng.choice(c), "a", b"x" * 10)
+                time.sleep(0.002)
+        except BaseException as exc:
+            failures.append(exc)
+
+    rng = random.Random(seed)
+    savers = [threading.Thread(target=saver, args=(c, random.Random(rng.random()))) for c in chains]
+    others = [threading.Thread(target=reader, args=(random.Random(rng.random()),)) for _ in range(2)]
+    others.append(threading.Thread(target=evictor, args=(random.Random(rng.random()),)))
+    try:
+        for th in savers + others:
+            th.start()
+        for th in savers:
+            th.join(120)
+        stop.set()
+        for th in others:
+            th.join(30)
+        assert not failures and not wrong
+        assert t.flush(60)
+        assert t.stats().extra["write_through"] > 0  # (heap runs were exercised)
+        _settled(t)
+        present = {k for k in data if t.present([k])[0]}
+    finally:
+        stop.set()
+        t.close()
+    t2 = make(False)
+    try:
+        back = {k for k in data if t2.present([k])[0]}
+        assert back == present
+        assert all(t2.read_bytes(k) == data[k] for k in back)
+    finally:
+        t2.close()

@@ -31,6 +31,17 @@ def _pinned(budget: int) -> PinnedProvider:
     return PinnedProvider(budget, block=PAGE, allocator=OrdinaryAllocator())
 
 
+class _NoBatch(PinnedProvider):
+    """An in-memory slow tier without the batch verbs (as a third-party tier may be): a chain run
+    the fast tier takes only in part keeps that part there and the rest gets per-page buffers."""
+
+    put_many = None  # type: ignore[assignment]  (None: not SupportsBatch, for a runtime Protocol check)
+
+
+def _no_batch(budget: int) -> Provider:
+    return _NoBatch(budget, block=PAGE, allocator=OrdinaryAllocator())
+
+
 def _mmap(path: Path, budget: int) -> Provider:
     return hk.open(f"mmap://{path}?budget={budget}&slot={PAGE}&durability=none")
 
@@ -146,8 +157,9 @@ def test_cache_save_past_a_small_fast_tier_stores_every_page_exactly(tmp_path: P
 
 def test_overflow_page_stored_meanwhile_by_another_writer(tmp_path: Path) -> None:
     """Between reserve_many and seal_many another writer stores the first overflow page (its
-    parent is sealed): that copy stands and the rest of the run is still stored exactly."""
-    t = TieredProvider(_pinned(4 * PAGE), _mmap(tmp_path / "slow", 128 * PAGE), budget_bytes=64 * PAGE)
+    parent is sealed; a per-page buffer is not in flight): that copy stands and the rest of the
+    run is still stored exactly.  (A heap run's pages stay in flight: no other writer can.)"""
+    t = TieredProvider(_pinned(4 * PAGE), _no_batch(128 * PAGE), budget_bytes=64 * PAGE)
     try:
         keys = chain("overflow-raced", 12)
         rc = t.reserve_many(keys, [None, *keys[:-1]], PAGE)
@@ -169,18 +181,18 @@ def test_overflow_page_stored_meanwhile_by_another_writer(tmp_path: Path) -> Non
 def test_overflow_short_of_capacity_at_seal_keeps_a_sealed_prefix(tmp_path: Path) -> None:
     """Overflow pages hold no budget until their seal: when leased entries fill the tiered budget
     meanwhile, the seal stores what fits (a prefix), raises CapacityError, aborts the rest, and
-    leaves nothing of them in either tier."""
-    t = TieredProvider(_pinned(4 * PAGE), _mmap(tmp_path / "slow", 64 * PAGE), budget_bytes=24 * PAGE)
+    leaves nothing of them in either tier.  (A heap run takes its budget at reserve_many.)"""
+    t = TieredProvider(_pinned(4 * PAGE), _no_batch(64 * PAGE), budget_bytes=24 * PAGE)
     try:
         keys = chain("overflow-full", 12)
         rc = t.reserve_many(keys, [None, *keys[:-1]], PAGE)
         ress = [r for r in rc.reservations if r is not None]
-        assert len(ress) == 12 and not any(t.fast.in_flight(k) for k in keys)  # (all in buffers)
+        assert len(ress) == 12 and sum(t.fast.in_flight(k) for k in keys) == 4
         for r in ress:
             _fill(r)
         other = chain("overflow-full-other", 16)
         put_chain(t, other, PAGE)
-        with t.lease(other):  # 16 leased: room for 8 of the overflow
+        with t.lease(other):  # 16 leased + 4 in flight: room for 4 more of the overflow
             with pytest.raises(CapacityError):
                 t.seal_many(ress)
             assert [r.state for r in ress] == ["sealed"] * 8 + ["aborted"] * 4
