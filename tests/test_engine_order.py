@@ -315,7 +315,7 @@ def test_cpu_engine_gates_and_marks(stream: HostStream) -> None:
 
 def test_host_pages_coalesce_and_validation() -> None:
     from hostkv_providers.device import HostPages
-    from hostkv_providers.device._cuda_engine import _coalesce_pages
+    from hostkv_providers.device._cuda_staging import _coalesce_pages
 
     a = np.array([4096, 8192, 12288, 40960, 45056, 4096 * 100], dtype=np.uint64)
     assert _coalesce_pages(a, 4096) == [(0, 4096, 3 * 4096), (3 * 4096, 40960, 2 * 4096), (5 * 4096, 409600, 4096)]

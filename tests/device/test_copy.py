@@ -26,7 +26,7 @@ from hostkv_providers import (
 )
 from hostkv_providers._keys import Salt, chain_keys
 from hostkv_providers.cache import StagingPool
-from hostkv_providers.device import _cpu_engine, _cuda_engine, _hostmem, pinned_allocator
+from hostkv_providers.device import _cpu_engine, _cuda_staging, _hostmem, pinned_allocator
 from hostkv_providers.device._copy import (
     CopyArgumentError,
     CpuCopyEngine,
@@ -407,7 +407,7 @@ def test_coalescing_never_spans_two_pinned_allocations(monkeypatch: pytest.Monke
     page = LAYOUT.page_nbytes
     base = 1 << 40
     second = base + 2 * page  # where a second allocation starts, adjacent to the first
-    monkeypatch.setattr(_cuda_engine, "_REGISTERED_STARTS", {base, second})
+    monkeypatch.setattr(_cuda_staging, "_REGISTERED_STARTS", {base, second})
     pages = [((0,), (base + i * page,), (page,)) for i in range(4)]
     assert CudaCopyEngine._coalesce(pages, 0, 4, page) == [(0, base, 2 * page), (2 * page, second, 2 * page)]
 
