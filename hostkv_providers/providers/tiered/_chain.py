@@ -236,6 +236,15 @@ class _Chains(_WriteBack):
                     self.fast.abort(r)
         return got
 
+    def _queue_run(self, run: _PendingRun) -> None:
+        """Queue the write-back of a chain run just committed, as one record (lock held, so a
+        flush sees it and runs queue in commit order: gens ascending, ``_run_starts`` sorted)."""
+        with self._room:
+            self._queued_pages += run.n
+        self._pend_runs[run.gen0] = run
+        self._run_starts.append(run.gen0)
+        self._queue.put(("run", run))
+
     def _wait_for_heap_room(self, nbytes: int) -> None:
         """Back-pressure for a heap run's seal (no lock held): wait while the write-back queue is
         full or the heap runs already waiting hold more than the overflow's bound with this one
@@ -582,14 +591,11 @@ class _TieredRun(TreeChainRun):
             if failed is None:  # (queued under the lock, as a page sealed alone: a flush sees them)
                 self.state = "sealed"
                 self.sealed = self.n
-                with prov._room:
-                    prov._queued_pages += self.n
                 if run_lease is not None:  # one record for the run (gens consecutive, in order)
-                    queued = _PendingRun(idx, rows, run_lease)
-                    prov._pend_runs[queued.gen0] = queued
-                    prov._run_starts.append(queued.gen0)
-                    prov._queue.put(("run", queued))
+                    prov._queue_run(_PendingRun(idx, rows, run_lease))
                 else:
+                    with prov._room:
+                        prov._queued_pages += self.n
                     pend = [_Pending(idx, row, lease) for row, lease in zip(rows.tolist(), leases, strict=True)]
                     prov._pend.update((p.gen, p) for p in pend)
                     put = prov._queue.put  # (unbounded: never blocks)
@@ -698,12 +704,7 @@ class _HeapRun(TreeChainRun):
                 else:  # (queued under the lock, as a fast-tier run: a flush sees it)
                     self.state = "sealed"
                     self.sealed = self.n
-                    with prov._room:
-                        prov._queued_pages += self.n
-                    pend = _PendingRun(idx, rows, None, keys=self.keys, heap=self.heap, sums=sums)
-                    prov._pend_runs[pend.gen0] = pend
-                    prov._run_starts.append(pend.gen0)
-                    prov._queue.put(("run", pend))
+                    prov._queue_run(_PendingRun(idx, rows, None, keys=self.keys, heap=self.heap, sums=sums))
                     queued = True
         finally:
             if not queued:
