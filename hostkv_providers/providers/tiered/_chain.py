@@ -5,6 +5,7 @@ back-pressure that paces seals behind the write-back."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 from collections.abc import Sequence
 from typing import Any
 
@@ -374,14 +375,18 @@ class _Chains(_WriteBack):
     def _put_run(self, run: Sequence[tuple[Key, Key | None, memoryview]], salt_tag: str,
                  failed: set[Key]) -> list[bool | HostKVError]:
         """``put_many``'s results for one chain run (each page's parent the one before it, one
-        size), stored with ``reserve_many`` + a copy per page + ``seal_many``; adds the keys
+        size), stored with ``reserve_many`` + a copy per page + one seal (a run of new pages:
+        in the fast tier or a heap run) or ``seal_many`` (per-page reservations); adds the keys
         that failed to ``failed``."""
         ks = [k for k, _, _ in run]
         rc = self.reserve_many(ks, [p for _, p, _ in run], run[0][2].nbytes, salt_tag=salt_tag)
-        heap = rc.run
-        if isinstance(heap, _HeapRun):  # past a full fast tier: queued behind the write-back
-            for row, (_, _, view) in zip(heap.heap, run, strict=True):
-                row[:] = np.frombuffer(view, dtype=np.uint8)
+        if rc.run is not None and rc.pages is not None:
+            # One run of new pages (in the fast tier, or a heap run past it): a copy per page into
+            # its memory and one seal, queued as one record; no reservation or write-back record
+            # per page (the engine adapters store through put_many: per-page objects there set
+            # off the collector's full passes in the engine's process).
+            for addr, (_, _, view) in zip(rc.pages.addresses.tolist(), run, strict=True):
+                ctypes.memmove(addr, np.frombuffer(view, dtype=np.uint8).ctypes.data, view.nbytes)
             rc.mark_written()
             try:
                 rc.seal()  # (all or nothing)

@@ -474,6 +474,27 @@ def test_put_many_past_a_full_fast_tier_does_not_wait_for_the_slow_tier(tmp_path
         t.close()
 
 
+def test_put_many_stores_a_chain_run_as_one_record(tmp_path: Path) -> None:
+    """put_many of a chain run of new pages into a fast tier with room: one run there and one
+    write-back record (no reservation or record per page: the engine adapters store this way)."""
+    keys = chain("put-many-run", 40)
+    t = _make(tmp_path, fast_pages=64)
+    try:
+        with _writer_held(t) as (entered, go):
+            assert t.put_many([(k, keys[i - 1] if i else None, page_bytes(k, PAGE))
+                               for i, k in enumerate(keys[:4])]) == [True] * 4
+            assert entered.wait(30)  # the writer holds the first run; the next one queues
+            got = t.put_many([(k, keys[i + 3], page_bytes(k, PAGE)) for i, k in enumerate(keys[4:])])
+            assert got == [True] * 36
+            assert t._pend == {} and len(t._pend_runs) == 2 and t.fast.present(keys) == [True] * 40
+            _reads_back(t, keys)
+            go.set()
+        assert t.flush(60) and t.slow.longest_prefix(keys) == 40
+        _settled(t)
+    finally:
+        t.close()
+
+
 def test_cache_save_and_restore_while_the_writer_is_held(tmp_path: Path) -> None:
     """HostKVCache on the CPU engine saves 100 pages in chunks of 32 over a fast tier of 64
     while the writer cannot store anything: the chunks past the fast tier go to buffers, the
