@@ -1,6 +1,7 @@
 """The tiered provider's per-page cost on the host, beside ``pinned://``: saves and restores
 through ``HostKVCache`` (CPU copy engine, no GPU) and the provider's own chain-run seal and
-write-back, with the garbage-collector passes each one set off in the process.
+write-back and ``put_many`` of a chain (what the engine adapters call), with the
+garbage-collector passes each one set off in the process.
 
     python3 benchmarks/bench_tiered_pages.py [--pages 6400] [--reps 5] [--dir /tmp]
 
@@ -96,6 +97,18 @@ def _one(kind: str, rep: int, root: str, n: int, layout: hk.KVLayout, engine: Cp
         out[f"{kind} run seal (provider)"] = _timed(rc.seal)
         if tiered:
             out[f"{kind} run write-back (provider)"] = _timed(lambda: prov.flush(300))
+        # what an engine adapter's saves call: put_many of a chain, 256 pages a call
+        mkeys = chain(f"bench-tiered-pages-put-{kind}-{rep}", n)
+        blob = np.ascontiguousarray(src[0][0]).tobytes() * len(layout.planes)
+        items = [(k, mkeys[i - 1] if i else None, blob) for i, k in enumerate(mkeys)]
+
+        def put_all() -> None:
+            for lo in range(0, n, 256):
+                assert all(r is True for r in prov.put_many(items[lo: lo + 256]))  # type: ignore[attr-defined]
+
+        out[f"{kind} put_many (provider)"] = _timed(put_all)
+        if tiered:
+            out[f"{kind} put_many write-back (provider)"] = _timed(lambda: prov.flush(300))
     finally:
         prov.close()
     if tiered:  # a restart: the slow tier alone holds the chain (read, and promoted into the fast tier)
