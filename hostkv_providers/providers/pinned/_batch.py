@@ -172,8 +172,7 @@ class _Batches(_Writes):
             with contextlib.suppress(HostKVError):
                 run.abort()
             raise
-        self._tally("bytes_written", n * nbytes)
-        return [True] * n
+        return [True] * n  # (bytes_written: counted by the run's seal)
 
     def read_many(self, keys: Sequence[bytes], outs: Sequence[object]) -> list[bool]:
         """Whole entries into ``outs[i]`` (:class:`~hostkv_providers.SupportsBatch`): one lock

@@ -123,6 +123,7 @@ class _PinnedRun(TreeChainRun):
             self.sealed = self.n
             lease = prov._lease_run(self.keys, rows) if hold else None
         prov._tally("seals", self.n)
+        prov._tally("bytes_written", self.n * self.nbytes)  # (copied in by a DMA or put_many)
         return lease
 
     def abort(self) -> None:

@@ -385,9 +385,21 @@ class _Chains(_WriteBack):
             # its memory and one seal, queued as one record; no reservation or write-back record
             # per page (the engine adapters store through put_many: per-page objects there set
             # off the collector's full passes in the engine's process).
-            for addr, (_, _, view) in zip(rc.pages.addresses.tolist(), run, strict=True):
-                ctypes.memmove(addr, np.frombuffer(view, dtype=np.uint8).ctypes.data, view.nbytes)
-            rc.mark_written()
+            page_nbytes = rc.pages.page_nbytes
+            # (a fast-tier run's memory is the fast tier's: a close waits for the copies and a
+            # later one finds it closed, as it does for the fast tier's own writes; a heap run's
+            # buffer is the run's own)
+            guard = self.fast._write_call() if isinstance(rc.run, _TieredRun) else contextlib.nullcontext()
+            try:
+                with guard:
+                    for addr, (_, _, view) in zip(rc.pages.addresses.tolist(), run, strict=True):
+                        if view.nbytes != page_nbytes:  # (put_many groups one size: never, unless a caller changes)
+                            raise InvalidArgumentError(f"a page of {view.nbytes} bytes in a run of {page_nbytes}")
+                        ctypes.memmove(addr, np.frombuffer(view, dtype=np.uint8).ctypes.data, page_nbytes)
+                rc.mark_written()
+            except BaseException:
+                rc.abort()  # (nothing stays reserved: the keys can be saved again)
+                raise
             try:
                 rc.seal()  # (all or nothing)
             except (CapacityError, InFlightError, UnknownKeyError) as exc:
@@ -610,6 +622,7 @@ class _TieredRun(TreeChainRun):
             self._undo_fast(leases)
             raise failed
         prov._tally("seals", self.n)
+        prov._tally("bytes_written", self.n * self.nbytes)  # (copied in by a DMA or put_many)
 
     def _undo_fast(self, leases: list[Lease]) -> None:
         """The run failed after the fast tier sealed it: the ``leases`` taken for its write-back
@@ -719,6 +732,7 @@ class _HeapRun(TreeChainRun):
         if failed is not None:
             raise failed
         prov._tally("seals", self.n)
+        prov._tally("bytes_written", self.n * self.nbytes)  # (copied in by a DMA or put_many)
 
     def abort(self) -> None:
         prov = self._prov

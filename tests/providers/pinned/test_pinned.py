@@ -683,6 +683,10 @@ def test_put_many_stores_a_chain_run_as_one_run(closing: list[Provider]) -> None
     st = p.stats()
     assert st.seals - before.seals == 40 and st.bytes_written - before.bytes_written == 40 * PAGE
     assert p.verify().corrupt == []
+    rc = p.reserve_many(more := chain("run-dma", 8), [None, *more[:-1]], PAGE)  # a copy engine's run
+    rc.mark_written()
+    rc.seal()
+    assert p.stats().bytes_written - st.bytes_written == 8 * PAGE  # (the DMA's bytes, counted at the seal)
     # stored again: each page is dedup (page by page, as before)
     assert p.put_many([(k, keys[i - 1] if i else root[0], page_bytes(k, PAGE)) for i, k in enumerate(keys)]) \
         == [False] * 40

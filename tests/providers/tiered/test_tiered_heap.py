@@ -495,6 +495,104 @@ def test_put_many_stores_a_chain_run_as_one_record(tmp_path: Path) -> None:
         t.close()
 
 
+class _CopyShim:
+    """The tiered chain module's ``ctypes`` with ``memmove`` replaced (put_many's copy into a
+    run's memory), everything else the real module's."""
+
+    def __init__(self, memmove: Any) -> None:
+        self._memmove = memmove
+
+    def __getattr__(self, name: str) -> Any:
+        return self._memmove if name == "memmove" else getattr(ctypes, name)
+
+
+@pytest.mark.parametrize("fast_pages", [64, 2])  # a run in the fast tier / a heap run
+def test_put_many_interrupted_in_its_copy_leaves_nothing_reserved(tmp_path: Path, fast_pages: int,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    import hostkv_providers.providers.tiered._chain as tiered_chain
+
+    keys = chain(f"put-many-interrupted-{fast_pages}", 8)
+    items = [(k, keys[i - 1] if i else None, page_bytes(k, PAGE)) for i, k in enumerate(keys)]
+    t = _make(tmp_path, fast_pages=fast_pages)
+    calls = [0]
+
+    def interrupted(dst: int, src: int, n: int) -> Any:
+        calls[0] += 1
+        if calls[0] == 3:
+            raise KeyboardInterrupt  # (as a signal raises it, between two copies)
+        return ctypes.memmove(dst, src, n)
+
+    try:
+        with monkeypatch.context() as mp:
+            mp.setattr(tiered_chain, "ctypes", _CopyShim(interrupted))
+            with pytest.raises(KeyboardInterrupt):
+                t.put_many(items)
+        assert not any(t.in_flight(k) for k in keys) and t.present(keys) == [False] * 8
+        assert t.stats().in_flight == 0 and t.fast.stats().in_flight == 0 and t._heap_bytes == 0
+        assert t.put_many(items) == [True] * 8  # the keys can be saved again
+        assert t.flush(60) and t.slow.longest_prefix(keys) == 8
+        _reads_back(t, keys)
+        _settled(t)
+    finally:
+        t.close()
+
+
+def test_close_waits_for_put_many_copying_into_the_fast_tier(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``close()`` while put_many copies into a fast-tier run: the fast tier's close waits for
+    the copies (it would free the memory under them: a segfault with 1 MiB pages), and the
+    put_many then finds the store closed (``ClosedError``) instead of sealing."""
+    import hostkv_providers.providers.tiered._chain as tiered_chain
+
+    big = 1 << 20  # (an arena chunk of its own, unmapped at close)
+    fast = PinnedProvider(16 * big, block=big, allocator=OrdinaryAllocator())
+    t = TieredProvider(fast, _mmap(tmp_path / "slow", 64 * big), budget_bytes=32 * big)
+    keys = chain("put-many-close", 8)
+    items = [(k, keys[i - 1] if i else None, page_bytes(k, big)) for i, k in enumerate(keys)]
+    closer = threading.Thread(target=t.close)
+
+    def copy_once_closing(dst: int, src: int, n: int) -> Any:
+        if not closer.is_alive() and not fast._closing:
+            closer.start()
+            deadline = time.monotonic() + 30
+            while not fast._closing and time.monotonic() < deadline:  # close() is at the fast tier now
+                time.sleep(0.005)
+            assert fast._closing
+            time.sleep(0.1)  # (had close() not waited for this call, it would free the memory now)
+        return ctypes.memmove(dst, src, n)
+
+    with monkeypatch.context() as mp:
+        mp.setattr(tiered_chain, "ctypes", _CopyShim(copy_once_closing))
+        with pytest.raises(hk.ClosedError):
+            t.put_many(items)
+    closer.join(60)
+    assert not closer.is_alive()
+
+
+@pytest.mark.parametrize("fast_pages", [64, 2])
+def test_bytes_written_counts_put_many_and_cache_saves(tmp_path: Path, fast_pages: int) -> None:
+    """``stats().bytes_written`` counts the bytes of pages stored through a chain run (put_many's
+    copies, a cache save's DMA), as it counts those written page by page."""
+    keys = chain(f"bytes-written-{fast_pages}", 16)
+    t = _make(tmp_path, fast_pages=fast_pages)
+    try:
+        assert t.put_many([(k, keys[i - 1] if i else None, page_bytes(k, PAGE))
+                           for i, k in enumerate(keys)]) == [True] * 16
+        assert t.stats().bytes_written == 16 * PAGE and t.stats().seals == 16
+        layout = hk.KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, page_tokens=4, dtype="float32")
+        arrays = [np.random.default_rng(3).standard_normal((40, 4, 2, 32), dtype=np.float32) for _ in layout.planes]
+        engine = CpuCopyEngine()
+        try:
+            with HostKVCache(t, hk.Salt("test/bytes-written", layout), engine, chunk_pages=16) as cache:
+                ks = cache.keys(list(range(40 * 4)))
+                assert cache.save(ks, arrays, list(range(40))).wait(60).stored == 40
+        finally:
+            engine.close()
+        assert t.stats().bytes_written == 56 * PAGE and t.stats().seals == 56
+        assert t.flush(60)
+    finally:
+        t.close()
+
+
 def test_cache_save_and_restore_while_the_writer_is_held(tmp_path: Path) -> None:
     """HostKVCache on the CPU engine saves 100 pages in chunks of 32 over a fast tier of 64
     while the writer cannot store anything: the chunks past the fast tier go to buffers, the
