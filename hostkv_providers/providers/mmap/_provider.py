@@ -765,10 +765,14 @@ class MmapProvider(_BatchWrites):
         with self._lock:
             self._check_usable()
             idx, files = self._idx, self._files
-            for k in ks:
-                row = idx.row_of(k)
-                if row >= 0 and (sf := files.get(idx.file.item(row))) is not None:
-                    entries.append((sf, idx.slot.item(row), idx.nbytes.item(row)))
+            # (the rows in one batch lookup: after a reopen one row_of per key was a numpy
+            # searchsorted each, a quarter of a tiered store's restart restore at 4 KiB pages)
+            rows = np.asarray(idx.rows_of(ks), dtype=np.int64)
+            rows = rows[rows >= 0]
+            for fid, slot, nb in zip(idx.file[rows].tolist(), idx.slot[rows].tolist(), idx.nbytes[rows].tolist(),
+                                     strict=True):
+                if (sf := files.get(fid)) is not None:
+                    entries.append((sf, slot, nb))
         prefetch_runs(entries)
 
     def _drop_row(self, row: int) -> int:

@@ -326,6 +326,14 @@ def test_prefetch_asks_the_kernel_for_each_run(tmp_path: Path, monkeypatch: pyte
     monkeypatch.setattr(os, "posix_fadvise", refuse)
     p.prefetch(keys)  # no error
     p.close()
+    # after a reopen (the rows found in the loaded key map, not yet in the dict): the same runs
+    monkeypatch.setattr(os, "posix_fadvise", fadvise)
+    p = make(tmp_path / "s")
+    sf = next(iter(p._files.values()))
+    calls.clear()
+    p.prefetch([keys[4], keys[0], keys[1], keys[3], key_of("pf-missing")])
+    assert calls == [(sf.fd, lo, hi - lo) for lo, hi in runs]
+    p.close()
 
 
 @pytest.mark.parametrize("n", [3, 20])  # the per-record fold (< 8) and the vectorised one
