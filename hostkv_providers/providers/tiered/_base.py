@@ -77,6 +77,7 @@ class _TieredBase(Provider):
     # tier was full) and their bound; guarded by _room
     _heap_bytes: int
     _heap_limit: int
+    _heap_big: int
 
     def _recycle(self, rows: Sequence[int]) -> None:
         for r in rows:

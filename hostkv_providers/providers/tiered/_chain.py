@@ -248,14 +248,25 @@ class _Chains(_WriteBack):
 
     def _wait_for_heap_room(self, nbytes: int) -> None:
         """Back-pressure for a heap run's seal (no lock held): wait while the write-back queue is
-        full or the heap runs already waiting hold more than the overflow's bound with this one
-        (one run is always let through when none waits), then count its ``nbytes``."""
+        full or the heap runs already waiting hold more than the overflow's bound with this one,
+        then count its ``nbytes``.  A run larger than the bound goes when none waits; while it
+        waits for that, smaller ones wait behind it (else a steady stream of them from other
+        saving threads could hold it back for good)."""
+        big = nbytes > self._heap_limit
         with self._room:
-            while self._writer.is_alive() and (
-                    self._queued_pages >= self._queue_pages
-                    or (self._heap_bytes and self._heap_bytes + nbytes > self._heap_limit)):
-                self._room.wait(0.5)
-            self._heap_bytes += nbytes
+            if big:
+                self._heap_big += 1
+            try:
+                while self._writer.is_alive() and (
+                        self._queued_pages >= self._queue_pages
+                        or (self._heap_bytes and (big or self._heap_bytes + nbytes > self._heap_limit))
+                        or (not big and self._heap_big)):
+                    self._room.wait(0.5)
+                self._heap_bytes += nbytes
+            finally:
+                if big:
+                    self._heap_big -= 1
+                    self._room.notify_all()
 
     def _wait_landed(self, key: Key | None) -> None:
         """Wait (no lock held) until ``key`` is no longer waiting for its write-back: in the slow

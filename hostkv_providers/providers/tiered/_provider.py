@@ -196,6 +196,7 @@ class TieredProvider(_Chains):
         # host memory for pages not yet in the slow tier.
         self._heap_bytes = 0
         self._heap_limit = fast.budget_bytes
+        self._heap_big = 0  # seals of heap runs larger than the bound, waiting (smaller ones yield)
         self._rebuild()
         self._writer = threading.Thread(target=self._write_back_loop, name="hostkv-tiered-writeback", daemon=True)
         self._writer.start()

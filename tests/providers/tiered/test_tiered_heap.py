@@ -191,6 +191,54 @@ def test_the_sealed_buffers_are_bounded_by_the_fast_tiers_budget(tmp_path: Path)
         t.close()
 
 
+def test_a_run_larger_than_the_bound_is_not_overtaken_by_smaller_ones(tmp_path: Path) -> None:
+    """A heap run larger than the bound (12 pages over a fast tier of 8) waits until no heap run
+    does; a smaller one sealed meanwhile, which would fit beside the one waiting, waits behind
+    it (else a steady stream of small ones could hold the large one back for good)."""
+    t = _make(tmp_path, fast_pages=8)
+    try:
+        keys = chain("heap-big", 8)
+        big = chain("heap-big-run", 12)
+        small = chain("heap-big-small", 2)
+        done: list[str] = []
+        with _writer_held(t) as (entered, go):
+            _save(t, keys)  # the fast tier, full; the writer holds it
+            assert entered.wait(30)
+            _is_heap(t, _save(t, chain("heap-big-first", 4)), 4)  # 4 of the 8 pages' bound in buffers
+            rc_big, rc_small = _reserve(t, big, None), _reserve(t, small, None)
+            _is_heap(t, rc_big, 12)
+            _is_heap(t, rc_small, 2)
+            _write(rc_big, big)
+            _write(rc_small, small)
+
+            def seal(rc: hk.ReservedChain, name: str) -> None:
+                rc.seal()
+                done.append(name)
+
+            first = threading.Thread(target=seal, args=(rc_big, "big"))
+            first.start()
+            deadline = time.monotonic() + 30
+            while not t._heap_big and time.monotonic() < deadline:
+                time.sleep(0.005)
+            assert t._heap_big == 1
+            second = threading.Thread(target=seal, args=(rc_small, "small"))
+            second.start()
+            time.sleep(0.3)
+            assert done == [] and t.present(big + small) == [False] * 14  # (2 would fit beside 4)
+            go.set()
+            first.join(30)
+            second.join(30)
+        assert sorted(done) == ["big", "small"]
+        idx = t._index  # (committed in the order their seals got room: the large run first)
+        assert int(idx.gen[idx.row_of(big[-1])]) < int(idx.gen[idx.row_of(small[0])])
+        assert t.flush(60) and t.slow.present(big + small) == [True] * 14
+        _reads_back(t, big + small)
+        _settled(t)
+        assert t._heap_big == 0
+    finally:
+        t.close()
+
+
 def test_a_queued_heap_page_evicted_before_its_write_back_is_in_neither_tier(tmp_path: Path) -> None:
     keys = chain("heap-evict", 24)
     t = _make(tmp_path)
