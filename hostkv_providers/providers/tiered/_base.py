@@ -5,6 +5,7 @@ leases, fast-tier views."""
 from __future__ import annotations
 
 import bisect
+import collections
 import contextlib
 import logging
 import queue
@@ -77,7 +78,7 @@ class _TieredBase(Provider):
     # tier was full) and their bound; guarded by _room
     _heap_bytes: int
     _heap_limit: int
-    _heap_big: int
+    _heap_waiting: collections.deque[object]
 
     def _recycle(self, rows: Sequence[int]) -> None:
         for r in rows:

@@ -246,27 +246,27 @@ class _Chains(_WriteBack):
         self._run_starts.append(run.gen0)
         self._queue.put(("run", run))
 
-    def _wait_for_heap_room(self, nbytes: int) -> None:
+    def _wait_for_heap_room(self, nbytes: int, counted: list[bool]) -> None:
         """Back-pressure for a heap run's seal (no lock held): wait while the write-back queue is
-        full or the heap runs already waiting hold more than the overflow's bound with this one,
-        then count its ``nbytes``.  A run larger than the bound goes when none waits; while it
-        waits for that, smaller ones wait behind it (else a steady stream of them from other
-        saving threads could hold it back for good)."""
-        big = nbytes > self._heap_limit
+        full or the heap runs already waiting hold more than the overflow's bound with this one
+        (a run larger than the bound goes when none waits), then count its ``nbytes`` and set
+        ``counted[0]`` (the caller gives them back if its seal fails).  First come, first served:
+        no seal overtakes an earlier one (else a stream of small runs could hold a large one back
+        for good, or the other way round)."""
+        me = object()
         with self._room:
-            if big:
-                self._heap_big += 1
+            self._heap_waiting.append(me)
             try:
                 while self._writer.is_alive() and (
                         self._queued_pages >= self._queue_pages
-                        or (self._heap_bytes and (big or self._heap_bytes + nbytes > self._heap_limit))
-                        or (not big and self._heap_big)):
+                        or self._heap_waiting[0] is not me
+                        or (self._heap_bytes and self._heap_bytes + nbytes > self._heap_limit)):
                     self._room.wait(0.5)
                 self._heap_bytes += nbytes
+                counted[0] = True
             finally:
-                if big:
-                    self._heap_big -= 1
-                    self._room.notify_all()
+                self._heap_waiting.remove(me)
+                self._room.notify_all()
 
     def _wait_landed(self, key: Key | None) -> None:
         """Wait (no lock held) until ``key`` is no longer waiting for its write-back: in the slow
@@ -714,11 +714,12 @@ class _HeapRun(TreeChainRun):
             else:
                 sums = prov.fast._digests([row.data for row in self.heap])  # type: ignore[attr-defined]
         need = self.heap.nbytes
-        prov._wait_for_heap_room(need)
+        counted = [False]
         queued = False
         failed: BaseException | None = None
         idx = prov._index
         try:
+            prov._wait_for_heap_room(need, counted)
             with prov._lock:
                 if prov._closed:
                     failed = ClosedError("the tiered provider closed during the seal")
@@ -736,7 +737,7 @@ class _HeapRun(TreeChainRun):
                     prov._queue_run(_PendingRun(idx, rows, None, keys=self.keys, heap=self.heap, sums=sums))
                     queued = True
         finally:
-            if not queued:
+            if counted[0] and not queued:
                 with prov._room:
                     prov._heap_bytes -= need
                     prov._room.notify_all()

@@ -29,6 +29,7 @@ e.g. ``tiered://?fast=pinned%3A%2F%2F%3Fbudget%3D64GiB&slow=lmdb%3A%2F%2F%2Fnvme
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import os
@@ -196,7 +197,7 @@ class TieredProvider(_Chains):
         # host memory for pages not yet in the slow tier.
         self._heap_bytes = 0
         self._heap_limit = fast.budget_bytes
-        self._heap_big = 0  # seals of heap runs larger than the bound, waiting (smaller ones yield)
+        self._heap_waiting = collections.deque()  # heap seals waiting for room, first come first served
         self._rebuild()
         self._writer = threading.Thread(target=self._write_back_loop, name="hostkv-tiered-writeback", daemon=True)
         self._writer.start()

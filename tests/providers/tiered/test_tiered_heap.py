@@ -191,50 +191,55 @@ def test_the_sealed_buffers_are_bounded_by_the_fast_tiers_budget(tmp_path: Path)
         t.close()
 
 
-def test_a_run_larger_than_the_bound_is_not_overtaken_by_smaller_ones(tmp_path: Path) -> None:
-    """A heap run larger than the bound (12 pages over a fast tier of 8) waits until no heap run
-    does; a smaller one sealed meanwhile, which would fit beside the one waiting, waits behind
-    it (else a steady stream of small ones could hold the large one back for good)."""
+def test_heap_seals_waiting_for_room_go_first_come_first_served(tmp_path: Path) -> None:
+    """Seals waiting for room in the buffers (a fast tier of 8 pages is the bound) go in the order
+    they came: a run larger than the bound (12 pages) waits until no buffer waits; a small run
+    after it, which would fit beside the buffers already waiting, does not overtake it; a second
+    large run after the small one does not overtake that either (else a stream of either kind
+    could hold the other back for good)."""
     t = _make(tmp_path, fast_pages=8)
     try:
-        keys = chain("heap-big", 8)
-        big = chain("heap-big-run", 12)
-        small = chain("heap-big-small", 2)
+        keys = chain("heap-fifo", 8)
+        runs = {"big": chain("heap-fifo-big", 12), "small": chain("heap-fifo-small", 2),
+                "big2": chain("heap-fifo-big2", 12)}
         done: list[str] = []
         with _writer_held(t) as (entered, go):
             _save(t, keys)  # the fast tier, full; the writer holds it
             assert entered.wait(30)
-            _is_heap(t, _save(t, chain("heap-big-first", 4)), 4)  # 4 of the 8 pages' bound in buffers
-            rc_big, rc_small = _reserve(t, big, None), _reserve(t, small, None)
-            _is_heap(t, rc_big, 12)
-            _is_heap(t, rc_small, 2)
-            _write(rc_big, big)
-            _write(rc_small, small)
+            _is_heap(t, _save(t, chain("heap-fifo-first", 4)), 4)  # 4 of the 8 pages' bound in buffers
+            rcs = {name: _reserve(t, ks, None) for name, ks in runs.items()}
+            for name, rc in rcs.items():
+                _is_heap(t, rc, len(runs[name]))
+                _write(rc, runs[name])
 
-            def seal(rc: hk.ReservedChain, name: str) -> None:
-                rc.seal()
+            def seal(name: str) -> None:
+                rcs[name].seal()
                 done.append(name)
 
-            first = threading.Thread(target=seal, args=(rc_big, "big"))
-            first.start()
-            deadline = time.monotonic() + 30
-            while not t._heap_big and time.monotonic() < deadline:
-                time.sleep(0.005)
-            assert t._heap_big == 1
-            second = threading.Thread(target=seal, args=(rc_small, "small"))
-            second.start()
-            time.sleep(0.3)
-            assert done == [] and t.present(big + small) == [False] * 14  # (2 would fit beside 4)
+            threads = []
+            for name in runs:  # one after the other, each waiting before the next comes
+                th = threading.Thread(target=seal, args=(name,))
+                th.start()
+                threads.append(th)
+                deadline = time.monotonic() + 30
+                while len(t._heap_waiting) < len(threads) and time.monotonic() < deadline:
+                    time.sleep(0.005)
+                assert len(t._heap_waiting) == len(threads)
+            time.sleep(0.2)
+            assert done == [] and t.present([k for ks in runs.values() for k in ks]) == [False] * 26
             go.set()
-            first.join(30)
-            second.join(30)
-        assert sorted(done) == ["big", "small"]
-        idx = t._index  # (committed in the order their seals got room: the large run first)
-        assert int(idx.gen[idx.row_of(big[-1])]) < int(idx.gen[idx.row_of(small[0])])
-        assert t.flush(60) and t.slow.present(big + small) == [True] * 14
-        _reads_back(t, big + small)
+            for th in threads:
+                th.join(30)
+        assert sorted(done) == ["big", "big2", "small"]
+        idx = t._index  # (committed in the order their seals got room)
+        gens = [int(idx.gen[idx.row_of(runs[name][0])]) for name in ("big", "small", "big2")]
+        assert gens == sorted(gens)
+        assert t.flush(60)
+        every = [k for ks in runs.values() for k in ks]
+        assert t.slow.present(every) == [True] * 26
+        _reads_back(t, every)
         _settled(t)
-        assert t._heap_big == 0
+        assert not t._heap_waiting
     finally:
         t.close()
 
