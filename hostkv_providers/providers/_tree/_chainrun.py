@@ -3,11 +3,13 @@ tiered): the state a run goes through, its split on ``materialize``, the seal's 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from hostkv_providers._chain import ChainRun
 from hostkv_providers._errors import IncompleteWriteError, ReservationError
 from hostkv_providers._keys import Key
+from hostkv_providers._reservation import Reservation
 
 __all__ = ["TreeChainRun"]
 
@@ -40,6 +42,22 @@ class TreeChainRun(ChainRun):
                 self.state = "materialized"
                 return "open"
             return self.state
+
+    def _per_page(self, state: str, make: Callable[[Key, Key | None, Any], Reservation],
+                  inner: Iterable[Any]) -> list[Reservation]:
+        """The run as one reservation per page, for ``materialize`` (after :meth:`_split` gave
+        ``state``): ``make(key, parent, item)`` for each page and its item of ``inner``, marked
+        written when the run was (the base mark only: the run's own memory is already marked),
+        finished in ``state`` unless the run was open."""
+        out: list[Reservation] = []
+        for k, p, item in zip(self.keys, [self.parent, *self.keys[:-1]], inner, strict=True):
+            r = make(k, p, item)
+            if self.written:
+                Reservation.mark_written(r)
+            if state != "open":
+                r._finish(state)
+            out.append(r)
+        return out
 
     def _check_sealable(self) -> None:
         """The seal's preconditions: the provider usable, the run open and written."""

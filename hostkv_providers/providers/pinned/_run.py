@@ -67,16 +67,10 @@ class _PinnedRun(TreeChainRun):
 
     def materialize(self) -> list[Reservation]:
         state = self._split()
-        parents = [self.parent, *self.keys[:-1]]
-        out: list[Reservation] = []
-        for k, p, st in zip(self.keys, parents, self.starts.tolist(), strict=True):
-            r = _PinnedReservation(self._prov, k, p, self.nbytes, self.salt_tag, [(st, self.nblocks)])
-            if self.written:
-                r.mark_written()
-            if state != "open":
-                r._finish(state)
-            out.append(r)
-        return out
+        return self._per_page(
+            state, lambda k, p, st: _PinnedReservation(self._prov, k, p, self.nbytes, self.salt_tag,
+                                                       [(st, self.nblocks)]),
+            self.starts.tolist())
 
     def seal(self, checksums: Sequence[int] | None, algorithm: str | None) -> None:
         self._seal(checksums, algorithm, False)

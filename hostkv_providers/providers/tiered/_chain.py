@@ -568,16 +568,9 @@ class _TieredRun(TreeChainRun):
         if self.written:
             self._frc.mark_written()
         inner = self._frc.reservations  # (the fast tier's run, split the same way)
-        out: list[Reservation] = []
-        for k, p, r in zip(self.keys, [self.parent, *self.keys[:-1]], inner, strict=True):
-            assert r is not None
-            t = _TieredReservation(self._prov, k, p, self.nbytes, self.salt_tag, r)
-            if self.written:
-                Reservation.mark_written(t)
-            if state != "open":
-                t._finish(state)
-            out.append(t)
-        return out
+        assert None not in inner
+        return self._per_page(
+            state, lambda k, p, r: _TieredReservation(self._prov, k, p, self.nbytes, self.salt_tag, r), inner)
 
     def seal(self, checksums: Sequence[int] | None, algorithm: str | None) -> None:
         prov = self._prov
@@ -689,16 +682,8 @@ class _HeapRun(TreeChainRun):
         reserved on top of this one still chains onto them), stored at seal by the
         write-through path."""
         state = self._split()
-        out: list[Reservation] = []
-        parents = [self.parent, *self.keys[:-1]]
-        for k, p, row in zip(self.keys, parents, self.heap, strict=True):
-            r = _HeapPage(self._prov, k, p, self.nbytes, self.salt_tag, row)
-            if self.written:
-                Reservation.mark_written(r)
-            if state != "open":
-                r._finish(state)
-            out.append(r)
-        return out
+        return self._per_page(
+            state, lambda k, p, row: _HeapPage(self._prov, k, p, self.nbytes, self.salt_tag, row), self.heap)
 
     def seal(self, checksums: Sequence[int] | None, algorithm: str | None) -> None:
         prov: _Chains = self._prov
