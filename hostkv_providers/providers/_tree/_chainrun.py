@@ -59,6 +59,16 @@ class TreeChainRun(ChainRun):
             out.append(r)
         return out
 
+    def _cancel(self) -> bool:
+        """For ``abort`` of a provider whose memory needs no more than its index: an open run's
+        flights cancelled under the provider's lock; whether it was open."""
+        with self._prov._lock:
+            if self.state != "open":
+                return False
+            self._prov._index.cancel_run(self._run)
+            self.state = "aborted"
+            return True
+
     def _check_sealable(self) -> None:
         """The seal's preconditions: the provider usable, the run open and written."""
         self._prov._check_usable()

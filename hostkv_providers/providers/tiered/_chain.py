@@ -643,13 +643,8 @@ class _TieredRun(TreeChainRun):
                 prov.fast.evict(self.keys)
 
     def abort(self) -> None:
-        prov = self._prov
-        with prov._lock:
-            if self.state != "open":
-                return
-            prov._index.cancel_run(self._run)
-            self.state = "aborted"
-        self._frc.abort()
+        if self._cancel():
+            self._frc.abort()
 
 
 class _HeapRun(TreeChainRun):
@@ -732,12 +727,7 @@ class _HeapRun(TreeChainRun):
         prov._tally("bytes_written", self.n * self.nbytes)  # (copied in by a DMA or put_many)
 
     def abort(self) -> None:
-        prov = self._prov
-        with prov._lock:
-            if self.state != "open":
-                return
-            prov._index.cancel_run(self._run)
-            self.state = "aborted"
+        self._cancel()
 
 
 class _HeapPage(_DeferredReservation):
