@@ -700,6 +700,9 @@ def tiered_phase(torch: Any, engine: Any, layout: hk.KVLayout, planes: Any, cach
                     copied = time.perf_counter() - t
                     res = h.wait()
                     sealed = time.perf_counter() - t
+                    # (how far the write-back got while the save ran, and whether any of it went
+                    # past the fast tier: what a slow save competed with)
+                    at_seal = provider.stats().extra
                     assert res.stored == n, f"the tiered save stored {res.stored} of {n} pages: {res.stopped}"
                     assert provider.flush(600), "the write-back did not finish in 600 s"
                     written_back = time.perf_counter() - t
@@ -721,6 +724,8 @@ def tiered_phase(torch: Any, engine: Any, layout: hk.KVLayout, planes: Any, cach
             # flush() (or to the sync after it) less the part before any page was sealed (~0)
             runs.append({"copied_ms": round(copied * 1e3, 1), "sealed_ms": round(sealed * 1e3, 1),
                          "stored": res.stored, "written_back_s": round(written_back, 2),
+                         "written_back_at_seal": int(at_seal.get("write_backs", 0)),
+                         "written_through_at_seal": int(at_seal.get("write_through", 0)),
                          "synced_s": round(synced, 2), "sequential_write_s": round(raw["write_s"], 2),
                          "sequential_synced_s": round(raw["synced_s"], 2),
                          "write_back_x": round(raw["write_s"] / written_back, 3),
@@ -943,7 +948,9 @@ def render(r: dict[str, Any]) -> str:
         for i, run in enumerate(ti["runs"]):
             save_x = (f"{round(ti['bulk_d2h_ms'] / run['sealed_ms'], 3)}x" if "bulk_d2h_ms" in ti else "")
             lines.append(f"| save of the chain to tiered:// (pinned fast tier over mmap) until sealed (copied), "
-                         f"run {i + 1} | {run['sealed_ms']} ms ({run['copied_ms']} ms) | bulk D2H "
+                         f"run {i + 1} | {run['sealed_ms']} ms ({run['copied_ms']} ms; pages written back by the "
+                         f"seal {run.get('written_back_at_seal', '-')}, past the fast tier "
+                         f"{run.get('written_through_at_seal', '-')}) | bulk D2H "
                          f"{ti.get('bulk_d2h_ms', '-')} ms | {save_x} |")
             lines.append(f"| its write-back to mmap:// until flush() returns; with os.sync() after, run {i + 1} | "
                          f"{run['written_back_s']} s; {run['synced_s']} s ({ti['gb']} GB) | sequential write of "
