@@ -54,11 +54,15 @@ class _Chains(_WriteBack):
         The tiered index takes the run in one lock round (a parent may be in flight: an earlier
         key of this call or of an earlier ``reserve_many``), then the fast tier reserves the run
         with its own ``reserve_many``, the run's first page as a root there (the fast tier is a
-        byte cache under the tiered index; runs rooted apart stay evictable run by run).  Pages
-        the fast tier cannot take right now (pending write-backs pin its memory) are not
-        refused and not waited for: they get ordinary buffers (deferred reservations, like the
-        base class's default; so do the pages after a parent of that kind), and ``seal_many``
-        writes them through to the slow tier, a run per ``put_many`` (:meth:`_store_through`).
+        byte cache under the tiered index; runs rooted apart stay evictable run by run).  A run
+        the fast tier cannot take right now (pending write-backs pin its memory) is not refused
+        and not waited for: over a slow tier with ``put_many`` it goes whole to one ordinary
+        buffer, sealed into the write-back queue behind the fast tier's pages (``_HeapRun``;
+        its seal waits only while such buffers hold the fast tier's budget).  Otherwise (a slow
+        tier without ``put_many``, a chain that is not one plain run) the pages the fast tier
+        cannot take get ordinary buffers (deferred reservations, like the base class's default;
+        so do the pages after a parent of that kind), and ``seal_many`` writes them through to
+        the slow tier, a run per ``put_many`` (:meth:`_store_through`).
         """
         ks = chain_keys(self, keys, parents)
         # (a chain run: one run in both indexes; anything else goes page by page)
