@@ -34,7 +34,10 @@ def _check_checksums(checksums: Sequence[int] | None, algorithm: str | None, n: 
         raise InvalidArgumentError(f"{len(checksums)} checksums for {n} reservations; give one per reservation")
     # (refused before anything is sealed: a float, or an int outside 0 .. 2**64 - 1)
     if isinstance(checksums, np.ndarray):
-        ok = checksums.dtype.kind == "u" or (checksums.dtype.kind == "i" and not (n and checksums.min() < 0))
+        # (one dimension: an (n, 1) array passes len() but broadcasts wrongly in every later
+        # comparison — a heap run's write-back then failed every page after the first)
+        ok = checksums.ndim == 1 and (checksums.dtype.kind == "u"
+                                      or (checksums.dtype.kind == "i" and not (n and checksums.min() < 0)))
     else:
         ok = all(type(c) is int or isinstance(c, np.integer) for c in checksums)
         if ok:
@@ -43,7 +46,8 @@ def _check_checksums(checksums: Sequence[int] | None, algorithm: str | None, n: 
             except OverflowError:
                 ok = False
     if not ok:
-        raise InvalidArgumentError("checksums must be ints from 0 to 2**64 - 1")
+        raise InvalidArgumentError("checksums must be ints from 0 to 2**64 - 1, one per reservation (a 1-D array "
+                                   "or a sequence of ints)")
 
 
 class ChainRun(abc.ABC):

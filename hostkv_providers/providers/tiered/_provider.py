@@ -418,20 +418,24 @@ class TieredProvider(_Chains):
         return res
 
     def _write(self, res: _TieredReservation, span: ByteSpan, view: memoryview) -> None:
-        res.inner.provider.write(res.inner, span.offset, view)
+        # (through the inner reservation's own verbs, here and in _seal/_abort: a fast tier
+        # without a reserve_many of its own — mmap, lmdb — hands out the base class's deferred
+        # reservations, which its write/seal/abort refuse as not theirs; they write, seal and
+        # abort themselves)
+        res.inner.write(span.offset, view)
 
     def _seal(self, res: _TieredReservation) -> None:
         inner = res.inner
         through = inner.provider is self.slow
         if through:
-            inner.provider.seal(inner)
+            inner.seal()
             self._commit_sealed(res, True)
             return
         self._wait_for_room()
         held: list[Lease] = []
         seal_held = getattr(self.fast, "_seal_held", None)
         if seal_held is None:
-            inner.provider.seal(inner)
+            inner.seal()
         else:
             seal_held([inner], held)  # (sealed and leased in one lock round of the fast tier)
         self._commit_sealed(res, False, held[0] if held else None)
@@ -451,7 +455,7 @@ class TieredProvider(_Chains):
                     inner.provider.evict([reservation.key])
                 return True
         with contextlib.suppress(HostKVError):
-            inner.provider.abort(inner)
+            inner.abort()
         return True
 
     # -- reads -------------------------------------------------------------------------

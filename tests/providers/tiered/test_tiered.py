@@ -71,6 +71,56 @@ class TestTieredSmallFastConformance(ProviderTests):
         pytest.skip("views() are None for pages the 2-page fast tier does not hold (docs/providers/tiered.md)")
 
 
+class TestTieredMmapFastConformance(ProviderTests):
+    """An mmap:// fast tier (no reserve_many of its own: its chain reservations are the base
+    class's deferred ones, which the tiered store writes, seals and aborts through their own
+    verbs) over an in-memory slow tier."""
+    backdoors_exempt = "composite: the tiers' own suites check their media through their backdoors"
+
+    def make_provider(self, tmp_path: Path, budget_bytes: int) -> Provider:
+        fast = hk.open(f"mmap://{tmp_path}/fast?budget={2 * budget_bytes}&slot=4KiB&durability=none")
+        return TieredProvider(fast, _pinned(2 * budget_bytes), budget_bytes=budget_bytes)
+
+    # (mmap:// serves no zero-copy views: a page the tiered store holds is read, not viewed)
+    def test_views(self, provider: Provider) -> None:
+        pytest.skip("an mmap:// fast tier offers no views (docs/providers/tiered.md)")
+
+    def test_batch_views(self, provider: Provider) -> None:
+        pytest.skip("an mmap:// fast tier offers no views (docs/providers/tiered.md)")
+
+
+def test_put_many_and_chain_reservations_over_a_fast_tier_without_reserve_many(tmp_path: Path) -> None:
+    """put_many of a chain, and reserve_many + write + seal_many/seal/abort, over an mmap://
+    fast tier: its deferred reservations were written through the fast tier's write(), which
+    refuses them (ReservationError), so every chain of two pages or more failed."""
+    fast = hk.open(f"mmap://{tmp_path}/fast?budget={64 * PAGE}&slot=4KiB&durability=none")
+    slow = hk.open(f"mmap://{tmp_path}/slow?budget={512 * PAGE}&slot=4KiB&durability=none")
+    t = TieredProvider(fast, slow, budget_bytes=256 * PAGE)
+    try:
+        keys = chain("mmap-fast", 12)
+        assert t.put_many([(k, keys[i - 1] if i else None, page_bytes(k, PAGE)) for i, k in enumerate(keys[:4])]) \
+            == [True] * 4
+        rc = t.reserve_many(keys[4:8], keys[3:7], PAGE)
+        for k, r in zip(keys[4:8], rc.reservations, strict=True):
+            assert r is not None
+            r.write(0, page_bytes(k, PAGE))
+        rc.seal()
+        rc = t.reserve_many(keys[8:], keys[7:11], PAGE)
+        rs = list(rc.reservations)
+        assert all(r is not None for r in rs)
+        rs[0].write(0, page_bytes(keys[8], PAGE))
+        rs[0].seal()  # one page alone
+        for r in rs[1:]:
+            r.abort()
+        assert t.present(keys) == [True] * 9 + [False] * 3
+        assert t.flush(60)
+        assert t.slow.longest_prefix(keys) == 9
+        assert all(t.read_bytes(k) == page_bytes(k, PAGE) for k in keys[:9])
+        assert t.stats().in_flight == 0
+    finally:
+        t.close()
+
+
 @needs_lmdb
 class TestTieredOverLmdbConformance(ProviderTests):
     """Pinned over lmdb: the slow tier survives close/reopen, the fast one starts empty."""
