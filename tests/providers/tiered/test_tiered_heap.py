@@ -777,7 +777,9 @@ def test_concurrent_saves_reads_and_evictions_past_a_small_fast_tier(tmp_path: P
                 c = rng.choice(chains)
                 t.evict([rng.choice(c)])
                 if rng.random() < 0.2:
-                    with contextlib.suppress(hk.errors.UnknownKeyError):  # (evicted meanwhile)
+                    # (evicted meanwhile; or no room: every chain's end held by a child in flight,
+                    # a correct refusal — seen once in 30 extra seeds)
+                    with contextlib.suppress(hk.errors.UnknownKeyError, hk.CapacityError):
                         t.put_anchor(rng.choice(c), "a", b"x" * 10)
                 time.sleep(0.002)
         except BaseException as exc:
