@@ -135,3 +135,22 @@ def readable_bytes(data: object) -> memoryview:
     if not view.c_contiguous:
         raise InvalidArgumentError("data must be C-contiguous")
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+def overlapping(views: Sequence[memoryview]) -> bool:
+    """Whether any two of ``views`` (flat byte views) share memory.  For a batch read's failure
+    path only (an address per view): a copy into a buffer that aliases another output buffer
+    overwrites that one's bytes before their check, which then fails and must not count as
+    corruption of the stored entry."""
+    import numpy as np
+
+    if len(views) < 2:
+        return False
+    starts = np.array([np.frombuffer(v, dtype=np.uint8).ctypes.data if v.nbytes else 0 for v in views],
+                      dtype=np.uint64)
+    sizes = np.array([v.nbytes for v in views], dtype=np.uint64)
+    keep = sizes > 0
+    starts, sizes = starts[keep], sizes[keep]
+    order = np.argsort(starts, kind="stable")
+    starts, ends = starts[order], starts[order] + sizes[order]
+    return bool((starts[1:] < ends[:-1]).any())

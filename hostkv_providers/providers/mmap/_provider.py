@@ -49,7 +49,7 @@ import numpy.typing as npt
 import xxhash
 
 from hostkv_providers._chain import _check_checksums
-from hostkv_providers._checks import check_retain_share, writable_buffer
+from hostkv_providers._checks import check_retain_share, overlapping, writable_buffer
 from hostkv_providers._errors import (
     CapacityError,
     ClosedError,
@@ -737,6 +737,11 @@ class MmapProvider(_BatchWrites):
                         failed.append((hit[t], gens[t], ReadResult(c), sizes[t]))
         failures = 0
         if failed:
+            if len(dsts) > 1 and any(r is ReadResult.CORRUPT for _, _, r, _ in failed) and overlapping(dsts):
+                # (a copy into an output buffer that aliases another overwrote that one's bytes
+                # before their check: the stored entry is not corrupt, and is not dropped)
+                raise InvalidArgumentError("read_many's output buffers overlap: give each key a buffer of its own",
+                                           hint="nothing was dropped; which outs[i] hold their entry is undefined")
             with self._lock:
                 for row, gen, r, size in failed:
                     failures += self._read_failed(idx, row, gen, r)

@@ -601,6 +601,7 @@ class TieredProvider(_Chains):
         dsts: dict[int, memoryview] = {}
         todo: list[int] = []
         short: InvalidArgumentError | None = None
+        done = False  # (the reads ran to the end: only then is a page not got a failed copy)
         try:
             for i in np.flatnonzero(found).tolist():
                 try:
@@ -639,6 +640,7 @@ class TieredProvider(_Chains):
                 if from_slow and self._promote:
                     self._promote_many([ks[i] for i in from_slow], [rows_l[i] for i in from_slow],
                                        [gens_l[i] for i in from_slow], [dsts[i] for i in from_slow])
+            done = True
         finally:
             with self._lock:
                 idx.release_rows(cast(Sequence[int], live), cast(Sequence[int], gens[found]))
@@ -648,8 +650,10 @@ class TieredProvider(_Chains):
                         hits += 1
                         hit_bytes += sizes_l[i]
                         self._counters[which[i]] += 1
-                    elif idx.is_live(rows_l[i], gens_l[i]):
-                        # the only copies failed their checksums (or vanished): a miss, never wrong bytes
+                    elif done and idx.is_live(rows_l[i], gens_l[i]):
+                        # the only copies failed their checksums (or vanished): a miss, never wrong
+                        # bytes.  (Not when a tier's read raised — a closed tier, outputs it refused:
+                        # those pages were not read at all, and dropping them lost good entries.)
                         self._tally("checksum_failures")
                         self._drop_from_tiers(idx.drop(rows_l[i]))
                 self._tally_hit(hit_bytes, hits)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 from hostkv_providers._capabilities import (
@@ -90,6 +92,26 @@ class CapabilityTests(SuiteBase):
         with pytest.raises(InvalidArgumentError):
             provider.read_many(keys[:1], [bytearray(nbytes - 1)])
         _check_budget(provider)
+
+    def test_batch_read_into_aliased_outs_loses_nothing(self, provider: Provider) -> None:
+        """``read_many`` with one output buffer for two keys (a caller's bug): a typed error or
+        some result, but no stored entry is taken for corrupt (a copy into the shared buffer
+        overwrote the other's bytes before their check) and none is dropped."""
+        if not isinstance(provider, SupportsBatch):
+            pytest.skip("provider has no batch capability (put_many/read_many)")
+        nbytes = self._pages(1)
+        keys = chain("batch-alias", 3)
+        put_chain(provider, keys, nbytes)
+        failures = provider.stats().checksum_failures
+        buf = bytearray(nbytes)
+        with contextlib.suppress(HostKVError):
+            provider.read_many(keys[1:], [buf, buf])
+        wide = memoryview(bytearray(nbytes + nbytes // 2))
+        with contextlib.suppress(HostKVError):  # (overlapping, not equal)
+            provider.read_many(keys[1:], [wide[:nbytes], wide[nbytes // 2:]])
+        assert provider.stats().checksum_failures == failures
+        assert provider.present(keys) == [True] * 3
+        assert [provider.read_bytes(k) for k in keys] == [page_bytes(k, nbytes) for k in keys]
 
     def test_views(self, provider: Provider) -> None:
         if not isinstance(provider, SupportsViews):
