@@ -56,6 +56,7 @@ from hostkv_providers._capabilities import SupportsBatch, SupportsBatchViews, Su
 from hostkv_providers._checks import check_anchor_name, check_timeout
 from hostkv_providers._errors import (
     ClosedError,
+    CopyArgumentError,
     HostKVError,
     InvalidArgumentError,
 )
@@ -585,8 +586,10 @@ class HostKVCache:
                       distinct: bool = False) -> BlockIds:
         """``bids`` (from :meth:`_block_table`, ``arr`` its array) within the planes' blocks: as
         :class:`BlockIds`, which the package's engines take without checking them again.
-        ``distinct``: also find whether no block repeats (a restore's engine then skips its own
-        check; a repeat is left for the engine to refuse with its own error)."""
+        ``distinct``: refuse a block that repeats (``CopyArgumentError``, as an engine does): the
+        restore thread hands the engine one chunk at a time, so an engine's own check sees
+        repeats within a chunk only, and a block given twice in different chunks got two pages,
+        the later one winning, with the restore reported whole."""
         nb = int(getattr(planes, "num_blocks", 0))
         if bids and int(arr.max()) >= nb:
             bad = next(b for b in bids if b >= nb)
@@ -600,6 +603,12 @@ class HostKVCache:
             else:
                 srt = np.sort(arr)
                 unique = not bool((srt[1:] == srt[:-1]).any())
+            if not unique:
+                vals, counts = np.unique(arr, return_counts=True)
+                first = int(np.flatnonzero(counts > 1)[0])
+                raise CopyArgumentError(f"block ids must be distinct: block {int(vals[first])} is given "
+                                        f"{int(counts[first])} times",
+                                        hint="each restored page needs a block of its own")
         return BlockIds(bids, nb, distinct=unique)
 
     def _check_open(self) -> None:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from hostkv_providers._blockhash import TREE_ALGORITHM
 from hostkv_providers._errors import (
+    ClosedError,
     InvalidArgumentError,
 )
 from hostkv_providers._keys import Key
@@ -97,8 +98,11 @@ def restore(self: HostKVCache, hit: CacheHit, into: Any, block_ids: Sequence[int
     if type(first_page) is not int or not 0 <= first_page <= hit.num_pages:
         raise InvalidArgumentError(f"first_page must be an int in [0, {hit.num_pages}], got {first_page!r}")
     if not hit.num_pages or first_page == hit.num_pages:
-        # nothing to restore; a finished handle keeps callers uniform
+        # nothing to restore; a finished handle keeps callers uniform.  release= still holds: a
+        # caller's last ranged restore may be the empty one, and its hit stayed leased for good
         self._block_ids(block_ids, 0, "hit pages")
+        if release:
+            hit.release()
         done = CacheHandle("restore", self.engine, self.layout.num_layers)
         done._finish(RestoreResult())
         return done
@@ -233,7 +237,10 @@ def _restore_checked(self: HostKVCache, hit: CacheHit, into: Any, block_ids: Seq
                 begun = _start_layer_major(self, handle, hit, keys, planes, bids, pre)
             except BaseException as exc:  # reported through the handle, as on the restore thread
                 begun = exc
-        self._restore_pool.submit(self._run_restore, handle, hit, keys, planes, bids, begun)
+        try:
+            self._restore_pool.submit(self._run_restore, handle, hit, keys, planes, bids, begun)
+        except RuntimeError:  # shut down by a close() racing this call (as save() reports it)
+            raise ClosedError("the HostKVCache is closed") from None
     except BaseException as exc:
         refused = True
         if isinstance(begun, tuple):
