@@ -50,6 +50,37 @@ def _check_checksums(checksums: Sequence[int] | None, algorithm: str | None, n: 
                                    "or a sequence of ints)")
 
 
+def _abort_open(provider: Provider, reservations: Sequence[object]) -> None:
+    """Abort ``provider``'s reservations among ``reservations`` that are still open."""
+    for r in reservations:
+        if isinstance(r, Reservation) and r.provider is provider and r.state == "open":
+            with contextlib.suppress(HostKVError):
+                r.abort()
+
+
+def seal_args(provider: Provider, reservations: object, checksums: Sequence[int] | None,
+              algorithm: str | None) -> list[Reservation]:
+    """``seal_many``'s arguments, checked before anything is sealed: the reservations as a list
+    (a generator is taken; a reservation given twice is refused) and the ``checksums``.  A
+    refusal aborts ``provider``'s open reservations among them before it raises, as any other
+    failure of ``seal_many`` does (every reservation not sealed is aborted): refused and left
+    open, they stayed in flight, counted as used, until their writer aborted them itself."""
+    if isinstance(reservations, (Reservation, str, bytes, bytearray, memoryview)):
+        raise InvalidArgumentError("seal_many() takes a sequence of reservations")
+    try:
+        rs: list[Reservation] = list(reservations)  # type: ignore[call-overload]
+    except TypeError:
+        raise InvalidArgumentError("seal_many() takes a sequence of reservations") from None
+    try:
+        if len(set(map(id, rs))) != len(rs):
+            raise InvalidArgumentError("a reservation is given twice to seal_many()")
+        _check_checksums(checksums, algorithm, len(rs))
+    except InvalidArgumentError:
+        _abort_open(provider, rs)
+        raise
+    return rs
+
+
 class ChainRun(abc.ABC):
     """A provider's chunk-level chain reservation behind a :class:`ReservedChain`: a whole run of
     new pages (``keys[i]``'s parent ``keys[i - 1]``) held as one object, with no Python object
@@ -155,8 +186,8 @@ class ReservedChain:
         pages are a prefix (see :attr:`sealed`) and the rest are aborted."""
         if self._reservations is None:
             assert self._run is not None
-            _check_checksums(checksums, algorithm, self._run.n)
-            try:
+            try:  # (a refused argument aborts the run too: see seal_args)
+                _check_checksums(checksums, algorithm, self._run.n)
                 self._run.seal(checksums, algorithm)
             except BaseException:
                 with contextlib.suppress(HostKVError):
@@ -304,10 +335,11 @@ def seal_chain(provider: Provider, reservations: Sequence[Reservation], checksum
                algorithm: str | None) -> None:
     """The default :meth:`Provider.seal_many`: seal (or store, for a deferred reservation) root
     first; on failure abort the rest and raise (see its docstring)."""
+    reservations = seal_args(provider, reservations, checksums, algorithm)
     for res in reservations:
         if not isinstance(res, Reservation) or res.provider is not provider:
+            _abort_open(provider, reservations)
             raise InvalidArgumentError("seal_many() takes reservations of this provider")
-    _check_checksums(checksums, algorithm, len(reservations))
     for i, res in enumerate(reservations):
         try:
             if isinstance(res, _DeferredReservation):

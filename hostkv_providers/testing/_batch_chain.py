@@ -274,6 +274,37 @@ class BatchChainTests:
         assert provider.present(keys[1:]) == [False]
         assert provider.stats().used_bytes <= self.page_nbytes
 
+    def test_seal_many_refusing_its_arguments_aborts_the_batch(self, provider: Provider) -> None:
+        """Bad arguments (checksums not one int per page, a reservation twice, a generator of
+        reservations is taken) are refused with a typed error, and the batch is aborted as on any
+        failure: nothing is left in flight or counted, and the keys can be stored again."""
+        keys = chain("rm-refused", 3)
+        algo = provider.checksum_algorithm
+        for bad in ({"checksums": np.zeros((3, 1), dtype=np.uint64), "algorithm": algo},
+                    {"checksums": [0.5, 1, 2], "algorithm": algo}, {"twice": True}):
+            rc = provider.reserve_many(keys, _parents(keys), self.page_nbytes)
+            _fill_chain(rc, keys, self.page_nbytes)
+            if bad.get("twice"):
+                if rc.run is not None:  # (a chain-level run: no reservation objects to repeat)
+                    rc.abort()
+                    continue
+                res = [r for r in rc.reservations if r is not None]
+                with pytest.raises(InvalidArgumentError):
+                    provider.seal_many([*res, res[0]])
+            else:
+                with pytest.raises(InvalidArgumentError):
+                    rc.seal(checksums=bad["checksums"], algorithm=bad["algorithm"])  # type: ignore[arg-type]
+            assert provider.present(keys) == [False] * 3
+            assert not any(provider.in_flight(k) for k in keys)
+            assert provider.stats().used_bytes == 0
+        rc = provider.reserve_many(keys, _parents(keys), self.page_nbytes)
+        _fill_chain(rc, keys, self.page_nbytes)
+        if rc.run is None:  # (a generator of reservations is taken)
+            provider.seal_many(r for r in rc.reservations if r is not None)  # type: ignore[arg-type]
+        else:
+            rc.seal()
+        assert provider.longest_prefix(keys) == 3
+
     def test_reserve_many_capacity_is_a_prefix(self, provider_factory: Any) -> None:
         provider: Provider = provider_factory(budget_pages=4)
         keys = chain("rm-capacity", 7)

@@ -48,7 +48,7 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
-from hostkv_providers._chain import _check_checksums
+from hostkv_providers._chain import seal_args
 from hostkv_providers._checks import check_retain_share, overlapping, writable_buffer
 from hostkv_providers._errors import (
     CapacityError,
@@ -488,11 +488,11 @@ class MmapProvider(_BatchWrites):
         one journal sync cover all of them.  All or nothing at the commit: if it fails, every one
         of them is aborted and the error is raised.  Given ``checksums`` are not used: the slot
         files record XXH3-64 of the whole entry, computed here from the bytes."""
+        reservations = seal_args(self, reservations, checksums, algorithm)
         if any(not isinstance(r, _MmapReservation) for r in reservations):
             # reservations of the contract's default reserve_many (bytes held until the seal)
             super().seal_many(reservations, checksums=checksums, algorithm=algorithm)
             return
-        _check_checksums(checksums, algorithm, len(reservations))
         self._check_usable()
         with self._write_call(), self._claimed_seals(reservations):
             self._seal_many_claimed(reservations)

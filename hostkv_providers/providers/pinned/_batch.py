@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Sequence
 
-from hostkv_providers._chain import _check_checksums
+from hostkv_providers._chain import _abort_open, seal_args
 from hostkv_providers._checks import writable_buffer
 from hostkv_providers._errors import CapacityError, HostKVError, InFlightError, InvalidArgumentError, UnknownKeyError
 from hostkv_providers._keys import Key
@@ -28,7 +28,17 @@ class _Batches(_Writes):
         a few threads without the lock (XXH3 releases the GIL), the commits in one lock round.
         Given ``checksums`` in this store's algorithm (a GPU's, over the pages before their copy)
         are recorded as they are: no host hashing at all."""
-        self._seal_own([self._own_reservation(r, _PinnedReservation) for r in reservations], checksums, algorithm)
+        self._seal_own(self._own_batch(reservations, checksums, algorithm), checksums, algorithm)
+
+    def _own_batch(self, reservations: Sequence[Reservation], checksums: Sequence[int] | None,
+                   algorithm: str | None) -> list[_PinnedReservation]:
+        """``seal_many``'s reservations, checked (``seal_args``): a refusal aborts the open ones."""
+        rs = seal_args(self, reservations, checksums, algorithm)
+        try:
+            return [self._own_reservation(r, _PinnedReservation) for r in rs]
+        except HostKVError:
+            _abort_open(self, rs)
+            raise
 
     def _seal_held(self, reservations: Sequence[Reservation], held: list[Lease], *,
                    checksums: Sequence[int] | None = None, algorithm: str | None = None) -> None:
@@ -36,12 +46,10 @@ class _Batches(_Writes):
         leases to ``held`` (a sealed prefix's, also when it raises).  The tiered provider pins
         its fast copies this way until their write-back: a lease taken after the seal left a
         window in which another save's reservation could evict the just-sealed page."""
-        self._seal_own([self._own_reservation(r, _PinnedReservation) for r in reservations], checksums, algorithm,
-                       held)
+        self._seal_own(self._own_batch(reservations, checksums, algorithm), checksums, algorithm, held)
 
     def _seal_own(self, own: list[_PinnedReservation], checksums: Sequence[int] | None, algorithm: str | None,
                   held: list[Lease] | None = None) -> None:
-        _check_checksums(checksums, algorithm, len(own))
         self._check_usable()
         with self._write_call():  # (a close waits for it: the hashing below reads the arena unlocked)
             self._seal_counted(own, checksums, algorithm, held)

@@ -15,10 +15,11 @@ from hostkv_providers._capabilities import SupportsBatch
 from hostkv_providers._chain import (
     _DEFERRED,
     ReservedChain,
-    _check_checksums,
+    _abort_open,
     _DeferredReservation,
     chain_keys,
     reserve_run_first,
+    seal_args,
 )
 from hostkv_providers._errors import (
     CapacityError,
@@ -475,9 +476,10 @@ class _Chains(_WriteBack):
         the slow tier with one ``put_many`` (:meth:`_store_through`), and reservations written
         through by ``reserve`` are sealed one by one.  On failure the sealed ones are a prefix and every other
         one is aborted."""
-        _check_checksums(checksums, algorithm, len(reservations))
+        reservations = seal_args(self, reservations, checksums, algorithm)
         for res in reservations:
             if not isinstance(res, Reservation) or res.provider is not self:
+                _abort_open(self, reservations)
                 raise InvalidArgumentError("seal_many() takes reservations of this provider")
         self._check_usable()
         i = 0
