@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from hostkv_providers._checks import readable_bytes
-from hostkv_providers._errors import HostKVError, InFlightError, InvalidArgumentError, UnknownKeyError
+from hostkv_providers._errors import CapacityError, HostKVError, InFlightError, InvalidArgumentError, UnknownKeyError
 from hostkv_providers._keys import Key
 from hostkv_providers._region import HostPages, HostRegion
 from hostkv_providers._reservation import Reservation
@@ -30,6 +30,10 @@ def _check_checksums(checksums: Sequence[int] | None, algorithm: str | None, n: 
         return
     if not isinstance(algorithm, str):
         raise InvalidArgumentError("give algorithm= with checksums= (the algorithm they are in)")
+    if isinstance(checksums, (str, bytes, bytearray, memoryview)) or not isinstance(checksums,
+                                                                                  (Sequence, np.ndarray)):
+        raise InvalidArgumentError(f"checksums must be a sequence of ints (one per reservation), got "
+                                   f"{type(checksums).__name__}")
     if len(checksums) != n:
         raise InvalidArgumentError(f"{len(checksums)} checksums for {n} reservations; give one per reservation")
     # (refused before anything is sealed: a float, or an int outside 0 .. 2**64 - 1)
@@ -286,9 +290,18 @@ _DEFERRED: weakref.WeakValueDictionary[tuple[int, Key], _DeferredReservation] = 
 def chain_keys(provider: Provider, keys: Sequence[bytes], parents: Sequence[bytes | None]) -> list[Key]:
     """``reserve_many``'s shape checks: the keys validated, and one parent per key."""
     ks = provider._keys(keys)
-    if isinstance(parents, (bytes, bytearray, memoryview, str)) or len(parents) != len(ks):
+    if isinstance(parents, (bytes, bytearray, memoryview, str)) or not isinstance(parents, (Sequence, np.ndarray)):
+        raise InvalidArgumentError(f"parents must be a sequence (one parent per key: bytes or None), got "
+                                   f"{type(parents).__name__}")
+    if len(parents) != len(ks):
         raise InvalidArgumentError(f"{len(parents)} parents for {len(ks)} keys; give one per key")
+    if not set(map(type, parents)) <= _PARENT_TYPES:  # (numpy rows broke comparisons further on)
+        bad = next(p for p in parents if type(p) not in _PARENT_TYPES)
+        raise InvalidArgumentError(f"a parent must be bytes or None, got {type(bad).__name__}")
     return ks
+
+
+_PARENT_TYPES = frozenset((bytes, bytearray, memoryview, type(None)))
 
 
 def reserve_run_first(provider: Provider, ks: list[Key], parents: Sequence[bytes | None], nbytes: int,
@@ -324,6 +337,9 @@ def reserve_chain(provider: Provider, keys: Sequence[bytes], parents: Sequence[b
         if (p is not None and p not in batch and (id(provider), p) not in _DEFERRED
                 and not provider.present([p])[0] and not provider.in_flight(p)):
             return ReservedChain(out, UnknownKeyError(f"parent {p.hex()[:16]} is not stored"))
+        if n > provider.budget_bytes:  # (its buffer is allocated here: 2**62 raised a bare MemoryError)
+            return ReservedChain(out, CapacityError(f"an entry of {n} bytes exceeds the budget of "
+                                                    f"{provider.budget_bytes} bytes"))
         res = _DeferredReservation(provider, k, p, n, salt_tag)
         _DEFERRED[(id(provider), k)] = res
         out.append(res)

@@ -305,6 +305,27 @@ class BatchChainTests:
             rc.seal()
         assert provider.longest_prefix(keys) == 3
 
+    def test_reserve_many_and_seal_refuse_malformed_arguments(self, provider: Provider) -> None:
+        """Typed errors, not a TypeError/ValueError/MemoryError from inside: parents not a
+        sequence of bytes-or-None, checksums not a sequence, an entry larger than the budget
+        (a provider without its own reserve_many allocated its buffer first)."""
+        keys = chain("rm-malformed", 3)
+        for parents in ((p for p in _parents(keys)), None, np.frombuffer(b"".join(keys), np.uint8).reshape(3, -1)):
+            with pytest.raises(InvalidArgumentError):
+                provider.reserve_many(keys, parents, self.page_nbytes)  # type: ignore[arg-type]
+        huge = provider.reserve_many(keys[:1], [None], 1 << 62)
+        assert isinstance(huge.error, HostKVError) and len(huge) == 0
+        for sums in ((0 for _ in keys), {0: 1, 1: 2, 2: 3}, np.uint64(7)):
+            rc = provider.reserve_many(keys, _parents(keys), self.page_nbytes)
+            _fill_chain(rc, keys, self.page_nbytes)
+            with pytest.raises(InvalidArgumentError):
+                rc.seal(checksums=sums, algorithm=provider.checksum_algorithm)  # type: ignore[arg-type]
+            assert not any(provider.in_flight(k) for k in keys) and provider.stats().used_bytes == 0
+        rc = provider.reserve_many(keys, _parents(keys), self.page_nbytes)
+        _fill_chain(rc, keys, self.page_nbytes)
+        rc.seal()
+        assert provider.longest_prefix(keys) == 3
+
     def test_reserve_many_capacity_is_a_prefix(self, provider_factory: Any) -> None:
         provider: Provider = provider_factory(budget_pages=4)
         keys = chain("rm-capacity", 7)

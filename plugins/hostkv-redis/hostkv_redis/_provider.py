@@ -66,6 +66,7 @@ from hostkv_providers.providers import (
     check_progress,
     check_span,
     checksum,
+    overlapping,
     parse_size,
     writable_buffer,
 )
@@ -971,7 +972,14 @@ class RedisProvider(Provider):
         ks, outs = self._read_many_args(keys, outs)
         dsts = [_whole(o) for o in outs]
         self._check_usable()
-        pages = self._settle(ks, self._fetch(ks, dsts))
+        got = self._fetch(ks, dsts)
+        if (len(dsts) > 1 and any(isinstance(p, Corrupt) and p is not _ORPHAN_CHECK for p in got)
+                and overlapping(dsts)):
+            # (bytes received into an output buffer that aliases another overwrote that one's
+            # before their check: the stored entries are not corrupt, and are not dropped)
+            raise InvalidArgumentError("read_many's output buffers overlap: give each key a buffer of its own",
+                                       hint="nothing was dropped; which outs[i] hold their entry is undefined")
+        pages = self._settle(ks, got)
         short = None
         nbytes = 0
         for i, (page, dst) in enumerate(zip(pages, dsts, strict=True)):
