@@ -54,34 +54,21 @@ def _check_checksums(checksums: Sequence[int] | None, algorithm: str | None, n: 
                                    "or a sequence of ints)")
 
 
-def _abort_open(provider: Provider, reservations: Sequence[object]) -> None:
-    """Abort ``provider``'s reservations among ``reservations`` that are still open."""
-    for r in reservations:
-        if isinstance(r, Reservation) and r.provider is provider and r.state == "open":
-            with contextlib.suppress(HostKVError):
-                r.abort()
-
-
 def seal_args(provider: Provider, reservations: object, checksums: Sequence[int] | None,
               algorithm: str | None) -> list[Reservation]:
     """``seal_many``'s arguments, checked before anything is sealed: the reservations as a list
     (a generator is taken; a reservation given twice is refused) and the ``checksums``.  A
-    refusal aborts ``provider``'s open reservations among them before it raises, as any other
-    failure of ``seal_many`` does (every reservation not sealed is aborted): refused and left
-    open, they stayed in flight, counted as used, until their writer aborted them itself."""
+    refusal changes nothing: the reservations stay open, to be sealed again with corrected
+    arguments or aborted (``Provider.seal_many``)."""
     if isinstance(reservations, (Reservation, str, bytes, bytearray, memoryview)):
         raise InvalidArgumentError("seal_many() takes a sequence of reservations")
     try:
         rs: list[Reservation] = list(reservations)  # type: ignore[call-overload]
     except TypeError:
         raise InvalidArgumentError("seal_many() takes a sequence of reservations") from None
-    try:
-        if len(set(map(id, rs))) != len(rs):
-            raise InvalidArgumentError("a reservation is given twice to seal_many()")
-        _check_checksums(checksums, algorithm, len(rs))
-    except InvalidArgumentError:
-        _abort_open(provider, rs)
-        raise
+    if len(set(map(id, rs))) != len(rs):
+        raise InvalidArgumentError("a reservation is given twice to seal_many()")
+    _check_checksums(checksums, algorithm, len(rs))
     return rs
 
 
@@ -190,8 +177,8 @@ class ReservedChain:
         pages are a prefix (see :attr:`sealed`) and the rest are aborted."""
         if self._reservations is None:
             assert self._run is not None
-            try:  # (a refused argument aborts the run too: see seal_args)
-                _check_checksums(checksums, algorithm, self._run.n)
+            _check_checksums(checksums, algorithm, self._run.n)  # (refused: the run stays open)
+            try:
                 self._run.seal(checksums, algorithm)
             except BaseException:
                 with contextlib.suppress(HostKVError):
@@ -354,7 +341,6 @@ def seal_chain(provider: Provider, reservations: Sequence[Reservation], checksum
     reservations = seal_args(provider, reservations, checksums, algorithm)
     for res in reservations:
         if not isinstance(res, Reservation) or res.provider is not provider:
-            _abort_open(provider, reservations)
             raise InvalidArgumentError("seal_many() takes reservations of this provider")
     for i, res in enumerate(reservations):
         try:

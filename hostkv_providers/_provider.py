@@ -953,7 +953,10 @@ class Provider(abc.ABC, metaclass=_ProviderMeta):
         ``reservations`` (possibly none: a provider that commits a batch at once seals all or
         nothing) and every other one is aborted.  A reservation whose parent was not sealed
         (aborted, or failed here) fails with ``UnknownKeyError``; one with unwritten bytes with
-        ``IncompleteWriteError``.
+        ``IncompleteWriteError``.  Arguments refused before anything is sealed (``checksums``
+        not one int per reservation or without ``algorithm``, a reservation of another provider
+        or given twice: ``InvalidArgumentError`` or ``ReservationError``) change nothing: the
+        reservations stay open, to be sealed again with corrected arguments or aborted.
 
         ``checksums[i]`` (with ``algorithm``) is the checksum of the bytes written to
         ``reservations[i]``, computed where they came from (a GPU kernel over the pages before

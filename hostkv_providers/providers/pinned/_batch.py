@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Sequence
 
-from hostkv_providers._chain import _abort_open, seal_args
+from hostkv_providers._chain import seal_args
 from hostkv_providers._checks import writable_buffer
 from hostkv_providers._errors import CapacityError, HostKVError, InFlightError, InvalidArgumentError, UnknownKeyError
 from hostkv_providers._keys import Key
@@ -32,13 +32,9 @@ class _Batches(_Writes):
 
     def _own_batch(self, reservations: Sequence[Reservation], checksums: Sequence[int] | None,
                    algorithm: str | None) -> list[_PinnedReservation]:
-        """``seal_many``'s reservations, checked (``seal_args``): a refusal aborts the open ones."""
-        rs = seal_args(self, reservations, checksums, algorithm)
-        try:
-            return [self._own_reservation(r, _PinnedReservation) for r in rs]
-        except HostKVError:
-            _abort_open(self, rs)
-            raise
+        """``seal_many``'s reservations, checked (``seal_args``; a refusal changes nothing)."""
+        return [self._own_reservation(r, _PinnedReservation) for r in seal_args(self, reservations, checksums,
+                                                                                 algorithm)]
 
     def _seal_held(self, reservations: Sequence[Reservation], held: list[Lease], *,
                    checksums: Sequence[int] | None = None, algorithm: str | None = None) -> None:

@@ -15,7 +15,6 @@ from hostkv_providers._capabilities import SupportsBatch
 from hostkv_providers._chain import (
     _DEFERRED,
     ReservedChain,
-    _abort_open,
     _DeferredReservation,
     chain_keys,
     reserve_run_first,
@@ -479,7 +478,6 @@ class _Chains(_WriteBack):
         reservations = seal_args(self, reservations, checksums, algorithm)
         for res in reservations:
             if not isinstance(res, Reservation) or res.provider is not self:
-                _abort_open(self, reservations)
                 raise InvalidArgumentError("seal_many() takes reservations of this provider")
         self._check_usable()
         i = 0
