@@ -154,7 +154,12 @@ def parse_url(url: str) -> tuple[str, str, dict[str, str]]:
         raise InvalidArgumentError(f"provider URLs take no #fragment: {url!r}")
     location = parts.netloc + parts.path
     options: dict[str, str] = {}
-    for k, v in parse_qsl(parts.query, keep_blank_values=True, strict_parsing=bool(parts.query)):
+    try:
+        fields = parse_qsl(parts.query, keep_blank_values=True, strict_parsing=bool(parts.query))
+    except ValueError:  # (a field without '=': ?budget)
+        raise InvalidArgumentError(f"bad option in {url!r}: write each one as name=value",
+                                   hint="e.g. mmap:///var/cache/kv?budget=64GiB&durability=none") from None
+    for k, v in fields:
         if k in options:
             raise InvalidArgumentError(f"option {k!r} given twice in {url!r}")
         options[k] = v

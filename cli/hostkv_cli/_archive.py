@@ -420,6 +420,9 @@ def read_archive(f: BinaryIO, header: dict[str, Any] | None = None) -> Iterator[
             if meta.get("total") != total.digest():
                 raise CorruptArchiveError("the archive's records do not add up to its total digest "
                                           "(records spliced, reordered or dropped)")
+            if f.read(1):  # (two archives concatenated: the second's entries were dropped unsaid)
+                raise CorruptArchiveError("bytes follow the archive's end record (archives concatenated, or "
+                                          "trailing data)")
             yield Record("Z", meta, b"")
             return
         total.update(digest)
@@ -562,7 +565,10 @@ def register(group: click.Group) -> None:
         """
         keys = [_parse_key(k) for k in key_hex]
         if keys_file is not None:
-            keys += [_parse_key(line) for line in keys_file if line.strip() and not line.startswith("#")]
+            try:
+                keys += [_parse_key(line) for line in keys_file if line.strip() and not line.startswith("#")]
+            except UnicodeDecodeError:
+                raise click.UsageError("--keys-file must be text: one 64-hex key a line") from None
         if not salt_tags and not keys:
             raise click.UsageError("choose what to export: --salt TAG, --key HEX or --keys-file FILE")
         if descendants and not keys:
@@ -578,7 +584,11 @@ def register(group: click.Group) -> None:
             else:
                 path = os.path.abspath(archive)
                 tmp = f"{path}.tmp-{os.getpid()}"
-                out = open(tmp, "wb")  # noqa: SIM115 - renamed into place only when complete
+                try:
+                    out = open(tmp, "wb")  # noqa: SIM115 - renamed into place only when complete
+                except OSError as exc:  # (a missing directory, no permission: the user's to fix)
+                    raise CLIError(f"cannot write {archive}: {exc.strerror or exc}", ExitCode.USAGE,
+                                   hint="write the archive into an existing directory you can write to") from None
             try:
                 with progress_bar("exporting", enabled=not as_json or sys.stderr.isatty()) as bar:
                     doc = export_archive(src, out, selected, level=level, shuffle=int(shuffle), progress=bar)

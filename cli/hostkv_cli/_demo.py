@@ -357,7 +357,7 @@ def register(group: click.Group) -> None:
     @click.option("--path", default=DEFAULT_PATH, show_default=True, type=click.Path(file_okay=False),
                   help="Folder of the demo store (created if needed).")
     @click.option("--url", help="Run on this store URL instead (any provider; overrides --path).")
-    @click.option("--tokens", type=click.IntRange(min=64), default=32768, show_default=True,
+    @click.option("--tokens", type=click.IntRange(min=64, max=1 << 24), default=32768, show_default=True,
                   help="Length of the synthetic prompt.")
     @click.option("--same-process", is_flag=True,
                   help="Reopen in this process (a fresh provider instance) instead of a new one.")

@@ -265,3 +265,32 @@ def test_cli_export_import_round_trip(runner: CliRunner, tmp_path: Path) -> None
     assert r.exit_code == 1 and "error:" in r.output
     r = invoke(runner, "export", bare, str(tmp_path / "none.hkv"), "--salt", "nosuch")
     assert r.exit_code == 2 and "nothing matched" in r.output and not (tmp_path / "none.hkv").exists()
+
+
+def test_cli_review_edges(runner: CliRunner, tmp_path: Path) -> None:
+    """A review's findings (session 24), each reproduced before its fix: two archives concatenated
+    imported the first's entries only and said ok; export into a missing directory and a keys
+    file that is not text were internal errors (exit 5); demo's --tokens had no bound."""
+    urls = _persistent(tmp_path)
+    if len(urls) < 2:
+        pytest.skip("needs lmdb and mmap")
+    src_url, dst_url = urls
+    with hk.open(src_url) as src:
+        fill(src)
+    bare = src_url.split("?")[0]
+    a, b = tmp_path / "a.hkv", tmp_path / "b.hkv"
+    assert invoke(runner, "export", bare, str(a), "--salt", SALT_A.tag).exit_code == 0
+    assert invoke(runner, "export", bare, str(b), "--salt", SALT_B.tag).exit_code == 0
+    both = tmp_path / "both.hkv"
+    both.write_bytes(a.read_bytes() + b.read_bytes())
+    for args in (("import", str(both), dst_url), ("import", "--dry-run", str(both), dst_url.split("?")[0])):
+        r = invoke(runner, *args)
+        assert r.exit_code == 1 and "end record" in r.output, r.output
+    r = invoke(runner, "export", bare, str(tmp_path / "no" / "such" / "x.hkv"), "--salt", SALT_A.tag)
+    assert r.exit_code == 2 and "cannot write" in r.output
+    keys = tmp_path / "keys.bin"
+    keys.write_bytes(b"\xff\xfe\x00garbage\n")
+    r = invoke(runner, "export", bare, str(tmp_path / "k.hkv"), "--keys-file", str(keys))
+    assert r.exit_code == 2 and "must be text" in r.output
+    r = invoke(runner, "demo", "--tokens", "99999999999999")
+    assert r.exit_code == 2

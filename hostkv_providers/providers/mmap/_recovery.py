@@ -100,14 +100,25 @@ class _Recovery(_Snapshots):
         else:
             _fsutil.prepare_store_dir(self.path, create=create)
         _fsutil.check_store_entries(self.path)  # readers check what writers check (issue 16 item 9)
+        lock_path = self._p("writer.lock")
+        made_lock = False
         if not self._readonly:
-            self._lockfile = _fsutil.LockFile(self._p("writer.lock"))
+            made_lock = not _fsutil.lexists(lock_path, f"looking for {lock_path}")
+            self._lockfile = _fsutil.LockFile(lock_path)
         exists = _fsutil.lexists(manifest_path, f"looking for {manifest_path}")
         if not exists:
             if self._readonly or not create:
                 raise StoreNotFoundError(f"no mmap store at {self.path} (manifest.json missing)")
             # never adopt a directory holding something else (issue 16 item 4)
-            _fsutil.check_not_foreign(self.path, lambda name: name == "writer.lock")
+            try:
+                _fsutil.check_not_foreign(self.path, lambda name: name == "writer.lock")
+            except BaseException:
+                # (and leave nothing behind in it: a writer.lock left in an lmdb store's directory
+                # made every later open of that store refuse it as holding a foreign file)
+                if made_lock:
+                    with contextlib.suppress(OSError):
+                        os.unlink(lock_path)
+                raise
             self._create_store(budget, slot_nbytes, file_nbytes)
         man = self._read_manifest()
         self._manifest = man

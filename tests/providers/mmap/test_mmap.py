@@ -18,6 +18,7 @@ import hostkv_providers.providers._fsutil as fsutil
 from hostkv_providers._errors import (
     ClosedError,
     CorruptStoreError,
+    HostKVError,
     IncompatibleStoreError,
     InvalidArgumentError,
     LockedError,
@@ -792,3 +793,29 @@ def test_a_close_racing_a_read_is_a_closed_error_and_drops_nothing(tmp_path: Pat
         assert fresh.stats().checksum_failures == 0
     finally:
         fresh.close()
+
+
+def test_a_refused_open_of_a_foreign_directory_leaves_no_lock_file(tmp_path: Path) -> None:
+    """Opening mmap:// over a directory that holds something else (an lmdb store, say) is refused,
+    and leaves nothing there: a writer.lock left behind made every later open of that lmdb store
+    refuse it as holding a foreign file (a review's finding, reproduced)."""
+    d = tmp_path / "other"
+    d.mkdir(mode=0o700)
+    (d / "data.mdb").write_bytes(b"\0" * 4096)
+    (d / "data.mdb").chmod(0o600)
+    before = sorted(os.listdir(d))
+    with pytest.raises(HostKVError, match="other files"):
+        open_provider(f"mmap://{d}?budget=1MiB")
+    assert sorted(os.listdir(d)) == before
+    # a lock file that was there before is not the open's to remove
+    (d / "writer.lock").write_bytes(b"")
+    (d / "writer.lock").chmod(0o600)
+    with pytest.raises(HostKVError, match="other files"):
+        open_provider(f"mmap://{d}?budget=1MiB")
+    assert (d / "writer.lock").exists()
+
+
+def test_a_url_option_without_a_value_is_a_typed_error() -> None:
+    for url in ("mmap:///tmp/x?budget", "pinned://?budget=1MiB&pin", "lmdb:///tmp/x?readonly"):
+        with pytest.raises(InvalidArgumentError, match="name=value"):
+            open_provider(url)
