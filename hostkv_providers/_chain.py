@@ -312,6 +312,7 @@ def reserve_chain(provider: Provider, keys: Sequence[bytes], parents: Sequence[b
     out: list[Reservation | None] = []
     batch: set[Key] = set()
     present = provider.present(ks) if ks else []
+    budget = provider.budget_bytes  # (once: a remote store's may cost a round trip)
     for k, parent, here in zip(ks, parents, present, strict=True):
         k, p, n = provider._reserve_args(k, parent, nbytes, salt_tag)
         if here:
@@ -324,9 +325,8 @@ def reserve_chain(provider: Provider, keys: Sequence[bytes], parents: Sequence[b
         if (p is not None and p not in batch and (id(provider), p) not in _DEFERRED
                 and not provider.present([p])[0] and not provider.in_flight(p)):
             return ReservedChain(out, UnknownKeyError(f"parent {p.hex()[:16]} is not stored"))
-        if n > provider.budget_bytes:  # (its buffer is allocated here: 2**62 raised a bare MemoryError)
-            return ReservedChain(out, CapacityError(f"an entry of {n} bytes exceeds the budget of "
-                                                    f"{provider.budget_bytes} bytes"))
+        if n > budget:  # (its buffer is allocated here: 2**62 raised a bare MemoryError)
+            return ReservedChain(out, CapacityError(f"an entry of {n} bytes exceeds the budget of {budget} bytes"))
         res = _DeferredReservation(provider, k, p, n, salt_tag)
         _DEFERRED[(id(provider), k)] = res
         out.append(res)
