@@ -198,6 +198,15 @@ class RedisServer:
         self.stop()
 
 
+def _info_field(text: str, name: str) -> str:
+    """One ``name:value`` field of a ``CLUSTER INFO`` reply (``""`` when absent)."""
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key == name:
+            return value.strip()
+    return ""
+
+
 class RedisClusterServers:
     """A Redis Cluster of ``masters`` masters, each with ``replicas`` replicas, on loopback ports.
 
@@ -246,6 +255,14 @@ class RedisClusterServers:
         # deterministic; redis-cli --cluster create does the same plus interactive checks.
         n = self.masters
         per = 16384 // n
+        # Distinct config epochs before MEET, as redis-cli --cluster create sets them. Left at 0,
+        # the nodes resolve the collision by gossip, one bump at a time; a slot migrated before
+        # that settles can go back to its old master on the strength of a higher epoch, and the
+        # new master then deletes the keys it was given (a test's store read back empty, once, in
+        # CI on a loaded 2-core machine).
+        for i, s in enumerate(self.servers):
+            with s.client() as c:
+                c.execute_command("CLUSTER", "SET-CONFIG-EPOCH", i + 1)
         for i, s in enumerate(self.servers[:n]):
             lo = i * per
             hi = 16383 if i == n - 1 else (i + 1) * per - 1
@@ -278,6 +295,7 @@ class RedisClusterServers:
         return out.decode() if isinstance(out, bytes) else str(out)
 
     def _ok(self) -> bool:
+        epochs: set[str] = set()
         for s in self.servers:
             if s.proc is None:
                 continue
@@ -293,7 +311,9 @@ class RedisClusterServers:
             text = info.decode() if isinstance(info, bytes) else str(info)
             if "cluster_state:ok" not in text or f"cluster_known_nodes:{len(self.servers)}" not in text:
                 return False
-        return True
+            epochs.add(_info_field(text, "cluster_current_epoch"))
+        # every node has heard of every epoch: a first slot migration then bumps past all of them
+        return len(epochs) == 1
 
     def wait_ok(self, timeout: float = 30.0) -> None:
         """Wait until every running node reports ``cluster_state:ok`` (e.g. after a failover)."""

@@ -85,3 +85,16 @@ def test_store_survives_slot_migration(redis_cluster: RedisClusterServers) -> No
     finally:
         rc.close()
         p.close()
+
+
+def test_masters_start_with_distinct_config_epochs(redis_cluster: RedisClusterServers) -> None:
+    """The harness sets each node's config epoch before MEET (as redis-cli --cluster create does):
+    left at 0 they collide, and a slot migrated while gossip still resolves that can return to
+    its old master, whose claim then deletes the keys moved to the new one."""
+    epochs = []
+    for s in redis_cluster.servers[:redis_cluster.masters]:
+        with s.client() as c:
+            info = c.execute_command("CLUSTER", "INFO").decode()
+        fields = dict(line.split(":", 1) for line in info.split() if ":" in line)
+        epochs.append(int(fields["cluster_my_epoch"]))
+    assert len(set(epochs)) == len(epochs) and min(epochs) >= 1
