@@ -368,6 +368,8 @@ class HostKVCache:
         anchor: Key | None = None
         if hyb is not None and hyb.binding:  # hybrid hook: cut to the deepest fully anchored page
             n = hyb.deepest([ks], n, need_anchor)
+            if need_anchor is not None and n:
+                anchor = ks[n - 1]  # (hit.anchor opens its record)
         elif need_anchor is not None and n:
             # Only where the anchor is: its bytes are read when the engine asks (hit.anchor,
             # hit.read_anchor), off the admission path; the lease keeps the page and its anchor.

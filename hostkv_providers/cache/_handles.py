@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from hostkv_providers._checks import check_timeout
+from hostkv_providers._checks import _scatter_buffers, check_timeout, scatter_into
 from hostkv_providers._errors import CopyEngineError, InvalidArgumentError, UnknownKeyError
 from hostkv_providers._keys import Key
 from hostkv_providers._reservation import Lease
@@ -360,6 +360,7 @@ class CacheHit:
         self.stored = stored  # stored prefix before cutting back to the anchor
         self.anchor_name = anchor_name
         self._anchor_key = anchor_key  # the page whose anchor the hit resumes from (need_anchor)
+        self._anchor_depth = len(self.keys) - 1  # its depth from the root (a lookup's keys start there)
         self._anchor: bytes | None = None
         self._released = lease is None
         # restores that read the pages through this hit's own lease (layer-wise restores): the
@@ -373,7 +374,14 @@ class CacheHit:
         """The needed anchor's bytes at the last usable page (``None`` without ``need_anchor`` or
         for a miss); read from the provider on first access, then kept."""
         if self._anchor is None and self._anchor_key is not None and self.anchor_name is not None:
-            self._anchor = self._cache.provider.get_anchor(self._anchor_key, self.anchor_name)
+            blob = self._cache.provider.get_anchor(self._anchor_key, self.anchor_name)
+            hyb = self._cache._hybrid
+            if blob is not None and hyb is not None and hyb.binding:
+                # a hybrid cache stores every anchor in its record (depth and format bound):
+                # the engine gets the payload, or a miss for a record of another page or format
+                payload = hyb.open_record(self.anchor_name, self._anchor_depth, blob)
+                blob = None if payload is None else bytes(payload)
+            self._anchor = blob
             if self._anchor is None:
                 raise UnknownKeyError(
                     f"anchor {self.anchor_name!r} of the hit's last page is gone",
@@ -387,6 +395,13 @@ class CacheHit:
         the anchor is gone (the hit was released)."""
         if self._anchor_key is None or self.anchor_name is None:
             raise InvalidArgumentError("this hit carries no anchor (look it up with need_anchor=)")
+        hyb = self._cache._hybrid
+        if hyb is not None and hyb.binding:  # the record's payload (see anchor)
+            bufs = _scatter_buffers(into)
+            payload = self.anchor
+            assert payload is not None
+            scatter_into(bufs, memoryview(payload))
+            return len(payload)
         got = self._cache.provider.read_anchor(self._anchor_key, self.anchor_name, into)
         if got is None:
             raise UnknownKeyError(f"anchor {self.anchor_name!r} of the hit's last page is gone",

@@ -9,8 +9,9 @@ together are the *state* a hit must resume from).  :class:`HybridCacheMap` maps 
   the layout's ``num_layers`` is the number of attention layers) exactly like
   :class:`~hostkv_providers.cache.HFCacheMap`;
 * :meth:`HybridCacheMap.state_bytes` / :meth:`load_state` serialize every linear layer's conv and
-  recurrent state (one batch row) into one blob — the anchor — and back, checking the shapes and
-  dtypes against the model's config;
+  recurrent state (one batch row) into one blob — the anchor — and back; the blob names the
+  model shape it was written for (a digest of the layer types and the config fields that shape
+  the state), and a blob of another is refused;
 * :meth:`HybridCacheMap.to_dynamic_cache` rebuilds a cache the model accepts from restored planes
   *and* a state, and refuses to build one without the state;
 * :meth:`HybridCacheMap.prefill` runs a prefill in segments that end at anchor pages and captures
@@ -44,8 +45,11 @@ __all__ = ["HybridCacheMap"]
 _STATE_MAGIC = b"HKS1"
 _STATE_HEAD = struct.Struct("<4sI")  # magic, descriptor length (JSON follows, then raw tensors)
 
-#: Layer types of ``config.layer_types`` whose cache holds key/value tensors.
-_ATTENTION_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+#: Layer types of ``config.layer_types`` whose cache holds key/value tensors of every token.
+_ATTENTION_TYPES = ("full_attention",)
+#: Attention layers whose cache keeps a window of the latest tokens only (transformers'
+#: ``DynamicSlidingWindowLayer``): its first index is not token 0, so it cannot be paged by position.
+_WINDOWED_TYPES = ("sliding_attention", "chunked_attention")
 #: Layer types whose cache holds a conv + recurrent state.
 _LINEAR_TYPES = ("linear_attention", "mamba", "mamba2", "gated_deltanet")
 
@@ -83,6 +87,11 @@ class HybridCacheMap:
 
     def __init__(self, layout: KVLayout, config: Any) -> None:
         types = _layer_types(config)
+        windowed = sorted({t for t in types if t in _WINDOWED_TYPES})
+        if windowed:
+            raise InvalidArgumentError(
+                f"layer types {windowed} keep only a window of the latest tokens: their cache cannot be "
+                "cut into pages by token position", hint="HybridCacheMap maps full-attention + linear layers")
         unknown = sorted({t for t in types if t not in _ATTENTION_TYPES + _LINEAR_TYPES})
         if unknown:
             raise InvalidArgumentError(f"layer types {unknown} are neither attention nor linear attention")
@@ -113,6 +122,15 @@ class HybridCacheMap:
                 raise InvalidArgumentError(f"attention layer {i} holds no key/value tensors (not prefilled?)")
             out.append((k, v))
         return out
+
+    def _cache_tokens(self, cache: Any) -> int:
+        """Tokens held by the cache's attention layers (0 for a cache not prefilled yet)."""
+        layers = getattr(cache, "layers", None)
+        if layers is None or len(layers) != len(self.layer_types):
+            raise InvalidArgumentError(
+                f"expected a transformers Cache with {len(self.layer_types)} layers, got {type(cache).__name__}")
+        k: Any = getattr(layers[self.attention_layers[0]], "keys", None)
+        return int(k.shape[-2]) if k is not None and hasattr(k, "shape") and k.dim() == 4 else 0
 
     def num_pages(self, cache: Any) -> int:
         """Full pages held by the cache's attention layers."""
@@ -157,18 +175,21 @@ class HybridCacheMap:
     def state_bytes(self, cache: Any, *, batch_index: int = 0) -> bytes:
         """Every linear layer's conv and recurrent state of one batch row, as one blob (the
         anchor).  Call it right after the forward that ended at the anchor page."""
-        return _serialize_state(self._state_tensors(cache, batch_index))
+        return _serialize_state(self._state_tensors(cache, batch_index), self._model_digest())
 
-    def state_format(self, dtype: str) -> str:
-        """A format string for ``Salt(state_format=)``: the state's layout and dtype, so an anchor
-        of another model shape or dtype can never be taken for this one."""
+    def _model_digest(self) -> str:
+        """What shapes the state: the layer types and the config's state fields (no dtype)."""
         cfg = self.config.get_text_config(decoder=True) if hasattr(self.config, "get_text_config") else self.config
         # the fields that shape the state: Gated DeltaNet (Qwen3-Next) and Mamba/Mamba2 (Bamba,
         # Jamba, GraniteMoeHybrid) spell them differently; a field the config lacks is left out
         fields = {k: v for k in _STATE_FIELDS if (v := getattr(cfg, k, None)) is not None}
-        digest = hashlib.blake2b(json.dumps([self.layer_types, fields], sort_keys=True).encode(),
-                                 digest_size=8).hexdigest()
-        return f"hf-linear-attn/v1:{dtype}:{digest}"
+        return hashlib.blake2b(json.dumps([self.layer_types, fields], sort_keys=True).encode(),
+                               digest_size=8).hexdigest()
+
+    def state_format(self, dtype: str) -> str:
+        """A format string for ``Salt(state_format=)``: the state's layout and dtype, so an anchor
+        of another model shape or dtype can never be taken for this one."""
+        return f"hf-linear-attn/v1:{dtype}:{self._model_digest()}"
 
     def _parse_state(self, blob: object) -> list[tuple[str, str, list[int], memoryview]]:
         mv = memoryview(blob).cast("B")  # type: ignore[arg-type]
@@ -178,19 +199,30 @@ class HybridCacheMap:
         if magic != _STATE_MAGIC or _STATE_HEAD.size + hlen > mv.nbytes:
             raise InvalidArgumentError("not a hybrid state blob (bad header)",
                                        hint="pass the anchor written by HybridCacheMap.state_bytes")
-        try:
-            desc = json.loads(bytes(mv[_STATE_HEAD.size: _STATE_HEAD.size + hlen]))["tensors"]
-        except (ValueError, KeyError, TypeError) as exc:
-            raise InvalidArgumentError(f"hybrid state blob: unreadable descriptor ({exc})") from exc
         from hostkv_providers._layout import DTYPE_ITEMSIZE
 
+        try:
+            head = json.loads(bytes(mv[_STATE_HEAD.size: _STATE_HEAD.size + hlen]))
+            desc = head["tensors"]
+            model = head.get("model")  # (blobs written before it was recorded have none)
+            entries = [(str(name), str(dtype), [int(d) for d in shape]) for name, dtype, shape in desc]
+            for name, _dtype, _shape in entries:
+                li_s, s_s, kind = name.split(".")
+                if kind not in ("conv", "recurrent") or int(li_s) < 0 or int(s_s) < 0:
+                    raise ValueError(f"tensor name {name!r}")
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise InvalidArgumentError(f"hybrid state blob: unreadable descriptor ({exc})") from exc
+        if model is not None and model != self._model_digest():
+            # the state of another model shape: lazy_initialization would take any tensor
+            raise InvalidArgumentError("the state blob was written for a model of another shape",
+                                       hint="the anchor belongs to another model (check Salt.state_format)")
         pos = _STATE_HEAD.size + hlen
         out = []
-        for name, dtype, shape in desc:
+        for name, dtype, shape in entries:
             n = DTYPE_ITEMSIZE.get(dtype, 0) * int(_prod(shape))
-            if not n or pos + n > mv.nbytes:
+            if not n or min(shape) < 0 or pos + n > mv.nbytes:
                 raise InvalidArgumentError(f"hybrid state blob: tensor {name} ({dtype}{shape}) is truncated")
-            out.append((str(name), str(dtype), [int(d) for d in shape], mv[pos: pos + n]))
+            out.append((name, dtype, shape, mv[pos: pos + n]))
             pos += n
         if pos != mv.nbytes:
             raise InvalidArgumentError("hybrid state blob: trailing bytes")
@@ -276,6 +308,13 @@ class HybridCacheMap:
             if start_page:
                 raise InvalidArgumentError("start_page > 0 needs the cache holding those pages")
             cache = DynamicCache(config=self.config)
+        else:
+            # the states are labelled by depth from start_page: a cache holding any other number
+            # of tokens would have them saved (and later restored) at the wrong token count
+            tokens = self._cache_tokens(cache)
+            if tokens != start_page * pt:
+                raise InvalidArgumentError(f"the cache holds {tokens} tokens, start_page {start_page} says "
+                                           f"{start_page * pt}", hint="continue from a cache of whole pages")
         module = sys.modules.get(type(model).__module__)
         if single_pass is None:
             single_pass = _ScanCapture.supports(module)
@@ -317,14 +356,14 @@ class HybridCacheMap:
         for li, conv, rec in zip(self.linear_layers, cap.conv, cap.rec, strict=True):
             parts.append((f"{li}.0.conv", conv[cut][0:1]))
             parts.append((f"{li}.0.recurrent", rec[cut][0:1]))
-        return _serialize_state(parts)
+        return _serialize_state(parts, self._model_digest())
 
 
-def _serialize_state(parts: Sequence[tuple[str, torch.Tensor]]) -> bytes:
+def _serialize_state(parts: Sequence[tuple[str, torch.Tensor]], model: str) -> bytes:
     import torch
 
     desc = [[name, plane_dtype_name(t), list(t.shape)] for name, t in parts]
-    head = json.dumps({"v": 1, "tensors": desc}, separators=(",", ":")).encode()
+    head = json.dumps({"v": 1, "model": model, "tensors": desc}, separators=(",", ":")).encode()
     raw = [t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy() for _n, t in parts]
     out = bytearray(_STATE_HEAD.size + len(head) + sum(r.nbytes for r in raw))
     _STATE_HEAD.pack_into(out, 0, _STATE_MAGIC, len(head))

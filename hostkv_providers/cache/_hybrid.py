@@ -113,6 +113,8 @@ def prefill_pages_cap(num_tokens: int, page_tokens: int) -> int:
     left to prefill (the engine needs its logits): ``(num_tokens - 1) // page_tokens``."""
     if type(num_tokens) is not int or num_tokens < 1:
         raise InvalidArgumentError(f"num_tokens must be an int >= 1, got {num_tokens!r}")
+    if type(page_tokens) is not int or page_tokens < 1:
+        raise InvalidArgumentError(f"page_tokens must be an int >= 1, got {page_tokens!r}")
     return (num_tokens - 1) // page_tokens
 
 
@@ -205,6 +207,11 @@ class HybridState:
                     hint="an anchor is the state after its own page; capture it there")
             return blob
         return seal_anchor_record(blob, depth=depth, tag=tag)
+
+    def open_record(self, name: str, depth: int, blob: object) -> memoryview | None:
+        """The payload of anchor ``name``'s record at page ``depth`` (``None``: another page's or
+        format's record, or a damaged one)."""
+        return open_anchor_record(blob, depth=depth, tag=self.tag(name))
 
     def put_anchor(self, keys: Sequence[bytes], page: int, name: str, data: object) -> None:
         """Attach one anchor to stored page ``keys[page]`` (depth ``page``) of a chain."""

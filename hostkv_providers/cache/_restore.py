@@ -165,7 +165,10 @@ def _restore_checked(self: HostKVCache, hit: CacheHit, into: Any, block_ids: Seq
     planes = _as_planes(self.layout, into)
     bids = self._check_blocks(planes, bids_l, arr, distinct=True)
     keys = hit.keys[first_page : first_page + len(bids)]
-    ident = (keys, planes.ptrs, planes.block_strides, tuple(bids))
+    # A hybrid restore also fills the caller's anchor buffers and reports views of them: two
+    # callers with different buffers share nothing (the second one's would never be written).
+    sink = None if anchors_into is None else tuple(sorted((str(n), id(b)) for n, b in anchors_into.items()))
+    ident = (keys, planes.ptrs, planes.block_strides, tuple(bids), sink)
     # An engine that gates streams (a host gate, or CudaCopyEngine(stream_gates=True)) holds the
     # caller's stream back right here; any other is ordered once the restore thread has issued
     # the copies (this thread waits for that below, without the cache's lock: an order on

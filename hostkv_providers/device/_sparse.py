@@ -388,7 +388,10 @@ class PageTable:
     """
 
     def __init__(self, addresses: Any, device: int = 0) -> None:
-        arr = np.ascontiguousarray(np.asarray(addresses, dtype=np.uint64))
+        try:
+            arr = np.ascontiguousarray(np.asarray(addresses, dtype=np.uint64))
+        except (OverflowError, ValueError, TypeError) as exc:  # negative, not a number
+            raise CopyArgumentError(f"page addresses must be integers >= 0: {exc}") from exc
         if arr.ndim != 1 or arr.size == 0:
             raise CopyArgumentError("a page table needs a non-empty 1-D array of addresses")
         if type(device) is not int or device < -1:
@@ -680,6 +683,22 @@ def _host_ids(value: Any, what: str, count: int) -> np.ndarray:
     return arr.reshape(-1).astype(np.int64, copy=False)
 
 
+def _host_out(value: Any, what: str, count: int, kinds: str = "i", itemsize: int = 4) -> np.ndarray:
+    """``value`` as a writable flat view: a numpy array of ``count`` integers (``kinds``, at least
+    ``itemsize`` bytes each), as the device classes require of their outputs.  Checked before
+    anything changes: a list would be written as a copy and dropped, a narrow dtype overflow
+    part-way (pages already bound to slots nothing was fetched into)."""
+    if not isinstance(value, np.ndarray) or not value.flags.writeable:
+        raise CopyArgumentError(f"{what} must be a writable numpy array, got {type(value).__name__}")
+    if value.size != count or value.dtype.kind not in kinds or value.dtype.itemsize < itemsize:
+        raise CopyArgumentError(f"{what} must hold {count} integers of {itemsize * 8} bits or more "
+                                f"({'signed' if kinds == 'i' else 'any sign'}), got {value.dtype} {value.shape}")
+    flat = value.reshape(-1)
+    if not np.shares_memory(flat, value):  # (a reshape that had to copy: not a view of the output)
+        raise CopyArgumentError(f"{what} must be contiguous")
+    return flat
+
+
 class CpuPageMover:
     """:class:`PageMover`'s contract over host memory: a host :class:`PageTable` (``device=-1``)
     and host pool planes; ids are numpy arrays.  Copies run on the caller's thread.
@@ -751,16 +770,18 @@ class CpuPageMover:
     def digest_pages(self, page_ids: Any, out: Any = None, *, stream: Any = None) -> np.ndarray:
         """Digests of the selected pages (numpy ``uint64``; also written into ``out`` if given)."""
         ids = _host_ids(page_ids, "page_ids", self.items)
+        dst = None if out is None else _host_out(out, "out", self.items, "iu", 8)
         res = self._digest(self._units(ids, None), False)
-        if out is not None:
-            np.asarray(out).reshape(-1)[:] = res.view(np.asarray(out).dtype)
+        if dst is not None:
+            dst[:] = res.view(dst.dtype)
         return res
 
     def digest_slots(self, slots: Any, out: Any = None, *, stream: Any = None) -> np.ndarray:
         ids = _host_ids(slots, "slots", self.items)
+        dst = None if out is None else _host_out(out, "out", self.items, "iu", 8)
         res = self._digest(self._units(ids, None, digest_slots=True), True)
-        if out is not None:
-            np.asarray(out).reshape(-1)[:] = res.view(np.asarray(out).dtype)
+        if dst is not None:
+            dst[:] = res.view(dst.dtype)
         return res
 
     def errors(self) -> int:
@@ -793,8 +814,9 @@ class CpuSlotCache:
 
     def resolve(self, page_ids: Any, out_slots: Any, fetch_ids: Any, fetch_slots: Any, *, stream: Any = None) -> None:
         sel = _host_ids(page_ids, "page_ids", self.items).reshape(self.rows, self.width)
-        outs = [np.asarray(a).reshape(self.rows, self.width) for a in (out_slots, fetch_ids, fetch_slots)]
-        out, fids, fslots = outs
+        out, fids, fslots = (_host_out(a, what, self.items).reshape(self.rows, self.width)
+                             for a, what in ((out_slots, "out_slots"), (fetch_ids, "fetch_ids"),
+                                             (fetch_slots, "fetch_slots")))
         fids[:] = -1
         fslots[:] = -1
         for r in range(self.rows):

@@ -367,13 +367,18 @@ class MappedPinnedProvider(PinnedProvider):
         if mover.layout.page_nbytes > self._block:
             raise InvalidArgumentError(f"the layout's {mover.layout.page_nbytes}-byte pages exceed block {self._block}")
         nbytes = mover.layout.page_nbytes
+        # Every slot checked before anything is reserved: the mover skips a slot outside the
+        # pool (nothing written), and the seal would then publish whatever the block held
+        # before (a page evicted earlier) under the new key.
+        srcs = np.full(mover.items, -1, np.int32)
+        srcs[: len(items)] = _pool_slots(from_slots, mover.pool.num_blocks)
         stored: list[bool | HostKVError] = []
         reservations: list[Reservation] = []
         ids = np.full(mover.items, -1, np.int32)
-        srcs = np.full(mover.items, -1, np.int32)
+        taken = np.zeros(mover.items, np.int32)
         failed: set[bytes] = set()
         try:
-            for (key, parent), slot in zip(items, from_slots, strict=True):
+            for m, (key, parent) in enumerate(items):
                 if parent is not None and parent in failed:
                     failed.add(key)
                     stored.append(ReservationError("its parent could not be stored"))
@@ -391,10 +396,11 @@ class MappedPinnedProvider(PinnedProvider):
                     continue
                 assert isinstance(res, _PinnedReservation)
                 ids[len(reservations)] = res.runs[0][0]
-                srcs[len(reservations)] = int(slot)
+                taken[len(reservations)] = srcs[m]
                 reservations.append(res)
                 stored.append(True)
-            fence = self._launch_mirror(mover, srcs, ids, after) if reservations else None
+            taken[len(reservations):] = -1
+            fence = self._launch_mirror(mover, taken, ids, after) if reservations else None
         except BaseException:
             for res in reservations:
                 self.abort(res)
@@ -488,3 +494,13 @@ class _Passed:
 
     def wait(self) -> None:
         pass
+
+
+def _pool_slots(from_slots: Sequence[int], num_blocks: int) -> np.ndarray[Any, np.dtype[np.int32]]:
+    """``from_slots`` as int32, each an integer in ``[0, num_blocks)`` (else InvalidArgumentError)."""
+    out = np.empty(len(from_slots), np.int32)
+    for i, slot in enumerate(from_slots):
+        if isinstance(slot, bool) or not isinstance(slot, (int, np.integer)) or not 0 <= int(slot) < num_blocks:
+            raise InvalidArgumentError(f"from_slots[{i}] = {slot!r} is not a slot of the pool's {num_blocks} blocks")
+        out[i] = int(slot)
+    return out
