@@ -14,7 +14,7 @@ import dataclasses
 import hashlib
 import re
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, NewType, cast
 
@@ -101,7 +101,9 @@ class Salt:
     namespace:
         A user namespace (tenant isolation, experiment name).
     extra:
-        Anything else that changes the bytes (rope scaling, attention sinks ...), canonicalized.
+        Anything else that changes the bytes (rope scaling, attention sinks ...): a mapping or
+        ``(name, value)`` pairs, canonicalized to sorted ``(str, str)`` pairs (a set or mapping
+        value is refused: its text is not the same in every process).
     format_version:
         The page/key format (:data:`FORMAT_VERSION`).
     tp_rank, tp_world_size:
@@ -155,7 +157,9 @@ class Salt:
             raise InvalidArgumentError("Salt.model_id must not be empty")
         if not isinstance(self.layout, KVLayout):
             raise InvalidArgumentError("Salt.layout must be a KVLayout")
-        extra = tuple(sorted((str(k), str(v)) for k, v in self.extra))
+        if type(self.format_version) is not int or self.format_version < 1:
+            raise InvalidArgumentError(f"Salt.format_version must be an int >= 1, got {self.format_version!r}")
+        extra = _extra_pairs(self.extra)
         object.__setattr__(self, "extra", extra)
         start, count = self._resolve_heads()
         object.__setattr__(self, "kv_head_start", start)
@@ -337,6 +341,27 @@ def parse_salt_tag(tag: str) -> SaltTag | None:
     return SaltTag(m.group(1), rank, world)
 
 
+def _extra_pairs(extra: object) -> tuple[tuple[str, str], ...]:
+    """``Salt.extra`` as sorted ``(str, str)`` pairs: a mapping, or an iterable of pairs.
+
+    A value whose ``str()`` is not the same in every process (a set's order follows the hash
+    seed, a dict's its insertion order) is refused: the salt must name one configuration
+    everywhere, or every restart misses the whole store."""
+    items = extra.items() if isinstance(extra, Mapping) else extra
+    if isinstance(items, (str, bytes)) or not isinstance(items, Iterable):
+        raise InvalidArgumentError(f"Salt.extra must be a mapping or (name, value) pairs, got {extra!r}")
+    out = []
+    for item in items:
+        if isinstance(item, (str, bytes)) or not isinstance(item, (tuple, list)) or len(item) != 2:
+            raise InvalidArgumentError(f"Salt.extra: {item!r} is not a (name, value) pair")
+        k, v = item
+        if isinstance(v, (set, frozenset, Mapping)):
+            raise InvalidArgumentError(f"Salt.extra[{k!r}]: a {type(v).__name__} has no canonical text",
+                                       hint="pass a str (e.g. sorted and joined)")
+        out.append((str(k), str(v)))
+    return tuple(sorted(out))
+
+
 @dataclass(frozen=True, slots=True)
 class MediaItem:
     """A media input (image, audio clip) occupying token positions ``[start, end)``.
@@ -353,15 +378,26 @@ class MediaItem:
     def __post_init__(self) -> None:
         if not isinstance(self.sha256, bytes) or len(self.sha256) != 32:
             raise InvalidArgumentError("MediaItem.sha256 must be 32 bytes")
+        for name in ("start", "end"):  # (numpy ints too; packed as int64 into the page's key)
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 0 <= int(v) < 2**63:
+                raise InvalidArgumentError(f"MediaItem.{name} must be a token index (an int >= 0), got {v!r}")
+            object.__setattr__(self, name, int(v))
         if not (0 <= self.start < self.end):
             raise InvalidArgumentError(f"MediaItem span [{self.start}, {self.end}) is empty or negative")
 
 
 def _int_array(name: str, values: object, dtype: type[np.signedinteger[Any]]) -> npt.NDArray[Any]:
-    arr = np.asarray(values)
+    try:
+        arr = np.asarray(values)
+    except (ValueError, TypeError) as exc:  # ragged rows
+        raise InvalidArgumentError(f"{name} must be an array of integers: {exc}") from exc
     if arr.dtype.kind not in "iu" and not (arr.size == 0):
         raise InvalidArgumentError(f"{name} must be integers, got dtype {arr.dtype}")
-    if arr.size and arr.dtype.kind == "u" and int(arr.max()) > np.iinfo(dtype).max:
+    # Out of range values would wrap in the cast below: 7 and 7 + 2**32 token types would share
+    # a key.  (In-range values cast exactly, so no key of an accepted input changes.)
+    info = np.iinfo(dtype)
+    if arr.size and (int(arr.max()) > info.max or int(arr.min()) < info.min):
         raise InvalidArgumentError(f"{name} has values beyond {np.dtype(dtype).name}")
     return np.ascontiguousarray(arr, dtype=np.dtype(dtype).newbyteorder("<"))
 
@@ -411,16 +447,13 @@ def chain_keys(
         raise InvalidArgumentError(f"tokens must be 1-D, got shape {tok.shape}")
     n_pages = tok.shape[0] // page
     n = n_pages * page
-    if n_pages == 0:
-        return []
-    # Per-page payload rows, built vectorized: [tag 0x01][page int64 tokens][tag 0x02 ...]...
-    parts: list[npt.NDArray[np.uint8]] = []
-    parts.append(_tagged_rows(0x01, tok[:n].view(np.uint8).reshape(n_pages, page * 8)))
+    # (checked before the early return: the same arguments are refused with or without a full page)
+    types = None
     if token_types is not None:
         types = _int_array("token_types", token_types, np.int32)
         if types.shape != tok.shape:
             raise InvalidArgumentError("token_types must have the same length as tokens")
-        parts.append(_tagged_rows(0x02, types[:n].view(np.uint8).reshape(n_pages, page * 4)))
+    pos = None
     if positions is not None:
         pos = _int_array("positions", positions, np.int64)
         if pos.ndim == 1:
@@ -429,6 +462,14 @@ def chain_keys(
             raise InvalidArgumentError(
                 f"positions must have shape (axes, {tok.shape[0]}) with 1..255 axes, got {pos.shape}"
             )
+    if n_pages == 0:
+        return []
+    # Per-page payload rows, built vectorized: [tag 0x01][page int64 tokens][tag 0x02 ...]...
+    parts: list[npt.NDArray[np.uint8]] = []
+    parts.append(_tagged_rows(0x01, tok[:n].view(np.uint8).reshape(n_pages, page * 8)))
+    if types is not None:
+        parts.append(_tagged_rows(0x02, types[:n].view(np.uint8).reshape(n_pages, page * 4)))
+    if pos is not None:
         axes = pos.shape[0]
         # page-major: for each page, axis 0's positions, then axis 1's ...
         per_page = np.ascontiguousarray(pos[:, :n].reshape(axes, n_pages, page).transpose(1, 0, 2))

@@ -106,6 +106,10 @@ class KVLayout:
             if type(value) is not int or value <= 0 or whole % value:
                 raise InvalidArgumentError(f"KVLayout.{name} must be a positive divisor of {what} ({whole}), "
                                            f"got {value!r}")
+        if isinstance(self.kinds, str) or not all(isinstance(k, str) and k for k in self.kinds):
+            # ("kv") is the string "kv": taken as ("k", "v") it turned an MLA layout into K/V
+            raise InvalidArgumentError(f"KVLayout.kinds must be a tuple of names, got {self.kinds!r}",
+                                       hint='a one-kind layout is kinds=("kv",)')
         if not self.kinds or len(set(self.kinds)) != len(self.kinds):
             raise InvalidArgumentError(f"KVLayout.kinds must be distinct names, got {self.kinds!r}")
         object.__setattr__(self, "kinds", tuple(self.kinds))
