@@ -170,7 +170,11 @@ def paged_planes(
     elif key_scales is not None or value_scales is not None:
         raise InvalidArgumentError("scales given but the layout has no scale_dtype")
     inner = (layout.page_tokens, layout.num_kv_heads, layout.head_dim)
-    inner_scale = (layout.page_tokens, layout.num_kv_heads)
+    # per-token, per-head scales are [blocks, page_tokens, heads]; a grouped layout's (scale_group,
+    # scale_block_tokens) are its documented scale_shape: per-token scales of as many bytes would
+    # pass a byte count, and be stored under a salt that says groups
+    grouped = layout.scale_group is not None or layout.scale_block_tokens is not None
+    inner_scale = layout.scale_shape if grouped else (layout.page_tokens, layout.num_kv_heads)
     out: list[Any] = []
     num_blocks: int | None = None
     for plane in layout.planes:
@@ -283,6 +287,10 @@ class HFCacheMap:
         quantized = layout.scale_dtype is not None
         if quantized and layout.dtype not in _CODE_MAX:
             raise InvalidArgumentError(f"a layout with scales needs 8-bit codes, got {layout.dtype}")
+        if layout.scale_group is not None or layout.scale_block_tokens is not None:
+            raise InvalidArgumentError("HFCacheMap quantizes per token and head: a layout with scale_group or "
+                                       "scale_block_tokens is not one it can pack",
+                                       hint="use a layout with per-token scales (no scale_group / scale_block_tokens)")
         self.layout = layout
         self.quantized = quantized
 

@@ -8,6 +8,8 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from hostkv_providers._errors import (
     ClosedError,
     CopyArgumentError,
@@ -53,13 +55,25 @@ def _check_ids(planes: KVPlanes, block_ids: Sequence[int]) -> list[int]:
         ids = list(block_ids)
         if not ids or (min(ids) >= 0 and max(ids) < planes.num_blocks):
             return ids
-    try:
-        ids = [int(b) for b in block_ids]
-    except (TypeError, ValueError):
-        raise CopyArgumentError("block_ids must be a sequence of ints") from None
-    for b, raw in zip(ids, block_ids, strict=True):
-        if isinstance(raw, bool) or not 0 <= b < planes.num_blocks:
+    # Integers only, in an ordered container: int(1.7) or int("2") picked a block, np.True_
+    # block 1, and a set's order is not the caller's (pages saved from the wrong blocks).
+    if isinstance(block_ids, np.ndarray):
+        if block_ids.ndim != 1 or block_ids.dtype.kind not in "iu":
+            raise CopyArgumentError(f"block_ids must be a 1-D integer array, got {block_ids.dtype} "
+                                    f"with {block_ids.ndim} dimensions")
+        raws: list[Any] = block_ids.tolist()
+    elif isinstance(block_ids, Sequence) and not isinstance(block_ids, (str, bytes, bytearray)):
+        raws = list(block_ids)
+    else:
+        raise CopyArgumentError(f"block_ids must be a sequence of ints, got {type(block_ids).__name__}")
+    ids = []
+    for raw in raws:
+        if isinstance(raw, (bool, np.bool_)) or not isinstance(raw, (int, np.integer)):
+            raise CopyArgumentError(f"block ids must be ints, got {raw!r}")
+        b = int(raw)
+        if not 0 <= b < planes.num_blocks:
             raise CopyArgumentError(f"block id {raw!r} is outside [0, {planes.num_blocks})")
+        ids.append(b)
     return ids
 
 
@@ -73,7 +87,7 @@ def _check_pages(layout: KVLayout, pages: Sequence[Any] | HostPages, count: int,
         if writable and pages.readonly:
             raise CopyArgumentError("a save needs writable host pages")
         return pages
-    if isinstance(pages, (bytes, bytearray, memoryview, HostRegion)):
+    if isinstance(pages, (bytes, bytearray, memoryview, HostRegion)) or not isinstance(pages, Sequence):
         raise CopyArgumentError("host pages must be a sequence with one entry (regions) per block id")
     if len(pages) != count:
         raise CopyArgumentError(f"{len(pages)} host pages given for {count} block ids")
@@ -81,8 +95,12 @@ def _check_pages(layout: KVLayout, pages: Sequence[Any] | HostPages, count: int,
     out: list[_Page] = []
     append = out.append
     for i, regions in enumerate(pages):
-        if type(regions) is not HostRegion and len(regions) == 1:
-            regions = regions[0]
+        if type(regions) is not HostRegion:
+            if not isinstance(regions, Sequence):
+                raise CopyArgumentError(f"host page {i}: expected a HostRegion or a sequence of them, "
+                                        f"got {type(regions).__name__}")
+            if len(regions) == 1:
+                regions = regions[0]
         if type(regions) is HostRegion:  # the common case, kept cheap: one region per page
             addr = regions.address
             if (regions.offset != 0 or regions.view.nbytes != want or type(addr) is not int or addr <= 0

@@ -11,6 +11,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from hostkv_providers._errors import ClosedError
 from hostkv_providers.device._transfer import TransferHandle, _LayerHandle
 
 # ============================================================================================
@@ -92,6 +93,8 @@ class _Worker:
 
     def __init__(self, name: str) -> None:
         self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._stopped = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -102,11 +105,20 @@ class _Worker:
                 return
             job()
 
-    def submit(self, job: Callable[[], None]) -> None:
-        self._queue.put(job)
+    def submit(self, job: Callable[[], None]) -> bool:
+        """Queue ``job``; ``False`` (and nothing queued) once the worker is stopped: a job put
+        behind the stop would never run, and whoever waits for it would wait for good."""
+        with self._lock:
+            if self._stopped:
+                return False
+            self._queue.put(job)
+            return True
 
     def stop(self) -> None:
-        self._queue.put(None)
+        with self._lock:
+            if not self._stopped:
+                self._stopped = True
+                self._queue.put(None)
         if self._thread is not threading.current_thread():
             self._thread.join()
 
@@ -123,17 +135,21 @@ class HostStream:
         self.errors: list[BaseException] = []
 
     def enqueue(self, fn: Callable[[], object]) -> None:
+        """Queue ``fn``; :class:`ClosedError` on a closed stream (a job dropped there would leave
+        whatever waits for it — a save's ``after=`` mark — waiting for good)."""
         def job() -> None:
             try:
                 fn()
             except BaseException as exc:  # a failed job must not stop the stream
                 self.errors.append(exc)
 
-        self._worker.submit(job)
+        if not self._worker.submit(job):
+            raise ClosedError("this HostStream is closed")
 
     def synchronize(self, timeout: float | None = None) -> bool:
         done = threading.Event()
-        self._worker.submit(done.set)
+        if not self._worker.submit(done.set):
+            return True  # closed: everything queued before has run
         return done.wait(timeout)
 
     def close(self) -> None:
@@ -186,7 +202,9 @@ class _HostGate(Gate):
                     h.wait()
             ev.set()
 
-        self._worker.submit(job)  # behind the copies on the same FIFO worker
+        if not self._worker.submit(job):  # behind the copies on the same FIFO worker
+            # the engine is closed (its worker gone): wait for the transfers off it instead
+            threading.Thread(target=job, name="hostkv-gate-open", daemon=True).start()
 
     def _open_now(self) -> None:
         self._finalizer.detach()

@@ -110,6 +110,10 @@ class KVPlanes:
         for p, arr in enumerate(arrays):
             if not isinstance(arr, np.ndarray):
                 raise CopyArgumentError(f"plane {p}: expected a numpy array, got {type(arr).__name__}")
+            if arr.dtype.hasobject:  # its bytes are object pointers: a restore would overwrite them
+                raise CopyArgumentError(f"plane {p}: an array of Python objects is not KV memory")
+            if arr.ndim < 2:
+                raise CopyArgumentError(f"plane {p}: expected one row per block, got shape {arr.shape}")
             nblocks = _plane_geometry(p, layout, arr.shape, nblocks)
             one = arr[0]
             if not one.flags.c_contiguous or one.nbytes != layout.planes[p].nbytes:
