@@ -18,12 +18,12 @@ sealed) and reads through it (``contains``/``batched_contains``, ``get_blocking`
 ``batched_get_blocking``, the async ``batched_async_contains``/``batched_get_non_blocking``).
 
 Keys: LMCache's ``CacheEngineKey`` (model, world size, worker id, the chunk hash -- chained over
-the prompt's tokens -- dtype and request tags) mapped under a salt of the ``LMCacheMetadata``
-(model, KV dtype and shape, chunk size, MLA, worker id and world size: a TP rank never reads
-another's chunks) and ``hostkv.namespace``/``hostkv.model_revision``.  ``put(key, obj)`` gives
-no parent: by default (``hostkv.chain: call``) the chunks of one put call -- consecutive chunks of
-one request, in order -- are linked, the first one a root; ``flat`` stores every chunk as a
-root.  ``docs/engines/lmcache.md`` says what each costs.
+the prompt's tokens -- dtype, request tags, and the layer of a layer-wise key) mapped under a
+salt of the ``LMCacheMetadata`` (model, KV dtype and shape, chunk size, MLA, worker id and world
+size: a TP rank never reads another's chunks) and ``hostkv.namespace``/``hostkv.model_revision``.
+``put(key, obj)`` gives no parent: by default (``hostkv.chain: call``) the chunks of one put call
+-- consecutive chunks of one request, in order -- are linked, the first one a root; ``flat``
+stores every chunk as a root.  ``docs/engines/lmcache.md`` says what each costs.
 
 The same store also serves as an LMCache *remote* backend: :class:`HostKVConnector`, a
 ``RemoteConnector`` for ``remote_storage_plugins`` (LMCache's ``RemoteBackend`` runs it on its
@@ -55,7 +55,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from lmcache.utils import CacheEngineKey
+from lmcache.utils import CacheEngineKey, LayerCacheEngineKey
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
@@ -265,23 +265,33 @@ class HostKVBackend(StoragePluginInterface):
         ours = self._key(key)
         if not self.provider.present([ours])[0]:
             return None
-        return self._io.submit(self._load, ours)
+        # On the I/O threads the puts run on: waiting there for CPU buffer that only a finished
+        # put frees could wait forever, so a full buffer is a miss.
+        return self._io.submit(self._load, ours, False)
 
     async def batched_get_non_blocking(self, lookup_id: str, keys: list[CacheEngineKey],
                                        transfer_spec: Any = None) -> list[MemoryObj]:
+        # LMCache's prefetch (StorageManager.async_lookup_and_prefetch) pins the keys in
+        # batched_async_contains(pin=True) and hands them here; nobody else unpins them, so every
+        # key is unpinned once this returns, loaded or not (a miss ends the prefix early).
         loop = asyncio.get_running_loop()
         out: list[MemoryObj] = []
-        for k in keys:
-            obj = await loop.run_in_executor(None, self._load, self._key(k))
-            if obj is None:
-                break  # a prefix of hits, as LMCache's retrievers expect
-            out.append(obj)
-            self.unpin(k)
+        try:
+            for k in keys:
+                # busy_loop=False, as LMCache's LocalDiskBackend on this path: a full CPU staging
+                # buffer (earlier retrieves not consumed yet) ends the prefix instead of spinning.
+                obj = await loop.run_in_executor(None, self._load, self._key(k), False)
+                if obj is None:
+                    break  # a prefix of hits, as LMCache's retrievers expect
+                out.append(obj)
+        finally:
+            for k in keys:
+                self.unpin(k)
         return out
 
-    def _load(self, ours: Key) -> MemoryObj | None:
+    def _load(self, ours: Key, busy_loop: bool = True) -> MemoryObj | None:
         t0 = time.monotonic()
-        obj = _load_entry(self.provider, self.stats, self.local_cpu_backend, ours)
+        obj = _load_entry(self.provider, self.stats, self.local_cpu_backend, ours, busy_loop=busy_loop)
         if obj is not None:
             logger.debug("hostkv: loaded %s in %.3f ms", ours.hex()[:16], (time.monotonic() - t0) * 1e3)
         return obj
@@ -349,8 +359,15 @@ def _encode(obj: MemoryObj) -> np.ndarray:
 
 def _lmcache_key(keyer: EngineKeyer, key: CacheEngineKey) -> Key:
     tags = getattr(key, "tags", None) or ()
-    return keyer.key(f"{key.model_name}\x00{key.world_size}\x00{key.worker_id}\x00{key.chunk_hash}"
-                     f"\x00{key.dtype}\x00{tags!r}")
+    name = (f"{key.model_name}\x00{key.world_size}\x00{key.worker_id}\x00{key.chunk_hash}"
+            f"\x00{key.dtype}\x00{tags!r}")
+    # Layer-wise mode (LMCacheEngine.store_layer) stores one key per layer of a chunk, the same
+    # but for its layer_id.  Appended only for those keys, so a chunk key hashes as it always did
+    # (stores written before keep their keys); ``repr`` of the tags never holds a NUL, so the two
+    # forms cannot meet.
+    if isinstance(key, LayerCacheEngineKey):
+        name += f"\x00layer={int(key.layer_id)}"
+    return keyer.key(name)
 
 
 class HostKVConnector(RemoteConnector):
@@ -446,10 +463,13 @@ class HostKVConnector(RemoteConnector):
             self.provider.close()
 
 
-def _load_entry(provider: Provider, stats: AdapterStats, local_cpu_backend: Any, ours: Key) -> MemoryObj | None:
+def _load_entry(provider: Provider, stats: AdapterStats, local_cpu_backend: Any, ours: Key, *,
+                busy_loop: bool = True) -> MemoryObj | None:
     """One stored entry (header + bytes) into a fresh ``MemoryObj`` of LMCache's CPU backend:
     ``None`` (a miss, counted) when it is absent, fails its checksum, or does not match its
-    header.  Shared by the storage plugin and the remote connector."""
+    header.  Shared by the storage plugin and the remote connector.  ``busy_loop``: LMCache's
+    allocator waits for buffer to free up (its blocking retrieves); ``False`` (its async and
+    non-blocking loads) makes a full buffer a miss at once."""
     info = provider.entry(ours)
     if info is None or info.nbytes < HEADER_NBYTES:
         stats.add(load_misses=1)
@@ -465,8 +485,10 @@ def _load_entry(provider: Provider, stats: AdapterStats, local_cpu_backend: Any,
         stats.add(load_misses=1)
         return None
     shape, dtype, fmt = meta
-    obj = local_cpu_backend.allocate(shape, dtype, fmt)
+    obj = local_cpu_backend.allocate(shape, dtype, fmt, busy_loop=busy_loop)
     if obj is None or obj.tensor is None:
+        if obj is not None:
+            obj.ref_count_down()
         stats.add(load_misses=1)
         return None
     dst = obj.tensor.view(torch.uint8).reshape(-1)

@@ -12,10 +12,11 @@ SGLang's ``StorageBackendFactory`` builds :class:`HostKVStorage` with its ``HiCa
 (one instance per TP rank), registers the host memory pool, and its cache controller calls the
 storage from its prefetch and backup threads.  Keys: SGLang's page hashes (SHA-256 chained over
 the prompt, seeded by the request namespace) mapped under a salt of the model, the TP rank and
-size (MLA KV is replicated: one shared salt), pipeline and context-parallel shards, the page
-size, the host pool's KV geometry and dtype, and the ``namespace``/``model_revision`` of the
-extra config.  Parents come from SGLang's chain: ``extra_info.prefix_keys`` precede a batch's
-keys, so a page's parent is the page before it.  See ``docs/engines/sglang.md``.
+size (MLA KV is replicated: one shared salt; TP-sharded state beside it, such as Mamba, keeps
+the rank), pipeline and context-parallel shards, the page size, the host pool's KV geometry and
+dtype, and the ``namespace``/``model_revision`` of the extra config.  Parents come from SGLang's
+chain: ``extra_info.prefix_keys`` precede a batch's keys, so a page's parent is the page before
+it.  See ``docs/engines/sglang.md``.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -32,6 +33,7 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorageConfig,
     HiCacheStorageExtraInfo,
     PoolHitPolicy,
+    PoolName,
     PoolTransfer,
     PoolTransferResult,
 )
@@ -65,12 +67,15 @@ def salt_from_storage_config(
     *,
     layout: KVLayout | None = None,
     host_layout: str = "",
+    rank_sharded: bool = False,
 ) -> Salt:
     """The salt of one SGLang HiCache storage configuration (one TP rank).
 
     ``layout`` is the host pool's KV geometry (known once SGLang registers its host pool);
     before that, the extra config's ``kv_dtype``/``page_size``/``num_layers``/``head_num``/
-    ``head_dim`` describe it.
+    ``head_dim`` describe it.  ``rank_sharded``: the salt of state that is split over the TP
+    ranks even where the MLA KV is replicated (Mamba/KDA state): it keeps the real TP rank and
+    size.  Without MLA it is the KV's salt.
     """
     extra_cfg = dict(config.extra_config or {})
     if layout is None:
@@ -84,8 +89,9 @@ def salt_from_storage_config(
         )
     # MLA KV is replicated over TP ranks: every rank reads the one copy (SGLang lets only the
     # DCP writers store it); MHA shards heads, so each rank has its own salt.
-    tp_world = 1 if config.is_mla_model else int(config.tp_size)
-    tp_rank = 0 if config.is_mla_model else int(config.tp_rank)
+    shared = config.is_mla_model and not rank_sharded
+    tp_world = 1 if shared else int(config.tp_size)
+    tp_rank = 0 if shared else int(config.tp_rank)
     extra: dict[str, object] = {
         "sglang.pp": f"{config.pp_rank}/{config.pp_size}",
         "sglang.attn_cp": f"{config.attn_cp_rank}/{config.attn_cp_size}",
@@ -107,6 +113,29 @@ def salt_from_storage_config(
         tp_world_size=tp_world,
         extra=extra,
     )
+
+
+def _rank_sharded_pool(name: object, pool: Any) -> bool:
+    """Whether a v2 pool's pages differ per TP rank even where the MLA KV is replicated.
+
+    SGLang's ``HybridCacheController.should_backup`` backs these up on every TP rank: the
+    Mamba/KDA state (TP-sharded; HiCacheFile keys it per rank), and a draft model's KV when its
+    host pool is MHA (its heads are split over the ranks; Mooncake keys it per rank).  The class
+    is matched by name: importing SGLang's host pool modules here would pull in its model
+    configs.
+    """
+    if name == PoolName.MAMBA:
+        return True
+    if name in (PoolName.DRAFT, PoolName.DRAFT_SWA):
+        return any(c.__name__ == "MHATokenToKVPoolHost" for c in type(pool).__mro__)
+    return False
+
+
+class _PoolKeys(NamedTuple):
+    pool: Any
+    keyer: EngineKeyer
+    salt: Salt
+    rank_sharded: bool
 
 
 def _as_bytes(t: torch.Tensor) -> np.ndarray:
@@ -136,6 +165,8 @@ class HostKVStorage(HiCacheStorage):
         self.provider = open_store(url)
         self._lock = threading.Lock()
         self.salt = salt_from_storage_config(storage_config)
+        # TP-sharded v2 state (Mamba ...) of an MLA model: keyed per rank (== self.salt without MLA).
+        self.rank_salt = salt_from_storage_config(storage_config, rank_sharded=True)
         self._keyer = EngineKeyer(self.salt, "sglang")
         self.stats = AdapterStats()
         # MLA replicas: only SGLang's designated writer stores (the others would write the
@@ -156,9 +187,12 @@ class HostKVStorage(HiCacheStorage):
             dtype=_dtype_name(getattr(pool, "dtype", "uint8")),
             kinds=("kv",) if cfg.is_mla_model else ("k", "v"),
         )
-        salt = salt_from_storage_config(cfg, layout=layout, host_layout=str(getattr(pool, "layout", "")))
+        host_layout = str(getattr(pool, "layout", ""))
+        salt = salt_from_storage_config(cfg, layout=layout, host_layout=host_layout)
+        rank_salt = salt_from_storage_config(cfg, layout=layout, host_layout=host_layout, rank_sharded=True)
         with self._lock:
             self.salt = salt
+            self.rank_salt = rank_salt
             self._keyer = EngineKeyer(salt, "sglang")
 
     # -- keys --------------------------------------------------------------------------------
@@ -182,18 +216,31 @@ class HostKVStorage(HiCacheStorage):
                   target_sizes: Any = None) -> list[torch.Tensor | None]:
         if target_locations is None or len(target_locations) != len(keys):
             raise InvalidArgumentError("HostKVStorage.batch_get needs one target tensor per key")
-        outs = [_as_bytes(t) if t.is_contiguous() else None for t in target_locations]
-        bufs = [o if o is not None else np.empty(t.numel() * t.element_size(), np.uint8)
-                for o, t in zip(outs, target_locations, strict=True)]
-        hits = read_pages(self.provider, self._keyer.keys(keys), bufs, stats=self.stats)
-        result: list[torch.Tensor | None] = []
-        for hit, t, o, b in zip(hits, target_locations, outs, bufs, strict=True):
+        targets = list(target_locations)
+        if any(t is not None and not isinstance(t, torch.Tensor) for t in targets):
+            raise InvalidArgumentError("HostKVStorage.batch_get: each target must be a torch.Tensor (or None)")
+        ours = self._keyer.keys(keys)
+        result: list[torch.Tensor | None] = [None] * len(keys)
+        # The base class makes the target optional ("None if the key does not exist"): a key
+        # without a target is answered by presence alone; a present one has nowhere to go.
+        untargeted = [i for i, t in enumerate(targets) if t is None]
+        if untargeted and any(self.provider.present([ours[i] for i in untargeted])):
+            raise InvalidArgumentError("HostKVStorage.batch_get needs a target tensor for a stored page",
+                                       hint="pass target_location (a host tensor of the page's size)")
+        todo = [i for i, t in enumerate(targets) if t is not None]
+        if not todo:
+            return result
+        outs = [_as_bytes(targets[i]) if targets[i].is_contiguous() else None for i in todo]
+        bufs = [o if o is not None else np.empty(targets[i].numel() * targets[i].element_size(), np.uint8)
+                for o, i in zip(outs, todo, strict=True)]
+        hits = read_pages(self.provider, [ours[i] for i in todo], bufs, stats=self.stats)
+        for hit, i, o, b in zip(hits, todo, outs, bufs, strict=True):
             if not hit:
-                result.append(None)
                 continue
+            t = targets[i]
             if o is None:  # a non-contiguous target: copy the bytes in
                 t.copy_(torch.from_numpy(b).view(t.dtype).reshape(t.shape))
-            result.append(t)
+            result[i] = t
         return result
 
     def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
@@ -247,44 +294,50 @@ class HostKVStorage(HiCacheStorage):
     # Every host pool class there has the same flat-page API, so one generic path serves them:
     # a pool's pages live under their own keys (the pool's name and byte geometry are hashed
     # into the key), stored as roots (no chain: a trailing-window state page has no parent page).
-    def _pool_keyer(self, name: object) -> tuple[Any, EngineKeyer] | None:
+    # A TP-sharded pool of an MLA model (Mamba ...) is keyed under the rank's own salt: every
+    # rank writes and reads its own shard, where the replicated MLA KV has one shared copy.
+    def _pool_keyer(self, name: object) -> _PoolKeys | None:
         pools = getattr(self, "registered_pools", None) or {}
         pool = pools.get(name)
         if pool is None:
             return None
         page_nbytes = int(pool.get_dummy_flat_data_page().view(torch.uint8).numel())
         tag = f"sglang.pool:{name}:{type(pool).__name__}:{page_nbytes}:{getattr(pool, 'layout', '')}"
-        return pool, EngineKeyer(self.salt, tag)
+        sharded = _rank_sharded_pool(name, pool)
+        salt = self.rank_salt if sharded else self.salt
+        return _PoolKeys(pool, EngineKeyer(salt, tag), salt, sharded)
 
     def batch_exists_v2(self, keys: list[str], pool_transfers: list[PoolTransfer] | None = None,
                         extra_info: HiCacheStorageExtraInfo | None = None) -> PoolTransferResult:
+        # The restorable prefix lengths are a set, not a prefix: a trailing-window state (Mamba,
+        # SWA) exists only at the lengths where a checkpoint was backed up, so 2 and 5 may be
+        # restorable and 3 not.  Each pool's set is intersected, as HiCacheFile.batch_exists_v2
+        # does, and returned as ``restorable_prefix_pages`` (the controller reduces the sets over
+        # the TP ranks; without it, it would take every length up to ``kv_hit_pages``).
         kv_pages = self.batch_exists(keys, extra_info)
-        hits: dict[Any, int] = {}
-        final = kv_pages
+        hits: dict[Any, int] = {PoolName.KV: kv_pages} if kv_pages else {}
+        restorable = set(range(1, kv_pages + 1))
         for transfer in pool_transfers or []:
-            if final == 0:
+            if not restorable:
                 break
             found = self._pool_keyer(transfer.name)
             if found is None:  # a pool we were never given: absent, never guessed
-                final = 0
+                restorable = set()
                 break
-            _, keyer = found
-            present = self.provider.present(keyer.keys(list(keys[:kv_pages])))
+            present = self.provider.present(found.keyer.keys(list(keys[:kv_pages])))
             if transfer.hit_policy == PoolHitPolicy.TRAILING_PAGES:
-                # Only the last ``trailing`` pages of the prefix must exist: the longest prefix
-                # whose window is all present (SGLang's own fold, HiCacheFile/sim_storage).
+                # Only the last ``trailing`` pages of the prefix must exist.
                 trailing = max(1, len(transfer.keys) if transfer.keys else 1)
-                boundary = 0
-                for n in range(kv_pages, 0, -1):
-                    if all(present[max(0, n - trailing):n]):
-                        boundary = n
-                        break
+                pool_restorable = {n for n in range(1, kv_pages + 1) if all(present[max(0, n - trailing):n])}
+                boundary = max(pool_restorable, default=0)
             else:  # ALL_PAGES (and BLOCK_GROUPS, reported as its leading run)
                 boundary = next((i for i, hit in enumerate(present) if not hit), kv_pages)
+                pool_restorable = set(range(1, boundary + 1))
             if boundary:
                 hits[transfer.name] = boundary
-            final = min(final, boundary)
-        return PoolTransferResult(final, hits)
+            restorable &= pool_restorable
+        pages = sorted(restorable)
+        return PoolTransferResult(pages[-1] if pages else 0, hits, pages)
 
     def _pool_pages(self, transfer: PoolTransfer, pool: Any) -> list[int]:
         keys = transfer.keys or []
@@ -305,14 +358,16 @@ class HostKVStorage(HiCacheStorage):
             if found is None:
                 out[transfer.name] = [False] * len(keys)
                 continue
-            if not self._writer:
+            # A replicated pool has one copy, the writer's; a TP-sharded one (SGLang sends it on
+            # every rank) is each rank's own.
+            if not self._writer and not found.rank_sharded:
                 out[transfer.name] = [True] * len(keys)
                 continue
-            pool, keyer = found
+            pool = found.pool
             pages = self._pool_pages(transfer, pool)
             items = [(k, None, _as_bytes(pool.get_data_page(p, flat=True)))
-                     for k, p in zip(keyer.keys(keys), pages, strict=True)]
-            out[transfer.name] = store_pages(self.provider, items, salt_tag=self.salt.tag, stats=self.stats)
+                     for k, p in zip(found.keyer.keys(keys), pages, strict=True)]
+            out[transfer.name] = store_pages(self.provider, items, salt_tag=found.salt.tag, stats=self.stats)
         return out
 
     def batch_get_v2(self, transfers: list[PoolTransfer],
@@ -324,10 +379,10 @@ class HostKVStorage(HiCacheStorage):
             if found is None:
                 out[transfer.name] = [False] * len(keys)
                 continue
-            pool, keyer = found
+            pool = found.pool
             pages = self._pool_pages(transfer, pool)
             bufs = [pool.get_dummy_flat_data_page() for _ in keys]
-            hits = read_pages(self.provider, keyer.keys(keys), [_as_bytes(b) for b in bufs], stats=self.stats)
+            hits = read_pages(self.provider, found.keyer.keys(keys), [_as_bytes(b) for b in bufs], stats=self.stats)
             for hit, page, buf in zip(hits, pages, bufs, strict=True):
                 if hit:  # a miss never touches the host pool
                     pool.set_from_flat_data_page(page, buf)
@@ -340,8 +395,8 @@ class HostKVStorage(HiCacheStorage):
         if not isinstance(self.provider, SupportsIterate):
             logger.warning("hostkv: %s cannot list its entries; clear() removes nothing", type(self.provider).__name__)
             return
-        tag = self.salt.tag
-        mine = [e.key for e in self.provider.iter_entries() if e.salt_tag == tag]
+        tags = {self.salt.tag, self.rank_salt.tag}
+        mine = [e.key for e in self.provider.iter_entries() if e.salt_tag in tags]
         if mine:
             self.provider.evict(mine)
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -12,6 +15,7 @@ pytest.importorskip("lmcache.v1.storage_backend.storage_manager")
 import _lmcache_engine as eng
 import torch
 from _engine_helpers import corrupt_page, run_engine
+from lmcache.v1.memory_management import MemoryFormat
 
 from hostkv_providers.integrations.lmcache import HEADER_NBYTES, HostKVBackend, HostKVConnector
 
@@ -165,6 +169,120 @@ def test_missing_url_is_not_loaded(tmp_path: Path) -> None:
 
     with pytest.raises(InvalidArgumentError):
         HostKVBackend(config=m.config, metadata=m.metadata, local_cpu_backend=None)
+
+
+def _put_layers(m: Any, chunk: Any) -> list[Any]:
+    """LMCacheEngine.store_layer: one LayerCacheEngineKey per layer of a chunk (same chunk hash),
+    one batched_put per layer; layer ``i`` is filled with ``i + 1``."""
+    layer_keys = chunk.split_layers(eng.LAYERS)
+    shape = torch.Size([eng.CHUNK, 2, eng.HEADS * eng.DIM])  # MemoryFormat.KV_T2D, one layer
+    for layer, k in enumerate(layer_keys):
+        obj = m.allocate(shape, torch.bfloat16, fmt=MemoryFormat.KV_T2D)
+        obj.tensor.fill_(float(layer + 1))
+        m.batched_put([k], [obj])  # drops the allocation's reference itself
+        eng.wait_stored(m, [k])
+    return layer_keys
+
+
+def _layer_values(backend: Any, layer_keys: list[Any]) -> list[list[float]]:
+    out = []
+    for k in layer_keys:
+        got = backend.get_blocking(k)
+        assert got is not None
+        out.append(torch.unique(got.tensor.float()).tolist())
+        got.ref_count_down()
+    return out
+
+
+def test_layerwise_keys_of_one_chunk_are_kept_apart(tmp_path: Path) -> None:
+    m = eng.make_manager(_url(tmp_path))
+    try:
+        p = _plugin(m)
+        chunk = eng.chunk_keys(m, 11, 1)[0]
+        layer_keys = _put_layers(m, chunk)
+        assert _layer_values(p, layer_keys) == [[float(i + 1)] for i in range(eng.LAYERS)]
+        assert p.stats.stored_pages == eng.LAYERS
+        # A chunk key (no layer) still maps as it always did: stores written before stay readable.
+        assert p._key(chunk) == p._keyer.key(f"{chunk.model_name}\x00{chunk.world_size}\x00{chunk.worker_id}"
+                                             f"\x00{chunk.chunk_hash}\x00{chunk.dtype}\x00{()!r}")
+        assert p._key(chunk) not in {p._key(k) for k in layer_keys}
+    finally:
+        m.close()
+    # The remote connector maps keys with the same function: its layers are apart too.
+    r = eng.make_manager(_url(tmp_path, "remote"), remote=True)
+    try:
+        layer_keys = _put_layers(r, eng.chunk_keys(r, 12, 1)[0])
+        assert _layer_values(r.storage_backends[eng.REMOTE], layer_keys) == [[float(i + 1)] for i in range(eng.LAYERS)]
+        assert _connector(r).stats.stored_pages == eng.LAYERS
+    finally:
+        r.close()
+
+
+def test_async_prefetch_releases_every_pin_after_a_miss(tmp_path: Path) -> None:
+    # StorageManager.async_lookup_and_prefetch: batched_async_contains(pin=True), then
+    # batched_get_non_blocking on the same keys; nobody else unpins them.
+    url = _url(tmp_path)
+    m = eng.make_manager(url, **{"hostkv.chain": "flat"})
+    try:
+        keys = eng.chunk_keys(m, 21, 4)
+        eng.put(m, keys)
+        eng.wait_stored(m, keys)
+    finally:
+        m.close()
+    needle = eng.chunk_tensor(keys[1]).view(torch.uint8).reshape(-1)[:256].numpy().tobytes()
+    assert corrupt_page(tmp_path / "kv", needle) == 1  # chunk 1 fails its checksum on read
+    m = eng.make_manager(url, **{"hostkv.chain": "flat"})
+    try:
+        p = _plugin(m)
+
+        async def prefetch() -> list[Any]:
+            n = await p.batched_async_contains("req", keys, pin=True)
+            assert n == 4
+            return await p.batched_get_non_blocking("req", keys[:n])
+
+        objs = asyncio.run_coroutine_threadsafe(prefetch(), m.loop).result(60)
+        assert len(objs) == 1  # the prefix of hits: chunk 0
+        for o in objs:
+            o.ref_count_down()
+        # The request is over: chunks 2 and 3 (roots, chain=flat) are evictable again.
+        assert p.provider.evict([p._key(keys[2]), p._key(keys[3])]).entries == 2
+    finally:
+        m.close()
+
+
+def test_async_prefetch_does_not_wait_for_a_full_cpu_buffer(tmp_path: Path) -> None:
+    # LMCache's own LocalDiskBackend allocates with busy_loop=False on this path and returns a
+    # partial prefix; a full staging buffer (earlier retrieves not consumed yet) must not hang it.
+    m = eng.make_manager(_url(tmp_path), cpu_gb=0.002)  # ~2 MB of LMCache CPU buffer
+    held = []
+    fut: concurrent.futures.Future[list[Any]] | None = None
+    try:
+        p = _plugin(m)
+        keys = eng.chunk_keys(m, 22, 2)
+        eng.put(m, keys, per_call=1)
+        eng.wait_stored(m, keys)
+        while (o := p.local_cpu_backend.allocate(eng.SHAPE, torch.bfloat16, eviction=False)) is not None:
+            held.append(o)
+
+        async def prefetch() -> list[Any]:
+            n = await p.batched_async_contains("req", keys, pin=True)
+            assert n == 2
+            return await p.batched_get_non_blocking("req", keys)
+
+        fut = asyncio.run_coroutine_threadsafe(prefetch(), m.loop)
+        try:
+            got = fut.result(timeout=3)
+        except concurrent.futures.TimeoutError:
+            pytest.fail("batched_get_non_blocking still waiting in allocate() after 3 s")
+        assert got == [] and p.stats.load_misses >= 1
+        assert p.provider.evict([p._key(k) for k in keys]).entries == 2  # both unpinned
+    finally:
+        for o in held:  # frees the buffer: a waiting allocate() (before the fix) then returns
+            o.ref_count_down()
+        if fut is not None:
+            for o in fut.result(timeout=30):
+                o.ref_count_down()
+        m.close()
 
 
 # -- the RemoteConnector, run by LMCache's own RemoteBackend --------------------------------

@@ -22,8 +22,17 @@ import _sglang_engine as eng
 import numpy as np
 import torch
 from _engine_helpers import corrupt_page, run_engine
-from sglang.srt.mem_cache.hicache_storage import STORAGE_BATCH_SIZE, PoolName, PoolTransfer
+from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
+from sglang.srt.mem_cache.hicache_storage import (
+    STORAGE_BATCH_SIZE,
+    PoolHitPolicy,
+    PoolName,
+    PoolTransfer,
+    PoolTransferResult,
+)
+from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
 
+from hostkv_providers.errors import InvalidArgumentError
 from hostkv_providers.integrations.sglang import HostKVStorage
 
 
@@ -246,9 +255,148 @@ def test_clear_removes_only_this_configuration(tmp_path: Path) -> None:
 
 
 def test_missing_url_is_a_typed_error(tmp_path: Path) -> None:
-    from hostkv_providers.errors import InvalidArgumentError
-
     # The controller wraps a failed attach in its own ValueError; ours is the cause.
     with pytest.raises(ValueError) as info:
         eng.make_engine("")
     assert isinstance(info.value.__cause__, InvalidArgumentError)
+
+
+def test_get_without_a_target_is_none_or_a_typed_error(tmp_path: Path) -> None:
+    # HiCacheStorage.get's target is optional ("Returns None if the key does not exist"): a
+    # missing page is None; a stored one has nowhere to go without a target, a typed error.
+    cc = eng.make_engine(_url(tmp_path))
+    try:
+        inner = _ours(cc)
+        tokens = eng.prompt(51, 2)
+        key = eng.page_hashes(tokens)[0]
+        assert inner.get(key) is None
+        assert inner.batch_get([key, "absent"], [None, None]) == [None, None]
+        assert eng.backup(cc, tokens) == 2 * eng.PAGE
+        with pytest.raises(InvalidArgumentError):
+            inner.get(key)
+        with pytest.raises(InvalidArgumentError):
+            inner.get(key, [0] * 4)  # not a tensor
+        host = cc.mem_pool_host
+        page = host.get_dummy_flat_data_page()
+        assert inner.get(key, page) is page
+        assert np.array_equal(page.view(torch.uint8).numpy(), eng.page_bytes(host, key))
+    finally:
+        eng.close(cc)
+
+
+# -- v2 pools with SGLang's real MambaPoolHost -------------------------------------------------
+
+def _mamba_host() -> MambaPoolHost:
+    info = MambaStateBufferInfo(temporal=torch.zeros(2, 17, 4, 8, dtype=torch.float32),
+                                conv=(torch.zeros(2, 17, 3, 8, dtype=torch.bfloat16),))
+    return MambaPoolHost(info, 2.0, 0, device_capacity=16, pin_memory=False, layout="page_first")
+
+
+def test_mla_mamba_state_is_per_tp_rank(tmp_path: Path) -> None:
+    # An MLA model with Mamba/KDA state (Kimi-K3): the MLA KV is replicated over TP ranks, the
+    # Mamba state is TP-sharded.  SGLang's HybridCacheController.should_backup sends MAMBA
+    # transfers to batch_set_v2 on every rank, writer or not; each rank must read back its own.
+    url = _shared_url(tmp_path)
+    hashes = eng.page_hashes(eng.prompt(31, 4))
+    ranks = [eng.make_engine(url, tp_rank=r, tp_size=2, mla=True) for r in (0, 1)]
+    try:
+        backends = [_ours(cc) for cc in ranks]
+        assert backends[0].salt.tag == backends[1].salt.tag  # the KV: one shared copy
+        pools, idx = [], []
+        for r, inner in enumerate(backends):
+            pool = _mamba_host()
+            inner.register_mem_host_pool_v2(pool, PoolName.MAMBA)
+            i = pool.alloc(1)
+            n = pool.get_dummy_flat_data_page().numel()
+            pool.set_from_flat_data_page(int(i[0]), torch.full((n,), 10 + r, dtype=torch.uint8))  # its shard
+            pools.append(pool)
+            idx.append(i)
+        for r, inner in enumerate(backends):
+            res = inner.batch_set_v2([PoolTransfer(name=PoolName.MAMBA, host_indices=idx[r], keys=hashes[-1:])])
+            assert res == {PoolName.MAMBA: [True]}
+        for r, inner in enumerate(backends):
+            dst = pools[r].alloc(1)
+            got = inner.batch_get_v2([PoolTransfer(name=PoolName.MAMBA, host_indices=dst, keys=hashes[-1:])])
+            assert got == {PoolName.MAMBA: [True]}
+            page = pools[r].get_data_page(int(dst[0]), flat=True)
+            assert torch.unique(page).tolist() == [10 + r], f"TP rank {r} loaded another rank's Mamba state"
+    finally:
+        for cc in ranks:
+            eng.close(cc)
+
+
+def test_mla_mha_draft_pool_is_never_read_across_tp_ranks(tmp_path: Path) -> None:
+    # An MHA draft model beside an MLA target splits its heads over the TP ranks (SGLang's
+    # should_backup / Mooncake key it per rank): rank 1 must never load rank 0's heads.
+    url = _shared_url(tmp_path)
+    hashes = eng.page_hashes(eng.prompt(32, 2))
+    ranks = [eng.make_engine(url, tp_rank=r, tp_size=2, mla=True) for r in (0, 1)]
+    try:
+        drafts = []
+        for r, cc in enumerate(ranks):
+            _, draft = eng.make_pools()
+            _ours(cc).register_mem_host_pool_v2(draft, PoolName.DRAFT)
+            idx = draft.alloc(len(hashes) * eng.PAGE)
+            for i, h in enumerate(hashes):
+                draft.set_from_flat_data_page(int(idx[i * eng.PAGE]),
+                                              torch.from_numpy(eng.page_bytes(draft, h, r)).view(draft.dtype))
+            drafts.append((draft, idx))
+        w0 = _ours(ranks[0]).batch_set_v2([PoolTransfer(name=PoolName.DRAFT, host_indices=drafts[0][1], keys=hashes)])
+        assert w0 == {PoolName.DRAFT: [True, True]}
+        r1, (draft1, _) = _ours(ranks[1]), drafts[1]
+        dst = draft1.alloc(len(hashes) * eng.PAGE)
+        assert r1.batch_get_v2([PoolTransfer(name=PoolName.DRAFT, host_indices=dst, keys=hashes)]) \
+            == {PoolName.DRAFT: [False, False]}
+        assert r1.batch_set_v2([PoolTransfer(name=PoolName.DRAFT, host_indices=drafts[1][1], keys=hashes)]) \
+            == {PoolName.DRAFT: [True, True]}
+        assert r1.batch_get_v2([PoolTransfer(name=PoolName.DRAFT, host_indices=dst, keys=hashes)]) \
+            == {PoolName.DRAFT: [True, True]}
+        for i, h in enumerate(hashes):
+            page = draft1.get_data_page(int(dst[i * eng.PAGE]), flat=True).view(torch.uint8).numpy()
+            assert np.array_equal(page, eng.page_bytes(draft1, h, 1))
+    finally:
+        for cc in ranks:
+            eng.close(cc)
+
+
+def _trailing_query(tmp_path: Path, states: dict[PoolName, list[int]], n: int) -> PoolTransferResult:
+    """``n`` KV pages backed up; each pool's state checkpoint at the end of the listed pages;
+    the controller's hit query (one TRAILING_PAGES transfer per pool)."""
+    cc = eng.make_engine(_url(tmp_path))
+    try:
+        tokens = eng.prompt(41, n)
+        hashes = eng.page_hashes(tokens)
+        assert eng.backup(cc, tokens) == n * eng.PAGE
+        inner = _ours(cc)
+        for name, at in states.items():
+            pool = _mamba_host()
+            inner.register_mem_host_pool_v2(pool, name)
+            for page in at:
+                res = inner.batch_set_v2([PoolTransfer(name=name, host_indices=pool.alloc(1), keys=[hashes[page]])])
+                assert res == {name: [True]}
+        query = [PoolTransfer(name=name, keys=hashes[-1:], hit_policy=PoolHitPolicy.TRAILING_PAGES)
+                 for name in states]
+        return inner.batch_exists_v2(hashes, query)
+    finally:
+        eng.close(cc)
+
+
+def _controller_reads(res: PoolTransferResult) -> list[int]:
+    # HybridCacheController._sync_prefetch_hit_query: without restorable_prefix_pages, every
+    # length 1..kv_hit_pages is taken as restorable.
+    pages = res.restorable_prefix_pages
+    return list(pages) if pages is not None else list(range(1, res.kv_hit_pages + 1))
+
+
+def test_trailing_state_hits_are_the_restorable_lengths(tmp_path: Path) -> None:
+    # Mamba checkpoints after pages 2 and 5 (indices 1 and 4): only prefixes of 2 and 5 pages
+    # can be restored, as SGLang's HiCacheFile reports them.
+    res = _trailing_query(tmp_path, {PoolName.MAMBA: [1, 4]}, 5)
+    assert _controller_reads(res) == [2, 5]
+    assert res.kv_hit_pages == 5 and res.extra_pool_hit_pages[PoolName.MAMBA] == 5
+
+
+def test_two_trailing_pools_restore_only_lengths_both_have(tmp_path: Path) -> None:
+    # Mamba at 5 pages, SWA at 4: no length has both states, so nothing is restorable.
+    res = _trailing_query(tmp_path, {PoolName.MAMBA: [4], PoolName.SWA: [3]}, 5)
+    assert _controller_reads(res) == [] and res.kv_hit_pages == 0
