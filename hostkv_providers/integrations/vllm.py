@@ -17,12 +17,13 @@ adapter's I/O threads; every method the manager calls only hashes keys and enque
 
 Keys: vLLM's offload key (the chained block hash of the chunk's last block plus the KV group
 index) mapped under a :class:`~hostkv_providers.Salt` built from the ``OffloadingConfig``: model
-name, KV dtype, the KV groups (tokens per block, layer names), blocks per chunk, the worker KV
-bytes per block, the KV cache layout and the parallel configuration (unless vLLM certifies the
-row bytes as parallelism-agnostic), plus ``namespace``/``model_revision``/``quantization``
-from the tier config.  Parents come from vLLM's chain: the scheduler records each key's end-token
-position in the ``ReqContext``, so a chunk's parent is the key of the same request and group one
-chunk earlier.  See ``docs/engines/vllm.md``.
+name, KV dtype, the KV groups (tokens per block, layer names), blocks per chunk, the row bytes,
+the KV cache layout and either the worker KV bytes per block and the parallel configuration or,
+where vLLM certifies the row bytes as parallelism-agnostic, the row's KV bytes (the same under
+any TP size), plus ``namespace``/``model_revision``/``quantization`` from the tier config.
+Parents come from vLLM's chain: the scheduler records each key's end-token position in the
+``ReqContext``, so a chunk's parent is the key of the same request and group one chunk earlier.
+See ``docs/engines/vllm.md``.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 import numpy.typing as npt
 from vllm.v1.kv_offload.base import (
+    Locality,
     LookupResult,
     Medium,
     OffloadKey,
@@ -47,7 +49,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
-from hostkv_providers._errors import InvalidArgumentError
+from hostkv_providers._errors import HostKVError, InvalidArgumentError
 from hostkv_providers._keys import Key, Salt
 from hostkv_providers._layout import DTYPE_ITEMSIZE, KVLayout
 from hostkv_providers._provider import Provider
@@ -69,6 +71,13 @@ if TYPE_CHECKING:
 __all__ = ["HostKVTier", "salt_from_offloading_config"]
 
 logger = logging.getLogger(__name__)
+
+#: Seconds between two warnings of failed lookups (a store outage fails every lookup).
+_LOG_EVERY_S = 30.0
+#: After a failed lookup, lookups answer MISS without asking the store for this long: each
+#: try against a store that is down costs the scheduler's thread the client's connection
+#: retries (~0.3 s against a loopback Redis refusing connections), per chunk it asks about.
+_LOOKUP_BACKOFF_S = 2.0
 
 _FP8 = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2",
         "fp8_inc": "float8_e4m3fn", "fp8_ds_mla": "float8_e4m3fn", "half": "float16",
@@ -98,9 +107,11 @@ def salt_from_offloading_config(
 
     A vLLM primary row holds the chunk of *every* worker (the tier runs in the scheduler), so the
     salt records the whole parallel layout (tensor, pipeline, prefill/decode context parallel
-    sizes and the world size) instead of one rank -- except where vLLM certifies the row bytes as
-    the same under any topology (``is_parallelism_agnostic``), where a TP=2 and a TP=4 engine
-    then share pages.
+    sizes, the world size) and one worker's KV bytes per block instead of one rank.  Where vLLM
+    certifies the bytes as the same under any tensor-parallel size (``is_parallelism_agnostic``)
+    and the row is made of whole certified blocks (one block per chunk, or vLLM's canonical
+    layout), the salt records the row's KV bytes instead, so a TP=2 and a TP=4 engine of one
+    model share pages.  See :func:`_parallel_fields`.
     """
     groups = config.groups
     if not groups:
@@ -130,18 +141,12 @@ def salt_from_offloading_config(
         "vllm.blocks_per_chunk": blocks_per_chunk,
         "vllm.groups": layer_digest,
         "vllm.num_layers": n_layers,
-        "vllm.worker_kv_bytes_per_block": config.worker_kv_bytes_per_block,
         "vllm.row_nbytes": row_nbytes,
         "vllm.kv_cache_layout": config.kv_cache_layout or "",
         "vllm.canonical_layout": bool(config.canonical_layout),
         "vllm.replicated_layout": bool(config.replicated_layout),
     }
-    p = config.parallel
-    if not p.is_parallelism_agnostic:
-        extra.update({
-            "vllm.tp_size": p.tp_size, "vllm.pp_size": p.pp_size, "vllm.pcp_size": p.pcp_size,
-            "vllm.dcp_size": p.dcp_size, "vllm.world_size": p.world_size, "vllm.rank": p.rank,
-        })
+    extra.update(_parallel_fields(config, blocks_per_chunk))
     return engine_salt(
         engine="vllm",
         model_id=config.model.name,
@@ -153,6 +158,41 @@ def salt_from_offloading_config(
     )
 
 
+def _parallel_fields(config: OffloadingConfig, blocks_per_chunk: int) -> dict[str, object]:
+    """The salt's fields for the bytes' dependence on the parallel layout.
+
+    A row is ``worker 0's cell | worker 1's cell | ... | padding`` (vLLM's shared offload region),
+    each cell holding that worker's share of the chunk.  vLLM's ``is_parallelism_agnostic``
+    certifies that *one block's* data concatenated across workers in rank order is the same
+    bytes under any TP size.  So is a row of one block, and a canonical-layout row (every worker
+    writes its bytes into one topology-free page per chunk).  A direct-layout row of several
+    blocks is not: each cell holds its worker's slice of every block of the chunk, so the bytes
+    interleave differently per TP size -- those rows keep the TP and world sizes.
+    """
+    p = config.parallel
+    if not p.is_parallelism_agnostic:
+        # Kept exactly as it was before certified rows could share (a test pins two tags): the
+        # keys such engines stored stay valid.
+        return {
+            "vllm.worker_kv_bytes_per_block": config.worker_kv_bytes_per_block,
+            "vllm.tp_size": p.tp_size, "vllm.pp_size": p.pp_size, "vllm.pcp_size": p.pcp_size,
+            "vllm.dcp_size": p.dcp_size, "vllm.world_size": p.world_size, "vllm.rank": p.rank,
+        }
+    # One worker's bytes halve when TP doubles; the row's KV bytes (every worker's share, one
+    # copy where vLLM replicates a latent) do not.  They also pin the payload inside the row, so
+    # two rows of one stride whose padding starts elsewhere never share a key.  vLLM certifies
+    # TP only: pipeline stages (rank order is stage-major) and context parallelism stay in.
+    copies = 1 if config.replicated_layout else p.world_size
+    fields: dict[str, object] = {
+        "vllm.parallelism_agnostic": True,
+        "vllm.row_kv_bytes": int(config.worker_kv_bytes_per_block) * copies * blocks_per_chunk,
+        "vllm.pp_size": p.pp_size, "vllm.pcp_size": p.pcp_size, "vllm.dcp_size": p.dcp_size,
+    }
+    if blocks_per_chunk > 1 and not config.canonical_layout:
+        fields.update({"vllm.tp_size": p.tp_size, "vllm.world_size": p.world_size})
+    return fields
+
+
 class HostKVTier(SecondaryTierManager):
     """A vLLM secondary tier over any hostkv provider (``url``).
 
@@ -160,7 +200,8 @@ class HostKVTier(SecondaryTierManager):
     ``model_revision``, ``quantization``, ``io_threads`` (2 load threads; stores run in one
     ordered lane, parent before child), ``max_pending_jobs`` (64 store jobs: past it a store is
     reported failed at once -- vLLM's drop-on-pressure semantics; loads always queue),
-    ``batch_pages`` (256: pages per provider call).
+    ``batch_pages`` (256: pages per provider call), ``locality`` (``"LOCAL"``/``"REMOTE"``, as for
+    vLLM's own tiers: a request's ``kv_load_tiers`` filter selects tiers by it).
     """
 
     medium: ClassVar[Medium] = Medium.STORAGE
@@ -191,6 +232,14 @@ class HostKVTier(SecondaryTierManager):
                                        hint='"url": "mmap:///nvme/hostkv?budget=256GiB"')
         if batch_pages < 1:
             raise InvalidArgumentError("batch_pages must be >= 1")
+        # The tiering manager skips a tier whose locality a request's load filter excludes
+        # (``load_tier_filter.allows(tier.medium, tier.locality)``); None matches every filter.
+        try:
+            self.locality = Locality(locality) if locality is not None else None
+        except ValueError:
+            raise InvalidArgumentError(
+                f"locality must be one of {[m.value for m in Locality]}, got {locality!r}",
+                hint='"locality": "REMOTE" for a store on the network (redis://)') from None
         rows = np.asarray(primary_kv_view)
         if rows.ndim != 2:
             raise InvalidArgumentError(f"primary_kv_view must be 2-D (chunks, row bytes), got {rows.shape}")
@@ -205,8 +254,11 @@ class HostKVTier(SecondaryTierManager):
         self.provider = open_store(url)
         self._batch = batch_pages
         # Tokens between consecutive chunks of one KV group: a chunk's parent sits that many
-        # tokens earlier in the same request.
-        self._chunk_tokens = [int(g.tokens_per_block) * int(cfg.cache.blocks_per_chunk) for g in cfg.groups]
+        # tokens earlier in the same request.  Keyed by vLLM's KV-cache group id (the group index
+        # of an offload key), which need not be the group's place in ``cfg.groups``: vLLM offloads
+        # only the prefix-cacheable groups.
+        self._chunk_tokens: dict[int, int] = {
+            int(g.group_id): int(g.tokens_per_block) * int(cfg.cache.blocks_per_chunk) for g in cfg.groups}
         self._positions: dict[str, dict[tuple[int, int], Key]] = {}
         self._pos_lock = threading.Lock()
         # Stores run in one ordered lane: a job's parents, cascaded by an earlier job of the same
@@ -221,30 +273,67 @@ class HostKVTier(SecondaryTierManager):
         self._inflight: collections.Counter[Key] = collections.Counter()
         self._inflight_lock = threading.Lock()
         self.stats = AdapterStats()
+        self._lookup_errors = 0
+        self._lookup_error_logged = -_LOG_EVERY_S
+        self._lookup_backoff_s = _LOOKUP_BACKOFF_S
+        self._lookup_quiet_until = 0.0  # monotonic time before which lookups do not ask the store
 
     # -- keys and parents ------------------------------------------------------------------
     def _note(self, req_context: ReqContext, okeys: Iterable[OffloadKey]) -> list[tuple[Key, Key | None]]:
-        """Our key and parent for each offload key, recording positions for later parents."""
+        """Our key and parent for each offload key (in ``okeys``' order), recording positions.
+
+        Every position is recorded before any parent is looked up: vLLM's keys come in no
+        particular order (a store job's keys are a ``set``), and a parent listed after its child
+        is still its parent.
+        """
+        noted: list[tuple[Key, int, int | None]] = []
         out: list[tuple[Key, Key | None]] = []
         with self._pos_lock:
             seen = self._positions.setdefault(req_context.req_id, {})
             for okey in okeys:
                 key = self._keyer.key(okey)
+                group = get_offload_group_idx(okey)
                 pos = req_context.get_offload_key_position(okey)
-                parent: Key | None = None
                 if pos is not None:
-                    group = get_offload_group_idx(okey)
                     seen[(group, pos)] = key
-                    step = self._chunk_tokens[group] if group < len(self._chunk_tokens) else 0
-                    if step and pos > step:
-                        parent = seen.get((group, pos - step))
+                noted.append((key, group, pos))
+            for key, group, pos in noted:
+                parent: Key | None = None
+                step = self._chunk_tokens.get(group, 0)
+                if pos is not None and step and pos > step:
+                    parent = seen.get((group, pos - step))
                 out.append((key, parent))
         return out
+
+    @staticmethod
+    def _chain_order(req_context: ReqContext, okeys: Sequence[OffloadKey]) -> npt.NDArray[np.intp]:
+        """Indices of ``okeys`` with every parent before its children (by group, then position).
+
+        The provider refuses a child whose parent is a *later* item of the same call (and every
+        item below it), so a job is stored root first whatever order vLLM listed it in.  Keys
+        without a recorded position have no parent here and are no one's parent: they go first.
+        """
+        def rank(i: int) -> tuple[int, int]:
+            pos = req_context.get_offload_key_position(okeys[i])
+            return get_offload_group_idx(okeys[i]), -1 if pos is None else int(pos)
+        return np.asarray(sorted(range(len(okeys)), key=rank), dtype=np.intp)
 
     # -- the SecondaryTierManager interface ------------------------------------------------
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         (ours, _), = self._note(req_context, (key,))
-        if self.provider.present([ours])[0]:
+        if time.monotonic() < self._lookup_quiet_until:
+            return LookupResult.MISS  # the store failed a moment ago: not asked again yet
+        try:
+            found = self.provider.present([ours])[0]
+        except HostKVError as exc:
+            self._lookup_quiet_until = time.monotonic() + self._lookup_backoff_s
+            # An unreachable store (a Redis server restarting, a network partition) must not
+            # raise into vLLM's scheduler, which does not catch it (EngineCore would die).  MISS,
+            # as vLLM's own AsyncLookupManager answers when its probe fails: vLLM recomputes the
+            # chunk.  RETRY would stall the request for as long as the outage lasts.
+            self._lookup_failed(exc)
+            return LookupResult.MISS
+        if found:
             return LookupResult.HIT
         with self._inflight_lock:
             busy = ours in self._inflight
@@ -255,6 +344,9 @@ class HostKVTier(SecondaryTierManager):
         chunk_ids = np.asarray(job_metadata.chunk_ids, dtype=np.int64)
         if len(keys) != len(chunk_ids):
             raise InvalidArgumentError(f"store job {job_metadata.job_id}: {len(keys)} keys, {len(chunk_ids)} chunk ids")
+        # vLLM's connector completes a store with the job's keys as a set: put them root first.
+        order = self._chain_order(job_metadata.req_context, keys)
+        keys, chunk_ids = [keys[i] for i in order], chunk_ids[order]
         pairs = self._note(job_metadata.req_context, keys)
         self._mark_inflight(pairs, +1)
         if self._io.try_submit(self._run_store, job_metadata.job_id, pairs, chunk_ids) is None:
@@ -307,6 +399,16 @@ class HostKVTier(SecondaryTierManager):
     @classmethod
     def config_info_keys(cls, tier_config: dict[str, Any]) -> tuple[str, ...]:
         return ("hostkv_salt_tag",)
+
+    def _lookup_failed(self, exc: HostKVError) -> None:
+        """Log a failed lookup, at most once per ``_LOG_EVERY_S`` (the scheduler asks per chunk)."""
+        now = time.monotonic()
+        self._lookup_errors += 1
+        if now - self._lookup_error_logged >= _LOG_EVERY_S:
+            self._lookup_error_logged = now
+            n, self._lookup_errors = self._lookup_errors, 0
+            logger.warning("hostkv lookup failed (%d time(s) since the last such warning), answering "
+                           "MISS: %s: %s", n, type(exc).__name__, exc)
 
     def _mark_inflight(self, pairs: Sequence[tuple[Key, Key | None]], delta: int) -> None:
         with self._inflight_lock:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -11,7 +13,11 @@ pytest.importorskip("vllm.v1.kv_offload.tiering.manager")
 
 import _vllm_engine as eng
 from _engine_helpers import corrupt_page, run_engine
+from vllm.v1.kv_offload.base import OffloadKey
+from vllm.v1.kv_offload.config import OffloadingConfig
+from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 
+from hostkv_providers import Key
 from hostkv_providers.integrations.vllm import HostKVTier
 
 
@@ -250,3 +256,327 @@ def test_every_provider_url_is_a_tier(tmp_path: Path, kind: str) -> None:
     finally:
         if server is not None:
             server.stop()  # type: ignore[attr-defined]
+
+
+# -- a store job's keys in any order (vLLM completes a store with the job's keys as a set) -------
+
+def _store_as_the_connector(m: TieringOffloadingManager, req_id: str, positions: dict[OffloadKey, int],
+                            job_keys: Collection[OffloadKey]) -> None:
+    """The scheduler's path of one request: the first lookup misses (get_num_new_matched_tokens),
+    prepare_store of the prompt's chunks, the worker fills the rows, then complete_store with the
+    job's keys as the connector passes them (``TransferJobStatus.keys = set(keys_to_store)``)."""
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+
+    keys = list(positions)
+    ctx = ReqContext(req_id=req_id)
+    for key, pos in positions.items():  # RequestOffloadState.update_offload_keys
+        ctx.set_offload_key_position(key, pos)
+    m.on_new_request(ctx)
+    assert m.lookup(keys[0], ctx) is LookupResult.MISS
+    eng.end_step(m, (req_id,))
+    out = m.prepare_store(keys, ctx)
+    assert out is not None
+    rows = eng.primary_rows(m)
+    for k, c in zip(out.keys_to_store, np.asarray(out.store_spec.chunk_ids), strict=True):
+        rows[int(c)] = eng.row_bytes(k, rows.shape[1])
+    m.complete_store(job_keys, ctx, success=True)
+    eng.end_step(m)
+    m.on_request_finished(ctx)
+    eng.settle(m)
+
+
+def _prompt_positions(keys: list[OffloadKey]) -> dict[OffloadKey, int]:
+    return {k: (i + 1) * eng.BLOCK_TOKENS for i, k in enumerate(keys)}
+
+
+def _set_with_a_child_first(n: int) -> list[OffloadKey]:
+    """A prompt whose keys, as a set, list chunk 1 before chunk 0 (the set's order depends on
+    this process' hash seed; about one prompt in two qualifies)."""
+    for seed in range(100, 300):
+        keys = eng.prompt_keys(seed, n)
+        order = list(set(keys))
+        if order.index(keys[1]) < order.index(keys[0]):
+            return keys
+    raise AssertionError("no prompt of 200 lists chunk 1 before chunk 0 in a set")
+
+
+@pytest.mark.parametrize("batch_pages", [256, 3])
+@pytest.mark.parametrize("job_order", ["reversed", "set"])
+def test_store_job_keys_in_any_order_keep_the_whole_chain(tmp_path: Path, job_order: str, batch_pages: int) -> None:
+    # A child listed before its parent used to reach the provider before it: refused
+    # (UnknownKeyError), with every chunk below it, and the chain was lost from chunk 1 on.
+    url = _url(tmp_path)
+    keys = _set_with_a_child_first(8) if job_order == "set" else eng.prompt_keys(31, 8)
+    job_keys: Collection[OffloadKey] = set(keys) if job_order == "set" else list(reversed(keys))
+    m = eng.make_manager(eng.make_config(eng.hostkv_tier(url, batch_pages=batch_pages)))
+    try:
+        _store_as_the_connector(m, "r", _prompt_positions(keys), job_keys)
+        tier = _tier(m)
+        ours = [tier._keyer.key(k) for k in keys]
+        assert tier.provider.present(ours) == [True] * 8, tier.stats.as_dict()
+        # Stored root first, each chunk under the one before it: vLLM's chain is the store's tree.
+        assert _parents(tier, ours) == [None, *ours[:-1]]
+        assert tier.stats.store_failures == 0 and tier.stats.orphan_roots == 0
+    finally:
+        m.shutdown()
+    m = eng.make_manager(eng.make_config(eng.hostkv_tier(url)))  # a restart: the CPU tier is empty
+    try:
+        assert eng.load(m, "after-restart", keys) == (8, [True] * 8)
+    finally:
+        m.shutdown()
+
+
+# -- KV-cache group ids (vLLM offloads only the prefix-cacheable groups) ------------------------
+
+def _parents(tier: HostKVTier, ours: list[Key]) -> list[Key | None]:
+    """Each stored entry's parent (an absent entry fails the test)."""
+    infos = [tier.provider.entry(k) for k in ours]
+    assert all(i is not None for i in infos), [i is not None for i in infos]
+    return [i.parent for i in infos if i is not None]
+
+
+def _keys_of_group(seed: int, n_blocks: int, group_id: int, every: int = 1) -> dict[OffloadKey, int]:
+    """Offload keys of one KV group and their end-token positions: vLLM's chained block hashes of
+    one prompt, one key per ``every`` hash blocks (a group of ``every`` x 16-token blocks)."""
+    from vllm.v1.kv_offload.base import get_offload_block_hash, make_offload_key
+
+    hashes = [get_offload_block_hash(k) for k in eng.prompt_keys(seed, n_blocks)]
+    return {make_offload_key(hashes[i], group_id): (i + 1) * eng.BLOCK_TOKENS
+            for i in range(every - 1, n_blocks, every)}
+
+
+def _groups_config(url: str, groups: list[tuple[int, int]]) -> OffloadingConfig:
+    """make_config's model with its KV groups replaced by ``(group_id, tokens_per_block)``s."""
+    import dataclasses
+
+    from vllm.v1.kv_offload.config import OffloadingGroupConfig
+
+    cfg = eng.make_config(eng.hostkv_tier(url))
+    names = cfg.groups[0].layer_names
+    return dataclasses.replace(cfg, groups=tuple(
+        OffloadingGroupConfig(tokens_per_block=tpb, layer_names=tuple(f"{n}.g{gid}" for n in names), group_id=gid)
+        for gid, tpb in groups))
+
+
+@pytest.mark.parametrize("group_id", [0, 1, 3])
+def test_chain_is_the_stores_tree_whatever_the_group_id(tmp_path: Path, group_id: int) -> None:
+    # The chunk stride was looked up by the group's place in config.groups instead of its id:
+    # with any id past the list every chunk was stored as a root of its own.
+    positions = _keys_of_group(51, 6, group_id)
+    m = eng.make_manager(_groups_config(_url(tmp_path), [(group_id, eng.BLOCK_TOKENS)]))
+    try:
+        _store_as_the_connector(m, "s", positions, list(positions))
+        tier = _tier(m)
+        ours = [tier._keyer.key(k) for k in positions]
+        assert _parents(tier, ours) == [None, *ours[:-1]]
+        assert tier.stats.orphan_roots == 0
+    finally:
+        m.shutdown()
+
+
+def test_groups_listed_out_of_id_order_each_get_their_own_stride(tmp_path: Path) -> None:
+    # Two groups, ids 2 (16-token blocks) and 0 (32-token blocks), in that order in the config:
+    # each group's chain links chunks of its own stride, one store job holding both.
+    small, large = _keys_of_group(52, 8, 2), _keys_of_group(52, 8, 0, every=2)
+    m = eng.make_manager(_groups_config(_url(tmp_path), [(2, 16), (0, 32)]))
+    try:
+        _store_as_the_connector(m, "s", {**small, **large}, set(small) | set(large))
+        tier = _tier(m)
+        for chain in (small, large):
+            ours = [tier._keyer.key(k) for k in chain]
+            assert _parents(tier, ours) == [None, *ours[:-1]]
+        assert tier.stats.orphan_roots == 0 and tier.stats.store_failures == 0
+    finally:
+        m.shutdown()
+
+
+@pytest.mark.parametrize("group_id", [0, 1])
+def test_eviction_keeps_a_restorable_prefix_whatever_the_group_id(tmp_path: Path, group_id: int) -> None:
+    # Room for 16 chunks: chain A (8), then chain B (12) evicts 4.  With the chain as the tree,
+    # eviction takes leaves (A's last chunks) and what is left of A is a prefix vLLM can load;
+    # as unrelated roots it took A's first chunks and stranded the rest.
+    url = f"mmap://{tmp_path / 'kv'}?budget=1MiB&slot=64KiB"
+    a, b = _keys_of_group(61, 8, group_id), _keys_of_group(62, 12, group_id)
+    cfg = _groups_config(url, [(group_id, eng.BLOCK_TOKENS)])
+    m = eng.make_manager(cfg)
+    try:
+        eng.store(m, "a", list(a))
+        eng.store(m, "b", list(b))
+        tier = _tier(m)
+        present_a = tier.provider.present([tier._keyer.key(k) for k in a])
+    finally:
+        m.shutdown()
+    kept = sum(present_a)
+    assert 0 < kept < 8 and present_a == [True] * kept + [False] * (8 - kept)
+    m = eng.make_manager(cfg)
+    try:
+        assert eng.load(m, "a-again", list(a)) == (kept, [True] * kept)
+    finally:
+        m.shutdown()
+
+
+# -- a store outage never reaches vLLM's scheduler ---------------------------------------------
+
+def test_lookup_during_a_store_outage_is_a_miss_not_an_exception(tmp_path: Path,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+    import time
+
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+
+    url, server = _redis_url(tmp_path)
+    try:
+        m = eng.make_manager(eng.make_config(eng.hostkv_tier(url)))
+        try:
+            keys = eng.prompt_keys(41, 4)
+            eng.store(m, "s", keys[:2])
+            tier = _tier(m)
+            assert tier.lookup(keys[0], ReqContext(req_id="before")) is LookupResult.HIT
+            server.stop()  # type: ignore[attr-defined]  # the Redis server goes away
+            caplog.set_level(logging.WARNING, logger="hostkv_providers.integrations.vllm")
+            # keys[3] was never stored: the CPU tier misses and the manager asks this tier, as
+            # get_num_new_matched_tokens does; the error used to kill EngineCore from here.
+            ctx = eng.new_request(m, "after-outage", keys)
+            assert m.lookup(keys[3], ctx) is LookupResult.MISS
+            # A stored chunk the store cannot confirm is a MISS too (vLLM recomputes it), never
+            # RETRY, which would hold the request for as long as the outage lasts.
+            assert tier.lookup(keys[1], ctx) is LookupResult.MISS
+            warned = [r for r in caplog.records if "lookup failed" in r.getMessage()]
+            assert len(warned) == 1 and "ServerUnavailableError" in warned[0].getMessage()  # rate-limited
+            # For a moment after a failure the store is not asked at all (each try cost the
+            # scheduler ~0.3 s of connection retries): the server back (empty, --save ""), a
+            # lookup in the back-off opens no connection there, the first one after it does.
+            tier._lookup_backoff_s = 0.5
+            tier._lookup_quiet_until = 0.0
+            assert tier.lookup(keys[1], ctx) is LookupResult.MISS  # fails, starts the back-off
+            server.start()  # type: ignore[attr-defined]
+            with server.client() as c:  # type: ignore[attr-defined]
+                def connections() -> int:
+                    return int(c.info("stats")["total_connections_received"])
+
+                before = connections()
+                assert tier.lookup(keys[1], ctx) is LookupResult.MISS
+                assert connections() == before  # not asked
+                time.sleep(0.6)
+                assert tier.lookup(keys[1], ctx) is LookupResult.MISS  # asked: the store is empty now
+                assert connections() > before
+            m.on_request_finished(ctx)
+        finally:
+            m.shutdown()
+    finally:
+        server.stop()  # type: ignore[attr-defined]
+
+
+# -- the tier's locality (a request's kv_load_tiers filter) --------------------------------------
+
+def test_tier_locality_from_the_config_filters_requests(tmp_path: Path) -> None:
+    from vllm.v1.kv_offload.base import Locality, LookupResult, ReqContext, TierFilter, TierMatcher
+
+    url = _url(tmp_path)
+    keys = eng.prompt_keys(71, 4)
+    m = eng.make_manager(eng.make_config(eng.hostkv_tier(url)))
+    try:
+        eng.store(m, "s", keys)
+        assert _tier(m).locality is None  # no locality: every filter matches, as for vLLM's tiers
+    finally:
+        m.shutdown()
+    for locality, served in (("REMOTE", False), ("LOCAL", True)):
+        m = eng.make_manager(eng.make_config(eng.hostkv_tier(url, locality=locality)))
+        try:
+            assert _tier(m).locality is Locality(locality)
+            # What the connector builds for kv_transfer_params {"kv_load_tiers": [{"locality": "local"}]}.
+            ctx = ReqContext(req_id="local-only",
+                             load_tier_filter=TierFilter(matchers=(TierMatcher(locality=Locality.LOCAL),)))
+            for i, k in enumerate(keys):
+                ctx.set_offload_key_position(k, (i + 1) * eng.BLOCK_TOKENS)
+            m.on_new_request(ctx)
+            result = m.lookup(keys[0], ctx)
+            eng.end_step(m, ("local-only",))
+            m.on_request_finished(ctx)
+            eng.settle(m)
+            # A REMOTE tier is skipped (MISS); a LOCAL one starts the promotion.
+            assert result is (LookupResult.HIT_PENDING if served else LookupResult.MISS), (locality, result)
+        finally:
+            m.shutdown()
+
+
+def test_bad_locality_is_a_typed_error(tmp_path: Path) -> None:
+    from hostkv_providers.errors import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError, match="locality"):
+        # (shut down if it was accepted, so a failing run leaves no shared region behind)
+        eng.make_manager(eng.make_config(eng.hostkv_tier(_url(tmp_path), locality="nearby"))).shutdown()
+
+
+# -- the salt across tensor-parallel sizes -------------------------------------------------------
+
+def _agnostic_config(url: str, tp: int, **changes: Any) -> OffloadingConfig:
+    """A TP=``tp`` engine of one model whose KV heads vLLM shards (one worker holds 1/tp of the
+    heads) and whose bytes vLLM certifies as parallelism-agnostic."""
+    import dataclasses
+
+    cfg = eng.make_config(eng.hostkv_tier(url), tp_size=tp, worker_block_bytes=eng.WORKER_BLOCK_BYTES * 2 // tp)
+    parallel = dataclasses.replace(cfg.parallel, is_parallelism_agnostic=True)
+    return dataclasses.replace(cfg, **{"parallel": parallel, **changes})
+
+
+def test_tp2_and_tp4_share_pages_when_vllm_certifies_the_bytes(tmp_path: Path) -> None:
+    # The salt kept one worker's KV bytes, which halve when TP doubles: the engines never met.
+    url = _url(tmp_path)
+    keys = eng.prompt_keys(81, 4)
+    m2 = eng.make_manager(_agnostic_config(url, 2))
+    try:
+        eng.store(m2, "tp2", keys)
+        tag2, row2 = _tier(m2).salt.tag, eng.primary_rows(m2).shape[1]
+    finally:
+        m2.shutdown()
+    m4 = eng.make_manager(_agnostic_config(url, 4))
+    try:
+        assert eng.primary_rows(m4).shape[1] == row2 and _tier(m4).salt.tag == tag2
+        assert eng.load(m4, "tp4", keys) == (4, [True] * 4)
+    finally:
+        m4.shutdown()
+
+
+def _salt_tag(cfg: OffloadingConfig, row_nbytes: int | None = None) -> str:
+    from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+    from hostkv_providers.integrations.vllm import salt_from_offloading_config
+
+    if row_nbytes is None:  # the primary row vLLM would allocate for this config
+        row_nbytes = int(TieringOffloadingSpec(cfg).kv_bytes_per_chunk)
+    return salt_from_offloading_config(cfg, row_nbytes).tag
+
+
+def test_salt_of_engines_vllm_does_not_certify_is_unchanged() -> None:
+    # Stored keys of every engine without vLLM's certification stay valid: these tags were
+    # computed before the parallelism-agnostic salt changed (the TP=2 one is in docs/engines/vllm.md).
+    url = "mmap:///unused"
+    assert _salt_tag(eng.make_config(eng.hostkv_tier(url), tp_size=1), 32768) == "7510d7108e01457a"
+    assert _salt_tag(eng.make_config(eng.hostkv_tier(url), tp_size=2), 65536) == "9357c48c2b66e7e2"
+
+
+def test_certified_salt_never_joins_rows_that_differ() -> None:
+    import dataclasses
+
+    url = "mmap:///unused"
+    tp2 = _agnostic_config(url, 2)
+    base = _salt_tag(tp2)
+    assert _salt_tag(_agnostic_config(url, 4)) == base  # the sharing itself
+    # The same engine without the certification (e.g. another model runner's layout).
+    assert _salt_tag(dataclasses.replace(tp2, parallel=dataclasses.replace(
+        tp2.parallel, is_parallelism_agnostic=False))) != base
+    # Rows of one stride whose KV bytes end elsewhere (the rest is vLLM's alignment padding).
+    short = _agnostic_config(url, 2, worker_kv_bytes_per_block=eng.WORKER_BLOCK_BYTES - 1024)
+    assert _salt_tag(short) != base and _salt_tag(short, 65536) != _salt_tag(tp2, 65536)
+    # Pipeline stages split the layers, not the heads: rank order is not the TP=2 order.
+    pp2 = _agnostic_config(url, 2, worker_kv_bytes_per_block=eng.WORKER_BLOCK_BYTES // 2,
+                           parallel=dataclasses.replace(tp2.parallel, pp_size=2, world_size=4))
+    assert _salt_tag(pp2) != base
+    # Two blocks per chunk: each worker's cell holds its slice of both blocks, so the row's bytes
+    # interleave per TP size -- unless the canonical layout makes the page topology-free.
+    two = dataclasses.replace(tp2.cache, blocks_per_chunk=2)
+    direct = {tp: _salt_tag(_agnostic_config(url, tp, cache=two)) for tp in (2, 4)}
+    canonical = {tp: _salt_tag(_agnostic_config(url, tp, cache=two, canonical_layout=True, kv_cache_layout="HND"))
+                 for tp in (2, 4)}
+    assert direct[2] != direct[4] and canonical[2] == canonical[4]
