@@ -43,8 +43,16 @@ class _Arena:
         self._release_run(start, nblocks)
 
     def _release_run(self, start: int, length: int) -> None:
-        self.free += length
         end = start + length
+        cut = (start // self.bpc + 1) * self.bpc
+        if end > cut:
+            # A run may never span two chunks (separate allocations): a region cut from it would
+            # stop at the chunk's end (bytes never written, a checksum over a short view) and a
+            # page address past it would point outside the arena.
+            self._release_run(start, cut - start)
+            self._release_run(cut, end - cut)
+            return
+        self.free += length
         # coalesce with neighbours, but never across a chunk boundary (not contiguous memory)
         if start % self.bpc and start in self._ends:
             prev = self._ends.pop(start)
@@ -111,7 +119,8 @@ class _Arena:
         if not len(starts):
             return
         st = np.sort(starts)
-        breaks = np.flatnonzero(np.diff(st) != nblocks) + 1
+        # adjacent pieces go back as one run, but never across a chunk boundary
+        breaks = np.flatnonzero((np.diff(st) != nblocks) | (st[1:] % self.bpc == 0)) + 1
         for piece in np.split(st, breaks):
             self._release_run(int(piece[0]), len(piece) * nblocks)
 

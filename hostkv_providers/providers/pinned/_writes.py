@@ -99,20 +99,24 @@ class _Writes(_Leases):
         a parent may be in flight (reserved earlier in this call or an earlier one), so a copy
         engine DMAs a whole chain straight into the arena before the first seal."""
         ks = chain_keys(self, keys, parents)
-        chain = reserve_run_first(self, ks, parents, nbytes, salt_tag, self._reserve_run)
-        if chain is not None:
-            return chain
-        checked = [self._reserve_args(k, p, nbytes, salt_tag) for k, p in zip(ks, parents, strict=True)]
-        out: list[Reservation | None] = []
-        error: HostKVError | None = None
-        with self._usable():
-            for k, p, n in checked:
-                try:
-                    out.append(self._reserve_locked(k, p, n, salt_tag, chained=True))
-                except (CapacityError, InFlightError, UnknownKeyError) as exc:
-                    error = exc
-                    break
-        return ReservedChain(out, error, self._chain_pages(out, nbytes))
+        # A write call: close() waits for it, so the arena's chunks are still mapped while the
+        # pages' addresses are built below (a close in between unmapped them: an IndexError, or
+        # addresses of freed memory handed to a copy engine).
+        with self._write_call():
+            chain = reserve_run_first(self, ks, parents, nbytes, salt_tag, self._reserve_run)
+            if chain is not None:
+                return chain
+            checked = [self._reserve_args(k, p, nbytes, salt_tag) for k, p in zip(ks, parents, strict=True)]
+            out: list[Reservation | None] = []
+            error: HostKVError | None = None
+            with self._usable():
+                for k, p, n in checked:
+                    try:
+                        out.append(self._reserve_locked(k, p, n, salt_tag, chained=True))
+                    except (CapacityError, InFlightError, UnknownKeyError) as exc:
+                        error = exc
+                        break
+            return ReservedChain(out, error, self._chain_pages(out, nbytes))
 
     def _reserve_run(self, ks: list[Key], parent: Key | None, nbytes: int, salt_tag: str, *,
                      sealed_parent: bool = False) -> ReservedChain | None:
