@@ -21,6 +21,9 @@ client-generated reservation/lease ids)::
     hkv:{ns}:x:<h>        hash    pins on h by child groups in other shards: pin -> ms
     hkv:{ns}:xz           zset    pages with pins (x:<h> not empty) by LRU tick
     hkv:{ns}:xo           list    outbox: "<shard> <parent> <pin>" releases still to apply there
+    hkv:{ns}:xd           list    drop outbox: "<ms> <pin>" of child groups in other shards whose
+                                  parent here was dropped by force (a checksum failure): their
+                                  subtrees must go too, which only a client can do
     hkv:{ns}:d:<h>        string  page bytes + 56-byte trailer (key echo, checksum, nbytes, magic)
     hkv:{ns}:c:<h>        set     children hexes (subtree removal)
     hkv:{ns}:a:<h>        hash    anchors: name -> blob
@@ -71,6 +74,7 @@ local function W(h, rid) return P .. 'w:' .. h .. ':' .. rid end
 local function L(lid) return P .. 'l:' .. lid end
 local function X(h) return P .. 'x:' .. h end
 local XO = P .. 'xo'
+local XD = P .. 'xd'
 local XZ = P .. 'xz'
 
 -- A parent argument '>' .. parent .. ' ' .. its shard .. ' ' .. pin: the sharded store's
@@ -134,7 +138,7 @@ end
 
 -- Remove one sealed entry (a leaf, or forced by a subtree drop that goes deepest first).
 local function remove_entry(h)
-  local v = redis.call('HMGET', E(h), 'p', 'c', 'na', 'lc', 'xs', 'xp', 'xm', 'rt', 'ra')
+  local v = redis.call('HMGET', E(h), 'p', 'c', 'na', 'lc', 'xs', 'xp', 'xm', 'rt', 'ra', 'xc')
   if not v[2] then return 0 end
   local c = tonumber(v[2])
   -- Only a forced drop (a checksum failure) removes a retained entry or an ancestor of one;
@@ -145,8 +149,15 @@ local function remove_entry(h)
   elseif tonumber(v[9] or '0') > 0 then
     mincr('retained_bytes', -c)
   end
-  -- X(h) (pins of child groups in other shards) stays: empty unless this is a forced drop, and
-  -- then those children still name h; a page sealed again under the key inherits them.
+  -- Pins of child groups in other shards: only a forced drop removes a pinned page, and its
+  -- subtree there must go with it (the prefix rule), which no script here can reach.  Queued in
+  -- the drop outbox in this same step, so a client that dies before carrying it out leaves it to
+  -- the others (RedisShardedProvider._drain).  X(h) itself stays until those children's own
+  -- removals release their pins (through their outboxes), as after any removal.
+  if tonumber(v[10] or '0') > 0 then
+    local t = now_ms()
+    for _, m in ipairs(redis.call('HKEYS', X(h))) do redis.call('RPUSH', XD, t .. ' ' .. m) end
+  end
   redis.call('DEL', E(h), D(h), A(h), C(h))
   xrelease(v[5], v[6], v[7])
   redis.call('ZREM', LRU, h)
@@ -762,6 +773,37 @@ end
 return table.concat(bits)
 """
 
+# ARGV: hexes... (the keys of a chain lookup that fall in this shard, in chain order) -> per key
+# '0' (not stored), '1' (stored, its parent here is the previous argument), '2' (stored, a local
+# root: depth 0 in its placement group) or '3' (stored, another parent).  The sharded store's
+# chain lookups: presence as _PRESENT, and which placement depths the server confirms (a client
+# remembers only those, never one computed from a caller's list that is not one chain).
+_LINKS = r"""
+local out = {}
+for i = 1, #ARGV do
+  local p = redis.call('HGET', E(ARGV[i]), 'p')
+  if not p then
+    out[i] = '0'
+  elseif p == '' then
+    out[i] = '2'
+  elseif i > 1 and p == ARGV[i - 1] then
+    out[i] = '1'
+  else
+    out[i] = '3'
+  end
+end
+return table.concat(out)
+"""
+
+# -> {last-used ms of this shard's least recently used evictable leaf (-1: none), used bytes}: the
+# sharded store's evict(nbytes) starts with the shard whose oldest leaf is oldest.
+_LRU_HEAD = r"""
+local z = redis.call('ZRANGE', LRU, 0, 0)
+local lu = -1
+if #z > 0 then lu = tonumber(redis.call('HGET', E(z[1]), 'lu') or '0') end
+return {lu, mget('used')}
+"""
+
 # ARGV: hexes... -> count of leading stored keys
 _PREFIX = r"""
 local n = 0
@@ -1032,15 +1074,52 @@ end
 return out
 """
 
-# ARGV: max -> the first `max` outbox entries ("<parent shard> <parent hex> <pin>").
+# ARGV: max [, min age ms] -> the first `max` outbox entries ("<parent shard> <parent hex> <pin>"),
+# then the first `max` drop-outbox entries at least `min age` old, each as "d <ms> <pin>".  The
+# age lets the renewal thread leave a fresh drop to the client that made it (which carries it
+# out at once and counts what it removed) and take only those a dead client left behind.
 _XOUT = r"""
-return redis.call('LRANGE', XO, 0, tonumber(ARGV[1]) - 1)
+local max = tonumber(ARGV[1])
+local out = redis.call('LRANGE', XO, 0, max - 1)
+local upto = now_ms() - tonumber(ARGV[2] or '0')
+for _, x in ipairs(redis.call('LRANGE', XD, 0, max - 1)) do
+  if tonumber(string.match(x, '^%d+')) > upto then break end  -- (pushed in time order)
+  out[#out + 1] = 'd ' .. x
+end
+return out
 """
 
-# ARGV: entries... -> removes each (once) from the outbox, after its release was applied.
+# ARGV: entries (as xout gave them)... -> removes each (once) from its outbox, after it was applied.
 _XACK = r"""
-for i = 1, #ARGV do redis.call('LREM', XO, 1, ARGV[i]) end
+for i = 1, #ARGV do
+  local x = ARGV[i]
+  if string.sub(x, 1, 2) == 'd ' then
+    redis.call('LREM', XD, 1, string.sub(x, 3))
+  else
+    redis.call('LREM', XO, 1, x)
+  end
+end
 return #ARGV
+"""
+
+# ARGV: pairs (child hex, pin) -> entries removed.  The cascade of a forced drop (see remove_entry):
+# each child group here that holds exactly that pin on its dropped parent goes with its whole
+# subtree, by force as the drop itself (leased or retained pages too), deepest first; a live
+# reservation holding the pin is cancelled (its seal would publish a page under a dropped parent).
+# A key sealed again since holds another pin and stays.  Idempotent.
+_XDROP = r"""
+local n = 0
+for i = 1, #ARGV, 2 do
+  local h, m = ARGV[i], ARGV[i + 1]
+  if redis.call('HGET', E(h), 'xm') == m then
+    local order = subtree({h})
+    for j = #order, 1, -1 do remove_entry(order[j]) end
+    n = n + #order
+  elseif redis.call('HGET', F(h), 'xm') == m then
+    cancel_flight(h)
+  end
+end
+return n
 """
 
 # ARGV: hexes... -> the pins held on every page of their subtrees here: the child groups in
@@ -1195,6 +1274,9 @@ _BODIES = {
     "xlist": _XLIST,
     "xheld": _XHELD,
     "xhot": _XHOT,
+    "xdrop": _XDROP,
+    "links": _LINKS,
+    "lru_head": _LRU_HEAD,
     "retain": _RETAIN,
     "retained_in": _RETAINED_IN,
 }

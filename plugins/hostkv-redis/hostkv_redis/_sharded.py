@@ -26,7 +26,11 @@ atomic together lives together:
   release in B's outbox in the same script; clients drain outboxes into idempotent releases in
   A (the renewal thread each second; ``evict``/``abort``/a failed ``seal`` at once).  A crash
   in between leaves A's page pinned longer, the safe side; :meth:`reconcile_pins` cleans up.
-  ``evict(keys)`` follows the pins into the other shards and removes deepest level first.
+  ``evict(keys)`` follows the pins into the other shards and removes deepest level first.  A
+  page dropped *by force* (a checksum failure, its bytes gone) takes its child groups along:
+  the drop script queues their pins in its drop outbox in the same step, and the client that
+  dropped removes those subtrees by force at once (``xdrop``, level by level); one it left (it
+  died) is taken by the renewal threads after a grace of a few seconds.
   Every chain lookup (``longest_prefix``, ``lease``, ``deepest_anchor``) still checks *every*
   key of the chain, shard by shard, so a hit never includes a page whose ancestor is gone even
   where no pin could help (a page deleted behind the library's back).
@@ -39,7 +43,9 @@ atomic together lives together:
 Locating a key whose depth the client does not know (``present`` of loose keys, the parent of a
 ``put_many`` that starts mid-chain) costs one ``locate`` script per shard, pipelined per master;
 every key placed by a chain call is remembered client-side (bounded) so the usual flow (lookup,
-lease, read, save the rest) never needs it.
+lease, read, save the rest) never needs it.  Only placements the server confirmed are remembered
+(a page this client published, a located key, a lookup's keys as far as their parent links say
+the caller's list is one chain): a wrong depth would misplace every later write under that key.
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ import concurrent.futures
 import contextlib
 import itertools
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -59,6 +66,7 @@ from hostkv_providers.errors import (
     CapacityError,
     HostKVError,
     IncompatibleStoreError,
+    InFlightError,
     InvalidArgumentError,
     ReservationError,
     RetainedError,
@@ -88,7 +96,7 @@ from redis.crc import key_slot
 from redis.retry import Retry
 
 from ._errors import ServerUnavailableError
-from ._provider import RedisProvider, _check_readonly
+from ._provider import RedisProvider, _check_readonly, _check_share
 from ._wire import _redact
 
 __all__ = ["DEFAULT_GROUP", "DEFAULT_SHARDS", "RedisShardedProvider", "shard_tags"]
@@ -101,6 +109,31 @@ DEFAULT_GROUP = 4
 _SLOTS = 16384
 _MEMO_MAX = 1 << 20  # keys whose placement this client remembers (cleared when full)
 _NS_MAX = 52  # a shard's namespace adds ".<i>.<j>" and must stay within RedisProvider's 64
+# A forced drop's cascade into other shards is carried out by the client that dropped, at once
+# (it counts what went: verify's report); the renewal threads take one left this long (its
+# client died in between).
+_CASCADE_GRACE_MS = 5000
+_NAMESPACE = re.compile(rf"[A-Za-z0-9_.-]{{1,{_NS_MAX}}}")  # RedisProvider's pattern, shorter
+
+
+def _check_options(url: object, *, lease_ttl: object, reservation_ttl: object, timeout: object, retries: object,
+                   wait_replicas: object, wait_timeout: object, retain_share: object) -> None:
+    """RedisProvider's checks of the options the shards get (the same rules, the same typed
+    errors), made before the cluster client is built: ``RedisCluster.from_url`` and ``Retry``
+    take the raw values first and fail untyped (``RedisClusterException``, ``TypeError``,
+    ``AttributeError``) or not at all on values that a shard would refuse."""
+    if not isinstance(url, str) or "://" not in url:
+        raise InvalidArgumentError(f"url must be a redis:// URL, got {url!r}")
+    for what, value in (("lease_ttl", lease_ttl), ("reservation_ttl", reservation_ttl), ("timeout", timeout)):
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= 86400:
+            raise InvalidArgumentError(f"{what} must be seconds in (0, 86400], got {value!r}")
+    if type(retries) is not int or not 0 <= retries <= 100:
+        raise InvalidArgumentError(f"retries must be an int in [0, 100], got {retries!r}")
+    if type(wait_replicas) is not int or not 0 <= wait_replicas <= 16:
+        raise InvalidArgumentError(f"wait_replicas must be an int in [0, 16], got {wait_replicas!r}")
+    if not isinstance(wait_timeout, (int, float)) or isinstance(wait_timeout, bool) or not 0 < wait_timeout <= 3600:
+        raise InvalidArgumentError(f"wait_timeout must be seconds in (0, 3600], got {wait_timeout!r}")
+    _check_share(retain_share)
 
 
 def shard_tags(namespace: str, shards: int) -> list[str]:
@@ -174,11 +207,14 @@ class RedisShardedProvider(Provider):
             raise InvalidArgumentError(f"shards must be an int in [1, 4096], got {shards!r}")
         if type(group) is not int or not 1 <= group <= 1024:
             raise InvalidArgumentError(f"group must be an int in [1, 1024], got {group!r}")
-        if not isinstance(namespace, str) or len(namespace) > _NS_MAX:
-            raise InvalidArgumentError(f"a sharded store's namespace has at most {_NS_MAX} characters, "
+        if not isinstance(namespace, str) or not _NAMESPACE.fullmatch(namespace):
+            raise InvalidArgumentError(f"a sharded store's namespace must match [A-Za-z0-9_.-]{{1,{_NS_MAX}}}, "
                                        f"got {namespace!r}")
         if budget_bytes is not None and (type(budget_bytes) is not int or budget_bytes < shards):
             raise InvalidArgumentError(f"budget must be an int >= shards ({shards}), got {budget_bytes!r}")
+        _check_options(url, lease_ttl=lease_ttl, reservation_ttl=reservation_ttl, timeout=timeout,
+                       retries=retries, wait_replicas=wait_replicas, wait_timeout=wait_timeout,
+                       retain_share=retain_share)
         self._namespace = namespace
         self._url = url
         self._nshards = shards
@@ -188,7 +224,8 @@ class RedisShardedProvider(Provider):
             self._cluster = RedisCluster.from_url(
                 url, socket_timeout=timeout, socket_connect_timeout=timeout,
                 retry=Retry(ExponentialBackoff(cap=0.5, base=0.02), retries))
-        except (redis.exceptions.RedisError, OSError) as exc:
+        except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException, OSError) as exc:
+            # (RedisClusterException is no RedisError: "Redis Cluster cannot be connected" ...)
             raise ServerUnavailableError(f"cannot connect to {_redact(url)}: {exc}") from exc
         except ValueError as exc:
             raise InvalidArgumentError(f"bad redis URL {_redact(url)}: {exc}") from exc
@@ -216,7 +253,8 @@ class RedisShardedProvider(Provider):
             raise
         self._sha = {name: self._shards[0]._link.sha(name)
                      for name in ("present", "locate", "deepest_anchor", "xpin", "xunpin", "xout", "xack",
-                                  "xsub", "xlist", "xheld", "xhot", "retained_in")}
+                                  "xsub", "xlist", "xheld", "xhot", "retained_in", "xdrop", "links",
+                                  "lru_head", "probe")}
         self._nonce = os.urandom(6).hex()
         self._pins = itertools.count()
         self._pin_grace_ms = int(2 * reservation_ttl * 1000)
@@ -234,7 +272,7 @@ class RedisShardedProvider(Provider):
         last = time.monotonic()
         while not self._stop.wait(min(every, 1.0)):
             with contextlib.suppress(HostKVError):
-                self._drain()
+                self._drain(min_age_ms=_CASCADE_GRACE_MS)
             if time.monotonic() - last < every:
                 continue
             last = time.monotonic()
@@ -258,7 +296,7 @@ class RedisShardedProvider(Provider):
                 found = node.get(name)
                 single = node.exists(f"hkv:{{{self._namespace}}}:m")
                 break
-            except (redis.exceptions.RedisError, OSError) as exc:
+            except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException, OSError) as exc:
                 if attempt == 7:
                     raise ServerUnavailableError(f"redis cluster {_redact(self._url)}: {exc}") from exc
                 self._cluster.nodes_manager.initialize()
@@ -430,16 +468,23 @@ class RedisShardedProvider(Provider):
         """Presence of each key of a chain, and the first key's placement code.
 
         A chain usually starts at a root, or at a key this client placed before: then one
-        ``present`` script per shard touched, plus a ``locate`` of the first key in the same
+        ``links`` script per shard touched, plus a ``locate`` of the first key in the same
         pipelines, which confirms that it starts a group.  A chain that starts inside a group
-        (a suffix of a longer chain) is re-placed from the first key's located position."""
+        (a suffix of a longer chain) is re-placed from the first key's located position.
+
+        The found keys' placement codes are remembered only as far as the server confirms them
+        (``links``: a group's first page is a local root there, any other page's parent is the key
+        before it): a caller's list need not be one chain (two stored roots that share a shard
+        are both found, as in a single-slot store), and a depth computed from it would misplace
+        every later write of this client under the second one."""
         first = self._memo.get(ks[0])
         for _ in range(2):
             shards = self._chain_shards(ks, first)
             order = np.argsort(shards, kind="stable")
             cuts = np.flatnonzero(np.diff(shards[order])) + 1
             groups = np.split(order, cuts)
-            calls = [(int(shards[grp[0]]), "present", [ks[i].hex() for i in grp.tolist()]) for grp in groups]
+            # (a shard's keys in chain order: a page inside a group follows its parent there)
+            calls = [(int(shards[grp[0]]), "links", [ks[i].hex() for i in grp.tolist()]) for grp in groups]
             if first is None:
                 calls.append((int(shards[0]), "locate", [str(self._group), ks[0].hex()]))
             replies = self._fan(calls)
@@ -451,12 +496,20 @@ class RedisShardedProvider(Provider):
                         return np.zeros(len(ks), dtype=bool), None
                     continue
                 first = int(shards[0]) * self._group
-            bits = np.zeros(len(ks), dtype=bool)
+            links = np.zeros(len(ks), dtype=np.uint8)
             for grp, rep in zip(groups, replies, strict=True):
-                bits[grp] = np.frombuffer(rep, dtype=np.uint8) == 0x31
+                links[grp] = np.frombuffer(rep, dtype=np.uint8)
+            bits = links != 0x30  # '0': not stored
             n = int(np.argmin(bits)) if not bits.all() else len(ks)
             if n:
-                self._remember(ks[:n], self._chain_codes(ks[:n], shards[:n], first))
+                codes = self._chain_codes(ks[:n], shards[:n], first)
+                # confirmed: the first key (memo or locate), then while each group's first page
+                # is a local root ('2') and each other page hangs under the key before it ('1')
+                want = np.where(np.asarray(codes) % self._group == 0, 0x32, 0x31)
+                ok = links[:n] == want
+                ok[0] = True
+                m = int(np.argmin(ok)) if not ok.all() else n
+                self._remember(ks[:m], codes[:m])
             return bits, first
         raise AssertionError("unreachable")  # pragma: no cover
 
@@ -493,11 +546,12 @@ class RedisShardedProvider(Provider):
         return any(self._each(dict.fromkeys(range(self._nshards), k), lambda s, kk: s._in_flight(kk)).values())
 
     # -- placement of new pages --------------------------------------------------------------
-    def _place(self, items: Sequence[tuple[Key, Key | None]]) -> list[int]:
+    def _place(self, items: Sequence[tuple[Key, Key | None]], fixed: Mapping[Key, int] | None = None) -> list[int]:
         """Placement code of each new ``(key, parent)``; a parent may be an earlier item.
-        ``-1`` when the parent is neither an earlier item nor stored."""
+        ``-1`` when the parent is neither an earlier item nor stored.  ``fixed``: keys already
+        stored (at that code), whatever parent the caller names for them."""
         g = self._group
-        known: dict[Key, int] = {}
+        known: dict[Key, int] = dict(fixed or {})
         loose = [p for k, p in items if p is not None]
         if loose:
             with self._memo_lock:
@@ -509,7 +563,9 @@ class RedisShardedProvider(Provider):
                     known[q] = c
         out: list[int] = []
         for k, p in items:
-            if p is None:
+            if fixed and k in fixed:
+                c = fixed[k]
+            elif p is None:
                 c = int(self._head_shard(np.frombuffer(k, dtype=np.uint8).reshape(1, 32))[0]) * g
             else:
                 pc = known.get(p)
@@ -525,16 +581,55 @@ class RedisShardedProvider(Provider):
             out.append(c)
         return out
 
+    def _stored_elsewhere(self, items: Sequence[tuple[Key, int]]) -> dict[Key, int | HostKVError]:
+        """Of new ``(key, placement code)`` pairs, those that this client saw stored (or
+        reserved) at another code: their code there if still stored, or ``InFlightError`` if a
+        reservation holds them there (one ``probe`` per shard, in parallel).
+
+        A key is stored once, whatever parent a caller names for it (the single-slot store
+        checks the key, not the link: a dedup).  Here a parent decides the shard, so the same
+        key under another parent would land in another shard, a second copy that the shard's own
+        scripts cannot see.  Only the placement memo is searched: a key can be anywhere, and
+        asking every shard about every new page would multiply a write's server work by
+        ``shards`` (see docs/providers/redis.md, "Not done")."""
+        memo: list[tuple[Key, int]] = []
+        with self._memo_lock:
+            for k, c in items:
+                m = self._memo.get(k)
+                if m is not None and m != c:
+                    memo.append((k, m))
+        if not memo:
+            return {}
+        by: dict[int, list[tuple[Key, int]]] = {}
+        for k, m in memo:
+            by.setdefault(m // self._group, []).append((k, m))
+        order = list(by.items())
+        replies = self._fan([(s, "probe", [x for k, _ in kms for x in (k.hex(), "")]) for s, kms in order])
+        out: dict[Key, int | HostKVError] = {}
+        for (_, kms), rep in zip(order, replies, strict=True):
+            for (k, m), st in zip(kms, rep, strict=True):
+                if st == 0x73:  # 's': stored there
+                    out[k] = m
+                elif st == 0x66:  # 'f': a live reservation there
+                    out[k] = InFlightError(f"key {k.hex()[:16]} is being written by another writer", key=k)
+        return out
+
     # -- writes ------------------------------------------------------------------------------
     def _reserve(self, k: Key, p: Key | None, n: int, salt_tag: str) -> Reservation | None:
         self._shards[0]._writable("reserve")
         c = self._place([(k, p)])[0]
         if p is not None and c < 0:
             raise UnknownKeyError(f"parent {p.hex()[:16]} is not stored")
+        there = self._stored_elsewhere([(k, c)]).get(k)
+        if isinstance(there, HostKVError):
+            raise there
+        if there is not None:
+            return None  # already stored (under another parent): a dedup, as in a single-slot store
         g = self._group
         s = c // g
         if p is None or c % g:
-            res: Reservation | None = self._roomy(s, lambda: self._shards[s]._reserve_remote(k, p, n, salt_tag, ""))
+            res: Reservation | None = self._roomy(
+                s, n, lambda: self._shards[s]._reserve_remote(k, p, n, salt_tag, ""))
         else:
             # A group's first page: its parent is in another shard, whose scripts cannot see
             # this one.  Pin the parent there first (that fails if it is gone), then reserve;
@@ -550,7 +645,7 @@ class RedisShardedProvider(Provider):
             if self._fan([(ps, "xpin", ["1", p.hex(), token])])[0] != b"1":
                 raise UnknownKeyError(f"parent {p.hex()[:16]} is not stored")
             try:
-                res = self._roomy(s, lambda: self._shards[s]._reserve_remote(k, p, n, salt_tag, f"{ps} {token}"))
+                res = self._roomy(s, n, lambda: self._shards[s]._reserve_remote(k, p, n, salt_tag, f"{ps} {token}"))
             except BaseException:
                 self._unpin([(ps, p, token)])
                 raise
@@ -561,14 +656,26 @@ class RedisShardedProvider(Provider):
         return res
 
     # -- cross-shard pins (see _scripts._XPIN) -----------------------------------------------
-    def _roomy(self, shard: int, fn: Callable[[], R]) -> R:
-        """``fn()``; on ``CapacityError``, :meth:`_make_room_in` the shard and try once more."""
+    def _roomy(self, shard: int, cost: int, fn: Callable[[], R]) -> R:
+        """``fn()``; on ``CapacityError``, :meth:`_make_room_in` the shard and try once more,
+        unless ``cost`` bytes could not fit there even then (:meth:`_could_fit`)."""
         try:
             return fn()
         except CapacityError:
-            if not self._make_room_in([shard]):
+            if not self._could_fit(self._shards[shard], cost) or not self._make_room_in([shard]):
                 raise
         return fn()
+
+    @staticmethod
+    def _could_fit(sp: RedisProvider, cost: int) -> bool:
+        """Whether ``cost`` more bytes could fit shard ``sp`` once everything evictable there is
+        gone: not past its budget less its in-flight and retained bytes (neither can be evicted).
+        :meth:`_make_room_in` evicts child groups in *other* shards; for a write that cannot fit
+        anyway that would only lose unrelated pages, and the ``CapacityError`` it then raises
+        promises that nothing was evicted.  (Leased pages are not counted: it may still fail.)"""
+        raw = sp._run(lambda c: c.hmget(sp._meta, "budget", "used", "sealed", "retained_bytes"))
+        budget, used, sealed, retained = (int(x or 0) for x in raw)
+        return cost <= budget - (used - sealed) - retained
 
     def _make_room_in(self, shards: Sequence[int], pinned: int = 2) -> int:
         """Evict the child groups (in other shards) of the ``pinned`` least recently used pinned
@@ -607,27 +714,55 @@ class RedisShardedProvider(Provider):
         if by:
             self._fan([(ps, "xunpin", args) for ps, args in by.items()])
 
-    def _drain(self, shards: Sequence[int] | None = None) -> int:
-        """Apply the queued pin releases of ``shards`` (all: ``None``) in the parents' shards,
-        then drop them from the outboxes.  Idempotent: a crash in between repeats a release."""
-        todo = list(range(self._nshards)) if shards is None else list(dict.fromkeys(shards))
-        done = 0
+    def _drain(self, shards: Sequence[int] | None = None, *, min_age_ms: int = 0) -> int:
+        """:meth:`_outboxes`; how many releases and cascaded drops were applied (0: none)."""
+        return sum(self._outboxes(shards, min_age_ms=min_age_ms))
+
+    def _outboxes(self, shards: Sequence[int] | None = None, *, min_age_ms: int = 0) -> tuple[int, int]:
+        """Apply what the scripts of ``shards`` (all: ``None``) queued for other shards, then drop
+        it from their outboxes; returns (pin releases applied, entries dropped by cascades).
+
+        * Releases (``xo``): the pins of removed group-first pages, released in the parents'
+          shards.
+        * Cascades (``xd``, entries at least ``min_age_ms`` old): a page dropped by force (a
+          checksum failure, or its bytes gone) takes its subtree along, which includes the child
+          groups pinned on it in other shards; each goes there by force too (``xdrop``), and
+          so on down, so a child is never readable while its parent is gone.
+
+        Idempotent (both steps check the pin they act on): a crash in between repeats them."""
+        todo = dict.fromkeys(range(self._nshards) if shards is None else shards, min_age_ms)
+        released = dropped = 0
         while todo:
-            replies = self._fan([(s, "xout", ["256"]) for s in todo])
+            order = list(todo.items())
+            replies = self._fan([(s, "xout", ["256", str(age)]) for s, age in order])
             pins: list[tuple[int, str, str]] = []
+            drops: dict[int, list[str]] = {}
             acks: dict[int, list[bytes]] = {}
-            for s, rep in zip(todo, replies, strict=True):
+            for (s, _), rep in zip(order, replies, strict=True):
                 for raw in rep:
-                    ps, ph, token = raw.decode().split(" ", 2)
-                    pins.append((int(ps), ph, token))
+                    text = raw.decode()
+                    if text.startswith("d "):  # "d <ms> <pin>", the pin "<child shard>:<child>:<nonce>"
+                        pin = text.split(" ", 2)[2]
+                        cs, ch, _ = pin.split(":", 2)
+                        drops.setdefault(int(cs), []).extend([ch, pin])
+                    else:
+                        ps, ph, token = text.split(" ", 2)
+                        pins.append((int(ps), ph, token))
                     acks.setdefault(s, []).append(raw)
-            if not pins:
+            if not acks:
                 break
+            if drops:
+                order_d = list(drops.items())
+                dropped += sum(int(n) for n in self._fan([(cs, "xdrop", hs) for cs, hs in order_d]))
             self._unpin(pins)
             self._fan([(s, "xack", [x.decode() for x in xs]) for s, xs in acks.items()])
-            done += len(pins)
-            todo = [s for s, rep in zip(todo, replies, strict=True) if len(rep) >= 256]
-        return done
+            released += len(pins)
+            # again: a full outbox, and the shards a cascade reached (their own child groups and
+            # the releases of the pins on the dropped pages, at once whatever their age)
+            nxt = {s: age for (s, age), rep in zip(order, replies, strict=True) if len(rep) >= 256}
+            nxt.update(dict.fromkeys(drops, 0))
+            todo = nxt
+        return released, dropped
 
     def _res_shard(self, reservation: Reservation) -> RedisProvider:
         owner = reservation.provider if isinstance(reservation, Reservation) else None
@@ -664,50 +799,62 @@ class RedisShardedProvider(Provider):
     def put_many(self, items: Sequence[tuple[bytes, bytes | None, object]], *,
                  salt_tag: str = "") -> list[bool | HostKVError]:
         """:meth:`RedisProvider.put_many` over the shards (see :meth:`_put_many`); pages that did
-        not fit their shard are tried once more after :meth:`_make_room_in` that shard."""
-        if isinstance(items, (bytes, bytearray, memoryview, str)) or not isinstance(items, Sequence):
-            raise InvalidArgumentError("put_many items are (key, parent, data) tuples")
+        not fit their shard are tried once more after :meth:`_make_room_in` that shard.
+
+        Every item (its data too) is checked before anything is pinned or sent, as the
+        single-slot store does: a shard that refused a bad item after the others had published
+        theirs would leave a refused call partly stored."""
+        args = self._put_many_args(items, salt_tag, tag_max=self._tag_max)
         self._check_usable()
         self._shards[0]._writable("put_many")
         with self._write_call():
-            return self._put_many_retry(items, salt_tag)
+            return self._put_many_retry(args, salt_tag)
 
-    def _put_many_retry(self, items: Sequence[tuple[bytes, bytes | None, object]],
+    def _put_many_retry(self, args: Sequence[tuple[Key, Key | None, memoryview]],
                         salt_tag: str) -> list[bool | HostKVError]:
-        out, codes = self._put_many(items, salt_tag)
-        full = [i for i, r in enumerate(out) if isinstance(r, CapacityError)]
-        if not full or not self._make_room_in([codes[i] // self._group for i in full]):
+        out, codes = self._put_many(args, salt_tag)
+        # make room only in a shard where some page that did not fit could fit then (_could_fit)
+        smallest: dict[int, int] = {}
+        for i, r in enumerate(out):
+            if isinstance(r, CapacityError):
+                s = codes[i] // self._group
+                smallest[s] = min(smallest.get(s, args[i][2].nbytes), args[i][2].nbytes)
+        room = [s for s, ok in self._each(smallest, self._could_fit).items() if ok]
+        if not room or not self._make_room_in(room):
             return out
         again = [i for i, r in enumerate(out) if r is not True and r is not False]
-        second, _ = self._put_many([items[i] for i in again], salt_tag)
+        second, _ = self._put_many([args[i] for i in again], salt_tag)
         for i, r in zip(again, second, strict=True):
             out[i] = r
         return out
 
-    def _put_many(self, items: Sequence[tuple[bytes, bytes | None, object]],
+    def _put_many(self, args: Sequence[tuple[Key, Key | None, memoryview]],
                   salt_tag: str) -> tuple[list[bool | HostKVError], list[int]]:
-        """:meth:`RedisProvider.put_many` over the shards: each shard's pages in one call (its
-        probe and put pipeline), masters in parallel.  Per item ``True``/``False``/its error; a
-        page whose parent failed fails too (a group head published meanwhile in another shard is
-        evicted again, best effort: otherwise an unreachable orphan that ages out)."""
+        """:meth:`RedisProvider.put_many` over the shards (``args`` checked by the caller): each
+        shard's pages in one call (its probe and put pipeline), masters in parallel.  Per item
+        ``True``/``False``/its error; a page whose parent failed fails too (a group head
+        published meanwhile in another shard is evicted again, best effort: otherwise an
+        unreachable orphan that ages out)."""
         self._check_usable()
-        checked: list[tuple[Key, Key | None]] = []
-        for it in items:
-            if not isinstance(it, tuple) or len(it) != 3:
-                raise InvalidArgumentError("put_many items are (key, parent, data) tuples")
-            k, p, _ = self._reserve_args(it[0], it[1], 1, salt_tag, tag_max=128)
-            checked.append((k, p))
+        checked: list[tuple[Key, Key | None]] = [(k, p) for k, p, _ in args]
         codes = self._place(checked)
+        out: list[bool | HostKVError | None] = [None] * len(args)
+        # A key this client saw stored under another placement is a dedup (or in flight), not
+        # a second copy; the pages under it in this call are placed from where it really is.
+        there = self._stored_elsewhere([(k, c) for (k, _), c in zip(checked, codes, strict=True) if c >= 0])
+        if there:
+            codes = self._place(checked, {k: c for k, c in there.items() if isinstance(c, int)})
         g = self._group
-        out: list[bool | HostKVError | None] = [None] * len(items)
         # A page that starts a group pins its parent in the parent's shard before it is
         # published (one xpin call per shard, a round trip per master): strictly for a parent
         # outside this call (it must be stored: else the page fails), ahead of its creation for a
         # parent that is an earlier item (published in parallel; its put counts the pin).
-        in_call = {k: c for (k, _), c in zip(checked, codes, strict=True)}
+        in_call = {k: c for (k, _), c in zip(checked, codes, strict=True) if k not in there}
         pins: dict[int, tuple[int, Key, str]] = {}  # item -> (parent shard, parent, pin)
         calls: dict[tuple[int, str], list[int]] = {}
         for i, ((k, p), c) in enumerate(zip(checked, codes, strict=True)):
+            if k in there:
+                continue
             if p is not None and c >= 0 and c % g == 0:
                 pc = in_call.get(p, self._memo.get(p, -1))
                 if pc < 0:
@@ -725,27 +872,40 @@ class RedisShardedProvider(Provider):
         work: dict[int, list[int]] = {}
         for i, c in enumerate(codes):
             k, p = checked[i]
-            if c < 0 or i in gone or (p is not None and c % g == 0 and i not in pins) or (p is not None and p in bad):
+            found = there.get(k)
+            if isinstance(found, HostKVError):
+                bad.add(k)
+                out[i] = found
+            elif found is not None:
+                out[i] = False  # stored already (under another parent): a dedup
+            elif c < 0 or i in gone or (p is not None and c % g == 0 and i not in pins) or (p is not None and p in bad):
                 bad.add(k)
                 out[i] = UnknownKeyError(f"parent {p.hex()[:16] if p else '?'} is not stored")
             else:
                 work.setdefault(c // g, []).append(i)
+        dedup = sum(1 for k, _ in checked if isinstance(there.get(k), int))
+        if dedup:
+            self._tally("dedup", dedup)  # (the shards count their own)
 
-        def put(shard: RedisProvider, idx: list[int]) -> list[bool | HostKVError]:
-            sub = [(checked[i][0], checked[i][1], items[i][2]) for i in idx]
+        def put(shard: RedisProvider, idx: list[int]) -> None:
+            sub = [args[i] for i in idx]
             # a group's first page: its parent is recorded (xp, xs) with its pin (xm), not linked
             remote = {checked[i][0]: f"{pins[i][0]} {pins[i][2]}" for i in idx if i in pins}
-            return shard.put_many(sub, salt_tag=salt_tag, _remote=remote)
+            res = shard.put_many(sub, salt_tag=salt_tag, _remote=remote)
+            # recorded here, at once: if another shard's call raises, these pages are published
+            # all the same and must keep their pins (below)
+            for i, got in zip(idx, res, strict=True):
+                out[i] = got
 
         try:
-            for s, res in self._each(work, put).items():
-                for i, got in zip(work[s], res, strict=True):
-                    out[i] = got
+            self._each(work, put)
         finally:
-            # pins of pages not published now (already stored by another writer, failed, or the
-            # call raised) are released; a published page keeps its pin
+            # pins of pages not published now (already stored by another writer, failed) are
+            # released; a published page keeps its pin, and so does one whose shard's call
+            # raised (it may be published: a pin that no page holds is released by
+            # reconcile_pins, while an unpinned child group could outlive its parent)
             with contextlib.suppress(HostKVError):
-                self._unpin([pins[i] for i in pins if out[i] is not True])
+                self._unpin([pins[i] for i in pins if out[i] is not None and out[i] is not True])
         # A page whose parent (an earlier item) failed did not get a valid chain above it.
         failed: set[Key] = set()
         orphans: dict[int, list[Key]] = {}
@@ -762,7 +922,10 @@ class RedisShardedProvider(Provider):
             # best effort: an unreachable orphan is never a hit; its pin goes with it (outbox)
             with contextlib.suppress(HostKVError):
                 self._evict_subtrees(orphans)
-        stored = [(checked[i][0], codes[i]) for i in range(len(items)) if out[i] is True or out[i] is False]
+        # Remembered: the pages published here, at the code they were published at.  Not a
+        # dedup: a page found stored in its shard may sit at another depth there (stored under
+        # another parent), and a wrong code would misplace every later write under it.
+        stored = [(checked[i][0], codes[i]) for i in range(len(args)) if out[i] is True]
         if stored:
             self._remember([k for k, _ in stored], [c for _, c in stored])
         return [r if r is not None else StorageIOError("internal: no result") for r in out], codes
@@ -788,7 +951,29 @@ class RedisShardedProvider(Provider):
 
     def _drop_damaged(self, k: Key, token: object) -> bool:
         assert isinstance(token, tuple)  # (shard, the shard's token), from _read
-        return self._shards[token[0]]._drop_damaged(k, token[1])
+        dropped = self._shards[token[0]]._drop_damaged(k, token[1])
+        if dropped:
+            self._cascade([token[0]])
+        return dropped
+
+    def _cascade(self, shards: Sequence[int]) -> int:
+        """After a forced drop in ``shards`` (a read's checksum failure, verify's repair): its
+        subtree in the other shards goes now (:meth:`_outboxes`), not a second later; entries
+        removed there.  A failure leaves it queued for the renewal threads (never lost)."""
+        with contextlib.suppress(HostKVError):
+            return self._outboxes(shards)[1]
+        return 0
+
+    def _reading(self, shard: RedisProvider, fn: Callable[[RedisProvider], T]) -> T:
+        """``fn(shard)``, a read through the shard's own front (which drops what fails its
+        checksum, with the subtree in that shard), then the drop's cascade into other shards."""
+        before = shard._tallies()["checksum_failures"]
+        try:
+            return fn(shard)
+        finally:
+            # (this thread's drop raised the count; another thread's only costs a drain)
+            if shard._tallies()["checksum_failures"] != before:
+                self._cascade([self._shards.index(shard)])
 
     def read_bytes(self, key: bytes, span: ByteSpan | None = None) -> bytes | None:
         """The shard's one-round-trip ``read_bytes`` (its front's rules and counters)."""
@@ -796,11 +981,11 @@ class RedisShardedProvider(Provider):
         if span is not None and not isinstance(span, ByteSpan):
             check_span(span, 0)  # raises: a wrong type is an error also for a key that misses
         self._check_usable()
-        shard = self._shard_of(k)
-        if shard is None:
+        c = self._locate([k])[0]
+        if c < 0:
             self._tally("misses")  # (as the shard's front would have)
             return None
-        return shard.read_bytes(k, span)
+        return self._reading(self._shards[c // self._group], lambda shard: shard.read_bytes(k, span))
 
     def read_many(self, keys: Sequence[bytes], outs: Sequence[object]) -> list[bool]:
         """:meth:`RedisProvider.read_many` over the shards, masters in parallel."""
@@ -809,7 +994,8 @@ class RedisShardedProvider(Provider):
         work, missing = self._group_keys(ks)
         self._tally("misses", len(missing))
         out = [False] * len(ks)
-        res = self._each(work, lambda s, idx: s.read_many([ks[i] for i in idx], [outs[i] for i in idx]))
+        res = self._each(work, lambda s, idx: self._reading(
+            s, lambda shard: shard.read_many([ks[i] for i in idx], [outs[i] for i in idx])))
         for s, idx in work.items():
             for i, r in zip(idx, res[s], strict=True):
                 out[i] = r
@@ -821,7 +1007,8 @@ class RedisShardedProvider(Provider):
         work, missing = self._group_keys(ks)
         self._tally("misses", len(missing))
         out: list[bytes | None] = [None] * len(ks)
-        res = self._each(work, lambda s, idx: s.read_many_bytes([ks[i] for i in idx]))
+        res = self._each(work, lambda s, idx: self._reading(
+            s, lambda shard: shard.read_many_bytes([ks[i] for i in idx])))
         for s, idx in work.items():
             for i, r in zip(idx, res[s], strict=True):
                 out[i] = r
@@ -866,23 +1053,44 @@ class RedisShardedProvider(Provider):
     # -- eviction ----------------------------------------------------------------------------
     def _evict(self, ks: list[Key] | None, nbytes: int) -> EvictReport:
         """``keys``: each key's subtree, across shards (:meth:`_evict_subtrees`).  ``nbytes``:
-        LRU leaves (store-wide leaves: pinned pages are none) from every shard in proportion to
-        its used bytes."""
+        LRU leaves (store-wide leaves: pinned pages are none) until ``nbytes`` are freed or
+        nothing is evictable, as a single-slot store peels them.
+
+        In rounds: the shards that have a leaf, oldest leaf first (their least recently used
+        leaves' last use), each get a share of what is still missing in proportion to its used
+        bytes, until the shares cover it (so a small ``nbytes`` goes to the oldest leaf's shard
+        alone, not a page from every shard); then the evicted group-first pages' pins are
+        released, which makes their parents in other shards leaves for the next round."""
         self._shards[0]._writable("evict")
         report = EvictReport()
         if ks is not None:
             work, _ = self._group_keys(ks)
             return self._evict_subtrees({s: [ks[i] for i in idx] for s, idx in work.items()}, explicit=True)
         self._drain()  # released pins first, so that their parents count as leaves
-        used = self._each(dict.fromkeys(range(self._nshards), 0), lambda s, _: s.stats().used_bytes)
-        total = sum(used.values())
-        if not total:
-            return report
-        share = {s: -(-nbytes * u // total) for s, u in used.items() if u}
-        parts = self._each(share, lambda s, n: s._evict(None, n))
-        for r in parts.values():
-            report = EvictReport(report.entries + r.entries, report.nbytes + r.nbytes, report.skipped + r.skipped)
-        self._drain(list(parts))  # the evicted group-first pages' pins
+        while report.nbytes < nbytes:
+            heads = self._fan([(s, "lru_head", []) for s in range(self._nshards)])
+            cand = sorted((int(lu), s, int(used)) for s, (lu, used) in enumerate(heads) if int(lu) >= 0)
+            if not cand:
+                if not self._drain():  # (a concurrent removal's releases may have made leaves)
+                    break
+                continue
+            need = nbytes - report.nbytes
+            total = sum(u for _, _, u in cand) or 1
+            share: dict[int, int] = {}
+            given = 0
+            for _, s, u in cand:
+                n = min(need - given, max(1, -(-need * u // total)))
+                share[s] = n
+                given += n
+                if given >= need:
+                    break
+            parts = self._each(share, lambda sp, n: sp._evict(None, n))
+            for r in parts.values():
+                report = EvictReport(report.entries + r.entries, report.nbytes + r.nbytes,
+                                     report.skipped + r.skipped)
+            released = self._drain(list(parts))  # the evicted group-first pages' pins
+            if not any(r.entries for r in parts.values()) and not released:
+                break  # (leaves seen a moment ago were taken by another client meanwhile)
         return report
 
     def _evict_subtrees(self, roots: Mapping[int, Sequence[Key | str]], *, explicit: bool = False) -> EvictReport:
@@ -953,17 +1161,19 @@ class RedisShardedProvider(Provider):
                 if not info.retained:
                     todo.setdefault(s, []).append(ks[i].hex())
         done: dict[int, list[str]] = {}
-        remote: list[tuple[int, str]] = []
         try:
             for s, hexes in todo.items():
                 _, more = self._shards[s]._retain_step("mark", hexes)
                 done[s] = hexes
-                remote += more
+                # The count goes on to the ancestors in other shards now, shard by shard: the
+                # undo below takes back with "down" exactly what each mark added there with "up"
+                # (deferred to the end, a failure undid counts that were never added: -1), and
+                # a concurrent retain never sees a count here that its ancestors elsewhere lack.
+                self._propagate("up", more)
         except HostKVError:
             for s, hexes in done.items():  # undo: exactly the marks this call made
                 self._propagate("down", self._shards[s]._retain_step("unmark", hexes)[1])
             raise
-        self._propagate("up", remote)
         return sum(len(h) for h in todo.values())
 
     def unretain(self, keys: Sequence[bytes]) -> int:
@@ -1092,11 +1302,13 @@ class RedisShardedProvider(Provider):
         check_progress(progress)
         self._check_usable()
         report = VerifyReport()
-        for s in self._shards:
+        for i, s in enumerate(self._shards):
             r = s.verify(repair=repair)
             report.checked += r.checked
             report.corrupt.extend(r.corrupt)
             report.dropped += r.dropped
+            if r.dropped:  # the dropped subtrees' child groups in other shards go too
+                report.dropped += self._cascade([i])
             if progress is not None:
                 progress(report.checked, report.checked)
         if repair:
