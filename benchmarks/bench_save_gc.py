@@ -95,7 +95,10 @@ def main() -> None:
         ids = list(range(n))
         for rep in range(args.reps):
             keys = cache.keys(np.arange(n * LAYOUT.page_tokens) + rep * 10_000_000)
-            rows["save"].append(_timed(lambda keys=keys: cache.save(keys, planes, ids).wait(120)))
+            def save(keys: list[hk.Key] = keys) -> None:
+                cache.save(keys, planes, ids).wait(120)
+
+            rows["save"].append(_timed(save))
 
             def restore(keys: list[hk.Key] = keys) -> None:
                 hit = cache.lookup(keys)
