@@ -14,6 +14,7 @@ from __future__ import annotations
 import abc
 import os
 import threading
+import warnings
 from collections.abc import Iterator, Sequence
 
 from hostkv_providers._checks import check_retain_share, writable_buffer
@@ -119,13 +120,22 @@ class IndexedProvider(Provider):
         digest = checksum(blob)
         with self._locked(self._lock):
             res.check_open(self)
+            # The bytes first, then the index entry: a medium that fails (disk full, I/O error)
+            # leaves nothing published — committed first, the entry was visible with no bytes
+            # (present, chained under, then dropped with its subtree at the first read).
+            try:
+                self._store(res.key, blob)
+            except BaseException:
+                self._index.cancel(res.key)
+                res._finish("aborted")
+                raise
             try:  # raises UnknownKeyError if the parent was dropped meanwhile
                 self._index.commit(res.key, nbytes=res.nbytes, csum=digest, tag=res.salt_tag)
             except UnknownKeyError:
                 res._finish("aborted")
+                self._forget_bytes([res.key])
                 raise
             res._finish("sealed")
-            self._store(res.key, blob)
 
     def _abort(self, res: _BufferedReservation) -> bool:
         with self._locked(self._lock):
@@ -164,14 +174,27 @@ class IndexedProvider(Provider):
             return EvictReport(len(removed), freed, skipped)
 
     def _remove_rows(self, rows: Sequence[int]) -> None:
-        """Rows the index removed: forget their bytes and anchors, let the rows be reused."""
+        """Rows the index removed: let the rows be reused, forget their anchors and bytes.
+
+        The index first: a ``_discard`` that raises (a failing medium) then leaks bytes no
+        entry names (a later seal of the key writes over them) instead of leaving the rows, or a
+        reservation begun in the same call, in the index for good."""
         if rows:
-            self._discard([self._index.key_of(r) for r in rows])
+            keys = [self._index.key_of(r) for r in rows]
             anchors = self._index.anchors
             if anchors:
                 for r in rows:
                     anchors.pop(r, None)
             self._index.recycle(rows)
+            self._forget_bytes(keys)
+
+    def _forget_bytes(self, keys: list[Key]) -> None:
+        """``_discard`` whose failure is a warning: the index no longer names these bytes."""
+        try:
+            self._discard(keys)
+        except Exception as exc:  # (a medium's own error, whatever its type)
+            warnings.warn(f"{type(self).__name__}: discarding {len(keys)} entries' bytes failed ({exc!r}); "
+                          "they stay on the medium, unreachable, until written over", ResourceWarning, stacklevel=3)
 
     def _put_anchor(self, key: Key, name: str, blob: bytes) -> None:
         with self._locked(self._lock):
@@ -180,7 +203,7 @@ class IndexedProvider(Provider):
             if row < 0:
                 raise UnknownKeyError(f"entry {key.hex()[:16]} is not stored", hint="seal the page before its anchors")
             old = idx.anchors.get(row, {}).get(name, b"")
-            self._remove_rows(idx.add_cost(row, len(blob) - len(old)))
+            self._remove_rows(idx.add_cost(row, len(blob) - len(old), int(self._retain_share * self._budget)))
             idx.anchors.setdefault(row, {})[name] = blob
 
     def _get_anchor(self, key: Key, name: str) -> bytes | None:

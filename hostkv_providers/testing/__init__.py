@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from hostkv_providers.testing._batch_chain import BatchChainTests
 from hostkv_providers.testing._families._anchors import AnchorTests
 from hostkv_providers.testing._families._base import ProviderFactory, SuiteBase
 from hostkv_providers.testing._families._basics import BasicTests
@@ -26,6 +27,7 @@ from hostkv_providers.testing._families._powers import CapabilityTests
 from hostkv_providers.testing._families._retain import RetainTests
 from hostkv_providers.testing._families._writes import WriteTests
 from hostkv_providers.testing._gc import cache_settled, cycles_left_by
+from hostkv_providers.testing._hostile import HostileInputTests
 from hostkv_providers.testing._pages import (
     anchor_bytes,
     chain,
@@ -43,9 +45,11 @@ if TYPE_CHECKING:
 __all__ = [
     "AnchorTests",
     "BasicTests",
+    "BatchChainTests",
     "CapabilityTests",
     "ChecksumTests",
     "EvictionTests",
+    "HostileInputTests",
     "LeaseTests",
     "LifecycleTests",
     "MisuseTests",

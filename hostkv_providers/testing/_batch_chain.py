@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 import pytest
@@ -35,6 +35,7 @@ from hostkv_providers._errors import (
 from hostkv_providers._keys import Key
 from hostkv_providers._provider import Provider
 from hostkv_providers._reservation import Reservation
+from hostkv_providers.testing._families._base import SuiteBase
 from hostkv_providers.testing._pages import chain, page_bytes, put_chain
 
 __all__ = ["BatchChainTests"]
@@ -86,10 +87,8 @@ def _sums(keys: Sequence[Key], nbytes: int, algorithm: str) -> list[int] | None:
     return None
 
 
-class BatchChainTests:
+class BatchChainTests(SuiteBase):
     """The chain-reservation part of the conformance suite (see the module docstring)."""
-
-    page_nbytes: ClassVar[int]
 
     def test_reserve_many_chain_roundtrip(self, provider: Provider) -> None:
         keys = chain("rm-roundtrip", 6)

@@ -145,9 +145,19 @@ class _Removal(_Columns):
         self.evicted_cost += int(self.cost[out].sum()) if out else 0
         return out
 
-    def add_cost(self, row: int, delta: int) -> list[int]:
-        """Grow (or shrink) a sealed row's cost, e.g. for anchors; evicts to make room."""
+    def add_cost(self, row: int, delta: int, retain_limit: int | None = None) -> list[int]:
+        """Grow (or shrink) a sealed row's cost, e.g. for anchors; evicts to make room.
+
+        ``retain_limit``: the retained bytes allowed (``retain_share`` of the budget); a retained
+        row (or an ancestor of one) growing past it is refused with ``CapacityError`` before
+        anything is evicted — else anchors added to retained prefixes grew the retained bytes
+        past the share, and every later reservation failed for want of room."""
         evicted: list[int] = []
+        if delta > 0 and retain_limit is not None and self.rcover[row] and self.retained_cost + delta > retain_limit:
+            raise CapacityError(
+                f"this entry is retained: {delta} more bytes make {self.retained_cost + delta} retained bytes, "
+                f"more than the {retain_limit} allowed",
+                hint="unretain other prefixes, or raise the retain_share option (a budget fraction)")
         if delta > 0:
             evicted = self.make_room(delta, protect=row)
         self.cost[row] += delta

@@ -42,7 +42,7 @@ class _Anchors(_Maintenance):
             table = idx.anchors.get(row) or {}
             old = table.get(name)
             delta = cost - (old.cost if old is not None else 0)
-            self._free_rows_storage(idx.add_cost(row, delta), journal=True)
+            self._free_rows_storage(idx.add_cost(row, delta, int(self._retain_share * self._budget)), journal=True)
             try:
                 idx._hold(row)
                 try:

@@ -114,6 +114,7 @@ class _MmapBase(Provider):
     # configuration (MmapProvider.__init__)
     path: str
     _fork_gen: int
+    _retain_share: float
     _io: str
     _durability: str
     _verify_reads: bool

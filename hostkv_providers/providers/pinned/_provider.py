@@ -377,7 +377,7 @@ class PinnedProvider(_Batches):
             table = idx.anchors.get(row)
             old = table.get(name) if table else None
             delta = len(blob) - (len(old) if old is not None else 0)
-            self._free_rows(idx.add_cost(row, delta))
+            self._free_rows(idx.add_cost(row, delta, int(self._retain_share * self._budget)))
             idx.anchors.setdefault(row, {})[name] = blob
 
     def _get_anchor(self, k: Key, name: str) -> bytes | None:

@@ -782,7 +782,7 @@ class TieredProvider(_Chains):
                 raise UnknownKeyError(f"entry {k.hex()[:16]} is not stored", hint="seal the page before its anchors")
             gen = int(idx.gen[row])
             old = idx.anchors.get(row, {}).get(name, 0)
-            self._drop_from_tiers(idx.add_cost(row, len(blob) - old))
+            self._drop_from_tiers(idx.add_cost(row, len(blob) - old, int(self._retain_share * self._budget)))
             if self._pending(gen) or gen in self._unsynced:
                 # Queued behind the page's own write-back (and any earlier anchor of it), so the
                 # slow tier ends with the latest blob; reads see it here until then.

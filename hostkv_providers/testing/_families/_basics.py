@@ -43,7 +43,8 @@ class BasicTests(SuiteBase):
         data = page_bytes(key, nbytes)
         res = provider.reserve(key, None, nbytes)
         assert res is not None
-        cuts = [0, 1000, 4096, 5000, 9000, nbytes]
+        page = self.page_nbytes  # (cut points scale with it: any page_nbytes >= 64 works)
+        cuts = [0, page // 4 - 3, page, page + page // 4, 2 * page + page // 5, nbytes]
         pieces = list(itertools.pairwise(cuts))
         for lo, hi in reversed(pieces):
             provider.write(res, lo, data[lo:hi])
@@ -60,9 +61,10 @@ class BasicTests(SuiteBase):
         data = page_bytes(key, nbytes)
         res = provider.reserve(key, None, nbytes)
         assert res is not None
-        provider.write(res, 0, memoryview(data)[:1024])
-        provider.write(res, 1024, bytearray(data[1024:2048]))
-        provider.write(res, 2048, np.frombuffer(data[2048:], dtype=np.uint32))  # not a "B" format
+        q = nbytes // 4 // 8 * 8  # (8-aligned: the rest is read as uint32s, the whole as float64s)
+        provider.write(res, 0, memoryview(data)[:q])
+        provider.write(res, q, bytearray(data[q:2 * q]))
+        provider.write(res, 2 * q, np.frombuffer(data[2 * q:], dtype=np.uint32))  # not a "B" format
         provider.seal(res)
         out = np.zeros(nbytes // 8, dtype=np.float64)  # reading into a typed array works too
         assert provider.read(key, out) is True
@@ -138,8 +140,9 @@ class BasicTests(SuiteBase):
         nbytes = self._pages(3)
         data = page_bytes(key, nbytes)
         put_page(provider, key, None, nbytes)
-        for offset, n in [(0, nbytes), (0, 1), (1, 4095), (4096, 4096), (4095, 2), (nbytes - 1, 1),
-                          (123, 7777), (nbytes, 0), (0, 0)]:
+        page = self.page_nbytes
+        for offset, n in [(0, nbytes), (0, 1), (1, page - 1), (page, page), (page - 1, 2), (nbytes - 1, 1),
+                          (page // 33, 2 * page - page // 5), (nbytes, 0), (0, 0)]:
             out = bytearray(n)
             assert provider.read(key, out, ByteSpan(offset, n)) is True
             assert bytes(out) == data[offset : offset + n]

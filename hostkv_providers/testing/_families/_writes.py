@@ -119,13 +119,15 @@ class WriteTests(SuiteBase):
         assert res is not None
         with pytest.raises(IncompleteWriteError):
             provider.seal(res)
-        provider.write(res, 0, data[:4096])
-        provider.write(res, 5000, data[5000:])
+        page = self.page_nbytes
+        gap = page + page // 4
+        provider.write(res, 0, data[:page])
+        provider.write(res, gap, data[gap:])
         with pytest.raises(IncompleteWriteError):
             provider.seal(res)
         assert provider.present([key]) == [False]
         assert res.state == "open"  # the reservation stays usable
-        provider.write(res, 4096, data[4096:5000])
+        provider.write(res, page, data[page:gap])
         provider.seal(res)
         assert provider.read_bytes(key) == data
 
