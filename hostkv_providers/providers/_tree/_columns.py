@@ -122,7 +122,10 @@ class _Columns:
             return row
         if len(self._base_k64):
             h = key_u64(key)
-            i = int(np.searchsorted(self._base_k64, h))
+            # np.uint64, not the int: numpy compares a uint64 array with a Python int as float64,
+            # whose 53 bits lose the low bits of the key's first 8 bytes, so the search landed on
+            # another key of the same rounded value and a stored key read as absent
+            i = int(np.searchsorted(self._base_k64, np.uint64(h)))
             while i < len(self._base_k64) and int(self._base_k64[i]) == h:
                 r = int(self._base_row[i])
                 if r >= 0 and self.key[r].tobytes() == key:
@@ -180,7 +183,7 @@ class _Columns:
 
     def _unmap_base(self, row: int, h: int) -> None:
         """Take ``row`` (first key bytes ``h``) out of the bulk-loaded key map, if it is there."""
-        i = int(np.searchsorted(self._base_k64, h))
+        i = int(np.searchsorted(self._base_k64, np.uint64(h)))  # (see row_of)
         while i < len(self._base_k64) and int(self._base_k64[i]) == h:
             if int(self._base_row[i]) == row:
                 self._base_row[i] = -1
