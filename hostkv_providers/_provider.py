@@ -633,6 +633,7 @@ class Provider(abc.ABC, metaclass=_ProviderMeta):
             check_span(span, 0)  # raises: a wrong type is an error also for a key that misses
         info = self.entry(key)
         if info is None:
+            self._tally("misses")  # (a miss of read() is counted there: hit ratios need both)
             return None
         span = check_span(span, info.nbytes)
         buf = bytearray(span.nbytes)

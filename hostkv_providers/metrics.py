@@ -138,6 +138,7 @@ class ProviderCollector:
                                        hint="pip install 'hostkv-providers[prometheus]'") from exc
         self.provider = provider
         self.prefix = prefix
+        _check_labels(labels, _OWN_LABELS)
         self._label_names = sorted((labels or {}).keys())
         self._label_values = [str((labels or {})[n]) for n in self._label_names]
 
@@ -221,3 +222,21 @@ class ProviderCollector:
             for tier, _, st in tiered:
                 lag.add_metric([*values, tier], float(st.extra.get("pending_write_back", 0)))
             yield lag
+
+
+#: Labels the provider collector sets itself: a constant label of one of these names was
+#: collapsed into the collector's own by prometheus_client (the caller's value silently lost).
+_OWN_LABELS = ("provider", "tier", "name", "scope", "store")
+
+
+def _check_labels(labels: Mapping[str, str] | None, own: Sequence[str]) -> None:
+    """Constant labels: valid Prometheus label names, none of the collector's own."""
+    import re
+
+    for name in labels or {}:
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name) or name.startswith("__"):
+            raise InvalidArgumentError(f"{name!r} is not a Prometheus label name")
+        if name in own:
+            raise InvalidArgumentError(f"label {name!r} is set by the collector itself",
+                                       hint=f"pick another name than {', '.join(own)}")
+

@@ -275,7 +275,8 @@ def _wrapped(items: Sequence[str], room: int) -> list[str]:
 
 
 #: ProviderStats fields that are gauges of the store (read from the medium), not counters.
-_GAUGES = ("name", "entries", "used_bytes", "budget_bytes", "anchors", "leased", "in_flight")
+_GAUGES = ("name", "entries", "used_bytes", "budget_bytes", "anchors", "leased", "in_flight", "retained",
+           "retained_bytes")
 
 
 @cli.command()

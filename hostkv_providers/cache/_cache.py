@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import threading
 import time
 import weakref
@@ -92,7 +93,7 @@ from hostkv_providers.cache._handles import (
 from hostkv_providers.cache._hybrid import HybridState, make_hybrid
 from hostkv_providers.device._engine import BlockIds
 from hostkv_providers.device._hostmem import HostAllocator
-from hostkv_providers.metrics import ProviderCollector
+from hostkv_providers.metrics import ProviderCollector, _check_labels
 
 __all__ = [
     "AdmissionPolicy",
@@ -230,6 +231,7 @@ class HostKVCache:
         self._save_lat = _Latency()
         self._restore_lat = _Latency()
         self._lookup_lat = _Latency()
+        self._evictions_seen = 0
         self._evictions0 = self._provider_evictions()
         self._alloc = staging_allocator if staging_allocator is not None else _staging_allocator()
         self._staging_free: list[_Staging] = []
@@ -455,8 +457,10 @@ class HostKVCache:
             pages of that prefix.  It does not wait for pages being saved right now.
         """
         self._check_open()
+        t_lookup = time.perf_counter()
         world = self.salt.tp_world_size
-        if isinstance(rank_keys, (bytes, bytearray, memoryview)) or len(rank_keys) != world:
+        if (isinstance(rank_keys, (bytes, bytearray, memoryview, str)) or not isinstance(rank_keys, Sequence)
+                or len(rank_keys) != world):
             raise InvalidArgumentError(f"rank_keys must hold one chain per rank ({world})",
                                        hint="build them with HostKVCache.rank_keys(tokens)")
         chains = [self._chain(c) for c in rank_keys]
@@ -481,6 +485,8 @@ class HostKVCache:
         anchor: Key | None = None
         if hyb is not None and hyb.binding:  # hybrid hook: every rank's page carries every anchor
             n = hyb.deepest(chains, n, need_anchor)
+            if need_anchor is not None and n:
+                anchor = own[n - 1]  # (hit.anchor opens its record, as for lookup)
         elif need_anchor is not None:
             # the deepest depth anchored on every rank: cut to the shallowest rank's deepest
             # anchor until all ranks agree (anchors are placed at the same depths on every rank,
@@ -515,6 +521,7 @@ class HostKVCache:
             else:
                 st.misses += 1
             st.anchor_cut_pages += stored - n
+            self._lookup_lat.add(time.perf_counter() - t_lookup)
         return hit
 
     # -- restore (restore.py) -----------------------------------------------------
@@ -618,10 +625,11 @@ class HostKVCache:
             raise ClosedError("the HostKVCache is closed")
 
     def _provider_evictions(self) -> int:
-        try:
-            return int(self.provider.stats().evictions)
-        except HostKVError:
-            return 0
+        """The provider's evictions counter; the last one read while the provider cannot answer
+        (closed): 0 there made the cache's evictions counter go backwards."""
+        with contextlib.suppress(HostKVError):
+            self._evictions_seen = int(self.provider.stats().evictions)
+        return self._evictions_seen
 
     # -- stats --------------------------------------------------------------------------------
     def stats(self) -> CacheStats:
@@ -651,6 +659,7 @@ class HostKVCache:
             raise InvalidArgumentError("prometheus_client is not installed",
                                        hint="pip install 'hostkv-providers[prometheus]'") from exc
         cache = self
+        _check_labels(labels, ())
         names = sorted((labels or {}).keys())
         values = [str((labels or {})[n]) for n in names]
         counters = ("lookups", "hits", "misses", "lookup_pages", "hit_pages", "hit_tokens", "saves", "saved_pages",

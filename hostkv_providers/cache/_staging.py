@@ -13,11 +13,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from hostkv_providers._errors import (
+    CapacityError,
     ClosedError,
     CopyArgumentError,
     CopyEngineError,
     InFlightError,
     InvalidArgumentError,
+    UnknownKeyError,
 )
 from hostkv_providers._provider import Provider
 from hostkv_providers._span import ByteSpan
@@ -180,6 +182,8 @@ class StagingPool:
             res = provider.reserve(key, parent, self.page_nbytes, salt_tag=salt_tag)
         except InFlightError:
             return provider.wait_sealed(key, timeout)
+        except (CapacityError, UnknownKeyError):
+            return False  # no room, or the parent went: the chain stops here, its stored count returned
         if res is None:
             return True  # dedup: already stored
         try:
