@@ -19,6 +19,7 @@ the wrong name is caught by the key echo.
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import itertools
 import logging
 import os
@@ -74,7 +75,7 @@ from redis.cluster import RedisCluster
 
 from ._errors import NotReplicatedError, ReservationLostError, ServerOutOfMemoryError
 from ._scripts import TRAILER_NBYTES
-from ._wire import Part, Piece, _BufferPool, _encode, _get_into, _Link, _redact, _send_raw, _whole
+from ._wire import MAX_BULK, Part, Piece, _BufferPool, _encode, _get_into, _Link, _redact, _send_raw, _whole
 
 __all__ = [
     "DEFAULT_BUDGET",
@@ -94,7 +95,6 @@ _STORE_COUNTERS = ("hits", "misses", "bytes_read", "seals", "bytes_written", "ev
                    "checksum_failures", "aborts", "expired_leases", "expired_reservations")
 _MAYBE_ORPHAN = "orphan?"  # Corrupt token of a GET miss (see RedisProvider._drop_damaged)
 _ORPHAN_CHECK = Corrupt(_MAYBE_ORPHAN)
-_DAMAGED = Corrupt("")  # a page whose trailer or checksum does not match
 _TRAILER = struct.Struct("<32sQQ8s")
 _MAGIC = b"HKVPAGE1"
 _NAMESPACE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -113,6 +113,26 @@ def _check_share(value: object) -> float:
     return float(value)
 
 
+def _check_options(url: object, *, lease_ttl: object, reservation_ttl: object, timeout: object, retries: object,
+                   wait_replicas: object, wait_timeout: object, retain_share: object) -> None:
+    """The connection and lease options' checks (typed errors), for :class:`RedisProvider` and
+    for the sharded store, which makes them before it builds its cluster client:
+    ``RedisCluster.from_url`` and ``Retry`` take the raw values first and fail untyped
+    (``RedisClusterException``, ``TypeError``, ``AttributeError``) or not at all."""
+    if not isinstance(url, str) or "://" not in url:
+        raise InvalidArgumentError(f"url must be a redis:// URL, got {url!r}")
+    for what, value in (("lease_ttl", lease_ttl), ("reservation_ttl", reservation_ttl), ("timeout", timeout)):
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= 86400:
+            raise InvalidArgumentError(f"{what} must be seconds in (0, 86400], got {value!r}")
+    if type(retries) is not int or not 0 <= retries <= 100:
+        raise InvalidArgumentError(f"retries must be an int in [0, 100], got {retries!r}")
+    if type(wait_replicas) is not int or not 0 <= wait_replicas <= 16:
+        raise InvalidArgumentError(f"wait_replicas must be an int in [0, 16], got {wait_replicas!r}")
+    if not isinstance(wait_timeout, (int, float)) or isinstance(wait_timeout, bool) or not 0 < wait_timeout <= 3600:
+        raise InvalidArgumentError(f"wait_timeout must be seconds in (0, 3600], got {wait_timeout!r}")
+    _check_share(retain_share)
+
+
 def _check_readonly(readonly: object, budget_bytes: int | None, resize: object) -> bool:
     """``readonly`` must be a bool, and a read-only open sets no budget (``budget=``, ``resize=``):
     the rule of every open, checked before anything connects."""
@@ -122,6 +142,14 @@ def _check_readonly(readonly: object, budget_bytes: int | None, resize: object) 
         raise InvalidArgumentError("a read-only open cannot set the budget",
                                    hint="drop budget=/resize= or readonly=")
     return readonly
+
+
+def _digest(page: memoryview, trailer: bytes) -> str:
+    """SHA-1 (hex) of a stored value as a read got it, page and trailer: what the drop script
+    compares with the value still stored (``redis.sha1hex``) before it drops a damaged page."""
+    h = hashlib.sha1(page, usedforsecurity=False)
+    h.update(trailer)
+    return h.hexdigest()
 
 
 def parse_trailer(value: bytes, key: bytes) -> tuple[int, int] | None:
@@ -250,23 +278,21 @@ class RedisProvider(Provider):
         super().__init__()
         self._retain_share = _check_share(retain_share)
         self._readonly = _check_readonly(readonly, budget_bytes, resize)
-        if not isinstance(url, str) or "://" not in url:
-            raise InvalidArgumentError(f"url must be a redis:// URL, got {url!r}")
+        _check_options(url, lease_ttl=lease_ttl, reservation_ttl=reservation_ttl, timeout=timeout,
+                       retries=retries, wait_replicas=wait_replicas, wait_timeout=wait_timeout,
+                       retain_share=retain_share)
         if not isinstance(namespace, str) or not _NAMESPACE.match(namespace):
             raise InvalidArgumentError(f"namespace must match [A-Za-z0-9_.-]{{1,64}}, got {namespace!r}")
         if budget_bytes is not None and (type(budget_bytes) is not int or budget_bytes <= 0):
             raise InvalidArgumentError(f"budget must be a positive int, got {budget_bytes!r}")
-        for what, value in (("lease_ttl", lease_ttl), ("reservation_ttl", reservation_ttl), ("timeout", timeout)):
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= 86400:
-                raise InvalidArgumentError(f"{what} must be seconds in (0, 86400], got {value!r}")
-        if type(retries) is not int or not 0 <= retries <= 100:
-            raise InvalidArgumentError(f"retries must be an int in [0, 100], got {retries!r}")
-        if type(wait_replicas) is not int or not 0 <= wait_replicas <= 16:
-            raise InvalidArgumentError(f"wait_replicas must be an int in [0, 16], got {wait_replicas!r}")
-        if not isinstance(wait_timeout, (int, float)) or isinstance(wait_timeout, bool) or not 0 < wait_timeout <= 3600:
-            raise InvalidArgumentError(f"wait_timeout must be seconds in (0, 3600], got {wait_timeout!r}")
         self._wait = wait_replicas
         self._wait_ms = max(1, int(wait_timeout * 1000))
+        # How long the server remembers an evict call's result for a resend of that call
+        # (redis-py resends a command whose reply was lost, and evicting is not idempotent):
+        # longer than the call can last, every attempt of _Link.run and of redis-py's Retry
+        # timing out (connect and read, plus backoff); at least a minute, at most an hour.
+        window = (retries + 2) * (retries + 1) * (2 * float(timeout) + 0.5)
+        self._memo_ms = int(1000 * min(3600.0, max(60.0, window)))
         self._namespace = namespace
         self._prefix = f"hkv:{{{namespace}}}:"
         self._meta = self._prefix + "m"
@@ -945,7 +971,10 @@ class RedisProvider(Provider):
             _log.warning("dropped %s (with its subtree): its bytes were missing on the server", k.hex()[:16])
             return True
         _log.warning("dropping %s and its subtree: its checksum/trailer does not match", k.hex()[:16])
-        return int(self._eval("drop", k.hex(), "", "read")) > 0
+        # the digest of the value this read got: the script drops the entry only if those bytes
+        # are still the stored ones (another reader may have dropped it and a writer sealed the
+        # key again since; that good page, with its subtree, stays)
+        return int(self._eval("drop", k.hex(), "", "read", str(token))) > 0
 
     def read_bytes(self, key: bytes, span: ByteSpan | None = None) -> bytes | None:
         """The entry's bytes (or ``span`` of them), or ``None``: one round trip (the base class's
@@ -1009,9 +1038,10 @@ class RedisProvider(Provider):
 
     def _fetch(self, keys: Sequence[Key], dests: Sequence[memoryview | None]) -> list[memoryview | Corrupt | None]:
         """Per key its verified page bytes (in ``dests[i]`` when it is large enough), or
-        :class:`Corrupt` (the trailer or checksum is wrong, or the GET missed: then the entry may
-        be an orphan, metadata without bytes — ``_drop_damaged`` decides), or ``None`` (a miss
-        without an entry).  Counts nothing and drops nothing (the front, or :meth:`_settle`).
+        :class:`Corrupt` (the trailer or checksum is wrong: its token is the digest of the value
+        read, :func:`_digest`; or the GET missed: then the entry may be an orphan, metadata
+        without bytes — ``_drop_damaged`` decides), or ``None`` (a miss without an entry).
+        Counts nothing and drops nothing (the front, or :meth:`_settle`).
 
         One pipeline GETs every page and refreshes their LRU ticks.
         """
@@ -1024,7 +1054,10 @@ class RedisProvider(Provider):
         touch: list[Part] = ([b"PING"] if self._readonly else
                              [b"EVALSHA", self._link.sha("touch").encode(), b"1", self._meta.encode(),
                               *(h.encode() for h in hexes)])
-        got = self._run(lambda c: _get_into(c, names, touch, dests))
+        # A stored value is at most the budget plus its trailer (a page that does not fit the budget is
+        # refused), and may exceed Redis's 512 MiB default on a server configured to take it.
+        max_bulk = max(MAX_BULK, self._budget + TRAILER_NBYTES)
+        got = self._run(lambda c: _get_into(c, names, touch, dests, max_bulk))
         pages: list[memoryview | Corrupt | None] = []
         for k, (page, trailer) in zip(keys, got, strict=True):
             if page is None or trailer is None:
@@ -1035,7 +1068,7 @@ class RedisProvider(Provider):
                 echo, digest, n, magic = _TRAILER.unpack(trailer)
                 ok = (magic == _MAGIC and echo == k and n == len(page)
                       and (not self._verify_reads or checksum(page) == digest))
-            pages.append(page if ok else _DAMAGED)
+            pages.append(page if ok else Corrupt(_digest(page, trailer)))
         return pages
 
     def _orphans(self, hexes: Sequence[str]) -> int:
@@ -1078,14 +1111,19 @@ class RedisProvider(Provider):
         if ks is not None:
             if not ks:
                 return EvictReport()
-            reply = self._eval("evict_keys", *[k.hex() for k in ks])
+            reply = self._evict_keys_call([k.hex() for k in ks])
             if reply[0] == b"retained":
                 raise RetainedError(f"entry {reply[1].decode()[:16]} is retained, or an ancestor of a retained "
                                     "entry; nothing was evicted")
             n, b, skipped = reply
         else:
-            n, b, skipped = self._eval("evict_bytes", str(nbytes))
+            n, b, skipped = self._eval("evict_bytes", self._next_id("v"), str(self._memo_ms), str(nbytes))
         return EvictReport(int(n), int(b), int(skipped))
+
+    def _evict_keys_call(self, hexes: Sequence[str]) -> Any:
+        """The ``evict_keys`` script's reply for these subtrees (the sharded store's levels too),
+        under a call id: a resend after a lost reply gets the first run's result back."""
+        return self._eval("evict_keys", self._next_id("v"), str(self._memo_ms), *hexes)
 
     # -- anchors -----------------------------------------------------------------------------
     def _put_anchor(self, k: Key, name: str, blob: bytes) -> None:
@@ -1220,7 +1258,11 @@ class RedisProvider(Provider):
                 if not good:
                     report.corrupt.append(k)
                     if repair:
-                        report.dropped += int(self._eval("drop", k.hex(), gen.decode()))
+                        # The GET and the HMGET are not atomic: the entry may have been dropped
+                        # and sealed again in between, and the generation be the new one's.  The
+                        # bytes read name the version that failed (as a read's drop does).
+                        digest = "none" if value is None else _digest(memoryview(value), b"")
+                        report.dropped += int(self._eval("drop", k.hex(), gen.decode(), "", digest))
             if progress is not None:
                 progress(report.checked, max(total, report.checked))
         return report

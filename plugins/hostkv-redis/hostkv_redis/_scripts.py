@@ -32,6 +32,9 @@ client-generated reservation/lease ids)::
     hkv:{ns}:w:<h>:<rid>  string  staged page bytes, written by SET just before the seal (or put)
                                   script, with the reservation TTL; renamed into d:<h> or deleted
     hkv:{ns}:l:<lid>      list    lease record: [bitmap, h1, gen1, h2, gen2, ...]
+    hkv:{ns}:o:<id>       string  the result of an evict call that removed something ("n bytes
+                                  skipped"; id client-generated), returned again to a resend
+                                  of that call; expires (PX from the client)
     hkv:{ns}:lru          zset    evictable leaves (ch = lc = fc = 0), scored by LRU tick
     hkv:{ns}:fz           zset    in-flight reservations by expiry (ms, server clock)
     hkv:{ns}:lz           zset    leases by expiry (ms, server clock)
@@ -73,9 +76,25 @@ local function F(h) return P .. 'f:' .. h end
 local function W(h, rid) return P .. 'w:' .. h .. ':' .. rid end
 local function L(lid) return P .. 'l:' .. lid end
 local function X(h) return P .. 'x:' .. h end
+local function O(id) return P .. 'o:' .. id end
 local XO = P .. 'xo'
 local XD = P .. 'xd'
 local XZ = P .. 'xz'
+
+-- An evict call's result, remembered under its client-generated id: a resend of the call (its
+-- reply was lost; redis-py resends) must not evict again.  Only a call that removed something
+-- is remembered (one that removed nothing may as well run again).
+local function recalled(id)
+  local got = redis.call('GET', O(id))
+  if not got then return nil end
+  local n, b, s = string.match(got, '^(%d+) (%d+) (%d+)$')
+  return {tonumber(n), tonumber(b), tonumber(s)}
+end
+
+local function remember(id, ttl, n, b, s)
+  if n > 0 then redis.call('SET', O(id), string.format('%d %d %d', n, b, s), 'PX', ttl) end
+  return {n, b, s}
+end
 
 -- A parent argument '>' .. parent .. ' ' .. its shard .. ' ' .. pin: the sharded store's
 -- group-first page, whose parent lives in another shard (recorded as xp/xs, not linked here) and
@@ -489,6 +508,9 @@ for k = 1, n do
   local f = redis.call('HMGET', F(h), 'r', 'p', 'pg', 'c', 'n', 'g', 'fk', 'xp', 'xs', 'xm')
   if f[1] ~= rid then
     if redis.call('HGET', E(h), 'r') == rid then st = 'ok' else st = 'lost' end
+    -- A resent pipeline (its reply was lost after this script ran) SET the staging key again:
+    -- never renamed now, it would sit on the server uncounted until its TTL.
+    redis.call('DEL', W(h, rid))
   else
     local w = W(h, rid)
     if redis.call('STRLEN', w) ~= tonumber(f[5]) + TRAILER then
@@ -842,12 +864,24 @@ mincr('bytes_read', nbytes)
 return n
 """
 
-# ARGV: h [, gen [, 'read']].  Force-removes the subtree of a page whose bytes failed
+# ARGV: h [, gen [, 'read' [, digest]]].  Force-removes the subtree of a page whose bytes failed
 # verification.  With a generation, only if the entry is still the one that failed (not dropped
-# and sealed again).  'read': a read found it, so the touch script counted a hit that was a miss.
+# and sealed again); with a digest (SHA-1 hex of the value as the client read it, page and
+# trailer; 'none': the value was missing), only if that is still what is stored: a reader knows
+# the bytes it got, not the generation they belonged to (its GET and the entry's metadata are not
+# read atomically), and a late drop must never remove a page sealed again since (with its
+# subtree).  'read': a read found it, so the touch script counted a hit that was a miss.
 _DROP = r"""
-local h, gen = ARGV[1], ARGV[2]
+local h, gen, digest = ARGV[1], ARGV[2], ARGV[4]
 if gen and gen ~= '' and redis.call('HGET', E(h), 'r') ~= gen then return 0 end
+if digest and digest ~= '' then
+  local v = redis.call('GET', D(h))
+  if digest == 'none' then
+    if v then return 0 end
+  elseif not v or redis.sha1hex(v) ~= digest then
+    return 0
+  end
+end
 if ARGV[3] == 'read' then
   local nb = redis.call('HGET', E(h), 'n')
   if nb then
@@ -880,12 +914,15 @@ end
 return n
 """
 
-# ARGV: hexes...  Removes each subtree deepest first, skipping held nodes (and so their ancestors).
+# ARGV: call id, memo ttl ms, hexes...  Removes each subtree deepest first, skipping held nodes
+# (and so their ancestors).  A resend of the call returns the first run's result (recalled).
 _EVICT_KEYS = r"""
 need_store()
+local done = recalled(ARGV[1])
+if done then return done end
 reap(now_ms())
 local roots = {}
-for i = 1, #ARGV do roots[i] = ARGV[i] end
+for i = 3, #ARGV do roots[#roots + 1] = ARGV[i] end
 local order = subtree(roots)
 for _, h in ipairs(order) do  -- a retained entry (or an ancestor of one) in there: nothing goes
   if tonumber(redis.call('HGET', E(h), 'ra') or '0') > 0 then return {'retained', h} end
@@ -905,16 +942,19 @@ for i = #order, 1, -1 do
 end
 mincr('evictions', n)
 mincr('evicted_bytes', b)
-return {n, b, skipped}
+return remember(ARGV[1], ARGV[2], n, b, skipped)
 """
 
-# ARGV: nbytes.  Evicts LRU leaves until nbytes are freed or nothing evictable is left.
+# ARGV: call id, memo ttl ms, nbytes.  Evicts LRU leaves until nbytes are freed or nothing
+# evictable is left.  A resend of the call returns the first run's result and evicts no more.
 _EVICT_BYTES = r"""
 need_store()
+local done = recalled(ARGV[1])
+if done then return done end
 reap(now_ms())
-local victims = plan(tonumber(ARGV[1]), nil, true)
+local victims = plan(tonumber(ARGV[3]), nil, true)
 local n, b = evict_all(victims)
-return {n, b, 0}
+return remember(ARGV[1], ARGV[2], n, b, 0)
 """
 
 # ARGV: h, name, blob

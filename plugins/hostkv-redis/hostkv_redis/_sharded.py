@@ -96,7 +96,7 @@ from redis.crc import key_slot
 from redis.retry import Retry
 
 from ._errors import ServerUnavailableError
-from ._provider import RedisProvider, _check_readonly, _check_share
+from ._provider import RedisProvider, _check_options, _check_readonly
 from ._wire import _redact
 
 __all__ = ["DEFAULT_GROUP", "DEFAULT_SHARDS", "RedisShardedProvider", "shard_tags"]
@@ -114,26 +114,6 @@ _NS_MAX = 52  # a shard's namespace adds ".<i>.<j>" and must stay within RedisPr
 # client died in between).
 _CASCADE_GRACE_MS = 5000
 _NAMESPACE = re.compile(rf"[A-Za-z0-9_.-]{{1,{_NS_MAX}}}")  # RedisProvider's pattern, shorter
-
-
-def _check_options(url: object, *, lease_ttl: object, reservation_ttl: object, timeout: object, retries: object,
-                   wait_replicas: object, wait_timeout: object, retain_share: object) -> None:
-    """RedisProvider's checks of the options the shards get (the same rules, the same typed
-    errors), made before the cluster client is built: ``RedisCluster.from_url`` and ``Retry``
-    take the raw values first and fail untyped (``RedisClusterException``, ``TypeError``,
-    ``AttributeError``) or not at all on values that a shard would refuse."""
-    if not isinstance(url, str) or "://" not in url:
-        raise InvalidArgumentError(f"url must be a redis:// URL, got {url!r}")
-    for what, value in (("lease_ttl", lease_ttl), ("reservation_ttl", reservation_ttl), ("timeout", timeout)):
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= 86400:
-            raise InvalidArgumentError(f"{what} must be seconds in (0, 86400], got {value!r}")
-    if type(retries) is not int or not 0 <= retries <= 100:
-        raise InvalidArgumentError(f"retries must be an int in [0, 100], got {retries!r}")
-    if type(wait_replicas) is not int or not 0 <= wait_replicas <= 16:
-        raise InvalidArgumentError(f"wait_replicas must be an int in [0, 16], got {wait_replicas!r}")
-    if not isinstance(wait_timeout, (int, float)) or isinstance(wait_timeout, bool) or not 0 < wait_timeout <= 3600:
-        raise InvalidArgumentError(f"wait_timeout must be seconds in (0, 3600], got {wait_timeout!r}")
-    _check_share(retain_share)
 
 
 def shard_tags(namespace: str, shards: int) -> list[str]:
@@ -1123,7 +1103,7 @@ class RedisShardedProvider(Provider):
                                         "retained entry; nothing was evicted")
         report = EvictReport()
         for lvl in reversed(levels):
-            parts = self._each(lvl, lambda s, hs: s._eval("evict_keys", *hs))
+            parts = self._each(lvl, lambda s, hs: s._evict_keys_call(hs))
             for hs, reply in ((lvl[s], r) for s, r in parts.items()):
                 if reply[0] == b"retained":  # (for room, or retained meanwhile): held, skipped
                     if explicit:

@@ -10,12 +10,14 @@ import contextlib
 import logging
 import re
 import threading
+import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import redis
 from hostkv_providers.errors import (
+    HostKVError,
     InvalidArgumentError,
     StorageIOError,
 )
@@ -31,6 +33,16 @@ from ._scripts import SCRIPTS, TRAILER_NBYTES
 T = TypeVar("T")
 _log = logging.getLogger("hostkv_redis")
 _SEND_GROUP = 1 << 20  # bytes of commands handed to the socket at once by _send_raw
+#: The longest bulk reply (a GET's page and trailer) accepted by default: Redis's own
+#: ``proto-max-bulk-len`` default, so no value a default server stores is refused.  A store whose
+#: budget admits larger pages reads with a larger limit (``RedisProvider._fetch``).  A longer
+#: length in a reply header is a malformed reply, refused before anything is allocated for it.
+MAX_BULK = 512 << 20
+_MAX_LINE = 64 << 10  # a reply's header line (a length, an integer, a status or an error message)
+_MAX_DEPTH = 8  # nesting of array replies (the scripts' deepest is 2)
+_MIN_RATE = 64 << 10  # bytes/s a value must arrive at, after a socket timeout's grace (_Reply.into)
+_LENGTH = re.compile(rb"-1|[0-9]{1,19}")
+_INTEGER = re.compile(rb"-?[0-9]{1,19}")
 
 # --------------------------------------------------------------------------------------------
 # The connection: one redis.Redis for the store's slot, scripts loaded, errors made typed
@@ -117,12 +129,25 @@ class _Link:
         """
         attempts = max(2, self.retries + 2)
         last: BaseException | None = None
+        # What a failed attempt asks the next one to do first.  Never done in the except handler
+        # itself: a connection lost while reloading the scripts or re-creating the store must go
+        # through the mapping below like any other failure, not escape as redis-py's exception.
+        reload = nostore = False
         for attempt in range(attempts):
             try:
                 client = self.client()
+                if reload:
+                    self.load_scripts(client)
+                    reload = False
+                if nostore:
+                    on_nostore(client)
+                    nostore = False
                 return fn(client)
-            except redis.exceptions.NoScriptError:
-                self.load_scripts(self.client())
+            except HostKVError:
+                raise  # typed already (on_nostore's verdict on the store, or fn's own)
+            except redis.exceptions.NoScriptError as exc:
+                reload = True
+                last = exc
                 continue
             except redis.exceptions.OutOfMemoryError as exc:
                 raise ServerOutOfMemoryError(f"redis refused a write: {exc}") from exc
@@ -142,7 +167,7 @@ class _Link:
             except redis.exceptions.ResponseError as exc:
                 msg = str(exc)
                 if msg.startswith("HKV_NOSTORE"):
-                    on_nostore(self.client())
+                    nostore = True
                     last = exc
                     continue
                 if self.cluster and _transient_cluster_error(msg):
@@ -172,6 +197,10 @@ class _Link:
                 raise ServerUnavailableError(f"redis cluster {_redact(self.url)}: {exc}") from exc
             except redis.exceptions.RedisError as exc:
                 raise StorageIOError(f"redis: {exc}") from exc
+            except ValueError as exc:
+                # a reply of the wrong shape for what fn (or on_nostore) makes of it (int(),
+                # decode() ...): typed like a malformed reply, which redis-py's parser raises
+                raise StorageIOError(f"redis: malformed reply: {exc}") from exc
         raise ServerUnavailableError(f"redis server {_redact(self.url)}: gave up after {attempts} attempts: {last}")
 
     def close(self) -> None:
@@ -279,6 +308,13 @@ def _on_connection(client: redis.Redis, run: Callable[[Any, int], T]) -> T:
                 if isinstance(exc, OSError) and not isinstance(exc, redis.exceptions.RedisError):
                     raise redis.exceptions.ConnectionError(str(exc)) from exc
                 raise
+        except ValueError as exc:
+            conn.disconnect()
+            if isinstance(exc, HostKVError):  # (InvalidArgumentError is a ValueError: the caller's)
+                raise
+            # _Reply checks what it parses; this is the backstop that keeps a reply it did not
+            # foresee typed (a ValueError would escape _Link.run's mapping)
+            raise redis.exceptions.InvalidResponse(f"malformed reply: {exc}") from exc
         except BaseException:
             conn.disconnect()
             raise
@@ -352,12 +388,19 @@ class _Reply:
     than the transfer.  This reader receives each page straight into the caller's buffer
     (``recv_into``).  It is used on a pooled connection with no reply pending, and the connection
     is dropped on any error, so the stream can never be misaligned for the next user.
+
+    What it parses comes from the network, so every length and integer is checked (a malformed
+    one raises ``InvalidResponse``, never ``ValueError``), a length above ``max_bulk`` is refused
+    before anything is allocated for it, a header line must end within ``_MAX_LINE`` bytes and
+    within the socket timeout of its first byte, and a value must keep coming at ``_MIN_RATE``: a
+    server that trickles a reply (each byte resets the socket timeout) cannot hold a caller.
     """
 
-    def __init__(self, sock: Any) -> None:
+    def __init__(self, sock: Any, max_bulk: int = MAX_BULK) -> None:
         self.sock = sock
         self.buf = bytearray()
         self.pos = 0
+        self.max_bulk = max_bulk
 
     def _fill(self) -> None:
         chunk = self.sock.recv(65536)
@@ -369,25 +412,72 @@ class _Reply:
         self.buf += chunk
 
     def line(self) -> bytes:
+        started = 0.0  # when the line's first byte arrived (0: none yet)
         while True:
             end = self.buf.find(b"\r\n", self.pos)
             if end >= 0:
                 out = bytes(self.buf[self.pos : end])
                 self.pos = end + 2
                 return out
+            if len(self.buf) > self.pos:  # a line begun: it must end soon, and short
+                if len(self.buf) - self.pos > _MAX_LINE:
+                    raise redis.exceptions.InvalidResponse(
+                        f"a reply line longer than {_MAX_LINE} bytes: {self._head()!r}")
+                now = time.monotonic()
+                if not started:
+                    started = now
+                else:
+                    timeout = self.sock.gettimeout()
+                    if timeout is not None and now - started > timeout:
+                        raise redis.exceptions.InvalidResponse(
+                            f"a reply line did not end within {timeout} s of its first byte: {self._head()!r}")
             self._fill()
 
+    def _head(self) -> bytes:
+        return bytes(self.buf[self.pos : self.pos + 20])
+
+    def length(self, head: bytes) -> int:
+        """The length in a bulk or aggregate header (``$5``, ``*3``): -1 (null) or 0..max_bulk."""
+        digits = head[1:]
+        if not _LENGTH.fullmatch(digits):
+            raise redis.exceptions.InvalidResponse(f"malformed length in reply header {head[:24]!r}")
+        n = int(digits)
+        if n > self.max_bulk:
+            raise redis.exceptions.InvalidResponse(
+                f"reply length {n} exceeds the {self.max_bulk}-byte limit (a malformed reply?)")
+        return n
+
     def into(self, dst: memoryview) -> None:
-        """Fill ``dst`` from the stream: buffered bytes first, then straight from the socket."""
+        """Fill ``dst`` from the stream: buffered bytes first, then straight from the socket.
+
+        Each ``recv`` restarts the socket timeout, so a server that trickles a value could hold the
+        caller as long as it liked: the rest must arrive within a timeout plus its size at
+        ``_MIN_RATE`` (far below any link a page store is usable over)."""
         have = min(len(self.buf) - self.pos, len(dst))
         dst[:have] = self.buf[self.pos : self.pos + have]
         self.pos += have
         got = have
+        if got == len(dst):
+            return
+        timeout = self.sock.gettimeout()
+        deadline = None if timeout is None else time.monotonic() + timeout + (len(dst) - got) / _MIN_RATE
         while got < len(dst):
             n = self.sock.recv_into(dst[got:])
             if not n:
                 raise redis.exceptions.ConnectionError("the server closed the connection")
             got += n
+            if deadline is not None and got < len(dst) and time.monotonic() > deadline:
+                raise redis.exceptions.InvalidResponse(
+                    f"a {len(dst)}-byte value still {len(dst) - got} bytes short past its deadline "
+                    f"(the server sends it slower than {_MIN_RATE} bytes/s)")
+
+    def bulk(self, size: int) -> memoryview:
+        """A bulk string's ``size`` bytes and its CRLF (checked: a length that lied would leave
+        the stream misaligned), in a new buffer; the view covers the bytes without the CRLF."""
+        data = memoryview(bytearray(size + 2))
+        self.into(data)
+        _check_crlf(data[size:])
+        return data[:size]
 
     def value(self, dst: memoryview | None) -> tuple[memoryview | None, bytes | None]:
         """One reply to ``GET``: ``(page view, trailer)``, ``(None, None)`` for a null.
@@ -402,19 +492,21 @@ class _Reply:
             raise _error(head)
         if kind != b"$":
             raise redis.exceptions.InvalidResponse(f"unexpected reply {head[:20]!r} to GET")
-        total = int(head[1:])
+        total = self.length(head)
+        if total < 0:
+            return None, None
         n = total - TRAILER_NBYTES
         if n < 0:  # not one of our values at all: hand the raw bytes back for the trailer check
-            raw = memoryview(bytearray(total + 2))
-            self.into(raw)
-            return raw[:0], bytes(raw[:total])
+            raw = self.bulk(total)
+            return raw[:0], bytes(raw)
         page = dst[:n] if dst is not None and len(dst) >= n else memoryview(bytearray(n))
         self.into(page)
         tail = memoryview(bytearray(TRAILER_NBYTES + 2))
         self.into(tail)
+        _check_crlf(tail[TRAILER_NBYTES:])
         return page, bytes(tail[:TRAILER_NBYTES])
 
-    def reply(self) -> Any:
+    def reply(self, depth: int = 0) -> Any:
         """One whole reply, parsed like redis-py without decoding (an error reply is returned as
         redis-py's exception instance, not raised)."""
         head = self.line()
@@ -424,17 +516,19 @@ class _Reply:
         if kind == b"-":
             return _error(head)
         if kind == b":":
+            if not _INTEGER.fullmatch(head[1:]):
+                raise redis.exceptions.InvalidResponse(f"malformed integer reply {head[:24]!r}")
             return int(head[1:])
         if kind in (b"$", b"="):
-            size = int(head[1:])
+            size = self.length(head)
             if size < 0:
                 return None
-            data = memoryview(bytearray(size + 2))
-            self.into(data)
-            return bytes(data[:size])
+            return bytes(self.bulk(size))
         if kind in (b"*", b"~", b">"):
-            size = int(head[1:])
-            return None if size < 0 else [self.reply() for _ in range(size)]
+            size = self.length(head)
+            if size > 0 and depth >= _MAX_DEPTH:
+                raise redis.exceptions.InvalidResponse(f"reply nested deeper than {_MAX_DEPTH} arrays")
+            return None if size < 0 else [self.reply(depth + 1) for _ in range(size)]
         if kind == b"_":
             return None
         raise redis.exceptions.InvalidResponse(f"unexpected reply {head[:20]!r}")
@@ -448,12 +542,16 @@ class _Reply:
         if kind in (b":", b"+", b"_", b"#", b","):
             return head[1:]
         if kind in (b"$", b"!", b"="):
-            size = int(head[1:])
+            size = self.length(head)
             if size >= 0:
-                data = memoryview(bytearray(size + 2))
-                self.into(data)
+                self.bulk(size)
             return None
         raise redis.exceptions.InvalidResponse(f"unexpected reply {head[:20]!r}")
+
+
+def _check_crlf(end: memoryview) -> None:
+    if end.tobytes() != b"\r\n":
+        raise redis.exceptions.InvalidResponse(f"a bulk reply not followed by CRLF but {bytes(end)!r}")
 
 
 def _error(head: bytes) -> redis.exceptions.RedisError:
@@ -464,15 +562,17 @@ def _error(head: bytes) -> redis.exceptions.RedisError:
 
 
 def _get_into(client: redis.Redis, names: Sequence[bytes], touch: Sequence[Part],
-              dests: Sequence[memoryview | None]) -> list[tuple[memoryview | None, bytes | None]]:
-    """Pipelined GET of ``names`` (page bytes into ``dests`` where given) followed by ``touch``."""
+              dests: Sequence[memoryview | None],
+              max_bulk: int = MAX_BULK) -> list[tuple[memoryview | None, bytes | None]]:
+    """Pipelined GET of ``names`` (page bytes into ``dests`` where given) followed by ``touch``;
+    a value longer than ``max_bulk`` is a malformed reply."""
     packed = _pack([*([b"GET", n] for n in names), touch])
     def run(conn: Any, attempt: int) -> list[tuple[memoryview | None, bytes | None]]:
         conn.send_packed_command(packed, check_health=attempt == 0)
         sock = getattr(conn, "_sock", None)
         if sock is None:  # pragma: no cover - an unusual connection class
             raise redis.exceptions.ConnectionError("no socket")
-        reader = _Reply(sock)
+        reader = _Reply(sock, max_bulk)
         out = [reader.value(d) for d in dests]
         last = reader.skip()
         if reader.pos != len(reader.buf):  # more bytes than replies: never reuse this stream
