@@ -75,7 +75,19 @@ from redis.cluster import RedisCluster
 
 from ._errors import NotReplicatedError, ReservationLostError, ServerOutOfMemoryError
 from ._scripts import TRAILER_NBYTES
-from ._wire import MAX_BULK, Part, Piece, _BufferPool, _encode, _get_into, _Link, _redact, _send_raw, _whole
+from ._wire import (
+    MAX_BULK,
+    Part,
+    Piece,
+    ReplyTooLong,
+    _BufferPool,
+    _encode,
+    _get_into,
+    _Link,
+    _redact,
+    _send_raw,
+    _whole,
+)
 
 __all__ = [
     "DEFAULT_BUDGET",
@@ -1057,7 +1069,19 @@ class RedisProvider(Provider):
         # A stored value is at most the budget plus its trailer (a page that does not fit the budget is
         # refused), and may exceed Redis's 512 MiB default on a server configured to take it.
         max_bulk = max(MAX_BULK, self._budget + TRAILER_NBYTES)
-        got = self._run(lambda c: _get_into(c, names, touch, dests, max_bulk))
+        try:
+            got = self._run(lambda c: _get_into(c, names, touch, dests, max_bulk))
+        except StorageIOError as exc:
+            # The budget this client saw may be stale (another client resized the store and
+            # stored a larger page): read it again and retry once under the new limit.
+            if not isinstance(exc.__cause__, ReplyTooLong):
+                raise
+            budget = self._run(lambda c: c.hget(self._meta, "budget"))
+            if budget is None or max(MAX_BULK, int(budget) + TRAILER_NBYTES) <= max_bulk:
+                raise
+            self._budget = int(budget)
+            max_bulk = self._budget + TRAILER_NBYTES
+            got = self._run(lambda c: _get_into(c, names, touch, dests, max_bulk))
         pages: list[memoryview | Corrupt | None] = []
         for k, (page, trailer) in zip(keys, got, strict=True):
             if page is None or trailer is None:

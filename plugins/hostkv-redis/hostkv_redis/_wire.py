@@ -38,6 +38,11 @@ _SEND_GROUP = 1 << 20  # bytes of commands handed to the socket at once by _send
 #: budget admits larger pages reads with a larger limit (``RedisProvider._fetch``).  A longer
 #: length in a reply header is a malformed reply, refused before anything is allocated for it.
 MAX_BULK = 512 << 20
+
+
+class ReplyTooLong(redis.exceptions.InvalidResponse):
+    """A reply longer than the reader's limit: malformed, or a page of a store whose budget grew
+    since this client last read it (the caller may read the budget again and retry once)."""
 _MAX_LINE = 64 << 10  # a reply's header line (a length, an integer, a status or an error message)
 _MAX_DEPTH = 8  # nesting of array replies (the scripts' deepest is 2)
 _MIN_RATE = 64 << 10  # bytes/s a value must arrive at, after a socket timeout's grace (_Reply.into)
@@ -443,8 +448,7 @@ class _Reply:
             raise redis.exceptions.InvalidResponse(f"malformed length in reply header {head[:24]!r}")
         n = int(digits)
         if n > self.max_bulk:
-            raise redis.exceptions.InvalidResponse(
-                f"reply length {n} exceeds the {self.max_bulk}-byte limit (a malformed reply?)")
+            raise ReplyTooLong(f"reply length {n} exceeds the {self.max_bulk}-byte limit (a malformed reply?)")
         return n
 
     def into(self, dst: memoryview) -> None:

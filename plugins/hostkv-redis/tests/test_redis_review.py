@@ -325,6 +325,27 @@ def test_pages_up_to_the_budget_are_read_past_the_default_limit(own_server: Redi
         p.close()
 
 
+def test_a_page_larger_than_the_budget_this_client_saw_is_read_after_a_resize(
+        own_server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another client resized the store and stored a page past this client's limit (its cached
+    budget): the read takes the store's budget again and retries once, instead of refusing a
+    valid reply as malformed (a second review's finding; fails before)."""
+    import hostkv_redis._provider as impl
+
+    monkeypatch.setattr(impl, "MAX_BULK", 1024)
+    a = RedisProvider(own_server.url, budget_bytes=64 << 10, namespace="grown")
+    b = RedisProvider(own_server.url, budget_bytes=4 << 20, namespace="grown", resize=True)
+    try:
+        k = chain("grown", 1)[0]
+        page = page_bytes(k, 1 << 20)
+        assert b.put(k, None, page)
+        assert a.read_bytes(k) == page
+        assert a.read_many_bytes([k]) == [page]
+    finally:
+        a.close()
+        b.close()
+
+
 # -- recovery paths that fail -----------------------------------------------------------------
 
 
