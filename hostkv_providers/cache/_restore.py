@@ -178,11 +178,7 @@ def _restore_checked(self: HostKVCache, hit: CacheHit, into: Any, block_ids: Seq
         check(before)  # (ordered only after the submit below: a stream it cannot order is refused now)
     with self._lock:
         prior = self._restores.get(ident)
-        if prior is not None and not prior.done():
-            self._stats.coalesced_restores += 1
-            if release:
-                prior.add_done_callback(lambda _h: hit.release())
-        else:
+        if prior is None or prior.done():
             prior = None
             handle = CacheHandle("restore", self.engine, self.layout.num_layers)
             self._restores[ident] = handle
@@ -200,7 +196,11 @@ def _restore_checked(self: HostKVCache, hit: CacheHit, into: Any, block_ids: Seq
             # an unused prestage first waits for its own copies
             pre.release()
         if before is not None:  # the caller's stream is ordered behind the shared copies
-            prior.wait_on(before)
+            prior.wait_on(before)  # (raises for a stream it cannot order: the hit stays the caller's)
+        with self._lock:
+            self._stats.coalesced_restores += 1
+        if release:
+            prior.add_done_callback(lambda _h: hit.release())  # (at once if it finished meanwhile)
         return prior
     # From here on the handle is registered and the caller's stream may be gated: a failure
     # before the restore thread has it must finish the handle (opening the gate behind any copy

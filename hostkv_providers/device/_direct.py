@@ -298,7 +298,8 @@ class BatchSide:
                 finally:
                     done.set()
 
-        self._worker.submit(run)
+        if not self._worker.submit(run):  # closed since the check above: nothing queued
+            raise CopyEngineError("the copy engine is closed (its batch side thread is stopped)")
 
         def wait() -> BaseException | None:
             done.wait()

@@ -4,6 +4,7 @@ token sequences, and a provider without zero-copy views.  Other test files load 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -130,3 +131,17 @@ class BatchedNoViews(NoViews):
 
 def _pinned(pages: int = 256) -> PinnedProvider:
     return PinnedProvider(pages * PAGE, block=PAGE, allocator=OrdinaryAllocator())
+
+
+class GatedReads(NoViews):
+    """A staged provider whose page reads wait for ``gate`` (keeps a restore in flight)."""
+
+    def __init__(self, inner: Provider) -> None:
+        super().__init__(inner)
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def read(self, key: bytes, out: object, span: Any = None) -> bool:
+        assert self.gate.wait(30)
+        return bool(super().read(key, out, span))
+

@@ -4,8 +4,6 @@ cache never delivered the anchor it cut the hit to; prefill_pages_cap took any p
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 
 from hostkv_providers import InvalidArgumentError, Salt
@@ -16,21 +14,8 @@ from hostkv_providers.device._hostmem import OrdinaryAllocator
 from . import _cache_common as tc
 
 
-class GatedReads(tc.NoViews):
-    """Staged provider whose page reads wait for `gate` (keeps the first restore in flight)."""
-
-    def __init__(self, inner):  # type: ignore[no-untyped-def]
-        super().__init__(inner)
-        self.gate = threading.Event()
-        self.gate.set()
-
-    def read(self, key, out, span=None):  # type: ignore[no-untyped-def]
-        assert self.gate.wait(30)
-        return super().read(key, out, span)
-
-
 def test_coalesced_restore_fills_each_callers_anchor_buffer() -> None:
-    p = GatedReads(tc._pinned())
+    p = tc.GatedReads(tc._pinned())
     e = CpuCopyEngine()
     salt = Salt("review/hybrid", tc.LAYOUT, state_format="s/v1")
     c = HostKVCache(p, salt, e, required_anchors={"ssm"}, staging_allocator=OrdinaryAllocator())

@@ -79,7 +79,7 @@ def _pinned(budget: int) -> PinnedProvider:
                           prefault=False)
 
 
-@pytest.mark.parametrize("kind", ["indexed", "pinned", "mmap", "tiered"])
+@pytest.mark.parametrize("kind", ["indexed", "pinned", "mmap", "lmdb", "tiered"])
 def test_anchors_on_a_retained_entry_stay_within_retain_share(tmp_path: Path, kind: str) -> None:
     budget = 16 * P
     if kind == "indexed":
@@ -88,6 +88,8 @@ def test_anchors_on_a_retained_entry_stay_within_retain_share(tmp_path: Path, ki
         p = _pinned(budget)
     elif kind == "mmap":
         p = hk.open(f"mmap://{tmp_path / 'm'}?budget={budget}&slot={P}")
+    elif kind == "lmdb":
+        p = hk.open(f"lmdb://{tmp_path / 'l'}?budget={budget}")
     else:
         p = hk.TieredProvider(_pinned(budget), hk.open(f"mmap://{tmp_path / 's'}?budget={4 * budget}&slot={P}"))
     try:

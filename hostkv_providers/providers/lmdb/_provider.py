@@ -870,6 +870,7 @@ class LmdbProvider(Provider):
         self._writable("put_anchor")
         akey = k + name.encode("ascii")
         record = checksum(blob).to_bytes(8, "little") + blob
+        share = self._retain_share
 
         def op(tx: _Tx) -> None:
             e = tx.get_or_drop(k)
@@ -880,6 +881,7 @@ class LmdbProvider(Provider):
             if delta > 0:
                 if e.cost + delta > tx.c.budget:
                     raise CapacityError(f"anchor of {len(blob)} bytes does not fit the budget of {tx.c.budget}")
+                _check_retained_growth(tx, k, delta, int(share * tx.c.budget))
                 tx.hold(e)
                 tx.make_room(delta)
                 e = tx.get(k)
@@ -1242,3 +1244,18 @@ class LmdbProvider(Provider):
                 with self._stat_lock:
                     sink.close()
             self._s.release()
+
+
+def _check_retained_growth(tx: _Tx, key: Key, delta: int, limit: int) -> None:
+    """``CapacityError`` when ``key`` is retained (or an ancestor of a retained entry) and
+    ``delta`` more bytes take the retained bytes past ``limit`` (``retain_share`` of the budget):
+    anchors grown past it left no room for any reservation (as the other stores refuse it)."""
+    held = retained_keys(tx.t, tx.db)
+    if not held:
+        return
+    now = covered_cost(tx.t, tx.db, held)
+    if covered_cost(tx.t, tx.db, [*held, key]) == now and now + delta > limit:  # (key adds nothing: covered)
+        raise CapacityError(f"this entry is retained: {delta} more bytes make {now + delta} retained bytes, "
+                            f"more than the {limit} allowed",
+                            hint="unretain other prefixes, or raise the retain_share option (a budget fraction)")
+

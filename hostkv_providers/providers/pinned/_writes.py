@@ -99,6 +99,7 @@ class _Writes(_Leases):
         a parent may be in flight (reserved earlier in this call or an earlier one), so a copy
         engine DMAs a whole chain straight into the arena before the first seal."""
         ks = chain_keys(self, keys, parents)
+        self._check_usable()  # (before the write call: in a forked child its lock may be a copy held for good)
         # A write call: close() waits for it, so the arena's chunks are still mapped while the
         # pages' addresses are built below (a close in between unmapped them: an IndexError, or
         # addresses of freed memory handed to a copy engine).

@@ -9,12 +9,14 @@ building its pages' addresses from chunks close() was unmapping."""
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import threading
+from collections.abc import Callable
 
 import pytest
 
-from hostkv_providers import ClosedError, HostKVError, PinnedProvider
+from hostkv_providers import ClosedError, HostKVError, PinnedProvider, UsedAfterForkError
 from hostkv_providers.device._hostmem import OrdinaryAllocator
 from hostkv_providers.testing import chain, key_of
 
@@ -161,3 +163,47 @@ def test_reserve_many_racing_close_raises_only_typed_errors(path: str) -> None:
     finally:
         sys.setswitchinterval(old)
     assert bad == [], bad
+
+
+def _child_outcome(call: Callable[[PinnedProvider], object]) -> str:
+    p = PinnedProvider(16 * B, block=B, allocator=OrdinaryAllocator(), background=False, prefault=False)
+    try:
+        r, w = os.pipe()
+        p._claim_lock.acquire()  # another thread is inside _call_begin / _call_end at the fork
+        pid = os.fork()
+        if pid == 0:  # child
+            os.close(r)
+            signal.alarm(5)
+            try:
+                call(p)
+                out = b"returned"
+            except UsedAfterForkError:
+                out = b"UsedAfterForkError"
+            except BaseException as exc:
+                out = type(exc).__name__.encode()
+            os.write(w, out)
+            os._exit(0)
+        p._claim_lock.release()
+        os.close(w)
+        _, status = os.waitpid(pid, 0)
+        got = os.read(r, 100).decode()
+        os.close(r)
+        if os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGALRM:
+            return "hung (killed by SIGALRM after 5 s)"
+        return got
+    finally:
+        p.close()
+
+
+FORK_KEYS = [key_of(f"fork-{i}") for i in range(3)]
+
+
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork")
+def test_reserve_many_in_a_forked_child_raises_instead_of_hanging() -> None:
+    """reserve_many became a write call without the usability check that comes first: in a child
+    forked while another thread held the call lock it hung for good (put_many raises)."""
+    k = FORK_KEYS
+    assert _child_outcome(lambda p: p.put_many([(k[0], None, b"x" * B)])) == "UsedAfterForkError"
+    assert _child_outcome(lambda p: p.reserve_many(k, [None, k[0], k[1]], B)) == "UsedAfterForkError"
