@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from hostkv_providers._region import HostPages, HostRegion
 from hostkv_providers.device._copy import (
+    CopyArgumentError,
     CopyEngine,
     CpuCopyEngine,
     CudaCopyEngine,
@@ -43,6 +44,7 @@ from hostkv_providers.device._sparse import (
 __all__ = [
     "PageDigests",
     "PageHasher",
+    "CopyArgumentError",
     "CopyEngine",
     "CpuCopyEngine",
     "CpuPageMover",

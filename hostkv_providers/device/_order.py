@@ -11,7 +11,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from hostkv_providers._errors import ClosedError
+from hostkv_providers._errors import ClosedError, CopyArgumentError
 from hostkv_providers.device._transfer import TransferHandle, _LayerHandle
 
 # ============================================================================================
@@ -57,10 +57,18 @@ class Gate:
             self._opened = True
             return True
 
-    def open_after(self, handles: Sequence[TransferHandle]) -> None:
-        """Open once every transfer in ``handles`` is complete (non-blocking)."""
+    def open_after(self, handles: Sequence[TransferHandle] | TransferHandle) -> None:
+        """Open once every transfer in ``handles`` (one handle, or a sequence of them) is
+        complete (non-blocking).  The argument is checked before the gate counts as opened: a
+        bad one must not leave the stream held for good."""
+        if isinstance(handles, TransferHandle):
+            got = [handles]
+        elif isinstance(handles, Sequence) and all(callable(getattr(h, "wait", None)) for h in handles):
+            got = list(handles)
+        else:
+            raise CopyArgumentError(f"open_after takes transfer handles, got {type(handles).__name__}")
         if self._claim():
-            self._open_after(list(handles))
+            self._open_after(got)
 
     def open_now(self) -> None:
         """Open at once (nothing to wait for, or the transfers could not be issued)."""
