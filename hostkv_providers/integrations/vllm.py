@@ -424,6 +424,7 @@ class HostKVTier(SecondaryTierManager):
                    chunk_ids: npt.NDArray[np.int64]) -> None:
         t0 = time.monotonic()
         ok = True
+        done = 0  # pairs whose outcome store_pages counted
         try:
             rows = self._rows
             for start in range(0, len(pairs), self._batch):
@@ -431,8 +432,10 @@ class HostKVTier(SecondaryTierManager):
                 ids = chunk_ids[start:start + self._batch]
                 items = [(k, p, rows[int(c)]) for (k, p), c in zip(part, ids, strict=True)]
                 ok = all(store_pages(self.provider, items, salt_tag=self.salt.tag, stats=self.stats)) and ok
+                done = start + len(part)
         except Exception:
             logger.exception("hostkv store job %d failed", job_id)
+            self.stats.add(store_failures=len(pairs) - done)  # (a whole call failed: none of its pages counted)
             ok = False
         finally:
             # Sealed (a lookup now sees it) or failed (a lookup now misses) before vLLM hears.

@@ -467,6 +467,24 @@ def test_lookup_during_a_store_outage_is_a_miss_not_an_exception(tmp_path: Path,
         server.stop()  # type: ignore[attr-defined]
 
 
+def test_store_jobs_during_an_outage_count_their_failures(tmp_path: Path) -> None:
+    """A whole provider call that raises (the server gone) failed the job but counted none of its
+    pages in store_failures (fails before)."""
+    url, server = _redis_url(tmp_path)
+    try:
+        m = eng.make_manager(eng.make_config(eng.hostkv_tier(url)))
+        try:
+            keys = eng.prompt_keys(43, 4)
+            tier = _tier(m)
+            server.stop()  # type: ignore[attr-defined]
+            eng.store(m, "down", keys)
+            assert tier.stats.store_failures == len(keys)
+        finally:
+            m.shutdown()
+    finally:
+        server.stop()  # type: ignore[attr-defined]
+
+
 # -- the tier's locality (a request's kv_load_tiers filter) --------------------------------------
 
 def test_tier_locality_from_the_config_filters_requests(tmp_path: Path) -> None:
