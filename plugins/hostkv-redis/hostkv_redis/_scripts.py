@@ -166,7 +166,11 @@ local function remove_entry(h)
     mincr('retained', -1)
     ra_walk(h, -1, nil)  -- (a parent in another shard keeps its count: it stays, the safe side)
   elseif tonumber(v[9] or '0') > 0 then
+    -- Covered only by retained pages in child groups of other shards (here the subtree goes
+    -- deepest first, so its own children already took their counts back): those go with the
+    -- cascade, so this page no longer covers its parent here either.
     mincr('retained_bytes', -c)
+    if v[1] and v[1] ~= '' then ra_walk(v[1], -1, nil) end
   end
   -- Pins of child groups in other shards: only a forced drop removes a pinned page, and its
   -- subtree there must go with it (the prefix rule), which no script here can reach.  Queued in

@@ -347,3 +347,25 @@ def test_single_slot_reference(redis_server: RedisServer, label: str, url: Any, 
     with pytest.raises(InvalidArgumentError):
         p = RedisProvider(redis_server.url if url is None else url, budget_bytes=1 << 20, **kw)
         p.close()
+
+
+def test_a_cascade_through_retained_pages_leaves_nothing_retained(redis_cluster: RedisClusterServers) -> None:
+    """A drop of keys[1] whose cascade removed the retained keys[5] (three shards) left keys[0]
+    counted as retained for good (retained_bytes, and evict refused it); the single-slot store
+    ends with nothing retained (a second review's finding; fails before)."""
+    p = RedisShardedProvider(redis_cluster.url, budget_bytes=64 << 20, namespace=unique_namespace("r2"),
+                             shards=6, group=2)
+    try:
+        keys = split_chain(p, "ret", 6, 2)  # groups [0,1] [2,3] [4,5] on three shards
+        assert p.put_many(items(keys)) == [True] * 6
+        assert p.retain([keys[5]]) == 1
+        assert p.stats().retained_bytes == 6 * PAGE
+        _corrupt(p, keys[1])
+        assert p.read(keys[1], bytearray(PAGE)) is False  # dropped; the cascade takes keys[2..5]
+        assert p.present(keys) == [True] + [False] * 5
+        st = p.stats()
+        assert (st.retained, st.retained_bytes) == (0, 0)
+        assert p.evict([keys[0]]).entries == 1
+    finally:
+        p.reconcile_pins()
+        p.close()
