@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING
 
 import xxhash
 
-from hostkv_providers._checks import writable_buffer
+from hostkv_providers._checks import overlapping, writable_buffer
 from hostkv_providers._checksum import checksum
 from hostkv_providers._errors import (
     CapacityError,
@@ -706,6 +706,7 @@ def read_many(p: LmdbProvider, keys: Sequence[bytes], outs: Sequence[object]) ->
     where: dict[int, list[int]] = {}
     suspect: list[tuple[int, Key, int | None]] = []  # position, key, generation of a failed read
     nread = 0
+    dsts: list[memoryview] = []  # (for the failure path's overlap check only)
     s = p._s
     with s.read(buffers=True) as txn:
         entries, pages = s.dbs["entries"], s.dbs["pages"]
@@ -732,6 +733,7 @@ def read_many(p: LmdbProvider, keys: Sequence[bytes], outs: Sequence[object]) ->
                 else:
                     suspect.append((i, k, e.gen))
                 continue
+            dsts.append(dst)
             if e.file_id not in reads:
                 reads[e.file_id], where[e.file_id] = [], []
             reads[e.file_id].append((e.slot, dst, k, e.gen, e.nbytes, e.checksum))
@@ -747,6 +749,12 @@ def read_many(p: LmdbProvider, keys: Sequence[bytes], outs: Sequence[object]) ->
                 nread += rd[4]
             else:
                 suspect.append((i, ks[i], rd[3]))
+    if suspect and len(dsts) > 1 and overlapping(dsts):
+        # a copy into an output buffer that aliases another overwrote that one's bytes before
+        # their check: the stored entry is not corrupt (and is not dropped), the call is misuse,
+        # as every batch provider answers it
+        raise InvalidArgumentError("read_many's output buffers overlap: give each key a buffer of its own",
+                                   hint="one writable buffer per key, not shared or overlapping")
     failures = 0
     for _, k, gen in suspect:
         # confirmed in a write transaction (a slot another process freed and reused is a plain
