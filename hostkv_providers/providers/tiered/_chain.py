@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,6 +36,10 @@ from hostkv_providers.providers._tree._chainrun import TreeChainRun
 
 from ._entries import _left_fast_tier, _Pending, _PendingRun, _TieredReservation
 from ._writeback import _WriteBack
+
+#: How long a save waits for a copy an earlier entry left in the fast tier (pinned by a write-back
+#: batch in progress) before it refuses with InFlightError.
+_STALE_WAIT_S = 30.0
 
 
 class _Chains(_WriteBack):
@@ -215,9 +220,7 @@ class _Chains(_WriteBack):
         if not ks:
             return ReservedChain([])
         # A copy left in the fast tier by an entry evicted earlier must not dedup this one.
-        stale = [k for k, here in zip(ks, self.fast.present(ks), strict=True) if here]
-        if stale:
-            self.fast.evict(stale)
+        self._evict_stale_fast(ks)
         # Each run is a tree of its own in the fast tier: its first page lands there as a root
         # (the tiered index keeps the real tree).  Chained onto the previous run instead, the
         # fast tier would hold one long chain whose only leaf is the parent of the page being
@@ -271,6 +274,30 @@ class _Chains(_WriteBack):
             finally:
                 self._heap_waiting.remove(me)
                 self._room.notify_all()
+
+    def _evict_stale_fast(self, ks: Sequence[Key]) -> None:
+        """Evict the copies that entries evicted earlier left in the fast tier under ``ks``: read
+        (or deduped) for the entry saved now under the same key they would hand out the old
+        bytes.  A copy the write-back is still copying out is pinned until its batch ends (the
+        writer then evicts it): wait for the writer's rounds until it can go (no lock held); one
+        that stays past ``_STALE_WAIT_S`` refuses the save with ``InFlightError``, never a new
+        entry served from the old copy."""
+        stale = [k for k, here in zip(ks, self.fast.present(ks), strict=True) if here]
+        deadline = time.monotonic() + _STALE_WAIT_S
+        while stale:
+            with self._room:
+                seen = self._wb_rounds
+            with contextlib.suppress(HostKVError):
+                self.fast.evict(stale)
+            stale = [k for k, here in zip(stale, self.fast.present(stale), strict=True) if here]
+            if not stale:
+                return
+            if time.monotonic() >= deadline or not self._writer.is_alive():
+                raise InFlightError(f"a copy of an earlier entry under key {stale[0].hex()[:16]} is still held "
+                                    "in the fast tier", key=stale[0])
+            with self._room:
+                while self._wb_rounds == seen and self._writer.is_alive() and time.monotonic() < deadline:
+                    self._room.wait(0.5)
 
     def _wait_landed(self, key: Key | None) -> None:
         """Wait (no lock held) until ``key`` is no longer waiting for its write-back: in the slow
@@ -335,10 +362,7 @@ class _Chains(_WriteBack):
                 stale = [k for k, here in zip(ks, self.slow.present(ks), strict=True) if here]
                 if stale:  # also an orphan of a cancelled write-back
                     self.slow.evict(stale)
-                stale = [k for k, here in zip(ks, self.fast.present(ks), strict=True) if here]
-                if stale:  # a copy left in the fast tier must not be read for this entry
-                    with contextlib.suppress(HostKVError):
-                        self.fast.evict(stale)
+                self._evict_stale_fast(ks)  # a copy left in the fast tier must not be read for this entry
                 tag = run[0].salt_tag
                 items = [(r.key, r.parent, r._view) for r in flown]
                 if isinstance(self.slow, SupportsBatch) and all(r.salt_tag == tag for r in flown):
