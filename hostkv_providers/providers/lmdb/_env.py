@@ -219,6 +219,7 @@ class _Shared:
         self.touches: dict[Key, float] = {}
         self.files: dict[int, SlotFile] = {}
         self.files_lock = threading.Lock()
+        self.retired: list[SlotFile] = []  # stale cached handles (see slot_file), closed at close_files
         # Keys known present as of removal epoch `present_epoch` (see LmdbProvider._hits).
         self.present_cache: set[bytes] = set()
         self.present_epoch = -1
@@ -683,10 +684,18 @@ class _Shared:
     # -- slot files --------------------------------------------------------------------------------
     def slot_file(self, file_id: int) -> SlotFile:
         sf = self.files.get(file_id)
-        if sf is not None:
+        if sf is not None and _same_file(sf):
             return sf
         with self.files_lock:
             sf = self.files.get(file_id)
+            if sf is not None and not _same_file(sf):
+                # A handle cached by a transaction that created the file and then rolled back:
+                # another process has since created the file under the same id (the orphan
+                # unlinked). Reading or writing the old inode dropped that process's good pages as
+                # corrupt and stored this one's where nobody reads them. Retired, not closed: a
+                # reader of this process may still be in it.
+                self.retired.append(self.files.pop(file_id))
+                sf = None
             if sf is None:
                 sf = SlotFile.open(_slot_path(self.slot_dir, file_id), writable=True, store_id=self.store_id)
                 if sf.file_id != file_id:
@@ -720,9 +729,10 @@ class _Shared:
 
     def close_files(self) -> None:
         with self.files_lock:
-            for sf in self.files.values():
+            for sf in [*self.files.values(), *self.retired]:
                 sf.close()
             self.files.clear()
+            self.retired.clear()
 
     # -- maintenance -------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -787,3 +797,16 @@ class _Shared:
         with self.gate.exclusive():
             self.env.close()
         self.lock.release()
+
+
+def _same_file(sf: SlotFile) -> bool:
+    """Whether ``sf``'s open file is still the one at its path (a stat per call: one per slot
+    file per batch, next to reads of whole pages)."""
+    try:
+        a, b = os.fstat(sf.fd), os.stat(sf.path)
+    except FileNotFoundError:
+        return True  # gone from the directory (compacted away): what the index says decides
+    except (OSError, HostKVError):
+        return False
+    return (a.st_ino, a.st_dev) == (b.st_ino, b.st_dev)
+

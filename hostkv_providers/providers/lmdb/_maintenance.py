@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import lmdb
 
+from hostkv_providers._errors import CorruptStoreError
 from hostkv_providers._keys import Key
 from hostkv_providers._reports import Progress
 from hostkv_providers.providers import _fsutil
@@ -89,6 +90,9 @@ def _audit(txn: Any, dbs: Mapping[str, Any]) -> list[str]:
         problems.append(f"{len(both)} slots are both free and in use")
     for k, v in txn.cursor(db=dbs["files"]):
         fid = int.from_bytes(k, "big")
+        if len(v) != _FILE.size:
+            problems.append(f"slot file {fid}: its files record is {len(v)} bytes, not {_FILE.size} (damaged)")
+            continue
         _, _, hw = _FILE.unpack(v)
         lost = sum(1 for s in range(hw) if (fid, s) not in slots and (fid, s) not in free)
         if lost:
@@ -142,6 +146,10 @@ def _repair_index(tx: _Tx) -> None:
     t.drop(db["free"], delete=False)
     for k, v in t.cursor(db=db["files"]):
         fid = int.from_bytes(k, "big")
+        if len(v) != _FILE.size:
+            raise CorruptStoreError(f"slot file {fid}: its files record is {len(v)} bytes, not {_FILE.size}",
+                                    hint="the store's index is damaged beyond what repair rebuilds: restore it "
+                                         "from a copy (hostkv export/import)")
         sn, _, hw = _FILE.unpack(v)
         for s in range(hw):
             if (fid, s) not in used_slots:
@@ -173,7 +181,12 @@ def _compact_slots(s: _Shared, progress: Progress | None) -> int:
     """Move every slot entry into the lowest-numbered files of its size class and delete the
     files left empty.  One move = copy, sync the destination, commit the new location."""
     with s.read() as txn:
-        files = {int.from_bytes(k, "big"): _FILE.unpack(v) for k, v in txn.cursor(db=s.dbs["files"])}
+        files = {}
+        for k, v in txn.cursor(db=s.dbs["files"]):
+            if len(v) != _FILE.size:
+                raise CorruptStoreError(f"slot file {int.from_bytes(k, 'big')}: its files record is {len(v)} "
+                                        f"bytes, not {_FILE.size}", hint="run hostkv verify")
+            files[int.from_bytes(k, "big")] = _FILE.unpack(v)
         located: list[tuple[int, int, Key]] = []
         n_entries = txn.stat(s.dbs["entries"])["entries"]
         for k, v in txn.cursor(db=s.dbs["entries"]):
