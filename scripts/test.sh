@@ -35,9 +35,13 @@ trap 'rm -rf "$logs"' EXIT
 step "mypy --strict, pytest of cli and plugins/hostkv-redis in the background (logs printed when they end); pytest of the core here"
 "$PY" -m mypy --strict >"$logs/mypy" 2>&1 &
 mypy_pid=$!
-(cd cli && exec "$PY" -m pytest -q "$@") >"$logs/cli" 2>&1 &
+# Each pytest session gets a temp base of its own: sessions that share pytest's numbered
+# /tmp/pytest-of-$USER/pytest-N directories rotate them (3 kept), and a shard's directory
+# vanished under it once while other pytest runs shared the machine (every test after it
+# errored with FileNotFoundError).
+(cd cli && exec "$PY" -m pytest -q --basetemp "$logs/tmp-cli" "$@") >"$logs/cli" 2>&1 &
 cli_pid=$!
-(cd plugins/hostkv-redis && exec "$PY" -m pytest -q "$@") >"$logs/redis" 2>&1 &
+(cd plugins/hostkv-redis && exec "$PY" -m pytest -q --basetemp "$logs/tmp-redis" "$@") >"$logs/redis" 2>&1 &
 redis_pid=$!
 names="mypy cli redis"
 if [ $# -eq 0 ]; then
@@ -48,11 +52,12 @@ if [ $# -eq 0 ]; then
   # points and damaged-file trials mostly wait on children, so on 2 cores one shard of it was the
   # run's long pole (about 40 of 45 minutes once the damaged-file and counter tests came in).
   step "pytest: core shards tests/providers/{lmdb,mmap,rest} in the background; the rest of the core here"
-  "$PY" -m pytest -q tests/providers/lmdb >"$logs/providers_lmdb" 2>&1 &
+  "$PY" -m pytest -q --basetemp "$logs/tmp-lmdb" tests/providers/lmdb >"$logs/providers_lmdb" 2>&1 &
   providers_lmdb_pid=$!
-  "$PY" -m pytest -q tests/providers/mmap >"$logs/providers_mmap" 2>&1 &
+  "$PY" -m pytest -q --basetemp "$logs/tmp-mmap" tests/providers/mmap >"$logs/providers_mmap" 2>&1 &
   providers_mmap_pid=$!
-  "$PY" -m pytest -q tests/providers --ignore=tests/providers/lmdb --ignore=tests/providers/mmap \
+  "$PY" -m pytest -q --basetemp "$logs/tmp-providers" tests/providers --ignore=tests/providers/lmdb \
+    --ignore=tests/providers/mmap \
     >"$logs/providers_rest" 2>&1 &
   providers_rest_pid=$!
   names="providers_lmdb providers_mmap providers_rest $names"
@@ -61,7 +66,7 @@ else
   core_args=("$@")
 fi
 rc=0
-"$PY" -m pytest -q "${core_args[@]}" || rc=$?
+"$PY" -m pytest -q --basetemp "$logs/tmp-core" "${core_args[@]}" || rc=$?
 step "pytest: core exited $rc"
 for name in $names; do
   pid_var="${name}_pid"
