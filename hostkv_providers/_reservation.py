@@ -167,6 +167,8 @@ class Reservation:
         else:
             try:
                 self.abort()
+            except ClosedError:
+                pass  # the provider was closed meanwhile: its close let every open reservation go
             except Exception as cleanup:  # cleanup must not mask the original error
                 warnings.warn(f"abort during exception cleanup failed: {cleanup!r}", stacklevel=2)
 
