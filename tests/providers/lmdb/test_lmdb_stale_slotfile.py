@@ -33,8 +33,9 @@ def _other_process(path: Path, code: str) -> None:
     assert out.returncode == 0, out.stderr
 
 
-def test_rolled_back_slot_file_is_not_served_from_the_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    path = tmp_path / "s"
+def _rolled_back_then_created_elsewhere(path: Path, monkeypatch: pytest.MonkeyPatch) -> LmdbProvider:
+    """A store whose first put_many created slot file 1 and rolled back (an EIO), then another
+    process stored a page of the same size: it created slot file 1 afresh."""
     a = LmdbProvider(str(path), budget_bytes=64 * PAGE, inline_max=0)
     first = chain("first", 4)
 
@@ -46,12 +47,15 @@ def test_rolled_back_slot_file_is_not_served_from_the_cache(tmp_path: Path, monk
         with pytest.raises(StorageIOError):
             a.put_many([(k, None, page_bytes(k, PAGE)) for k in first])  # file 1 created, rolled back
     assert a.present(first) == [False] * 4
-
-    # another process stores a page of the same size: it creates slot file 1 (a fresh one)
     _other_process(path, """
         k = chain("theirs", 1)[0]
         assert p.put(k, None, page_bytes(k, PAGE))
     """)
+    return a
+
+
+def test_rolled_back_slot_file_is_not_served_from_the_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    a = _rolled_back_then_created_elsewhere(tmp_path / "s", monkeypatch)
     theirs = chain("theirs", 1)[0]
     out = bytearray(PAGE)
     # this process reads the other's acknowledged page: must be a hit with its bytes
@@ -64,20 +68,7 @@ def test_rolled_back_slot_file_is_not_served_from_the_cache(tmp_path: Path, monk
 def test_writes_after_a_rolled_back_slot_file_reach_the_real_file(tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "s"
-    a = LmdbProvider(str(path), budget_bytes=64 * PAGE, inline_max=0)
-    first = chain("first", 4)
-
-    def broken(*args: object) -> int:
-        raise OSError(errno.EIO, os.strerror(errno.EIO))
-
-    with monkeypatch.context() as m:
-        m.setattr(os, "pwritev", broken)
-        with pytest.raises(StorageIOError):
-            a.put_many([(k, None, page_bytes(k, PAGE)) for k in first])
-    _other_process(path, """
-        k = chain("theirs", 1)[0]
-        assert p.put(k, None, page_bytes(k, PAGE))
-    """)
+    a = _rolled_back_then_created_elsewhere(path, monkeypatch)
     mine = chain("mine", 3)
     assert a.put_many([(k, None, page_bytes(k, PAGE)) for k in mine]) == [True] * 3  # acknowledged
     # every other process must read them
